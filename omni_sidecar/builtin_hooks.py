@@ -1,0 +1,105 @@
+"""Reference hook sets: pass-through, hidden-state capture, prefill-embeds overlay."""
+
+from __future__ import annotations
+
+import torch
+
+from omni_sidecar.hooks import OmniHooks, RequestHookError, RequestInfo, StepBatch
+from omni_sidecar.tensors import tensor_from_bytes
+from proto.messages import HookNeeds
+
+
+class PassThroughHooks(OmniHooks):
+    """Sees every step and request, changes nothing: the baseline for overhead and identity."""
+
+    name = "passthrough"
+    needs = HookNeeds()
+
+
+class CaptureHiddenHooks(OmniHooks):
+    """Keeps each request's last-layer hidden states of every scheduled token.
+
+    Output "hidden_states" is [tokens computed so far, hidden]; in order of
+    position (prompt tokens, then every generated token that was fed back).
+    """
+
+    name = "capture"
+    needs = HookNeeds(hidden_states=True)
+
+    def __init__(self) -> None:
+        self._rows: dict[str, list[torch.Tensor]] = {}
+
+    def on_new_requests(self, requests: list[RequestInfo]) -> None:
+        for req in requests:
+            # A re-added (preempted) request recomputes from scratch in V2.
+            self._rows[req.req_id] = []
+
+    def process_model_output(self, batch: StepBatch, hidden_states: torch.Tensor | None) -> None:
+        if hidden_states is None:
+            return
+        for i, req_id in enumerate(batch.req_ids):
+            start, end = batch.rows(i)
+            self._rows.setdefault(req_id, []).append(hidden_states[start:end].clone())
+
+    def get_outputs(self, req_id: str) -> dict[str, torch.Tensor] | None:
+        rows = self._rows.get(req_id)
+        if rows is None:
+            return None
+        return {"hidden_states": torch.cat(rows) if rows else torch.empty(0)}
+
+    def on_finished(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            self._rows.pop(req_id, None)
+
+
+class PromptEmbedsOverlayHooks(OmniHooks):
+    """Overlays prompt rows of inputs_embeds with the request's `prompt_embeds` payload.
+
+    Client side: `extra_args={"omni_sidecar": {"prompt_embeds": {"data": bytes,
+    "shape": [prompt_len, hidden], "dtype": "float32"}}}` with a token prompt of
+    the same length (the token ids are placeholders). Chunked-prefill aware.
+    """
+
+    name = "overlay"
+    needs = HookNeeds(pre_forward="prefill", prefix_cache_safe=False)
+
+    def __init__(self) -> None:
+        self._embeds: dict[str, torch.Tensor] = {}
+
+    def on_new_requests(self, requests: list[RequestInfo]) -> None:
+        for req in requests:
+            spec = (req.payload or {}).get("prompt_embeds")
+            if spec is None:
+                continue
+            try:
+                embeds = tensor_from_bytes(spec["data"], list(spec["shape"]), spec["dtype"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise RequestHookError(req.req_id, f"bad prompt_embeds payload: {exc}") from None
+            if embeds.dim() != 2 or embeds.shape[0] != req.prompt_len:
+                raise RequestHookError(
+                    req.req_id,
+                    f"prompt_embeds shape {list(embeds.shape)} does not match the prompt "
+                    f"length {req.prompt_len}; send [prompt_len, hidden]",
+                )
+            self._embeds[req.req_id] = embeds
+
+    def prepare_prefill_embeds(self, batch: StepBatch) -> list[tuple[int, torch.Tensor]]:
+        out = []
+        for i, req_id in enumerate(batch.req_ids):
+            embeds = self._embeds.get(req_id)
+            if embeds is None:
+                continue
+            start, k, nc = batch.prefill_rows(i)
+            k = min(k, embeds.shape[0] - nc)  # a resumed request also re-prefills outputs
+            if k > 0:
+                out.append((start, embeds[nc : nc + k]))
+        return out
+
+    def on_finished(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            self._embeds.pop(req_id, None)
+
+
+BUILTIN_HOOKS: dict[str, type[OmniHooks]] = {
+    cls.name: cls for cls in (PassThroughHooks, CaptureHiddenHooks, PromptEmbedsOverlayHooks)
+}

@@ -1,0 +1,112 @@
+"""`omni-sidecar`: run the hook daemon next to vLLM and ask it how it is doing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+import msgspec
+
+from omni_sidecar import __version__
+from omni_sidecar.builtin_hooks import BUILTIN_HOOKS
+from proto.endpoint import default_endpoint
+
+_EPILOG = """\
+How it fits together:
+  1. omni-sidecar serve --hooks capture            # start the sidecar (this process)
+  2. vllm serve MODEL --worker-cls worker_shim.Worker   # vLLM with the shim worker
+     (same OMNI_SIDECAR_ENDPOINT in both, or the default endpoint)
+  3. omni-sidecar status                            # steps served, latency, sessions
+
+The shim waits up to OMNI_SIDECAR_CONNECT_TIMEOUT seconds (default 30) for the
+sidecar at start-up, then fails with a clear error.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="omni-sidecar",
+        description="Hosts omni / TTS hook logic in a process next to a vLLM engine "
+        "whose workers run the omni-sidecar shim.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"omni-sidecar {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    ep_help = f"ZeroMQ ipc:// endpoint (default: $OMNI_SIDECAR_ENDPOINT or {default_endpoint()})"
+
+    s = sub.add_parser("serve", help="run the sidecar daemon", description="Run the sidecar daemon.")
+    s.add_argument("--endpoint", default=None, help=ep_help)
+    s.add_argument(
+        "--hooks",
+        default="passthrough",
+        help=f"hook set: built-in ({', '.join(BUILTIN_HOOKS)}) or module:Class "
+        "(a subclass of omni_sidecar.hooks.OmniHooks); default passthrough",
+    )
+    s.add_argument(
+        "--keep-finished", type=int, default=10_000,
+        help="finished requests whose outputs stay available to clients (default 10000)",
+    )
+    s.add_argument("--max-frame-mib", type=int, default=64, help="reject larger frames (default 64)")
+    s.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+
+    st = sub.add_parser("status", help="print a running sidecar's status as JSON")
+    st.add_argument("--endpoint", default=None, help=ep_help)
+    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
+
+    o = sub.add_parser("outputs", help="print a request's outputs (names, shapes, dtypes)")
+    o.add_argument("req_id", help="vLLM request id")
+    o.add_argument("--endpoint", default=None, help=ep_help)
+    o.add_argument("--pop", action="store_true", help="remove them from the sidecar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    endpoint = args.endpoint or default_endpoint()
+    if args.command == "serve":
+        return _serve(args, endpoint)
+    from omni_sidecar.client import SidecarClient, SidecarUnavailable
+
+    try:
+        with SidecarClient(endpoint, timeout_s=getattr(args, "timeout", 5.0)) as client:
+            if args.command == "status":
+                print(json.dumps(msgspec.to_builtins(client.status()), indent=2))
+            else:
+                outs = client.outputs(args.req_id, pop=args.pop)
+                if outs is None:
+                    print(f"no outputs for request {args.req_id!r}", file=sys.stderr)
+                    return 1
+                for name, t in outs.items():
+                    print(f"{name}: shape={list(t.shape)} dtype={t.dtype}")
+    except SidecarUnavailable as exc:
+        print(f"omni-sidecar: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _serve(args: argparse.Namespace, endpoint: str) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from omni_sidecar.loader import HookLoadError, load_hooks
+    from omni_sidecar.server import SidecarServer
+
+    try:
+        hooks = load_hooks(args.hooks)
+        server = SidecarServer(
+            endpoint, hooks, keep_finished=args.keep_finished,
+            max_frame_bytes=args.max_frame_mib << 20,
+        )
+    except (HookLoadError, ValueError) as exc:
+        print(f"omni-sidecar: {exc}", file=sys.stderr)
+        return 2
+    server.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

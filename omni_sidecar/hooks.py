@@ -1,0 +1,89 @@
+"""The hook API a sidecar hook set implements (DESIGN §2).
+
+Per step the shim's traffic drives, in order: `on_new_requests`,
+`prepare_prefill_embeds` and `build_extra_kwargs` (only when `needs.pre_forward`
+says so), the upstream forward in vLLM, `process_model_output`, and
+`on_finished`. `get_outputs` serves clients asking for a request's outputs.
+
+Errors: raise `RequestHookError` to fail one request; any other exception is
+reported for every request of the step. Nothing is swallowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from proto.messages import BatchLayout, HookNeeds
+
+
+class RequestHookError(Exception):
+    def __init__(self, req_id: str, message: str) -> None:
+        super().__init__(message)
+        self.req_id = req_id
+
+
+@dataclass
+class RequestInfo:
+    req_id: str
+    prompt_len: int
+    prompt_token_ids: list[int]
+    payload: dict[str, Any] | None = None
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StepBatch:
+    """A step's batch as hooks see it; row math lives here, once."""
+
+    step: int
+    layout: BatchLayout
+    requests: list[RequestInfo]
+
+    @property
+    def req_ids(self) -> list[str]:
+        return self.layout.req_ids
+
+    def rows(self, i: int) -> tuple[int, int]:
+        qsl = self.layout.query_start_loc
+        return qsl[i], qsl[i + 1]
+
+    def prefill_rows(self, i: int) -> tuple[int, int, int]:
+        """(first batch row, number of prompt rows k, prompt position nc) of request i.
+
+        Rows [qsl[i], qsl[i]+k) hold prompt tokens nc..nc+k-1, where
+        nc = computed tokens and k = min(scheduled, max(0, prompt_len - nc)).
+        Chunked prefill therefore needs no special case.
+        """
+        start, end = self.rows(i)
+        nc = self.layout.num_computed_tokens[i]
+        k = min(end - start, max(0, self.layout.prompt_lens[i] - nc))
+        return start, k, nc
+
+
+class OmniHooks:
+    """Base hook set: does nothing, needs nothing. Subclass and override."""
+
+    name = "base"
+    needs = HookNeeds()
+
+    def on_new_requests(self, requests: list[RequestInfo]) -> None:
+        pass
+
+    def prepare_prefill_embeds(self, batch: StepBatch) -> list[tuple[int, torch.Tensor]]:
+        """Return (first batch row, rows[k, hidden]) pairs to overlay on inputs_embeds."""
+        return []
+
+    def build_extra_kwargs(self, batch: StepBatch) -> dict[str, Any]:
+        return {}
+
+    def process_model_output(self, batch: StepBatch, hidden_states: torch.Tensor | None) -> None:
+        """`hidden_states` aliases shared memory valid only during this call: copy to keep."""
+
+    def get_outputs(self, req_id: str) -> dict[str, torch.Tensor] | None:
+        return None
+
+    def on_finished(self, req_ids: list[str]) -> None:
+        pass

@@ -1,0 +1,253 @@
+"""The sidecar daemon: a ZeroMQ ROUTER that answers shims and control clients.
+
+Single-threaded on purpose: hook calls happen in step order, and the loop
+never blocks on a peer. Every inbound frame is untrusted: size-capped,
+schema-validated, and answered with an ErrorReply when rejected.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import stat
+import time
+
+import zmq
+
+from omni_sidecar import __version__
+from omni_sidecar.hooks import OmniHooks
+from omni_sidecar.session import FinishedOutputs, Session
+from omni_sidecar.tensors import tensor_to_bytes
+from proto.codec import Codec, FrameError
+from proto.endpoint import check_endpoint, ipc_path
+from proto.messages import (
+    Drain,
+    Drained,
+    ErrorReply,
+    Hello,
+    OutputsQuery,
+    OutputsReply,
+    Ping,
+    Pong,
+    Reject,
+    StatusQuery,
+    StatusReply,
+    StepBegin,
+    StepEnd,
+    TensorBlob,
+    Welcome,
+)
+from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR, PROTOCOL_VERSION
+
+log = logging.getLogger("omni_sidecar.server")
+
+
+class SidecarServer:
+    def __init__(
+        self,
+        endpoint: str,
+        hooks: OmniHooks,
+        keep_finished: int = 10_000,
+        max_frame_bytes: int = 64 << 20,
+    ) -> None:
+        check_endpoint(endpoint)
+        self.endpoint = endpoint
+        self.hooks = hooks
+        self.codec = Codec(max_frame_bytes)
+        self.finished = FinishedOutputs(keep_finished)
+        self.sessions: dict[bytes, Session] = {}
+        self.rejected_frames = 0
+        self.started = time.monotonic()
+        self._next_session = 1
+        self._stop = False
+        self._draining = False
+        self._ctx = zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def bind(self) -> None:
+        path = ipc_path(self.endpoint)
+        assert path is not None
+        directory = os.path.dirname(path)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        if stat.S_IMODE(os.stat(directory).st_mode) & 0o077:
+            os.chmod(directory, 0o700)
+        if os.path.exists(path):
+            os.unlink(path)  # a stale socket from a dead sidecar
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.codec.max_frame_bytes + 1)
+        old_umask = os.umask(0o077)
+        try:
+            sock.bind(self.endpoint)
+        finally:
+            os.umask(old_umask)
+        self._sock = sock
+        log.info(
+            "omni-sidecar %s listening on %s with hook set %r (needs %s); protocol %s",
+            __version__, self.endpoint, self.hooks.name, self.hooks.needs, PROTOCOL_VERSION,
+        )
+
+    def request_stop(self, *_: object) -> None:
+        self._stop = True
+
+    def serve_forever(self, install_signals: bool = True) -> None:
+        if self._sock is None:
+            self.bind()
+        if install_signals:
+            signal.signal(signal.SIGTERM, self.request_stop)
+            signal.signal(signal.SIGINT, self.request_stop)
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        try:
+            while not self._stop:
+                if poller.poll(200):
+                    self._serve_ready()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for session in self.sessions.values():
+            session.close()
+        self.sessions.clear()
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+            path = ipc_path(self.endpoint)
+            if path and os.path.exists(path):
+                os.unlink(path)
+        log.info("omni-sidecar stopped")
+
+    # -- dispatch ------------------------------------------------------------
+
+    def _serve_ready(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                self._reject(frames[0].bytes, "bad_envelope", f"expected 1 body frame, got {len(frames) - 1}")
+                continue
+            ident, body = frames[0].bytes, frames[1].buffer
+            try:
+                msg = self.codec.decode(body)
+            except FrameError as exc:
+                self._reject(ident, exc.code, str(exc))
+                continue
+            try:
+                reply = self._handle(ident, msg)
+            except Exception as exc:  # never let one peer's frame stop the server
+                log.exception("error handling %s", type(msg).__name__)
+                reply = ErrorReply(code="internal", message=f"{type(msg).__name__}: {exc!r}")
+                self.rejected_frames += 1
+            if reply is not None:
+                self._send(ident, reply)
+
+    def _handle(self, ident: bytes, msg: object):
+        if isinstance(msg, StepEnd | StepBegin):
+            session = self.sessions.get(ident)
+            if session is None:
+                self.rejected_frames += 1
+                return ErrorReply("no_session", "send Hello before step messages")
+            return session.step_begin(msg) if isinstance(msg, StepBegin) else session.step_end(msg)
+        if isinstance(msg, Hello):
+            return self._hello(ident, msg)
+        if isinstance(msg, Ping):
+            return Pong(msg.nonce)
+        if isinstance(msg, StatusQuery):
+            return self._status()
+        if isinstance(msg, OutputsQuery):
+            return self._outputs(msg)
+        if isinstance(msg, Drain):
+            self._draining = True
+            self._stop = True
+            return Drained(len(self.sessions))
+        self.rejected_frames += 1
+        return ErrorReply("unexpected", f"{type(msg).__name__} is not a request the sidecar serves")
+
+    def _hello(self, ident: bytes, hello: Hello):
+        if hello.protocol_major != PROTOCOL_MAJOR:
+            log.error(
+                "refused shim rank %d: protocol %d.%d, sidecar speaks %s",
+                hello.rank, hello.protocol_major, hello.protocol_minor, PROTOCOL_VERSION,
+            )
+            return Reject(
+                f"protocol major version mismatch: shim speaks {hello.protocol_major}."
+                f"{hello.protocol_minor}, sidecar speaks {PROTOCOL_VERSION}; install matching "
+                "omni-sidecar versions on both sides"
+            )
+        if self._draining:
+            return Reject("sidecar is draining; connect to its successor")
+        old = self.sessions.pop(ident, None)
+        if old is not None:
+            old.close()
+        session = Session(self._next_session, hello, self.hooks, self.finished)
+        try:
+            session.open_arenas()
+        except Exception as exc:
+            session.close()
+            return Reject(f"cannot open the shim's arenas: {exc}")
+        self._next_session += 1
+        self.sessions[ident] = session
+        log.info(
+            "session %d: shim rank %d/%d, vLLM %s on %s, model %s",
+            session.id, hello.rank, hello.world_size, hello.vllm_version, hello.platform, hello.model,
+        )
+        out = [session.out_arena.info()] if session.out_arena is not None else []
+        return Welcome(
+            protocol_major=PROTOCOL_MAJOR,
+            protocol_minor=PROTOCOL_MINOR,
+            sidecar_version=__version__,
+            hook_set=self.hooks.name,
+            needs=self.hooks.needs,
+            session=session.id,
+            arenas=out,
+        )
+
+    def _status(self) -> StatusReply:
+        return StatusReply(
+            sidecar_version=__version__,
+            protocol=PROTOCOL_VERSION,
+            hook_set=self.hooks.name,
+            needs=self.hooks.needs,
+            uptime_s=time.monotonic() - self.started,
+            draining=self._draining,
+            rejected_frames=self.rejected_frames,
+            sessions=[s.status() for s in self.sessions.values()],
+        )
+
+    def _live_request(self, req_id: str) -> str | None:
+        for session in self.sessions.values():
+            found = session.resolve(req_id)
+            if found is not None:
+                return found
+        return None
+
+    def _outputs(self, q: OutputsQuery) -> OutputsReply:
+        live_id = self._live_request(q.req_id)
+        live = live_id is not None
+        tensors = self.hooks.get_outputs(live_id) if live_id else self.finished.get(q.req_id, q.pop)
+        if tensors is None:
+            return OutputsReply(req_id=q.req_id, found=False)
+        blobs = {}
+        for name, t in tensors.items():
+            data, shape, dtype = tensor_to_bytes(t)
+            blobs[name] = TensorBlob(shape, dtype, data)
+        return OutputsReply(req_id=q.req_id, found=True, finished=not live, tensors=blobs)
+
+    def _reject(self, ident: bytes, code: str, message: str) -> None:
+        self.rejected_frames += 1
+        log.warning("rejected a frame (%s): %s", code, message)
+        self._send(ident, ErrorReply(code, message[:4000]))
+
+    def _send(self, ident: bytes, msg: object) -> None:
+        assert self._sock is not None
+        try:
+            self._sock.send_multipart([ident, self.codec.encode(msg)], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("dropped a reply: peer is not reading")

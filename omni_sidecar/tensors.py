@@ -1,0 +1,60 @@
+"""torch views of arena memory, and the reverse."""
+
+from __future__ import annotations
+
+import torch
+
+from proto.arena import ShmArena
+from proto.tensors import DTYPE_ITEMSIZE, TensorRef
+
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_ITEMSIZE}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return TORCH_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}") from None
+
+
+def view_tensor(arena: ShmArena, ref: TensorRef) -> torch.Tensor:
+    """A tensor aliasing the arena bytes `ref` names (bounds-checked); copy to keep it."""
+    mv = arena.view(ref)
+    dtype = torch_dtype(ref.dtype)
+    if ref.nbytes == 0:
+        return torch.empty(ref.shape, dtype=dtype)
+    return torch.frombuffer(mv, dtype=dtype).view(ref.shape)
+
+
+def write_tensor(arena: ShmArena, offset: int, tensor: torch.Tensor, arena_id: int) -> TensorRef:
+    """Copy `tensor` into the arena at `offset` and return its ref."""
+    name = dtype_name(tensor.dtype)
+    nbytes = tensor.numel() * tensor.element_size()
+    ref = TensorRef(arena_id, offset, nbytes, list(tensor.shape), name)
+    if nbytes:
+        view_tensor(arena, ref).copy_(tensor)
+    return ref
+
+
+def tensor_from_bytes(data: bytes, shape: list[int], dtype: str) -> torch.Tensor:
+    """Decode a row-major tensor sent inline (payloads), checking the byte count."""
+    tdtype = torch_dtype(dtype)
+    n = 1
+    for d in shape:
+        n *= d
+    want = n * DTYPE_ITEMSIZE[dtype]
+    if len(data) != want:
+        raise ValueError(f"{len(data)} bytes for shape {list(shape)} of {dtype}; need {want}")
+    if want == 0:
+        return torch.empty(shape, dtype=tdtype)
+    return torch.frombuffer(bytearray(data), dtype=tdtype).view(shape)
+
+
+def tensor_to_bytes(tensor: torch.Tensor) -> tuple[bytes, list[int], str]:
+    t = tensor.detach().contiguous().cpu()
+    raw = t.view(torch.uint8) if t.numel() else t
+    return bytes(raw.numpy().tobytes()) if t.numel() else b"", list(t.shape), dtype_name(t.dtype)

@@ -1,0 +1,144 @@
+"""Shared-memory tensor arenas (POSIX shm, standard library only).
+
+An arena is created once per connection and direction and opened once by the
+peer; per step only offsets travel. The creator makes it 0600. The peer
+unlinks the name as soon as it has mapped it, so a crash of either side
+leaves nothing behind in /dev/shm. A CUDA IPC arena (issue #3) implements the
+same `Arena` protocol with device memory.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+from typing import Protocol
+
+from proto.messages import ArenaInfo
+from proto.tensors import TensorRef, check_ref
+
+SHM_DIR = "/dev/shm"
+_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+ALIGN = 64
+
+
+class ArenaError(RuntimeError):
+    pass
+
+
+class Arena(Protocol):
+    size: int
+
+    def info(self) -> ArenaInfo: ...
+
+    def view(self, ref: TensorRef) -> memoryview: ...
+
+    def close(self) -> None: ...
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+class ShmArena:
+    """A file in /dev/shm mapped read-write into this process."""
+
+    def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool) -> None:
+        self.name = name
+        self.size = size
+        self._mm = mm
+        self._mv = memoryview(mm)
+        self._owner = owner
+
+    @classmethod
+    def create(cls, size: int, prefix: str = "omni-sidecar") -> "ShmArena":
+        if size <= 0:
+            raise ArenaError(f"arena size must be positive, got {size}")
+        name = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        return cls(name, size, mm, owner=True)
+
+    @classmethod
+    def attach(cls, info: ArenaInfo, unlink: bool = True) -> "ShmArena":
+        """Open the peer's arena; by default remove its name once mapped."""
+        if info.kind != "shm":
+            raise ArenaError(f"arena kind {info.kind!r} is not shared memory")
+        if not _NAME_RE.match(info.name):
+            raise ArenaError(f"invalid arena name {info.name!r}")
+        path = os.path.join(SHM_DIR, info.name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise ArenaError(f"arena {info.name!r} not found in {SHM_DIR}") from None
+        try:
+            actual = os.fstat(fd).st_size
+            if actual < info.size or info.size <= 0:
+                raise ArenaError(
+                    f"arena {info.name!r} has {actual} bytes, peer announced {info.size}"
+                )
+            mm = mmap.mmap(fd, info.size)
+        finally:
+            os.close(fd)
+        if unlink:
+            _unlink_quietly(path)
+        return cls(info.name, info.size, mm, owner=False)
+
+    def info(self) -> ArenaInfo:
+        return ArenaInfo(kind="shm", name=self.name, size=self.size)
+
+    def view(self, ref: TensorRef) -> memoryview:
+        check_ref(ref, self.size)
+        return self._mv[ref.offset : ref.offset + ref.nbytes]
+
+    def raw(self, offset: int, nbytes: int) -> memoryview:
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+            raise ArenaError(f"[{offset}, {offset + nbytes}) outside arena of {self.size}")
+        return self._mv[offset : offset + nbytes]
+
+    def close(self) -> None:
+        if self._owner:
+            _unlink_quietly(os.path.join(SHM_DIR, self.name))
+        try:
+            self._mv.release()
+            self._mm.close()
+        except BufferError:
+            # A tensor still views the mapping; the OS frees it with the process.
+            pass
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class SlotRing:
+    """Splits an arena into equal slots written round-robin, one per step.
+
+    The writer may reuse slot s only after the reader acknowledged the step
+    that last used it; `owner_step` remembers which step that was.
+    """
+
+    def __init__(self, arena_size: int, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ArenaError("need at least one slot")
+        self.num_slots = num_slots
+        self.slot_size = arena_size // num_slots // ALIGN * ALIGN
+        self.owner_step: list[int | None] = [None] * num_slots
+
+    def slot_of(self, step: int) -> int:
+        return step % self.num_slots
+
+    def offset(self, slot: int) -> int:
+        return slot * self.slot_size

@@ -1,0 +1,258 @@
+"""Every message the shim, the sidecar and control clients exchange.
+
+One tagged union, msgpack on the wire. Tensors never travel inline on the hot
+path: messages carry `TensorRef`s into arenas opened once at handshake. Lists
+and strings carry length bounds so a decoder rejects absurd frames early.
+
+Conversation (see README "Protocol"):
+  shim -> Hello, sidecar -> Welcome | Reject                    (once per connection)
+  shim -> StepBegin, sidecar -> StepPlan    (only when the sidecar declared
+                                              `needs.pre_forward` and the step has rows)
+  shim -> StepEnd,   sidecar -> StepResult  (every step; the shim does not wait for
+                                              the result before the next step)
+  any  -> Ping / StatusQuery / OutputsQuery / Drain   (control, any client)
+  any  -> ErrorReply                         (a frame was rejected; the peer keeps serving)
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+import msgspec
+
+from proto.tensors import TensorRef
+
+MAX_BATCH = 1 << 16
+MAX_ID_LEN = 256
+ReqId = Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
+Name = Annotated[str, msgspec.Meta(max_length=256)]
+
+
+class ArenaInfo(msgspec.Struct, frozen=True):
+    """A shared buffer one side created; the other side opens it once."""
+
+    kind: Name  # "shm" now; "cuda_ipc" next
+    name: Name
+    size: Count
+    device: Name = "cpu"
+    handle: bytes = b""  # opaque export handle for device arenas
+
+
+class HookNeeds(msgspec.Struct, frozen=True):
+    """What the loaded hook set needs from the shim; decides the per-step traffic.
+
+    pre_forward: when the shim must ask before the forward (a blocking StepBegin):
+      "never", "prefill" (only on steps that schedule prompt tokens) or "always".
+    hidden_states: the last-layer hidden states of every scheduled token.
+    prefix_cache_safe: False when hooks change what a prompt token means (overlaid
+      embeddings), so KV computed for one request must not be reused by another.
+    """
+
+    pre_forward: Literal["never", "prefill", "always"] = "never"
+    hidden_states: bool = False
+    prefix_cache_safe: bool = True
+
+
+# -- handshake ---------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True):
+    protocol_major: int
+    protocol_minor: int
+    shim_version: Name
+    vllm_version: Name
+    platform: Name
+    rank: Count
+    world_size: Count
+    model: Text
+    hidden_size: Count
+    dtype: Name
+    max_num_tokens: Count
+    arenas: Annotated[list[ArenaInfo], msgspec.Meta(max_length=16)]
+    capabilities: Annotated[list[Name], msgspec.Meta(max_length=64)] = []
+
+
+class Welcome(msgspec.Struct, tag="welcome", frozen=True):
+    protocol_major: int
+    protocol_minor: int
+    sidecar_version: Name
+    hook_set: Name
+    needs: HookNeeds
+    session: Count
+    arenas: Annotated[list[ArenaInfo], msgspec.Meta(max_length=16)] = []
+
+
+class Reject(msgspec.Struct, tag="reject", frozen=True):
+    """Handshake refused; `reason` is meant for a human and says what to do."""
+
+    reason: Text
+
+
+# -- per step ----------------------------------------------------------------
+
+
+class NewRequest(msgspec.Struct, frozen=True, array_like=True):
+    req_id: ReqId
+    prompt_len: Count
+    prompt_token_ids: Annotated[list[int], msgspec.Meta(max_length=1 << 24)]
+    # The request's `extra_args["omni_sidecar"]`: JSON-like values and bytes.
+    payload: dict[str, Any] | None = None
+
+
+class BatchLayout(msgspec.Struct, frozen=True, array_like=True):
+    """The scheduled batch in the runner's row order.
+
+    Request i owns rows [query_start_loc[i], query_start_loc[i+1]) of the
+    step's token-major tensors (inputs_embeds, hidden states).
+    """
+
+    req_ids: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)]
+    query_start_loc: Annotated[list[Count], msgspec.Meta(max_length=MAX_BATCH + 1)]
+    num_computed_tokens: Annotated[list[Count], msgspec.Meta(max_length=MAX_BATCH)]
+    prompt_lens: Annotated[list[Count], msgspec.Meta(max_length=MAX_BATCH)]
+
+
+class StepBegin(msgspec.Struct, tag="step_begin", frozen=True):
+    step: Count
+    batch: BatchLayout
+    new_requests: Annotated[list[NewRequest], msgspec.Meta(max_length=MAX_BATCH)] = []
+    finished: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] = []
+
+
+class Overlay(msgspec.Struct, frozen=True, array_like=True):
+    """Rows [row_start, row_start + rows.shape[0]) of inputs_embeds take `rows`."""
+
+    row_start: Count
+    rows: TensorRef
+
+
+class RequestError(msgspec.Struct, frozen=True, array_like=True):
+    req_id: ReqId
+    message: Text
+
+
+class StepPlan(msgspec.Struct, tag="step_plan", frozen=True):
+    step: Count
+    overlays: Annotated[list[Overlay], msgspec.Meta(max_length=MAX_BATCH)] = []
+    extra_kwargs: dict[str, Any] = {}
+    errors: Annotated[list[RequestError], msgspec.Meta(max_length=MAX_BATCH)] = []
+
+
+class StepEnd(msgspec.Struct, tag="step_end", frozen=True):
+    """Sent after the forward of every step (and for finish-only steps, batch=None).
+
+    Carries what a StepBegin did not already carry for this step.
+    """
+
+    step: Count
+    batch: BatchLayout | None = None
+    new_requests: Annotated[list[NewRequest], msgspec.Meta(max_length=MAX_BATCH)] = []
+    finished: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] = []
+    hidden: TensorRef | None = None
+    num_tokens: Count = 0
+
+
+class StepResult(msgspec.Struct, tag="step_result", frozen=True):
+    step: Count
+    errors: Annotated[list[RequestError], msgspec.Meta(max_length=MAX_BATCH)] = []
+    hook_us: float = 0.0
+
+
+# -- control -----------------------------------------------------------------
+
+
+class Ping(msgspec.Struct, tag="ping", frozen=True):
+    nonce: int = 0
+
+
+class Pong(msgspec.Struct, tag="pong", frozen=True):
+    nonce: int = 0
+
+
+class StatusQuery(msgspec.Struct, tag="status", frozen=True):
+    pass
+
+
+class SessionStatus(msgspec.Struct, frozen=True):
+    session: Count
+    rank: Count
+    world_size: Count
+    vllm_version: Name
+    platform: Name
+    model: Text
+    connected_s: float
+    steps: Count
+    new_requests: Count
+    finished_requests: Count
+    scheduled_tokens: Count
+    errors: Count
+    step_latency_us_p50: float
+    step_latency_us_p99: float
+
+
+class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
+    sidecar_version: Name
+    protocol: Name
+    hook_set: Name
+    needs: HookNeeds
+    uptime_s: float
+    draining: bool
+    rejected_frames: Count
+    sessions: list[SessionStatus] = []
+
+
+class TensorBlob(msgspec.Struct, frozen=True, array_like=True):
+    """A tensor copied inline; only for control replies (outputs), never per step."""
+
+    shape: Annotated[list[Count], msgspec.Meta(max_length=8)]
+    dtype: Name
+    data: bytes
+
+
+class OutputsQuery(msgspec.Struct, tag="outputs", frozen=True):
+    req_id: ReqId
+    pop: bool = False
+
+
+class OutputsReply(msgspec.Struct, tag="outputs_reply", frozen=True):
+    req_id: ReqId
+    found: bool
+    finished: bool = False
+    tensors: dict[Name, TensorBlob] = {}
+
+
+class Drain(msgspec.Struct, tag="drain", frozen=True):
+    pass
+
+
+class Drained(msgspec.Struct, tag="drained", frozen=True):
+    sessions_left: Count
+
+
+class ErrorReply(msgspec.Struct, tag="error", frozen=True):
+    """A frame was rejected. The sender learns why; the receiver keeps serving."""
+
+    code: Name
+    message: Text
+
+
+Message = Union[
+    Hello,
+    Welcome,
+    Reject,
+    StepBegin,
+    StepPlan,
+    StepEnd,
+    StepResult,
+    Ping,
+    Pong,
+    StatusQuery,
+    StatusReply,
+    OutputsQuery,
+    OutputsReply,
+    Drain,
+    Drained,
+    ErrorReply,
+]

@@ -1,0 +1,94 @@
+"""Runs one real vLLM V2 engine in a fresh process and writes what it produced.
+
+Each end-to-end test needs engines with different settings (shim or not,
+multiprocessing on or off); a process per engine keeps them independent.
+Usage: python engine_job.py job.json result.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+
+def main(job_path: str, result_path: str) -> int:
+    job = json.loads(open(job_path).read())
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = str(job.get("mp", 0))
+    if job.get("endpoint"):
+        os.environ["OMNI_SIDECAR_ENDPOINT"] = job["endpoint"]
+    for k, v in job.get("env", {}).items():
+        os.environ[k] = str(v)
+    result: dict = {}
+    t0 = time.monotonic()
+    try:
+        import torch
+        from vllm import LLM, SamplingParams
+
+        from omni_sidecar.payload import sidecar_extra_args
+
+        kwargs = dict(
+            model=job["model"], dtype="float32", max_model_len=512, max_num_batched_tokens=64,
+            max_num_seqs=16, kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0,
+        )
+        kwargs.update(job.get("llm_kwargs", {}))
+        if job.get("shim"):
+            kwargs["worker_cls"] = "worker_shim.Worker"
+        llm = LLM(**kwargs)
+        result["start_s"] = time.monotonic() - t0
+        prompts, params = [], []
+        for p in job["prompts"]:
+            extra = None
+            if "embeds_file" in p:
+                embeds = torch.from_numpy(np.load(p["embeds_file"], allow_pickle=False))
+                if p.get("as") == "payload":
+                    prompts.append({"prompt_token_ids": [p.get("placeholder", 3)] * embeds.shape[0]})
+                    extra = sidecar_extra_args(prompt_embeds=embeds)
+                else:
+                    prompts.append({"prompt_embeds": embeds})
+            else:
+                prompts.append({"prompt_token_ids": p["token_ids"]})
+            params.append(SamplingParams(max_tokens=job.get("max_tokens", 16), temperature=0.0,
+                                         ignore_eos=True, extra_args=extra))
+        t1 = time.monotonic()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        result["generate_s"] = time.monotonic() - t1
+        result["request_ids"] = [o.request_id for o in outs]
+        result["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+        result["prompt_token_ids"] = [list(o.prompt_token_ids or []) for o in outs]
+        if job.get("flush"):
+            # Finished ids reach the worker on the next step: one more request delivers them.
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1), use_tqdm=False)
+        if job.get("shim"):
+            result["shim_stats"] = llm.collective_rpc("omni_sidecar_stats")
+        if job.get("fetch_outputs"):
+            from omni_sidecar.client import SidecarClient
+
+            with SidecarClient(job["endpoint"]) as client:
+                result["outputs"] = {}
+                for rid in result["request_ids"]:
+                    outs_ = client.outputs(rid) or {}
+                    files = {}
+                    for name, t in outs_.items():
+                        path = os.path.join(job["workdir"], f"out-{rid}-{name}.npy")
+                        np.save(path, t.numpy(), allow_pickle=False)
+                        files[name] = path
+                    result["outputs"][rid] = files
+        result["ok"] = True
+    except BaseException as exc:  # the test reads the error
+        result["ok"] = False
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()
+    result["wall_s"] = time.monotonic() - t0
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    os._exit(0)  # skip vLLM's slow interpreter teardown; the result is written
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,83 @@
+"""Starting real sidecar processes and engine jobs from tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_JOB = Path(__file__).with_name("engine_job.py")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+class SidecarProcess:
+    """`omni-sidecar serve` in a child process, ready when it answers a ping."""
+
+    def __init__(self, endpoint: str, hooks: str, log_path: Path) -> None:
+        self.endpoint = endpoint
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", endpoint,
+             "--hooks", hooks, "--log-level", "INFO"],
+            stdout=self._log, stderr=subprocess.STDOUT, env=child_env(),
+        )
+        self._wait_ready()
+
+    def _wait_ready(self, timeout_s: float = 60.0) -> None:
+        from omni_sidecar.client import SidecarClient, SidecarUnavailable
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sidecar exited: {self.log_path.read_text()}")
+            try:
+                with SidecarClient(self.endpoint, timeout_s=0.5) as c:
+                    c.ping()
+                    return
+            except SidecarUnavailable:
+                continue
+        raise RuntimeError("sidecar did not become ready")
+
+    def status(self):
+        from omni_sidecar.client import SidecarClient
+
+        with SidecarClient(self.endpoint) as c:
+            return c.status()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()
+
+
+def run_engine(job: dict, workdir: Path, name: str, timeout_s: float = 600) -> dict:
+    job = {**job, "workdir": str(workdir)}
+    job_path = workdir / f"{name}.job.json"
+    result_path = workdir / f"{name}.result.json"
+    log_path = workdir / f"{name}.log"
+    job_path.write_text(json.dumps(job))
+    with open(log_path, "w") as log:
+        proc = subprocess.run(
+            [sys.executable, str(ENGINE_JOB), str(job_path), str(result_path)],
+            stdout=log, stderr=subprocess.STDOUT, env=child_env(), timeout=timeout_s,
+        )
+    if not result_path.exists():
+        raise RuntimeError(f"engine job {name} died (rc={proc.returncode}):\n{log_path.read_text()[-4000:]}")
+    result = json.loads(result_path.read_text())
+    result["log_path"] = str(log_path)
+    return result

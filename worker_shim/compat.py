@@ -1,0 +1,100 @@
+"""Every upstream vLLM name the shim relies on, checked once at start-up.
+
+The shim overrides these and calls super(); it never copies their bodies. If
+an upgrade of vLLM renames one, start-up fails here with the list of what is
+missing instead of failing mid-step.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# (module, dotted attribute) pairs resolved at import time.
+UPSTREAM_NAMES: list[tuple[str, str]] = [
+    ("vllm", "__version__"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.execute_model"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.finish_requests"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.add_requests"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.load_model"),
+    ("vllm.v1.worker.gpu.model_runner", "ExecuteModelState"),
+    ("vllm.v1.worker.gpu.input_batch", "InputBatch"),
+    ("vllm.platforms", "current_platform"),
+]
+CPU_NAMES: list[tuple[str, str]] = [
+    ("vllm.v1.worker.cpu_worker", "CPUWorker.init_device"),
+    ("vllm.v1.worker.cpu.model_runner", "CPUModelRunner"),
+]
+CUDA_NAMES: list[tuple[str, str]] = [
+    ("vllm.v1.worker.gpu_worker", "Worker.init_device"),
+]
+# Attributes of live objects, checked on the instances once they exist.
+RUNNER_ATTRS = ["model_state", "model", "execute_model_state", "req_states"]
+MODEL_STATE_METHODS = ["prepare_inputs"]
+INPUT_BATCH_FIELDS = [
+    "req_ids",
+    "num_tokens",
+    "num_tokens_after_padding",
+    "query_start_loc_np",
+    "num_computed_tokens_np",
+    "prefill_len_np",
+    "input_ids",
+    "has_prefill",
+]
+NEW_REQUEST_FIELDS = ["req_id", "prompt_len", "prompt_token_ids", "sampling_params"]
+SCHEDULER_OUTPUT_FIELDS = ["finished_req_ids", "scheduled_new_reqs", "total_num_scheduled_tokens"]
+MODEL_METHODS = ["embed_input_ids"]
+
+
+class ShimCompatError(RuntimeError):
+    pass
+
+
+def _resolve(module: str, dotted: str):
+    obj = importlib.import_module(module)
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_upstream(platform: str) -> None:
+    names = UPSTREAM_NAMES + (CPU_NAMES if platform == "cpu" else CUDA_NAMES)
+    missing = []
+    for module, dotted in names:
+        try:
+            _resolve(module, dotted)
+        except (ImportError, AttributeError) as exc:
+            missing.append(f"{module}.{dotted} ({type(exc).__name__})")
+    if missing:
+        raise ShimCompatError(_message(missing))
+    try:
+        from vllm.v1.worker.gpu.input_batch import InputBatch
+
+        fields = getattr(InputBatch, "__dataclass_fields__", {})
+        absent = [f for f in INPUT_BATCH_FIELDS if f not in fields]
+    except ImportError:  # already reported above
+        absent = []
+    if absent:
+        raise ShimCompatError(_message([f"InputBatch.{f}" for f in absent]))
+
+
+def check_instance(obj: object, attrs: list[str], what: str) -> None:
+    missing = [f"{what}.{a}" for a in attrs if not hasattr(obj, a)]
+    if missing:
+        raise ShimCompatError(_message(missing))
+
+
+def vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except Exception:
+        return "unknown"
+
+
+def _message(missing: list[str]) -> str:
+    return (
+        f"omni-sidecar's shim cannot run on vLLM {vllm_version()}: upstream names it "
+        f"relies on are missing: {', '.join(missing)}. Supported: vLLM 0.32.x (CPU) and "
+        "0.26.x (CUDA); see worker_shim/compat.py."
+    )

@@ -1,0 +1,33 @@
+"""Shim settings: `additional_config["omni_sidecar"]` first, then env, then defaults."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from proto.endpoint import check_endpoint, default_endpoint
+
+
+@dataclass(frozen=True)
+class ShimConfig:
+    endpoint: str
+    connect_timeout_s: float
+    step_timeout_s: float
+    hidden_slots: int
+
+    @classmethod
+    def from_vllm(cls, vllm_config: object) -> "ShimConfig":
+        extra = getattr(vllm_config, "additional_config", None) or {}
+        mine = extra.get("omni_sidecar", {}) if isinstance(extra, dict) else {}
+
+        def pick(key: str, env: str, default: str) -> str:
+            return str(mine.get(key, os.environ.get(env, default)))
+
+        endpoint = pick("endpoint", "OMNI_SIDECAR_ENDPOINT", default_endpoint())
+        check_endpoint(endpoint)
+        return cls(
+            endpoint=endpoint,
+            connect_timeout_s=float(pick("connect_timeout_s", "OMNI_SIDECAR_CONNECT_TIMEOUT", "30")),
+            step_timeout_s=float(pick("step_timeout_s", "OMNI_SIDECAR_STEP_TIMEOUT", "60")),
+            hidden_slots=int(pick("hidden_slots", "OMNI_SIDECAR_HIDDEN_SLOTS", "2")),
+        )

@@ -1,0 +1,213 @@
+"""Per-step traffic between one runner and its sidecar.
+
+The runner mixin calls `begin_step` / `pre_forward` / `end_step`; this class
+decides which messages a step needs (from the sidecar's declared needs), moves
+tensors through the arenas and keeps the counters tests and `status` compare.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from proto.arena import ShmArena, SlotRing, align_up
+from proto.messages import BatchLayout, HookNeeds, NewRequest, StepBegin, StepEnd, StepPlan, Welcome
+from proto.tensors import TensorRef
+from worker_shim.channel import SidecarChannel
+from worker_shim.tensors import arena_tensor, dtype_name
+
+log = logging.getLogger("worker_shim.link")
+PAYLOAD_KEY = "omni_sidecar"
+
+
+class SidecarLink:
+    def __init__(
+        self,
+        channel: SidecarChannel,
+        welcome: Welcome,
+        hidden_arena: ShmArena | None,
+        hidden_slots: int,
+    ) -> None:
+        self.channel = channel
+        self.needs: HookNeeds = welcome.needs
+        self.hook_set = welcome.hook_set
+        self.hidden_arena = hidden_arena
+        self.ring = SlotRing(hidden_arena.size, hidden_slots) if hidden_arena else None
+        self.overlay_arena = ShmArena.attach(welcome.arenas[0]) if welcome.arenas else None
+        self.step = 0
+        self.in_step = False
+        self._new: list[NewRequest] = []
+        self._finished: list[str] = []
+        self._layout_sent = False
+        # Counters (read through the worker's `omni_sidecar_stats`).
+        self.steps = 0
+        self.new_requests = 0
+        self.finished_requests = 0
+        self.scheduled_tokens = 0
+        self.blocking_exchanges = 0
+        self.request_errors: dict[str, str] = {}
+        self.exchange_us: list[float] = []
+
+    # -- notes from upstream calls ----------------------------------------------
+
+    def note_finished(self, req_ids: set[str] | frozenset[str]) -> None:
+        if req_ids:
+            self._finished.extend(sorted(req_ids))
+            self.finished_requests += len(req_ids)
+
+    def note_new(self, new_reqs: list[Any]) -> None:
+        for req in new_reqs:
+            sp = req.sampling_params
+            extra = (sp.extra_args or {}) if sp is not None else {}
+            payload = extra.get(PAYLOAD_KEY)
+            self._new.append(
+                NewRequest(
+                    req_id=req.req_id,
+                    prompt_len=int(req.prompt_len),
+                    prompt_token_ids=list(req.prompt_token_ids or []),
+                    payload=payload if isinstance(payload, dict) else None,
+                )
+            )
+        self.new_requests += len(new_reqs)
+
+    # -- the step ---------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        self.in_step = True
+        self._layout_sent = False
+
+    def pre_forward(self, input_batch: Any, model: Any) -> dict[str, Any]:
+        """Blocking StepBegin when the hooks need it; returns extra model inputs."""
+        mode = self.needs.pre_forward
+        if mode == "never" or (mode == "prefill" and not input_batch.has_prefill):
+            return {}
+        t0 = time.perf_counter()
+        msg = StepBegin(
+            step=self.step,
+            batch=_layout(input_batch),
+            new_requests=self._new,
+            finished=self._finished,
+        )
+        self._new, self._finished = [], []
+        self._layout_sent = True
+        plan: StepPlan = self.channel.call(msg, StepPlan)  # type: ignore[assignment]
+        self.blocking_exchanges += 1
+        self._record_errors(plan.errors)
+        extra: dict[str, Any] = dict(plan.extra_kwargs)
+        if plan.overlays:
+            extra["inputs_embeds"] = self._overlay(plan, input_batch, model)
+        self.exchange_us.append((time.perf_counter() - t0) * 1e6)
+        return extra
+
+    def end_step(self, state: Any) -> None:
+        """After upstream execute_model: StepEnd with what the sidecar has not seen yet."""
+        self.in_step = False
+        batch = state.input_batch if state is not None else None
+        if batch is None and not (self._new or self._finished):
+            return
+        hidden_ref = None
+        num_tokens = 0
+        if batch is not None:
+            num_tokens = int(batch.num_tokens)
+            self.steps += 1
+            self.scheduled_tokens += num_tokens
+            if self.needs.hidden_states and state.hidden_states is not None:
+                hidden_ref = self._write_hidden(state.hidden_states[:num_tokens])
+        msg = StepEnd(
+            step=self.step,
+            batch=None if (batch is None or self._layout_sent) else _layout(batch),
+            new_requests=self._new,
+            finished=self._finished,
+            hidden=hidden_ref,
+            num_tokens=num_tokens,
+        )
+        self._new, self._finished = [], []
+        self.channel.send(msg)
+        if self.ring is not None and hidden_ref is not None:
+            self.ring.owner_step[self.ring.slot_of(self.step)] = self.step
+        self.step += 1
+        for result in self.channel.take_results():
+            self._record_errors(result.errors)
+
+    # -- tensors ------------------------------------------------------------------
+
+    def _write_hidden(self, hidden: torch.Tensor) -> TensorRef:
+        assert self.ring is not None and self.hidden_arena is not None
+        slot = self.ring.slot_of(self.step)
+        owner = self.ring.owner_step[slot]
+        if owner is not None:
+            # The sidecar may still be reading this slot: wait for that step's result.
+            for result in self.channel.take_results(until_step=owner):
+                self._record_errors(result.errors)
+            self.ring.owner_step[slot] = None
+        nbytes = hidden.numel() * hidden.element_size()
+        if nbytes > self.ring.slot_size:
+            raise RuntimeError(
+                f"hidden states of {nbytes} bytes exceed the arena slot of {self.ring.slot_size}"
+            )
+        ref = TensorRef(0, self.ring.offset(slot), nbytes, list(hidden.shape), dtype_name(hidden.dtype))
+        arena_tensor(self.hidden_arena, ref).copy_(hidden)
+        return ref
+
+    def _overlay(self, plan: StepPlan, input_batch: Any, model: Any) -> torch.Tensor:
+        assert self.overlay_arena is not None, "sidecar sent overlays but offered no arena"
+        n = int(input_batch.num_tokens_after_padding)
+        embeds = model.embed_input_ids(input_batch.input_ids[:n])
+        for ov in plan.overlays:
+            rows = arena_tensor(self.overlay_arena, ov.rows)
+            end = ov.row_start + rows.shape[0]
+            if end > int(input_batch.num_tokens) or rows.dim() != 2 or rows.shape[1] != embeds.shape[1]:
+                raise RuntimeError(
+                    f"overlay rows [{ov.row_start}, {end}) x {list(rows.shape)} do not fit the "
+                    f"batch of {input_batch.num_tokens} tokens x {embeds.shape[1]}"
+                )
+            embeds[ov.row_start : end].copy_(rows.to(device=embeds.device, dtype=embeds.dtype))
+        return embeds
+
+    def _record_errors(self, errors: list[Any]) -> None:
+        for err in errors:
+            if err.req_id not in self.request_errors:
+                log.error("omni-sidecar hook error for request %s: %s", err.req_id, err.message)
+            self.request_errors[err.req_id] = err.message
+
+    def stats(self) -> dict[str, Any]:
+        self.flush()
+        return {
+            "hook_set": self.hook_set,
+            "steps": self.steps,
+            "new_requests": self.new_requests,
+            "finished_requests": self.finished_requests,
+            "scheduled_tokens": self.scheduled_tokens,
+            "blocking_exchanges": self.blocking_exchanges,
+            "request_errors": dict(self.request_errors),
+            "exchange_us": list(self.exchange_us),
+        }
+
+    def flush(self) -> None:
+        """Wait for the results of every step sent so far."""
+        if self.step:
+            for result in self.channel.take_results(until_step=self.step - 1):
+                self._record_errors(result.errors)
+
+    def close(self) -> None:
+        self.channel.close()
+        for arena in (self.hidden_arena, self.overlay_arena):
+            if arena is not None:
+                arena.close()
+
+
+def _layout(batch: Any) -> BatchLayout:
+    n = len(batch.req_ids)
+    return BatchLayout(
+        req_ids=list(batch.req_ids),
+        query_start_loc=batch.query_start_loc_np[: n + 1].tolist(),
+        num_computed_tokens=batch.num_computed_tokens_np[:n].tolist(),
+        prompt_lens=batch.prefill_len_np[:n].tolist(),
+    )
+
+
+def hidden_arena_size(max_num_tokens: int, hidden_size: int, itemsize: int, slots: int) -> int:
+    return align_up(max_num_tokens * hidden_size * itemsize) * slots + 64 * slots

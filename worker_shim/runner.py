@@ -1,0 +1,105 @@
+"""Interception of the upstream V2 runner without copying it.
+
+After upstream builds the runner (and its model state), the instance's class
+is swapped for a dynamic subclass of `type(instance)` carrying the methods of
+a mixin below. Upstream's own internal calls (`self.add_requests(...)` inside
+`execute_model`) then reach these overrides, each of which calls the upstream
+method through `super(<dynamic class>, self)` and adds only the sidecar work.
+
+Why not `class X(Mixin, Upstream)`: CPython allows `__class__` assignment only
+between classes of the same layout lineage, and upstream's classes differ
+(GPUModelRunner roots at a plain mixin, model states at ABC), so a mixin
+base that fits one refuses the other. A single-inheritance subclass always fits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from worker_shim.compat import MODEL_STATE_METHODS, RUNNER_ATTRS, check_instance
+from worker_shim.link import SidecarLink
+
+
+class SidecarRunnerMixin:
+    """Overrides on the upstream GPUModelRunner / CPUModelRunner (V2)."""
+
+    omni_link: SidecarLink
+
+    def finish_requests(self, scheduler_output: Any) -> None:
+        self.omni_link.note_finished(scheduler_output.finished_req_ids)
+        return _up(self).finish_requests(scheduler_output)  # type: ignore[misc]
+
+    def add_requests(self, scheduler_output: Any) -> None:
+        self.omni_link.note_new(scheduler_output.scheduled_new_reqs)
+        return _up(self).add_requests(scheduler_output)  # type: ignore[misc]
+
+    def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        dummy = kwargs.get("dummy_run", args[1] if len(args) > 1 else False)
+        if dummy:
+            return _up(self).execute_model(scheduler_output, *args, **kwargs)  # type: ignore[misc]
+        self.omni_link.begin_step()
+        before = self.execute_model_state
+        try:
+            out = _up(self).execute_model(scheduler_output, *args, **kwargs)  # type: ignore[misc]
+        except BaseException:
+            self.omni_link.in_step = False
+            raise
+        state = self.execute_model_state
+        # Steps without a forward (finish-only) leave the state untouched.
+        self.omni_link.end_step(None if state is before else state)
+        return out
+
+    def load_model(self, *args: Any, **kwargs: Any) -> Any:
+        out = _up(self).load_model(*args, **kwargs)  # type: ignore[misc]
+        check_instance(self, RUNNER_ATTRS, "GPUModelRunner")
+        check_instance(self.model_state, MODEL_STATE_METHODS, "model_state")
+        swap_class(self.model_state, SidecarModelStateMixin)
+        self.model_state.omni_runner = self
+        return out
+
+
+class SidecarModelStateMixin:
+    """Adds the sidecar's overlay rows and extra kwargs to the model inputs.
+
+    Upstream merges the dict `model_state.prepare_inputs` returns over the
+    default model inputs ("values returned by prepare_inputs will override the
+    default values"), so this is where inputs_embeds and extra kwargs go.
+    """
+
+    omni_runner: Any
+
+    def prepare_inputs(self, input_batch: Any, req_states: Any) -> dict[str, Any]:
+        inputs = _up(self).prepare_inputs(input_batch, req_states)  # type: ignore[misc]
+        runner = self.omni_runner
+        link: SidecarLink = runner.omni_link
+        if link.in_step:
+            extra = link.pre_forward(input_batch, runner.model)
+            if extra:
+                inputs = {**inputs, **extra}
+        return inputs
+
+
+def _up(obj: Any) -> Any:
+    """`super()` of the swapped-in class: the upstream class the instance had."""
+    return super(obj._omni_cls, obj)
+
+
+_SUBCLASS_CACHE: dict[tuple[type, type], type] = {}
+
+
+def swap_class(obj: object, mixin: type) -> None:
+    base = type(obj)
+    if getattr(base, "_omni_mixin", None) is mixin:
+        return
+    key = (mixin, base)
+    cls = _SUBCLASS_CACHE.get(key)
+    if cls is None:
+        methods = {k: v for k, v in vars(mixin).items() if not k.startswith("__")}
+        cls = type(
+            f"Omni{base.__name__}",
+            (base,),
+            {**methods, "__module__": __name__, "__doc__": mixin.__doc__, "_omni_mixin": mixin},
+        )
+        cls._omni_cls = cls
+        _SUBCLASS_CACHE[key] = cls
+    obj.__class__ = cls

@@ -1,0 +1,133 @@
+"""Shim workers: upstream CPU / CUDA workers plus the sidecar connection.
+
+`init_device` (upstream) builds the V2 runner; the shim then checks the
+upstream names it uses, connects to the sidecar (failing fast with a clear
+message), and swaps the runner's class for the interception subclass.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from typing import Any
+
+from proto.arena import ShmArena
+from proto.messages import Hello
+from proto.tensors import DTYPE_ITEMSIZE
+from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
+from worker_shim import __version__
+from worker_shim.channel import SidecarChannel, SidecarError
+from worker_shim.compat import ShimCompatError, check_upstream, vllm_version
+from worker_shim.config import ShimConfig
+from worker_shim.link import SidecarLink, hidden_arena_size
+from worker_shim.runner import SidecarRunnerMixin, swap_class
+from worker_shim.tensors import dtype_name
+
+log = logging.getLogger("worker_shim")
+
+
+class ShimWorkerMixin:
+    """Mixed in front of an upstream worker class; every override calls super()."""
+
+    omni_link: SidecarLink | None = None
+    omni_platform = "cpu"
+
+    def init_device(self) -> None:
+        check_upstream(self.omni_platform)
+        super().init_device()  # type: ignore[misc]
+        if not getattr(self, "use_v2_model_runner", False):
+            raise ShimCompatError(
+                "omni-sidecar's shim hosts Model Runner V2 only, but vLLM picked the V1 runner. "
+                "Set VLLM_USE_V2_MODEL_RUNNER=1 (and check the log for the V2 feature it refused)."
+            )
+        self.omni_link = self._connect_sidecar()
+        runner = self.model_runner  # type: ignore[attr-defined]
+        runner.omni_link = self.omni_link
+        swap_class(runner, SidecarRunnerMixin)
+
+    def _connect_sidecar(self) -> SidecarLink:
+        vcfg = self.vllm_config  # type: ignore[attr-defined]
+        cfg = ShimConfig.from_vllm(vcfg)
+        mcfg = vcfg.model_config
+        dtype = dtype_name(mcfg.dtype)
+        hidden_size = int(mcfg.get_hidden_size())
+        max_tokens = int(vcfg.scheduler_config.max_num_batched_tokens)
+        itemsize = DTYPE_ITEMSIZE.get(dtype, 4)
+        hidden_arena = ShmArena.create(
+            hidden_arena_size(max_tokens, hidden_size, itemsize, cfg.hidden_slots),
+            prefix=f"omni-shim-r{self.rank}",  # type: ignore[attr-defined]
+        )
+        channel = SidecarChannel(cfg.endpoint, cfg.step_timeout_s)
+        hello = Hello(
+            protocol_major=PROTOCOL_MAJOR,
+            protocol_minor=PROTOCOL_MINOR,
+            shim_version=__version__,
+            vllm_version=vllm_version(),
+            platform=self.omni_platform,
+            rank=int(self.rank),  # type: ignore[attr-defined]
+            world_size=int(vcfg.parallel_config.world_size),
+            model=str(mcfg.model),
+            hidden_size=hidden_size,
+            dtype=dtype,
+            max_num_tokens=max_tokens,
+            arenas=[hidden_arena.info()],
+            capabilities=["overlay", "extra_kwargs", "hidden_states"],
+        )
+        try:
+            welcome = channel.handshake(hello, cfg.connect_timeout_s)
+        except BaseException:
+            channel.close()
+            hidden_arena.close()
+            raise
+        if not welcome.needs.prefix_cache_safe and vcfg.cache_config.enable_prefix_caching:
+            channel.close()
+            hidden_arena.close()
+            raise SidecarError(
+                f"hook set {welcome.hook_set!r} overlays prompt embeddings, so KV cached for one "
+                "request must not be reused by another: start vLLM with prefix caching off "
+                "(--no-enable-prefix-caching / enable_prefix_caching=False)."
+            )
+        log.info(
+            "omni-sidecar shim %s connected to %s: hook set %r (sidecar %s, session %d, needs %s)",
+            __version__, cfg.endpoint, welcome.hook_set, welcome.sidecar_version,
+            welcome.session, welcome.needs,
+        )
+        arena = hidden_arena if welcome.needs.hidden_states else None
+        if arena is None:
+            hidden_arena.close()
+        return SidecarLink(channel, welcome, arena, cfg.hidden_slots)
+
+    def omni_sidecar_stats(self) -> dict[str, Any]:
+        """For `llm.collective_rpc("omni_sidecar_stats")`: what the shim sent and measured."""
+        assert self.omni_link is not None
+        stats = self.omni_link.stats()
+        lat = stats.pop("exchange_us")
+        stats["exchange_us_p50"] = statistics.median(lat) if lat else 0.0
+        stats["exchange_us_p99"] = sorted(lat)[int(0.99 * (len(lat) - 1))] if lat else 0.0
+        stats["exchanges_timed"] = len(lat)
+        return stats
+
+    def shutdown(self) -> None:
+        if self.omni_link is not None:
+            self.omni_link.close()
+            self.omni_link = None
+        parent = getattr(super(), "shutdown", None)
+        if parent is not None:
+            parent()
+
+
+def platform_worker_class() -> type:
+    """The shim worker for the platform vLLM detected."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from worker_shim.cpu_worker import ShimCPUWorker
+
+        return ShimCPUWorker
+    if current_platform.is_cuda_alike():
+        from worker_shim.cuda_worker import ShimCUDAWorker
+
+        return ShimCUDAWorker
+    raise ShimCompatError(
+        f"omni-sidecar's shim has no worker for platform {current_platform.device_name!r} yet"
+    )
