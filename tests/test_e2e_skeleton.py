@@ -47,11 +47,10 @@ def test_passthrough_is_token_identical_and_sidecar_sees_everything(tiny_model, 
     try:
         res = run_engine(
             {"model": tiny_model, "prompts": _prompts(), "max_tokens": MAX_TOKENS, "shim": True,
-             "endpoint": endpoint, "mp": mp, "flush": True},
+             "endpoint": endpoint, "mp": mp, "flush": True, "sidecar_status": True},
             workdir, f"shim-mp{mp}",
         )
         assert res["ok"], res.get("traceback")
-        status = sidecar.status()
     finally:
         sidecar.stop()
     log = open(res["log_path"]).read()
@@ -61,17 +60,20 @@ def test_passthrough_is_token_identical_and_sidecar_sees_everything(tiny_model, 
     assert all(len(t) == MAX_TOKENS for t in res["tokens"])
 
     (shim,) = res["shim_stats"]
-    (session,) = status.sessions
+    # Read by the engine process right after the shim's counters, before shutdown.
+    (session,) = res["sidecar_status"]["sessions"]
     n = len(PROMPT_LENS)
     # Every token of every request is computed exactly once: prompt + all outputs but the last.
     batch_tokens = sum(PROMPT_LENS) + n * (MAX_TOKENS - 1)
     flush_tokens = 3  # the flush request's prompt, one step
     assert shim["scheduled_tokens"] == batch_tokens + flush_tokens
-    assert session.scheduled_tokens == shim["scheduled_tokens"]
-    assert session.steps == shim["steps"] > MAX_TOKENS
-    assert session.new_requests == shim["new_requests"] == n + 1
-    assert session.finished_requests == shim["finished_requests"] == n
-    assert session.errors == 0 and shim["request_errors"] == {}
+    assert session["scheduled_tokens"] == shim["scheduled_tokens"]
+    assert session["steps"] == shim["steps"] > MAX_TOKENS
+    assert session["new_requests"] == shim["new_requests"] == n + 1
+    # With multiprocessing the engine core may deliver the flush request's own
+    # finish between the two reads; the batch's n finishes are seen either way.
+    assert n <= shim["finished_requests"] <= session["finished_requests"] <= n + 1
+    assert session["errors"] == 0 and shim["request_errors"] == {}
     assert shim["blocking_exchanges"] == 0  # pass-through declares no pre-forward need
 
 

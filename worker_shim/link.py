@@ -19,7 +19,7 @@ from proto.tensors import TensorRef
 from worker_shim.channel import SidecarChannel
 from worker_shim.tensors import arena_tensor, dtype_name
 
-log = logging.getLogger("worker_shim.link")
+log = logging.getLogger("vllm.omni_sidecar.shim.link")
 PAYLOAD_KEY = "omni_sidecar"
 
 

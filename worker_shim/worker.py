@@ -23,7 +23,7 @@ from worker_shim.link import SidecarLink, hidden_arena_size
 from worker_shim.runner import SidecarRunnerMixin, swap_class
 from worker_shim.tensors import dtype_name
 
-log = logging.getLogger("worker_shim")
+log = logging.getLogger("vllm.omni_sidecar.shim")
 
 
 class ShimWorkerMixin:

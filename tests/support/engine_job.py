@@ -65,6 +65,13 @@ def main(job_path: str, result_path: str) -> int:
             llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1), use_tqdm=False)
         if job.get("shim"):
             result["shim_stats"] = llm.collective_rpc("omni_sidecar_stats")
+        if job.get("sidecar_status"):
+            import msgspec
+
+            from omni_sidecar.client import SidecarClient
+
+            with SidecarClient(job["endpoint"]) as client:
+                result["sidecar_status"] = msgspec.to_builtins(client.status())
         if job.get("fetch_outputs"):
             from omni_sidecar.client import SidecarClient
 
