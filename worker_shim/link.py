@@ -49,7 +49,8 @@ class SidecarLink:
         self.scheduled_tokens = 0
         self.blocking_exchanges = 0
         self.request_errors: dict[str, str] = {}
-        self.exchange_us: list[float] = []
+        self.exchange_us: list[float] = []  # blocking StepBegin round trips
+        self.post_us: list[float] = []  # shim-side cost of each StepEnd (copy + send)
 
     # -- notes from upstream calls ----------------------------------------------
 
@@ -105,6 +106,7 @@ class SidecarLink:
     def end_step(self, state: Any) -> None:
         """After upstream execute_model: StepEnd with what the sidecar has not seen yet."""
         self.in_step = False
+        t0 = time.perf_counter()
         batch = state.input_batch if state is not None else None
         if batch is None and not (self._new or self._finished):
             return
@@ -131,6 +133,8 @@ class SidecarLink:
         self.step += 1
         for result in self.channel.take_results():
             self._record_errors(result.errors)
+        if batch is not None:
+            self.post_us.append((time.perf_counter() - t0) * 1e6)
 
     # -- tensors ------------------------------------------------------------------
 
@@ -184,6 +188,7 @@ class SidecarLink:
             "blocking_exchanges": self.blocking_exchanges,
             "request_errors": dict(self.request_errors),
             "exchange_us": list(self.exchange_us),
+            "post_us": list(self.post_us),
         }
 
     def flush(self) -> None:

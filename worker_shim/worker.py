@@ -101,10 +101,11 @@ class ShimWorkerMixin:
         """For `llm.collective_rpc("omni_sidecar_stats")`: what the shim sent and measured."""
         assert self.omni_link is not None
         stats = self.omni_link.stats()
-        lat = stats.pop("exchange_us")
-        stats["exchange_us_p50"] = statistics.median(lat) if lat else 0.0
-        stats["exchange_us_p99"] = sorted(lat)[int(0.99 * (len(lat) - 1))] if lat else 0.0
-        stats["exchanges_timed"] = len(lat)
+        for key in ("exchange_us", "post_us"):
+            lat = sorted(stats.pop(key))
+            stats[f"{key}_p50"] = statistics.median(lat) if lat else 0.0
+            stats[f"{key}_p99"] = lat[round(0.99 * (len(lat) - 1))] if lat else 0.0
+            stats[f"{key}_n"] = len(lat)
         return stats
 
     def shutdown(self) -> None:

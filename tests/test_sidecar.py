@@ -1,0 +1,170 @@
+"""The sidecar daemon as a real process, driven over its socket without vLLM."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from omni_sidecar.builtin_hooks import CaptureHiddenHooks, PromptEmbedsOverlayHooks
+from omni_sidecar.hooks import RequestHookError, RequestInfo, StepBatch
+from omni_sidecar.payload import sidecar_extra_args
+from omni_sidecar.session import client_request_id
+from proto.arena import ShmArena
+from proto.codec import Codec
+from proto.messages import (
+    ArenaInfo,
+    BatchLayout,
+    ErrorReply,
+    Hello,
+    NewRequest,
+    Reject,
+    StepBegin,
+    StepEnd,
+    StepPlan,
+    StepResult,
+    Welcome,
+)
+from proto.tensors import TensorRef
+from tests.support.procs import SidecarProcess
+
+H = 8
+
+
+@pytest.fixture
+def sidecar(tmp_path, request):
+    hooks = getattr(request, "param", "passthrough")
+    proc = SidecarProcess(f"ipc://{tmp_path}/s.sock", hooks, tmp_path / "sidecar.log")
+    yield proc
+    proc.stop()
+
+
+class Peer:
+    def __init__(self, endpoint: str) -> None:
+        self.codec = Codec()
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def call(self, msg, raw: bytes | None = None):
+        self.sock.send(raw if raw is not None else self.codec.encode(msg))
+        assert self.sock.poll(5000), "sidecar did not answer"
+        return self.codec.decode(self.sock.recv())
+
+    def close(self):
+        self.sock.close(0)
+
+
+def _hello(arenas, major=1, max_tokens=16):
+    return Hello(major, 0, "test", "none", "cpu", 0, 1, "m", H, "float32", max_tokens, arenas)
+
+
+def test_status_and_ping(sidecar):
+    status = sidecar.status()
+    assert status.hook_set == "passthrough" and status.sessions == []
+    assert status.protocol == "1.0"
+
+
+def test_refuses_another_protocol_major(sidecar):
+    peer = Peer(sidecar.endpoint)
+    reply = peer.call(_hello([], major=2))
+    assert isinstance(reply, Reject) and "protocol major version mismatch" in reply.reason
+    peer.close()
+
+
+def test_bad_frames_get_errors_and_the_sidecar_keeps_serving(sidecar):
+    peer = Peer(sidecar.endpoint)
+    for raw in [b"", b"\xc1", b"\x81\xa4type\xa4nope", b"\x00" * 100]:
+        reply = peer.call(None, raw=raw)
+        assert isinstance(reply, ErrorReply)
+    reply = peer.call(StepEnd(0))
+    assert isinstance(reply, ErrorReply) and reply.code == "no_session"
+    assert sidecar.status().rejected_frames == 5
+    peer.close()
+
+
+@pytest.mark.parametrize("sidecar", ["capture"], indirect=True)
+def test_capture_over_the_wire(sidecar):
+    from omni_sidecar.client import SidecarClient
+
+    arena = ShmArena.create(1 << 16)
+    peer = Peer(sidecar.endpoint)
+    welcome = peer.call(_hello([arena.info()]))
+    assert isinstance(welcome, Welcome) and welcome.needs.hidden_states
+    hidden = torch.arange(5 * H, dtype=torch.float32).view(5, H)
+    arena.raw(0, hidden.numel() * 4)[:] = hidden.numpy().tobytes()
+    layout = BatchLayout(["r1-abcdefgh", "r2-abcdefgh"], [0, 3, 5], [0, 0], [3, 2])
+    new = [NewRequest("r1-abcdefgh", 3, [1, 2, 3]), NewRequest("r2-abcdefgh", 2, [4, 5])]
+    result = peer.call(StepEnd(0, layout, new, [], TensorRef(0, 0, hidden.numel() * 4, [5, H], "float32"), 5))
+    assert isinstance(result, StepResult) and result.errors == []
+    # An out-of-bounds ref is an error for the step's requests, not a crash.
+    bad = peer.call(StepEnd(1, layout, [], [], TensorRef(0, 1 << 16, 4 * H, [1, H], "float32"), 5))
+    assert {e.req_id for e in bad.errors} == {"r1-abcdefgh", "r2-abcdefgh"}
+    with SidecarClient(sidecar.endpoint) as client:
+        live = client.outputs("r1")  # the client's own id (vLLM appends -<8 chars>)
+        torch.testing.assert_close(live["hidden_states"], hidden[:3])
+    peer.call(StepEnd(2, None, [], ["r1-abcdefgh", "r2-abcdefgh"]))
+    with SidecarClient(sidecar.endpoint) as client:
+        done = client.outputs("r2-abcdefgh", pop=True)
+        torch.testing.assert_close(done["hidden_states"], hidden[3:5])
+        assert client.outputs("r2-abcdefgh") is None
+        (session,) = client.status().sessions
+    assert session.finished_requests == 2 and session.steps == 2
+    peer.close()
+    arena.close()
+
+
+@pytest.mark.parametrize("sidecar", ["overlay"], indirect=True)
+def test_overlay_plan_over_the_wire(sidecar):
+    peer = Peer(sidecar.endpoint)
+    welcome = peer.call(_hello([]))
+    assert welcome.needs.pre_forward == "prefill" and not welcome.needs.prefix_cache_safe
+    out = ShmArena.attach(welcome.arenas[0])
+    embeds = torch.randn(6, H)
+    payload = sidecar_extra_args(prompt_embeds=embeds)["omni_sidecar"]
+    # Chunk 2 of a 6-token prompt: 2 tokens done, 3 scheduled -> rows [1, 4) take embeds[2:5].
+    layout = BatchLayout(["d", "p"], [0, 1, 4], [9, 2], [4, 6])
+    plan = peer.call(StepBegin(0, layout, [NewRequest("p", 6, [3] * 6, payload)]))
+    assert isinstance(plan, StepPlan) and plan.errors == []
+    (ov,) = plan.overlays
+    assert ov.row_start == 1
+    rows = torch.from_numpy(np.frombuffer(bytes(out.view(ov.rows)), dtype=np.float32).reshape(3, H))
+    torch.testing.assert_close(rows, embeds[2:5])
+    # A payload whose shape does not match the prompt is a per-request error.
+    bad = sidecar_extra_args(prompt_embeds=torch.randn(4, H))["omni_sidecar"]
+    plan = peer.call(StepBegin(1, BatchLayout(["q"], [0, 5], [0], [5]), [NewRequest("q", 5, [3] * 5, bad)]))
+    assert [e.req_id for e in plan.errors] == ["q"] and "does not match" in plan.errors[0].message
+    out.close()
+    peer.close()
+
+
+def test_prefill_row_math_is_chunk_aware():
+    layout = BatchLayout(["dec", "chunk", "last"], [0, 1, 65, 70], [40, 64, 100], [30, 200, 103])
+    batch = StepBatch(0, layout, [RequestInfo(r, 0, []) for r in layout.req_ids])
+    assert batch.prefill_rows(0) == (0, 0, 40)  # decode: nothing to overlay
+    assert batch.prefill_rows(1) == (1, 64, 64)  # a middle chunk: all 64 rows
+    assert batch.prefill_rows(2) == (65, 3, 100)  # last chunk with 2 decode-free rows left over
+
+
+def test_overlay_hook_rejects_bad_payloads_per_request():
+    hooks = PromptEmbedsOverlayHooks()
+    with pytest.raises(RequestHookError, match="bad prompt_embeds"):
+        hooks.on_new_requests([RequestInfo("x", 2, [1, 2], {"prompt_embeds": {"data": b"123", "shape": [2, 2], "dtype": "float32"}})])
+    with pytest.raises(RequestHookError, match="bad prompt_embeds"):
+        hooks.on_new_requests([RequestInfo("y", 2, [1, 2], {"prompt_embeds": {"data": b"", "shape": [0], "dtype": "complex7"}})])
+
+
+def test_capture_hook_forgets_finished_requests():
+    hooks = CaptureHiddenHooks()
+    hooks.on_new_requests([RequestInfo("a", 2, [1, 2])])
+    batch = StepBatch(0, BatchLayout(["a"], [0, 2], [0], [2]), [])
+    hooks.process_model_output(batch, torch.ones(2, H))
+    assert hooks.get_outputs("a")["hidden_states"].shape == (2, H)
+    hooks.on_finished(["a"])
+    assert hooks.get_outputs("a") is None
+
+
+def test_client_request_id():
+    assert client_request_id("7-1a2b3c4d") == "7"
+    assert client_request_id("short") is None
