@@ -129,7 +129,7 @@ def test_overlay_plan_over_the_wire(sidecar):
     assert isinstance(plan, StepPlan) and plan.errors == []
     (ov,) = plan.overlays
     assert ov.row_start == 1
-    rows = torch.from_numpy(np.frombuffer(bytes(out.view(ov.rows)), dtype=np.float32).reshape(3, H))
+    rows = torch.from_numpy(np.frombuffer(bytes(out.view(ov.rows)), dtype=np.float32).reshape(3, H).copy())
     torch.testing.assert_close(rows, embeds[2:5])
     # A payload whose shape does not match the prompt is a per-request error.
     bad = sidecar_extra_args(prompt_embeds=torch.randn(4, H))["omni_sidecar"]

@@ -27,6 +27,11 @@ CPU_NAMES: list[tuple[str, str]] = [
 CUDA_NAMES: list[tuple[str, str]] = [
     ("vllm.v1.worker.gpu_worker", "Worker.init_device"),
 ]
+# Used when present, skipped when absent (start-up must not fail on them).
+OPTIONAL_NAMES: list[tuple[str, str]] = [
+    # plugin.py routes top-k/top-p to torch when Triton runs interpreted.
+    ("vllm.v1.sample.ops.topk_topp_sampler", "HAS_TRITON"),
+]
 # Attributes of live objects, checked on the instances once they exist.
 RUNNER_ATTRS = ["model_state", "model", "execute_model_state", "req_states"]
 MODEL_STATE_METHODS = ["prepare_inputs"]

@@ -8,6 +8,7 @@ interpreter cannot run.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 
@@ -17,8 +18,11 @@ def register() -> None:
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
     if os.environ.get("TRITON_INTERPRET") == "1":
         try:
-            from vllm.v1.sample.ops import topk_topp_sampler
+            from worker_shim.compat import OPTIONAL_NAMES
 
-            topk_topp_sampler.HAS_TRITON = False
+            module, name = OPTIONAL_NAMES[0]
+            sampler = importlib.import_module(module)
+            if hasattr(sampler, name):
+                setattr(sampler, name, False)
         except Exception:  # an upstream rename must not stop vLLM from starting
             pass
