@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from omni_sidecar.hooks import OmniHooks, RequestHookError, RequestInfo, StepBatch
-from omni_sidecar.tensors import tensor_from_bytes
+from omni_sidecar.hooks import HookErrors, OmniHooks, RequestInfo, StepBatch
+from omni_sidecar.omni.wire import PayloadError, decode_tensor_spec
 from proto.messages import HookNeeds
 
 
@@ -52,6 +52,31 @@ class CaptureHiddenHooks(OmniHooks):
             self._rows.pop(req_id, None)
 
 
+def check_prompt_embeds(embeds: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    if embeds.dim() != 2 or embeds.shape[0] != prompt_len:
+        raise PayloadError(
+            f"prompt_embeds shape {list(embeds.shape)} does not match the prompt length "
+            f"{prompt_len}; send [prompt_len, hidden]"
+        )
+    return embeds
+
+
+def overlay_rows(
+    batch: StepBatch, embeds_of: dict[str, torch.Tensor]
+) -> list[tuple[int, torch.Tensor]]:
+    """Prompt rows of this step that take embeddings (DESIGN §3 row math)."""
+    out = []
+    for i, req_id in enumerate(batch.req_ids):
+        embeds = embeds_of.get(req_id)
+        if embeds is None:
+            continue
+        start, k, nc = batch.prefill_rows(i)
+        k = min(k, embeds.shape[0] - nc)  # a resumed request also re-prefills outputs
+        if k > 0:
+            out.append((start, embeds[nc : nc + k]))
+    return out
+
+
 class PromptEmbedsOverlayHooks(OmniHooks):
     """Overlays prompt rows of inputs_embeds with the request's `prompt_embeds` payload.
 
@@ -67,39 +92,35 @@ class PromptEmbedsOverlayHooks(OmniHooks):
         self._embeds: dict[str, torch.Tensor] = {}
 
     def on_new_requests(self, requests: list[RequestInfo]) -> None:
+        errors = {}
         for req in requests:
             spec = (req.payload or {}).get("prompt_embeds")
             if spec is None:
                 continue
             try:
-                embeds = tensor_from_bytes(spec["data"], list(spec["shape"]), spec["dtype"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise RequestHookError(req.req_id, f"bad prompt_embeds payload: {exc}") from None
-            if embeds.dim() != 2 or embeds.shape[0] != req.prompt_len:
-                raise RequestHookError(
-                    req.req_id,
-                    f"prompt_embeds shape {list(embeds.shape)} does not match the prompt "
-                    f"length {req.prompt_len}; send [prompt_len, hidden]",
+                self._embeds[req.req_id] = check_prompt_embeds(
+                    decode_tensor_spec(spec, "prompt_embeds"), req.prompt_len
                 )
-            self._embeds[req.req_id] = embeds
+            except PayloadError as exc:
+                errors[req.req_id] = f"bad prompt_embeds payload: {exc}"
+        if errors:
+            raise HookErrors(errors)
 
     def prepare_prefill_embeds(self, batch: StepBatch) -> list[tuple[int, torch.Tensor]]:
-        out = []
-        for i, req_id in enumerate(batch.req_ids):
-            embeds = self._embeds.get(req_id)
-            if embeds is None:
-                continue
-            start, k, nc = batch.prefill_rows(i)
-            k = min(k, embeds.shape[0] - nc)  # a resumed request also re-prefills outputs
-            if k > 0:
-                out.append((start, embeds[nc : nc + k]))
-        return out
+        return overlay_rows(batch, self._embeds)
 
     def on_finished(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
             self._embeds.pop(req_id, None)
 
 
-BUILTIN_HOOKS: dict[str, type[OmniHooks]] = {
-    cls.name: cls for cls in (PassThroughHooks, CaptureHiddenHooks, PromptEmbedsOverlayHooks)
-}
+def builtin_hooks() -> dict[str, type[OmniHooks]]:
+    from omni_sidecar.omni.hooks import OmniStateHooks
+    from omni_sidecar.omni.stages import TalkerHooks, ThinkerHooks
+
+    classes = (PassThroughHooks, CaptureHiddenHooks, PromptEmbedsOverlayHooks, OmniStateHooks,
+               ThinkerHooks, TalkerHooks)
+    return {cls.name: cls for cls in classes}
+
+
+BUILTIN_NAMES = ("passthrough", "capture", "overlay", "omni", "omni-thinker", "omni-talker")

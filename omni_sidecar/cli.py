@@ -10,7 +10,7 @@ import sys
 import msgspec
 
 from omni_sidecar import __version__
-from omni_sidecar.builtin_hooks import BUILTIN_HOOKS
+from omni_sidecar.builtin_hooks import BUILTIN_NAMES
 from proto.endpoint import default_endpoint
 
 _EPILOG = """\
@@ -42,8 +42,18 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--hooks",
         default="passthrough",
-        help=f"hook set: built-in ({', '.join(BUILTIN_HOOKS)}) or module:Class "
+        help=f"hook set: built-in ({', '.join(BUILTIN_NAMES)}) or module:Class "
         "(a subclass of omni_sidecar.hooks.OmniHooks); default passthrough",
+    )
+    s.add_argument(
+        "--hook-option", action="append", default=[], metavar="KEY=VALUE",
+        help="passed to the hook set's constructor; repeatable (e.g. extra_kwargs=1, "
+        "state_cap_mib=64 for --hooks omni)",
+    )
+    s.add_argument(
+        "--arena-mib", type=int, default=0,
+        help="minimum size of the sidecar->shim arena for overlay rows and kwargs tensors "
+        "(default: sized from the shim's max tokens x hidden size)",
     )
     s.add_argument(
         "--keep-finished", type=int, default=10_000,
@@ -92,14 +102,14 @@ def _serve(args: argparse.Namespace, endpoint: str) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from omni_sidecar.loader import HookLoadError, load_hooks
+    from omni_sidecar.loader import HookLoadError, load_hooks, parse_options
     from omni_sidecar.server import SidecarServer
 
     try:
-        hooks = load_hooks(args.hooks)
+        hooks = load_hooks(args.hooks, parse_options(args.hook_option))
         server = SidecarServer(
             endpoint, hooks, keep_finished=args.keep_finished,
-            max_frame_bytes=args.max_frame_mib << 20,
+            max_frame_bytes=args.max_frame_mib << 20, arena_bytes=args.arena_mib << 20,
         )
     except (HookLoadError, ValueError) as exc:
         print(f"omni-sidecar: {exc}", file=sys.stderr)

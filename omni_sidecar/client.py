@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from typing import Any, Iterator
+
 import torch
 import zmq
 
@@ -24,6 +27,22 @@ from proto.messages import (
 
 class SidecarUnavailable(ConnectionError):
     pass
+
+
+class RequestFailed(RuntimeError):
+    """The sidecar's hooks failed this request; the message says why."""
+
+    def __init__(self, req_id: str, message: str) -> None:
+        super().__init__(f"request {req_id}: {message}")
+        self.req_id = req_id
+        self.message = message
+
+
+def _decode(tensors: dict, values: dict) -> dict[str, Any]:
+    out: dict[str, Any] = dict(values)
+    for name, b in tensors.items():
+        out[name] = tensor_from_bytes(b.data, b.shape, b.dtype)
+    return out
 
 
 class SidecarClient:
@@ -64,14 +83,36 @@ class SidecarClient:
     def status(self) -> StatusReply:
         return self._call(StatusQuery(), StatusReply)  # type: ignore[return-value]
 
-    def outputs(self, req_id: str, pop: bool = False) -> dict[str, torch.Tensor] | None:
-        """The outputs the hook set assembled for a vLLM request id (None if unknown)."""
+    def outputs(self, req_id: str, pop: bool = False) -> dict[str, Any] | None:
+        """The outputs the hook set assembled for a request (None if unknown).
+
+        `req_id` is the id you gave vLLM or vLLM's internal one. Raises
+        RequestFailed if the hooks reported an error for it.
+        """
         reply: OutputsReply = self._call(OutputsQuery(req_id, pop), OutputsReply)  # type: ignore[assignment]
         if not reply.found:
             return None
-        return {
-            name: tensor_from_bytes(b.data, b.shape, b.dtype) for name, b in reply.tensors.items()
-        }
+        if reply.error:
+            raise RequestFailed(req_id, reply.error)
+        return _decode(reply.tensors, reply.values)
+
+    def stream(
+        self, req_id: str, poll_s: float = 0.02, timeout_s: float = 600.0
+    ) -> Iterator[dict[str, Any]]:
+        """Yield the request's per-step outputs as they are produced, until it finishes."""
+        cursor, deadline, seen = 0, time.monotonic() + timeout_s, False
+        while time.monotonic() < deadline:
+            reply: OutputsReply = self._call(OutputsQuery(req_id, since=cursor), OutputsReply)  # type: ignore[assignment]
+            if reply.error:
+                raise RequestFailed(req_id, reply.error)
+            seen = seen or reply.found
+            for chunk in reply.chunks:
+                yield _decode(chunk.tensors, chunk.values)
+            cursor = reply.cursor
+            if seen and (reply.finished or not reply.found):
+                return
+            time.sleep(poll_s)
+        raise TimeoutError(f"request {req_id} did not finish within {timeout_s}s")
 
     def drain(self) -> int:
         return self._call(Drain(), Drained).sessions_left  # type: ignore[union-attr]

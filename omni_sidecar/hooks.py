@@ -5,8 +5,9 @@ Per step the shim's traffic drives, in order: `on_new_requests`,
 says so), the upstream forward in vLLM, `process_model_output`, and
 `on_finished`. `get_outputs` serves clients asking for a request's outputs.
 
-Errors: raise `RequestHookError` to fail one request; any other exception is
-reported for every request of the step. Nothing is swallowed.
+Errors: raise `RequestHookError` (one request) or `HookErrors` (several) to
+fail those requests; any other exception is reported for every request of the
+step. Nothing is swallowed.
 """
 
 from __future__ import annotations
@@ -19,10 +20,22 @@ import torch
 from proto.messages import BatchLayout, HookNeeds
 
 
-class RequestHookError(Exception):
+class HookErrors(Exception):
+    """Fail the named requests (req_id -> message); the others go on."""
+
+    def __init__(self, errors: dict[str, str]) -> None:
+        super().__init__("; ".join(f"{r}: {m}" for r, m in errors.items()))
+        self.errors = errors
+
+
+class RequestHookError(HookErrors):
     def __init__(self, req_id: str, message: str) -> None:
-        super().__init__(message)
+        super().__init__({req_id: message})
         self.req_id = req_id
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 @dataclass
@@ -82,8 +95,16 @@ class OmniHooks:
     def process_model_output(self, batch: StepBatch, hidden_states: torch.Tensor | None) -> None:
         """`hidden_states` aliases shared memory valid only during this call: copy to keep."""
 
-    def get_outputs(self, req_id: str) -> dict[str, torch.Tensor] | None:
+    def get_outputs(self, req_id: str) -> dict[str, Any] | None:
+        """The request's assembled outputs so far (None: not a request these hooks know)."""
         return None
+
+    def output_chunks(self, req_id: str) -> list[dict[str, Any]] | None:
+        """Per-step outputs in step order, for streaming clients (None: not kept)."""
+        return None
+
+    def on_preempted(self, req_ids: list[str]) -> None:
+        """vLLM preempted these; they come back later through `on_new_requests`."""
 
     def on_finished(self, req_ids: list[str]) -> None:
         pass

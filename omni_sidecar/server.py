@@ -13,11 +13,13 @@ import signal
 import stat
 import time
 
+import torch
 import zmq
 
 from omni_sidecar import __version__
 from omni_sidecar.hooks import OmniHooks
-from omni_sidecar.session import FinishedOutputs, Session
+from omni_sidecar.session import Session
+from omni_sidecar.store import FinishedOutputs
 from omni_sidecar.tensors import tensor_to_bytes
 from proto.codec import Codec, FrameError
 from proto.endpoint import check_endpoint, ipc_path
@@ -26,6 +28,7 @@ from proto.messages import (
     Drained,
     ErrorReply,
     Hello,
+    OutputChunk,
     OutputsQuery,
     OutputsReply,
     Ping,
@@ -50,12 +53,14 @@ class SidecarServer:
         hooks: OmniHooks,
         keep_finished: int = 10_000,
         max_frame_bytes: int = 64 << 20,
+        arena_bytes: int = 0,
     ) -> None:
         check_endpoint(endpoint)
         self.endpoint = endpoint
         self.hooks = hooks
         self.codec = Codec(max_frame_bytes)
         self.finished = FinishedOutputs(keep_finished)
+        self.arena_bytes = arena_bytes
         self.sessions: dict[bytes, Session] = {}
         self.rejected_frames = 0
         self.started = time.monotonic()
@@ -186,7 +191,7 @@ class SidecarServer:
         old = self.sessions.pop(ident, None)
         if old is not None:
             old.close()
-        session = Session(self._next_session, hello, self.hooks, self.finished)
+        session = Session(self._next_session, hello, self.hooks, self.finished, self.arena_bytes)
         try:
             session.open_arenas()
         except Exception as exc:
@@ -221,24 +226,39 @@ class SidecarServer:
             sessions=[s.status() for s in self.sessions.values()],
         )
 
-    def _live_request(self, req_id: str) -> str | None:
+    def _live_request(self, req_id: str) -> tuple[Session, str] | None:
         for session in self.sessions.values():
             found = session.resolve(req_id)
             if found is not None:
-                return found
+                return session, found
         return None
 
     def _outputs(self, q: OutputsQuery) -> OutputsReply:
-        live_id = self._live_request(q.req_id)
-        live = live_id is not None
-        tensors = self.hooks.get_outputs(live_id) if live_id else self.finished.get(q.req_id, q.pop)
-        if tensors is None:
-            return OutputsReply(req_id=q.req_id, found=False)
-        blobs = {}
-        for name, t in tensors.items():
-            data, shape, dtype = tensor_to_bytes(t)
-            blobs[name] = TensorBlob(shape, dtype, data)
-        return OutputsReply(req_id=q.req_id, found=True, finished=not live, tensors=blobs)
+        live = self._live_request(q.req_id)
+        if live is not None:
+            session, req_id = live
+            outputs = self.hooks.get_outputs(req_id) if q.since < 0 else None
+            chunks = self.hooks.output_chunks(req_id) if q.since >= 0 else None
+            error = session.errors_by_request.get(req_id, "")
+        else:
+            entry = self.finished.get(q.req_id, q.pop)
+            if entry is None:
+                return OutputsReply(req_id=q.req_id, found=False)
+            outputs, chunks, error = entry.outputs, entry.chunks, entry.error
+        tensors, values = _split(outputs or {})
+        out_chunks = []
+        if q.since >= 0 and chunks:
+            out_chunks = [OutputChunk(*_split(c)) for c in chunks[q.since :]]
+        return OutputsReply(
+            req_id=q.req_id,
+            found=True,
+            finished=live is None,
+            tensors=tensors,
+            values=values,
+            chunks=out_chunks,
+            cursor=max(q.since, 0) + len(out_chunks),
+            error=error,
+        )
 
     def _reject(self, ident: bytes, code: str, message: str) -> None:
         self.rejected_frames += 1
@@ -251,3 +271,15 @@ class SidecarServer:
             self._sock.send_multipart([ident, self.codec.encode(msg)], zmq.NOBLOCK)
         except zmq.Again:
             log.warning("dropped a reply: peer is not reading")
+
+
+def _split(outputs: dict) -> tuple[dict[str, TensorBlob], dict]:
+    """Tensors become blobs; JSON-like values travel as they are."""
+    tensors, values = {}, {}
+    for name, value in outputs.items():
+        if isinstance(value, torch.Tensor):
+            data, shape, dtype = tensor_to_bytes(value)
+            tensors[name] = TensorBlob(shape, dtype, data)
+        else:
+            values[name] = value
+    return tensors, values

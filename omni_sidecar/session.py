@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from typing import Any
 
 import torch
 
-from omni_sidecar.hooks import OmniHooks, RequestHookError, RequestInfo, StepBatch
+from omni_sidecar.hooks import HookErrors, OmniHooks, RequestInfo, StepBatch
 from omni_sidecar.stats import LatencyWindow
+from omni_sidecar.store import FinishedEntry, FinishedOutputs, client_request_id
 from omni_sidecar.tensors import torch_dtype, view_tensor, write_tensor
 from proto.arena import ArenaError, ShmArena, align_up
 from proto.messages import (
@@ -24,75 +25,71 @@ from proto.messages import (
     StepPlan,
     StepResult,
 )
-from proto.tensors import DTYPE_ITEMSIZE
+from proto.tensors import DTYPE_ITEMSIZE, TENSOR_MARKER
 
 log = logging.getLogger("omni_sidecar.session")
+MAX_KWARGS_DEPTH = 8
 
 
-def client_request_id(req_id: str) -> str | None:
-    """The id the client gave vLLM: vLLM appends "-<8 random chars>" internally."""
-    if len(req_id) > 9 and req_id[-9] == "-":
-        return req_id[:-9]
-    return None
+class OutArena:
+    """The sidecar->shim arena, filled from offset 0 for each plan.
 
-
-class FinishedOutputs:
-    """Outputs of finished requests kept for clients, oldest dropped first.
-
-    Found by vLLM's internal request id or by the client's own id.
+    Safe to reuse per step: the shim copies everything out of it before it
+    sends the next message.
     """
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._items: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
-        self._alias: dict[str, str] = {}
+    def __init__(self, arena: ShmArena) -> None:
+        self.arena = arena
+        self.offset = 0
 
-    def put(self, req_id: str, outputs: dict[str, torch.Tensor]) -> None:
-        self._items[req_id] = outputs
-        self._items.move_to_end(req_id)
-        client_id = client_request_id(req_id)
-        if client_id is not None:
-            self._alias[client_id] = req_id
-        while len(self._items) > self.capacity:
-            old, _ = self._items.popitem(last=False)
-            old_client = client_request_id(old)
-            if old_client is not None and self._alias.get(old_client) == old:
-                del self._alias[old_client]
+    def reset(self) -> None:
+        self.offset = 0
 
-    def resolve(self, req_id: str) -> str:
-        return req_id if req_id in self._items else self._alias.get(req_id, req_id)
-
-    def get(self, req_id: str, pop: bool) -> dict[str, torch.Tensor] | None:
-        key = self.resolve(req_id)
-        return self._items.pop(key, None) if pop else self._items.get(key)
+    def put(self, tensor: torch.Tensor):
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.offset + nbytes > self.arena.size:
+            raise ArenaError(
+                f"step needs more than the {self.arena.size}-byte sidecar arena "
+                "(raise it with --arena-mib)"
+            )
+        ref = write_tensor(self.arena, self.offset, tensor.detach().cpu().contiguous(), arena_id=0)
+        self.offset = align_up(self.offset + nbytes)
+        return ref
 
 
 class Session:
     def __init__(
-        self, session_id: int, hello: Hello, hooks: OmniHooks, finished: FinishedOutputs
+        self,
+        session_id: int,
+        hello: Hello,
+        hooks: OmniHooks,
+        finished: FinishedOutputs,
+        arena_bytes: int = 0,
     ) -> None:
         self.id = session_id
         self.hello = hello
         self.hooks = hooks
         self.finished_store = finished
+        self.arena_bytes = arena_bytes
         self.connected_at = time.monotonic()
         self.requests: dict[str, RequestInfo] = {}
-        self._aliases: dict[str, str] = {}
+        self.errors_by_request: dict[str, str] = {}
         self.in_arenas: list[ShmArena] = []
-        self.out_arena: ShmArena | None = None
+        self.out: OutArena | None = None
         self.steps = 0
         self.new_requests = 0
         self.finished_requests = 0
         self.scheduled_tokens = 0
         self.errors = 0
         self.latency = LatencyWindow()
+        self._aliases: dict[str, str] = {}
         self._begin_us = 0.0
         self._last_layout: BatchLayout | None = None
 
     # -- set-up --------------------------------------------------------------
 
     def open_arenas(self) -> None:
-        """Map the shim's arenas; create ours for overlay rows if the hooks need one."""
+        """Map the shim's arenas; create ours for overlay rows / kwargs if the hooks need one."""
         for info in self.hello.arenas:
             self.in_arenas.append(ShmArena.attach(info))
         if self.hooks.needs.pre_forward != "never":
@@ -100,17 +97,21 @@ class Session:
                 raise ArenaError(f"shim announced unknown dtype {self.hello.dtype!r}")
             itemsize = DTYPE_ITEMSIZE[self.hello.dtype]
             rows_bytes = self.hello.max_num_tokens * self.hello.hidden_size * itemsize
-            # Slack for per-overlay alignment (one overlay per request at most).
-            size = align_up(max(1, rows_bytes)) + 64 * 1024
-            self.out_arena = ShmArena.create(size, prefix=f"omni-sidecar-s{self.id}")
+            # Slack for per-tensor alignment; hook sets with big kwargs ask for more.
+            size = max(align_up(max(1, rows_bytes)) + (1 << 20), self.arena_bytes)
+            self.out = OutArena(ShmArena.create(size, prefix=f"omni-sidecar-s{self.id}"))
+
+    @property
+    def out_arena(self) -> ShmArena | None:
+        return self.out.arena if self.out is not None else None
 
     def close(self) -> None:
         for arena in self.in_arenas:
             arena.close()
-        if self.out_arena is not None:
-            self.out_arena.close()
+        if self.out is not None:
+            self.out.arena.close()
         self.in_arenas.clear()
-        self.out_arena = None
+        self.out = None
 
     def resolve(self, req_id: str) -> str | None:
         """The live request a client id names (its own id or vLLM's internal one)."""
@@ -122,52 +123,47 @@ class Session:
 
     def step_begin(self, msg: StepBegin) -> StepPlan:
         t0 = time.perf_counter()
-        errors: list[RequestError] = []
-        self._admit(msg.new_requests, msg.finished, errors)
+        errors: dict[str, str] = {}
+        self._admit(msg.new_requests, msg.finished, msg.preempted, errors)
         batch = self._batch(msg.step, msg.batch)
         self._last_layout = msg.batch
         overlays: list[Overlay] = []
-        extra: dict = {}
-        try:
+        extra: dict[str, Any] = {}
+        if self.out is not None:
+            self.out.reset()
+        with _collect(errors, batch, "pre-forward hooks"):
             overlays = self._write_overlays(self.hooks.prepare_prefill_embeds(batch))
-            extra = self.hooks.build_extra_kwargs(batch)
-        except RequestHookError as exc:
-            errors.append(RequestError(exc.req_id, str(exc)))
-        except Exception as exc:  # a hook bug fails this step's requests, not the sidecar
-            errors.extend(self._fail_all(batch, "pre-forward hooks", exc))
-        self.errors += len(errors)
+            extra = self._encode_kwargs(self.hooks.build_extra_kwargs(batch), 0)
         self._begin_us = (time.perf_counter() - t0) * 1e6
-        return StepPlan(step=msg.step, overlays=overlays, extra_kwargs=extra, errors=errors)
+        return StepPlan(step=msg.step, overlays=overlays, extra_kwargs=extra, errors=self._report(errors))
 
     def step_end(self, msg: StepEnd) -> StepResult:
         t0 = time.perf_counter()
-        errors: list[RequestError] = []
-        self._admit(msg.new_requests, [], errors)
+        errors: dict[str, str] = {}
+        self._admit(msg.new_requests, [], msg.preempted, errors)
         layout = msg.batch if msg.batch is not None else self._last_layout
         if msg.num_tokens and layout is not None:
             self.steps += 1
             self.scheduled_tokens += msg.num_tokens
             batch = self._batch(msg.step, layout)
-            try:
-                hidden = self._hidden(msg)
-                self.hooks.process_model_output(batch, hidden)
-            except RequestHookError as exc:
-                errors.append(RequestError(exc.req_id, str(exc)))
-            except Exception as exc:
-                errors.extend(self._fail_all(batch, "process_model_output", exc))
+            with _collect(errors, batch, "process_model_output"):
+                self.hooks.process_model_output(batch, self._hidden(msg))
         self._last_layout = None
+        result_errors = self._report(errors)
         self._finish(msg.finished)
-        self.errors += len(errors)
         hook_us = (time.perf_counter() - t0) * 1e6 + self._begin_us
         self._begin_us = 0.0
         if msg.num_tokens:
             self.latency.record(hook_us)
-        return StepResult(step=msg.step, errors=errors, hook_us=hook_us)
+        return StepResult(step=msg.step, errors=result_errors, hook_us=hook_us)
 
     def _admit(
-        self, new: list[NewRequest], finished: list[str], errors: list[RequestError]
+        self, new: list[NewRequest], finished: list[str], preempted: list[str], errors: dict[str, str]
     ) -> None:
         self._finish(finished)
+        if preempted:
+            with _collect(errors, None, "on_preempted", preempted):
+                self.hooks.on_preempted(list(preempted))
         if not new:
             return
         infos = []
@@ -179,27 +175,35 @@ class Session:
                 self._aliases[client_id] = req.req_id
             infos.append(info)
         self.new_requests += len(new)
-        try:
+        with _collect(errors, None, "on_new_requests", [r.req_id for r in new]):
             self.hooks.on_new_requests(infos)
-        except RequestHookError as exc:
-            errors.append(RequestError(exc.req_id, str(exc)))
-        except Exception as exc:
-            log.exception("on_new_requests failed")
-            errors.extend(RequestError(r.req_id, f"on_new_requests: {exc!r}") for r in new)
+
+    def _report(self, errors: dict[str, str]) -> list[RequestError]:
+        for req_id, message in errors.items():
+            self.errors_by_request.setdefault(req_id, message)
+        self.errors += len(errors)
+        return [RequestError(r, m[:4000]) for r, m in errors.items()]
 
     def _finish(self, req_ids: list[str]) -> None:
         if not req_ids:
             return
         for req_id in req_ids:
-            outputs = self.hooks.get_outputs(req_id)
-            if outputs is not None:
-                self.finished_store.put(req_id, outputs)
+            entry = FinishedEntry(
+                outputs=self.hooks.get_outputs(req_id),
+                chunks=self.hooks.output_chunks(req_id),
+                error=self.errors_by_request.pop(req_id, ""),
+            )
+            if entry.outputs is not None or entry.chunks is not None or entry.error:
+                self.finished_store.put(req_id, entry)
             if self.requests.pop(req_id, None) is not None:
                 self.finished_requests += 1
             client_id = client_request_id(req_id)
             if client_id is not None and self._aliases.get(client_id) == req_id:
                 del self._aliases[client_id]
-        self.hooks.on_finished(list(req_ids))
+        try:
+            self.hooks.on_finished(list(req_ids))
+        except Exception:
+            log.exception("on_finished raised; the requests are gone from vLLM anyway")
 
     def _batch(self, step: int, layout: BatchLayout) -> StepBatch:
         n = len(layout.req_ids)
@@ -225,20 +229,24 @@ class Session:
     def _write_overlays(self, pairs: list[tuple[int, torch.Tensor]]) -> list[Overlay]:
         if not pairs:
             return []
-        if self.out_arena is None:
+        if self.out is None:
             raise RuntimeError("hook set returned overlay rows but declared pre_forward='never'")
         want = torch_dtype(self.hello.dtype)
-        overlays, offset = [], 0
-        for row_start, rows in pairs:
-            rows = rows.to(want)
-            ref = write_tensor(self.out_arena, offset, rows, arena_id=0)
-            offset = align_up(offset + ref.nbytes)
-            overlays.append(Overlay(row_start, ref))
-        return overlays
+        return [Overlay(row_start, self.out.put(rows.to(want))) for row_start, rows in pairs]
 
-    def _fail_all(self, batch: StepBatch, where: str, exc: Exception) -> list[RequestError]:
-        log.exception("%s raised for step %d", where, batch.step)
-        return [RequestError(r, f"{where}: {exc!r}") for r in batch.req_ids]
+    def _encode_kwargs(self, value: Any, depth: int) -> Any:
+        """Tensors in extra kwargs go into the arena; the message carries their refs."""
+        if depth > MAX_KWARGS_DEPTH:
+            raise ValueError(f"extra kwargs nest deeper than {MAX_KWARGS_DEPTH} levels")
+        if isinstance(value, torch.Tensor):
+            if self.out is None:
+                raise RuntimeError("extra kwargs hold tensors but the hook set has no arena")
+            return {TENSOR_MARKER: self.out.put(value)}
+        if isinstance(value, dict):
+            return {k: self._encode_kwargs(v, depth + 1) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self._encode_kwargs(v, depth + 1) for v in value]
+        return value
 
     def status(self) -> SessionStatus:
         p50, p99 = self.latency.summary()
@@ -259,3 +267,30 @@ class Session:
             step_latency_us_p50=p50,
             step_latency_us_p99=p99,
         )
+
+
+class _collect:
+    """Turns hook exceptions into per-request errors; a hook bug never escapes."""
+
+    def __init__(self, errors: dict[str, str], batch: StepBatch | None, where: str,
+                 req_ids: list[str] | None = None) -> None:
+        self.errors = errors
+        self.where = where
+        self.req_ids = req_ids if req_ids is not None else (batch.req_ids if batch else [])
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None:
+            return False
+        if isinstance(exc, HookErrors):
+            for req_id, message in exc.errors.items():
+                self.errors.setdefault(req_id, message)
+            return True
+        if isinstance(exc, Exception):
+            log.error("%s raised %r", self.where, exc, exc_info=(exc_type, exc, tb))
+            for req_id in self.req_ids:
+                self.errors.setdefault(req_id, f"{self.where}: {exc!r}")
+            return True
+        return False

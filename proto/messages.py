@@ -119,6 +119,7 @@ class StepBegin(msgspec.Struct, tag="step_begin", frozen=True):
     batch: BatchLayout
     new_requests: Annotated[list[NewRequest], msgspec.Meta(max_length=MAX_BATCH)] = []
     finished: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] = []
+    preempted: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] = []
 
 
 class Overlay(msgspec.Struct, frozen=True, array_like=True):
@@ -134,6 +135,12 @@ class RequestError(msgspec.Struct, frozen=True, array_like=True):
 
 
 class StepPlan(msgspec.Struct, tag="step_plan", frozen=True):
+    """Overlay rows and extra forward kwargs for this step.
+
+    In `extra_kwargs`, a tensor is `{TENSOR_MARKER: TensorRef}` pointing into the
+    sidecar's arena; everything else is JSON-like.
+    """
+
     step: Count
     overlays: Annotated[list[Overlay], msgspec.Meta(max_length=MAX_BATCH)] = []
     extra_kwargs: dict[str, Any] = {}
@@ -150,6 +157,7 @@ class StepEnd(msgspec.Struct, tag="step_end", frozen=True):
     batch: BatchLayout | None = None
     new_requests: Annotated[list[NewRequest], msgspec.Meta(max_length=MAX_BATCH)] = []
     finished: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] = []
+    preempted: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] = []
     hidden: TensorRef | None = None
     num_tokens: Count = 0
 
@@ -212,8 +220,20 @@ class TensorBlob(msgspec.Struct, frozen=True, array_like=True):
 
 
 class OutputsQuery(msgspec.Struct, tag="outputs", frozen=True):
+    """A request's outputs by vLLM request id (internal, or the client's own).
+
+    since < 0: the assembled outputs. since >= 0: the per-step chunks from that
+    index on (streaming; the reply's `cursor` is the next index to ask for).
+    """
+
     req_id: ReqId
     pop: bool = False
+    since: int = -1
+
+
+class OutputChunk(msgspec.Struct, frozen=True, array_like=True):
+    tensors: dict[Name, TensorBlob] = {}
+    values: dict[Name, Any] = {}
 
 
 class OutputsReply(msgspec.Struct, tag="outputs_reply", frozen=True):
@@ -221,6 +241,10 @@ class OutputsReply(msgspec.Struct, tag="outputs_reply", frozen=True):
     found: bool
     finished: bool = False
     tensors: dict[Name, TensorBlob] = {}
+    values: dict[Name, Any] = {}
+    chunks: list[OutputChunk] = []
+    cursor: Count = 0
+    error: Text = ""
 
 
 class Drain(msgspec.Struct, tag="drain", frozen=True):

@@ -40,6 +40,10 @@ class TensorRef(msgspec.Struct, frozen=True, array_like=True):
     device: str = "cpu"
 
 
+# Marks a tensor inside JSON-like values (StepPlan.extra_kwargs): {TENSOR_MARKER: TensorRef}.
+TENSOR_MARKER = "__omni_tensor_ref__"
+
+
 class TensorRefError(ValueError):
     """A tensor ref that does not fit its arena or its own shape and dtype."""
 

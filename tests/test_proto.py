@@ -40,7 +40,7 @@ def test_every_message_round_trips():
         _hello(),
         Welcome(1, 0, "0.1.0", "capture", HookNeeds(hidden_states=True), 7),
         StepBegin(3, layout, [NewRequest("a", 3, [1, 2, 3], {"prompt_embeds": {"data": b"\0" * 4}})], ["z"]),
-        StepEnd(3, None, [], [], TensorRef(0, 64, 2048, [4, 128], "float32"), 4),
+        StepEnd(3, hidden=TensorRef(0, 64, 2048, [4, 128], "float32"), num_tokens=4, preempted=["q"]),
     ]
     for msg in msgs:
         assert codec.decode(codec.encode(msg)) == msg

@@ -8,9 +8,9 @@ import torch
 import zmq
 
 from omni_sidecar.builtin_hooks import CaptureHiddenHooks, PromptEmbedsOverlayHooks
-from omni_sidecar.hooks import RequestHookError, RequestInfo, StepBatch
+from omni_sidecar.hooks import HookErrors, RequestInfo, StepBatch
 from omni_sidecar.payload import sidecar_extra_args
-from omni_sidecar.session import client_request_id
+from omni_sidecar.store import client_request_id
 from proto.arena import ShmArena
 from proto.codec import Codec
 from proto.messages import (
@@ -86,7 +86,7 @@ def test_bad_frames_get_errors_and_the_sidecar_keeps_serving(sidecar):
 
 @pytest.mark.parametrize("sidecar", ["capture"], indirect=True)
 def test_capture_over_the_wire(sidecar):
-    from omni_sidecar.client import SidecarClient
+    from omni_sidecar.client import RequestFailed, SidecarClient
 
     arena = ShmArena.create(1 << 16)
     peer = Peer(sidecar.endpoint)
@@ -96,12 +96,16 @@ def test_capture_over_the_wire(sidecar):
     arena.raw(0, hidden.numel() * 4)[:] = hidden.numpy().tobytes()
     layout = BatchLayout(["r1-abcdefgh", "r2-abcdefgh"], [0, 3, 5], [0, 0], [3, 2])
     new = [NewRequest("r1-abcdefgh", 3, [1, 2, 3]), NewRequest("r2-abcdefgh", 2, [4, 5])]
-    result = peer.call(StepEnd(0, layout, new, [], TensorRef(0, 0, hidden.numel() * 4, [5, H], "float32"), 5))
+    result = peer.call(StepEnd(0, layout, new, hidden=TensorRef(0, 0, hidden.numel() * 4, [5, H], "float32"), num_tokens=5))
     assert isinstance(result, StepResult) and result.errors == []
     # An out-of-bounds ref is an error for the step's requests, not a crash.
-    bad = peer.call(StepEnd(1, layout, [], [], TensorRef(0, 1 << 16, 4 * H, [1, H], "float32"), 5))
-    assert {e.req_id for e in bad.errors} == {"r1-abcdefgh", "r2-abcdefgh"}
+    bad_layout = BatchLayout(["r3-abcdefgh"], [0, 1], [0], [1])
+    bad = peer.call(StepEnd(1, bad_layout, [NewRequest("r3-abcdefgh", 1, [9])],
+                            hidden=TensorRef(0, 1 << 16, 4 * H, [1, H], "float32"), num_tokens=1))
+    assert [e.req_id for e in bad.errors] == ["r3-abcdefgh"] and "outside arena" in bad.errors[0].message
     with SidecarClient(sidecar.endpoint) as client:
+        with pytest.raises(RequestFailed, match="outside arena"):
+            client.outputs("r3")
         live = client.outputs("r1")  # the client's own id (vLLM appends -<8 chars>)
         torch.testing.assert_close(live["hidden_states"], hidden[:3])
     peer.call(StepEnd(2, None, [], ["r1-abcdefgh", "r2-abcdefgh"]))
@@ -110,7 +114,7 @@ def test_capture_over_the_wire(sidecar):
         torch.testing.assert_close(done["hidden_states"], hidden[3:5])
         assert client.outputs("r2-abcdefgh") is None
         (session,) = client.status().sessions
-    assert session.finished_requests == 2 and session.steps == 2
+    assert session.finished_requests == 2 and session.steps == 2 and session.errors == 1
     peer.close()
     arena.close()
 
@@ -149,10 +153,19 @@ def test_prefill_row_math_is_chunk_aware():
 
 def test_overlay_hook_rejects_bad_payloads_per_request():
     hooks = PromptEmbedsOverlayHooks()
-    with pytest.raises(RequestHookError, match="bad prompt_embeds"):
-        hooks.on_new_requests([RequestInfo("x", 2, [1, 2], {"prompt_embeds": {"data": b"123", "shape": [2, 2], "dtype": "float32"}})])
-    with pytest.raises(RequestHookError, match="bad prompt_embeds"):
-        hooks.on_new_requests([RequestInfo("y", 2, [1, 2], {"prompt_embeds": {"data": b"", "shape": [0], "dtype": "complex7"}})])
+    good = sidecar_extra_args(prompt_embeds=torch.ones(2, 2))["omni_sidecar"]
+    with pytest.raises(HookErrors) as e:
+        hooks.on_new_requests([
+            RequestInfo("x", 2, [1, 2], {"prompt_embeds": {"data": b"123", "shape": [2, 2], "dtype": "float32"}}),
+            RequestInfo("ok", 2, [1, 2], good),
+            RequestInfo("y", 2, [1, 2], {"prompt_embeds": {"data": b"", "shape": [0], "dtype": "complex7"}}),
+        ])
+    assert set(e.value.errors) == {"x", "y"}
+    assert "need 16" in e.value.errors["x"] and "complex7" in e.value.errors["y"]
+    # The good request in the same batch was admitted.
+    batch = StepBatch(0, BatchLayout(["ok"], [0, 2], [0], [2]), [])
+    (row_start, rows), = hooks.prepare_prefill_embeds(batch)
+    assert row_start == 0 and torch.equal(rows, torch.ones(2, 2))
 
 
 def test_capture_hook_forgets_finished_requests():

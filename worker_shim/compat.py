@@ -46,7 +46,12 @@ INPUT_BATCH_FIELDS = [
     "has_prefill",
 ]
 NEW_REQUEST_FIELDS = ["req_id", "prompt_len", "prompt_token_ids", "sampling_params"]
-SCHEDULER_OUTPUT_FIELDS = ["finished_req_ids", "scheduled_new_reqs", "total_num_scheduled_tokens"]
+SCHEDULER_OUTPUT_FIELDS = [
+    "finished_req_ids",
+    "preempted_req_ids",  # optional: read with getattr; absent means no preemption notices
+    "scheduled_new_reqs",
+    "total_num_scheduled_tokens",
+]
 MODEL_METHODS = ["embed_input_ids"]
 
 

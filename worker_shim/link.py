@@ -11,11 +11,12 @@ import logging
 import time
 from typing import Any
 
+import msgspec
 import torch
 
 from proto.arena import ShmArena, SlotRing, align_up
 from proto.messages import BatchLayout, HookNeeds, NewRequest, StepBegin, StepEnd, StepPlan, Welcome
-from proto.tensors import TensorRef
+from proto.tensors import TENSOR_MARKER, TensorRef
 from worker_shim.channel import SidecarChannel
 from worker_shim.tensors import arena_tensor, dtype_name
 
@@ -41,6 +42,7 @@ class SidecarLink:
         self.in_step = False
         self._new: list[NewRequest] = []
         self._finished: list[str] = []
+        self._preempted: list[str] = []
         self._layout_sent = False
         # Counters (read through the worker's `omni_sidecar_stats`).
         self.steps = 0
@@ -54,10 +56,13 @@ class SidecarLink:
 
     # -- notes from upstream calls ----------------------------------------------
 
-    def note_finished(self, req_ids: set[str] | frozenset[str]) -> None:
-        if req_ids:
-            self._finished.extend(sorted(req_ids))
-            self.finished_requests += len(req_ids)
+    def note_finished(self, finished: set[str], preempted: set[str] | None) -> None:
+        """vLLM frees both kinds in finish_requests; the sidecar keeps state for preempted ones."""
+        if finished:
+            self._finished.extend(sorted(finished))
+            self.finished_requests += len(finished)
+        if preempted:
+            self._preempted.extend(sorted(preempted))
 
     def note_new(self, new_reqs: list[Any]) -> None:
         for req in new_reqs:
@@ -91,13 +96,17 @@ class SidecarLink:
             batch=_layout(input_batch),
             new_requests=self._new,
             finished=self._finished,
+            preempted=self._preempted,
         )
-        self._new, self._finished = [], []
+        self._new, self._finished, self._preempted = [], [], []
         self._layout_sent = True
         plan: StepPlan = self.channel.call(msg, StepPlan)  # type: ignore[assignment]
         self.blocking_exchanges += 1
         self._record_errors(plan.errors)
-        extra: dict[str, Any] = dict(plan.extra_kwargs)
+        extra: dict[str, Any] = {}
+        if plan.extra_kwargs:
+            device = model_device(model)
+            extra = {k: self._decode_kwarg(v, device, 0) for k, v in plan.extra_kwargs.items()}
         if plan.overlays:
             extra["inputs_embeds"] = self._overlay(plan, input_batch, model)
         self.exchange_us.append((time.perf_counter() - t0) * 1e6)
@@ -108,7 +117,7 @@ class SidecarLink:
         self.in_step = False
         t0 = time.perf_counter()
         batch = state.input_batch if state is not None else None
-        if batch is None and not (self._new or self._finished):
+        if batch is None and not (self._new or self._finished or self._preempted):
             return
         hidden_ref = None
         num_tokens = 0
@@ -123,10 +132,11 @@ class SidecarLink:
             batch=None if (batch is None or self._layout_sent) else _layout(batch),
             new_requests=self._new,
             finished=self._finished,
+            preempted=self._preempted,
             hidden=hidden_ref,
             num_tokens=num_tokens,
         )
-        self._new, self._finished = [], []
+        self._new, self._finished, self._preempted = [], [], []
         self.channel.send(msg)
         if self.ring is not None and hidden_ref is not None:
             self.ring.owner_step[self.ring.slot_of(self.step)] = self.step
@@ -171,6 +181,21 @@ class SidecarLink:
             embeds[ov.row_start : end].copy_(rows.to(device=embeds.device, dtype=embeds.dtype))
         return embeds
 
+    def _decode_kwarg(self, value: Any, device: torch.device, depth: int) -> Any:
+        """Tensor markers become tensors (copied out of the arena onto the model's device)."""
+        if depth > 8:
+            raise RuntimeError("sidecar extra kwargs nest deeper than 8 levels")
+        if isinstance(value, dict):
+            if TENSOR_MARKER in value:
+                if self.overlay_arena is None:
+                    raise RuntimeError("sidecar sent tensor kwargs but offered no arena")
+                ref = msgspec.convert(value[TENSOR_MARKER], TensorRef)
+                return arena_tensor(self.overlay_arena, ref).to(device, copy=True)
+            return {k: self._decode_kwarg(v, device, depth + 1) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._decode_kwarg(v, device, depth + 1) for v in value]
+        return value
+
     def _record_errors(self, errors: list[Any]) -> None:
         for err in errors:
             if err.req_id not in self.request_errors:
@@ -202,6 +227,12 @@ class SidecarLink:
         for arena in (self.hidden_arena, self.overlay_arena):
             if arena is not None:
                 arena.close()
+
+
+def model_device(model: Any) -> torch.device:
+    for param in model.parameters():
+        return param.device
+    return torch.device("cpu")
 
 
 def _layout(batch: Any) -> BatchLayout:

@@ -26,7 +26,9 @@ class SidecarRunnerMixin:
     omni_link: SidecarLink
 
     def finish_requests(self, scheduler_output: Any) -> None:
-        self.omni_link.note_finished(scheduler_output.finished_req_ids)
+        self.omni_link.note_finished(
+            scheduler_output.finished_req_ids, getattr(scheduler_output, "preempted_req_ids", None)
+        )
         return _up(self).finish_requests(scheduler_output)  # type: ignore[misc]
 
     def add_requests(self, scheduler_output: Any) -> None:

@@ -1,0 +1,178 @@
+"""The `omni` hook set: vllm-omni's runner hooks, running in the sidecar.
+
+Per request it decodes the payload (`prompt_embeds`, vllm-omni
+`additional_information`, or a plain `model_intermediate_buffer`) into state,
+overlays prompt embeddings in prefill (chunk-aware), optionally hands the model
+`runtime_additional_information` and `request_token_spans` as forward kwargs,
+runs a per-request `postprocess` over each step's hidden-state rows (its update
+is merged into state and visible on the next step), and assembles multimodal
+outputs per request for clients (streamed per step, complete at finish).
+
+Subclass it for a model: override `postprocess`, `multimodal_outputs` or
+`runtime_info`. Options (`--hook-option key=value`): extra_kwargs=1,
+state_cap_mib=N, resident_keys=cat.qual,cat.qual.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from omni_sidecar.builtin_hooks import check_prompt_embeds, overlay_rows
+from omni_sidecar.hooks import HookErrors, OmniHooks, RequestInfo, StepBatch
+from omni_sidecar.omni.outputs import OutputLog, accumulate, slice_per_request
+from omni_sidecar.omni.state import IntermediateBuffer, StateError
+from omni_sidecar.omni.wire import (
+    PayloadError,
+    decode_additional_information,
+    decode_plain_buffer,
+    decode_tensor_spec,
+)
+from proto.messages import HookNeeds
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+class OmniStateHooks(OmniHooks):
+    name = "omni"
+
+    def __init__(
+        self, extra_kwargs: str = "0", state_cap_mib: str = "256", resident_keys: str = ""
+    ) -> None:
+        self.send_extra_kwargs = str(extra_kwargs).lower() in _TRUE
+        resident = {tuple(k.split(".", 1)) for k in resident_keys.split(",") if "." in k}
+        self.state = IntermediateBuffer(
+            resident_keys=resident,  # type: ignore[arg-type]
+            max_bytes_per_request=int(float(state_cap_mib) * (1 << 20)),
+        )
+        self.prompt_embeds: dict[str, torch.Tensor] = {}
+        self.log = OutputLog()
+        self.preempted: set[str] = set()
+        self.needs = HookNeeds(
+            pre_forward="always" if self.send_extra_kwargs else "prefill",
+            hidden_states=True,
+            prefix_cache_safe=False,
+        )
+
+    # -- model-specific parts (override) -----------------------------------------
+
+    def postprocess(
+        self, req_id: str, hidden_rows: torch.Tensor, state: dict[str, Any]
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """Per request and step: (state update, per-request outputs for this step).
+
+        Default: counts processed tokens, keeps the last hidden row, and emits a
+        `processed_trace` row (tokens processed before this step, rows this step).
+        """
+        before = int(state.get("meta", {}).get("num_processed_tokens", 0))
+        n = int(hidden_rows.shape[0])
+        update = {
+            "meta": {"num_processed_tokens": before + n},
+            "hidden_states": {"last": hidden_rows[-1:].clone()},
+        }
+        return update, {"processed_trace": torch.tensor([[before, n]], dtype=torch.int64)}
+
+    def multimodal_outputs(self, batch: StepBatch, hidden: torch.Tensor) -> dict[str, Any]:
+        """Batch-level outputs (token-aligned tensors, per-request lists). Default: hidden states."""
+        return {"hidden_states": hidden}
+
+    def runtime_info(self, req_id: str, state: dict[str, Any]) -> dict[str, Any]:
+        """What the model's forward gets for this request in runtime_additional_information."""
+        return state
+
+    # -- hook API -----------------------------------------------------------------
+
+    def on_new_requests(self, requests: list[RequestInfo]) -> None:
+        errors = {}
+        for req in requests:
+            if req.req_id in self.preempted:
+                # Resumed after preemption: keep state and outputs (policy in omni/state.py).
+                self.preempted.discard(req.req_id)
+                continue
+            try:
+                initial, embeds = self._decode_payload(req)
+                self.state.free(req.req_id)
+                self.state.create(req.req_id, initial)
+                self.state.merge(req.req_id, {"meta": {"prompt_len": req.prompt_len}})
+                if embeds is not None:
+                    self.prompt_embeds[req.req_id] = check_prompt_embeds(embeds, req.prompt_len)
+                self.log.start(req.req_id)
+            except (PayloadError, StateError) as exc:
+                errors[req.req_id] = str(exc)
+        if errors:
+            raise HookErrors(errors)
+
+    def prepare_prefill_embeds(self, batch: StepBatch) -> list[tuple[int, torch.Tensor]]:
+        return overlay_rows(batch, self.prompt_embeds)
+
+    def build_extra_kwargs(self, batch: StepBatch) -> dict[str, Any]:
+        if not self.send_extra_kwargs:
+            return {}
+        infos = [self.runtime_info(r, self.state.get(r) or {}) for r in batch.req_ids]
+        spans = [list(batch.rows(i)) for i in range(len(batch.req_ids))]
+        return {"runtime_additional_information": infos, "request_token_spans": spans}
+
+    def process_model_output(self, batch: StepBatch, hidden_states: torch.Tensor | None) -> None:
+        if hidden_states is None:
+            return
+        layout = batch.layout
+        n = len(layout.req_ids)
+        per_req = slice_per_request(
+            self.multimodal_outputs(batch, hidden_states), layout.query_start_loc, n
+        )
+        errors = {}
+        for i, req_id in enumerate(layout.req_ids):
+            state = self.state.get(req_id)
+            if state is None:
+                continue  # a request whose payload failed: already reported
+            start, end = batch.rows(i)
+            try:
+                update, outputs = self.postprocess(req_id, hidden_states[start:end], state)
+                self.state.merge(req_id, update)
+                self.log.add(req_id, {**per_req[i], **(outputs or {})})
+            except (StateError, PayloadError, ValueError) as exc:
+                errors[req_id] = f"postprocess: {exc}"
+        if errors:
+            raise HookErrors(errors)
+
+    def get_outputs(self, req_id: str) -> dict[str, Any] | None:
+        chunks = self.log.chunks(req_id)
+        return accumulate(chunks) if chunks is not None else None
+
+    def output_chunks(self, req_id: str) -> list[dict[str, Any]] | None:
+        return self.log.chunks(req_id)
+
+    def on_preempted(self, req_ids: list[str]) -> None:
+        self.preempted.update(req_ids)
+
+    def on_finished(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            self.state.free(req_id)
+            self.prompt_embeds.pop(req_id, None)
+            self.log.pop(req_id)
+            self.preempted.discard(req_id)
+
+    # -- payloads -----------------------------------------------------------------
+
+    def _decode_payload(self, req: RequestInfo) -> tuple[dict[str, Any], torch.Tensor | None]:
+        payload = req.payload or {}
+        initial: dict[str, Any] = {}
+        if "model_intermediate_buffer" in payload:
+            buf = decode_plain_buffer(payload["model_intermediate_buffer"])
+            if not isinstance(buf, dict):
+                raise PayloadError("model_intermediate_buffer must be a dict")
+            initial.update(buf)
+        if "additional_information" in payload:
+            info = decode_additional_information(payload["additional_information"])
+            for key, value in info.items():
+                if isinstance(value, dict) and isinstance(initial.get(key), dict):
+                    initial[key] = {**initial[key], **value}
+                else:
+                    initial[key] = value
+        embeds = None
+        if "prompt_embeds" in payload:
+            embeds = decode_tensor_spec(payload["prompt_embeds"], "prompt_embeds")
+        elif isinstance(initial.get("embed"), dict) and isinstance(initial["embed"].get("prefill"), torch.Tensor):
+            embeds = initial["embed"]["prefill"]
+        return initial, embeds

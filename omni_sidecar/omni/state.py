@@ -1,0 +1,138 @@
+"""Per-request state: vllm-omni's `model_intermediate_buffer`, with its merge rules.
+
+Semantics (vllm-omni 0.30 gpu_model_runner.py :2136-2194, payload_span.py):
+- two-level deep merge in place: `{cat: {qual: v}}` updates replace per qualifier;
+- tensors under a device-resident (category, qualifier) stay where they are,
+  all others are moved to host memory;
+- an empty update, or one for an unknown request, is a no-op;
+- replace mode keeps only `meta.num_processed_tokens` and `meta.resumable`;
+- `embed.decode` with `embed.decode_token_start/end` span-merges: a contiguous
+  append concatenates, an overlap is trimmed, a gap is an error.
+Unlike vllm-omni, memory is bounded: a request whose state outgrows the cap
+gets a `StateError` (reported to the client as that request's error).
+
+Preemption policy: state is kept when vLLM preempts a request and is there
+again when it resumes (vLLM V2 re-adds it as a new request); it is freed only
+on finish or abort.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+KEEP_ON_REPLACE = ("num_processed_tokens", "resumable")
+
+
+class StateError(ValueError):
+    pass
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def merge_decode_span(current: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """Span-merge `embed.decode` rows [start, end) of `update` into `current`."""
+    new = update["decode"]
+    start = int(update["decode_token_start"])
+    end = int(update.get("decode_token_end", start + new.shape[0]))
+    if end - start != new.shape[0]:
+        raise StateError(f"embed.decode has {new.shape[0]} rows but its span is [{start}, {end})")
+    old = current.get("decode")
+    if old is None:
+        return {"decode": new, "decode_token_start": start, "decode_token_end": end}
+    old_start, old_end = int(current["decode_token_start"]), int(current["decode_token_end"])
+    if start > old_end:
+        raise StateError(
+            f"embed.decode span [{start}, {end}) leaves a gap after [{old_start}, {old_end})"
+        )
+    if end <= old_end:
+        return {}  # already covered
+    fresh = new[old_end - start :] if start < old_end else new
+    merged = torch.cat([old, fresh.to(old.device, old.dtype)], dim=0)
+    return {"decode": merged, "decode_token_start": old_start, "decode_token_end": end}
+
+
+class IntermediateBuffer:
+    def __init__(
+        self,
+        resident_keys: set[tuple[str, str]] | None = None,
+        host_device: str | torch.device = "cpu",
+        max_bytes_per_request: int = 256 << 20,
+    ) -> None:
+        self.resident_keys = resident_keys or set()
+        self.host_device = torch.device(host_device)
+        self.max_bytes = max_bytes_per_request
+        self._states: dict[str, dict[str, Any]] = {}
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._states
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def get(self, req_id: str) -> dict[str, Any] | None:
+        return self._states.get(req_id)
+
+    def create(self, req_id: str, initial: dict[str, Any] | None = None) -> None:
+        """A new request; a resumed one (same id, state kept) keeps its state."""
+        if req_id in self._states:
+            if initial:
+                self.merge(req_id, initial)
+            return
+        self._states[req_id] = {}
+        if initial:
+            try:
+                self.merge(req_id, initial)
+            except StateError:
+                del self._states[req_id]
+                raise
+
+    def free(self, req_id: str) -> None:
+        self._states.pop(req_id, None)
+
+    def nbytes(self, req_id: str) -> int:
+        return _nbytes(self._states.get(req_id, {}))
+
+    def merge(self, req_id: str, update: dict[str, Any] | None, replace: bool = False) -> None:
+        state = self._states.get(req_id)
+        if state is None or not update:
+            return
+        if replace:
+            meta = state.get("meta", {})
+            kept = {k: meta[k] for k in KEEP_ON_REPLACE if k in meta}
+            state.clear()
+            if kept:
+                state["meta"] = kept
+        for category, value in update.items():
+            if isinstance(value, dict):
+                slot = state.setdefault(category, {})
+                if not isinstance(slot, dict):
+                    slot = state[category] = {}
+                if category == "embed" and "decode" in value and "decode_token_start" in value:
+                    value = {**value, **merge_decode_span(slot, value)}
+                for qualifier, v in value.items():
+                    slot[qualifier] = self._place(category, qualifier, v)
+            else:
+                state[category] = self._place(category, None, value)
+        size = _nbytes(state)
+        if size > self.max_bytes:
+            raise StateError(
+                f"request state holds {size} bytes, over the cap of {self.max_bytes} "
+                "(raise it with --hook-option state_cap_mib=N)"
+            )
+
+    def _place(self, category: str, qualifier: str | None, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and (category, qualifier) not in self.resident_keys:
+            return value.to(self.host_device)
+        if isinstance(value, dict):
+            return {k: self._place(category, qualifier or k, v) for k, v in value.items()}
+        return value
