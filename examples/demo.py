@@ -1,17 +1,23 @@
-"""`make demo`: a real vLLM V2 engine with the omni-sidecar shim and a sidecar process.
+"""`make demo`: a thinker -> talker pipeline on real vLLM V2 engines with omni sidecars.
 
-Builds a tiny random-weight Llama (fixed seed) if missing, starts
-`omni-sidecar serve --hooks capture`, generates for a few prompts with
-`worker_cls="worker_shim.Worker"`, and prints the text, each request's
-captured hidden states (fetched from the sidecar) and per-step hook latency.
+Stage 1 (thinker, tiny Llama A) runs with `omni-sidecar serve --hooks omni-thinker`:
+the sidecar assembles each request's last-layer hidden states. A client fetches
+them and hands them to stage 2 as a vllm-omni `additional_information` payload.
+Stage 2 (talker, tiny Llama B) runs with `--hooks omni-talker`: its sidecar
+overlays those hidden states as prompt embeddings in prefill, keeps per-request
+state across decode steps and assembles a `codes` output [tokens, codebooks],
+streamed to the client step by step. Both models are random-weight and built
+on first use with a fixed seed, so the "text" is noise; the plumbing is real.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +28,7 @@ for key, value in {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFL
     os.environ.setdefault(key, value)
 
 from omni_sidecar.client import SidecarClient, SidecarUnavailable  # noqa: E402
+from omni_sidecar.omni.wire import encode_additional_information  # noqa: E402
 from omni_sidecar.testing import build_tiny_llama  # noqa: E402
 
 PROMPTS = [
@@ -30,14 +37,17 @@ PROMPTS = [
     "every step they exchange small messages",
     "thinker talker code to wave",
 ]
+ENGINE = dict(dtype="float32", max_model_len=512, max_num_batched_tokens=64,
+              kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0,
+              enable_prefix_caching=False, worker_cls="worker_shim.Worker")
 
 
-def start_sidecar(endpoint: str, log_path: Path) -> subprocess.Popen:
+def start_sidecar(endpoint: str, hooks: str, log_path: Path) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", endpoint, "--hooks", "capture"],
+        [sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", endpoint, "--hooks", hooks],
         stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
     )
-    for _ in range(200):
+    for _ in range(300):
         try:
             with SidecarClient(endpoint, timeout_s=0.3) as c:
                 c.ping()
@@ -48,47 +58,102 @@ def start_sidecar(endpoint: str, log_path: Path) -> subprocess.Popen:
     raise SystemExit("sidecar did not become ready")
 
 
-def main() -> None:
-    model = build_tiny_llama(ROOT / ".cache" / "tiny-llama")
-    run_dir = Path(tempfile.mkdtemp(prefix="omni-demo-"))
-    endpoint = f"ipc://{run_dir}/sidecar.sock"
-    os.environ["OMNI_SIDECAR_ENDPOINT"] = endpoint
-    print(f"== starting omni-sidecar (hooks: capture) at {endpoint}")
-    sidecar = start_sidecar(endpoint, run_dir / "sidecar.log")
-    try:
-        from vllm import LLM, SamplingParams
+def make_llm(model: Path, endpoint: str):
+    from vllm import LLM
 
+    t0 = time.monotonic()
+    llm = LLM(model=str(model), additional_config={"omni_sidecar": {"endpoint": endpoint}}, **ENGINE)
+    print(f"   vLLM V2 + shim ready in {time.monotonic() - t0:.1f}s (sidecar at {endpoint})")
+    return llm
+
+
+def close_llm(llm) -> None:
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def print_latency(llm, endpoint: str) -> None:
+    (shim,) = llm.collective_rpc("omni_sidecar_stats")
+    with SidecarClient(endpoint) as client:
+        (session,) = client.status().sessions
+    print(f"   per-step hook latency: sidecar p50 {session.step_latency_us_p50:.0f} us / "
+          f"p99 {session.step_latency_us_p99:.0f} us; shim StepEnd p50 {shim['post_us_p50']:.0f} us / "
+          f"p99 {shim['post_us_p99']:.0f} us; blocking round trips {shim['blocking_exchanges']} "
+          f"(p50 {shim['exchange_us_p50']:.0f} us) over {shim['steps']} steps")
+    print(f"   sidecar saw {session.steps} steps, {session.new_requests} requests, "
+          f"{session.scheduled_tokens} tokens (shim sent {shim['steps']} / {shim['new_requests']} / "
+          f"{shim['scheduled_tokens']})")
+
+
+def main() -> None:
+    from vllm import SamplingParams
+
+    thinker = build_tiny_llama(ROOT / ".cache" / "tiny-thinker", seed=0)
+    talker = build_tiny_llama(ROOT / ".cache" / "tiny-talker", seed=1)
+    run_dir = Path(tempfile.mkdtemp(prefix="omni-demo-"))
+    ep1, ep2 = f"ipc://{run_dir}/thinker.sock", f"ipc://{run_dir}/talker.sock"
+    sidecars = [start_sidecar(ep1, "omni-thinker", run_dir / "thinker.log"),
+                start_sidecar(ep2, "omni-talker", run_dir / "talker.log")]
+    try:
+        print("== stage 1: thinker (hooks: omni-thinker)")
+        llm = make_llm(thinker, ep1)
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                            use_tqdm=False)
+        stage2_inputs = []
+        with SidecarClient(ep1) as client:
+            for o in outs:
+                got = client.outputs(o.request_id)
+                hs = got["hidden_states"]
+                print(f"   [{o.request_id}] {o.prompt!r} -> {o.outputs[0].text!r}")
+                print(f"       token ids {list(o.outputs[0].token_ids)}")
+                print(f"       thinker hidden states {list(hs.shape)} ({len(o.prompt_token_ids)} prompt + "
+                      f"{hs.shape[0] - len(o.prompt_token_ids)} generated rows), processed_trace "
+                      f"{got['processed_trace'][:, 1].tolist()}")
+                stage2_inputs.append((o.request_id, hs))
+        print_latency(llm, ep1)
+        close_llm(llm)
+
+        print("== stage 2: talker (hooks: omni-talker), fed the thinker hidden states")
+        llm = make_llm(talker, ep2)
+        prompts, params = [], []
+        for rid, hs in stage2_inputs:
+            info = encode_additional_information({"embed": {"prefill": hs}, "meta": {"source": rid}})
+            prompts.append({"prompt_token_ids": [3] * hs.shape[0]})
+            params.append(SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                         extra_args={"omni_sidecar": {"additional_information": info}}))
+        streamed: list[tuple[float, int]] = []
+
+        def follow(req_id: str) -> None:
+            with SidecarClient(ep2) as client:
+                for chunk in client.stream(req_id, timeout_s=120):
+                    streamed.append((time.monotonic(), int(chunk["codes"].shape[0])))
+
+        follower = threading.Thread(target=follow, args=("0",), daemon=True)
+        follower.start()
         t0 = time.monotonic()
-        llm = LLM(model=str(model), dtype="float32", max_model_len=512, max_num_batched_tokens=64,
-                  kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0,
-                  worker_cls="worker_shim.Worker")
-        print(f"== vLLM V2 + shim ready in {time.monotonic() - t0:.1f}s")
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
-        (shim,) = llm.collective_rpc("omni_sidecar_stats")
-        with SidecarClient(endpoint) as client:
-            print("\n== generated (random weights, so the text is noise)")
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        # The finish notice reaches the sidecar on the next step; one tiny request delivers it.
+        llm.generate([{"prompt_token_ids": [5]}], SamplingParams(max_tokens=1), use_tqdm=False)
+        follower.join(30)
+        with SidecarClient(ep2) as client:
             for o in outs:
-                print(f"[{o.request_id}] {o.prompt!r} -> {o.outputs[0].text!r}")
-                print(f"     token ids: {list(o.outputs[0].token_ids)}")
-            print("\n== per-request captured outputs (from the sidecar)")
-            for o in outs:
-                hs = client.outputs(o.request_id)["hidden_states"]
-                n_prompt = len(o.prompt_token_ids)
-                print(f"[{o.request_id}] hidden_states {list(hs.shape)} {hs.dtype} = {n_prompt} prompt "
-                      f"+ {hs.shape[0] - n_prompt} decoded tokens; mean |h| {hs.abs().mean():.4f}")
-            status = client.status()
-        (session,) = status.sessions
-        print("\n== per-step hook latency")
-        print(f"sidecar hook time per step: p50 {session.step_latency_us_p50:.0f} us, "
-              f"p99 {session.step_latency_us_p99:.0f} us over {session.steps} steps")
-        print(f"shim StepEnd cost per step (copy hidden states + send): p50 {shim['post_us_p50']:.0f} us, "
-              f"p99 {shim['post_us_p99']:.0f} us; blocking round trips: {shim['blocking_exchanges']}")
-        print(f"sidecar saw {session.steps} steps, {session.new_requests} requests, "
-              f"{session.scheduled_tokens} tokens; shim sent {shim['steps']} / {shim['new_requests']} / "
-              f"{shim['scheduled_tokens']}")
+                codes = client.outputs(o.request_id)["codes"]
+                print(f"   [{o.request_id}] codes {list(codes.shape)} (tokens x codebooks); first rows "
+                      f"{codes[:3].tolist()}")
+        print(f"   streamed request 0 in {len(streamed)} chunks, "
+              f"{sum(n for _, n in streamed)} code rows, first after "
+              f"{(streamed[0][0] - t0) * 1e3:.0f} ms" if streamed else "   (no chunks streamed)")
+        print_latency(llm, ep2)
+        close_llm(llm)
+        print("== done: two stages, two sidecars, upstream vLLM V2 unmodified")
     finally:
-        sidecar.terminate()
-        sidecar.wait(10)
+        for proc in sidecars:
+            proc.terminate()
+            proc.wait(10)
     sys.stdout.flush()
     os._exit(0)
 

@@ -16,6 +16,28 @@ import traceback
 import numpy as np
 
 
+def _load_payload(obj):
+    """JSON payload; {"npy": path, "dtype": name} leaves become tensor specs."""
+    if isinstance(obj, dict):
+        if "npy" in obj:
+            import torch
+
+            from omni_sidecar.omni.wire import encode_tensor_spec
+
+            t = torch.from_numpy(np.load(obj["npy"], allow_pickle=False))
+            return encode_tensor_spec(t.to(getattr(torch, obj.get("dtype", "float32"))))
+        if "entries_npy" in obj:  # vllm-omni additional_information with tensor files
+            import torch
+
+            from omni_sidecar.omni.wire import encode_additional_information
+
+            nested = {k: {q: torch.from_numpy(np.load(v, allow_pickle=False)) if isinstance(v, str) else v
+                          for q, v in d.items()} for k, d in obj["entries_npy"].items()}
+            return encode_additional_information(nested)
+        return {k: _load_payload(v) for k, v in obj.items()}
+    return obj
+
+
 def main(job_path: str, result_path: str) -> int:
     job = json.loads(open(job_path).read())
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = str(job.get("mp", 0))
@@ -30,6 +52,11 @@ def main(job_path: str, result_path: str) -> int:
         from vllm import LLM, SamplingParams
 
         from omni_sidecar.payload import sidecar_extra_args
+
+        if job.get("register_kwargs_model"):
+            from tests.support.kwargs_model import register
+
+            register()
 
         kwargs = dict(
             model=job["model"], dtype="float32", max_model_len=512, max_num_batched_tokens=64,
@@ -52,6 +79,8 @@ def main(job_path: str, result_path: str) -> int:
                     prompts.append({"prompt_embeds": embeds})
             else:
                 prompts.append({"prompt_token_ids": p["token_ids"]})
+            if "payload" in p:
+                extra = {"omni_sidecar": _load_payload(p["payload"])}
             params.append(SamplingParams(max_tokens=job.get("max_tokens", 16), temperature=0.0,
                                          ignore_eos=True, extra_args=extra))
         t1 = time.monotonic()
@@ -81,7 +110,9 @@ def main(job_path: str, result_path: str) -> int:
                     outs_ = client.outputs(rid) or {}
                     files = {}
                     for name, t in outs_.items():
-                        path = os.path.join(job["workdir"], f"out-{rid}-{name}.npy")
+                        if not isinstance(t, torch.Tensor):
+                            continue
+                        path = os.path.join(job["workdir"], f"{job.get('name', 'job')}-out-{rid}-{name}.npy")
                         np.save(path, t.numpy(), allow_pickle=False)
                         files[name] = path
                     result["outputs"][rid] = files

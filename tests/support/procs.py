@@ -23,13 +23,14 @@ def child_env(**extra: str) -> dict[str, str]:
 class SidecarProcess:
     """`omni-sidecar serve` in a child process, ready when it answers a ping."""
 
-    def __init__(self, endpoint: str, hooks: str, log_path: Path) -> None:
+    def __init__(self, endpoint: str, hooks: str, log_path: Path, options: list[str] = ()) -> None:
         self.endpoint = endpoint
         self.log_path = log_path
         self._log = open(log_path, "w")
+        extra = [a for opt in options for a in ("--hook-option", opt)]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", endpoint,
-             "--hooks", hooks, "--log-level", "INFO"],
+             "--hooks", hooks, "--log-level", "INFO", *extra],
             stdout=self._log, stderr=subprocess.STDOUT, env=child_env(),
         )
         self._wait_ready()
@@ -66,7 +67,7 @@ class SidecarProcess:
 
 
 def run_engine(job: dict, workdir: Path, name: str, timeout_s: float = 600) -> dict:
-    job = {**job, "workdir": str(workdir)}
+    job = {**job, "workdir": str(workdir), "name": name}
     job_path = workdir / f"{name}.job.json"
     result_path = workdir / f"{name}.result.json"
     log_path = workdir / f"{name}.log"
