@@ -55,6 +55,9 @@ def tensor_from_bytes(data: bytes, shape: list[int], dtype: str) -> torch.Tensor
 
 
 def tensor_to_bytes(tensor: torch.Tensor) -> tuple[bytes, list[int], str]:
-    t = tensor.detach().contiguous().cpu()
-    raw = t.view(torch.uint8) if t.numel() else t
-    return bytes(raw.numpy().tobytes()) if t.numel() else b"", list(t.shape), dtype_name(t.dtype)
+    """Row-major bytes of any tensor (bf16, bool, 0-d, empty, non-contiguous)."""
+    t = tensor.detach().cpu().contiguous()
+    if t.numel() == 0:
+        return b"", list(t.shape), dtype_name(t.dtype)
+    raw = t.reshape(-1).view(torch.uint8)  # a byte view works for every dtype, numpy or not
+    return raw.numpy().tobytes(), list(t.shape), dtype_name(t.dtype)

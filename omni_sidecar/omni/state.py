@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 KEEP_ON_REPLACE = ("num_processed_tokens", "resumable")
+_SPAN_KEYS = ("decode", "decode_token_start", "decode_token_end")
 
 
 class StateError(ValueError):
@@ -118,7 +119,8 @@ class IntermediateBuffer:
                 if not isinstance(slot, dict):
                     slot = state[category] = {}
                 if category == "embed" and "decode" in value and "decode_token_start" in value:
-                    value = {**value, **merge_decode_span(slot, value)}
+                    others = {k: v for k, v in value.items() if k not in _SPAN_KEYS}
+                    value = {**others, **merge_decode_span(slot, value)}
                 for qualifier, v in value.items():
                     slot[qualifier] = self._place(category, qualifier, v)
             else:
