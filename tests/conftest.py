@@ -30,3 +30,34 @@ def tiny_model(tmp_path_factory) -> str:
 def endpoint(tmp_path_factory) -> str:
     d = tmp_path_factory.mktemp("sock")
     return f"ipc://{d}/sidecar.sock"
+
+
+HIDDEN = 128
+EMBEDS_LENS = [5, 40, 100]  # 100 > max_num_batched_tokens=64: chunked prefill crosses overlay rows
+
+
+@pytest.fixture(scope="session")
+def e2e_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="session")
+def embeds_case(tiny_model, e2e_dir):
+    """Prompt embeddings E and the tokens plain vLLM V2 gives for `prompt_embeds=E`."""
+    import numpy as np
+
+    from tests.support.procs import run_engine
+
+    rng = np.random.default_rng(7)
+    files = []
+    for i, n in enumerate(EMBEDS_LENS):
+        path = e2e_dir / f"embeds{i}.npy"
+        np.save(path, (rng.standard_normal((n, HIDDEN)) * 0.5).astype(np.float32), allow_pickle=False)
+        files.append(str(path))
+    ref = run_engine(
+        {"model": tiny_model, "max_tokens": 16, "prompts": [{"embeds_file": f} for f in files],
+         "llm_kwargs": {"enable_prefix_caching": False, "enable_prompt_embeds": True}},
+        e2e_dir, "plain-embeds",
+    )
+    assert ref["ok"], ref.get("traceback")
+    return {"files": files, "tokens": ref["tokens"]}

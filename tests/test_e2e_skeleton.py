@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import EMBEDS_LENS, HIDDEN
 from tests.support.procs import SidecarProcess, run_engine
 
 pytestmark = pytest.mark.e2e
@@ -19,7 +20,6 @@ pytestmark = pytest.mark.e2e
 # Mixed lengths; 90 and 150 exceed max_num_batched_tokens=64, so they prefill in chunks.
 PROMPT_LENS = [3, 7, 12, 20, 33, 50, 90, 150]
 MAX_TOKENS = 24
-HIDDEN = 128
 
 
 def _prompts(seed: int = 1) -> list[dict]:
@@ -28,8 +28,8 @@ def _prompts(seed: int = 1) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("e2e")
+def workdir(e2e_dir):
+    return e2e_dir
 
 
 @pytest.fixture(scope="module")
@@ -77,23 +77,9 @@ def test_passthrough_is_token_identical_and_sidecar_sees_everything(tiny_model, 
     assert shim["blocking_exchanges"] == 0  # pass-through declares no pre-forward need
 
 
-def test_overlay_equals_prompt_embeds_with_chunked_prefill(tiny_model, workdir, tmp_path):
-    rng = np.random.default_rng(7)
-    lens = [5, 40, 100]  # 100 > 64: chunked prefill crosses overlay rows
-    files = []
-    for i, n in enumerate(lens):
-        path = tmp_path / f"e{i}.npy"
-        np.save(path, (rng.standard_normal((n, HIDDEN)) * 0.5).astype(np.float32), allow_pickle=False)
-        files.append(str(path))
+def test_overlay_equals_prompt_embeds_with_chunked_prefill(tiny_model, workdir, embeds_case, tmp_path):
+    files = embeds_case["files"]
     common = {"model": tiny_model, "max_tokens": 16, "llm_kwargs": {"enable_prefix_caching": False}}
-
-    ref = run_engine(
-        {**common, "prompts": [{"embeds_file": f} for f in files],
-         "llm_kwargs": {**common["llm_kwargs"], "enable_prompt_embeds": True}},
-        workdir, "plain-embeds",
-    )
-    assert ref["ok"], ref.get("traceback")
-
     endpoint = f"ipc://{tmp_path}/sc.sock"
     sidecar = SidecarProcess(endpoint, "overlay", tmp_path / "sidecar.log")
     try:
@@ -109,11 +95,11 @@ def test_overlay_equals_prompt_embeds_with_chunked_prefill(tiny_model, workdir, 
     assert shim["request_errors"] == {}
     assert shim["blocking_exchanges"] >= 3  # prefill steps only; decode steps skip the exchange
     assert shim["blocking_exchanges"] < shim["steps"]
-    assert res["tokens"] == ref["tokens"]
+    assert res["tokens"] == embeds_case["tokens"]
 
     # The overlay mattered: the placeholder prompts alone give other tokens.
     placeholders = run_engine(
-        {**common, "prompts": [{"token_ids": [3] * n} for n in lens]}, workdir, "plain-placeholders"
+        {**common, "prompts": [{"token_ids": [3] * n} for n in EMBEDS_LENS]}, workdir, "plain-placeholders"
     )
     assert placeholders["ok"], placeholders.get("traceback")
     assert placeholders["tokens"] != res["tokens"]

@@ -16,26 +16,39 @@ import traceback
 import numpy as np
 
 
-def _load_payload(obj):
-    """JSON payload; {"npy": path, "dtype": name} leaves become tensor specs."""
+def _tensors(obj):
+    """{"npy": path, "dtype"?: name} leaves become tensors."""
+    import torch
+
     if isinstance(obj, dict):
         if "npy" in obj:
-            import torch
-
-            from omni_sidecar.omni.wire import encode_tensor_spec
-
             t = torch.from_numpy(np.load(obj["npy"], allow_pickle=False))
-            return encode_tensor_spec(t.to(getattr(torch, obj.get("dtype", "float32"))))
-        if "entries_npy" in obj:  # vllm-omni additional_information with tensor files
-            import torch
-
-            from omni_sidecar.omni.wire import encode_additional_information
-
-            nested = {k: {q: torch.from_numpy(np.load(v, allow_pickle=False)) if isinstance(v, str) else v
-                          for q, v in d.items()} for k, d in obj["entries_npy"].items()}
-            return encode_additional_information(nested)
-        return {k: _load_payload(v) for k, v in obj.items()}
+            return t.to(getattr(torch, obj.get("dtype", str(t.dtype).removeprefix("torch."))))
+        return {k: _tensors(v) for k, v in obj.items()}
     return obj
+
+
+def _specs(obj):
+    import torch
+
+    from omni_sidecar.omni.wire import encode_tensor_spec
+
+    if isinstance(obj, torch.Tensor):
+        return encode_tensor_spec(obj)
+    if isinstance(obj, dict):
+        return {k: _specs(v) for k, v in obj.items()}
+    return obj
+
+
+def _load_payload(payload: dict) -> dict:
+    """A test's payload: `additional_information` goes in vllm-omni's entries format."""
+    from omni_sidecar.omni.wire import encode_additional_information
+
+    out = {}
+    for key, value in payload.items():
+        value = _tensors(value)
+        out[key] = encode_additional_information(value) if key == "additional_information" else _specs(value)
+    return out
 
 
 def main(job_path: str, result_path: str) -> int:
