@@ -65,7 +65,9 @@ def overlay_rows(
     batch: StepBatch, embeds_of: dict[str, torch.Tensor]
 ) -> list[tuple[int, torch.Tensor]]:
     """Prompt rows of this step that take embeddings (DESIGN §3 row math)."""
-    out = []
+    out: list[tuple[int, torch.Tensor]] = []
+    if not embeds_of:
+        return out
     for i, req_id in enumerate(batch.req_ids):
         embeds = embeds_of.get(req_id)
         if embeds is None:

@@ -53,7 +53,16 @@ class StepBatch:
 
     step: int
     layout: BatchLayout
-    requests: list[RequestInfo]
+    known: dict[str, RequestInfo] = field(default_factory=dict)
+
+    @property
+    def requests(self) -> list[RequestInfo]:
+        """RequestInfo per batch row (built on demand: most steps never need it)."""
+        lay = self.layout
+        return [
+            self.known.get(r) or RequestInfo(r, lay.prompt_lens[i], [])
+            for i, r in enumerate(lay.req_ids)
+        ]
 
     @property
     def req_ids(self) -> list[str]:

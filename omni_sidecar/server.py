@@ -105,12 +105,16 @@ class SidecarServer:
         if install_signals:
             signal.signal(signal.SIGTERM, self.request_stop)
             signal.signal(signal.SIGINT, self.request_stop)
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
+        assert self._sock is not None
+        # Block in recv (one wake-up per message); the timeout lets signals stop the loop.
+        self._sock.setsockopt(zmq.RCVTIMEO, 200)
         try:
             while not self._stop:
-                if poller.poll(200):
-                    self._serve_ready()
+                try:
+                    frames = self._sock.recv_multipart()
+                except zmq.Again:
+                    continue
+                self._serve(frames)
         finally:
             self.close()
 
@@ -128,30 +132,24 @@ class SidecarServer:
 
     # -- dispatch ------------------------------------------------------------
 
-    def _serve_ready(self) -> None:
-        assert self._sock is not None
-        while True:
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            if len(frames) != 2:
-                self._reject(frames[0].bytes, "bad_envelope", f"expected 1 body frame, got {len(frames) - 1}")
-                continue
-            ident, body = frames[0].bytes, frames[1].buffer
-            try:
-                msg = self.codec.decode(body)
-            except FrameError as exc:
-                self._reject(ident, exc.code, str(exc))
-                continue
-            try:
-                reply = self._handle(ident, msg)
-            except Exception as exc:  # never let one peer's frame stop the server
-                log.exception("error handling %s", type(msg).__name__)
-                reply = ErrorReply(code="internal", message=f"{type(msg).__name__}: {exc!r}")
-                self.rejected_frames += 1
-            if reply is not None:
-                self._send(ident, reply)
+    def _serve(self, frames: list) -> None:
+        if len(frames) != 2:
+            self._reject(frames[0], "bad_envelope", f"expected 1 body frame, got {len(frames) - 1}")
+            return
+        ident, body = frames
+        try:
+            msg = self.codec.decode(body)
+        except FrameError as exc:
+            self._reject(ident, exc.code, str(exc))
+            return
+        try:
+            reply = self._handle(ident, msg)
+        except Exception as exc:  # never let one peer's frame stop the server
+            log.exception("error handling %s", type(msg).__name__)
+            reply = ErrorReply(code="internal", message=f"{type(msg).__name__}: {exc!r}")
+            self.rejected_frames += 1
+        if reply is not None:
+            self._send(ident, reply)
 
     def _handle(self, ident: bytes, msg: object):
         if isinstance(msg, StepEnd | StepBegin):
@@ -268,7 +266,7 @@ class SidecarServer:
     def _send(self, ident: bytes, msg: object) -> None:
         assert self._sock is not None
         try:
-            self._sock.send_multipart([ident, self.codec.encode(msg)], zmq.NOBLOCK)
+            self._sock.send_multipart([ident, self.codec.encode(msg)], zmq.NOBLOCK, copy=True)
         except zmq.Again:
             log.warning("dropped a reply: peer is not reading")
 

@@ -6,6 +6,7 @@ import logging
 import time
 from typing import Any
 
+import msgspec
 import torch
 
 from omni_sidecar.hooks import HookErrors, OmniHooks, RequestInfo, StepBatch
@@ -85,6 +86,7 @@ class Session:
         self._aliases: dict[str, str] = {}
         self._begin_us = 0.0
         self._last_layout: BatchLayout | None = None
+        self._prev_req_ids: list[str] | None = None
 
     # -- set-up --------------------------------------------------------------
 
@@ -125,8 +127,9 @@ class Session:
         t0 = time.perf_counter()
         errors: dict[str, str] = {}
         self._admit(msg.new_requests, msg.finished, msg.preempted, errors)
-        batch = self._batch(msg.step, msg.batch)
-        self._last_layout = msg.batch
+        layout = self._resolve_layout(msg.batch)
+        batch = self._batch(msg.step, layout)
+        self._last_layout = layout
         overlays: list[Overlay] = []
         extra: dict[str, Any] = {}
         if self.out is not None:
@@ -141,7 +144,7 @@ class Session:
         t0 = time.perf_counter()
         errors: dict[str, str] = {}
         self._admit(msg.new_requests, [], msg.preempted, errors)
-        layout = msg.batch if msg.batch is not None else self._last_layout
+        layout = self._resolve_layout(msg.batch) if msg.batch is not None else self._last_layout
         if msg.num_tokens and layout is not None:
             self.steps += 1
             self.scheduled_tokens += msg.num_tokens
@@ -205,6 +208,15 @@ class Session:
         except Exception:
             log.exception("on_finished raised; the requests are gone from vLLM anyway")
 
+    def _resolve_layout(self, layout: BatchLayout) -> BatchLayout:
+        """Fill in `req_ids` omitted because they equal the previous layout's."""
+        if layout.req_ids is None:
+            if self._prev_req_ids is None:
+                raise ValueError("batch layout omits req_ids but no earlier layout named them")
+            return msgspec.structs.replace(layout, req_ids=self._prev_req_ids)
+        self._prev_req_ids = layout.req_ids
+        return layout
+
     def _batch(self, step: int, layout: BatchLayout) -> StepBatch:
         n = len(layout.req_ids)
         if not (
@@ -213,11 +225,7 @@ class Session:
             and len(layout.prompt_lens) == n
         ):
             raise ValueError("batch layout lists have inconsistent lengths")
-        reqs = [
-            self.requests.get(r) or RequestInfo(r, layout.prompt_lens[i], [])
-            for i, r in enumerate(layout.req_ids)
-        ]
-        return StepBatch(step, layout, reqs)
+        return StepBatch(step, layout, self.requests)
 
     def _hidden(self, msg: StepEnd) -> torch.Tensor | None:
         if msg.hidden is None:

@@ -105,10 +105,12 @@ class BatchLayout(msgspec.Struct, frozen=True, array_like=True):
     """The scheduled batch in the runner's row order.
 
     Request i owns rows [query_start_loc[i], query_start_loc[i+1]) of the
-    step's token-major tensors (inputs_embeds, hidden states).
+    step's token-major tensors (inputs_embeds, hidden states). `req_ids` is None
+    when it equals the previous layout's on this connection (steady decode):
+    decoding request-id strings is the bulk of a step message's cost.
     """
 
-    req_ids: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)]
+    req_ids: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] | None
     query_start_loc: Annotated[list[Count], msgspec.Meta(max_length=MAX_BATCH + 1)]
     num_computed_tokens: Annotated[list[Count], msgspec.Meta(max_length=MAX_BATCH)]
     prompt_lens: Annotated[list[Count], msgspec.Meta(max_length=MAX_BATCH)]

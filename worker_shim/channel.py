@@ -26,6 +26,8 @@ class SidecarChannel:
         self.codec = Codec()
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # A blocking recv with a timeout costs one wake-up; poll() + recv() costs two.
+        self._sock.setsockopt(zmq.RCVTIMEO, self.step_timeout_ms)
         self._sock.connect(endpoint)
         self._results: list[StepResult] = []
         self.acked_step = -1  # highest step whose StepResult arrived
@@ -91,12 +93,19 @@ class SidecarChannel:
             raise SidecarError(f"sidecar rejected a step message: {msg.code}: {msg.message}")
 
     def _recv(self, timeout_s: float) -> Message:
-        if not self._sock.poll(int(timeout_s * 1000)):
+        try:
+            if timeout_s * 1000 >= self.step_timeout_ms:
+                frame = self._sock.recv()
+            elif self._sock.poll(int(timeout_s * 1000)):
+                frame = self._sock.recv()
+            else:
+                raise zmq.Again()
+        except zmq.Again:
             raise SidecarError(
                 f"omni-sidecar at {self.endpoint} did not answer within {timeout_s:.0f}s "
                 "(OMNI_SIDECAR_STEP_TIMEOUT)"
-            )
-        return self.codec.decode(self._sock.recv())
+            ) from None
+        return self.codec.decode(frame)
 
     def close(self) -> None:
         self._sock.close(0)

@@ -44,6 +44,7 @@ class SidecarLink:
         self._finished: list[str] = []
         self._preempted: list[str] = []
         self._layout_sent = False
+        self._sent_req_ids: list[str] | None = None  # what the sidecar last saw
         # Counters (read through the worker's `omni_sidecar_stats`).
         self.steps = 0
         self.new_requests = 0
@@ -93,7 +94,7 @@ class SidecarLink:
         t0 = time.perf_counter()
         msg = StepBegin(
             step=self.step,
-            batch=_layout(input_batch),
+            batch=self._next_layout(input_batch),
             new_requests=self._new,
             finished=self._finished,
             preempted=self._preempted,
@@ -129,7 +130,7 @@ class SidecarLink:
                 hidden_ref = self._write_hidden(state.hidden_states[:num_tokens])
         msg = StepEnd(
             step=self.step,
-            batch=None if (batch is None or self._layout_sent) else _layout(batch),
+            batch=None if (batch is None or self._layout_sent) else self._next_layout(batch),
             new_requests=self._new,
             finished=self._finished,
             preempted=self._preempted,
@@ -145,6 +146,12 @@ class SidecarLink:
             self._record_errors(result.errors)
         if batch is not None:
             self.post_us.append((time.perf_counter() - t0) * 1e6)
+
+    def _next_layout(self, batch: Any) -> BatchLayout:
+        layout = _layout(batch, self._sent_req_ids)
+        if layout.req_ids is not None:
+            self._sent_req_ids = layout.req_ids
+        return layout
 
     # -- tensors ------------------------------------------------------------------
 
@@ -235,10 +242,11 @@ def model_device(model: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _layout(batch: Any) -> BatchLayout:
+def _layout(batch: Any, prev_ids: list[str] | None) -> BatchLayout:
     n = len(batch.req_ids)
+    ids = batch.req_ids
     return BatchLayout(
-        req_ids=list(batch.req_ids),
+        req_ids=None if ids == prev_ids else list(ids),
         query_start_loc=batch.query_start_loc_np[: n + 1].tolist(),
         num_computed_tokens=batch.num_computed_tokens_np[:n].tolist(),
         prompt_lens=batch.prefill_len_np[:n].tolist(),

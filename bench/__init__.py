@@ -1,0 +1,1 @@
+"""`make bench`: figures for BENCHMARKS.md, each ratio measured side by side in one run."""
