@@ -88,7 +88,7 @@ class PromptEmbedsOverlayHooks(OmniHooks):
     """
 
     name = "overlay"
-    needs = HookNeeds(pre_forward="prefill", prefix_cache_safe=False)
+    needs = HookNeeds(pre_forward="prefill", pre_forward_scope="payload", prefix_cache_safe=False)
 
     def __init__(self) -> None:
         self._embeds: dict[str, torch.Tensor] = {}

@@ -46,11 +46,15 @@ class HookNeeds(msgspec.Struct, frozen=True):
     pre_forward: when the shim must ask before the forward (a blocking StepBegin):
       "never", "prefill" (only on steps that schedule prompt tokens) or "always".
     hidden_states: the last-layer hidden states of every scheduled token.
+    pre_forward_scope: "all" requests, or only requests that carry a payload
+      (`extra_args["omni_sidecar"]`); a step whose requests need nothing gets no
+      blocking exchange at all.
     prefix_cache_safe: False when hooks change what a prompt token means (overlaid
       embeddings), so KV computed for one request must not be reused by another.
     """
 
     pre_forward: Literal["never", "prefill", "always"] = "never"
+    pre_forward_scope: Literal["all", "payload"] = "all"
     hidden_states: bool = False
     prefix_cache_safe: bool = True
 

@@ -6,6 +6,7 @@ runs without the shim are the reference.
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -191,3 +192,34 @@ class FutureSidecar:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(5)
+
+
+def test_blocking_exchanges_only_on_steps_that_need_them(tiny_model, workdir, embeds_case, tmp_path):
+    """Structure, not timing: 0 blocking exchanges on steps whose requests need no
+    pre-forward hook, exactly 1 on the others."""
+    probe_log = tmp_path / "probe.jsonl"
+    endpoint = f"ipc://{tmp_path}/sc.sock"
+    sidecar = SidecarProcess(endpoint, "tests.support.probe_hooks:ProbeOverlayHooks",
+                             tmp_path / "sidecar.log", env={"OMNI_PROBE_LOG": str(probe_log)})
+    rng = np.random.default_rng(5)
+    files = embeds_case["files"][1:]  # 40 and 100 rows, with payloads
+    prompts = [{"embeds_file": f, "as": "payload"} for f in files]
+    prompts += [{"token_ids": rng.integers(4, 380, n).tolist()} for n in (10, 70, 5)]  # no payload
+    try:
+        res = run_engine(
+            {"model": tiny_model, "prompts": prompts, "max_tokens": 12, "shim": True, "endpoint": endpoint,
+             "llm_kwargs": {"enable_prefix_caching": False}},
+            workdir, "shim-probe",
+        )
+    finally:
+        sidecar.stop()
+    assert res["ok"], res.get("traceback")
+    steps = [json.loads(line) for line in probe_log.read_text().splitlines()]
+    (shim,) = res["shim_stats"]
+    assert len(steps) == shim["steps"]
+    assert all(s["begins"] <= 1 for s in steps)
+    assert all(s["begins"] == int(s["needed"]) for s in steps), steps
+    needed = sum(s["needed"] for s in steps)
+    # Prefill steps of requests without payloads ran with no exchange, and decode steps too.
+    assert 0 < needed == shim["blocking_exchanges"] < len(steps)
+    assert any(not s["needed"] and s["rows"] > len(prompts) for s in steps), "no plain prefill step"

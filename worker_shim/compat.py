@@ -44,6 +44,7 @@ INPUT_BATCH_FIELDS = [
     "prefill_len_np",
     "input_ids",
     "has_prefill",
+    "is_prefilling_np",
 ]
 NEW_REQUEST_FIELDS = ["req_id", "prompt_len", "prompt_token_ids", "sampling_params"]
 SCHEDULER_OUTPUT_FIELDS = [

@@ -43,6 +43,7 @@ class SidecarLink:
         self._new: list[NewRequest] = []
         self._finished: list[str] = []
         self._preempted: list[str] = []
+        self._payload_reqs: set[str] = set()  # requests that carry a sidecar payload
         self._layout_sent = False
         self._sent_req_ids: list[str] | None = None  # what the sidecar last saw
         # Counters (read through the worker's `omni_sidecar_stats`).
@@ -62,6 +63,7 @@ class SidecarLink:
         if finished:
             self._finished.extend(sorted(finished))
             self.finished_requests += len(finished)
+            self._payload_reqs.difference_update(finished)
         if preempted:
             self._preempted.extend(sorted(preempted))
 
@@ -70,6 +72,8 @@ class SidecarLink:
             sp = req.sampling_params
             extra = (sp.extra_args or {}) if sp is not None else {}
             payload = extra.get(PAYLOAD_KEY)
+            if isinstance(payload, dict):
+                self._payload_reqs.add(req.req_id)
             self._new.append(
                 NewRequest(
                     req_id=req.req_id,
@@ -86,10 +90,24 @@ class SidecarLink:
         self.in_step = True
         self._layout_sent = False
 
+    def needs_exchange(self, input_batch: Any) -> bool:
+        """Does any scheduled request need the sidecar before this forward?"""
+        mode = self.needs.pre_forward
+        if mode == "never":
+            return False
+        if self.needs.pre_forward_scope == "all":
+            return mode == "always" or bool(input_batch.has_prefill)
+        if not self._payload_reqs:
+            return False
+        ids = input_batch.req_ids
+        if mode == "always":
+            return any(r in self._payload_reqs for r in ids)
+        prefilling = input_batch.is_prefilling_np
+        return any(prefilling[i] and r in self._payload_reqs for i, r in enumerate(ids))
+
     def pre_forward(self, input_batch: Any, model: Any) -> dict[str, Any]:
         """Blocking StepBegin when the hooks need it; returns extra model inputs."""
-        mode = self.needs.pre_forward
-        if mode == "never" or (mode == "prefill" and not input_batch.has_prefill):
+        if not self.needs_exchange(input_batch):
             return {}
         t0 = time.perf_counter()
         msg = StepBegin(

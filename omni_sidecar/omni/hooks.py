@@ -51,6 +51,7 @@ class OmniStateHooks(OmniHooks):
         self.preempted: set[str] = set()
         self.needs = HookNeeds(
             pre_forward="always" if self.send_extra_kwargs else "prefill",
+            pre_forward_scope="all" if self.send_extra_kwargs else "payload",
             hidden_states=True,
             prefix_cache_safe=False,
         )

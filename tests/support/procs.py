@@ -23,7 +23,9 @@ def child_env(**extra: str) -> dict[str, str]:
 class SidecarProcess:
     """`omni-sidecar serve` in a child process, ready when it answers a ping."""
 
-    def __init__(self, endpoint: str, hooks: str, log_path: Path, options: list[str] = ()) -> None:
+    def __init__(
+        self, endpoint: str, hooks: str, log_path: Path, options: list[str] = (), env: dict | None = None
+    ) -> None:
         self.endpoint = endpoint
         self.log_path = log_path
         self._log = open(log_path, "w")
@@ -31,7 +33,7 @@ class SidecarProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", endpoint,
              "--hooks", hooks, "--log-level", "INFO", *extra],
-            stdout=self._log, stderr=subprocess.STDOUT, env=child_env(),
+            stdout=self._log, stderr=subprocess.STDOUT, env=child_env(**(env or {})),
         )
         self._wait_ready()
 
