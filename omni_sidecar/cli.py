@@ -60,11 +60,22 @@ def _parser() -> argparse.ArgumentParser:
         help="finished requests whose outputs stay available to clients (default 10000)",
     )
     s.add_argument("--max-frame-mib", type=int, default=64, help="reject larger frames (default 64)")
+    s.add_argument(
+        "--metrics-port", type=int, default=0,
+        help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (default: off)",
+    )
     s.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
 
     st = sub.add_parser("status", help="print a running sidecar's status as JSON")
     st.add_argument("--endpoint", default=None, help=ep_help)
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
+
+    b = sub.add_parser(
+        "bench", help="run the benchmark suite (source checkout; same as `make bench`)",
+        description="Runs `python -m bench` from the source checkout: exchange latency vs raw pyzmq, "
+        "decode throughput vs plain vLLM V2, arena handoff cost, cold start. Writes BENCHMARKS.md.",
+    )
+    b.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed to python -m bench")
 
     o = sub.add_parser("outputs", help="print a request's outputs (names, shapes, dtypes)")
     o.add_argument("req_id", help="vLLM request id")
@@ -78,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     endpoint = args.endpoint or default_endpoint()
     if args.command == "serve":
         return _serve(args, endpoint)
+    if args.command == "bench":
+        return _bench(args.bench_args)
     from omni_sidecar.client import SidecarClient, SidecarUnavailable
 
     try:
@@ -97,6 +110,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _bench(bench_args: list[str]) -> int:
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "bench" / "__main__.py").exists():
+        print("omni-sidecar bench needs a source checkout (the bench/ folder next to omni_sidecar/)",
+              file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, "-m", "bench", *bench_args], cwd=root)
+
+
 def _serve(args: argparse.Namespace, endpoint: str) -> int:
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -110,6 +135,7 @@ def _serve(args: argparse.Namespace, endpoint: str) -> int:
         server = SidecarServer(
             endpoint, hooks, keep_finished=args.keep_finished,
             max_frame_bytes=args.max_frame_mib << 20, arena_bytes=args.arena_mib << 20,
+            metrics_port=args.metrics_port,
         )
     except (HookLoadError, ValueError) as exc:
         print(f"omni-sidecar: {exc}", file=sys.stderr)

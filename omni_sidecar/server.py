@@ -18,6 +18,7 @@ import zmq
 
 from omni_sidecar import __version__
 from omni_sidecar.hooks import OmniHooks
+from omni_sidecar.metrics import SidecarMetrics
 from omni_sidecar.session import Session
 from omni_sidecar.store import FinishedOutputs
 from omni_sidecar.tensors import tensor_to_bytes
@@ -54,8 +55,11 @@ class SidecarServer:
         keep_finished: int = 10_000,
         max_frame_bytes: int = 64 << 20,
         arena_bytes: int = 0,
+        metrics_port: int = 0,
     ) -> None:
         check_endpoint(endpoint)
+        self.metrics = SidecarMetrics()
+        self.metrics_port = metrics_port
         self.endpoint = endpoint
         self.hooks = hooks
         self.codec = Codec(max_frame_bytes)
@@ -91,6 +95,9 @@ class SidecarServer:
         finally:
             os.umask(old_umask)
         self._sock = sock
+        if self.metrics_port:
+            self.metrics.serve(self.metrics_port)
+            log.info("Prometheus metrics on http://127.0.0.1:%d/metrics", self.metrics_port)
         log.info(
             "omni-sidecar %s listening on %s with hook set %r (needs %s); protocol %s",
             __version__, self.endpoint, self.hooks.name, self.hooks.needs, PROTOCOL_VERSION,
@@ -146,8 +153,7 @@ class SidecarServer:
             reply = self._handle(ident, msg)
         except Exception as exc:  # never let one peer's frame stop the server
             log.exception("error handling %s", type(msg).__name__)
-            reply = ErrorReply(code="internal", message=f"{type(msg).__name__}: {exc!r}")
-            self.rejected_frames += 1
+            reply = self._refuse("internal", f"{type(msg).__name__}: {exc!r}")
         if reply is not None:
             self._send(ident, reply)
 
@@ -155,8 +161,7 @@ class SidecarServer:
         if isinstance(msg, StepEnd | StepBegin):
             session = self.sessions.get(ident)
             if session is None:
-                self.rejected_frames += 1
-                return ErrorReply("no_session", "send Hello before step messages")
+                return self._refuse("no_session", "send Hello before step messages")
             return session.step_begin(msg) if isinstance(msg, StepBegin) else session.step_end(msg)
         if isinstance(msg, Hello):
             return self._hello(ident, msg)
@@ -170,8 +175,7 @@ class SidecarServer:
             self._draining = True
             self._stop = True
             return Drained(len(self.sessions))
-        self.rejected_frames += 1
-        return ErrorReply("unexpected", f"{type(msg).__name__} is not a request the sidecar serves")
+        return self._refuse("unexpected", f"{type(msg).__name__} is not a request the sidecar serves")
 
     def _hello(self, ident: bytes, hello: Hello):
         if hello.protocol_major != PROTOCOL_MAJOR:
@@ -189,7 +193,10 @@ class SidecarServer:
         old = self.sessions.pop(ident, None)
         if old is not None:
             old.close()
-        session = Session(self._next_session, hello, self.hooks, self.finished, self.arena_bytes)
+            self.metrics.sessions.set(len(self.sessions))
+        session = Session(
+            self._next_session, hello, self.hooks, self.finished, self.arena_bytes, self.metrics
+        )
         try:
             session.open_arenas()
         except Exception as exc:
@@ -197,6 +204,7 @@ class SidecarServer:
             return Reject(f"cannot open the shim's arenas: {exc}")
         self._next_session += 1
         self.sessions[ident] = session
+        self.metrics.sessions.set(len(self.sessions))
         log.info(
             "session %d: shim rank %d/%d, vLLM %s on %s, model %s",
             session.id, hello.rank, hello.world_size, hello.vllm_version, hello.platform, hello.model,
@@ -258,10 +266,15 @@ class SidecarServer:
             error=error,
         )
 
-    def _reject(self, ident: bytes, code: str, message: str) -> None:
+    def _refuse(self, code: str, message: str) -> ErrorReply:
+        """Count and log a rejected frame; the reply tells the sender why."""
         self.rejected_frames += 1
+        self.metrics.rejected_frames.labels(code).inc()
         log.warning("rejected a frame (%s): %s", code, message)
-        self._send(ident, ErrorReply(code, message[:4000]))
+        return ErrorReply(code, message[:4000])
+
+    def _reject(self, ident: bytes, code: str, message: str) -> None:
+        self._send(ident, self._refuse(code, message))
 
     def _send(self, ident: bytes, msg: object) -> None:
         assert self._sock is not None

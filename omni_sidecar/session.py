@@ -10,6 +10,7 @@ import msgspec
 import torch
 
 from omni_sidecar.hooks import HookErrors, OmniHooks, RequestInfo, StepBatch
+from omni_sidecar.metrics import SidecarMetrics
 from omni_sidecar.stats import LatencyWindow
 from omni_sidecar.store import FinishedEntry, FinishedOutputs, client_request_id
 from omni_sidecar.tensors import torch_dtype, view_tensor, write_tensor
@@ -66,12 +67,14 @@ class Session:
         hooks: OmniHooks,
         finished: FinishedOutputs,
         arena_bytes: int = 0,
+        metrics: SidecarMetrics | None = None,
     ) -> None:
         self.id = session_id
         self.hello = hello
         self.hooks = hooks
         self.finished_store = finished
         self.arena_bytes = arena_bytes
+        self.metrics = metrics or SidecarMetrics()
         self.connected_at = time.monotonic()
         self.requests: dict[str, RequestInfo] = {}
         self.errors_by_request: dict[str, str] = {}
@@ -102,6 +105,8 @@ class Session:
             # Slack for per-tensor alignment; hook sets with big kwargs ask for more.
             size = max(align_up(max(1, rows_bytes)) + (1 << 20), self.arena_bytes)
             self.out = OutArena(ShmArena.create(size, prefix=f"omni-sidecar-s{self.id}"))
+            self.metrics.arena_bytes.labels("sidecar_to_shim").inc(size)
+        self.metrics.arena_bytes.labels("shim_to_sidecar").inc(sum(a.size for a in self.in_arenas))
 
     @property
     def out_arena(self) -> ShmArena | None:
@@ -109,8 +114,10 @@ class Session:
 
     def close(self) -> None:
         for arena in self.in_arenas:
+            self.metrics.arena_bytes.labels("shim_to_sidecar").dec(arena.size)
             arena.close()
         if self.out is not None:
+            self.metrics.arena_bytes.labels("sidecar_to_shim").dec(self.out.arena.size)
             self.out.arena.close()
         self.in_arenas.clear()
         self.out = None
@@ -158,6 +165,17 @@ class Session:
         self._begin_us = 0.0
         if msg.num_tokens:
             self.latency.record(hook_us)
+            m = self.metrics
+            m.steps.inc()
+            m.tokens.inc(msg.num_tokens)
+            m.step_hook_seconds.observe(hook_us * 1e-6)
+            if msg.shim_exchange_us:
+                m.shim_exchange_seconds.observe(msg.shim_exchange_us * 1e-6)
+            if msg.shim_post_us:
+                m.shim_post_seconds.observe(msg.shim_post_us * 1e-6)
+            m.arena_used_bytes.labels("shim_to_sidecar").set(msg.hidden.nbytes if msg.hidden else 0)
+            if self.out is not None:
+                m.arena_used_bytes.labels("sidecar_to_shim").set(self.out.offset)
         return StepResult(step=msg.step, errors=result_errors, hook_us=hook_us)
 
     def _admit(
@@ -165,6 +183,7 @@ class Session:
     ) -> None:
         self._finish(finished)
         if preempted:
+            self.metrics.requests.labels("preempted").inc(len(preempted))
             with _collect(errors, None, "on_preempted", preempted):
                 self.hooks.on_preempted(list(preempted))
         if not new:
@@ -178,6 +197,7 @@ class Session:
                 self._aliases[client_id] = req.req_id
             infos.append(info)
         self.new_requests += len(new)
+        self.metrics.requests.labels("new").inc(len(new))
         with _collect(errors, None, "on_new_requests", [r.req_id for r in new]):
             self.hooks.on_new_requests(infos)
 
@@ -185,6 +205,8 @@ class Session:
         for req_id, message in errors.items():
             self.errors_by_request.setdefault(req_id, message)
         self.errors += len(errors)
+        if errors:
+            self.metrics.request_errors.inc(len(errors))
         return [RequestError(r, m[:4000]) for r, m in errors.items()]
 
     def _finish(self, req_ids: list[str]) -> None:
@@ -200,6 +222,7 @@ class Session:
                 self.finished_store.put(req_id, entry)
             if self.requests.pop(req_id, None) is not None:
                 self.finished_requests += 1
+                self.metrics.requests.labels("finished").inc()
             client_id = client_request_id(req_id)
             if client_id is not None and self._aliases.get(client_id) == req_id:
                 del self._aliases[client_id]

@@ -166,6 +166,9 @@ class StepEnd(msgspec.Struct, tag="step_end", frozen=True):
     preempted: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] = []
     hidden: TensorRef | None = None
     num_tokens: Count = 0
+    # Shim-side timings of this step, exported by the sidecar's /metrics.
+    shim_exchange_us: float = 0.0
+    shim_post_us: float = 0.0
 
 
 class StepResult(msgspec.Struct, tag="step_result", frozen=True):

@@ -181,3 +181,40 @@ def test_capture_hook_forgets_finished_requests():
 def test_client_request_id():
     assert client_request_id("7-1a2b3c4d") == "7"
     assert client_request_id("short") is None
+
+
+def test_prometheus_metrics(tmp_path):
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = SidecarProcess(f"ipc://{tmp_path}/m.sock", "capture", tmp_path / "sidecar.log",
+                          extra_args=["--metrics-port", str(port)])
+    try:
+        arena = ShmArena.create(1 << 16)
+        peer = Peer(proc.endpoint)
+        peer.call(_hello([arena.info()]))
+        layout = BatchLayout(["a"], [0, 2], [0], [2])
+        peer.call(StepEnd(0, layout, [NewRequest("a", 2, [1, 2])], hidden=TensorRef(0, 0, 2 * H * 4, [2, H], "float32"),
+                          num_tokens=2, shim_exchange_us=80.0, shim_post_us=40.0))
+        peer.call(StepEnd(1, layout, hidden=TensorRef(0, 0, H * 4, [1, H], "float32"), num_tokens=1))
+        peer.call(None, raw=b"\xc1")
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        peer.close()
+        arena.close()
+    finally:
+        proc.stop()
+    metrics = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+               if line and not line.startswith("#")}
+    assert metrics["omni_sidecar_steps_total"] == 2
+    assert metrics["omni_sidecar_scheduled_tokens_total"] == 3
+    assert metrics['omni_sidecar_requests_total{event="new"}'] == 1
+    assert metrics["omni_sidecar_step_hook_seconds_count"] == 2
+    assert metrics["omni_sidecar_shim_exchange_seconds_count"] == 1
+    assert metrics["omni_sidecar_shim_exchange_seconds_sum"] == pytest.approx(80e-6)
+    assert metrics['omni_sidecar_rejected_frames_total{code="malformed_frame"}'] == 1
+    assert metrics["omni_sidecar_sessions"] == 1
+    assert metrics['omni_sidecar_arena_bytes{direction="shim_to_sidecar"}'] == 1 << 16
+    assert metrics['omni_sidecar_arena_used_bytes{direction="shim_to_sidecar"}'] == H * 4

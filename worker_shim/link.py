@@ -55,6 +55,8 @@ class SidecarLink:
         self.request_errors: dict[str, str] = {}
         self.exchange_us: list[float] = []  # blocking StepBegin round trips
         self.post_us: list[float] = []  # shim-side cost of each StepEnd (copy + send)
+        self._step_exchange_us = 0.0
+        self._last_post_us = 0.0  # reported on the next StepEnd (measured after sending)
 
     # -- notes from upstream calls ----------------------------------------------
 
@@ -128,7 +130,8 @@ class SidecarLink:
             extra = {k: self._decode_kwarg(v, device, 0) for k, v in plan.extra_kwargs.items()}
         if plan.overlays:
             extra["inputs_embeds"] = self._overlay(plan, input_batch, model)
-        self.exchange_us.append((time.perf_counter() - t0) * 1e6)
+        self._step_exchange_us = (time.perf_counter() - t0) * 1e6
+        self.exchange_us.append(self._step_exchange_us)
         return extra
 
     def end_step(self, state: Any) -> None:
@@ -154,7 +157,10 @@ class SidecarLink:
             preempted=self._preempted,
             hidden=hidden_ref,
             num_tokens=num_tokens,
+            shim_exchange_us=self._step_exchange_us,
+            shim_post_us=self._last_post_us,
         )
+        self._step_exchange_us = 0.0
         self._new, self._finished, self._preempted = [], [], []
         self.channel.send(msg)
         if self.ring is not None and hidden_ref is not None:
@@ -163,7 +169,8 @@ class SidecarLink:
         for result in self.channel.take_results():
             self._record_errors(result.errors)
         if batch is not None:
-            self.post_us.append((time.perf_counter() - t0) * 1e6)
+            self._last_post_us = (time.perf_counter() - t0) * 1e6
+            self.post_us.append(self._last_post_us)
 
     def _next_layout(self, batch: Any) -> BatchLayout:
         layout = _layout(batch, self._sent_req_ids)

