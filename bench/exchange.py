@@ -52,60 +52,78 @@ def _spawn(code: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env)
 
 
-def bench_raw(num_reqs: int, iters: int, run_dir: Path) -> list[float]:
-    codec = Codec()
-    msg = step_message(num_reqs, same_ids=True)
-    reply = codec.encode(StepPlan(step=0))
-    endpoint = f"ipc://{run_dir}/raw-{num_reqs}.sock"
-    proc = _spawn(f"from bench.exchange import raw_server; raw_server({endpoint!r}, {reply.hex()!r})")
-    sock = zmq.Context.instance().socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    samples = []
-    try:
-        for i in range(iters + iters // 10):
-            t0 = time.perf_counter()
-            sock.send(codec.encode(msg))
-            codec.decode(sock.recv())
-            if i >= iters // 10:  # warm-up excluded
-                samples.append(time.perf_counter() - t0)
-        sock.send(b"stop")
-        sock.recv()
-    finally:
-        sock.close(0)
-        proc.wait(10)
-    return samples
+class RawClient:
+    """pyzmq REQ/REP against a server that answers pre-encoded StepPlan bytes."""
+
+    def __init__(self, num_reqs: int, run_dir: Path) -> None:
+        self.codec = Codec()
+        self.msg = step_message(num_reqs, same_ids=True)
+        reply = self.codec.encode(StepPlan(step=0))
+        endpoint = f"ipc://{run_dir}/raw-{num_reqs}.sock"
+        self.proc = _spawn(f"from bench.exchange import raw_server; raw_server({endpoint!r}, {reply.hex()!r})")
+        self.sock = zmq.Context.instance().socket(zmq.REQ)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def round_trip(self) -> None:
+        self.sock.send(self.codec.encode(self.msg))
+        self.codec.decode(self.sock.recv())
+
+    def close(self) -> None:
+        self.sock.send(b"stop")
+        self.sock.recv()
+        self.sock.close(0)
+        self.proc.wait(10)
 
 
-def bench_sidecar(num_reqs: int, iters: int, run_dir: Path, hooks: str = "overlay") -> list[float]:
-    """Round trips through the shim's SidecarChannel to a real `omni-sidecar serve`."""
-    from proto.arena import ShmArena
-    from proto.messages import Hello
-    from worker_shim.channel import SidecarChannel
+class SidecarClientBench:
+    """The shim's SidecarChannel against a real `omni-sidecar serve --hooks overlay`."""
 
-    endpoint = f"ipc://{run_dir}/sidecar-{num_reqs}.sock"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", endpoint, "--hooks", hooks,
-         "--log-level", "WARNING"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    arena = ShmArena.create(1 << 20)
-    channel = SidecarChannel(endpoint, step_timeout_s=30)
-    samples = []
-    try:
-        channel.handshake(
-            Hello(1, 0, "bench", "none", "cpu", 0, 1, "bench", 128, "float32", 256, [arena.info()]), 30
+    def __init__(self, num_reqs: int, run_dir: Path) -> None:
+        from proto.arena import ShmArena
+        from proto.messages import Hello
+        from worker_shim.channel import SidecarChannel
+
+        endpoint = f"ipc://{run_dir}/sidecar-{num_reqs}.sock"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", endpoint, "--hooks", "overlay",
+             "--log-level", "WARNING"],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
-        channel.call(step_message(num_reqs), StepPlan)  # names the requests once
-        msg = step_message(num_reqs, same_ids=True)
-        for i in range(iters + iters // 10):
-            t0 = time.perf_counter()
-            channel.call(msg, StepPlan)
-            if i >= iters // 10:
-                samples.append(time.perf_counter() - t0)
+        self.arena = ShmArena.create(1 << 20)
+        self.channel = SidecarChannel(endpoint, step_timeout_s=30)
+        self.channel.handshake(
+            Hello(1, 0, "bench", "none", "cpu", 0, 1, "bench", 128, "float32", 256, [self.arena.info()]), 30
+        )
+        self.channel.call(step_message(num_reqs), StepPlan)  # names the requests once
+        self.msg = step_message(num_reqs, same_ids=True)
+
+    def round_trip(self) -> None:
+        self.channel.call(self.msg, StepPlan)
+
+    def close(self) -> None:
+        self.channel.close()
+        self.arena.close()
+        self.proc.terminate()
+        self.proc.wait(15)
+
+
+def interleaved(num_reqs: int, iters: int, run_dir: Path, block: int = 250) -> tuple[list[float], list[float]]:
+    """Both paths alive at once, measured in alternating blocks so host drift hits both alike."""
+    raw, side = RawClient(num_reqs, run_dir), SidecarClientBench(num_reqs, run_dir)
+    raw_s: list[float] = []
+    side_s: list[float] = []
+    try:
+        for client in (raw, side):  # warm-up
+            for _ in range(200):
+                client.round_trip()
+        while len(raw_s) < iters:
+            for client, out in ((raw, raw_s), (side, side_s)):
+                for _ in range(block):
+                    t0 = time.perf_counter()
+                    client.round_trip()
+                    out.append(time.perf_counter() - t0)
     finally:
-        channel.close()
-        arena.close()
-        proc.terminate()
-        proc.wait(10)
-    return samples
+        raw.close()
+        side.close()
+    return raw_s, side_s

@@ -37,11 +37,17 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     ep_help = f"ZeroMQ ipc:// endpoint (default: $OMNI_SIDECAR_ENDPOINT or {default_endpoint()})"
 
-    s = sub.add_parser("serve", help="run the sidecar daemon", description="Run the sidecar daemon.")
+    s = sub.add_parser(
+        "serve", help="run the sidecar daemon",
+        description="Run the sidecar daemon. Settings: flags > OMNI_SIDECAR_* env vars > TOML file "
+        "(--config / $OMNI_SIDECAR_CONFIG) > defaults. SIGTERM drains (new shims refused, exits once "
+        "connected ones go quiet); SIGHUP re-reads the config (log level/format, keep_finished); "
+        "SIGINT stops at once.",
+    )
+    s.add_argument("--config", default=None, help="TOML file with the same keys as the flags")
     s.add_argument("--endpoint", default=None, help=ep_help)
     s.add_argument(
-        "--hooks",
-        default="passthrough",
+        "--hooks", default=None,
         help=f"hook set: built-in ({', '.join(BUILTIN_NAMES)}) or module:Class "
         "(a subclass of omni_sidecar.hooks.OmniHooks); default passthrough",
     )
@@ -51,20 +57,23 @@ def _parser() -> argparse.ArgumentParser:
         "state_cap_mib=64 for --hooks omni)",
     )
     s.add_argument(
-        "--arena-mib", type=int, default=0,
+        "--arena-mib", type=int, default=None,
         help="minimum size of the sidecar->shim arena for overlay rows and kwargs tensors "
         "(default: sized from the shim's max tokens x hidden size)",
     )
     s.add_argument(
-        "--keep-finished", type=int, default=10_000,
+        "--keep-finished", type=int, default=None,
         help="finished requests whose outputs stay available to clients (default 10000)",
     )
-    s.add_argument("--max-frame-mib", type=int, default=64, help="reject larger frames (default 64)")
+    s.add_argument("--max-frame-mib", type=int, default=None, help="reject larger frames (default 64)")
     s.add_argument(
-        "--metrics-port", type=int, default=0,
+        "--metrics-port", type=int, default=None,
         help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (default: off)",
     )
-    s.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    s.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO)")
+    s.add_argument("--log-format", default=None, choices=["plain", "json"], help="default plain")
+    s.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=None,
+                   help="longest SIGTERM drain in seconds (default 10)")
 
     st = sub.add_parser("status", help="print a running sidecar's status as JSON")
     st.add_argument("--endpoint", default=None, help=ep_help)
@@ -86,9 +95,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    endpoint = args.endpoint or default_endpoint()
+    endpoint = getattr(args, "endpoint", None) or default_endpoint()
     if args.command == "serve":
-        return _serve(args, endpoint)
+        return _serve(args)
     if args.command == "bench":
         return _bench(args.bench_args)
     from omni_sidecar.client import SidecarClient, SidecarUnavailable
@@ -122,24 +131,48 @@ def _bench(bench_args: list[str]) -> int:
     return subprocess.call([sys.executable, "-m", "bench", *bench_args], cwd=root)
 
 
-def _serve(args: argparse.Namespace, endpoint: str) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def _serve(args: argparse.Namespace) -> int:
+    from omni_sidecar.config import RELOADABLE, ConfigError, load_config
     from omni_sidecar.loader import HookLoadError, load_hooks, parse_options
+    from omni_sidecar.logs import configure_logging
     from omni_sidecar.server import SidecarServer
 
+    keys = ("endpoint", "hooks", "arena_mib", "keep_finished", "max_frame_mib", "metrics_port",
+            "log_level", "log_format", "drain_timeout_s")
     try:
-        hooks = load_hooks(args.hooks, parse_options(args.hook_option))
+        cli = {k: getattr(args, k) for k in keys}
+        cli["hook_options"] = parse_options(args.hook_option)
+        config = load_config(dict(cli), args.config)
+        configure_logging(config.log_level, config.log_format)
+        hooks = load_hooks(config.hooks, config.hook_options)
         server = SidecarServer(
-            endpoint, hooks, keep_finished=args.keep_finished,
-            max_frame_bytes=args.max_frame_mib << 20, arena_bytes=args.arena_mib << 20,
-            metrics_port=args.metrics_port,
+            config.endpoint, hooks, keep_finished=config.keep_finished,
+            max_frame_bytes=config.max_frame_mib << 20, arena_bytes=config.arena_mib << 20,
+            metrics_port=config.metrics_port,
         )
-    except (HookLoadError, ValueError) as exc:
+    except (HookLoadError, ConfigError, ValueError) as exc:
         print(f"omni-sidecar: {exc}", file=sys.stderr)
         return 2
+    server.drain_timeout_s = config.drain_timeout_s
+
+    def reload() -> None:
+        nonlocal config
+        try:
+            new = load_config(dict(cli), args.config)
+        except ConfigError as exc:
+            logging.getLogger("omni_sidecar").error("SIGHUP: kept the old config: %s", exc)
+            return
+        changed = {k: getattr(new, k) for k in RELOADABLE if getattr(new, k) != getattr(config, k)}
+        configure_logging(new.log_level, new.log_format)
+        server.finished.capacity = new.keep_finished
+        server.drain_timeout_s = new.drain_timeout_s
+        config = new
+        logging.getLogger("omni_sidecar").info(
+            "SIGHUP: config reloaded; changed %s (endpoint and hooks change only with a restart "
+            "or an upgrade)", changed or "nothing",
+        )
+
+    server.on_reload = reload
     server.serve_forever()
     return 0
 

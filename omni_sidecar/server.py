@@ -71,6 +71,11 @@ class SidecarServer:
         self._next_session = 1
         self._stop = False
         self._draining = False
+        self.drain_timeout_s = 10.0
+        self._drain_deadline = 0.0
+        self._last_step = 0.0
+        self._reload_requested = False
+        self.on_reload = None  # set by the CLI: re-reads the config on SIGHUP
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
 
@@ -106,17 +111,42 @@ class SidecarServer:
     def request_stop(self, *_: object) -> None:
         self._stop = True
 
+    def begin_drain(self, *_: object) -> None:
+        """Refuse new shims, keep serving connected ones until they go quiet, then exit."""
+        if not self._draining:
+            self._draining = True
+            self._last_step = max(self._last_step, time.monotonic())  # idle counts from now
+            self._drain_deadline = time.monotonic() + self.drain_timeout_s
+            log.info(
+                "draining: no new sessions; exiting when %d session(s) are idle for 1 s or in %.0f s",
+                len(self.sessions), self.drain_timeout_s,
+            )
+
+    def _request_reload(self, *_: object) -> None:
+        self._reload_requested = True
+
+    def _drained(self) -> bool:
+        now = time.monotonic()
+        return not self.sessions or now - self._last_step > 1.0 or now > self._drain_deadline
+
     def serve_forever(self, install_signals: bool = True) -> None:
         if self._sock is None:
             self.bind()
         if install_signals:
-            signal.signal(signal.SIGTERM, self.request_stop)
+            signal.signal(signal.SIGTERM, self.begin_drain)
             signal.signal(signal.SIGINT, self.request_stop)
+            signal.signal(signal.SIGHUP, self._request_reload)
         assert self._sock is not None
-        # Block in recv (one wake-up per message); the timeout lets signals stop the loop.
+        # Block in recv (one wake-up per message); the timeout lets signals act promptly.
         self._sock.setsockopt(zmq.RCVTIMEO, 200)
         try:
             while not self._stop:
+                if self._reload_requested:
+                    self._reload_requested = False
+                    if self.on_reload is not None:
+                        self.on_reload()
+                if self._draining and self._drained():
+                    break
                 try:
                     frames = self._sock.recv_multipart()
                 except zmq.Again:
@@ -162,6 +192,7 @@ class SidecarServer:
             session = self.sessions.get(ident)
             if session is None:
                 return self._refuse("no_session", "send Hello before step messages")
+            self._last_step = time.monotonic()
             return session.step_begin(msg) if isinstance(msg, StepBegin) else session.step_end(msg)
         if isinstance(msg, Hello):
             return self._hello(ident, msg)
@@ -172,8 +203,7 @@ class SidecarServer:
         if isinstance(msg, OutputsQuery):
             return self._outputs(msg)
         if isinstance(msg, Drain):
-            self._draining = True
-            self._stop = True
+            self.begin_drain()
             return Drained(len(self.sessions))
         return self._refuse("unexpected", f"{type(msg).__name__} is not a request the sidecar serves")
 

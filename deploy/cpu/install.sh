@@ -19,4 +19,14 @@ pip_quiet install -q -e ".[cpu,test]"
 pip_quiet install -q ./deploy/cpu/triton_cpu_stub
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 rm -f "$LOG"
+# The deployment tests validate deploy/*.yml with a real compose implementation (Debian's).
+if ! command -v docker-compose >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get install -y -q docker-compose >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q docker-compose >/dev/null 2>&1; } \
+      || echo "warning: could not install docker-compose; tests/test_deploy.py will say so" >&2
+  else
+    echo "warning: docker-compose not found (sudo apt-get install docker-compose); tests/test_deploy.py needs it" >&2
+  fi
+fi
 "$VENV/bin/python" -c "import vllm, torch, triton_cpu_stub, omni_sidecar, worker_shim; print('omni-sidecar installed: vLLM', vllm.__version__, 'torch', torch.__version__)"
