@@ -150,6 +150,8 @@ class Session:
     def step_end(self, msg: StepEnd) -> StepResult:
         t0 = time.perf_counter()
         errors: dict[str, str] = {}
+        for failure in msg.failed:  # failed by the shim while no sidecar served them
+            self.errors_by_request.setdefault(failure.req_id, failure.message)
         self._admit(msg.new_requests, [], msg.preempted, errors)
         layout = self._resolve_layout(msg.batch) if msg.batch is not None else self._last_layout
         if msg.num_tokens and layout is not None:
@@ -219,6 +221,8 @@ class Session:
                 error=self.errors_by_request.pop(req_id, ""),
             )
             if entry.outputs is not None or entry.chunks is not None or entry.error:
+                if entry.error:
+                    entry.outputs = entry.chunks = None  # never hand out partial outputs as complete
                 self.finished_store.put(req_id, entry)
             if self.requests.pop(req_id, None) is not None:
                 self.finished_requests += 1

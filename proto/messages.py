@@ -169,6 +169,9 @@ class StepEnd(msgspec.Struct, tag="step_end", frozen=True):
     # Shim-side timings of this step, exported by the sidecar's /metrics.
     shim_exchange_us: float = 0.0
     shim_post_us: float = 0.0
+    # Requests the shim failed because no sidecar served them (a previous one died):
+    # the sidecar records the errors so clients asking it get them.
+    failed: Annotated[list[RequestError], msgspec.Meta(max_length=1 << 17)] = []
 
 
 class StepResult(msgspec.Struct, tag="step_result", frozen=True):

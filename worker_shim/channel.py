@@ -2,16 +2,17 @@
 
 StepEnd is sent without waiting; its StepResult is collected later (stashed
 when it arrives while waiting for something else). The sidecar answers one
-connection in order, so results arrive in step order.
+connection in order, so results arrive in step order. Every frame from the
+sidecar is untrusted: anything malformed becomes a SidecarError, never a crash.
+A socket monitor tells the shim at once when the sidecar's end goes away.
 """
 
 from __future__ import annotations
 
-import time
-
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from proto.codec import Codec
+from proto.codec import Codec, FrameError
 from proto.messages import ErrorReply, Hello, Message, Reject, StepResult, Welcome
 
 
@@ -28,20 +29,36 @@ class SidecarChannel:
         self._sock.setsockopt(zmq.LINGER, 0)
         # A blocking recv with a timeout costs one wake-up; poll() + recv() costs two.
         self._sock.setsockopt(zmq.RCVTIMEO, self.step_timeout_ms)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(endpoint)
         self._results: list[StepResult] = []
+        self._welcome: Welcome | None = None
         self.acked_step = -1  # highest step whose StepResult arrived
 
+    # -- handshake ---------------------------------------------------------------
+
     def handshake(self, hello: Hello, timeout_s: float) -> Welcome:
-        self._sock.send(self.codec.encode(hello))
-        deadline = time.monotonic() + timeout_s
+        """Blocking handshake (start-up): fail fast with what to do next."""
+        self.send(hello)
         if not self._sock.poll(int(timeout_s * 1000)):
             raise SidecarError(
                 f"no omni-sidecar answered at {self.endpoint} within {timeout_s:.0f}s. Start one "
                 f"with `omni-sidecar serve --endpoint {self.endpoint} --hooks <set>` or point "
                 "OMNI_SIDECAR_ENDPOINT at a running one (OMNI_SIDECAR_CONNECT_TIMEOUT sets the wait)."
             )
-        reply = self._recv(max(0.0, deadline - time.monotonic()))
+        return self._check_welcome(hello, self._recv(self.step_timeout_ms / 1000))
+
+    def poll_welcome(self, hello: Hello, wait_ms: int = 0) -> Welcome | None:
+        """Handshake without blocking a step for long (reconnect): the Welcome if it arrived."""
+        if wait_ms and not self._sock.poll(wait_ms):
+            return None
+        try:
+            frame = self._sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        return self._check_welcome(hello, self._decode(frame))
+
+    def _check_welcome(self, hello: Hello, reply: Message) -> Welcome:
         if isinstance(reply, Reject):
             raise SidecarError(f"omni-sidecar at {self.endpoint} refused this shim: {reply.reason}")
         if not isinstance(reply, Welcome):
@@ -53,6 +70,8 @@ class SidecarChannel:
                 f"{hello.protocol_minor}; install matching omni-sidecar versions on both sides"
             )
         return reply
+
+    # -- traffic -----------------------------------------------------------------
 
     def send(self, msg: Message) -> None:
         self._sock.send(self.codec.encode(msg), copy=True)
@@ -71,12 +90,11 @@ class SidecarChannel:
             return reply
 
     def take_results(self, until_step: int | None = None) -> list[StepResult]:
-        """Results received so far; blocks until `until_step`'s result if given."""
+        """Results received so far; blocks (up to the step timeout) for `until_step`'s."""
         while True:
             try:
                 while True:
-                    frame = self._sock.recv(zmq.NOBLOCK)
-                    self._stash(self.codec.decode(frame))
+                    self._stash(self._decode(self._sock.recv(zmq.NOBLOCK)))
             except zmq.Again:
                 pass
             if until_step is None or self.acked_step >= until_step:
@@ -85,12 +103,31 @@ class SidecarChannel:
         out, self._results = self._results, []
         return out
 
+    def peer_gone(self) -> bool:
+        """True once the sidecar's end of the connection went away (crash, kill, stop)."""
+        gone = False
+        try:
+            while True:
+                if recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"] == zmq.EVENT_DISCONNECTED:
+                    gone = True
+        except zmq.Again:
+            pass
+        return gone
+
     def _stash(self, msg: Message) -> None:
         if isinstance(msg, StepResult):
             self._results.append(msg)
             self.acked_step = max(self.acked_step, msg.step)
         elif isinstance(msg, ErrorReply):
             raise SidecarError(f"sidecar rejected a step message: {msg.code}: {msg.message}")
+        else:
+            raise SidecarError(f"unexpected {type(msg).__name__} from the sidecar")
+
+    def _decode(self, frame: bytes) -> Message:
+        try:
+            return self.codec.decode(frame)
+        except FrameError as exc:
+            raise SidecarError(f"bad frame from the sidecar: {exc}") from None
 
     def _recv(self, timeout_s: float) -> Message:
         try:
@@ -102,10 +139,15 @@ class SidecarChannel:
                 raise zmq.Again()
         except zmq.Again:
             raise SidecarError(
-                f"omni-sidecar at {self.endpoint} did not answer within {timeout_s:.0f}s "
+                f"omni-sidecar at {self.endpoint} did not answer within {timeout_s:.1f}s "
                 "(OMNI_SIDECAR_STEP_TIMEOUT)"
             ) from None
-        return self.codec.decode(frame)
+        return self._decode(frame)
 
     def close(self) -> None:
+        try:
+            self._sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(0)
         self._sock.close(0)

@@ -14,6 +14,7 @@ class ShimConfig:
     connect_timeout_s: float
     step_timeout_s: float
     hidden_slots: int
+    loss_policy: str  # "fail-all" | "fail-payload"
 
     @classmethod
     def from_vllm(cls, vllm_config: object) -> "ShimConfig":
@@ -28,6 +29,16 @@ class ShimConfig:
         return cls(
             endpoint=endpoint,
             connect_timeout_s=float(pick("connect_timeout_s", "OMNI_SIDECAR_CONNECT_TIMEOUT", "30")),
-            step_timeout_s=float(pick("step_timeout_s", "OMNI_SIDECAR_STEP_TIMEOUT", "60")),
+            step_timeout_s=float(pick("step_timeout_s", "OMNI_SIDECAR_STEP_TIMEOUT", "10")),
             hidden_slots=int(pick("hidden_slots", "OMNI_SIDECAR_HIDDEN_SLOTS", "2")),
+            loss_policy=_policy(pick("loss_policy", "OMNI_SIDECAR_LOSS_POLICY", "fail-all")),
         )
+
+
+def _policy(value: str) -> str:
+    if value not in ("fail-all", "fail-payload"):
+        raise ValueError(
+            f"loss_policy {value!r}: use fail-all (every request the lost sidecar served fails) or "
+            "fail-payload (only requests carrying a sidecar payload fail; others run on unhooked)"
+        )
+    return value

@@ -1,62 +1,92 @@
-"""Per-step traffic between one runner and its sidecar.
+"""Per-step traffic between one runner and its sidecar, and what happens when it goes away.
 
 The runner mixin calls `begin_step` / `pre_forward` / `end_step`; this class
 decides which messages a step needs (from the sidecar's declared needs), moves
 tensors through the arenas and keeps the counters tests and `status` compare.
+
+Liveness: a sidecar that dies (socket monitor), stalls past the step timeout,
+or sends garbage is dropped at once; vLLM keeps serving. The requests it was
+serving fail explicitly (logged, in `omni_sidecar_stats`, and reported to the
+next sidecar so clients get `RequestFailed`); which others fail meanwhile is
+the `loss_policy`. The shim reconnects in the background (a Hello waits in
+the socket until a sidecar binds) and switches over at a step boundary.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import torch
 
-from proto.arena import ShmArena, SlotRing, align_up
-from proto.messages import BatchLayout, HookNeeds, NewRequest, StepBegin, StepEnd, StepPlan, Welcome
+from proto.messages import (
+    BatchLayout,
+    HookNeeds,
+    NewRequest,
+    RequestError,
+    StepBegin,
+    StepEnd,
+    StepPlan,
+)
 from proto.tensors import TENSOR_MARKER, TensorRef
-from worker_shim.channel import SidecarChannel
+from worker_shim.channel import SidecarError
+from worker_shim.connection import SidecarConnection
 from worker_shim.tensors import arena_tensor, dtype_name
 
 log = logging.getLogger("vllm.omni_sidecar.shim.link")
 PAYLOAD_KEY = "omni_sidecar"
+MAX_PENDING_FAILURES = 100_000
+RETRY_AFTER_S = 10.0
+RECONNECT_WAIT_MS = 200
+
+
+def _socket_exists(endpoint: str) -> bool:
+    import os
+
+    return endpoint.startswith("ipc://") and os.path.exists(endpoint[len("ipc://"):])
 
 
 class SidecarLink:
-    def __init__(
-        self,
-        channel: SidecarChannel,
-        welcome: Welcome,
-        hidden_arena: ShmArena | None,
-        hidden_slots: int,
-    ) -> None:
-        self.channel = channel
-        self.needs: HookNeeds = welcome.needs
-        self.hook_set = welcome.hook_set
-        self.hidden_arena = hidden_arena
-        self.ring = SlotRing(hidden_arena.size, hidden_slots) if hidden_arena else None
-        self.overlay_arena = ShmArena.attach(welcome.arenas[0]) if welcome.arenas else None
+    def __init__(self, connect: Callable[[], SidecarConnection], first: SidecarConnection,
+                 loss_policy: str = "fail-all") -> None:
+        self._connect = connect  # makes a fresh connection (new socket, new arena)
+        self.conn: SidecarConnection | None = first
+        self._pending: SidecarConnection | None = None
+        self.loss_policy = loss_policy
         self.step = 0
         self.in_step = False
         self._new: list[NewRequest] = []
         self._finished: list[str] = []
         self._preempted: list[str] = []
-        self._payload_reqs: set[str] = set()  # requests that carry a sidecar payload
+        self._failures: list[RequestError] = []  # to tell the next sidecar
+        self._live: set[str] = set()
+        self._payload_reqs: set[str] = set()  # live requests that carry a sidecar payload
         self._layout_sent = False
         self._sent_req_ids: list[str] | None = None  # what the sidecar last saw
+        self._last_sent_step = -1
         # Counters (read through the worker's `omni_sidecar_stats`).
         self.steps = 0
         self.new_requests = 0
         self.finished_requests = 0
         self.scheduled_tokens = 0
         self.blocking_exchanges = 0
+        self.losses = 0
+        self.reconnects = 0
         self.request_errors: dict[str, str] = {}
         self.exchange_us: list[float] = []  # blocking StepBegin round trips
         self.post_us: list[float] = []  # shim-side cost of each StepEnd (copy + send)
         self._step_exchange_us = 0.0
         self._last_post_us = 0.0  # reported on the next StepEnd (measured after sending)
+
+    @property
+    def needs(self) -> HookNeeds:
+        return self.conn.needs if self.conn is not None else HookNeeds()
+
+    @property
+    def hook_set(self) -> str:
+        return self.conn.hook_set if self.conn is not None else ""
 
     # -- notes from upstream calls ----------------------------------------------
 
@@ -66,6 +96,7 @@ class SidecarLink:
             self._finished.extend(sorted(finished))
             self.finished_requests += len(finished)
             self._payload_reqs.difference_update(finished)
+            self._live.difference_update(finished)
         if preempted:
             self._preempted.extend(sorted(preempted))
 
@@ -74,26 +105,38 @@ class SidecarLink:
             sp = req.sampling_params
             extra = (sp.extra_args or {}) if sp is not None else {}
             payload = extra.get(PAYLOAD_KEY)
-            if isinstance(payload, dict):
+            has_payload = isinstance(payload, dict)
+            self.new_requests += 1
+            if self.conn is None:
+                if self.loss_policy == "fail-all" or has_payload:
+                    self._fail(req.req_id, "no omni-sidecar was connected when the request arrived")
+                continue
+            if has_payload:
                 self._payload_reqs.add(req.req_id)
+            self._live.add(req.req_id)
             self._new.append(
                 NewRequest(
                     req_id=req.req_id,
                     prompt_len=int(req.prompt_len),
                     prompt_token_ids=list(req.prompt_token_ids or []),
-                    payload=payload if isinstance(payload, dict) else None,
+                    payload=payload if has_payload else None,
                 )
             )
-        self.new_requests += len(new_reqs)
 
     # -- the step ---------------------------------------------------------------
 
     def begin_step(self) -> None:
         self.in_step = True
         self._layout_sent = False
+        if self.conn is None:
+            self._try_reconnect()
+        elif self.conn.channel.peer_gone():
+            self._lose("the sidecar closed the connection (it crashed, was killed or stopped)")
 
     def needs_exchange(self, input_batch: Any) -> bool:
         """Does any scheduled request need the sidecar before this forward?"""
+        if self.conn is None:
+            return False
         mode = self.needs.pre_forward
         if mode == "never":
             return False
@@ -111,6 +154,8 @@ class SidecarLink:
         """Blocking StepBegin when the hooks need it; returns extra model inputs."""
         if not self.needs_exchange(input_batch):
             return {}
+        conn = self.conn
+        assert conn is not None
         t0 = time.perf_counter()
         msg = StepBegin(
             step=self.step,
@@ -121,15 +166,19 @@ class SidecarLink:
         )
         self._new, self._finished, self._preempted = [], [], []
         self._layout_sent = True
-        plan: StepPlan = self.channel.call(msg, StepPlan)  # type: ignore[assignment]
-        self.blocking_exchanges += 1
-        self._record_errors(plan.errors)
-        extra: dict[str, Any] = {}
-        if plan.extra_kwargs:
-            device = model_device(model)
-            extra = {k: self._decode_kwarg(v, device, 0) for k, v in plan.extra_kwargs.items()}
-        if plan.overlays:
-            extra["inputs_embeds"] = self._overlay(plan, input_batch, model)
+        try:
+            plan: StepPlan = conn.channel.call(msg, StepPlan)  # type: ignore[assignment]
+            self.blocking_exchanges += 1
+            self._record_errors(plan.errors)
+            extra: dict[str, Any] = {}
+            if plan.extra_kwargs:
+                device = model_device(model)
+                extra = {k: self._decode_kwarg(v, device, 0) for k, v in plan.extra_kwargs.items()}
+            if plan.overlays:
+                extra["inputs_embeds"] = self._overlay(plan, input_batch, model)
+        except (SidecarError, ValueError, msgspec.ValidationError) as exc:
+            self._lose(f"step {self.step}: {exc}")
+            return {}
         self._step_exchange_us = (time.perf_counter() - t0) * 1e6
         self.exchange_us.append(self._step_exchange_us)
         return extra
@@ -139,38 +188,107 @@ class SidecarLink:
         self.in_step = False
         t0 = time.perf_counter()
         batch = state.input_batch if state is not None else None
-        if batch is None and not (self._new or self._finished or self._preempted):
-            return
-        hidden_ref = None
-        num_tokens = 0
+        num_tokens = int(batch.num_tokens) if batch is not None else 0
         if batch is not None:
-            num_tokens = int(batch.num_tokens)
             self.steps += 1
             self.scheduled_tokens += num_tokens
-            if self.needs.hidden_states and state.hidden_states is not None:
-                hidden_ref = self._write_hidden(state.hidden_states[:num_tokens])
-        msg = StepEnd(
-            step=self.step,
-            batch=None if (batch is None or self._layout_sent) else self._next_layout(batch),
-            new_requests=self._new,
-            finished=self._finished,
-            preempted=self._preempted,
-            hidden=hidden_ref,
-            num_tokens=num_tokens,
-            shim_exchange_us=self._step_exchange_us,
-            shim_post_us=self._last_post_us,
-        )
-        self._step_exchange_us = 0.0
-        self._new, self._finished, self._preempted = [], [], []
-        self.channel.send(msg)
-        if self.ring is not None and hidden_ref is not None:
-            self.ring.owner_step[self.ring.slot_of(self.step)] = self.step
+        conn = self.conn
+        if conn is None or (batch is None and not (self._new or self._finished or self._preempted
+                                                   or self._failures)):
+            self.step += 1
+            return
+        try:
+            hidden_ref = None
+            if batch is not None and conn.ring is not None and state.hidden_states is not None:
+                hidden_ref = self._write_hidden(conn, state.hidden_states[:num_tokens])
+            msg = StepEnd(
+                step=self.step,
+                batch=None if (batch is None or self._layout_sent) else self._next_layout(batch),
+                new_requests=self._new,
+                finished=self._finished,
+                preempted=self._preempted,
+                hidden=hidden_ref,
+                num_tokens=num_tokens,
+                shim_exchange_us=self._step_exchange_us,
+                shim_post_us=self._last_post_us,
+                failed=self._failures,
+            )
+            self._new, self._finished, self._preempted, self._failures = [], [], [], []
+            self._step_exchange_us = 0.0
+            conn.channel.send(msg)
+            self._last_sent_step = self.step
+            if hidden_ref is not None:
+                assert conn.ring is not None
+                conn.ring.owner_step[conn.ring.slot_of(self.step)] = self.step
+            for result in conn.channel.take_results():
+                self._record_errors(result.errors)
+        except (SidecarError, ValueError) as exc:
+            self._lose(f"step {self.step}: {exc}")
         self.step += 1
-        for result in self.channel.take_results():
-            self._record_errors(result.errors)
         if batch is not None:
             self._last_post_us = (time.perf_counter() - t0) * 1e6
             self.post_us.append(self._last_post_us)
+
+    # -- loss and reconnect -------------------------------------------------------
+
+    def _lose(self, reason: str) -> None:
+        conn, self.conn = self.conn, None
+        if conn is None:
+            return
+        self.losses += 1
+        message = f"omni-sidecar lost ({reason}); its hooks did not run for this request"
+        affected = sorted(self._live if self.loss_policy == "fail-all" else self._payload_reqs)
+        for req_id in affected:
+            self._fail(req_id, message)
+        self._live.clear()
+        self._payload_reqs.clear()
+        self._new, self._preempted = [], []
+        self._sent_req_ids = None
+        self._last_sent_step = -1
+        log.error(
+            "omni-sidecar at %s lost: %s. vLLM keeps serving; %d request(s) fail with a clear "
+            "error (policy %s); reconnecting in the background (start a sidecar there).",
+            conn.channel.endpoint, reason, len(affected), self.loss_policy,
+        )
+        conn.close()
+
+    def _fail(self, req_id: str, message: str) -> None:
+        self.request_errors[req_id] = message
+        if len(self._failures) < MAX_PENDING_FAILURES:
+            self._failures.append(RequestError(req_id, message[:4000]))
+
+    def _try_reconnect(self) -> None:
+        pending = self._pending
+        if pending is None:
+            try:
+                pending = self._pending = self._connect()
+                pending.start()
+            except Exception as exc:  # e.g. no room for a new arena: try again later
+                log.error("omni-sidecar reconnect attempt failed: %s", exc)
+                self._pending = None
+                return
+        try:
+            # A listening sidecar answers within milliseconds; wait that long only if one is there.
+            ready = pending.poll(RECONNECT_WAIT_MS if _socket_exists(pending.channel.endpoint) else 0)
+        except (SidecarError, ValueError) as exc:
+            log.error("omni-sidecar refused the reconnect: %s", exc)
+            pending.close()
+            self._pending = None
+            return
+        if ready:
+            self.conn, self._pending = pending, None
+            self.reconnects += 1
+            assert pending.welcome is not None
+            log.warning(
+                "omni-sidecar reconnected at %s: hook set %r, session %d; %d failed request(s) "
+                "reported to it", pending.channel.endpoint, pending.hook_set, pending.welcome.session,
+                len(self._failures),
+            )
+        elif time.monotonic() - pending.started > RETRY_AFTER_S:
+            pending.close()  # a fresh socket and arena next step
+            self._pending = None
+
+    # -- tensors ------------------------------------------------------------------
 
     def _next_layout(self, batch: Any) -> BatchLayout:
         layout = _layout(batch, self._sent_req_ids)
@@ -178,35 +296,36 @@ class SidecarLink:
             self._sent_req_ids = layout.req_ids
         return layout
 
-    # -- tensors ------------------------------------------------------------------
-
-    def _write_hidden(self, hidden: torch.Tensor) -> TensorRef:
-        assert self.ring is not None and self.hidden_arena is not None
-        slot = self.ring.slot_of(self.step)
-        owner = self.ring.owner_step[slot]
+    def _write_hidden(self, conn: SidecarConnection, hidden: torch.Tensor) -> TensorRef:
+        ring, arena = conn.ring, conn.hidden_arena
+        assert ring is not None and arena is not None
+        slot = ring.slot_of(self.step)
+        owner = ring.owner_step[slot]
         if owner is not None:
-            # The sidecar may still be reading this slot: wait for that step's result.
-            for result in self.channel.take_results(until_step=owner):
+            # The sidecar may still be reading this slot: wait (up to the step timeout) for its result.
+            for result in conn.channel.take_results(until_step=owner):
                 self._record_errors(result.errors)
-            self.ring.owner_step[slot] = None
+            ring.owner_step[slot] = None
         nbytes = hidden.numel() * hidden.element_size()
-        if nbytes > self.ring.slot_size:
-            raise RuntimeError(
-                f"hidden states of {nbytes} bytes exceed the arena slot of {self.ring.slot_size}"
+        if nbytes > ring.slot_size:
+            raise SidecarError(
+                f"hidden states of {nbytes} bytes exceed the arena slot of {ring.slot_size}"
             )
-        ref = TensorRef(0, self.ring.offset(slot), nbytes, list(hidden.shape), dtype_name(hidden.dtype))
-        arena_tensor(self.hidden_arena, ref).copy_(hidden)
+        ref = TensorRef(0, ring.offset(slot), nbytes, list(hidden.shape), dtype_name(hidden.dtype))
+        arena_tensor(arena, ref).copy_(hidden)
         return ref
 
     def _overlay(self, plan: StepPlan, input_batch: Any, model: Any) -> torch.Tensor:
-        assert self.overlay_arena is not None, "sidecar sent overlays but offered no arena"
+        arena = self.conn.overlay_arena if self.conn is not None else None
+        if arena is None:
+            raise SidecarError("sidecar sent overlays but offered no arena")
         n = int(input_batch.num_tokens_after_padding)
         embeds = model.embed_input_ids(input_batch.input_ids[:n])
         for ov in plan.overlays:
-            rows = arena_tensor(self.overlay_arena, ov.rows)
+            rows = arena_tensor(arena, ov.rows)
             end = ov.row_start + rows.shape[0]
             if end > int(input_batch.num_tokens) or rows.dim() != 2 or rows.shape[1] != embeds.shape[1]:
-                raise RuntimeError(
+                raise SidecarError(
                     f"overlay rows [{ov.row_start}, {end}) x {list(rows.shape)} do not fit the "
                     f"batch of {input_batch.num_tokens} tokens x {embeds.shape[1]}"
                 )
@@ -216,13 +335,14 @@ class SidecarLink:
     def _decode_kwarg(self, value: Any, device: torch.device, depth: int) -> Any:
         """Tensor markers become tensors (copied out of the arena onto the model's device)."""
         if depth > 8:
-            raise RuntimeError("sidecar extra kwargs nest deeper than 8 levels")
+            raise SidecarError("sidecar extra kwargs nest deeper than 8 levels")
         if isinstance(value, dict):
             if TENSOR_MARKER in value:
-                if self.overlay_arena is None:
-                    raise RuntimeError("sidecar sent tensor kwargs but offered no arena")
+                arena = self.conn.overlay_arena if self.conn is not None else None
+                if arena is None:
+                    raise SidecarError("sidecar sent tensor kwargs but offered no arena")
                 ref = msgspec.convert(value[TENSOR_MARKER], TensorRef)
-                return arena_tensor(self.overlay_arena, ref).to(device, copy=True)
+                return arena_tensor(arena, ref).to(device, copy=True)
             return {k: self._decode_kwarg(v, device, depth + 1) for k, v in value.items()}
         if isinstance(value, list):
             return [self._decode_kwarg(v, device, depth + 1) for v in value]
@@ -238,27 +358,35 @@ class SidecarLink:
         self.flush()
         return {
             "hook_set": self.hook_set,
+            "connected": self.conn is not None,
             "steps": self.steps,
             "new_requests": self.new_requests,
             "finished_requests": self.finished_requests,
             "scheduled_tokens": self.scheduled_tokens,
             "blocking_exchanges": self.blocking_exchanges,
+            "losses": self.losses,
+            "reconnects": self.reconnects,
             "request_errors": dict(self.request_errors),
             "exchange_us": list(self.exchange_us),
             "post_us": list(self.post_us),
         }
 
     def flush(self) -> None:
-        """Wait for the results of every step sent so far."""
-        if self.step:
-            for result in self.channel.take_results(until_step=self.step - 1):
+        """Wait for the results of every step sent so far (if a sidecar is connected)."""
+        conn = self.conn
+        if conn is None or self._last_sent_step < 0:
+            return
+        try:
+            for result in conn.channel.take_results(until_step=self._last_sent_step):
                 self._record_errors(result.errors)
+        except SidecarError as exc:
+            self._lose(f"flush: {exc}")
 
     def close(self) -> None:
-        self.channel.close()
-        for arena in (self.hidden_arena, self.overlay_arena):
-            if arena is not None:
-                arena.close()
+        for conn in (self.conn, self._pending):
+            if conn is not None:
+                conn.close()
+        self.conn = self._pending = None
 
 
 def model_device(model: Any) -> torch.device:
@@ -279,4 +407,6 @@ def _layout(batch: Any, prev_ids: list[str] | None) -> BatchLayout:
 
 
 def hidden_arena_size(max_num_tokens: int, hidden_size: int, itemsize: int, slots: int) -> int:
+    from proto.arena import align_up
+
     return align_up(max_num_tokens * hidden_size * itemsize) * slots + 64 * slots

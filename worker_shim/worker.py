@@ -11,12 +11,12 @@ import logging
 import statistics
 from typing import Any
 
-from proto.arena import ShmArena
 from proto.messages import Hello
 from proto.tensors import DTYPE_ITEMSIZE
 from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from worker_shim import __version__
-from worker_shim.channel import SidecarChannel, SidecarError
+from worker_shim.channel import SidecarError
+from worker_shim.connection import SidecarConnection
 from worker_shim.compat import ShimCompatError, check_upstream, vllm_version
 from worker_shim.config import ShimConfig
 from worker_shim.link import SidecarLink, hidden_arena_size
@@ -52,12 +52,9 @@ class ShimWorkerMixin:
         dtype = dtype_name(mcfg.dtype)
         hidden_size = int(mcfg.get_hidden_size())
         max_tokens = int(vcfg.scheduler_config.max_num_batched_tokens)
-        itemsize = DTYPE_ITEMSIZE.get(dtype, 4)
-        hidden_arena = ShmArena.create(
-            hidden_arena_size(max_tokens, hidden_size, itemsize, cfg.hidden_slots),
-            prefix=f"omni-shim-r{self.rank}",  # type: ignore[attr-defined]
+        hidden_bytes = hidden_arena_size(
+            max_tokens, hidden_size, DTYPE_ITEMSIZE.get(dtype, 4), cfg.hidden_slots
         )
-        channel = SidecarChannel(cfg.endpoint, cfg.step_timeout_s)
         hello = Hello(
             protocol_major=PROTOCOL_MAJOR,
             protocol_minor=PROTOCOL_MINOR,
@@ -70,18 +67,20 @@ class ShimWorkerMixin:
             hidden_size=hidden_size,
             dtype=dtype,
             max_num_tokens=max_tokens,
-            arenas=[hidden_arena.info()],
-            capabilities=["overlay", "extra_kwargs", "hidden_states"],
+            arenas=[],
+            capabilities=["overlay", "extra_kwargs", "hidden_states", "reconnect"],
         )
-        try:
-            welcome = channel.handshake(hello, cfg.connect_timeout_s)
-        except BaseException:
-            channel.close()
-            hidden_arena.close()
-            raise
+
+        def connect() -> SidecarConnection:
+            return SidecarConnection(
+                cfg.endpoint, cfg.step_timeout_s, hello, hidden_bytes, cfg.hidden_slots,
+                arena_prefix=f"omni-shim-r{self.rank}",  # type: ignore[attr-defined]
+            )
+
+        first = connect()
+        welcome = first.connect(cfg.connect_timeout_s)
         if not welcome.needs.prefix_cache_safe and vcfg.cache_config.enable_prefix_caching:
-            channel.close()
-            hidden_arena.close()
+            first.close()
             raise SidecarError(
                 f"hook set {welcome.hook_set!r} overlays prompt embeddings, so KV cached for one "
                 "request must not be reused by another: start vLLM with prefix caching off "
@@ -92,10 +91,7 @@ class ShimWorkerMixin:
             __version__, cfg.endpoint, welcome.hook_set, welcome.sidecar_version,
             welcome.session, welcome.needs,
         )
-        arena = hidden_arena if welcome.needs.hidden_states else None
-        if arena is None:
-            hidden_arena.close()
-        return SidecarLink(channel, welcome, arena, cfg.hidden_slots)
+        return SidecarLink(connect, first, cfg.loss_policy)
 
     def omni_sidecar_stats(self) -> dict[str, Any]:
         """For `llm.collective_rpc("omni_sidecar_stats")`: what the shim sent and measured."""

@@ -1,0 +1,75 @@
+"""One connection to one sidecar: socket, arenas, and what the sidecar said it needs.
+
+A new connection (start-up, or reconnect after the sidecar died or was
+replaced) gets a new hidden-state arena: the previous sidecar removed the old
+one's name once it had mapped it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from proto.arena import ShmArena, SlotRing
+from proto.messages import Hello, HookNeeds, Welcome
+from worker_shim.channel import SidecarChannel, SidecarError
+
+
+class SidecarConnection:
+    def __init__(self, endpoint: str, step_timeout_s: float, hello: Hello, hidden_bytes: int,
+                 hidden_slots: int, arena_prefix: str) -> None:
+        self.hidden_arena: ShmArena | None = ShmArena.create(hidden_bytes, prefix=arena_prefix)
+        self.hello = msgspec.structs.replace(hello, arenas=[self.hidden_arena.info()])
+        self.channel = SidecarChannel(endpoint, step_timeout_s)
+        self.hidden_slots = hidden_slots
+        self.started = time.monotonic()
+        self.welcome: Welcome | None = None
+        self.needs = HookNeeds()
+        self.hook_set = ""
+        self.ring: SlotRing | None = None
+        self.overlay_arena: ShmArena | None = None
+
+    def connect(self, timeout_s: float) -> Welcome:
+        """Start-up: wait for the Welcome, or fail with a message that says what to do."""
+        try:
+            self._accept(self.channel.handshake(self.hello, timeout_s))
+        except BaseException:
+            self.close()
+            raise
+        assert self.welcome is not None
+        return self.welcome
+
+    def start(self) -> None:
+        """Reconnect: send Hello now; `poll` picks up the Welcome on a later step."""
+        self.channel.send(self.hello)
+
+    def poll(self, wait_ms: int = 0) -> bool:
+        welcome = self.channel.poll_welcome(self.hello, wait_ms)
+        if welcome is None:
+            return False
+        self._accept(welcome)
+        return True
+
+    def _accept(self, welcome: Welcome) -> None:
+        self.welcome = welcome
+        self.needs = welcome.needs
+        self.hook_set = welcome.hook_set
+        if welcome.arenas:
+            self.overlay_arena = ShmArena.attach(welcome.arenas[0])
+        if welcome.needs.hidden_states:
+            assert self.hidden_arena is not None
+            self.ring = SlotRing(self.hidden_arena.size, self.hidden_slots)
+        elif self.hidden_arena is not None:
+            self.hidden_arena.close()
+            self.hidden_arena = None
+
+    def close(self) -> None:
+        self.channel.close()
+        for arena in (self.hidden_arena, self.overlay_arena):
+            if arena is not None:
+                arena.close()
+        self.hidden_arena = self.overlay_arena = None
+
+
+__all__ = ["SidecarConnection", "SidecarError"]
