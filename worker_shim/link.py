@@ -42,10 +42,15 @@ RETRY_AFTER_S = 10.0
 RECONNECT_WAIT_MS = 200
 
 
-def _socket_exists(endpoint: str) -> bool:
+def _socket_identity(endpoint: str) -> tuple[int, int] | None:
+    """(inode, mtime) of the sidecar's socket file: a new sidecar binds a new one."""
     import os
 
-    return endpoint.startswith("ipc://") and os.path.exists(endpoint[len("ipc://"):])
+    try:
+        st = os.stat(endpoint[len("ipc://"):])
+    except (OSError, ValueError):
+        return None
+    return st.st_ino, st.st_mtime_ns
 
 
 class SidecarLink:
@@ -66,6 +71,7 @@ class SidecarLink:
         self._layout_sent = False
         self._sent_req_ids: list[str] | None = None  # what the sidecar last saw
         self._last_sent_step = -1
+        self._waited_sockets: set[tuple[int, int]] = set()
         # Counters (read through the worker's `omni_sidecar_stats`).
         self.steps = 0
         self.new_requests = 0
@@ -245,6 +251,9 @@ class SidecarLink:
         self._new, self._preempted = [], []
         self._sent_req_ids = None
         self._last_sent_step = -1
+        ident = _socket_identity(conn.channel.endpoint)
+        if ident is not None:
+            self._waited_sockets.add(ident)  # the dead sidecar's socket: do not wait on it
         log.error(
             "omni-sidecar at %s lost: %s. vLLM keeps serving; %d request(s) fail with a clear "
             "error (policy %s); reconnecting in the background (start a sidecar there).",
@@ -267,9 +276,14 @@ class SidecarLink:
                 log.error("omni-sidecar reconnect attempt failed: %s", exc)
                 self._pending = None
                 return
+        # A freshly bound sidecar answers within milliseconds: wait that long, once per new
+        # socket, and never for the dead sidecar's leftover socket file.
+        ident = _socket_identity(pending.channel.endpoint)
+        wait = ident is not None and ident not in self._waited_sockets
+        if wait:
+            self._waited_sockets.add(ident)
         try:
-            # A listening sidecar answers within milliseconds; wait that long only if one is there.
-            ready = pending.poll(RECONNECT_WAIT_MS if _socket_exists(pending.channel.endpoint) else 0)
+            ready = pending.poll(RECONNECT_WAIT_MS if wait else 0)
         except (SidecarError, ValueError) as exc:
             log.error("omni-sidecar refused the reconnect: %s", exc)
             pending.close()
