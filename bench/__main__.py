@@ -199,7 +199,8 @@ def write_markdown(path: Path, res: dict, plots: list[str], out: Path) -> None:
                      f"| {r['raw_p99']:.1f} | **{r['ratio_p50']:.2f}** |")
     t = res["throughput"]
     m = t["median_tok_s"]
-    lines += ["", *(f"![exchange latency]({out.name}/{p})" for p in plots), "",
+    rel = os.path.relpath(out, path.parent)
+    lines += ["", *(f"![exchange latency]({rel}/{p})" for p in plots), "",
               "## (b) Decode throughput, tiny Llama (16 prompts x 64 tokens, greedy, eager)", "",
               "Configurations interleaved over rounds, each in a fresh process; medians of all rounds.", "",
               "| configuration | tokens/s | vs plain V2 |", "|---|---:|---:|",

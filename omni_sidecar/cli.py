@@ -72,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO)")
     s.add_argument("--log-format", default=None, choices=["plain", "json"], help="default plain")
+    s.add_argument("--allow-uid", dest="allow_uids", type=int, action="append", default=None,
+                   help="besides this user, let this uid connect (repeatable)")
+    s.add_argument("--curve-keys", default=None,
+                   help="directory with server.key_secret and authorized/ client keys; required for tcp://")
     s.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=None,
                    help="longest SIGTERM drain in seconds (default 10)")
 
@@ -135,10 +139,11 @@ def _serve(args: argparse.Namespace) -> int:
     from omni_sidecar.config import RELOADABLE, ConfigError, load_config
     from omni_sidecar.loader import HookLoadError, load_hooks, parse_options
     from omni_sidecar.logs import configure_logging
+    from omni_sidecar.security import SecurityError
     from omni_sidecar.server import SidecarServer
 
     keys = ("endpoint", "hooks", "arena_mib", "keep_finished", "max_frame_mib", "metrics_port",
-            "log_level", "log_format", "drain_timeout_s")
+            "log_level", "log_format", "drain_timeout_s", "allow_uids", "curve_keys")
     try:
         cli = {k: getattr(args, k) for k in keys}
         cli["hook_options"] = parse_options(args.hook_option)
@@ -148,9 +153,11 @@ def _serve(args: argparse.Namespace) -> int:
         server = SidecarServer(
             config.endpoint, hooks, keep_finished=config.keep_finished,
             max_frame_bytes=config.max_frame_mib << 20, arena_bytes=config.arena_mib << 20,
-            metrics_port=config.metrics_port,
+            metrics_port=config.metrics_port, allowed_uids=config.allow_uids,
+            curve_keys=config.curve_keys or None,
         )
-    except (HookLoadError, ConfigError, ValueError) as exc:
+        server.bind()
+    except (HookLoadError, ConfigError, ValueError, SecurityError) as exc:
         print(f"omni-sidecar: {exc}", file=sys.stderr)
         return 2
     server.drain_timeout_s = config.drain_timeout_s

@@ -46,12 +46,17 @@ def _decode(tensors: dict, values: dict) -> dict[str, Any]:
 
 
 class SidecarClient:
-    def __init__(self, endpoint: str | None = None, timeout_s: float = 5.0) -> None:
+    def __init__(self, endpoint: str | None = None, timeout_s: float = 5.0,
+                 curve_keys: str | None = None) -> None:
         self.endpoint = endpoint or default_endpoint()
         self.timeout_ms = int(timeout_s * 1000)
         self.codec = Codec()
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if curve_keys:
+            from omni_sidecar.security import apply_curve_client
+
+            apply_curve_client(self._sock, curve_keys)
         self._sock.connect(self.endpoint)
 
     def close(self) -> None:

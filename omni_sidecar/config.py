@@ -28,6 +28,8 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log_level: str = "INFO"
     log_format: str = "plain"  # or "json"
     drain_timeout_s: float = 10.0
+    allow_uids: list[int] = []
+    curve_keys: str = ""
 
     def __post_init__(self) -> None:
         if self.log_format not in ("plain", "json"):
@@ -41,7 +43,7 @@ ENV_PREFIX = "OMNI_SIDECAR_"
 _ENV_KEYS = {  # env name -> field (OMNI_SIDECAR_ENDPOINT is shared with the shim)
     f"{ENV_PREFIX}{name.upper()}": name
     for name in ServeConfig.__struct_fields__
-    if name != "hook_options"
+    if name not in ("hook_options", "allow_uids")
 }
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import stat
 import time
 
 import torch
@@ -19,6 +18,13 @@ import zmq
 from omni_sidecar import __version__
 from omni_sidecar.hooks import OmniHooks
 from omni_sidecar.metrics import SidecarMetrics
+from omni_sidecar.security import (
+    CurveServer,
+    SecurityError,
+    filter_peers,
+    prepare_socket_dir,
+    secure_socket_file,
+)
 from omni_sidecar.session import Session
 from omni_sidecar.store import FinishedOutputs
 from omni_sidecar.tensors import tensor_to_bytes
@@ -56,8 +62,13 @@ class SidecarServer:
         max_frame_bytes: int = 64 << 20,
         arena_bytes: int = 0,
         metrics_port: int = 0,
+        allowed_uids: list[int] | None = None,
+        curve_keys: str | None = None,
     ) -> None:
-        check_endpoint(endpoint)
+        check_endpoint(endpoint, curve_keys)
+        self.allowed_uids = allowed_uids or []
+        self.curve_keys = curve_keys
+        self._curve: CurveServer | None = None
         self.metrics = SidecarMetrics()
         self.metrics_port = metrics_port
         self.endpoint = endpoint
@@ -83,22 +94,28 @@ class SidecarServer:
 
     def bind(self) -> None:
         path = ipc_path(self.endpoint)
-        assert path is not None
-        directory = os.path.dirname(path)
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        if stat.S_IMODE(os.stat(directory).st_mode) & 0o077:
-            os.chmod(directory, 0o700)
-        if os.path.exists(path):
-            os.unlink(path)  # a stale socket from a dead sidecar
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.codec.max_frame_bytes + 1)
+        # Frames over the cap get a clear error from the codec; libzmq drops the connection
+        # only for frames past twice the cap, before they are ever buffered whole.
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.codec.max_frame_bytes)
+        if path is not None:
+            prepare_socket_dir(path)
+            self._refuse_if_serving()
+            if os.path.exists(path):
+                os.unlink(path)  # a stale socket left by a dead sidecar
+            filter_peers(sock, self.allowed_uids)
+        else:
+            self._curve = CurveServer(self._ctx, self.curve_keys or "")
+            self._curve.apply(sock)
         old_umask = os.umask(0o077)
         try:
             sock.bind(self.endpoint)
         finally:
             os.umask(old_umask)
+        if path is not None:
+            secure_socket_file(path)
         self._sock = sock
         if self.metrics_port:
             self.metrics.serve(self.metrics_port)
@@ -155,7 +172,25 @@ class SidecarServer:
         finally:
             self.close()
 
+    def _refuse_if_serving(self) -> None:
+        """Two sidecars on one socket would split a shim's traffic: refuse to start."""
+        from omni_sidecar.client import SidecarClient, SidecarUnavailable
+
+        path = ipc_path(self.endpoint)
+        if path is None or not os.path.exists(path):
+            return
+        try:
+            with SidecarClient(self.endpoint, timeout_s=0.3) as client:
+                client.ping()
+        except SidecarUnavailable:
+            return
+        raise SecurityError(
+            f"another omni-sidecar is serving at {self.endpoint}; stop it first (SIGTERM drains it)"
+        )
+
     def close(self) -> None:
+        if self._curve is not None:
+            self._curve.stop()
         for session in self.sessions.values():
             session.close()
         self.sessions.clear()

@@ -20,10 +20,15 @@ def ipc_path(endpoint: str) -> str | None:
     return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
 
 
-def check_endpoint(endpoint: str) -> None:
-    """Only UDS endpoints for now: TCP needs CURVE keys, which land with issue #5."""
-    if ipc_path(endpoint) is None:
+def check_endpoint(endpoint: str, curve_keys: str | None = None) -> None:
+    """ipc:// always; tcp:// only with CURVE keys (encryption + client allow-list)."""
+    if ipc_path(endpoint) is not None:
+        return
+    if endpoint.startswith("tcp://"):
+        if curve_keys:
+            return
         raise ValueError(
-            f"endpoint {endpoint!r} is not ipc://; only Unix-socket endpoints are allowed "
-            "(tcp:// would expose hooks to the network without authentication)"
+            f"endpoint {endpoint!r}: tcp:// is refused without CURVE keys (it would expose the hooks "
+            "to the network unauthenticated); give --curve-keys DIR, or use an ipc:// endpoint"
         )
+    raise ValueError(f"endpoint {endpoint!r}: use ipc:///path/to/socket (or tcp:// with CURVE keys)")

@@ -100,7 +100,7 @@ def test_k8s_manifests_pass_the_schema_and_keep_their_invariants():
         assert mounts["omni-sock"] == "/run/omni" and mounts["dshm"] == "/dev/shm"
         assert c["resources"]["requests"]
         env = {e["name"]: e["value"] for e in c["env"]}
-        assert env["OMNI_SIDECAR_ENDPOINT"] == "ipc:///run/omni/sidecar.sock"
+        assert env["OMNI_SIDECAR_ENDPOINT"] == "ipc:///run/omni/private/sidecar.sock"
     assert sidecar["livenessProbe"]["exec"]["command"][:2] == ["omni-sidecar", "status"]
     assert vllm["readinessProbe"]["httpGet"]["path"] == "/health"
     assert "worker_shim.Worker" in vllm["command"]

@@ -20,8 +20,19 @@ class SidecarError(RuntimeError):
     pass
 
 
+def _apply_curve_client(sock: zmq.Socket, keys_dir: str) -> None:
+    """tcp:// only: our `client.key_secret` and the sidecar's public `server.key`."""
+    import os
+
+    import zmq.auth
+
+    pub, sec = zmq.auth.load_certificate(os.path.join(keys_dir, "client.key_secret"))
+    server_pub, _ = zmq.auth.load_certificate(os.path.join(keys_dir, "server.key"))
+    sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = sec, pub, server_pub
+
+
 class SidecarChannel:
-    def __init__(self, endpoint: str, step_timeout_s: float) -> None:
+    def __init__(self, endpoint: str, step_timeout_s: float, curve_keys: str | None = None) -> None:
         self.endpoint = endpoint
         self.step_timeout_ms = int(step_timeout_s * 1000)
         self.codec = Codec()
@@ -30,6 +41,8 @@ class SidecarChannel:
         # A blocking recv with a timeout costs one wake-up; poll() + recv() costs two.
         self._sock.setsockopt(zmq.RCVTIMEO, self.step_timeout_ms)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        if curve_keys:
+            _apply_curve_client(self._sock, curve_keys)
         self._sock.connect(endpoint)
         self._results: list[StepResult] = []
         self._welcome: Welcome | None = None

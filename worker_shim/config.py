@@ -15,6 +15,7 @@ class ShimConfig:
     step_timeout_s: float
     hidden_slots: int
     loss_policy: str  # "fail-all" | "fail-payload"
+    curve_keys: str  # tcp:// only: dir with client.key_secret and server.key
 
     @classmethod
     def from_vllm(cls, vllm_config: object) -> "ShimConfig":
@@ -25,13 +26,15 @@ class ShimConfig:
             return str(mine.get(key, os.environ.get(env, default)))
 
         endpoint = pick("endpoint", "OMNI_SIDECAR_ENDPOINT", default_endpoint())
-        check_endpoint(endpoint)
+        curve_keys = pick("curve_keys", "OMNI_SIDECAR_CURVE_KEYS", "")
+        check_endpoint(endpoint, curve_keys or None)
         return cls(
             endpoint=endpoint,
             connect_timeout_s=float(pick("connect_timeout_s", "OMNI_SIDECAR_CONNECT_TIMEOUT", "30")),
             step_timeout_s=float(pick("step_timeout_s", "OMNI_SIDECAR_STEP_TIMEOUT", "10")),
             hidden_slots=int(pick("hidden_slots", "OMNI_SIDECAR_HIDDEN_SLOTS", "2")),
             loss_policy=_policy(pick("loss_policy", "OMNI_SIDECAR_LOSS_POLICY", "fail-all")),
+            curve_keys=curve_keys,
         )
 
 

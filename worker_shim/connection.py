@@ -18,10 +18,10 @@ from worker_shim.channel import SidecarChannel, SidecarError
 
 class SidecarConnection:
     def __init__(self, endpoint: str, step_timeout_s: float, hello: Hello, hidden_bytes: int,
-                 hidden_slots: int, arena_prefix: str) -> None:
+                 hidden_slots: int, arena_prefix: str, curve_keys: str | None = None) -> None:
         self.hidden_arena: ShmArena | None = ShmArena.create(hidden_bytes, prefix=arena_prefix)
         self.hello = msgspec.structs.replace(hello, arenas=[self.hidden_arena.info()])
-        self.channel = SidecarChannel(endpoint, step_timeout_s)
+        self.channel = SidecarChannel(endpoint, step_timeout_s, curve_keys)
         self.hidden_slots = hidden_slots
         self.started = time.monotonic()
         self.welcome: Welcome | None = None

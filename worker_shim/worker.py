@@ -75,6 +75,7 @@ class ShimWorkerMixin:
             return SidecarConnection(
                 cfg.endpoint, cfg.step_timeout_s, hello, hidden_bytes, cfg.hidden_slots,
                 arena_prefix=f"omni-shim-r{self.rank}",  # type: ignore[attr-defined]
+                curve_keys=cfg.curve_keys or None,
             )
 
         first = connect()
