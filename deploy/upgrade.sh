@@ -1,19 +1,26 @@
 #!/bin/sh
-# Upgrade the hook code without restarting vLLM: rebuild and recreate the sidecar only.
+# Hot-upgrade the hook code without restarting vLLM (and without failing requests):
 #   deploy/upgrade.sh [compose file]     (default deploy/docker-compose.yml)
-# The old sidecar gets SIGTERM and drains; the new one binds the same socket.
-# Until hot takeover with state handover lands (issue #5), requests in flight
-# while the sidecar is replaced lose their hook state.
+# 1. build the new sidecar image;
+# 2. start a second sidecar container next to the running one: its
+#    `serve --takeover-if-running` takes over state and shims at a step boundary,
+#    and the old one drains and exits 0 (restart: on-failure leaves it down);
+# 3. settle back to one sidecar container.
+# Needs Docker Compose v2 (`docker compose`). Without a running sidecar, step 2 just starts one.
 set -eu
 FILE=${1:-deploy/docker-compose.yml}
-docker compose -f "$FILE" build sidecar
-docker compose -f "$FILE" up -d --no-deps sidecar
-for i in $(seq 1 30); do
-  if docker compose -f "$FILE" exec -T sidecar omni-sidecar status --timeout 3 >/dev/null 2>&1; then
-    echo "sidecar upgraded and healthy; vLLM kept running"
+dc() { docker compose -f "$FILE" "$@"; }
+old=$(dc ps -q sidecar | head -n 1)
+dc build sidecar
+dc up -d --no-deps --no-recreate --scale sidecar=2 sidecar
+for i in $(seq 1 60); do
+  if [ -z "$old" ] || [ "$(docker inspect -f '{{.State.Running}}' "$old" 2>/dev/null)" != "true" ]; then
+    dc up -d --no-deps --no-recreate --scale sidecar=1 sidecar
+    dc exec -T sidecar omni-sidecar status --timeout 3 >/dev/null
+    echo "sidecar upgraded by takeover; vLLM kept running"
     exit 0
   fi
-  sleep 2
+  sleep 1
 done
-echo "new sidecar is not healthy: docker compose -f $FILE logs sidecar" >&2
+echo "the old sidecar did not hand over within 60 s; see: docker compose -f $FILE logs sidecar" >&2
 exit 1

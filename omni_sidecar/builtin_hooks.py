@@ -25,6 +25,14 @@ class CaptureHiddenHooks(OmniHooks):
 
     name = "capture"
     needs = HookNeeds(hidden_states=True)
+    state_version = "capture/1"
+    accepts_state = ("capture/1",)
+
+    def export_state(self) -> dict:
+        return {"rows": {r: torch.cat(rows) if rows else torch.empty(0) for r, rows in self._rows.items()}}
+
+    def import_state(self, state: dict) -> None:
+        self._rows = {r: ([t] if t.numel() else []) for r, t in state.get("rows", {}).items()}
 
     def __init__(self) -> None:
         self._rows: dict[str, list[torch.Tensor]] = {}
@@ -89,6 +97,14 @@ class PromptEmbedsOverlayHooks(OmniHooks):
 
     name = "overlay"
     needs = HookNeeds(pre_forward="prefill", pre_forward_scope="payload", prefix_cache_safe=False)
+    state_version = "overlay/1"
+    accepts_state = ("overlay/1",)
+
+    def export_state(self) -> dict:
+        return {"embeds": dict(self._embeds)}
+
+    def import_state(self, state: dict) -> None:
+        self._embeds = dict(state.get("embeds", {}))
 
     def __init__(self) -> None:
         self._embeds: dict[str, torch.Tensor] = {}

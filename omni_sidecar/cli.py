@@ -76,12 +76,32 @@ def _parser() -> argparse.ArgumentParser:
                    help="besides this user, let this uid connect (repeatable)")
     s.add_argument("--curve-keys", default=None,
                    help="directory with server.key_secret and authorized/ client keys; required for tcp://")
+    s.add_argument("--takeover", action="store_true",
+                   help="hot upgrade: take state and shims over from the sidecar running at --endpoint, "
+                   "which then drains and exits (vLLM keeps running)")
+    s.add_argument("--takeover-if-running", action="store_true",
+                   help="take over if a sidecar is serving at --endpoint, else just serve "
+                   "(what a container or unit that replaces itself wants)")
+    s.add_argument("--takeover-timeout", type=float, default=60.0,
+                   help="give up (and leave the old sidecar serving) after this many seconds (default 60)")
     s.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=None,
                    help="longest SIGTERM drain in seconds (default 10)")
 
     st = sub.add_parser("status", help="print a running sidecar's status as JSON")
     st.add_argument("--endpoint", default=None, help=ep_help)
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
+
+    u = sub.add_parser(
+        "upgrade", help="hot-upgrade the running sidecar to new hook code (serve --takeover, detached)",
+        description="Starts `omni-sidecar serve --takeover` with the given options in the background, "
+        "waits until it has taken over the running sidecar's state and shims, and reports the result. "
+        "If the new hook set cannot take the old one's state, nothing switches.",
+    )
+    u.add_argument("--endpoint", default=None, help=ep_help)
+    u.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the switch (default 60)")
+    u.add_argument("--log", default=None, help="log file for the new sidecar (default: next to the socket)")
+    u.add_argument("serve_args", nargs=argparse.REMAINDER,
+                   help="options for the new sidecar, e.g. --hooks my.hooks:New --hook-option k=v")
 
     b = sub.add_parser(
         "bench", help="run the benchmark suite (source checkout; same as `make bench`)",
@@ -104,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.command == "bench":
         return _bench(args.bench_args)
+    if args.command == "upgrade":
+        return _upgrade(args, endpoint)
     from omni_sidecar.client import SidecarClient, SidecarUnavailable
 
     try:
@@ -136,6 +158,7 @@ def _bench(bench_args: list[str]) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import os
     from omni_sidecar.config import RELOADABLE, ConfigError, load_config
     from omni_sidecar.loader import HookLoadError, load_hooks, parse_options
     from omni_sidecar.logs import configure_logging
@@ -156,7 +179,15 @@ def _serve(args: argparse.Namespace) -> int:
             metrics_port=config.metrics_port, allowed_uids=config.allow_uids,
             curve_keys=config.curve_keys or None,
         )
+        if args.takeover_if_running and not args.takeover:
+            args.takeover = _sidecar_running(config.endpoint)
+        if args.takeover:
+            if not config.endpoint.startswith("ipc://"):
+                raise ValueError("--takeover works on ipc:// endpoints")
+            server.endpoint = f"{config.endpoint}.next-{os.getpid()}"  # bind beside the running one
         server.bind()
+        if args.takeover:
+            server.start_takeover(config.endpoint, args.takeover_timeout)
     except (HookLoadError, ConfigError, ValueError, SecurityError) as exc:
         print(f"omni-sidecar: {exc}", file=sys.stderr)
         return 2
@@ -181,7 +212,59 @@ def _serve(args: argparse.Namespace) -> int:
 
     server.on_reload = reload
     server.serve_forever()
-    return 0
+    return 2 if server.takeover_failed else 0
+
+
+def _sidecar_running(endpoint: str) -> bool:
+    from omni_sidecar.client import SidecarClient, SidecarUnavailable
+
+    try:
+        with SidecarClient(endpoint, timeout_s=0.5) as client:
+            client.ping()
+        return True
+    except SidecarUnavailable:
+        return False
+
+
+def _upgrade(args: argparse.Namespace, endpoint: str) -> int:
+    import os
+    import subprocess
+    import time
+
+    from omni_sidecar.client import SidecarClient, SidecarUnavailable
+
+    try:
+        with SidecarClient(endpoint, timeout_s=3) as client:
+            old_pid = client.status().pid
+    except SidecarUnavailable as exc:
+        print(f"omni-sidecar upgrade: {exc}", file=sys.stderr)
+        return 2
+    extra = [a for a in args.serve_args if a != "--"]
+    log_path = args.log or endpoint[len("ipc://"):] + ".upgrade.log"
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", endpoint, "--takeover",
+         "--takeover-timeout", str(args.timeout), *extra],
+        stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    while time.monotonic() - t0 < args.timeout + 5:
+        if proc.poll() is not None:
+            print(f"omni-sidecar upgrade: the new sidecar exited ({proc.returncode}); the old one keeps "
+                  f"serving. Its log ({log_path}):\n{open(log_path).read()[-3000:]}", file=sys.stderr)
+            return 2
+        try:
+            with SidecarClient(endpoint, timeout_s=0.5) as client:
+                status = client.status()
+            if status.pid == proc.pid:
+                print(f"omni-sidecar upgrade: pid {old_pid} -> {proc.pid} ({status.hook_set}) in "
+                      f"{time.monotonic() - t0:.2f} s; sessions {len(status.sessions)}; log {log_path}")
+                return 0
+        except SidecarUnavailable:
+            pass
+        time.sleep(0.05)
+    print("omni-sidecar upgrade: no switch within the timeout", file=sys.stderr)
+    os.killpg(proc.pid, 15)
+    return 2
 
 
 if __name__ == "__main__":

@@ -86,10 +86,25 @@ class StepBatch:
 
 
 class OmniHooks:
-    """Base hook set: does nothing, needs nothing. Subclass and override."""
+    """Base hook set: does nothing, needs nothing. Subclass and override.
+
+    Hot upgrade: `state_version` names the layout of what `export_state`
+    returns; a successor lists in `accepts_state` the versions its
+    `import_state` understands, and a takeover between sets that do not match
+    is refused before anything switches.
+    """
 
     name = "base"
     needs = HookNeeds()
+    state_version = "stateless/1"
+    accepts_state: tuple[str, ...] = ("stateless/1",)
+
+    def export_state(self) -> dict[str, Any]:
+        """Everything a successor needs to go on serving the live requests."""
+        return {}
+
+    def import_state(self, state: dict[str, Any]) -> None:
+        pass
 
     def on_new_requests(self, requests: list[RequestInfo]) -> None:
         pass

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import time
 
+import msgspec
 import torch
 import zmq
 
@@ -26,6 +28,7 @@ from omni_sidecar.security import (
     secure_socket_file,
 )
 from omni_sidecar.session import Session
+from omni_sidecar.statepack import pack, unpack
 from omni_sidecar.store import FinishedOutputs
 from omni_sidecar.tensors import tensor_to_bytes
 from proto.codec import Codec, FrameError
@@ -37,6 +40,10 @@ from proto.messages import (
     Hello,
     OutputChunk,
     OutputsQuery,
+    SwitchAck,
+    SwitchReady,
+    Takeover,
+    TakeoverState,
     OutputsReply,
     Ping,
     Pong,
@@ -87,6 +94,16 @@ class SidecarServer:
         self._last_step = 0.0
         self._reload_requested = False
         self.on_reload = None  # set by the CLI: re-reads the config on SIGHUP
+        # Hot upgrade, old side: (successor's identity, its Takeover) once accepted.
+        self._successor: tuple[bytes, Takeover] | None = None
+        # Hot upgrade, new side: the socket to the predecessor and what it handed over.
+        self._takeover_sock: zmq.Socket | None = None
+        self._takeover_deadline = 0.0
+        self._final_endpoint = ""
+        self._resume: dict[str, dict | None] = {}
+        self._waiting_hellos: list[tuple[bytes, Hello]] = []
+        self.takeover_failed = ""
+        self._bound: list[tuple[str, int]] = []  # (socket path, inode) this process bound
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
 
@@ -109,13 +126,7 @@ class SidecarServer:
         else:
             self._curve = CurveServer(self._ctx, self.curve_keys or "")
             self._curve.apply(sock)
-        old_umask = os.umask(0o077)
-        try:
-            sock.bind(self.endpoint)
-        finally:
-            os.umask(old_umask)
-        if path is not None:
-            secure_socket_file(path)
+        self._bind_path(sock, self.endpoint)
         self._sock = sock
         if self.metrics_port:
             self.metrics.serve(self.metrics_port)
@@ -164,6 +175,9 @@ class SidecarServer:
                         self.on_reload()
                 if self._draining and self._drained():
                     break
+                if self._takeover_sock is not None:
+                    self._poll_takeover()
+                    continue
                 try:
                     frames = self._sock.recv_multipart()
                 except zmq.Again:
@@ -171,6 +185,17 @@ class SidecarServer:
                 self._serve(frames)
         finally:
             self.close()
+
+    def _bind_path(self, sock: zmq.Socket, endpoint: str) -> None:
+        old_umask = os.umask(0o077)
+        try:
+            sock.bind(endpoint)
+        finally:
+            os.umask(old_umask)
+        path = ipc_path(endpoint)
+        if path is not None:
+            secure_socket_file(path)
+            self._bound.append((path, os.stat(path).st_ino))
 
     def _refuse_if_serving(self) -> None:
         """Two sidecars on one socket would split a shim's traffic: refuse to start."""
@@ -195,11 +220,17 @@ class SidecarServer:
             session.close()
         self.sessions.clear()
         if self._sock is not None:
-            self._sock.close(0)
+            # Give last replies (a SwitchAck, the successor's state) a moment to leave.
+            self._sock.close(linger=1000)
             self._sock = None
-            path = ipc_path(self.endpoint)
-            if path and os.path.exists(path):
-                os.unlink(path)
+            for path, ino in self._bound:
+                try:
+                    if os.stat(path).st_ino == ino:
+                        os.unlink(path)  # never a successor's socket that replaced ours
+                except FileNotFoundError:
+                    pass
+        if self._takeover_sock is not None:
+            self._takeover_sock.close(0)
         log.info("omni-sidecar stopped")
 
     # -- dispatch ------------------------------------------------------------
@@ -228,7 +259,12 @@ class SidecarServer:
             if session is None:
                 return self._refuse("no_session", "send Hello before step messages")
             self._last_step = time.monotonic()
-            return session.step_begin(msg) if isinstance(msg, StepBegin) else session.step_end(msg)
+            if isinstance(msg, StepBegin):
+                return session.step_begin(msg)
+            result = session.step_end(msg)
+            if self._successor is not None:
+                result = msgspec.structs.replace(result, switch_to=self._successor[1].new_endpoint)
+            return result
         if isinstance(msg, Hello):
             return self._hello(ident, msg)
         if isinstance(msg, Ping):
@@ -240,6 +276,10 @@ class SidecarServer:
         if isinstance(msg, Drain):
             self.begin_drain()
             return Drained(len(self.sessions))
+        if isinstance(msg, Takeover):
+            return self._accept_takeover(ident, msg)
+        if isinstance(msg, SwitchReady):
+            return self._switch(ident, msg)
         return self._refuse("unexpected", f"{type(msg).__name__} is not a request the sidecar serves")
 
     def _hello(self, ident: bytes, hello: Hello):
@@ -255,6 +295,12 @@ class SidecarServer:
             )
         if self._draining:
             return Reject("sidecar is draining; connect to its successor")
+        if hello.resume_token:
+            if hello.resume_token not in self._resume:
+                if self._takeover_sock is not None:
+                    self._waiting_hellos.append((ident, hello))  # the state is on its way
+                    return None
+                return Reject(f"unknown resume token {hello.resume_token!r}")
         old = self.sessions.pop(ident, None)
         if old is not None:
             old.close()
@@ -269,6 +315,12 @@ class SidecarServer:
             return Reject(f"cannot open the shim's arenas: {exc}")
         self._next_session += 1
         self.sessions[ident] = session
+        if hello.resume_token:
+            doc = self._resume.pop(hello.resume_token)
+            if doc is not None:
+                session.import_(doc)
+            log.info("session %d resumed %d request(s) handed over by the predecessor",
+                     session.id, len(session.requests))
         self.metrics.sessions.set(len(self.sessions))
         log.info(
             "session %d: shim rank %d/%d, vLLM %s on %s, model %s",
@@ -285,6 +337,119 @@ class SidecarServer:
             arenas=out,
         )
 
+    # -- hot upgrade, old side ------------------------------------------------------
+
+    def _accept_takeover(self, ident: bytes, msg: Takeover):
+        if self._successor is not None or self._draining:
+            return Reject("a takeover or drain is already in progress")
+        mine = self.hooks.state_version
+        if mine not in msg.accepts_state:
+            log.error("refused takeover by %s (%s): it accepts %s, this sidecar keeps %r; still serving",
+                      msg.new_endpoint, msg.hook_set, msg.accepts_state, mine)
+            return Reject(
+                f"incompatible hook state: the running sidecar's hook set {self.hooks.name!r} keeps state "
+                f"{mine!r}, the new hook set {msg.hook_set!r} accepts {list(msg.accepts_state)}; "
+                "nothing switched, the running sidecar keeps serving"
+            )
+        self._successor = (ident, msg)
+        log.info("takeover accepted: %s (hook set %r) will take over; shims switch at their next step",
+                 msg.new_endpoint, msg.hook_set)
+        if not self.sessions:
+            reply = self._hand_over(None)
+            self.begin_drain()
+            return reply
+        return None  # TakeoverState goes out when the shim is at a step boundary
+
+    def _switch(self, ident: bytes, msg: SwitchReady):
+        session = self.sessions.get(ident)
+        if session is None or self._successor is None:
+            return self._refuse("no_switch", "no takeover in progress for this session")
+        successor_ident, takeover = self._successor
+        state = self._hand_over(session)
+        self._send(successor_ident, state)
+        del self.sessions[ident]
+        session.close()
+        self.metrics.sessions.set(len(self.sessions))
+        log.info("session %d handed over at step %d to %s", session.id, msg.last_step, takeover.new_endpoint)
+        self.begin_drain()
+        return SwitchAck(endpoint=takeover.new_endpoint, token=state.token)
+
+    def _hand_over(self, session: Session | None) -> TakeoverState:
+        doc = {
+            "session": session.export() if session is not None else None,
+            "hooks": self.hooks.export_state(),
+            "finished": self.finished.export(),
+        }
+        return TakeoverState(
+            hook_set=self.hooks.name, state_version=self.hooks.state_version,
+            token=secrets.token_hex(8), state=pack(doc),
+        )
+
+    # -- hot upgrade, new side ------------------------------------------------------
+
+    def start_takeover(self, old_endpoint: str, timeout_s: float) -> None:
+        """Bound on a side socket already; ask the running sidecar to hand over."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(old_endpoint)
+        sock.send(self.codec.encode(Takeover(
+            new_endpoint=self.endpoint, sidecar_version=__version__, hook_set=self.hooks.name,
+            accepts_state=list(self.hooks.accepts_state),
+        )))
+        self._takeover_sock = sock
+        self._takeover_deadline = time.monotonic() + timeout_s
+        self._final_endpoint = old_endpoint
+        log.info("takeover: asked the sidecar at %s to hand over (waiting up to %.0f s)", old_endpoint, timeout_s)
+
+    def _poll_takeover(self) -> None:
+        assert self._sock is not None and self._takeover_sock is not None
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._takeover_sock, zmq.POLLIN)
+        ready = dict(poller.poll(100))
+        if self._sock in ready:
+            self._serve(self._sock.recv_multipart())
+        if self._takeover_sock in ready:
+            self._finish_takeover(self._takeover_sock.recv())
+        elif time.monotonic() > self._takeover_deadline:
+            self._abort_takeover("the running sidecar did not hand over in time")
+
+    def _finish_takeover(self, frame: bytes) -> None:
+        try:
+            msg = self.codec.decode(frame)
+        except FrameError as exc:
+            return self._abort_takeover(f"bad reply: {exc}")
+        if isinstance(msg, Reject):
+            return self._abort_takeover(msg.reason)
+        if not isinstance(msg, TakeoverState):
+            return self._abort_takeover(f"unexpected {type(msg).__name__}")
+        doc = unpack(msg.state)
+        self.hooks.import_state(doc.get("hooks") or {})
+        self.finished.restore(doc.get("finished") or {})
+        self._resume[msg.token] = doc.get("session")
+        self._takeover_sock.close(0)  # type: ignore[union-attr]
+        self._takeover_sock = None
+        # Also answer at the usual address from now on: shims that reconnect later find us
+        # there. The side address stays bound for the shim that is switching right now.
+        final = ipc_path(self._final_endpoint)
+        if final is not None:
+            try:
+                os.unlink(final)  # the predecessor's socket file; its own socket stays open
+            except FileNotFoundError:
+                pass
+            assert self._sock is not None
+            self._bind_path(self._sock, self._final_endpoint)
+        log.info("takeover done: state of hook set %r (%s) imported; serving at %s",
+                 msg.hook_set, msg.state_version, self.endpoint)
+        waiting, self._waiting_hellos = self._waiting_hellos, []
+        for ident, hello in waiting:
+            self._send(ident, self._hello(ident, hello))
+
+    def _abort_takeover(self, reason: str) -> None:
+        self.takeover_failed = reason
+        log.error("takeover refused: %s. The running sidecar keeps serving; this one exits.", reason)
+        self._stop = True
+
     def _status(self) -> StatusReply:
         return StatusReply(
             sidecar_version=__version__,
@@ -295,6 +460,7 @@ class SidecarServer:
             draining=self._draining,
             rejected_frames=self.rejected_frames,
             sessions=[s.status() for s in self.sessions.values()],
+            pid=os.getpid(),
         )
 
     def _live_request(self, req_id: str) -> tuple[Session, str] | None:

@@ -122,6 +122,26 @@ class Session:
         self.in_arenas.clear()
         self.out = None
 
+    # -- hot upgrade -------------------------------------------------------------
+
+    def export(self) -> dict[str, Any]:
+        return {
+            "requests": {r: [i.prompt_len, i.prompt_token_ids, i.payload] for r, i in self.requests.items()},
+            "errors": dict(self.errors_by_request),
+            "counters": [self.steps, self.new_requests, self.finished_requests, self.scheduled_tokens,
+                         self.errors],
+        }
+
+    def import_(self, doc: dict[str, Any]) -> None:
+        for req_id, (prompt_len, ids, payload) in doc.get("requests", {}).items():
+            self.requests[req_id] = RequestInfo(req_id, prompt_len, ids, payload)
+            client_id = client_request_id(req_id)
+            if client_id is not None:
+                self._aliases[client_id] = req_id
+        self.errors_by_request.update(doc.get("errors", {}))
+        (self.steps, self.new_requests, self.finished_requests, self.scheduled_tokens,
+         self.errors) = doc.get("counters", [0, 0, 0, 0, 0])
+
     def resolve(self, req_id: str) -> str | None:
         """The live request a client id names (its own id or vLLM's internal one)."""
         if req_id in self.requests:

@@ -44,6 +44,13 @@ class FinishedOutputs:
             if old_client is not None and self._alias.get(old_client) == old:
                 del self._alias[old_client]
 
+    def export(self) -> dict[str, list]:
+        return {r: [e.outputs, e.chunks, e.error] for r, e in self._items.items()}
+
+    def restore(self, doc: dict[str, list]) -> None:
+        for req_id, (outputs, chunks, error) in doc.items():
+            self.put(req_id, FinishedEntry(outputs, chunks, error))
+
     def get(self, req_id: str, pop: bool = False) -> FinishedEntry | None:
         key = req_id if req_id in self._items else self._alias.get(req_id, req_id)
         return self._items.pop(key, None) if pop else self._items.get(key)

@@ -76,6 +76,8 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     max_num_tokens: Count
     arenas: Annotated[list[ArenaInfo], msgspec.Meta(max_length=16)]
     capabilities: Annotated[list[Name], msgspec.Meta(max_length=64)] = []
+    # Set when switching to a sidecar that took over: names the state it imported.
+    resume_token: Name = ""
 
 
 class Welcome(msgspec.Struct, tag="welcome", frozen=True):
@@ -178,6 +180,41 @@ class StepResult(msgspec.Struct, tag="step_result", frozen=True):
     step: Count
     errors: Annotated[list[RequestError], msgspec.Meta(max_length=MAX_BATCH)] = []
     hook_us: float = 0.0
+    # A successor sidecar is ready: switch to it at the next step boundary.
+    switch_to: Text = ""
+
+
+# -- hot upgrade ---------------------------------------------------------------
+
+
+class Takeover(msgspec.Struct, tag="takeover", frozen=True):
+    """A new sidecar asks the running one for its state (sent on the old one's socket)."""
+
+    new_endpoint: Text
+    sidecar_version: Name
+    hook_set: Name
+    accepts_state: Annotated[list[Name], msgspec.Meta(max_length=32)]
+
+
+class TakeoverState(msgspec.Struct, tag="takeover_state", frozen=True):
+    """The old sidecar's state, for the successor only. `state` is the sidecar's own
+    msgpack document (requests, hook state, finished outputs); tensors inside it are bytes."""
+
+    hook_set: Name
+    state_version: Name
+    token: Name
+    state: bytes
+
+
+class SwitchReady(msgspec.Struct, tag="switch_ready", frozen=True):
+    """The shim, at a step boundary: every step up to `last_step` is sent; hand over now."""
+
+    last_step: int
+
+
+class SwitchAck(msgspec.Struct, tag="switch_ack", frozen=True):
+    endpoint: Text
+    token: Name
 
 
 # -- control -----------------------------------------------------------------
@@ -221,6 +258,7 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     draining: bool
     rejected_frames: Count
     sessions: list[SessionStatus] = []
+    pid: int = 0
 
 
 class TensorBlob(msgspec.Struct, frozen=True, array_like=True):
@@ -291,4 +329,8 @@ Message = Union[
     Drain,
     Drained,
     ErrorReply,
+    Takeover,
+    TakeoverState,
+    SwitchReady,
+    SwitchAck,
 ]

@@ -67,7 +67,8 @@ def test_compose_files_validate_and_keep_their_invariants(name, gpu, tmp_path):
     assert "worker_shim.Worker" in vllm["command"] and "--no-enable-prefix-caching" in vllm["command"]
     assert sidecar["healthcheck"]["test"][1:3] == ["omni-sidecar", "status"]
     assert vllm["depends_on"]["sidecar"]["condition"] == "service_healthy"
-    assert sidecar["restart"] == vllm["restart"] == "unless-stopped"
+    assert vllm["restart"] == "unless-stopped" and sidecar["restart"] == "on-failure"
+    assert "--takeover-if-running" in sidecar["command"]
     assert sidecar["stop_signal"] == "SIGTERM"
     for svc in (vllm, sidecar):
         devices = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])

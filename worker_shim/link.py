@@ -29,6 +29,8 @@ from proto.messages import (
     StepBegin,
     StepEnd,
     StepPlan,
+    SwitchAck,
+    SwitchReady,
 )
 from proto.tensors import TENSOR_MARKER, TensorRef
 from worker_shim.channel import SidecarError
@@ -54,7 +56,7 @@ def _socket_identity(endpoint: str) -> tuple[int, int] | None:
 
 
 class SidecarLink:
-    def __init__(self, connect: Callable[[], SidecarConnection], first: SidecarConnection,
+    def __init__(self, connect: Callable[..., SidecarConnection], first: SidecarConnection,
                  loss_policy: str = "fail-all") -> None:
         self._connect = connect  # makes a fresh connection (new socket, new arena)
         self.conn: SidecarConnection | None = first
@@ -80,6 +82,9 @@ class SidecarLink:
         self.blocking_exchanges = 0
         self.losses = 0
         self.reconnects = 0
+        self.switches = 0
+        self.switch_us: list[float] = []  # stall of each hot-upgrade switch
+        self._switch_to = ""
         self.request_errors: dict[str, str] = {}
         self.exchange_us: list[float] = []  # blocking StepBegin round trips
         self.post_us: list[float] = []  # shim-side cost of each StepEnd (copy + send)
@@ -136,6 +141,8 @@ class SidecarLink:
         self._layout_sent = False
         if self.conn is None:
             self._try_reconnect()
+        elif self._switch_to:
+            self._switch()
         elif self.conn.channel.peer_gone():
             self._lose("the sidecar closed the connection (it crashed, was killed or stopped)")
 
@@ -226,8 +233,7 @@ class SidecarLink:
             if hidden_ref is not None:
                 assert conn.ring is not None
                 conn.ring.owner_step[conn.ring.slot_of(self.step)] = self.step
-            for result in conn.channel.take_results():
-                self._record_errors(result.errors)
+            self._note_results(conn.channel.take_results())
         except (SidecarError, ValueError) as exc:
             self._lose(f"step {self.step}: {exc}")
         self.step += 1
@@ -260,6 +266,31 @@ class SidecarLink:
             conn.channel.endpoint, reason, len(affected), self.loss_policy,
         )
         conn.close()
+
+    def _switch(self) -> None:
+        """Hot upgrade at a step boundary: the old sidecar hands over, the new one resumes."""
+        old, target = self.conn, self._switch_to
+        self._switch_to = ""
+        assert old is not None
+        t0 = time.perf_counter()
+        try:
+            ack: SwitchAck = old.channel.call(SwitchReady(last_step=self._last_sent_step), SwitchAck)  # type: ignore[assignment]
+            for result in old.channel.take_results():
+                self._record_errors(result.errors)
+            new = self._connect(endpoint=ack.endpoint, resume_token=ack.token)
+            new.connect(timeout_s=max(5.0, old.channel.step_timeout_ms / 1000))
+        except (SidecarError, ValueError) as exc:
+            self._lose(f"switching to the new sidecar at {target} failed: {exc}")
+            return
+        old.close()
+        self.conn = new
+        self._sent_req_ids = None
+        self._last_sent_step = -1
+        self.switches += 1
+        stall = (time.perf_counter() - t0) * 1e6
+        self.switch_us.append(stall)
+        log.warning("omni-sidecar hot upgrade: switched to %s (hook set %r) in %.1f ms at step %d",
+                    ack.endpoint, new.hook_set, stall / 1e3, self.step)
 
     def _fail(self, req_id: str, message: str) -> None:
         self.request_errors[req_id] = message
@@ -317,8 +348,7 @@ class SidecarLink:
         owner = ring.owner_step[slot]
         if owner is not None:
             # The sidecar may still be reading this slot: wait (up to the step timeout) for its result.
-            for result in conn.channel.take_results(until_step=owner):
-                self._record_errors(result.errors)
+            self._note_results(conn.channel.take_results(until_step=owner))
             ring.owner_step[slot] = None
         nbytes = hidden.numel() * hidden.element_size()
         if nbytes > ring.slot_size:
@@ -362,6 +392,12 @@ class SidecarLink:
             return [self._decode_kwarg(v, device, depth + 1) for v in value]
         return value
 
+    def _note_results(self, results: list[Any]) -> None:
+        for result in results:
+            self._record_errors(result.errors)
+            if result.switch_to:
+                self._switch_to = result.switch_to
+
     def _record_errors(self, errors: list[Any]) -> None:
         for err in errors:
             if err.req_id not in self.request_errors:
@@ -380,6 +416,8 @@ class SidecarLink:
             "blocking_exchanges": self.blocking_exchanges,
             "losses": self.losses,
             "reconnects": self.reconnects,
+            "switches": self.switches,
+            "switch_us": list(self.switch_us),
             "request_errors": dict(self.request_errors),
             "exchange_us": list(self.exchange_us),
             "post_us": list(self.post_us),
@@ -391,8 +429,7 @@ class SidecarLink:
         if conn is None or self._last_sent_step < 0:
             return
         try:
-            for result in conn.channel.take_results(until_step=self._last_sent_step):
-                self._record_errors(result.errors)
+            self._note_results(conn.channel.take_results(until_step=self._last_sent_step))
         except SidecarError as exc:
             self._lose(f"flush: {exc}")
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import statistics
+
+import msgspec
 from typing import Any
 
 from proto.messages import Hello
@@ -71,9 +73,10 @@ class ShimWorkerMixin:
             capabilities=["overlay", "extra_kwargs", "hidden_states", "reconnect"],
         )
 
-        def connect() -> SidecarConnection:
+        def connect(endpoint: str | None = None, resume_token: str = "") -> SidecarConnection:
             return SidecarConnection(
-                cfg.endpoint, cfg.step_timeout_s, hello, hidden_bytes, cfg.hidden_slots,
+                endpoint or cfg.endpoint, cfg.step_timeout_s,
+                msgspec.structs.replace(hello, resume_token=resume_token), hidden_bytes, cfg.hidden_slots,
                 arena_prefix=f"omni-shim-r{self.rank}",  # type: ignore[attr-defined]
                 curve_keys=cfg.curve_keys or None,
             )
@@ -98,7 +101,7 @@ class ShimWorkerMixin:
         """For `llm.collective_rpc("omni_sidecar_stats")`: what the shim sent and measured."""
         assert self.omni_link is not None
         stats = self.omni_link.stats()
-        for key in ("exchange_us", "post_us"):
+        for key in ("exchange_us", "post_us", "switch_us"):
             lat = sorted(stats.pop(key))
             stats[f"{key}_p50"] = statistics.median(lat) if lat else 0.0
             stats[f"{key}_p99"] = lat[round(0.99 * (len(lat) - 1))] if lat else 0.0

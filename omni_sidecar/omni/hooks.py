@@ -36,6 +36,8 @@ _TRUE = {"1", "true", "yes", "on"}
 
 class OmniStateHooks(OmniHooks):
     name = "omni"
+    state_version = "omni/1"
+    accepts_state = ("omni/1",)
 
     def __init__(
         self, extra_kwargs: str = "0", state_cap_mib: str = "256", resident_keys: str = ""
@@ -153,6 +155,23 @@ class OmniStateHooks(OmniHooks):
             self.prompt_embeds.pop(req_id, None)
             self.log.pop(req_id)
             self.preempted.discard(req_id)
+
+    # -- hot upgrade ----------------------------------------------------------------
+
+    def export_state(self) -> dict[str, Any]:
+        return {
+            "states": {r: self.state.get(r) for r in self.state.req_ids()},
+            "prompt_embeds": dict(self.prompt_embeds),
+            "chunks": self.log.export(),
+            "preempted": sorted(self.preempted),
+        }
+
+    def import_state(self, state: dict[str, Any]) -> None:
+        for req_id, value in state.get("states", {}).items():
+            self.state.restore(req_id, value)
+        self.prompt_embeds.update(state.get("prompt_embeds", {}))
+        self.log.restore(state.get("chunks", {}))
+        self.preempted.update(state.get("preempted", []))
 
     # -- payloads -----------------------------------------------------------------
 

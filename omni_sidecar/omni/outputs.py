@@ -64,6 +64,12 @@ class OutputLog:
     def pop(self, req_id: str) -> list[dict[str, Any]] | None:
         return self._chunks.pop(req_id, None)
 
+    def export(self) -> dict[str, list[dict[str, Any]]]:
+        return dict(self._chunks)
+
+    def restore(self, chunks: dict[str, list[dict[str, Any]]]) -> None:
+        self._chunks.update(chunks)
+
 
 def _own(value: Any) -> Any:
     """Copy tensors that may alias shared memory the shim will overwrite."""

@@ -97,6 +97,13 @@ class IntermediateBuffer:
                 del self._states[req_id]
                 raise
 
+    def req_ids(self) -> list[str]:
+        return list(self._states)
+
+    def restore(self, req_id: str, state: dict[str, Any]) -> None:
+        """A request's state handed over by a predecessor sidecar (hot upgrade)."""
+        self._states[req_id] = state
+
     def free(self, req_id: str) -> None:
         self._states.pop(req_id, None)
 
