@@ -117,6 +117,8 @@ class SidecarServer:
         # Frames over the cap get a clear error from the codec; libzmq drops the connection
         # only for frames past twice the cap, before they are ever buffered whole.
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.codec.max_frame_bytes)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # libzmq pings idle peers; dead ones drop
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
         if path is not None:
             prepare_socket_dir(path)
             self._refuse_if_serving()

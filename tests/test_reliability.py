@@ -33,6 +33,11 @@ def test_kill_9_sidecar_mid_batch_20_times(tiny_model, tmp_path):
         assert r["losses"] == 1
         assert r["seconds"] < 2 + 10  # batch time + the step deadline: nothing hung
     assert all(r["reconnects"] == 1 for r in rounds[1:])  # the next sidecar is picked up
+    # Clients asking the next sidecar about the killed requests get the error.
+    for r in rounds[1:]:
+        assert r["prev_asked"] == 4
+        assert len(r["prev_failed_seen_by_clients"]) == 4, r
+        assert all("omni-sidecar lost" in m for m in r["prev_failed_seen_by_clients"])
 
 
 def test_hot_upgrade_10_times_during_a_streaming_batch(tiny_model, tmp_path):
@@ -87,3 +92,30 @@ def test_incompatible_upgrade_is_refused_and_the_old_sidecar_keeps_serving(tmp_p
             assert client.status().pid == pid and client.ping(1) == 1
     finally:
         old.stop()
+
+
+def test_a_stalled_sidecar_is_detected_by_heartbeats_while_idle(tmp_path):
+    """SIGSTOP (no crash, no reply): libzmq heartbeats close the link with no traffic from vLLM."""
+    import os
+    import signal
+    import time
+
+    from proto.messages import Hello
+    from tests.support.procs import SidecarProcess
+    from worker_shim.channel import SidecarChannel
+
+    sidecar = SidecarProcess(f"ipc://{tmp_path}/hb.sock", "passthrough", tmp_path / "sidecar.log")
+    channel = SidecarChannel(sidecar.endpoint, step_timeout_s=5)
+    try:
+        channel.handshake(Hello(1, 0, "t", "none", "cpu", 0, 1, "m", 8, "float32", 8, []), 10)
+        assert not channel.peer_gone()
+        os.kill(sidecar.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        while not channel.peer_gone():
+            assert time.monotonic() - t0 < 10, "a stalled sidecar was never noticed"
+            time.sleep(0.1)
+        print(f"stall noticed after {time.monotonic() - t0:.1f} s")
+    finally:
+        os.kill(sidecar.proc.pid, signal.SIGCONT)
+        channel.close()
+        sidecar.stop()

@@ -16,6 +16,10 @@ from proto.codec import Codec, FrameError
 from proto.messages import ErrorReply, Hello, Message, Reject, StepResult, Welcome
 
 
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 3000
+
+
 class SidecarError(RuntimeError):
     pass
 
@@ -40,6 +44,10 @@ class SidecarChannel:
         self._sock.setsockopt(zmq.LINGER, 0)
         # A blocking recv with a timeout costs one wake-up; poll() + recv() costs two.
         self._sock.setsockopt(zmq.RCVTIMEO, self.step_timeout_ms)
+        # ZMTP heartbeats from libzmq's I/O thread: a sidecar that stops answering (SIGSTOP,
+        # a hung host) is disconnected within HEARTBEAT_TIMEOUT even while vLLM is idle.
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         if curve_keys:
             _apply_curve_client(self._sock, curve_keys)

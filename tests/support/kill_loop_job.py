@@ -47,18 +47,35 @@ def main() -> None:
     short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     long = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     results = []
+    prev_long: list[str] = []
     for i in range(rounds):
         if i:
             sidecar = start_sidecar(i)
         prompts = [{"prompt_token_ids": [4 + (i + j) % 300] * 8} for j in range(8)]
         params = [short] * 4 + [long] * 4
         killer = threading.Timer(0.6, lambda p=sidecar: os.kill(p.pid, signal.SIGKILL))
+        seen_failed: list[str] = []
+
+        def ask_new_sidecar(ids=list(prev_long)) -> None:
+            # The previous round's killed requests, as clients see them on the new sidecar.
+            from omni_sidecar.client import RequestFailed
+
+            with SidecarClient(endpoint, timeout_s=2) as client:
+                for rid in ids:
+                    try:
+                        client.outputs(rid)
+                    except RequestFailed as exc:
+                        seen_failed.append(exc.message)
+
+        asker = threading.Timer(0.35, ask_new_sidecar)
+        asker.start()
         before = llm.collective_rpc("omni_sidecar_stats")[0]
         t0 = time.monotonic()
         killer.start()
         outs = llm.generate(prompts, params, use_tqdm=False)
         took = time.monotonic() - t0
         killer.join()
+        asker.join()
         sidecar.wait(10)
         stats = llm.collective_rpc("omni_sidecar_stats")[0]
         results.append({
@@ -70,7 +87,10 @@ def main() -> None:
             "reconnects": stats["reconnects"] - before["reconnects"],
             "losses": stats["losses"] - before["losses"],
             "killed_rc": sidecar.returncode,
+            "prev_failed_seen_by_clients": seen_failed,
+            "prev_asked": len(prev_long),
         })
+        prev_long = [o.request_id for o in outs[4:]]
         print(json.dumps(results[-1]), flush=True)
     with open(out_path, "w") as f:
         json.dump(results, f)
