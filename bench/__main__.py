@@ -42,20 +42,14 @@ def exchange(run_dir: Path, iters: int) -> tuple[list[dict], dict]:
 
 
 def _start_sidecar(endpoint: str, hooks: str) -> subprocess.Popen:
-    from omni_sidecar.client import SidecarClient, SidecarUnavailable
+    from omni_sidecar.client import wait_ready
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", endpoint, "--hooks", hooks,
          "--log-level", "WARNING"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
-    while True:
-        try:
-            with SidecarClient(endpoint, timeout_s=0.2) as c:
-                c.ping()
-                return proc
-        except SidecarUnavailable:
-            if proc.poll() is not None:
-                raise RuntimeError("sidecar failed to start")
+    wait_ready(endpoint, 60, proc)
+    return proc
 
 
 def throughput(run_dir: Path, model: str, rounds: int) -> dict:

@@ -27,7 +27,7 @@ for key, value in {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFL
                    "VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
     os.environ.setdefault(key, value)
 
-from omni_sidecar.client import SidecarClient, SidecarUnavailable  # noqa: E402
+from omni_sidecar.client import SidecarClient, SidecarUnavailable, wait_ready  # noqa: E402
 from omni_sidecar.omni.wire import encode_additional_information  # noqa: E402
 from omni_sidecar.testing import build_tiny_llama  # noqa: E402
 
@@ -47,15 +47,11 @@ def start_sidecar(endpoint: str, hooks: str, log_path: Path) -> subprocess.Popen
         [sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", endpoint, "--hooks", hooks],
         stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
     )
-    for _ in range(300):
-        try:
-            with SidecarClient(endpoint, timeout_s=0.3) as c:
-                c.ping()
-                return proc
-        except SidecarUnavailable:
-            if proc.poll() is not None:
-                raise SystemExit(f"sidecar failed to start:\n{log_path.read_text()}")
-    raise SystemExit("sidecar did not become ready")
+    try:
+        wait_ready(endpoint, 90, proc)
+    except SidecarUnavailable as exc:
+        raise SystemExit(f"sidecar failed to start: {exc}\n{log_path.read_text()}") from None
+    return proc
 
 
 def make_llm(model: Path, endpoint: str):

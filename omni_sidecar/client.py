@@ -38,6 +38,21 @@ class RequestFailed(RuntimeError):
         self.message = message
 
 
+def wait_ready(endpoint: str, timeout_s: float = 60.0, proc: Any = None) -> None:
+    """Block until a sidecar answers a ping at `endpoint` (and `proc`, if given, is alive)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise SidecarUnavailable(f"the sidecar process exited with {proc.returncode} before it was ready")
+        try:
+            with SidecarClient(endpoint, timeout_s=0.3) as client:
+                client.ping()
+                return
+        except SidecarUnavailable:
+            continue
+    raise SidecarUnavailable(f"no sidecar answered at {endpoint} within {timeout_s:.0f}s")
+
+
 def _decode(tensors: dict, values: dict) -> dict[str, Any]:
     out: dict[str, Any] = dict(values)
     for name, b in tensors.items():

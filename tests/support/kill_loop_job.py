@@ -24,21 +24,15 @@ def main() -> None:
     model, endpoint, rounds, out_path, workdir = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
     from vllm import LLM, SamplingParams
 
-    from omni_sidecar.client import SidecarClient, SidecarUnavailable
+    from omni_sidecar.client import SidecarClient, wait_ready
 
     def start_sidecar(i: int) -> subprocess.Popen:
         proc = subprocess.Popen(
             [sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", endpoint, "--hooks", "capture"],
             stdout=open(os.path.join(workdir, f"sidecar-{i}.log"), "w"), stderr=subprocess.STDOUT,
         )
-        while True:
-            try:
-                with SidecarClient(endpoint, timeout_s=0.3) as c:
-                    c.ping()
-                    return proc
-            except SidecarUnavailable:
-                if proc.poll() is not None:
-                    raise RuntimeError("sidecar died at start")
+        wait_ready(endpoint, 60, proc)
+        return proc
 
     sidecar = start_sidecar(0)
     llm = LLM(model=model, dtype="float32", max_model_len=512, max_num_batched_tokens=256,

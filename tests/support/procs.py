@@ -39,19 +39,12 @@ class SidecarProcess:
         self._wait_ready()
 
     def _wait_ready(self, timeout_s: float = 60.0) -> None:
-        from omni_sidecar.client import SidecarClient, SidecarUnavailable
+        from omni_sidecar.client import SidecarUnavailable, wait_ready
 
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sidecar exited: {self.log_path.read_text()}")
-            try:
-                with SidecarClient(self.endpoint, timeout_s=0.5) as c:
-                    c.ping()
-                    return
-            except SidecarUnavailable:
-                continue
-        raise RuntimeError("sidecar did not become ready")
+        try:
+            wait_ready(self.endpoint, timeout_s, self.proc)
+        except SidecarUnavailable as exc:
+            raise RuntimeError(f"{exc}:\n{self.log_path.read_text()}") from None
 
     def status(self):
         from omni_sidecar.client import SidecarClient
