@@ -181,7 +181,7 @@ class SidecarServer:
                     self._poll_takeover()
                     continue
                 try:
-                    frames = self._sock.recv_multipart()
+                    frames = self._recv_frames()
                 except zmq.Again:
                     continue
                 self._serve(frames)
@@ -236,6 +236,15 @@ class SidecarServer:
         log.info("omni-sidecar stopped")
 
     # -- dispatch ------------------------------------------------------------
+
+    def _recv_frames(self) -> list[bytes]:
+        """[identity, body, extra frames...]; frame by frame, which is cheaper than recv_multipart."""
+        sock = self._sock
+        assert sock is not None
+        frames = [sock.recv(), sock.recv()]  # ROUTER: an identity, then at least one frame
+        while sock.rcvmore:
+            frames.append(sock.recv())
+        return frames
 
     def _serve(self, frames: list) -> None:
         if len(frames) != 2:
@@ -410,7 +419,7 @@ class SidecarServer:
         poller.register(self._takeover_sock, zmq.POLLIN)
         ready = dict(poller.poll(100))
         if self._sock in ready:
-            self._serve(self._sock.recv_multipart())
+            self._serve(self._recv_frames())
         if self._takeover_sock in ready:
             self._finish_takeover(self._takeover_sock.recv())
         elif time.monotonic() > self._takeover_deadline:
@@ -512,7 +521,8 @@ class SidecarServer:
     def _send(self, ident: bytes, msg: object) -> None:
         assert self._sock is not None
         try:
-            self._sock.send_multipart([ident, self.codec.encode(msg)], zmq.NOBLOCK, copy=True)
+            self._sock.send(ident, zmq.SNDMORE | zmq.NOBLOCK)
+            self._sock.send(self.codec.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
             log.warning("dropped a reply: peer is not reading")
 
