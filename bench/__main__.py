@@ -184,7 +184,9 @@ def write_markdown(path: Path, res: dict, plots: list[str], out: Path) -> None:
         "Shim's `SidecarChannel` to a real `omni-sidecar serve --hooks overlay` process vs raw pyzmq "
         "REQ/REP of the same bytes (same client-side msgspec encode + decode; the raw server only echoes "
         "pre-encoded bytes). Steady-state step: request ids omitted because unchanged. Both servers run "
-        "at once and are measured in alternating blocks of 250 round trips.", "",
+        "at once and are measured in alternating blocks of 250 round trips. On this VM the raw "
+        "baseline is bimodal across runs (a ~35 us and a ~65 us mode), so compare ratios over "
+        "several runs.", "",
         "| requests | sidecar p50 (us) | sidecar p99 (us) | raw p50 (us) | raw p99 (us) | p50 ratio |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
