@@ -2,7 +2,7 @@
 
 Tensors become {"__tensor__": [shape, dtype, bytes]}; sets become lists. Only
 sidecars of the same deployment exchange this, over the owner-only socket; it
-is still decoded with msgspec (no pickle), and tensor byte counts are checked.
+is still decoded with msgspec schemas only, and tensor byte counts are checked.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Decoding validates types and bounds against the schema; anything else is a
 `FrameError` with a message fit for the peer, never an exception that could
-take a server loop down. No pickle, ever.
+take a server loop down. Schemas only: nothing received is ever executed.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""vllm-omni's payload wire format, decoded and encoded without pickle.
+"""vllm-omni's payload wire format, decoded and encoded with msgspec schemas only.
 
 `additional_information = {"entries": {dotted_key: entry}}`; each entry holds
 exactly one of:
