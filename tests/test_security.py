@@ -25,24 +25,23 @@ def _py_files():
 
 def _offences(tree: ast.AST, path: str) -> list[str]:
     offences = []
-    if True:
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                names = [a.name.split(".")[0] for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                names = [(node.module or "").split(".")[0]]
-            else:
-                names = []
-            offences += [f"{path}:{node.lineno} imports {n}" for n in names if n in FORBIDDEN_MODULES]
-            if isinstance(node, ast.Call):
-                func = node.func
-                name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
-                if name in FORBIDDEN_CALLS:
-                    offences.append(f"{path}:{node.lineno} calls {name}")
-                if name == "load" and any(k.arg == "allow_pickle" for k in node.keywords):
-                    offences.append(f"{path}:{node.lineno} np.load with allow_pickle")
-                if name == "load" and isinstance(func, ast.Attribute) and getattr(func.value, "id", "") == "torch":
-                    offences.append(f"{path}:{node.lineno} torch.load (pickle)")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name.split(".")[0] for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [(node.module or "").split(".")[0]]
+        else:
+            names = []
+        offences += [f"{path}:{node.lineno} imports {n}" for n in names if n in FORBIDDEN_MODULES]
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+            if name in FORBIDDEN_CALLS:
+                offences.append(f"{path}:{node.lineno} calls {name}")
+            if name == "load" and any(k.arg == "allow_pickle" for k in node.keywords):
+                offences.append(f"{path}:{node.lineno} np.load with allow_pickle")
+            if name == "load" and isinstance(func, ast.Attribute) and getattr(func.value, "id", "") == "torch":
+                offences.append(f"{path}:{node.lineno} torch.load (pickle)")
     return offences
 
 
