@@ -1,0 +1,42 @@
+#!/bin/sh
+# Air-gapped install bundle for a GPU host with no network (DESIGN §6):
+# vLLM 0.26.0 for torch 2.11.0+cu130 / Python 3.12, minus what an H200 run does not load,
+# as a tar.xz split into parts of PART_MIB, plus the wheels such a host lacks.
+#   deploy/gpu/build_bundle.sh OUT_DIR [PART_MIB]       (here, with network)
+#   deploy/gpu/install_bundle.sh BUNDLE_DIR TARGET_DIR  (there, offline)
+set -eu
+OUT=${1:-gpu-bundle}
+PART_MIB=${2:-60}
+PY=${PY:-python3}
+PLAT="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+--platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_31_x86_64"
+DL="$PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT"
+mkdir -p "$OUT/wheels" "$OUT/work"
+$DL -d "$OUT/work" vllm==0.26.0
+WHEEL=$(ls "$OUT"/work/vllm-0.26.0-*.whl | head -n 1)
+rm -rf "$OUT/work/tree" && mkdir -p "$OUT/work/tree"
+$PY -m zipfile -e "$WHEEL" "$OUT/work/tree"
+T="$OUT/work/tree"
+# Not loaded on an H200 (FA3 is selected for compute capability 9.x; FA2 only for ALiBi /
+# batch-invariant / explicit version 2, import-guarded), the Rust front end, MoE ops (keep them
+# for MoE models: BUNDLE_KEEP_MOE=1), and deep_gemm builds for other Pythons.
+rm -f "$T/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so"
+rm -rf "$T/vllm/vllm-rs"
+[ "${BUNDLE_KEEP_MOE:-0}" = 1 ] || rm -f "$T/vllm/_moe_C_stable_libtorch.abi3.so"
+find "$T/vllm/third_party" -name '_C.cpython-3*.so' ! -name '*cpython-312*' -delete 2>/dev/null || true
+tar -C "$T" -cJf "$OUT/vllm-0.26.0-tree.tar.xz" .
+split -b "${PART_MIB}m" -d "$OUT/vllm-0.26.0-tree.tar.xz" "$OUT/vllm-tree.part-"
+rm -f "$OUT/vllm-0.26.0-tree.tar.xz"
+# What the host lacks (its Python 3.12 has torch 2.11.0+cu130 and little else).
+for spec in pydantic==2.14.4 pydantic_core==2.50.5 annotated_types typing_inspection pyzmq==27.3.0 \
+    msgspec==0.23.0 cbor2 pybase64 cachetools openai httpx2 sniffio openai_harmony llguidance==1.7.6 \
+    xgrammar==0.2.7 apache_tvm_ffi==0.1.10 partial_json_parser fastapi==0.136.3 starlette==1.10.0 \
+    httpcore2 jiter setproctitle prometheus_client; do
+  $DL -d "$OUT/wheels" "$spec"
+done
+# The project itself, as a wheel (no dependencies: the host has them from above).
+$PY -m pip wheel -q --no-deps -w "$OUT/wheels" "$(dirname "$0")/../.."
+rm -rf "$OUT/work"
+(cd "$OUT" && sha256sum vllm-tree.part-* wheels/*.whl > SHA256SUMS)
+du -sh "$OUT"/vllm-tree.part-* "$OUT/wheels" | sed 's/^/  /'
+echo "bundle in $OUT: copy it to the host, then deploy/gpu/install_bundle.sh $OUT /opt/omni-site"
