@@ -43,9 +43,9 @@ INPUT_BATCH_FIELDS = [
     "num_computed_tokens_np",
     "prefill_len_np",
     "input_ids",
-    "has_prefill",
-    "is_prefilling_np",
 ]
+# Used when present, derived from num_computed_tokens_np < prefill_len_np otherwise (0.26 lacks them).
+OPTIONAL_INPUT_BATCH_FIELDS = ["has_prefill", "is_prefilling_np"]
 NEW_REQUEST_FIELDS = ["req_id", "prompt_len", "prompt_token_ids", "sampling_params"]
 SCHEDULER_OUTPUT_FIELDS = [
     "finished_req_ids",

@@ -154,13 +154,13 @@ class SidecarLink:
         if mode == "never":
             return False
         if self.needs.pre_forward_scope == "all":
-            return mode == "always" or bool(input_batch.has_prefill)
+            return mode == "always" or bool(_prefilling(input_batch).any())
         if not self._payload_reqs:
             return False
         ids = input_batch.req_ids
         if mode == "always":
             return any(r in self._payload_reqs for r in ids)
-        prefilling = input_batch.is_prefilling_np
+        prefilling = _prefilling(input_batch)
         return any(prefilling[i] and r in self._payload_reqs for i, r in enumerate(ids))
 
     def pre_forward(self, input_batch: Any, model: Any) -> dict[str, Any]:
@@ -438,6 +438,15 @@ class SidecarLink:
             if conn is not None:
                 conn.close()
         self.conn = self._pending = None
+
+
+def _prefilling(batch: Any) -> Any:
+    """Per-row "still in prefill" flags (upstream's own array when it has one, as 0.32 does)."""
+    flags = getattr(batch, "is_prefilling_np", None)
+    if flags is not None:
+        return flags
+    n = len(batch.req_ids)
+    return batch.num_computed_tokens_np[:n] < batch.prefill_len_np[:n]
 
 
 def model_device(model: Any) -> torch.device:
