@@ -46,7 +46,7 @@ INPUT_BATCH_FIELDS = [
 ]
 # Used when present, derived from num_computed_tokens_np < prefill_len_np otherwise (0.26 lacks them).
 OPTIONAL_INPUT_BATCH_FIELDS = ["has_prefill", "is_prefilling_np"]
-NEW_REQUEST_FIELDS = ["req_id", "prompt_len", "prompt_token_ids", "sampling_params"]
+NEW_REQUEST_FIELDS = ["req_id", "prompt_token_ids", "sampling_params"]  # + prompt_len when present
 SCHEDULER_OUTPUT_FIELDS = [
     "finished_req_ids",
     "preempted_req_ids",  # optional: read with getattr; absent means no preemption notices

@@ -128,7 +128,8 @@ class SidecarLink:
             self._new.append(
                 NewRequest(
                     req_id=req.req_id,
-                    prompt_len=int(req.prompt_len),
+                    # 0.32 has prompt_len (prompt_embeds prompts have no ids); 0.26 only the ids.
+                    prompt_len=int(getattr(req, "prompt_len", None) or len(req.prompt_token_ids or [])),
                     prompt_token_ids=list(req.prompt_token_ids or []),
                     payload=payload if has_payload else None,
                 )
