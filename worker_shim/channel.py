@@ -127,12 +127,10 @@ class SidecarChannel:
     def peer_gone(self) -> bool:
         """True once the sidecar's end of the connection went away (crash, kill, stop)."""
         gone = False
-        try:
-            while True:
-                if recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"] == zmq.EVENT_DISCONNECTED:
-                    gone = True
-        except zmq.Again:
-            pass
+        # Called every step: poll(0) is a cheap "nothing new" (no exception on the common path).
+        while self._monitor.poll(0):
+            if recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                gone = True
         return gone
 
     def _stash(self, msg: Message) -> None:

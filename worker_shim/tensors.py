@@ -5,13 +5,10 @@ from __future__ import annotations
 import torch
 
 from proto.arena import ShmArena
-from proto.tensors import TensorRef
+from proto.tensors import DTYPE_ITEMSIZE, TensorRef
 
-_DTYPES = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32,
-    "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
-}
+# The wire's dtype names (proto) are torch's names, so the table derives from them.
+_DTYPES = {name: getattr(torch, name) for name in DTYPE_ITEMSIZE}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
