@@ -30,14 +30,39 @@ Text = Annotated[str, msgspec.Meta(max_length=4096)]
 Name = Annotated[str, msgspec.Meta(max_length=256)]
 
 
+IpcHandle = Annotated[bytes, msgspec.Meta(max_length=256)]
+
+
+class CudaIpcInfo(msgspec.Struct, frozen=True):
+    """What the peer needs to open a CUDA IPC arena once: the buffer and its event ring.
+
+    The fields are torch's `UntypedStorage._share_cuda_()` export (device memory
+    handle, the storage's place in its allocation, torch's cross-process
+    ref-counter) plus the producer's interprocess "ready" events, one per slot.
+    `device_uuid` lets the peer pick the same physical GPU whatever its
+    CUDA_VISIBLE_DEVICES numbering.
+    """
+
+    device_uuid: Name
+    mem_handle: IpcHandle
+    storage_size: Count
+    storage_offset: Count
+    ref_counter_handle: IpcHandle
+    ref_counter_offset: Count
+    alloc_event_handle: IpcHandle
+    alloc_event_sync: bool
+    ready_events: Annotated[list[IpcHandle], msgspec.Meta(max_length=64)] = []
+
+
 class ArenaInfo(msgspec.Struct, frozen=True):
     """A shared buffer one side created; the other side opens it once."""
 
-    kind: Name  # "shm" now; "cuda_ipc" next
+    kind: Name  # "shm" | "cuda_ipc"
     name: Name
     size: Count
     device: Name = "cpu"
-    handle: bytes = b""  # opaque export handle for device arenas
+    handle: bytes = b""  # unused; kept for wire compatibility
+    cuda: CudaIpcInfo | None = None
 
 
 class HookNeeds(msgspec.Struct, frozen=True):
@@ -78,6 +103,8 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     capabilities: Annotated[list[Name], msgspec.Meta(max_length=64)] = []
     # Set when switching to a sidecar that took over: names the state it imported.
     resume_token: Name = ""
+    # CUDA IPC: the shim's "done" events for the sidecar's arena (it waits on them before reuse).
+    consumer_events: Annotated[list[IpcHandle], msgspec.Meta(max_length=64)] = []
 
 
 class Welcome(msgspec.Struct, tag="welcome", frozen=True):
@@ -88,6 +115,8 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     needs: HookNeeds
     session: Count
     arenas: Annotated[list[ArenaInfo], msgspec.Meta(max_length=16)] = []
+    # CUDA IPC: the sidecar's "done" events, one per slot of the shim's hidden-state arena.
+    consumer_events: Annotated[list[IpcHandle], msgspec.Meta(max_length=64)] = []
 
 
 class Reject(msgspec.Struct, tag="reject", frozen=True):
@@ -153,6 +182,8 @@ class StepPlan(msgspec.Struct, tag="step_plan", frozen=True):
     overlays: Annotated[list[Overlay], msgspec.Meta(max_length=MAX_BATCH)] = []
     extra_kwargs: dict[str, Any] = {}
     errors: Annotated[list[RequestError], msgspec.Meta(max_length=MAX_BATCH)] = []
+    # CUDA IPC: the ready event the shim's stream waits on before reading this plan's tensors.
+    event: Annotated[int, msgspec.Meta(ge=-1, le=63)] = -1
 
 
 class StepEnd(msgspec.Struct, tag="step_end", frozen=True):
@@ -174,6 +205,8 @@ class StepEnd(msgspec.Struct, tag="step_end", frozen=True):
     # Requests the shim failed because no sidecar served them (a previous one died):
     # the sidecar records the errors so clients asking it get them.
     failed: Annotated[list[RequestError], msgspec.Meta(max_length=1 << 17)] = []
+    # CUDA IPC: the ready event recorded after the hidden states were written (-1: none).
+    hidden_event: Annotated[int, msgspec.Meta(ge=-1, le=63)] = -1
 
 
 class StepResult(msgspec.Struct, tag="step_result", frozen=True):
@@ -247,6 +280,9 @@ class SessionStatus(msgspec.Struct, frozen=True):
     errors: Count
     step_latency_us_p50: float
     step_latency_us_p99: float
+    # CUDA IPC: device buffers and events this session opened (once per connection).
+    arena_opens: Count = 0
+    event_opens: Count = 0
 
 
 class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
