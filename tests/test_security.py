@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.procs import ROOT, SidecarProcess, child_env
 
-WIRE_PACKAGES = ["proto", "omni_sidecar", "worker_shim"]
+WIRE_PACKAGES = ["proto", "omni_sidecar", "worker_shim", "omni_arena"]
 FORBIDDEN_MODULES = {"pickle", "cPickle", "cloudpickle", "dill", "marshal", "shelve", "jsonpickle"}
 FORBIDDEN_CALLS = {"eval", "exec", "recv_pyobj", "send_pyobj", "recv_serialized", "loads_pickle"}
 

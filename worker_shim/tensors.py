@@ -1,6 +1,8 @@
-"""torch views of shared arenas on the shim side (CPU shared memory for now)."""
+"""torch views of shared arenas on the shim side (host shared memory or CUDA IPC)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -15,8 +17,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def arena_tensor(arena: ShmArena, ref: TensorRef) -> torch.Tensor:
+def arena_tensor(arena: Any, ref: TensorRef) -> torch.Tensor:
     """Bounds-checked alias of arena memory; the dtype must be one we know."""
+    if not isinstance(arena, ShmArena):
+        return arena.tensor(ref)  # a device arena (omni_arena.cuda_ipc.CudaIpcArena)
     dtype = _DTYPES.get(ref.dtype)
     if dtype is None:
         raise ValueError(f"tensor ref has unsupported dtype {ref.dtype!r}")
