@@ -346,6 +346,7 @@ class SidecarServer:
             needs=self.hooks.needs,
             session=session.id,
             arenas=out,
+            consumer_events=session.consumer_events,
         )
 
     # -- hot upgrade, old side ------------------------------------------------------

@@ -37,14 +37,19 @@ class OutArena:
     """The sidecar->shim arena, filled from offset 0 for each plan.
 
     Safe to reuse per step: the shim copies everything out of it before it
-    sends the next message.
+    sends the next message. On a CUDA IPC arena the copies are only enqueued
+    then, so `reset` makes our stream wait on the shim's done event first and
+    `seal` records the ready event the shim's stream waits on.
     """
 
-    def __init__(self, arena: ShmArena) -> None:
+    def __init__(self, arena: Any) -> None:
         self.arena = arena
         self.offset = 0
+        self.device = not isinstance(arena, ShmArena)
 
     def reset(self) -> None:
+        if self.device and self.offset:
+            self.arena.wait_done(0)
         self.offset = 0
 
     def put(self, tensor: torch.Tensor):
@@ -54,9 +59,18 @@ class OutArena:
                 f"step needs more than the {self.arena.size}-byte sidecar arena "
                 "(raise it with --arena-mib)"
             )
-        ref = write_tensor(self.arena, self.offset, tensor.detach().cpu().contiguous(), arena_id=0)
-        self.offset = align_up(self.offset + nbytes)
+        if self.device:
+            ref = self.arena.write(self.offset, tensor.detach().to(self.arena.device))
+        else:
+            ref = write_tensor(self.arena, self.offset, tensor.detach().cpu().contiguous(), arena_id=0)
+        self.offset = align_up(self.offset + max(nbytes, 1))
         return ref
+
+    def seal(self) -> int:
+        """The event index the shim waits on (-1: nothing written, or host memory)."""
+        if not self.device or not self.offset:
+            return -1
+        return self.arena.mark_ready(0)
 
 
 class Session:
@@ -78,8 +92,10 @@ class Session:
         self.connected_at = time.monotonic()
         self.requests: dict[str, RequestInfo] = {}
         self.errors_by_request: dict[str, str] = {}
-        self.in_arenas: list[ShmArena] = []
+        self.in_arenas: list[Any] = []  # ShmArena or CudaIpcArena
         self.out: OutArena | None = None
+        self.opens: Any = None  # CUDA IPC OpenCounts
+        self.consumer_events: list[bytes] = []
         self.steps = 0
         self.new_requests = 0
         self.finished_requests = 0
@@ -94,9 +110,21 @@ class Session:
     # -- set-up --------------------------------------------------------------
 
     def open_arenas(self) -> None:
-        """Map the shim's arenas; create ours for overlay rows / kwargs if the hooks need one."""
+        """Map the shim's arenas; create ours for overlay rows / kwargs if the hooks need one.
+
+        CUDA IPC: each device buffer and event is opened here, once per connection
+        (`opens` counts them); our done events for the shim's slots go back in the Welcome.
+        """
         for info in self.hello.arenas:
-            self.in_arenas.append(ShmArena.attach(info))
+            if info.kind == "cuda_ipc":
+                from omni_arena.cuda_ipc import CudaIpcArena, OpenCounts
+
+                self.opens = self.opens or OpenCounts()
+                arena = CudaIpcArena.attach(info, self.opens)
+                self.consumer_events = arena.make_done_events()
+                self.in_arenas.append(arena)
+            else:
+                self.in_arenas.append(ShmArena.attach(info))
         if self.hooks.needs.pre_forward != "never":
             if self.hello.dtype not in DTYPE_ITEMSIZE:
                 raise ArenaError(f"shim announced unknown dtype {self.hello.dtype!r}")
@@ -104,12 +132,23 @@ class Session:
             rows_bytes = self.hello.max_num_tokens * self.hello.hidden_size * itemsize
             # Slack for per-tensor alignment; hook sets with big kwargs ask for more.
             size = max(align_up(max(1, rows_bytes)) + (1 << 20), self.arena_bytes)
-            self.out = OutArena(ShmArena.create(size, prefix=f"omni-sidecar-s{self.id}"))
+            self.out = OutArena(self._create_out_arena(size))
             self.metrics.arena_bytes.labels("sidecar_to_shim").inc(size)
         self.metrics.arena_bytes.labels("shim_to_sidecar").inc(sum(a.size for a in self.in_arenas))
 
+    def _create_out_arena(self, size: int) -> Any:
+        """Same kind as the shim's: device memory when the shim offered CUDA IPC."""
+        device_in = [a for a in self.in_arenas if not isinstance(a, ShmArena)]
+        if not device_in:
+            return ShmArena.create(size, prefix=f"omni-sidecar-s{self.id}")
+        from omni_arena.cuda_ipc import CudaIpcArena
+
+        arena = CudaIpcArena.create(size, device_in[0].device, 1, name=f"omni-sidecar-s{self.id}")
+        arena.open_peer_done(list(self.hello.consumer_events), self.opens)
+        return arena
+
     @property
-    def out_arena(self) -> ShmArena | None:
+    def out_arena(self) -> Any:
         return self.out.arena if self.out is not None else None
 
     def close(self) -> None:
@@ -164,8 +203,10 @@ class Session:
         with _collect(errors, batch, "pre-forward hooks"):
             overlays = self._write_overlays(self.hooks.prepare_prefill_embeds(batch))
             extra = self._encode_kwargs(self.hooks.build_extra_kwargs(batch), 0)
+        event = self.out.seal() if self.out is not None else -1
         self._begin_us = (time.perf_counter() - t0) * 1e6
-        return StepPlan(step=msg.step, overlays=overlays, extra_kwargs=extra, errors=self._report(errors))
+        return StepPlan(step=msg.step, overlays=overlays, extra_kwargs=extra, errors=self._report(errors),
+                        event=event)
 
     def step_end(self, msg: StepEnd) -> StepResult:
         t0 = time.perf_counter()
@@ -180,6 +221,7 @@ class Session:
             batch = self._batch(msg.step, layout)
             with _collect(errors, batch, "process_model_output"):
                 self.hooks.process_model_output(batch, self._hidden(msg))
+            self._release_hidden(msg)
         self._last_layout = None
         result_errors = self._report(errors)
         self._finish(msg.finished)
@@ -279,7 +321,18 @@ class Session:
             return None
         if msg.hidden.arena >= len(self.in_arenas):
             raise ArenaError(f"hidden states name arena {msg.hidden.arena}, which was never offered")
-        return view_tensor(self.in_arenas[msg.hidden.arena], msg.hidden)
+        arena = self.in_arenas[msg.hidden.arena]
+        if isinstance(arena, ShmArena):
+            return view_tensor(arena, msg.hidden)
+        arena.wait_ready(msg.hidden_event)  # the shim's copy, ordered on our stream
+        return arena.tensor(msg.hidden)
+
+    def _release_hidden(self, msg: StepEnd) -> None:
+        """CUDA IPC: the shim may rewrite the slot once the reads we enqueued ran."""
+        if msg.hidden is not None and msg.hidden_event >= 0 and msg.hidden.arena < len(self.in_arenas):
+            arena = self.in_arenas[msg.hidden.arena]
+            if not isinstance(arena, ShmArena):
+                arena.mark_done(msg.hidden_event)
 
     def _write_overlays(self, pairs: list[tuple[int, torch.Tensor]]) -> list[Overlay]:
         if not pairs:
@@ -321,6 +374,8 @@ class Session:
             errors=self.errors,
             step_latency_us_p50=p50,
             step_latency_us_p99=p99,
+            arena_opens=self.opens.mem if self.opens is not None else 0,
+            event_opens=self.opens.events if self.opens is not None else 0,
         )
 
 

@@ -32,6 +32,7 @@ from proto.messages import (
     SwitchAck,
     SwitchReady,
 )
+from proto.arena import ShmArena
 from proto.tensors import TENSOR_MARKER, TensorRef
 from worker_shim.channel import SidecarError
 from worker_shim.connection import SidecarConnection
@@ -57,7 +58,8 @@ def _socket_identity(endpoint: str) -> tuple[int, int] | None:
 
 class SidecarLink:
     def __init__(self, connect: Callable[..., SidecarConnection], first: SidecarConnection,
-                 loss_policy: str = "fail-all") -> None:
+                 loss_policy: str = "fail-all", embeds_setting: str = "auto") -> None:
+        self.embeds_setting = embeds_setting  # read by the runner when it loads the model
         self._connect = connect  # makes a fresh connection (new socket, new arena)
         self.conn: SidecarConnection | None = first
         self._pending: SidecarConnection | None = None
@@ -164,8 +166,13 @@ class SidecarLink:
         prefilling = _prefilling(input_batch)
         return any(prefilling[i] and r in self._payload_reqs for i, r in enumerate(ids))
 
-    def pre_forward(self, input_batch: Any, model: Any) -> dict[str, Any]:
-        """Blocking StepBegin when the hooks need it; returns extra model inputs."""
+    def pre_forward(self, input_batch: Any, model: Any, embeds: torch.Tensor | None = None) -> dict[str, Any]:
+        """Blocking StepBegin when the hooks need it; returns extra model inputs.
+
+        `embeds` is the persistent inputs_embeds buffer (already holding this
+        step's token embeddings) when the runner feeds the model from one:
+        overlay rows are written into it in place, so CUDA graphs see them.
+        """
         if not self.needs_exchange(input_batch):
             return {}
         conn = self.conn
@@ -184,12 +191,7 @@ class SidecarLink:
             plan: StepPlan = conn.channel.call(msg, StepPlan)  # type: ignore[assignment]
             self.blocking_exchanges += 1
             self._record_errors(plan.errors)
-            extra: dict[str, Any] = {}
-            if plan.extra_kwargs:
-                device = model_device(model)
-                extra = {k: self._decode_kwarg(v, device, 0) for k, v in plan.extra_kwargs.items()}
-            if plan.overlays:
-                extra["inputs_embeds"] = self._overlay(plan, input_batch, model)
+            extra = self._consume_plan(plan, input_batch, model, embeds)
         except (SidecarError, ValueError, msgspec.ValidationError) as exc:
             self._lose(f"step {self.step}: {exc}")
             return {}
@@ -212,9 +214,9 @@ class SidecarLink:
             self.step += 1
             return
         try:
-            hidden_ref = None
+            hidden_ref, hidden_event = None, -1
             if batch is not None and conn.ring is not None and state.hidden_states is not None:
-                hidden_ref = self._write_hidden(conn, state.hidden_states[:num_tokens])
+                hidden_ref, hidden_event = self._write_hidden(conn, state.hidden_states[:num_tokens])
             msg = StepEnd(
                 step=self.step,
                 batch=None if (batch is None or self._layout_sent) else self._next_layout(batch),
@@ -222,6 +224,7 @@ class SidecarLink:
                 finished=self._finished,
                 preempted=self._preempted,
                 hidden=hidden_ref,
+                hidden_event=hidden_event,
                 num_tokens=num_tokens,
                 shim_exchange_us=self._step_exchange_us,
                 shim_post_us=self._last_post_us,
@@ -342,7 +345,7 @@ class SidecarLink:
             self._sent_req_ids = layout.req_ids
         return layout
 
-    def _write_hidden(self, conn: SidecarConnection, hidden: torch.Tensor) -> TensorRef:
+    def _write_hidden(self, conn: SidecarConnection, hidden: torch.Tensor) -> tuple[TensorRef, int]:
         ring, arena = conn.ring, conn.hidden_arena
         assert ring is not None and arena is not None
         slot = ring.slot_of(self.step)
@@ -357,15 +360,40 @@ class SidecarLink:
                 f"hidden states of {nbytes} bytes exceed the arena slot of {ring.slot_size}"
             )
         ref = TensorRef(0, ring.offset(slot), nbytes, list(hidden.shape), dtype_name(hidden.dtype))
-        arena_tensor(arena, ref).copy_(hidden)
-        return ref
+        if isinstance(arena, ShmArena):
+            arena_tensor(arena, ref).copy_(hidden)  # host staging (CPU, or accelerators without IPC)
+            return ref, -1
+        arena.wait_done(slot)  # the sidecar's reads of this slot's previous use
+        arena.tensor(ref).copy_(hidden, non_blocking=True)
+        return ref, arena.mark_ready(slot)
 
-    def _overlay(self, plan: StepPlan, input_batch: Any, model: Any) -> torch.Tensor:
+    def _consume_plan(self, plan: StepPlan, input_batch: Any, model: Any,
+                      embeds: torch.Tensor | None) -> dict[str, Any]:
+        """Copy the plan's tensors out of the sidecar's arena (device arenas: ordered by events)."""
+        if not (plan.extra_kwargs or plan.overlays):
+            return {}
+        arena = self.conn.overlay_arena if self.conn is not None else None
+        device_arena = arena is not None and not isinstance(arena, ShmArena)
+        if device_arena and plan.event >= 0:
+            arena.wait_ready(plan.event)  # the sidecar's writes, ordered on our stream
+        extra: dict[str, Any] = {}
+        if plan.extra_kwargs:
+            device = model_device(model)
+            extra = {k: self._decode_kwarg(v, device, 0) for k, v in plan.extra_kwargs.items()}
+        if plan.overlays:
+            extra["inputs_embeds"] = self._overlay(plan, input_batch, model, embeds)
+        if device_arena:
+            arena.mark_done(0)  # the sidecar may rewrite its arena once our copies ran
+        return extra
+
+    def _overlay(self, plan: StepPlan, input_batch: Any, model: Any,
+                 embeds: torch.Tensor | None) -> torch.Tensor:
         arena = self.conn.overlay_arena if self.conn is not None else None
         if arena is None:
             raise SidecarError("sidecar sent overlays but offered no arena")
-        n = int(input_batch.num_tokens_after_padding)
-        embeds = model.embed_input_ids(input_batch.input_ids[:n])
+        if embeds is None:
+            n = int(input_batch.num_tokens_after_padding)
+            embeds = model.embed_input_ids(input_batch.input_ids[:n])
         for ov in plan.overlays:
             rows = arena_tensor(arena, ov.rows)
             end = ov.row_start + rows.shape[0]
@@ -422,6 +450,8 @@ class SidecarLink:
             "request_errors": dict(self.request_errors),
             "exchange_us": list(self.exchange_us),
             "post_us": list(self.post_us),
+            "arena_kind": self.conn.arena_kind if self.conn is not None else "",
+            "arena_opens": self.conn.open_counts() if self.conn is not None else {},
         }
 
     def flush(self) -> None:

@@ -17,13 +17,16 @@ from __future__ import annotations
 from typing import Any
 
 from worker_shim.compat import MODEL_STATE_METHODS, RUNNER_ATTRS, check_instance
-from worker_shim.link import SidecarLink
+from worker_shim.embeds import EmbedsBuffer
+from worker_shim.embeds import wanted as embeds_wanted
+from worker_shim.link import SidecarLink, model_device
 
 
 class SidecarRunnerMixin:
     """Overrides on the upstream GPUModelRunner / CPUModelRunner (V2)."""
 
     omni_link: SidecarLink
+    omni_embeds: EmbedsBuffer | None = None
 
     def finish_requests(self, scheduler_output: Any) -> None:
         self.omni_link.note_finished(
@@ -57,7 +60,17 @@ class SidecarRunnerMixin:
         check_instance(self.model_state, MODEL_STATE_METHODS, "model_state")
         swap_class(self.model_state, SidecarModelStateMixin)
         self.model_state.omni_runner = self
+        self.omni_embeds = self._omni_embeds_buffer()
         return out
+
+    def _omni_embeds_buffer(self) -> EmbedsBuffer | None:
+        link = self.omni_link
+        if not embeds_wanted(link.embeds_setting, link.needs.pre_forward,
+                             bool(getattr(self, "supports_mm_inputs", False))):
+            return None
+        mcfg = self.vllm_config.model_config
+        return EmbedsBuffer(int(self.max_num_tokens), int(mcfg.get_hidden_size()), mcfg.dtype,
+                            model_device(self.model))
 
 
 class SidecarModelStateMixin:
@@ -74,10 +87,24 @@ class SidecarModelStateMixin:
         inputs = _up(self).prepare_inputs(input_batch, req_states)  # type: ignore[misc]
         runner = self.omni_runner
         link: SidecarLink = runner.omni_link
+        buffer: EmbedsBuffer | None = runner.omni_embeds
+        embeds = None
+        if buffer is not None:
+            n = int(input_batch.num_tokens_after_padding)
+            embeds = buffer.fill(runner.model, input_batch.input_ids, n)
+            inputs = {**inputs, "input_ids": None, "inputs_embeds": embeds}
         if link.in_step:
-            extra = link.pre_forward(input_batch, runner.model)
+            extra = link.pre_forward(input_batch, runner.model, embeds)
             if extra:
                 inputs = {**inputs, **extra}
+        return inputs
+
+    def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> dict[str, Any]:
+        """Graph capture: with the embeds buffer on, graphs are captured reading it."""
+        inputs = _up(self).prepare_dummy_inputs(num_reqs, num_tokens)  # type: ignore[misc]
+        buffer: EmbedsBuffer | None = self.omni_runner.omni_embeds
+        if buffer is not None:
+            inputs = {**inputs, "input_ids": None, "inputs_embeds": buffer.rows(num_tokens)}
         return inputs
 
 

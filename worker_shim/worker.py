@@ -73,12 +73,14 @@ class ShimWorkerMixin:
             capabilities=["overlay", "extra_kwargs", "hidden_states", "reconnect"],
         )
 
+        device, arena_kind = self._arena_choice(cfg.arena)
+
         def connect(endpoint: str | None = None, resume_token: str = "") -> SidecarConnection:
             return SidecarConnection(
                 endpoint or cfg.endpoint, cfg.step_timeout_s,
                 msgspec.structs.replace(hello, resume_token=resume_token), hidden_bytes, cfg.hidden_slots,
                 arena_prefix=f"omni-shim-r{self.rank}",  # type: ignore[attr-defined]
-                curve_keys=cfg.curve_keys or None,
+                curve_keys=cfg.curve_keys or None, device=device, arena_kind=arena_kind,
             )
 
         first = connect()
@@ -91,11 +93,30 @@ class ShimWorkerMixin:
                 "(--no-enable-prefix-caching / enable_prefix_caching=False)."
             )
         log.info(
-            "omni-sidecar shim %s connected to %s: hook set %r (sidecar %s, session %d, needs %s)",
-            __version__, cfg.endpoint, welcome.hook_set, welcome.sidecar_version,
-            welcome.session, welcome.needs,
+            "omni-sidecar shim %s connected to %s: hook set %r (sidecar %s, session %d, needs %s, "
+            "tensors via %s)", __version__, cfg.endpoint, welcome.hook_set, welcome.sidecar_version,
+            welcome.session, welcome.needs, arena_kind,
         )
-        return SidecarLink(connect, first, cfg.loss_policy)
+        return SidecarLink(connect, first, cfg.loss_policy, cfg.embeds_buffer)
+
+    def _arena_choice(self, setting: str) -> tuple[Any, str]:
+        """CUDA IPC on CUDA GPUs; host shared memory (staging) on CPU and accelerators without it."""
+        import torch
+
+        device = torch.device(getattr(self, "device", None) or "cpu")
+        if setting == "shm" or device.type == "cpu":
+            return device, "shm"
+        from omni_arena.cuda_ipc import check_torch, cuda_ipc_available
+
+        if setting == "cuda_ipc":
+            check_torch()
+            if device.type != "cuda":
+                raise ShimCompatError(f"OMNI_SIDECAR_ARENA=cuda_ipc needs a CUDA device, this worker runs on {device}")
+            return device, "cuda_ipc"
+        if cuda_ipc_available(device):
+            return device, "cuda_ipc"
+        log.warning("omni-sidecar: no CUDA IPC on %s; tensors are staged through host shared memory", device)
+        return device, "shm"
 
     def omni_sidecar_stats(self) -> dict[str, Any]:
         """For `llm.collective_rpc("omni_sidecar_stats")`: what the shim sent and measured."""

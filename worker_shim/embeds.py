@@ -1,0 +1,38 @@
+"""The persistent inputs_embeds buffer the model reads when sidecar hooks may overlay rows.
+
+Why: CUDA graphs replay fixed addresses. A FULL graph reads whatever its
+captured input buffers hold, and a piecewise graph traced on the input_ids
+path cannot take a fresh inputs_embeds tensor (DESIGN §4). So when the hook
+set runs before the forward, the model always takes `inputs_embeds` from this
+one buffer: graphs are captured reading it (`prepare_dummy_inputs`), each step
+writes the token embeddings into it outside the graph, overlay rows land in it
+in place, and the replay sees them. The cost is one embedding lookup per step
+outside the graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class EmbedsBuffer:
+    def __init__(self, max_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.buf = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)
+
+    def fill(self, model: Any, input_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """This step's token embeddings in rows [0, num_tokens) (padding rows included)."""
+        rows = self.buf[:num_tokens]
+        rows.copy_(model.embed_input_ids(input_ids[:num_tokens]))
+        return rows
+
+    def rows(self, num_tokens: int) -> torch.Tensor:
+        return self.buf[:num_tokens]
+
+
+def wanted(setting: str, pre_forward: str, multimodal: bool) -> bool:
+    """`auto`: only when hooks may overlay rows; never for multimodal models (upstream owns their embeds)."""
+    if setting == "off" or multimodal:
+        return False
+    return setting == "on" or pre_forward != "never"
