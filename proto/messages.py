@@ -103,6 +103,9 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     capabilities: Annotated[list[Name], msgspec.Meta(max_length=64)] = []
     # Set when switching to a sidecar that took over: names the state it imported.
     resume_token: Name = ""
+    # Shared-memory rings the shim offers for the per-step messages (proto/shmring.py):
+    # [shim -> sidecar, sidecar -> shim]. Empty: everything over the socket.
+    rings: Annotated[list[ArenaInfo], msgspec.Meta(max_length=2)] = []
     # CUDA IPC: the shim's "done" events for the sidecar's arena (it waits on them before reuse).
     consumer_events: Annotated[list[IpcHandle], msgspec.Meta(max_length=64)] = []
 
@@ -115,6 +118,8 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     needs: HookNeeds
     session: Count
     arenas: Annotated[list[ArenaInfo], msgspec.Meta(max_length=16)] = []
+    # The sidecar mapped the Hello's rings: step messages travel through them from now on.
+    rings: bool = False
     # CUDA IPC: the sidecar's "done" events, one per slot of the shim's hidden-state arena.
     consumer_events: Annotated[list[IpcHandle], msgspec.Meta(max_length=64)] = []
 
