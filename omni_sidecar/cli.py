@@ -76,6 +76,23 @@ def _parser() -> argparse.ArgumentParser:
                    help="besides this user, let this uid connect (repeatable)")
     s.add_argument("--curve-keys", default=None,
                    help="directory with server.key_secret and authorized/ client keys; required for tcp://")
+    s.add_argument(
+        "--ring", action=argparse.BooleanOptionalAction, default=None,
+        help="accept the shared-memory rings shims offer for per-step messages (default on; "
+        "--no-ring keeps everything on ZeroMQ; shims turn it off with OMNI_SIDECAR_RING=0)",
+    )
+    s.add_argument(
+        "--ring-spin-us", type=int, default=None,
+        help="after its last ring message the sidecar keeps polling the rings this long, yielding "
+        "the CPU each time, before it sleeps until a shim's kick (default 2000). Longer keeps the "
+        "next step's exchange at a few us when steps come further apart, at the price of a CPU "
+        "that polls; keep it short on small hosts where vLLM needs the cores",
+    )
+    s.add_argument(
+        "--ring-sleep-ms", type=int, default=None,
+        help="a sleeping sidecar re-checks the rings at least this often (default 2): bounds the "
+        "cost of a missed kick (Python has no store-load fence)",
+    )
     s.add_argument("--takeover", action="store_true",
                    help="hot upgrade: take state and shims over from the sidecar running at --endpoint, "
                    "which then drains and exits (vLLM keeps running)")
@@ -166,7 +183,8 @@ def _serve(args: argparse.Namespace) -> int:
     from omni_sidecar.server import SidecarServer
 
     keys = ("endpoint", "hooks", "arena_mib", "keep_finished", "max_frame_mib", "metrics_port",
-            "log_level", "log_format", "drain_timeout_s", "allow_uids", "curve_keys")
+            "log_level", "log_format", "drain_timeout_s", "allow_uids", "curve_keys", "ring",
+            "ring_spin_us", "ring_sleep_ms")
     try:
         cli = {k: getattr(args, k) for k in keys}
         cli["hook_options"] = parse_options(args.hook_option)
@@ -177,7 +195,8 @@ def _serve(args: argparse.Namespace) -> int:
             config.endpoint, hooks, keep_finished=config.keep_finished,
             max_frame_bytes=config.max_frame_mib << 20, arena_bytes=config.arena_mib << 20,
             metrics_port=config.metrics_port, allowed_uids=config.allow_uids,
-            curve_keys=config.curve_keys or None,
+            curve_keys=config.curve_keys or None, ring=config.ring, ring_spin_us=config.ring_spin_us,
+            ring_sleep_ms=config.ring_sleep_ms,
         )
         if args.takeover_if_running and not args.takeover:
             args.takeover = _sidecar_running(config.endpoint)

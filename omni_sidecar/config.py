@@ -30,8 +30,14 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     drain_timeout_s: float = 10.0
     allow_uids: list[int] = []
     curve_keys: str = ""
+    # Shared-memory rings for per-step messages (omni_sidecar/server.py docstring).
+    ring: bool = True
+    ring_spin_us: int = 2000
+    ring_sleep_ms: int = 2
 
     def __post_init__(self) -> None:
+        if self.ring_spin_us < 0 or not 1 <= self.ring_sleep_ms <= 1000:
+            raise ValueError("ring_spin_us must be >= 0 and ring_sleep_ms in [1, 1000]")
         if self.log_format not in ("plain", "json"):
             raise ValueError(f"log_format must be 'plain' or 'json', got {self.log_format!r}")
         if self.keep_finished < 0 or self.max_frame_mib <= 0 or self.arena_mib < 0:

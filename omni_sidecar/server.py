@@ -3,6 +3,17 @@
 Single-threaded on purpose: hook calls happen in step order, and the loop
 never blocks on a peer. Every inbound frame is untrusted: size-capped,
 schema-validated, and answered with an ErrorReply when rejected.
+
+Shims that negotiated shared-memory rings (issue #6) send their step messages
+through them. While any such session exists the loop polls every session ring
+and the socket together: after its last message it keeps polling (with
+sched_yield, so it gives the CPU away) for `ring_spin_us`, then raises each
+ring's "sleeping" flag and blocks on the socket for at most `ring_sleep_ms`; a
+shim that writes into a ring while the flag is up sends an empty "kick" frame.
+The bounded sleep covers kicks lost to the missing store-load fence and keeps
+signals, drains and heartbeats as prompt as before. Garbage in a ring is
+answered and counted like a bad frame; the session is then dropped (a broken
+ring cannot be resynchronised) and other sessions are unaffected.
 """
 
 from __future__ import annotations
@@ -27,12 +38,14 @@ from omni_sidecar.security import (
     prepare_socket_dir,
     secure_socket_file,
 )
+from omni_sidecar.rings import EMPTY, RingLink, RingOverflow
 from omni_sidecar.session import Session
 from omni_sidecar.statepack import pack, unpack
 from omni_sidecar.store import FinishedOutputs
 from omni_sidecar.tensors import tensor_to_bytes
 from proto.codec import Codec, FrameError
 from proto.endpoint import check_endpoint, ipc_path
+from proto.shmring import RingError
 from proto.messages import (
     Drain,
     Drained,
@@ -52,6 +65,8 @@ from proto.messages import (
     StatusReply,
     StepBegin,
     StepEnd,
+    StepPlan,
+    StepResult,
     TensorBlob,
     Welcome,
 )
@@ -71,8 +86,17 @@ class SidecarServer:
         metrics_port: int = 0,
         allowed_uids: list[int] | None = None,
         curve_keys: str | None = None,
+        ring: bool = True,
+        ring_spin_us: int = 2000,
+        ring_sleep_ms: int = 2,
     ) -> None:
         check_endpoint(endpoint, curve_keys)
+        # Shared-memory rings for step messages (see the module docstring).
+        self.ring_enabled = ring
+        self.ring_spin_s = ring_spin_us / 1e6
+        self.ring_sleep_ms = max(1, int(ring_sleep_ms))
+        self._links: dict[bytes, RingLink] = {}
+        self._ring_busy_at = 0.0
         self.allowed_uids = allowed_uids or []
         self.curve_keys = curve_keys
         self._curve: CurveServer | None = None
@@ -180,6 +204,9 @@ class SidecarServer:
                 if self._takeover_sock is not None:
                     self._poll_takeover()
                     continue
+                if self._links:
+                    self._serve_rings_once()
+                    continue
                 try:
                     frames = self._recv_frames()
                 except zmq.Again:
@@ -218,6 +245,9 @@ class SidecarServer:
     def close(self) -> None:
         if self._curve is not None:
             self._curve.stop()
+        for link in self._links.values():
+            link.close()
+        self._links.clear()
         for session in self.sessions.values():
             session.close()
         self.sessions.clear()
@@ -247,6 +277,10 @@ class SidecarServer:
         return frames
 
     def _serve(self, frames: list) -> None:
+        link = self._links.get(frames[0])
+        if link is not None:
+            self._serve_link_frames(frames, link)
+            return
         if len(frames) != 2:
             self._reject(frames[0], "bad_envelope", f"expected 1 body frame, got {len(frames) - 1}")
             return
@@ -256,6 +290,9 @@ class SidecarServer:
         except FrameError as exc:
             self._reject(ident, exc.code, str(exc))
             return
+        self._dispatch(ident, msg)
+
+    def _dispatch(self, ident: bytes, msg: object) -> None:
         try:
             reply = self._handle(ident, msg)
         except Exception as exc:  # never let one peer's frame stop the server
@@ -263,6 +300,115 @@ class SidecarServer:
             reply = self._refuse("internal", f"{type(msg).__name__}: {exc!r}")
         if reply is not None:
             self._send(ident, reply)
+
+    # -- shared-memory rings ---------------------------------------------------------
+
+    def _serve_rings_once(self) -> None:
+        """One loop turn while ring sessions exist: rings and socket, spin, then sleep."""
+        sock = self._sock
+        assert sock is not None
+        busy = self._pump_rings()
+        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._serve(self._recv_frames())
+            busy = True
+        now = time.monotonic()
+        if busy:
+            self._ring_busy_at = now
+            return
+        if now - self._ring_busy_at < self.ring_spin_s:
+            os.sched_yield()  # poll again soon, but let vLLM's threads run first
+            return
+        links = list(self._links.values())
+        for link in links:
+            link.set_sleeping(True)
+        try:
+            if self._pump_rings():  # written before the writer could see our flags
+                self._ring_busy_at = time.monotonic()
+                return
+            if sock.poll(self.ring_sleep_ms):
+                self._serve(self._recv_frames())  # a kick, or control traffic
+        finally:
+            for link in links:
+                link.set_sleeping(False)
+
+    def _pump_rings(self) -> bool:
+        """At most one message per ring session (fair across sessions); True if any was served."""
+        busy = False
+        for ident, link in list(self._links.items()):
+            if link.closed:
+                continue
+            if link.queue:
+                self._flush_link(ident, link)
+            busy |= self._serve_link_once(ident, link)
+        return busy
+
+    def _serve_link_frames(self, frames: list, link: RingLink) -> None:
+        """A frame on the socket from a ring session: a kick, or the message behind a MARK."""
+        ident = frames[0]
+        if len(frames) == 2 and not frames[1]:
+            return  # a kick: the loop reads the rings next
+        if len(frames) != 2:
+            self._reject(ident, "bad_envelope", f"expected 1 body frame, got {len(frames) - 1}")
+            return
+        link.duplex.feed_socket(frames[1])
+        # Everything the shim put in the ring before it is older: serve up to and including it.
+        while not link.closed and link.duplex.socket_frames:
+            if not self._serve_link_once(ident, link):
+                break
+
+    def _serve_link_once(self, ident: bytes, link: RingLink) -> bool:
+        try:
+            msg = link.recv(self.codec.decode)
+        except FrameError as exc:
+            self._reject(ident, exc.code, str(exc))
+            return True
+        except RingError as exc:
+            self._drop_link(ident, "bad_ring", str(exc))
+            return True
+        if msg is EMPTY:
+            return False
+        if isinstance(msg, Hello):
+            self._reject(ident, "unexpected", "Hello belongs on the socket, not in a ring")
+            return True
+        self._dispatch(ident, msg)
+        return True
+
+    def _flush_link(self, ident: bytes, link: RingLink) -> None:
+        try:
+            link.flush(lambda frame: self._send_raw(ident, frame))
+        except RingError as exc:
+            self._drop_link(ident, "bad_ring", str(exc))
+
+    def _drop_link(self, ident: bytes, code: str, message: str) -> None:
+        """A ring we cannot trust any more: tell the shim (if we still can), end the session."""
+        link = self._links.pop(ident, None)
+        if link is None:
+            return
+        frame = self.codec.encode(self._refuse(code, f"{message}; session closed, reconnect"))
+        try:
+            link.send(frame, False, lambda f: self._send_raw(ident, f))
+        except (RingError, RingOverflow):
+            self._send_raw(ident, frame)  # unmarked: the shim drops the connection either way
+        link.close()
+        session = self.sessions.pop(ident, None)
+        if session is not None:
+            log.error("session %d dropped: %s", session.id, message)
+            session.close()
+            self.metrics.sessions.set(len(self.sessions))
+
+    def _close_link(self, ident: bytes) -> None:
+        link = self._links.pop(ident, None)
+        if link is not None:
+            link.close()
+
+    def _open_rings(self, hello: Hello) -> RingLink | None:
+        if not hello.rings or not self.ring_enabled:
+            return None
+        try:
+            return RingLink.attach(list(hello.rings))
+        except Exception as exc:  # not rings, gone, too big: this connection uses the socket
+            log.warning("shim rank %d offered rings that cannot be used (%s); ZeroMQ only", hello.rank, exc)
+            return None
 
     def _handle(self, ident: bytes, msg: object):
         if isinstance(msg, StepEnd | StepBegin):
@@ -313,6 +459,7 @@ class SidecarServer:
                     return None
                 return Reject(f"unknown resume token {hello.resume_token!r}")
         old = self.sessions.pop(ident, None)
+        self._close_link(ident)
         if old is not None:
             old.close()
             self.metrics.sessions.set(len(self.sessions))
@@ -326,6 +473,9 @@ class SidecarServer:
             return Reject(f"cannot open the shim's arenas: {exc}")
         self._next_session += 1
         self.sessions[ident] = session
+        link = self._open_rings(hello)
+        if link is not None:
+            self._links[ident] = link
         if hello.resume_token:
             doc = self._resume.pop(hello.resume_token)
             if doc is not None:
@@ -347,6 +497,7 @@ class SidecarServer:
             session=session.id,
             arenas=out,
             consumer_events=session.consumer_events,
+            rings=link is not None,
         )
 
     # -- hot upgrade, old side ------------------------------------------------------
@@ -384,7 +535,10 @@ class SidecarServer:
         self.metrics.sessions.set(len(self.sessions))
         log.info("session %d handed over at step %d to %s", session.id, msg.last_step, takeover.new_endpoint)
         self.begin_drain()
-        return SwitchAck(endpoint=takeover.new_endpoint, token=state.token)
+        # Through the session's rings (behind anything still queued there), then close them.
+        self._send(ident, SwitchAck(endpoint=takeover.new_endpoint, token=state.token))
+        self._close_link(ident)
+        return None
 
     def _hand_over(self, session: Session | None) -> TakeoverState:
         doc = {
@@ -418,7 +572,8 @@ class SidecarServer:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._takeover_sock, zmq.POLLIN)
-        ready = dict(poller.poll(100))
+        busy = self._pump_rings() if self._links else False
+        ready = dict(poller.poll(0 if busy else self.ring_sleep_ms if self._links else 100))
         if self._sock in ready:
             self._serve(self._recv_frames())
         if self._takeover_sock in ready:
@@ -520,12 +675,29 @@ class SidecarServer:
         self._send(ident, self._refuse(code, message))
 
     def _send(self, ident: bytes, msg: object) -> None:
+        frame = self.codec.encode(msg)
+        link = self._links.get(ident)
+        if link is None or isinstance(msg, Welcome | Reject):  # no rings (yet): the socket
+            self._send_raw(ident, frame)
+            return
+        try:
+            # Step replies and errors take the ring; control replies go behind a MARK.
+            link.send(frame, not isinstance(msg, _RING_REPLIES), lambda f: self._send_raw(ident, f))
+        except RingError as exc:
+            self._drop_link(ident, "bad_ring", str(exc))
+        except RingOverflow as exc:
+            self._drop_link(ident, "ring_overflow", str(exc))
+
+    def _send_raw(self, ident: bytes, frame: bytes) -> None:
         assert self._sock is not None
         try:
             self._sock.send(ident, zmq.SNDMORE | zmq.NOBLOCK)
-            self._sock.send(self.codec.encode(msg), zmq.NOBLOCK)
+            self._sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
             log.warning("dropped a reply: peer is not reading")
+
+
+_RING_REPLIES = (StepPlan, StepResult, ErrorReply)
 
 
 def _split(outputs: dict) -> tuple[dict[str, TensorBlob], dict]:

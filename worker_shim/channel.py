@@ -1,20 +1,40 @@
-"""The shim's ZeroMQ link to its sidecar: handshake, blocking calls, async sends.
+"""The shim's link to its sidecar: handshake, blocking calls, async sends.
 
 StepEnd is sent without waiting; its StepResult is collected later (stashed
 when it arrives while waiting for something else). The sidecar answers one
 connection in order, so results arrive in step order. Every frame from the
 sidecar is untrusted: anything malformed becomes a SidecarError, never a crash.
 A socket monitor tells the shim at once when the sidecar's end goes away.
+
+Fast path (issue #6, DESIGN §8): the Hello offers two shared-memory rings
+(proto/shmring.py); once the Welcome accepts them, step messages travel through
+them and the socket keeps the handshake, control messages (behind a ring MARK,
+so one order holds per connection), heartbeats and kicks. Waiting for a reply
+polls the ring with sched_yield for `spin_us`, then sleeps on the socket until
+the sidecar's kick (or `sleep_ms`, then re-checks), watching the step timeout
+and the socket monitor all along. OMNI_SIDECAR_RING=0, or a sidecar that does
+not accept rings, keeps everything on ZeroMQ.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import time
+
+import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from proto.arena import ArenaError
 from proto.codec import Codec, FrameError
-from proto.messages import ErrorReply, Hello, Message, Reject, StepResult, Welcome
+from proto.messages import ErrorReply, Hello, Message, Reject, StepBegin, StepEnd, StepResult, Welcome
+from proto.shmring import EMPTY, RingDuplex, RingError, ShmRing
+from worker_shim.config import RingConfig
 
+log = logging.getLogger("vllm.omni_sidecar.shim.channel")
+RING_MESSAGES = (StepBegin, StepEnd)  # what travels in the ring; everything else is control
+FULL_RING_WAIT_S = 0.0002
 
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
@@ -36,8 +56,15 @@ def _apply_curve_client(sock: zmq.Socket, keys_dir: str) -> None:
 
 
 class SidecarChannel:
-    def __init__(self, endpoint: str, step_timeout_s: float, curve_keys: str | None = None) -> None:
+    def __init__(self, endpoint: str, step_timeout_s: float, curve_keys: str | None = None,
+                 ring: RingConfig | None = None) -> None:
         self.endpoint = endpoint
+        self.ring_config = ring if ring is not None else RingConfig.from_env()
+        self._offer: tuple[ShmRing, ShmRing] | None = None  # (to sidecar, from sidecar) until Welcome
+        self.duplex: RingDuplex | None = None  # set once the sidecar accepted the rings
+        self._gone = False
+        self.kicks_sent = 0
+        self.sleeps = 0
         self.step_timeout_ms = int(step_timeout_s * 1000)
         self.codec = Codec()
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -90,12 +117,82 @@ class SidecarChannel:
                 f"{reply.protocol_minor}, this shim speaks {hello.protocol_major}."
                 f"{hello.protocol_minor}; install matching omni-sidecar versions on both sides"
             )
+        offer, self._offer = self._offer, None
+        if offer is not None:
+            if reply.rings:
+                self.duplex = RingDuplex(tx=offer[0], rx=offer[1])
+            else:  # an older sidecar, or one started with rings off: ZeroMQ only
+                for ring in offer:
+                    ring.close()
         return reply
+
+    def _offer_rings(self, hello: Hello) -> Hello:
+        """Create this connection's two rings and name them in the Hello (fresh ones per Hello)."""
+        if not self.ring_config.enabled or self.duplex is not None:
+            return hello
+        self._close_offer()
+        size = self.ring_config.capacity_kib << 10
+        rings: list[ShmRing] = []
+        try:
+            for prefix in ("omni-ring-up", "omni-ring-down"):
+                rings.append(ShmRing.create(size, prefix=f"{prefix}-{os.getpid()}"))
+        except (OSError, ArenaError) as exc:
+            for ring in rings:
+                ring.close()
+            log.warning("no shared-memory rings (%s): step messages go over ZeroMQ", exc)
+            return hello
+        self._offer = (rings[0], rings[1])
+        return msgspec.structs.replace(hello, rings=[r.info() for r in rings])
+
+    def _close_offer(self) -> None:
+        offer, self._offer = self._offer, None
+        for ring in offer or ():
+            ring.close()
+
+    @property
+    def ring_active(self) -> bool:
+        return self.duplex is not None
 
     # -- traffic -----------------------------------------------------------------
 
     def send(self, msg: Message) -> None:
-        self._sock.send(self.codec.encode(msg), copy=True)
+        if isinstance(msg, Hello):
+            msg = self._offer_rings(msg)
+        frame = self.codec.encode(msg)
+        if self.duplex is None:
+            self._sock.send(frame, copy=True)
+        else:
+            self._ring_send(frame, control=not isinstance(msg, RING_MESSAGES))
+
+    def _ring_send(self, frame: bytes, control: bool) -> None:
+        """Into the ring (kick the sidecar if it sleeps), or MARK + socket; waits while full."""
+        duplex = self.duplex
+        assert duplex is not None
+        deadline = 0.0
+        while True:
+            try:
+                outcome = duplex.send(frame, control)
+            except RingError as exc:
+                raise SidecarError(f"bad shared-memory ring: {exc}") from None
+            if outcome == "ring":
+                if duplex.peer_sleeping():
+                    self._sock.send(b"", copy=True)
+                    self.kicks_sent += 1
+                return
+            if outcome == "socket":
+                self._sock.send(frame, copy=True)
+                return
+            # Full: the sidecar is behind on this connection. Wait, as long as a reply may take.
+            now = time.monotonic()
+            deadline = deadline or now + self.step_timeout_ms / 1000
+            if now > deadline:
+                raise SidecarError(
+                    f"omni-sidecar at {self.endpoint} did not drain its ring within "
+                    f"{self.step_timeout_ms / 1000:.1f}s (OMNI_SIDECAR_STEP_TIMEOUT)"
+                )
+            if self.peer_gone():
+                raise SidecarError("the sidecar closed the connection")
+            time.sleep(FULL_RING_WAIT_S)
 
     def call(self, msg: Message, want: type) -> Message:
         self.send(msg)
@@ -112,6 +209,14 @@ class SidecarChannel:
 
     def take_results(self, until_step: int | None = None) -> list[StepResult]:
         """Results received so far; blocks (up to the step timeout) for `until_step`'s."""
+        if self.duplex is not None:
+            self._pull_socket(0)
+            while (msg := self._ring_next()) is not None:
+                self._stash(msg)
+            while until_step is not None and self.acked_step < until_step:
+                self._stash(self._recv(self.step_timeout_ms / 1000))
+            out, self._results = self._results, []
+            return out
         while True:
             try:
                 while True:
@@ -126,12 +231,11 @@ class SidecarChannel:
 
     def peer_gone(self) -> bool:
         """True once the sidecar's end of the connection went away (crash, kill, stop)."""
-        gone = False
         # Called every step: poll(0) is a cheap "nothing new" (no exception on the common path).
         while self._monitor.poll(0):
             if recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED:
-                gone = True
-        return gone
+                self._gone = True  # sticky: a ring wait may have seen it before the link asks
+        return self._gone
 
     def _stash(self, msg: Message) -> None:
         if isinstance(msg, StepResult):
@@ -149,6 +253,8 @@ class SidecarChannel:
             raise SidecarError(f"bad frame from the sidecar: {exc}") from None
 
     def _recv(self, timeout_s: float) -> Message:
+        if self.duplex is not None:
+            return self._ring_recv(timeout_s)
         try:
             if timeout_s * 1000 >= self.step_timeout_ms:
                 frame = self._sock.recv()
@@ -157,13 +263,78 @@ class SidecarChannel:
             else:
                 raise zmq.Again()
         except zmq.Again:
-            raise SidecarError(
-                f"omni-sidecar at {self.endpoint} did not answer within {timeout_s:.1f}s "
-                "(OMNI_SIDECAR_STEP_TIMEOUT)"
-            ) from None
+            raise self._timeout(timeout_s) from None
         return self._decode(frame)
 
+    def _timeout(self, timeout_s: float) -> SidecarError:
+        return SidecarError(
+            f"omni-sidecar at {self.endpoint} did not answer within {timeout_s:.1f}s "
+            "(OMNI_SIDECAR_STEP_TIMEOUT)"
+        )
+
+    # -- the ring ------------------------------------------------------------------
+
+    def _ring_recv(self, timeout_s: float) -> Message:
+        """Spin (yielding) for `spin_us`, then sleep until kicked; the step timeout and the
+        socket monitor end the wait early when the sidecar is late or gone."""
+        duplex = self.duplex
+        assert duplex is not None
+        msg = self._ring_next()
+        if msg is not None:
+            return msg
+        now = time.monotonic()
+        deadline = now + timeout_s
+        spin_until = now + self.ring_config.spin_us / 1e6
+        while True:
+            msg = self._ring_next()
+            if msg is not None:
+                return msg
+            now = time.monotonic()
+            if now >= deadline:
+                raise self._timeout(timeout_s)
+            if duplex.waiting_for_socket:  # a MARK: its frame is on the socket, on its way
+                self._pull_socket(max(1, min(50, int((deadline - now) * 1000))))
+                continue
+            if now < spin_until:
+                os.sched_yield()
+                continue
+            duplex.rx.set_sleeping(True)
+            try:
+                msg = self._ring_next()  # published before it could see our flag?
+                if msg is not None:
+                    return msg
+                if self.peer_gone():
+                    raise SidecarError(f"omni-sidecar at {self.endpoint} closed the connection")
+                self.sleeps += 1
+                self._pull_socket(max(1, min(self.ring_config.sleep_ms, int((deadline - now) * 1000))))
+            finally:
+                duplex.rx.set_sleeping(False)
+
+    def _ring_next(self) -> Message | None:
+        """The next message in connection order, or None when there is none yet."""
+        assert self.duplex is not None
+        try:
+            msg = self.duplex.recv(self._decode)
+        except RingError as exc:
+            raise SidecarError(f"bad shared-memory ring from the sidecar: {exc}") from None
+        return None if msg is EMPTY else msg  # type: ignore[return-value]
+
+    def _pull_socket(self, wait_ms: int) -> None:
+        """Socket frames into the duplex (each behind its MARK); kicks (empty frames) dropped."""
+        sock, duplex = self._sock, self.duplex
+        assert duplex is not None
+        if wait_ms > 0:
+            sock.poll(wait_ms)
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frame = sock.recv(copy=True)
+            if frame:
+                duplex.feed_socket(frame)
+
     def close(self) -> None:
+        self._close_offer()
+        if self.duplex is not None:
+            self.duplex.close()
+            self.duplex = None
         try:
             self._sock.disable_monitor()
         except zmq.ZMQError:

@@ -60,3 +60,44 @@ def _choice(value: str, key: str, allowed: tuple[str, ...], why: str) -> str:
     if value not in allowed:
         raise ValueError(f"omni_sidecar {key} {value!r}: use one of {', '.join(allowed)} ({why})")
     return value
+
+
+@dataclass(frozen=True)
+class RingConfig:
+    """The shared-memory ring fast path (proto/shmring.py), from `OMNI_SIDECAR_RING*`.
+
+    Environment only for now: SidecarChannel reads it itself, so every connection
+    (start-up, reconnect, hot upgrade) gets the same settings without threading them
+    through the connection code.
+
+    spin_us: how long the shim polls the ring (yielding the CPU each time, never a hot
+    loop) for a reply before it sleeps on the socket. A StepPlan usually comes within
+    tens of µs; sleeping costs a kick and a kernel wake-up (~35-70 µs here), spinning
+    costs a core that vLLM's own threads may want, hence a bounded window.
+    sleep_ms: how long a sleeper blocks (whole ms, what zmq_poll takes) before re-checking
+    the ring. The sidecar's kick normally wakes it at once; Python has no store-load
+    fence, so a kick can be missed (rarely), and this bounds what that costs.
+    """
+
+    enabled: bool = True
+    capacity_kib: int = 1024
+    spin_us: int = 2000
+    sleep_ms: int = 2
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> "RingConfig":
+        env = os.environ if environ is None else environ
+        flag = env.get("OMNI_SIDECAR_RING", "1").strip().lower()
+        if flag not in ("0", "1", "true", "false", "on", "off", "yes", "no"):
+            raise ValueError(f"OMNI_SIDECAR_RING={flag!r}: use 1 (shared-memory ring for step messages) or 0 "
+                             "(everything over ZeroMQ)")
+        cfg = cls(
+            enabled=flag in ("1", "true", "on", "yes"),
+            capacity_kib=int(env.get("OMNI_SIDECAR_RING_KIB", "1024")),
+            spin_us=int(env.get("OMNI_SIDECAR_RING_SPIN_US", "2000")),
+            sleep_ms=int(env.get("OMNI_SIDECAR_RING_SLEEP_MS", "2")),
+        )
+        if not 4 <= cfg.capacity_kib <= 256 << 10 or cfg.spin_us < 0 or not 1 <= cfg.sleep_ms <= 1000:
+            raise ValueError("OMNI_SIDECAR_RING_KIB must be in [4, 262144], OMNI_SIDECAR_RING_SPIN_US >= 0, "
+                             "OMNI_SIDECAR_RING_SLEEP_MS in [1, 1000]")
+        return cfg
