@@ -19,6 +19,8 @@ UPSTREAM_NAMES: list[tuple[str, str]] = [
     ("vllm.v1.worker.gpu.model_runner", "ExecuteModelState"),
     ("vllm.v1.worker.gpu.input_batch", "InputBatch"),
     ("vllm.platforms", "current_platform"),
+    ("vllm.distributed.parallel_state", "get_tp_group"),
+    ("vllm.distributed.parallel_state", "GroupCoordinator.broadcast"),
 ]
 CPU_NAMES: list[tuple[str, str]] = [
     ("vllm.v1.worker.cpu_worker", "CPUWorker.init_device"),

@@ -153,18 +153,7 @@ class SidecarLink:
         """Does any scheduled request need the sidecar before this forward?"""
         if self.conn is None:
             return False
-        mode = self.needs.pre_forward
-        if mode == "never":
-            return False
-        if self.needs.pre_forward_scope == "all":
-            return mode == "always" or bool(_prefilling(input_batch).any())
-        if not self._payload_reqs:
-            return False
-        ids = input_batch.req_ids
-        if mode == "always":
-            return any(r in self._payload_reqs for r in ids)
-        prefilling = _prefilling(input_batch)
-        return any(prefilling[i] and r in self._payload_reqs for i, r in enumerate(ids))
+        return exchange_needed(self.needs, self._payload_reqs, input_batch)
 
     def pre_forward(self, input_batch: Any, model: Any, embeds: torch.Tensor | None = None) -> dict[str, Any]:
         """Blocking StepBegin when the hooks need it; returns extra model inputs.
@@ -469,6 +458,28 @@ class SidecarLink:
             if conn is not None:
                 conn.close()
         self.conn = self._pending = None
+
+
+def exchange_needed(needs: HookNeeds, payload_reqs: set[str], input_batch: Any) -> bool:
+    """The declared needs applied to one batch (also TP ranks' broadcast schedule)."""
+    mode = needs.pre_forward
+    if mode == "never":
+        return False
+    if needs.pre_forward_scope == "all":
+        return mode == "always" or bool(_prefilling(input_batch).any())
+    if not payload_reqs:
+        return False
+    ids = input_batch.req_ids
+    if mode == "always":
+        return any(r in payload_reqs for r in ids)
+    prefilling = _prefilling(input_batch)
+    return any(prefilling[i] and r in payload_reqs for i, r in enumerate(ids))
+
+
+def has_payload(req: Any) -> bool:
+    sp = req.sampling_params
+    extra = (sp.extra_args or {}) if sp is not None else {}
+    return isinstance(extra.get(PAYLOAD_KEY), dict)
 
 
 def _prefilling(batch: Any) -> Any:

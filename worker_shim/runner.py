@@ -20,6 +20,7 @@ from worker_shim.compat import MODEL_STATE_METHODS, RUNNER_ATTRS, check_instance
 from worker_shim.embeds import EmbedsBuffer
 from worker_shim.embeds import wanted as embeds_wanted
 from worker_shim.link import SidecarLink, model_device
+from worker_shim.tp import TensorParallelSync
 
 
 class SidecarRunnerMixin:
@@ -27,15 +28,20 @@ class SidecarRunnerMixin:
 
     omni_link: SidecarLink
     omni_embeds: EmbedsBuffer | None = None
+    omni_tp: TensorParallelSync | None = None  # TP>1: rank 0 drives, others follow
 
     def finish_requests(self, scheduler_output: Any) -> None:
         self.omni_link.note_finished(
             scheduler_output.finished_req_ids, getattr(scheduler_output, "preempted_req_ids", None)
         )
+        if self.omni_tp is not None:
+            self.omni_tp.note_finished(scheduler_output.finished_req_ids)
         return _up(self).finish_requests(scheduler_output)  # type: ignore[misc]
 
     def add_requests(self, scheduler_output: Any) -> None:
         self.omni_link.note_new(scheduler_output.scheduled_new_reqs)
+        if self.omni_tp is not None:
+            self.omni_tp.note_new(scheduler_output.scheduled_new_reqs)
         return _up(self).add_requests(scheduler_output)  # type: ignore[misc]
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -92,9 +98,15 @@ class SidecarModelStateMixin:
         if buffer is not None:
             n = int(input_batch.num_tokens_after_padding)
             embeds = buffer.fill(runner.model, input_batch.input_ids, n)
-            inputs = {**inputs, "input_ids": None, "inputs_embeds": embeds}
+            # input_ids stay: models that read raw tokens next to the embeddings still get them.
+            inputs = {**inputs, "inputs_embeds": embeds}
         if link.in_step:
             extra = link.pre_forward(input_batch, runner.model, embeds)
+            tp: TensorParallelSync | None = runner.omni_tp
+            if tp is not None and tp.step_needs_broadcast(input_batch):
+                mcfg = runner.vllm_config.model_config
+                extra = tp.exchange(extra, embeds, int(input_batch.num_tokens_after_padding),
+                                    int(mcfg.get_hidden_size()), mcfg.dtype, model_device(runner.model))
             if extra:
                 inputs = {**inputs, **extra}
         return inputs
@@ -104,7 +116,7 @@ class SidecarModelStateMixin:
         inputs = _up(self).prepare_dummy_inputs(num_reqs, num_tokens)  # type: ignore[misc]
         buffer: EmbedsBuffer | None = self.omni_runner.omni_embeds
         if buffer is not None:
-            inputs = {**inputs, "input_ids": None, "inputs_embeds": buffer.rows(num_tokens)}
+            inputs = {**inputs, "inputs_embeds": buffer.rows(num_tokens)}
         return inputs
 
 

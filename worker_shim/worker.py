@@ -23,6 +23,7 @@ from worker_shim.compat import ShimCompatError, check_upstream, vllm_version
 from worker_shim.config import ShimConfig
 from worker_shim.link import SidecarLink, hidden_arena_size
 from worker_shim.runner import SidecarRunnerMixin, swap_class
+from worker_shim.tp import FollowerLink, TensorParallelSync
 from worker_shim.tensors import dtype_name
 
 log = logging.getLogger("vllm.omni_sidecar.shim")
@@ -31,7 +32,7 @@ log = logging.getLogger("vllm.omni_sidecar.shim")
 class ShimWorkerMixin:
     """Mixed in front of an upstream worker class; every override calls super()."""
 
-    omni_link: SidecarLink | None = None
+    omni_link: SidecarLink | FollowerLink | None = None
     omni_platform = "cpu"
 
     def init_device(self) -> None:
@@ -42,9 +43,19 @@ class ShimWorkerMixin:
                 "omni-sidecar's shim hosts Model Runner V2 only, but vLLM picked the V1 runner. "
                 "Set VLLM_USE_V2_MODEL_RUNNER=1 (and check the log for the V2 feature it refused)."
             )
-        self.omni_link = self._connect_sidecar()
+        tp = TensorParallelSync.from_vllm()
+        if tp is None or tp.driver:
+            link = self._connect_sidecar()
+            if tp is not None:
+                tp.share_needs(link.needs)
+        else:
+            cfg = ShimConfig.from_vllm(self.vllm_config)  # type: ignore[attr-defined]
+            link = FollowerLink(tp.share_needs(None), cfg.embeds_buffer)
+            log.info("omni-sidecar shim: TP rank %d follows rank 0's sidecar (needs %s)", tp.rank, link.needs)
+        self.omni_link = link
         runner = self.model_runner  # type: ignore[attr-defined]
-        runner.omni_link = self.omni_link
+        runner.omni_link = link
+        runner.omni_tp = tp
         swap_class(runner, SidecarRunnerMixin)
 
     def _connect_sidecar(self) -> SidecarLink:
@@ -123,7 +134,7 @@ class ShimWorkerMixin:
         assert self.omni_link is not None
         stats = self.omni_link.stats()
         for key in ("exchange_us", "post_us", "switch_us"):
-            lat = sorted(stats.pop(key))
+            lat = sorted(stats.pop(key, []))
             stats[f"{key}_p50"] = statistics.median(lat) if lat else 0.0
             stats[f"{key}_p99"] = lat[round(0.99 * (len(lat) - 1))] if lat else 0.0
             stats[f"{key}_n"] = len(lat)
