@@ -87,8 +87,13 @@ class OpenCounts:
     events: int = 0
 
 
-def new_event() -> torch.cuda.Event:
-    return torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
+def new_event(device: torch.device) -> torch.cuda.Event:
+    """An interprocess event that belongs to `device` (torch creates events lazily, on the
+    current device: one record here pins it, and completes at once)."""
+    event = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
+    with torch.cuda.device(device):
+        event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def event_handles(events: list[torch.cuda.Event]) -> list[bytes]:
@@ -127,7 +132,7 @@ class CudaIpcArena:
         if size <= 0 or num_events < 1:
             raise ArenaError(f"CUDA arena needs a positive size and events, got {size}, {num_events}")
         buf = torch.empty(size, dtype=torch.uint8, device=device)
-        return cls(buf, [new_event() for _ in range(num_events)], name or f"cuda-{id(buf):x}")
+        return cls(buf, [new_event(device) for _ in range(num_events)], name or f"cuda-{id(buf):x}")
 
     def info(self) -> ArenaInfo:
         if self._info is None:
@@ -180,10 +185,15 @@ class CudaIpcArena:
 
     def make_done_events(self) -> list[bytes]:
         """Our done events for the peer's slots; their handles go back in the handshake."""
-        self.done = [new_event() for _ in self.ready]
+        self.done = [new_event(self.device) for _ in self.ready]
         return event_handles(self.done)
 
     # -- both ------------------------------------------------------------------------
+
+    def view(self, ref: TensorRef) -> torch.Tensor:
+        """Raw bytes of a ref (the `Arena` protocol's accessor)."""
+        check_ref(ref, self.size)
+        return self.buf[ref.offset : ref.offset + ref.nbytes]
 
     def tensor(self, ref: TensorRef) -> torch.Tensor:
         """Bounds-checked typed view of arena bytes (aliasing: copy to keep)."""

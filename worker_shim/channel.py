@@ -135,7 +135,7 @@ class SidecarChannel:
         rings: list[ShmRing] = []
         try:
             for prefix in ("omni-ring-up", "omni-ring-down"):
-                rings.append(ShmRing.create(size, prefix=f"{prefix}-{os.getpid()}"))
+                rings.append(ShmRing.create(size, prefix=prefix))  # + pid + random
         except (OSError, ArenaError) as exc:
             for ring in rings:
                 ring.close()
@@ -176,8 +176,7 @@ class SidecarChannel:
                 raise SidecarError(f"bad shared-memory ring: {exc}") from None
             if outcome == "ring":
                 if duplex.peer_sleeping():
-                    self._sock.send(b"", copy=True)
-                    self.kicks_sent += 1
+                    self._kick()
                 return
             if outcome == "socket":
                 self._sock.send(frame, copy=True)
@@ -273,6 +272,14 @@ class SidecarChannel:
         )
 
     # -- the ring ------------------------------------------------------------------
+
+    def _kick(self) -> None:
+        """Wake a sidecar that sleeps on its socket (an empty frame; never blocks a step)."""
+        try:
+            self._sock.send(b"", zmq.NOBLOCK, copy=True)
+            self.kicks_sent += 1
+        except zmq.Again:
+            pass  # the sidecar re-checks its rings on its own within its sleep
 
     def _ring_recv(self, timeout_s: float) -> Message:
         """Spin (yielding) for `spin_us`, then sleep until kicked; the step timeout and the

@@ -31,7 +31,7 @@ class SidecarConnection:
 
             self.opens = OpenCounts()
             self.hidden_arena = CudaIpcArena.create(hidden_bytes, device, hidden_slots, name=arena_prefix)
-            self._out_done = [new_event()]
+            self._out_done = [new_event(device)]
             hello = msgspec.structs.replace(hello, consumer_events=event_handles(self._out_done))
         else:
             self.hidden_arena = ShmArena.create(hidden_bytes, prefix=arena_prefix)

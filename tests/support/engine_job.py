@@ -102,6 +102,21 @@ def main(job_path: str, result_path: str) -> int:
         result["request_ids"] = [o.request_id for o in outs]
         result["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
         result["prompt_token_ids"] = [list(o.prompt_token_ids or []) for o in outs]
+        tp = job.get("throughput")
+        if tp:
+            # Decode throughput: N prompts x max_tokens, ignore_eos, best of `repeats` (after warm-up).
+            rng = np.random.default_rng(3)
+            tprompts = [{"prompt_token_ids": rng.integers(4, 380, tp["prompt_len"]).tolist()}
+                        for _ in range(tp["num"])]
+            tparams = SamplingParams(max_tokens=tp["max_tokens"], temperature=0.0, ignore_eos=True)
+            llm.generate(tprompts[:4], SamplingParams(max_tokens=8), use_tqdm=False)
+            rates = []
+            for _ in range(tp.get("repeats", 3)):
+                t2 = time.monotonic()
+                touts = llm.generate(tprompts, tparams, use_tqdm=False)
+                n_tok = sum(len(o.outputs[0].token_ids) for o in touts)
+                rates.append(n_tok / (time.monotonic() - t2))
+            result["throughput_tok_s"] = rates
         if job.get("flush"):
             # Finished ids reach the worker on the next step: one more request delivers them.
             llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1), use_tqdm=False)
@@ -126,7 +141,8 @@ def main(job_path: str, result_path: str) -> int:
                         if not isinstance(t, torch.Tensor):
                             continue
                         path = os.path.join(job["workdir"], f"{job.get('name', 'job')}-out-{rid}-{name}.npy")
-                        np.save(path, t.numpy(), allow_pickle=False)
+                        np.save(path, t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy(),
+                                allow_pickle=False)
                         files[name] = path
                     result["outputs"][rid] = files
         result["ok"] = True
