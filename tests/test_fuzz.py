@@ -1,7 +1,9 @@
-"""Hostile input: >= 100k malformed or mutated frames at a live sidecar and at the shim's channel.
+"""Hostile input: >= 100k malformed or mutated frames at a live sidecar and at the shim's channel,
+over the socket and through the shared-memory rings.
 
 Every frame must be answered (the sidecar) or turned into a SidecarError (the shim),
-nothing may crash or hang, and a normal exchange must still work afterwards.
+nothing may crash or hang, and a normal exchange must still work afterwards. Garbage
+in a ring's own bookkeeping is answered, counted and costs only that session.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from proto.messages import (
     NewRequest,
     OutputsQuery,
     Ping,
+    Pong,
     StatusQuery,
     StepBegin,
     StepEnd,
@@ -195,4 +198,203 @@ def test_100k_mutated_replies_at_the_shims_channel(tmp_path):
         stop.set()
         thread.join(5)
         channel.close()
+        server.close(0)
+
+
+# -- the shared-memory ring fast path --------------------------------------------------
+
+RING_FRAMES = FRAMES
+
+
+class RingShim:
+    """A hostile shim on the ring: a Hello with rings, then whatever the test writes into them."""
+
+    def __init__(self, endpoint: str, capacity: int = 1 << 20) -> None:
+        from proto.shmring import RingDuplex, ShmRing
+
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.up, self.down = ShmRing.create(capacity), ShmRing.create(capacity)
+        hello = Hello(1, 0, "f", "v", "cpu", 0, 1, "m", 8, "float32", 16, [],
+                      rings=[self.up.info(), self.down.info()])
+        self.sock.send(CODEC.encode(hello))
+        assert self.sock.poll(10_000)
+        welcome = CODEC.decode(self.sock.recv())
+        assert isinstance(welcome, Welcome) and welcome.rings
+        self.duplex = RingDuplex(tx=self.up, rx=self.down)
+
+    def kick(self) -> None:
+        if self.duplex.peer_sleeping():
+            self.sock.send(b"")
+
+    def send(self, frame: bytes) -> None:
+        outcome = self.duplex.send(frame)
+        assert outcome != "full"
+        if outcome == "socket":
+            self.sock.send(frame)
+        self.kick()
+
+    def recv(self, timeout_s: float = 10.0):
+        """The next reply in connection order (an unmarked one too: a sidecar that gave up on the ring)."""
+        import time
+
+        from proto.shmring import EMPTY, RingError
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                msg = self.duplex.recv(CODEC.decode)
+            except RingError:
+                return CODEC.decode(self.duplex.socket_frames.popleft())
+            if msg is not EMPTY:
+                return msg
+            if self.sock.poll(1):
+                frame = self.sock.recv()
+                if frame:
+                    self.duplex.feed_socket(frame)
+        raise AssertionError("the sidecar did not answer a ring message")
+
+    def close(self) -> None:
+        self.duplex.close()
+        self.sock.close(0)
+
+
+def test_100k_mutated_ring_frames_and_garbage_rings_at_a_live_sidecar(sidecar):
+    from proto.messages import StepResult
+    from proto.shmring import HEADER_BYTES
+
+    rng = random.Random(4321)
+    shim = RingShim(sidecar.endpoint)
+    sent = answered = errors = 0
+    while sent < RING_FRAMES:
+        batch = []
+        while len(batch) < 200:
+            frame = mutate(rng, rng.choice(SEEDS))
+            if not is_drain(frame):
+                batch.append(frame)
+        for frame in batch:
+            shim.send(frame)
+        sent += len(batch)
+        for _ in batch:  # one reply per ring message, in order, through the ring or behind a mark
+            reply = shim.recv()
+            answered += 1
+            errors += isinstance(reply, ErrorReply)
+    assert answered == sent and errors > sent // 2
+    shim.send(CODEC.encode(Ping(5)))
+    assert shim.recv() == Pong(5)  # the session survived payload-level garbage
+    shim.close()
+
+    # Garbage in the ring's own bookkeeping: answered, counted, that session dropped.
+    def publish(s: RingShim, length: int, kind: int, write: int = 16) -> None:
+        """A record header, then the write index (in that order: the sidecar polls meanwhile)."""
+        hdr = s.up.arena.raw(HEADER_BYTES, 8).cast("I")
+        hdr[0], hdr[1] = length, kind
+        hdr.release()
+        words = s.up.arena.raw(0, HEADER_BYTES).cast("Q")
+        words[8] = write
+        words.release()
+
+    def write_index(s: RingShim) -> None:
+        publish(s, 1, 1, write=1 << 50)
+
+    def record_kind(s: RingShim) -> None:
+        publish(s, 1, 0xDEAD)
+
+    def record_length(s: RingShim) -> None:
+        publish(s, 1 << 30, 1)
+
+    before = sidecar.status().rejected_frames
+    for scribble in (write_index, record_kind, record_length):
+        shim = RingShim(sidecar.endpoint)
+        scribble(shim)
+        shim.sock.send(b"")  # kick
+        reply = shim.recv()
+        assert isinstance(reply, ErrorReply) and reply.code == "bad_ring", reply
+        shim.close()
+    # Random bytes over the header and the first records: whatever happens, the sidecar lives on.
+    for _ in range(30):
+        shim = RingShim(sidecar.endpoint)
+        shim.up.try_write(mutate(rng, rng.choice(SEEDS)))
+        raw = shim.up.arena.raw(0, HEADER_BYTES + 256)
+        for _ in range(rng.randint(1, 8)):
+            i = rng.randrange(len(raw))
+            raw[i] = rng.randrange(256)
+        raw.release()
+        shim.sock.send(b"")
+        shim.close()
+    assert sidecar.proc.poll() is None
+    status = sidecar.status()
+    assert status.rejected_frames >= before + 3
+    shim = RingShim(sidecar.endpoint)  # a fresh session on fresh rings works
+    shim.send(CODEC.encode(StepEnd(0, BatchLayout(["z"], [0, 1], [0], [1]), [NewRequest("z", 1, [1])], num_tokens=1)))
+    reply = shim.recv()
+    assert isinstance(reply, StepResult) and reply.step == 0 and reply.errors == []
+    shim.close()
+
+
+def test_100k_mutated_ring_replies_at_the_shims_channel(tmp_path):
+    from proto.shmring import EMPTY, RingDuplex, ShmRing
+    from worker_shim.channel import SidecarChannel, SidecarError
+    from worker_shim.config import RingConfig
+
+    endpoint = f"ipc://{tmp_path}/fake-ring.sock"
+    server = zmq.Context.instance().socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    server.bind(endpoint)
+    rng = random.Random(77)
+    good = CODEC.encode(StepPlan(step=0, overlays=[Overlay(0, TensorRef(0, 0, 4, [1, 1], "float32"))]))
+    replies = [CODEC.encode(m) for m in (StepPlan(step=1), Welcome(1, 0, "x", "y", HookNeeds(), 1),
+                                         ErrorReply("x", "y"))] + [good]
+    channel = SidecarChannel(endpoint, step_timeout_s=0.5, ring=RingConfig(spin_us=200, sleep_ms=1))
+    hello = Hello(1, 0, "f", "v", "cpu", 0, 1, "m", 8, "float32", 16, [])
+    channel.send(hello)
+    assert server.poll(5000)
+    ident, frame = server.recv_multipart()
+    offered = CODEC.decode(frame).rings
+    duplex = RingDuplex(tx=ShmRing.attach(offered[1]), rx=ShmRing.attach(offered[0]))
+    server.send_multipart([ident, CODEC.encode(Welcome(1, 0, "x", "y", HookNeeds(), 1, rings=True))])
+    assert channel.poll_welcome(hello, 5000) is not None and channel.ring_active
+    stop = threading.Event()
+    mode = {"fuzz": True}
+
+    def serve() -> None:
+        while not stop.is_set():
+            if duplex.recv(bytes) is EMPTY:
+                duplex.rx.set_sleeping(True)  # the channel kicks us
+                if duplex.rx.poll() is None and server.poll(5):
+                    server.recv_multipart()
+                duplex.rx.set_sleeping(False)
+                continue
+            reply = mutate(rng, rng.choice(replies)) if mode["fuzz"] else CODEC.encode(StepPlan(step=7))
+            if duplex.send(reply) == "socket":
+                server.send_multipart([ident, reply])
+            elif duplex.peer_sleeping():
+                server.send_multipart([ident, b""])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    msg = StepBegin(0, BatchLayout(["a"], [0, 1], [0], [1]))
+    outcomes = {"plan": 0, "error": 0}
+    try:
+        for _ in range(RING_FRAMES):
+            try:
+                assert isinstance(channel.call(msg, StepPlan), StepPlan)
+                outcomes["plan"] += 1
+            except SidecarError:
+                outcomes["error"] += 1
+        assert sum(outcomes.values()) == RING_FRAMES and outcomes["error"] > RING_FRAMES // 2
+        mode["fuzz"] = False
+        for _ in range(3):  # late replies to timed-out calls may still be queued
+            try:
+                channel.take_results()
+                channel.call(msg, StepPlan)
+            except SidecarError:
+                continue
+        assert channel.call(msg, StepPlan) == StepPlan(step=7)
+    finally:
+        stop.set()
+        thread.join(5)
+        channel.close()
+        duplex.close()
         server.close(0)
