@@ -1,12 +1,14 @@
 """`make bench`: every figure in BENCHMARKS.md from one run on this machine.
 
-(a) per-step exchange p50/p99 for 1, 64, 256 requests: shim channel <-> sidecar vs raw
-    pyzmq REQ/REP of the same bytes (ratio);
+(a) per-step exchange p50/p99 for 1, 64, 256 requests: shim channel <-> sidecar over the
+    shared-memory ring and over ZeroMQ only, vs raw pyzmq REQ/REP of the same bytes (ratios);
 (b) decode throughput of the tiny model: plain V2 vs shim + passthrough vs shim + omni
     hooks (ratios), configurations interleaved;
 (c) tensor handoff cost per MiB through the CPU shared-memory arena;
 (d) sidecar cold start to ready.
-Writes BENCHMARKS.md and PNG latency histograms (into --out, default bench-results/).
+Writes BENCHMARKS.md and PNG latency histograms (into --out, default docs/bench/).
+`--only exchange` (or handoff, cold_start, throughput; comma-separated) runs just those parts
+and prints them, without rewriting BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -31,13 +33,19 @@ from bench.exchange import interleaved, percentiles  # noqa: E402
 def exchange(run_dir: Path, iters: int) -> tuple[list[dict], dict]:
     rows, samples = [], {}
     for n in (1, 64, 256):
-        raw, side = interleaved(n, iters, run_dir)
-        r, s = percentiles(raw), percentiles(side)
-        rows.append({"requests": n, "raw_p50": r["p50"], "raw_p99": r["p99"], "sidecar_p50": s["p50"],
-                     "sidecar_p99": s["p99"], "ratio_p50": s["p50"] / r["p50"], "iters": iters})
-        samples[n] = (raw, side)
-        print(f"(a) {n:>3} requests: sidecar p50 {s['p50']:.1f} us p99 {s['p99']:.1f} us | raw pyzmq "
-              f"p50 {r['p50']:.1f} us p99 {r['p99']:.1f} us | ratio p50 {s['p50'] / r['p50']:.2f}", flush=True)
+        runs = interleaved(n, iters, run_dir)
+        p = {name: percentiles(v) for name, v in runs.items()}
+        raw, ring, zmq_ = p["raw"], p["ring"], p["zmq"]
+        rows.append({"requests": n, "raw_p50": raw["p50"], "raw_p99": raw["p99"],
+                     "ring_p50": ring["p50"], "ring_p99": ring["p99"],
+                     "zmq_p50": zmq_["p50"], "zmq_p99": zmq_["p99"],
+                     "ratio_p50": ring["p50"] / raw["p50"], "zmq_ratio_p50": zmq_["p50"] / raw["p50"],
+                     "iters": iters})
+        samples[n] = runs
+        print(f"(a) {n:>3} requests: sidecar(ring) p50 {ring['p50']:.1f} us p99 {ring['p99']:.1f} us | "
+              f"sidecar(zmq) p50 {zmq_['p50']:.1f} us p99 {zmq_['p99']:.1f} us | raw pyzmq p50 "
+              f"{raw['p50']:.1f} us p99 {raw['p99']:.1f} us | p50 ratio ring/raw {ring['p50'] / raw['p50']:.2f}, "
+              f"zmq/raw {zmq_['p50'] / raw['p50']:.2f}", flush=True)
     return rows, samples
 
 
@@ -139,11 +147,13 @@ def plot(samples: dict, out: Path) -> list[str]:
         return []
     names = []
     fig, axes = plt.subplots(1, len(samples), figsize=(5 * len(samples), 3.6))
-    for ax, (n, (raw, side)) in zip(axes, samples.items()):
-        hi = sorted(raw + side)[int(0.995 * (len(raw) + len(side)) - 1)] * 1e6
+    labels = {"raw": "raw pyzmq REQ/REP", "zmq": "shim <-> sidecar, ZeroMQ", "ring": "shim <-> sidecar, ring"}
+    for ax, (n, runs) in zip(axes, samples.items()):
+        both = runs["raw"] + runs["zmq"]
+        hi = sorted(both)[int(0.995 * len(both) - 1)] * 1e6
         bins = [hi * i / 60 for i in range(61)]
-        ax.hist([x * 1e6 for x in raw], bins=bins, alpha=0.6, label="raw pyzmq REQ/REP")
-        ax.hist([x * 1e6 for x in side], bins=bins, alpha=0.6, label="shim <-> sidecar")
+        for name in ("raw", "zmq", "ring"):
+            ax.hist([x * 1e6 for x in runs[name]], bins=bins, alpha=0.55, label=labels[name])
         ax.set_title(f"{n} request(s) per step")
         ax.set_xlabel("round trip (us)")
         ax.legend()
@@ -181,18 +191,23 @@ def write_markdown(path: Path, res: dict, plots: list[str], out: Path) -> None:
         f"(libzmq {v['libzmq']}), msgspec {v['msgspec']}. The VM's timings drift with host load; "
         "ratios are what to read.", "",
         "## (a) Per-step exchange (blocking StepBegin -> StepPlan round trip)", "",
-        "Shim's `SidecarChannel` to a real `omni-sidecar serve --hooks overlay` process vs raw pyzmq "
-        "REQ/REP of the same bytes (same client-side msgspec encode + decode; the raw server only echoes "
-        "pre-encoded bytes). Steady-state step: request ids omitted because unchanged. Both servers run "
-        "at once and are measured in alternating blocks of 250 round trips. On this VM the raw "
-        "baseline is bimodal across runs (a ~35 us and a ~65 us mode), so compare ratios over "
+        "Shim's `SidecarChannel` to a real `omni-sidecar serve --hooks overlay` process, with the "
+        "shared-memory rings negotiated (default) and with rings off (`OMNI_SIDECAR_RING=0`: ZeroMQ "
+        "only), vs raw pyzmq REQ/REP of the same bytes (same client-side msgspec encode + decode; the "
+        "raw server only echoes pre-encoded bytes). Steady-state step: request ids omitted because "
+        "unchanged. All three servers run at once and are measured in alternating blocks of 250 round "
+        "trips. Back-to-back steps land inside the sidecar's spin window (`--ring-spin-us`, default "
+        "2 ms); steps further apart pay a kick and a wake-up, about what ZeroMQ pays. On this VM the "
+        "raw baseline is bimodal across runs (a ~35 us and a ~65 us mode), so compare ratios over "
         "several runs.", "",
-        "| requests | sidecar p50 (us) | sidecar p99 (us) | raw p50 (us) | raw p99 (us) | p50 ratio |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| requests | sidecar ring p50 (us) | ring p99 (us) | sidecar ZeroMQ p50 (us) | ZeroMQ p99 (us) "
+        "| raw p50 (us) | raw p99 (us) | ring / raw p50 | ZeroMQ / raw p50 |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["exchange"]:
-        lines.append(f"| {r['requests']} | {r['sidecar_p50']:.1f} | {r['sidecar_p99']:.1f} | {r['raw_p50']:.1f} "
-                     f"| {r['raw_p99']:.1f} | **{r['ratio_p50']:.2f}** |")
+        lines.append(f"| {r['requests']} | {r['ring_p50']:.1f} | {r['ring_p99']:.1f} | {r['zmq_p50']:.1f} "
+                     f"| {r['zmq_p99']:.1f} | {r['raw_p50']:.1f} | {r['raw_p99']:.1f} "
+                     f"| **{r['ratio_p50']:.2f}** | {r['zmq_ratio_p50']:.2f} |")
     t = res["throughput"]
     m = t["median_tok_s"]
     rel = os.path.relpath(out, path.parent)
@@ -221,27 +236,45 @@ def write_markdown(path: Path, res: dict, plots: list[str], out: Path) -> None:
     path.write_text("\n".join(lines))
 
 
+PARTS = ("exchange", "handoff", "cold_start", "throughput")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(ROOT / "docs" / "bench"))
     p.add_argument("--iters", type=int, default=3000, help="round trips per exchange measurement")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the throughput runs")
     p.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"))
+    p.add_argument("--only", default="", metavar="PART[,PART]",
+                   help=f"run only these parts ({', '.join(PARTS)}) and print them; BENCHMARKS.md is "
+                   "written only by a full run")
     args = p.parse_args()
+    only = [part for part in args.only.split(",") if part]
+    unknown = set(only) - set(PARTS)
+    if unknown:
+        p.error(f"--only: unknown part(s) {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    parts = only or list(PARTS)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="omni-bench-"))
-    from omni_sidecar.testing import build_tiny_llama
-
-    model = str(build_tiny_llama(ROOT / ".cache" / "tiny-llama"))
     res = {"date": time.strftime("%Y-%m-%d"), "versions": versions()}
-    res["exchange"], samples = exchange(run_dir, args.iters)
-    res["handoff"] = handoff()
-    res["cold_start"] = cold_start(run_dir)
-    res["throughput"] = throughput(run_dir, model, args.rounds)
-    t = res["throughput"]
-    print(f"(b) median tok/s: {t['median_tok_s']}; passthrough/plain {t['ratio_passthrough']:.3f}, "
-          f"omni/plain {t['ratio_omni']:.3f}", flush=True)
+    samples: dict = {}
+    if "exchange" in parts:
+        res["exchange"], samples = exchange(run_dir, args.iters)
+    if "handoff" in parts:
+        res["handoff"] = handoff()
+    if "cold_start" in parts:
+        res["cold_start"] = cold_start(run_dir)
+    if "throughput" in parts:
+        from omni_sidecar.testing import build_tiny_llama
+
+        model = str(build_tiny_llama(ROOT / ".cache" / "tiny-llama"))
+        res["throughput"] = throughput(run_dir, model, args.rounds)
+        t = res["throughput"]
+        print(f"(b) median tok/s: {t['median_tok_s']}; passthrough/plain {t['ratio_passthrough']:.3f}, "
+              f"omni/plain {t['ratio_omni']:.3f}", flush=True)
+    if only:
+        return
+    out.mkdir(parents=True, exist_ok=True)
     plots = plot(samples, out)
     (out / "results.json").write_text(json.dumps(res, indent=2))
     write_markdown(Path(args.markdown), res, plots, out)

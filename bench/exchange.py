@@ -1,10 +1,13 @@
 """Per-step exchange latency: shim channel <-> sidecar vs raw pyzmq REQ/REP of the same bytes.
 
-Both servers run in their own process. The client measures round trips of a
+Every server runs in its own process. The client measures round trips of a
 StepBegin for N requests (what the shim sends on a step that needs the sidecar
-before the forward) and the StepPlan answer. The raw baseline sends the same
-encoded bytes over REQ/REP to a server that answers with pre-encoded StepPlan
-bytes, and pays the same client-side msgspec encode + decode.
+before the forward) and the StepPlan answer, through the shim's real
+SidecarChannel to a real `omni-sidecar serve`: once with the shared-memory rings
+negotiated (the default), once with rings off (ZeroMQ only, OMNI_SIDECAR_RING=0).
+The raw baseline sends the same encoded bytes over REQ/REP to a server that
+answers with pre-encoded StepPlan bytes, and pays the same client-side msgspec
+encode + decode.
 """
 
 from __future__ import annotations
@@ -79,22 +82,28 @@ class RawClient:
 class SidecarClientBench:
     """The shim's SidecarChannel against a real `omni-sidecar serve --hooks overlay`."""
 
-    def __init__(self, num_reqs: int, run_dir: Path) -> None:
+    def __init__(self, num_reqs: int, run_dir: Path, ring: bool = True) -> None:
+        from omni_sidecar.client import wait_ready
         from proto.arena import ShmArena
         from proto.messages import Hello
         from worker_shim.channel import SidecarChannel
+        from worker_shim.config import RingConfig
 
-        endpoint = f"ipc://{run_dir}/sidecar-{num_reqs}.sock"
+        endpoint = f"ipc://{run_dir}/sidecar-{num_reqs}-{'ring' if ring else 'zmq'}.sock"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", endpoint, "--hooks", "overlay",
              "--log-level", "WARNING"],
             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
+        wait_ready(endpoint, 60, self.proc)
         self.arena = ShmArena.create(1 << 20)
-        self.channel = SidecarChannel(endpoint, step_timeout_s=30)
+        self.channel = SidecarChannel(endpoint, step_timeout_s=30, ring=RingConfig.from_env() if ring else
+                                      RingConfig(enabled=False))
         self.channel.handshake(
             Hello(1, 0, "bench", "none", "cpu", 0, 1, "bench", 128, "float32", 256, [self.arena.info()]), 30
         )
+        if ring and not self.channel.ring_active:
+            raise RuntimeError("the sidecar did not accept the shared-memory rings")
         self.channel.call(step_message(num_reqs), StepPlan)  # names the requests once
         self.msg = step_message(num_reqs, same_ids=True)
 
@@ -108,22 +117,27 @@ class SidecarClientBench:
         self.proc.wait(15)
 
 
-def interleaved(num_reqs: int, iters: int, run_dir: Path, block: int = 250) -> tuple[list[float], list[float]]:
-    """Both paths alive at once, measured in alternating blocks so host drift hits both alike."""
-    raw, side = RawClient(num_reqs, run_dir), SidecarClientBench(num_reqs, run_dir)
-    raw_s: list[float] = []
-    side_s: list[float] = []
+PATHS = ("raw", "ring", "zmq")
+
+
+def interleaved(num_reqs: int, iters: int, run_dir: Path, block: int = 250) -> dict[str, list[float]]:
+    """All three paths alive at once, measured in alternating blocks so host drift hits them alike."""
+    clients = {"raw": RawClient(num_reqs, run_dir), "ring": SidecarClientBench(num_reqs, run_dir, ring=True),
+               "zmq": SidecarClientBench(num_reqs, run_dir, ring=False)}
+    samples: dict[str, list[float]] = {name: [] for name in clients}
     try:
-        for client in (raw, side):  # warm-up
+        for client in clients.values():  # warm-up
             for _ in range(200):
                 client.round_trip()
-        while len(raw_s) < iters:
-            for client, out in ((raw, raw_s), (side, side_s)):
+        while len(samples["raw"]) < iters:
+            for name, client in clients.items():
+                out = samples[name]
+                time.sleep(0.01)  # past the ring sidecar's spin window: it must not compete with others' blocks
                 for _ in range(block):
                     t0 = time.perf_counter()
                     client.round_trip()
                     out.append(time.perf_counter() - t0)
     finally:
-        raw.close()
-        side.close()
-    return raw_s, side_s
+        for client in clients.values():
+            client.close()
+    return samples
