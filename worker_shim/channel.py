@@ -46,8 +46,6 @@ class SidecarError(RuntimeError):
 
 def _apply_curve_client(sock: zmq.Socket, keys_dir: str) -> None:
     """tcp:// only: our `client.key_secret` and the sidecar's public `server.key`."""
-    import os
-
     import zmq.auth
 
     pub, sec = zmq.auth.load_certificate(os.path.join(keys_dir, "client.key_secret"))
@@ -121,6 +119,8 @@ class SidecarChannel:
         if offer is not None:
             if reply.rings:
                 self.duplex = RingDuplex(tx=offer[0], rx=offer[1])
+                log.info("omni-sidecar session %d: step messages over shared-memory rings (%d KiB each way)",
+                         reply.session, self.ring_config.capacity_kib)
             else:  # an older sidecar, or one started with rings off: ZeroMQ only
                 for ring in offer:
                     ring.close()
@@ -301,6 +301,8 @@ class SidecarChannel:
                 raise self._timeout(timeout_s)
             if duplex.waiting_for_socket:  # a MARK: its frame is on the socket, on its way
                 self._pull_socket(max(1, min(50, int((deadline - now) * 1000))))
+                if not duplex.socket_frames and self.peer_gone():
+                    raise SidecarError(f"omni-sidecar at {self.endpoint} closed the connection")
                 continue
             if now < spin_until:
                 os.sched_yield()

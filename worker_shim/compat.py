@@ -35,7 +35,8 @@ OPTIONAL_NAMES: list[tuple[str, str]] = [
     ("vllm.v1.sample.ops.topk_topp_sampler", "HAS_TRITON"),
 ]
 # Attributes of live objects, checked on the instances once they exist.
-RUNNER_ATTRS = ["model_state", "model", "execute_model_state", "req_states", "vllm_config", "max_num_tokens"]
+RUNNER_INIT_ATTRS = ["vllm_config", "max_num_tokens"]  # before load_model
+RUNNER_ATTRS = ["model_state", "model", "execute_model_state", "req_states", *RUNNER_INIT_ATTRS]
 MODEL_STATE_METHODS = ["prepare_inputs", "prepare_dummy_inputs"]
 INPUT_BATCH_FIELDS = [
     "req_ids",

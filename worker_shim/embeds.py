@@ -36,3 +36,24 @@ def wanted(setting: str, pre_forward: str, multimodal: bool) -> bool:
     if setting == "off" or multimodal:
         return False
     return setting == "on" or pre_forward != "never"
+
+
+GRAPH_KEY = "omni_sidecar_model_inputs"
+
+
+def mark_compiled_graph(vllm_config: Any) -> None:
+    """Give graphs that read the embeds buffer their own torch.compile cache entry.
+
+    vLLM caches compiled graphs (AOT artifacts, Inductor) under a hash of the
+    config. A graph compiled by a plain run takes input_ids and ignores
+    inputs_embeds; loaded from that cache, overlay rows would silently have no
+    effect (seen on the H200). `additional_config` is vLLM's documented way to
+    add out-of-tree factors to that hash; only this worker's copy changes.
+    """
+    extra = vllm_config.additional_config
+    if not isinstance(extra, dict):
+        raise RuntimeError(
+            "omni-sidecar needs additional_config to be a dict to key its compiled graphs "
+            f"(got {type(extra).__name__}); or set omni_sidecar embeds_buffer=off and enforce_eager"
+        )
+    extra[GRAPH_KEY] = "inputs_embeds"

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker_shim.compat import MODEL_STATE_METHODS, RUNNER_ATTRS, check_instance
+from worker_shim.compat import MODEL_STATE_METHODS, RUNNER_ATTRS, RUNNER_INIT_ATTRS, check_instance
 from worker_shim.embeds import EmbedsBuffer
+from worker_shim.embeds import mark_compiled_graph
 from worker_shim.embeds import wanted as embeds_wanted
 from worker_shim.link import SidecarLink, model_device
 from worker_shim.tp import TensorParallelSync
@@ -61,22 +62,22 @@ class SidecarRunnerMixin:
         return out
 
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
+        check_instance(self, RUNNER_INIT_ATTRS, "GPUModelRunner")
+        link = self.omni_link
+        use_embeds = embeds_wanted(link.embeds_setting, link.needs.pre_forward,
+                                   bool(getattr(self, "supports_mm_inputs", False)))
+        if use_embeds:
+            mark_compiled_graph(self.vllm_config)
         out = _up(self).load_model(*args, **kwargs)  # type: ignore[misc]
         check_instance(self, RUNNER_ATTRS, "GPUModelRunner")
         check_instance(self.model_state, MODEL_STATE_METHODS, "model_state")
         swap_class(self.model_state, SidecarModelStateMixin)
         self.model_state.omni_runner = self
-        self.omni_embeds = self._omni_embeds_buffer()
+        if use_embeds:
+            mcfg = self.vllm_config.model_config
+            self.omni_embeds = EmbedsBuffer(int(self.max_num_tokens), int(mcfg.get_hidden_size()),
+                                            mcfg.dtype, model_device(self.model))
         return out
-
-    def _omni_embeds_buffer(self) -> EmbedsBuffer | None:
-        link = self.omni_link
-        if not embeds_wanted(link.embeds_setting, link.needs.pre_forward,
-                             bool(getattr(self, "supports_mm_inputs", False))):
-            return None
-        mcfg = self.vllm_config.model_config
-        return EmbedsBuffer(int(self.max_num_tokens), int(mcfg.get_hidden_size()), mcfg.dtype,
-                            model_device(self.model))
 
 
 class SidecarModelStateMixin:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -280,6 +281,10 @@ def main() -> None:
                "wall_s": round(time.monotonic() - t0, 1), "results": results,
                "all_ok": all(r["ok"] for r in results)}
     (out / "results.json").write_text(json.dumps(summary, indent=1))
+    logs = out / "logs"
+    logs.mkdir(exist_ok=True)
+    for f in work.glob("*.log"):
+        shutil.copy(f, logs / f.name)
     print(f"ALL {'PASS' if summary['all_ok'] else 'FAIL'} in {summary['wall_s']} s on {summary['gpus']}", flush=True)
 
 
