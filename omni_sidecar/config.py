@@ -30,7 +30,8 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     drain_timeout_s: float = 10.0
     allow_uids: list[int] = []
     curve_keys: str = ""
-    # Shared-memory rings for per-step messages (omni_sidecar/server.py docstring).
+    # Shared-memory rings for per-step messages (omni_sidecar/server.py docstring). The env
+    # names (OMNI_SIDECAR_RING, _RING_SPIN_US, _RING_SLEEP_MS) are the shim's too, like ENDPOINT.
     ring: bool = True
     ring_spin_us: int = 2000
     ring_sleep_ms: int = 2

@@ -45,7 +45,6 @@ from omni_sidecar.store import FinishedOutputs
 from omni_sidecar.tensors import tensor_to_bytes
 from proto.codec import Codec, FrameError
 from proto.endpoint import check_endpoint, ipc_path
-from proto.shmring import RingError
 from proto.messages import (
     Drain,
     Drained,
@@ -70,6 +69,7 @@ from proto.messages import (
     TensorBlob,
     Welcome,
 )
+from proto.shmring import RingError
 from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR, PROTOCOL_VERSION
 
 log = logging.getLogger("omni_sidecar.server")

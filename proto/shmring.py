@@ -193,7 +193,7 @@ class ShmRing:
     def _peer_read_index(self) -> int:
         read = int(self._words[_READ])
         if read < self._peer_read or read > self._write or read % 8:
-            raise self._fail(f"consumer's read index {read} is outside [{self._peer_read}, {self._write}]")
+            raise self.fail(f"consumer's read index {read} is outside [{self._peer_read}, {self._write}]")
         self._peer_read = read
         return read
 
@@ -212,26 +212,26 @@ class ShmRing:
             if write == read:
                 return None
             if write < read or write - read > self.capacity or write % 8:
-                raise self._fail(f"producer's write index {write} is outside [{read}, {read + self.capacity}]")
+                raise self.fail(f"producer's write index {write} is outside [{read}, {read + self.capacity}]")
             pos = read % self.capacity
             i = pos >> 2
             length, kind = int(self._hdr[i]), int(self._hdr[i + 1])
             tail = self.capacity - pos
             if kind == PAD:
                 if length != tail - REC_HEADER or write - read < tail:
-                    raise self._fail(f"pad record of {length} bytes at {pos} does not end the ring")
+                    raise self.fail(f"pad record of {length} bytes at {pos} does not end the ring")
                 self._advance(tail)
                 continue
             if kind == MARK:
                 if length != 0:
-                    raise self._fail(f"mark record with length {length}")
+                    raise self.fail(f"mark record with length {length}")
                 self._polled = REC_HEADER
                 return MARK, None
             if kind != MSG:
-                raise self._fail(f"unknown record kind {kind} at {pos}")
+                raise self.fail(f"unknown record kind {kind} at {pos}")
             total = REC_HEADER + _align8(length)
             if length > self.max_record or total > tail or total > write - read:
-                raise self._fail(f"record of {length} bytes at {pos} exceeds the published data")
+                raise self.fail(f"record of {length} bytes at {pos} exceeds the published data")
             start = pos + REC_HEADER
             self._polled = total
             self._view = self._data[start : start + length]
@@ -240,7 +240,10 @@ class ShmRing:
     def consume(self) -> None:
         """Done with the record `poll` returned: the producer may reuse its bytes."""
         if self._view is not None:
-            self._view.release()
+            try:
+                self._view.release()
+            except BufferError:  # a decoder kept a view of it; the mapping outlives it anyway
+                pass
             self._view = None
         if self._polled:
             self._advance(self._polled)
@@ -253,7 +256,8 @@ class ShmRing:
         self._read += nbytes
         self._words[_READ] = self._read
 
-    def _fail(self, what: str) -> RingError:
+    def fail(self, what: str) -> RingError:
+        """Mark the ring unusable (no resynchronising on garbage) and return the error to raise."""
         self.broken = f"shared-memory ring {self.arena.name}: {what}"
         return RingError(self.broken)
 
@@ -300,7 +304,7 @@ class RingDuplex:
         if rec is None:
             self.waiting_for_socket = False
             if self.socket_frames:
-                raise self.rx._fail("a message arrived on the socket without its ring mark")
+                raise self.rx.fail("a message arrived on the socket without its ring mark")
             return EMPTY
         kind, view = rec
         if kind == MARK:
