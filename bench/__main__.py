@@ -54,7 +54,7 @@ def _start_sidecar(endpoint: str, hooks: str) -> subprocess.Popen:
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", endpoint, "--hooks", hooks,
-         "--log-level", "WARNING"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+         "--log-level", "WARNING"], cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
     )
     wait_ready(endpoint, 60, proc)
     return proc
@@ -73,7 +73,7 @@ def throughput(run_dir: Path, model: str, rounds: int) -> dict:
                 sidecar = _start_sidecar(endpoint, hooks)
                 cmd.append(endpoint)
             try:
-                out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
                                      capture_output=True, text=True, timeout=900)
             finally:
                 if sidecar is not None:

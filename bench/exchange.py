@@ -51,7 +51,7 @@ def raw_server(endpoint: str, reply_hex: str) -> None:
 
 
 def _spawn(code: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env)
 
 
@@ -93,7 +93,7 @@ class SidecarClientBench:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", endpoint, "--hooks", "overlay",
              "--log-level", "WARNING"],
-            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
         )
         wait_ready(endpoint, 60, self.proc)
         self.arena = ShmArena.create(1 << 20)
