@@ -1,0 +1,77 @@
+"""Package boundaries and the shim's small pure pieces (no vLLM engine needed)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _imports(package: str) -> set[str]:
+    names: set[str] = set()
+    for path in (ROOT / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package, forbidden", [
+    ("proto", {"vllm", "torch", "worker_shim", "omni_sidecar", "omni_arena"}),
+    ("omni_sidecar", {"vllm", "worker_shim"}),
+    ("omni_arena", {"vllm", "worker_shim", "omni_sidecar"}),
+])
+def test_import_direction(package, forbidden):
+    found = _imports(package)
+    assert found, "the scan found no imports at all"
+    assert not (found & forbidden), f"{package} imports {sorted(found & forbidden)}"
+
+
+def test_the_import_scan_sees_vllm_where_it_is():
+    assert "vllm" in _imports("worker_shim")
+
+
+def test_embeds_buffer_is_on_only_when_hooks_can_overlay():
+    from worker_shim.embeds import wanted
+
+    assert wanted("auto", "prefill", False) and wanted("auto", "always", False)
+    assert not wanted("auto", "never", False)
+    assert not wanted("auto", "prefill", True)  # multimodal models: upstream owns their embeds
+    assert wanted("on", "never", False) and not wanted("off", "always", False)
+
+
+def test_graphs_reading_the_embeds_buffer_get_their_own_compile_cache_key():
+    from worker_shim.embeds import GRAPH_KEY, mark_compiled_graph
+
+    cfg = SimpleNamespace(additional_config={"omni_sidecar": {"endpoint": "ipc:///x"}})
+    mark_compiled_graph(cfg)
+    assert cfg.additional_config[GRAPH_KEY] == "inputs_embeds"
+    assert cfg.additional_config["omni_sidecar"] == {"endpoint": "ipc:///x"}
+    with pytest.raises(RuntimeError, match="additional_config"):
+        mark_compiled_graph(SimpleNamespace(additional_config=object()))
+
+
+def test_shim_config_checks_arena_and_embeds_settings(monkeypatch):
+    from worker_shim.config import ShimConfig
+
+    vcfg = SimpleNamespace(additional_config={"omni_sidecar": {"arena": "shm", "embeds_buffer": "on"}})
+    cfg = ShimConfig.from_vllm(vcfg)
+    assert (cfg.arena, cfg.embeds_buffer) == ("shm", "on")
+    monkeypatch.setenv("OMNI_SIDECAR_ARENA", "nvlink")
+    with pytest.raises(ValueError, match="auto, shm, cuda_ipc"):
+        ShimConfig.from_vllm(SimpleNamespace(additional_config={}))
+
+
+def test_cuda_ipc_is_not_chosen_without_cuda():
+    import torch
+
+    from omni_arena.cuda_ipc import check_torch, cuda_ipc_available
+
+    check_torch()  # this torch has every name the arena uses
+    assert not cuda_ipc_available(torch.device("cpu"))
