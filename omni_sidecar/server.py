@@ -11,7 +11,10 @@ sched_yield, so it gives the CPU away) for `ring_spin_us`, then raises each
 ring's "sleeping" flag and blocks on the socket for at most `ring_sleep_ms`; a
 shim that writes into a ring while the flag is up sends an empty "kick" frame.
 The bounded sleep covers kicks lost to the missing store-load fence and keeps
-signals, drains and heartbeats as prompt as before. Garbage in a ring is
+signals, drains and heartbeats as prompt as before. After RING_IDLE_S without any
+traffic the sleeps stretch to RING_IDLE_SLEEP_MS, so an idle sidecar (or one whose
+shims went away: sessions are not reaped on disconnect) does not wake 500 times a
+second; a kick lost right then (a race of nanoseconds) costs that much once. Garbage in a ring is
 answered and counted like a bad frame; the session is then dropped (a broken
 ring cannot be resynchronised) and other sessions are unaffected.
 """
@@ -73,6 +76,8 @@ from proto.shmring import RingError
 from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR, PROTOCOL_VERSION
 
 log = logging.getLogger("omni_sidecar.server")
+RING_IDLE_S = 1.0
+RING_IDLE_SLEEP_MS = 50
 
 
 class SidecarServer:
@@ -325,7 +330,8 @@ class SidecarServer:
             if self._pump_rings():  # written before the writer could see our flags
                 self._ring_busy_at = time.monotonic()
                 return
-            if sock.poll(self.ring_sleep_ms):
+            idle = now - self._ring_busy_at > RING_IDLE_S
+            if sock.poll(max(self.ring_sleep_ms, RING_IDLE_SLEEP_MS) if idle else self.ring_sleep_ms):
                 self._serve(self._recv_frames())  # a kick, or control traffic
         finally:
             for link in links:
