@@ -95,10 +95,10 @@ def status_of(res: dict) -> dict:
 
 
 def check_identity(model: str, work: Path, gpus: str) -> dict:
-    c = Check("identity: shim + pass-through == plain V2 (bf16, CUDA graphs), decode throughput")
-    tput = {"num": 64, "prompt_len": 16, "max_tokens": 256, "repeats": 3}
-    common = {"model": model, "prompts": token_prompts(), "max_tokens": 24, "llm_kwargs": GRAPHS,
-              "throughput": tput}
+    # Throughput is measured by `python -m bench.gpu` (engines side by side), not here: these lanes
+    # share the host with other engines' start-up.
+    c = Check("identity: shim + pass-through == plain V2 (bf16, CUDA graphs)")
+    common = {"model": model, "prompts": token_prompts(), "max_tokens": 24, "llm_kwargs": GRAPHS}
     plain = engine(common, work, "plain", gpus, c)
     sc = sidecar(work, "pass", "passthrough", gpus)
     try:
@@ -112,9 +112,6 @@ def check_identity(model: str, work: Path, gpus: str) -> dict:
         log = open(shim["log_path"]).read()
         c.figures.update(
             identical=f"{same}/{len(plain['tokens'])}",
-            plain_tok_s=[round(x) for x in plain["throughput_tok_s"]],
-            shim_tok_s=[round(x) for x in shim["throughput_tok_s"]],
-            ratio=round(max(shim["throughput_tok_s"]) / max(plain["throughput_tok_s"]), 4),
             steps=stats["steps"], blocking_exchanges=stats["blocking_exchanges"],
             arena=stats.get("arena_kind"), post_us_p50=round(stats.get("post_us_p50", 0), 1),
         )
