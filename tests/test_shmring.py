@@ -455,6 +455,20 @@ def test_rings_off_on_either_side_keeps_everything_on_zeromq(tmp_path, side):
         sidecar.stop()
 
 
+def test_no_rings_offered_where_store_order_is_not_x86s(fake, monkeypatch):
+    import platform
+
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    channel = SidecarChannel(fake.endpoint, 5, ring=RingConfig())
+    try:
+        channel.send(HELLO)
+        assert fake.sock.poll(5000)
+        _, frame = fake.sock.recv_multipart()
+        assert CODEC.decode(frame).rings == [] and _ring_names() == set()
+    finally:
+        channel.close()
+
+
 def test_ring_env_knobs():
     assert not RingConfig.from_env({"OMNI_SIDECAR_RING": "0"}).enabled
     cfg = RingConfig.from_env({"OMNI_SIDECAR_RING_SPIN_US": "50", "OMNI_SIDECAR_RING_SLEEP_MS": "3"})

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import time
 
 import msgspec
@@ -35,6 +36,7 @@ from worker_shim.config import RingConfig
 log = logging.getLogger("vllm.omni_sidecar.shim.channel")
 RING_MESSAGES = (StepBegin, StepEnd)  # what travels in the ring; everything else is control
 FULL_RING_WAIT_S = 0.0002
+TSO_MACHINES = ("x86_64", "amd64")  # where the rings' store order holds without fences
 
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
@@ -129,6 +131,10 @@ class SidecarChannel:
     def _offer_rings(self, hello: Hello) -> Hello:
         """Create this connection's two rings and name them in the Hello (fresh ones per Hello)."""
         if not self.ring_config.enabled or self.duplex is not None:
+            return hello
+        if platform.machine().lower() not in TSO_MACHINES:
+            log.warning("no shared-memory rings on %s: their unfenced publication relies on x86-64 store "
+                        "order (proto/shmring.py); step messages go over ZeroMQ", platform.machine())
             return hello
         self._close_offer()
         size = self.ring_config.capacity_kib << 10
