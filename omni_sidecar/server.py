@@ -72,6 +72,7 @@ from proto.messages import (
     TensorBlob,
     Welcome,
 )
+from proto.arena import sweep_stale
 from proto.shmring import RingError
 from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR, PROTOCOL_VERSION
 
@@ -139,6 +140,9 @@ class SidecarServer:
     # -- lifecycle -----------------------------------------------------------
 
     def bind(self) -> None:
+        stale = sweep_stale()
+        if stale:
+            log.info("removed %d stale arena(s) left in /dev/shm by dead processes", len(stale))
         path = ipc_path(self.endpoint)
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)

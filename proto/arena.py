@@ -116,6 +116,38 @@ class ShmArena:
             pass
 
 
+_STALE_RE = re.compile(r"^omni-[A-Za-z0-9.-]*?-(\d+)-[0-9a-f]{12}$")
+
+
+def sweep_stale(shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove our arenas whose creator died before the peer mapped them.
+
+    Names carry the creator's pid; the peer unlinks a name once mapped, so what
+    is left with a dead creator is garbage (e.g. a reconnect attempt pending
+    when vLLM exited). Only files of our own uid are touched.
+    """
+    removed = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for name in names:
+        m = _STALE_RE.match(name)
+        if m is None:
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            _unlink_quietly(path)
+            removed.append(name)
+        except OSError:
+            continue  # alive under another uid (EPERM), or gone meanwhile
+    return removed
+
+
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)

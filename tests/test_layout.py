@@ -63,6 +63,9 @@ def test_shim_config_checks_arena_and_embeds_settings(monkeypatch):
     vcfg = SimpleNamespace(additional_config={"omni_sidecar": {"arena": "shm", "embeds_buffer": "on"}})
     cfg = ShimConfig.from_vllm(vcfg)
     assert (cfg.arena, cfg.embeds_buffer) == ("shm", "on")
+    assert cfg.ring.enabled  # the environment's default
+    ringless = ShimConfig.from_vllm(SimpleNamespace(additional_config={"omni_sidecar": {"ring": 0, "ring_spin_us": 50}}))
+    assert (ringless.ring.enabled, ringless.ring.spin_us) == (False, 50)
     monkeypatch.setenv("OMNI_SIDECAR_ARENA", "nvlink")
     with pytest.raises(ValueError, match="auto, shm, cuda_ipc"):
         ShimConfig.from_vllm(SimpleNamespace(additional_config={}))

@@ -107,3 +107,15 @@ def test_slot_ring_round_robin():
     assert ring.slot_size == 2048
     assert [ring.slot_of(s) for s in range(4)] == [0, 1, 0, 1]
     assert ring.offset(1) == 2048
+
+
+def test_sweep_removes_only_arenas_of_dead_creators(tmp_path):
+    from proto.arena import sweep_stale
+
+    live = tmp_path / f"omni-shim-r0-{os.getpid()}-0123456789ab"
+    dead = tmp_path / "omni-shim-r0-999999-0123456789ab"
+    other = tmp_path / "psm_0123"
+    for p in (live, dead, other):
+        p.write_bytes(b"x")
+    assert sweep_stale(str(tmp_path)) == [dead.name]
+    assert live.exists() and other.exists() and not dead.exists()

@@ -54,7 +54,7 @@ def test_hot_upgrade_10_times_during_a_streaming_batch(tiny_model, tmp_path):
         assert out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
     finally:
         first.stop()
-        subprocess.run(["pkill", "-f", f"--endpoint {endpoint}"], check=False)
+        subprocess.run(["pkill", "-f", "--", f"--endpoint {endpoint}"], check=False)
     res = json.loads(out.read_text())
     ups = res["upgrades"]
     assert [u["rc"] for u in ups] == [0] * 10, ups

@@ -18,6 +18,7 @@ class ShimConfig:
     curve_keys: str  # tcp:// only: dir with client.key_secret and server.key
     arena: str = "auto"  # "auto" | "shm" | "cuda_ipc": how tensors cross to the sidecar
     embeds_buffer: str = "auto"  # "auto" | "on" | "off": persistent inputs_embeds for overlays
+    ring: "RingConfig | None" = None  # the shared-memory ring fast path (None: from the environment)
 
     @classmethod
     def from_vllm(cls, vllm_config: object) -> "ShimConfig":
@@ -44,6 +45,8 @@ class ShimConfig:
                                   "embeds_buffer", ("auto", "on", "off"),
                                   "auto feeds the model from a persistent inputs_embeds buffer "
                                   "when the sidecar's hooks run before the forward"),
+            ring=RingConfig.from_env({**os.environ, **{env: str(mine[key]) for key, env in _RING_KEYS.items()
+                                                       if key in mine}}),
         )
 
 
@@ -66,9 +69,9 @@ def _choice(value: str, key: str, allowed: tuple[str, ...], why: str) -> str:
 class RingConfig:
     """The shared-memory ring fast path (proto/shmring.py), from `OMNI_SIDECAR_RING*`.
 
-    Environment only for now: SidecarChannel reads it itself, so every connection
-    (start-up, reconnect, hot upgrade) gets the same settings without threading them
-    through the connection code.
+    From `additional_config["omni_sidecar"]` (keys ring, ring_kib, ring_spin_us,
+    ring_sleep_ms) over the environment; every connection (start-up, reconnect, hot
+    upgrade) gets the same settings.
 
     spin_us: how long the shim polls the ring (yielding the CPU each time, never a hot
     loop) for a reply before it sleeps on the socket. A StepPlan usually comes within
@@ -101,3 +104,7 @@ class RingConfig:
             raise ValueError("OMNI_SIDECAR_RING_KIB must be in [4, 262144], OMNI_SIDECAR_RING_SPIN_US >= 0, "
                              "OMNI_SIDECAR_RING_SLEEP_MS in [1, 1000]")
         return cfg
+
+
+_RING_KEYS = {"ring": "OMNI_SIDECAR_RING", "ring_kib": "OMNI_SIDECAR_RING_KIB",
+              "ring_spin_us": "OMNI_SIDECAR_RING_SPIN_US", "ring_sleep_ms": "OMNI_SIDECAR_RING_SLEEP_MS"}

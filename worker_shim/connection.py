@@ -20,7 +20,7 @@ from worker_shim.channel import SidecarChannel, SidecarError
 class SidecarConnection:
     def __init__(self, endpoint: str, step_timeout_s: float, hello: Hello, hidden_bytes: int,
                  hidden_slots: int, arena_prefix: str, curve_keys: str | None = None,
-                 device: Any = None, arena_kind: str = "shm") -> None:
+                 device: Any = None, arena_kind: str = "shm", ring: Any = None) -> None:
         self.arena_kind = arena_kind
         self.device = device
         self.opens = None  # CUDA IPC: OpenCounts of the peer's buffer / events
@@ -36,7 +36,7 @@ class SidecarConnection:
         else:
             self.hidden_arena = ShmArena.create(hidden_bytes, prefix=arena_prefix)
         self.hello = msgspec.structs.replace(hello, arenas=[self.hidden_arena.info()])
-        self.channel = SidecarChannel(endpoint, step_timeout_s, curve_keys)
+        self.channel = SidecarChannel(endpoint, step_timeout_s, curve_keys, ring=ring)
         self.hidden_slots = hidden_slots
         self.started = time.monotonic()
         self.welcome: Welcome | None = None

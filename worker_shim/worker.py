@@ -13,6 +13,7 @@ import statistics
 import msgspec
 from typing import Any
 
+from proto.arena import sweep_stale
 from proto.messages import Hello
 from proto.tensors import DTYPE_ITEMSIZE
 from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
@@ -59,6 +60,9 @@ class ShimWorkerMixin:
         swap_class(runner, SidecarRunnerMixin)
 
     def _connect_sidecar(self) -> SidecarLink:
+        stale = sweep_stale()
+        if stale:
+            log.info("omni-sidecar shim: removed %d stale arena(s) of dead processes from /dev/shm", len(stale))
         vcfg = self.vllm_config  # type: ignore[attr-defined]
         cfg = ShimConfig.from_vllm(vcfg)
         mcfg = vcfg.model_config
@@ -91,7 +95,7 @@ class ShimWorkerMixin:
                 endpoint or cfg.endpoint, cfg.step_timeout_s,
                 msgspec.structs.replace(hello, resume_token=resume_token), hidden_bytes, cfg.hidden_slots,
                 arena_prefix=f"omni-shim-r{self.rank}",  # type: ignore[attr-defined]
-                curve_keys=cfg.curve_keys or None, device=device, arena_kind=arena_kind,
+                curve_keys=cfg.curve_keys or None, device=device, arena_kind=arena_kind, ring=cfg.ring,
             )
 
         first = connect()
