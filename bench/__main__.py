@@ -233,6 +233,9 @@ def write_markdown(path: Path, res: dict, plots: list[str], out: Path) -> None:
               f"{c['median_s']:.2f} s, max {c['max_s']:.2f} s over {c['trials']} starts (vLLM keeps "
               "serving meanwhile; compare vllm-omni's 238 s stage start).", "",
               "## Reproduce", "", "```sh", "make bench            # writes BENCHMARKS.md and docs/bench/ (plots, results.json)", "```", ""]
+    gpu = ROOT / "docs" / "bench" / "gpu" / "GPU.md"
+    if gpu.exists():  # measured on a GPU host by `python -m bench.gpu`; kept across CPU runs
+        lines += [gpu.read_text(), ""]
     path.write_text("\n".join(lines))
 
 
