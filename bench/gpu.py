@@ -75,7 +75,7 @@ def throughput(model: str, work: Path, variant: str, shim_env: dict) -> dict:
     return out
 
 
-def render(res: dict, acceptance: list[dict]) -> str:
+def render(res: dict, acceptance: list[tuple[str, list[dict]]]) -> str:
     """The GPU section of BENCHMARKS.md, from one bench.gpu run (+ acceptance results)."""
     lines = [
         "## GPU (issue #3)",
@@ -109,9 +109,9 @@ def render(res: dict, acceptance: list[dict]) -> str:
     for t in res.get("throughput", []):
         lines.append(f"| {t['variant']} | {t['plain_tok_s']} | {t['shim_tok_s']} | {t['pair_ratios']} | "
                      f"**{t['ratio']:.3f}** |")
-    if acceptance:
-        lines += ["", "Acceptance checks on the same host (`deploy/gpu/acceptance.py`):", ""]
-        for a in acceptance:
+    for source, results in acceptance:
+        lines += ["", f"Acceptance checks on the same host (`deploy/gpu/acceptance.py`, `{source}`):", ""]
+        for a in results:
             figs = {k: v for k, v in a["figures"].items() if not k.endswith("tok_s") and k != "ratio"}
             lines.append(f"- {'PASS' if a['ok'] else 'FAIL'} {a['name']}: `{json.dumps(figs)}`")
     lines += ["", "Notes: the tiny model (2.5-8 ms per step) makes the shim's per-step host cost as visible as "
@@ -132,7 +132,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.render:
         res = json.loads(Path(args.render[0]).read_text())
-        acc = [r for f in args.render[1:] for r in json.loads(Path(f).read_text())["results"]]
+        acc = [(Path(f).name, json.loads(Path(f).read_text())["results"]) for f in args.render[1:]]
         Path(args.markdown).write_text(render(res, acc))
         print(f"written {args.markdown}")
         return
