@@ -44,16 +44,9 @@ def e2e_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def embeds_case(tiny_model, e2e_dir):
     """Prompt embeddings E and the tokens plain vLLM V2 gives for `prompt_embeds=E`."""
-    import numpy as np
+    from tests.support.procs import run_engine, write_embeds
 
-    from tests.support.procs import run_engine
-
-    rng = np.random.default_rng(7)
-    files = []
-    for i, n in enumerate(EMBEDS_LENS):
-        path = e2e_dir / f"embeds{i}.npy"
-        np.save(path, (rng.standard_normal((n, HIDDEN)) * 0.5).astype(np.float32), allow_pickle=False)
-        files.append(str(path))
+    files = write_embeds(e2e_dir, EMBEDS_LENS, HIDDEN)
     ref = run_engine(
         {"model": tiny_model, "max_tokens": 16, "prompts": [{"embeds_file": f} for f in files],
          "llm_kwargs": {"enable_prefix_caching": False, "enable_prompt_embeds": True}},

@@ -151,16 +151,7 @@ def test_100k_mutated_replies_at_the_shims_channel(tmp_path):
     from worker_shim.channel import SidecarChannel, SidecarError
 
     endpoint = f"ipc://{tmp_path}/fake.sock"
-    ctx = zmq.Context.instance()
-    server = ctx.socket(zmq.ROUTER)
-    server.setsockopt(zmq.LINGER, 0)
-    server.bind(endpoint)
-    rng = random.Random(99)
-    good = CODEC.encode(StepPlan(step=0, overlays=[Overlay(0, TensorRef(0, 0, 4, [1, 1], "float32"))]))
-    # (A StepResult makes the channel wait for the plan until its timeout: covered elsewhere,
-    # left out here so 100k calls stay fast.)
-    replies = [CODEC.encode(m) for m in (StepPlan(step=1), Welcome(1, 0, "x", "y", HookNeeds(), 1),
-                                         ErrorReply("x", "y"))] + [good]
+    server, rng, good, replies = _fake_sidecar(endpoint, 99)
     stop = threading.Event()
     mode = {"fuzz": True}
 
@@ -339,13 +330,7 @@ def test_100k_mutated_ring_replies_at_the_shims_channel(tmp_path):
     from worker_shim.config import RingConfig
 
     endpoint = f"ipc://{tmp_path}/fake-ring.sock"
-    server = zmq.Context.instance().socket(zmq.ROUTER)
-    server.setsockopt(zmq.LINGER, 0)
-    server.bind(endpoint)
-    rng = random.Random(77)
-    good = CODEC.encode(StepPlan(step=0, overlays=[Overlay(0, TensorRef(0, 0, 4, [1, 1], "float32"))]))
-    replies = [CODEC.encode(m) for m in (StepPlan(step=1), Welcome(1, 0, "x", "y", HookNeeds(), 1),
-                                         ErrorReply("x", "y"))] + [good]
+    server, rng, good, replies = _fake_sidecar(endpoint, 77)
     channel = SidecarChannel(endpoint, step_timeout_s=0.5, ring=RingConfig(spin_us=200, sleep_ms=1))
     hello = Hello(1, 0, "f", "v", "cpu", 0, 1, "m", 8, "float32", 16, [])
     channel.send(hello)
@@ -398,3 +383,18 @@ def test_100k_mutated_ring_replies_at_the_shims_channel(tmp_path):
         channel.close()
         duplex.close()
         server.close(0)
+
+
+def _fake_sidecar(endpoint: str, seed: int):
+    """A bound ROUTER, a seeded rng, a good StepPlan and the replies mutations start from.
+
+    (A StepResult makes the channel wait for the plan until its timeout: covered elsewhere,
+    left out here so 100k calls stay fast.)
+    """
+    server = zmq.Context.instance().socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    server.bind(endpoint)
+    good = CODEC.encode(StepPlan(step=0, overlays=[Overlay(0, TensorRef(0, 0, 4, [1, 1], "float32"))]))
+    replies = [CODEC.encode(m) for m in (StepPlan(step=1), Welcome(1, 0, "x", "y", HookNeeds(), 1),
+                                         ErrorReply("x", "y"))] + [good]
+    return server, random.Random(seed), good, replies

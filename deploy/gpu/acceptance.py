@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from omni_sidecar.testing import build_tiny_llama  # noqa: E402
-from tests.support.procs import SidecarProcess, run_engine  # noqa: E402
+from tests.support.procs import SidecarProcess, run_engine, write_embeds  # noqa: E402
 
 HIDDEN = 128
 EMBEDS_LENS = [5, 40, 100]  # 100 > max_num_batched_tokens=64: chunked prefill crosses overlay rows
@@ -66,16 +66,6 @@ def token_prompts() -> list[dict]:
     return [{"token_ids": rng.integers(4, 380, n).tolist()} for n in (3, 7, 12, 20, 33, 50, 90, 150)]
 
 
-def embeds_files(work: Path) -> list[str]:
-    rng = np.random.default_rng(7)
-    files = []
-    for i, n in enumerate(EMBEDS_LENS):
-        path = work / f"embeds{i}.npy"
-        np.save(path, (rng.standard_normal((n, HIDDEN)) * 0.5).astype(np.float32), allow_pickle=False)
-        files.append(str(path))
-    return files
-
-
 def engine(job: dict, work: Path, name: str, gpus: str, must: Check) -> dict:
     job = {**job, "env": {"CUDA_VISIBLE_DEVICES": gpus, **job.get("env", {})}}
     res = run_engine(job, work, name, timeout_s=900)
@@ -94,20 +84,27 @@ def status_of(res: dict) -> dict:
     return res.get("sidecar_status", {}).get("sessions", [{}])[0]
 
 
+def plain_and_passthrough(model: str, work: Path, gpus: str, c: Check, llm_kwargs: dict,
+                          sfx: str) -> tuple[dict, dict, int]:
+    """The same greedy prompts on plain V2 and on the shim + a pass-through sidecar."""
+    common = {"model": model, "prompts": token_prompts(), "max_tokens": 24, "llm_kwargs": llm_kwargs}
+    plain = engine(common, work, f"plain{sfx}", gpus, c)
+    sc = sidecar(work, f"pass{sfx}", "passthrough", gpus)
+    try:
+        shim = engine({**common, "shim": True, "endpoint": sc.endpoint, "flush": True, "sidecar_status": True},
+                      work, f"shim-pass{sfx}", gpus, c)
+    finally:
+        sc.stop()
+    same = sum(a == b for a, b in zip(plain.get("tokens", []), shim.get("tokens", [])))
+    return plain, shim, same
+
+
 def check_identity(model: str, work: Path, gpus: str) -> dict:
     # Throughput is measured by `python -m bench.gpu` (engines side by side), not here: these lanes
     # share the host with other engines' start-up.
     c = Check("identity: shim + pass-through == plain V2 (bf16, CUDA graphs)")
-    common = {"model": model, "prompts": token_prompts(), "max_tokens": 24, "llm_kwargs": GRAPHS}
-    plain = engine(common, work, "plain", gpus, c)
-    sc = sidecar(work, "pass", "passthrough", gpus)
-    try:
-        shim = engine({**common, "shim": True, "endpoint": sc.endpoint, "flush": True, "sidecar_status": True},
-                      work, "shim-pass", gpus, c)
-    finally:
-        sc.stop()
+    plain, shim, same = plain_and_passthrough(model, work, gpus, c, GRAPHS, "")
     if plain["ok"] and shim["ok"]:
-        same = sum(a == b for a, b in zip(plain["tokens"], shim["tokens"]))
         stats = shim["shim_stats"][0]
         log = open(shim["log_path"]).read()
         c.figures.update(
@@ -127,7 +124,7 @@ def check_identity(model: str, work: Path, gpus: str) -> dict:
 def check_overlay(model: str, work: Path, gpus: str, tp: int = 1) -> dict:
     sfx = "" if tp == 1 else f"-tp{tp}"
     c = Check(f"overlay{sfx}: shim + overlay hooks == V1 prompt_embeds (bf16, CUDA graphs, chunked)")
-    files = embeds_files(work)
+    files = write_embeds(work, EMBEDS_LENS, HIDDEN)
     kw = {**GRAPHS, "enable_prefix_caching": False, "tensor_parallel_size": tp}
     placeholders = [{"token_ids": [3] * n} for n in EMBEDS_LENS]
     ref = engine({"model": model, "max_tokens": 16, "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
@@ -209,17 +206,8 @@ def check_capture(model: str, work: Path, gpus: str, arena: str) -> dict:
 
 def check_tp_identity(model: str, work: Path, gpus: str) -> dict:
     c = Check("tp2: shim + pass-through == plain V2 with TP=2 (bf16, CUDA graphs)")
-    common = {"model": model, "prompts": token_prompts(), "max_tokens": 24,
-              "llm_kwargs": {**GRAPHS, "tensor_parallel_size": 2}}
-    plain = engine(common, work, "plain-tp2", gpus, c)
-    sc = sidecar(work, "pass-tp2", "passthrough", gpus)
-    try:
-        shim = engine({**common, "shim": True, "endpoint": sc.endpoint, "sidecar_status": True, "flush": True},
-                      work, "shim-pass-tp2", gpus, c)
-    finally:
-        sc.stop()
+    plain, shim, same = plain_and_passthrough(model, work, gpus, c, {**GRAPHS, "tensor_parallel_size": 2}, "-tp2")
     if plain["ok"] and shim["ok"]:
-        same = sum(a == b for a, b in zip(plain["tokens"], shim["tokens"]))
         sessions = shim.get("sidecar_status", {}).get("sessions", [])
         c.figures.update(identical=f"{same}/{len(plain['tokens'])}", sidecar_sessions=len(sessions),
                          roles=[s.get("role", "driver") for s in shim["shim_stats"]])

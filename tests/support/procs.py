@@ -77,3 +77,16 @@ def run_engine(job: dict, workdir: Path, name: str, timeout_s: float = 600) -> d
     result = json.loads(result_path.read_text())
     result["log_path"] = str(log_path)
     return result
+
+
+def write_embeds(directory: Path, lens: list[int], hidden: int, seed: int = 7) -> list[str]:
+    """Random prompt embeddings E (one .npy per length), shared by the CPU tests and the GPU checks."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    files = []
+    for i, n in enumerate(lens):
+        path = Path(directory) / f"embeds{i}.npy"
+        np.save(path, (rng.standard_normal((n, hidden)) * 0.5).astype(np.float32), allow_pickle=False)
+        files.append(str(path))
+    return files
