@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from proto.arena import ArenaError, align_up
+from proto.arena import ArenaError
 from proto.messages import ArenaInfo, CudaIpcInfo
 from proto.tensors import DTYPE_ITEMSIZE, TensorRef, check_ref
 
@@ -211,7 +211,7 @@ class CudaIpcArena:
         """Device-to-device copy on the current stream; returns the ref (not yet marked ready)."""
         nbytes = tensor.numel() * tensor.element_size()
         name = str(tensor.dtype).removeprefix("torch.")
-        ref = TensorRef(arena_id, align_up(offset, 1), nbytes, list(tensor.shape), name)
+        ref = TensorRef(arena_id, offset, nbytes, list(tensor.shape), name)
         if nbytes:
             self.tensor(ref).copy_(tensor, non_blocking=True)
         return ref
