@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from typing import Any, Iterator
 
-import torch
 import zmq
 
 from omni_sidecar.tensors import tensor_from_bytes

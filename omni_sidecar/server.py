@@ -47,7 +47,7 @@ from omni_sidecar.statepack import pack, unpack
 from omni_sidecar.store import FinishedOutputs
 from omni_sidecar.tensors import tensor_to_bytes
 from proto.codec import Codec, FrameError
-from proto.endpoint import check_endpoint, ipc_path
+from proto.endpoint import check_endpoint, ipc_path, process_gone
 from proto.messages import (
     Drain,
     Drained,
@@ -78,6 +78,7 @@ from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR, PROTOCOL_VERSION
 
 log = logging.getLogger("omni_sidecar.server")
 RING_IDLE_S = 1.0
+REAP_INTERVAL_S = 2.0
 RING_IDLE_SLEEP_MS = 50
 
 
@@ -114,6 +115,7 @@ class SidecarServer:
         self.finished = FinishedOutputs(keep_finished)
         self.arena_bytes = arena_bytes
         self.sessions: dict[bytes, Session] = {}
+        self._next_reap = 0.0
         self.rejected_frames = 0
         self.started = time.monotonic()
         self._next_session = 1
@@ -204,6 +206,7 @@ class SidecarServer:
         self._sock.setsockopt(zmq.RCVTIMEO, 200)
         try:
             while not self._stop:
+                self._reap_dead_shims()
                 if self._reload_requested:
                     self._reload_requested = False
                     if self.on_reload is not None:
@@ -223,6 +226,28 @@ class SidecarServer:
                 self._serve(frames)
         finally:
             self.close()
+
+    def _reap_dead_shims(self) -> None:
+        """End sessions whose vLLM worker process exited (checked every REAP_INTERVAL_S).
+
+        Only possible when the shim runs in our PID namespace (same host or pod, not
+        separate containers); otherwise sessions stay until the sidecar restarts.
+        """
+        now = time.monotonic()
+        if now < self._next_reap:
+            return
+        self._next_reap = now + REAP_INTERVAL_S
+        for ident, session in list(self.sessions.items()):
+            hello = session.hello
+            if not process_gone(hello.pid, hello.pid_namespace):
+                continue
+            live = session.abandon(f"the vLLM worker process (pid {hello.pid}) exited")
+            self._close_link(ident)
+            del self.sessions[ident]
+            session.close()
+            self.metrics.sessions.set(len(self.sessions))
+            log.warning("session %d ended: its vLLM worker (pid %d) exited; %d live request(s) end "
+                        "with an error, arenas and rings released", session.id, hello.pid, len(live))
 
     def _bind_path(self, sock: zmq.Socket, endpoint: str) -> None:
         old_umask = os.umask(0o077)

@@ -161,6 +161,15 @@ class Session:
         self.in_arenas.clear()
         self.out = None
 
+    def abandon(self, message: str) -> list[str]:
+        """The shim is gone: its live requests end with `message` (clients get RequestFailed)."""
+        live = list(self.requests)
+        for req_id in live:
+            self.errors_by_request.setdefault(req_id, message)
+        self._report({r: message for r in live})
+        self._finish(live)
+        return live
+
     # -- hot upgrade -------------------------------------------------------------
 
     def export(self) -> dict[str, Any]:

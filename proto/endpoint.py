@@ -32,3 +32,28 @@ def check_endpoint(endpoint: str, curve_keys: str | None = None) -> None:
             "to the network unauthenticated); give --curve-keys DIR, or use an ipc:// endpoint"
         )
     raise ValueError(f"endpoint {endpoint!r}: use ipc:///path/to/socket (or tcp:// with CURVE keys)")
+
+
+def pid_namespace() -> str:
+    """This process's PID namespace ("pid:[4026531836]"); "" where /proc does not say."""
+    import os
+
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def process_gone(pid: int, namespace: str) -> bool:
+    """True only when `pid` is known dead: same PID namespace as ours, and no such process."""
+    import os
+
+    if pid <= 0 or not namespace or namespace != pid_namespace():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # alive under another uid
+    return False

@@ -108,6 +108,10 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     rings: Annotated[list[ArenaInfo], msgspec.Meta(max_length=2)] = []
     # CUDA IPC: the shim's "done" events for the sidecar's arena (it waits on them before reuse).
     consumer_events: Annotated[list[IpcHandle], msgspec.Meta(max_length=64)] = []
+    # The shim's process and PID namespace: a sidecar in the same namespace notices when that
+    # process is gone and ends its session (ZeroMQ tells a ROUTER nothing per peer).
+    pid: Count = 0
+    pid_namespace: Name = ""
 
 
 class Welcome(msgspec.Struct, tag="welcome", frozen=True):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -118,4 +119,32 @@ def test_a_stalled_sidecar_is_detected_by_heartbeats_while_idle(tmp_path):
     finally:
         os.kill(sidecar.proc.pid, signal.SIGCONT)
         channel.close()
+        sidecar.stop()
+
+
+def test_the_sidecar_ends_the_session_of_a_dead_vllm_worker(tmp_path):
+    """kill -9 of the shim's process: the session, its arenas and rings go; its requests fail clearly."""
+    import signal as _signal
+
+    from omni_sidecar.client import RequestFailed, SidecarClient
+    from tests.support.procs import ROOT, SidecarProcess, child_env
+
+    endpoint = f"ipc://{tmp_path}/sc.sock"
+    sidecar = SidecarProcess(endpoint, "passthrough", tmp_path / "sidecar.log")
+    shim = subprocess.Popen([sys.executable, str(ROOT / "tests" / "support" / "fake_shim_job.py"), endpoint],
+                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert shim.stdout.readline().strip() == "ready", shim.stdout.read()
+        assert len(sidecar.status().sessions) == 1
+        shim.send_signal(_signal.SIGKILL)
+        shim.wait(10)
+        deadline = time.monotonic() + 15
+        while sidecar.status().sessions and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sidecar.status().sessions == []
+        with SidecarClient(endpoint) as client, pytest.raises(RequestFailed, match="exited"):
+            client.outputs("req-dead")
+        assert "ended: its vLLM worker" in (tmp_path / "sidecar.log").read_text()
+    finally:
+        shim.kill()
         sidecar.stop()

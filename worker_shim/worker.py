@@ -8,12 +8,14 @@ message), and swaps the runner's class for the interception subclass.
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 
 import msgspec
 from typing import Any
 
 from proto.arena import sweep_stale
+from proto.endpoint import pid_namespace
 from proto.messages import Hello
 from proto.tensors import DTYPE_ITEMSIZE
 from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
@@ -86,6 +88,8 @@ class ShimWorkerMixin:
             max_num_tokens=max_tokens,
             arenas=[],
             capabilities=["overlay", "extra_kwargs", "hidden_states", "reconnect"],
+            pid=os.getpid(),
+            pid_namespace=pid_namespace(),
         )
 
         device, arena_kind = self._arena_choice(cfg.arena)
