@@ -383,6 +383,7 @@ class SidecarLink:
         if embeds is None:
             n = int(input_batch.num_tokens_after_padding)
             embeds = model.embed_input_ids(input_batch.input_ids[:n])
+        checked = []  # all overlays are checked before any is written: the buffer may be the model's
         for ov in plan.overlays:
             rows = arena_tensor(arena, ov.rows)
             end = ov.row_start + rows.shape[0]
@@ -391,7 +392,9 @@ class SidecarLink:
                     f"overlay rows [{ov.row_start}, {end}) x {list(rows.shape)} do not fit the "
                     f"batch of {input_batch.num_tokens} tokens x {embeds.shape[1]}"
                 )
-            embeds[ov.row_start : end].copy_(rows.to(device=embeds.device, dtype=embeds.dtype))
+            checked.append((ov.row_start, end, rows))
+        for start, end, rows in checked:
+            embeds[start:end].copy_(rows.to(device=embeds.device, dtype=embeds.dtype))
         return embeds
 
     def _decode_kwarg(self, value: Any, device: torch.device, depth: int) -> Any:
