@@ -51,7 +51,7 @@ class TensorParallelSync:
         return self.rank == 0
 
     def _bcast_bytes(self, data: bytes | None) -> bytes:
-        """Length then bytes from rank 0 over the CPU group (gloo; no pickle)."""
+        """Length then bytes from rank 0 over the CPU group (gloo; msgspec bytes, never Python objects)."""
         src = self.group.ranks[0]
         length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
         torch.distributed.broadcast(length, src=src, group=self.group.cpu_group)
