@@ -96,7 +96,7 @@ def handoff() -> list[dict]:
 
     from proto.arena import ShmArena
     from proto.tensors import TensorRef
-    from worker_shim.tensors import arena_tensor
+    from omni_arena.views import arena_tensor
 
     rows = []
     for mib in (1, 16, 64):

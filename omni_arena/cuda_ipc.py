@@ -25,6 +25,7 @@ import torch
 
 from proto.arena import ArenaError
 from proto.messages import ArenaInfo, CudaIpcInfo
+from omni_arena.views import TORCH_DTYPES, dtype_name
 from proto.tensors import DTYPE_ITEMSIZE, TensorRef, check_ref
 
 # Torch names this module relies on (torch.multiprocessing's own CUDA sharing uses them).
@@ -34,7 +35,6 @@ TORCH_NAMES = [
     ("cuda.Event", "from_ipc_handle"),
     ("cuda.Event", "ipc_handle"),
 ]
-_DTYPES = {name: getattr(torch, name) for name in DTYPE_ITEMSIZE}
 
 
 def check_torch() -> None:
@@ -198,7 +198,7 @@ class CudaIpcArena:
     def tensor(self, ref: TensorRef) -> torch.Tensor:
         """Bounds-checked typed view of arena bytes (aliasing: copy to keep)."""
         check_ref(ref, self.size)
-        dtype = _DTYPES.get(ref.dtype)
+        dtype = TORCH_DTYPES.get(ref.dtype)
         if dtype is None:
             raise ArenaError(f"tensor ref has unsupported dtype {ref.dtype!r}")
         if ref.nbytes == 0:
@@ -210,7 +210,7 @@ class CudaIpcArena:
     def write(self, offset: int, tensor: torch.Tensor, arena_id: int = 0) -> TensorRef:
         """Device-to-device copy on the current stream; returns the ref (not yet marked ready)."""
         nbytes = tensor.numel() * tensor.element_size()
-        name = str(tensor.dtype).removeprefix("torch.")
+        name = dtype_name(tensor.dtype)
         ref = TensorRef(arena_id, offset, nbytes, list(tensor.shape), name)
         if nbytes:
             self.tensor(ref).copy_(tensor, non_blocking=True)

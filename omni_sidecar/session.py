@@ -13,7 +13,8 @@ from omni_sidecar.hooks import HookErrors, OmniHooks, RequestInfo, StepBatch
 from omni_sidecar.metrics import SidecarMetrics
 from omni_sidecar.stats import LatencyWindow
 from omni_sidecar.store import FinishedEntry, FinishedOutputs, client_request_id
-from omni_sidecar.tensors import torch_dtype, view_tensor, write_tensor
+from omni_arena.views import arena_tensor, torch_dtype
+from omni_sidecar.tensors import write_tensor
 from proto.arena import ArenaError, ShmArena, align_up
 from proto.messages import (
     BatchLayout,
@@ -331,10 +332,9 @@ class Session:
         if msg.hidden.arena >= len(self.in_arenas):
             raise ArenaError(f"hidden states name arena {msg.hidden.arena}, which was never offered")
         arena = self.in_arenas[msg.hidden.arena]
-        if isinstance(arena, ShmArena):
-            return view_tensor(arena, msg.hidden)
-        arena.wait_ready(msg.hidden_event)  # the shim's copy, ordered on our stream
-        return arena.tensor(msg.hidden)
+        if not isinstance(arena, ShmArena):
+            arena.wait_ready(msg.hidden_event)  # the shim's copy, ordered on our stream
+        return arena_tensor(arena, msg.hidden)
 
     def _release_hidden(self, msg: StepEnd) -> None:
         """CUDA IPC: the shim may rewrite the slot once the reads we enqueued ran."""

@@ -1,34 +1,15 @@
-"""torch views of arena memory, and the reverse."""
+"""Tensors into the sidecar's host arena, and tensors sent inline as bytes (payloads, outputs).
+
+Views of arena memory and the dtype table live in omni_arena.views (shared with the shim).
+"""
 
 from __future__ import annotations
 
 import torch
 
+from omni_arena.views import arena_tensor, dtype_name, torch_dtype
 from proto.arena import ShmArena
 from proto.tensors import DTYPE_ITEMSIZE, TensorRef
-
-TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_ITEMSIZE}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    try:
-        return TORCH_DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {name!r}") from None
-
-
-def view_tensor(arena: ShmArena, ref: TensorRef) -> torch.Tensor:
-    """A tensor aliasing the arena bytes `ref` names (bounds-checked); copy to keep it."""
-    mv = arena.view(ref)
-    dtype = torch_dtype(ref.dtype)
-    if ref.nbytes == 0:
-        return torch.empty(ref.shape, dtype=dtype)
-    return torch.frombuffer(mv, dtype=dtype).view(ref.shape)
-
 
 def write_tensor(arena: ShmArena, offset: int, tensor: torch.Tensor, arena_id: int) -> TensorRef:
     """Copy `tensor` into the arena at `offset` and return its ref."""
@@ -36,7 +17,7 @@ def write_tensor(arena: ShmArena, offset: int, tensor: torch.Tensor, arena_id: i
     nbytes = tensor.numel() * tensor.element_size()
     ref = TensorRef(arena_id, offset, nbytes, list(tensor.shape), name)
     if nbytes:
-        view_tensor(arena, ref).copy_(tensor)
+        arena_tensor(arena, ref).copy_(tensor)
     return ref
 
 

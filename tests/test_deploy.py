@@ -141,7 +141,6 @@ def test_config_precedence(tmp_path):
 
 
 def test_sigterm_drains_and_sighup_reloads(tmp_path):
-    from omni_sidecar.client import SidecarClient
     from tests.test_sidecar import Peer, _hello
 
     toml = tmp_path / "s.toml"

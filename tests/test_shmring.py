@@ -30,7 +30,6 @@ from proto.messages import (
 from proto.shmring import (
     EMPTY,
     HEADER_BYTES,
-    MARK,
     MSG,
     RingDuplex,
     RingError,

@@ -14,7 +14,6 @@ from omni_sidecar.store import client_request_id
 from proto.arena import ShmArena
 from proto.codec import Codec
 from proto.messages import (
-    ArenaInfo,
     BatchLayout,
     ErrorReply,
     Hello,

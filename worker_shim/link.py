@@ -36,7 +36,7 @@ from proto.arena import ShmArena
 from proto.tensors import TENSOR_MARKER, TensorRef
 from worker_shim.channel import SidecarError
 from worker_shim.connection import SidecarConnection
-from worker_shim.tensors import arena_tensor, dtype_name
+from omni_arena.views import arena_tensor, dtype_name
 
 log = logging.getLogger("vllm.omni_sidecar.shim.link")
 PAYLOAD_KEY = "omni_sidecar"
@@ -115,16 +115,13 @@ class SidecarLink:
 
     def note_new(self, new_reqs: list[Any]) -> None:
         for req in new_reqs:
-            sp = req.sampling_params
-            extra = (sp.extra_args or {}) if sp is not None else {}
-            payload = extra.get(PAYLOAD_KEY)
-            has_payload = isinstance(payload, dict)
+            payload = payload_of(req)
             self.new_requests += 1
             if self.conn is None:
-                if self.loss_policy == "fail-all" or has_payload:
+                if self.loss_policy == "fail-all" or payload is not None:
                     self._fail(req.req_id, "no omni-sidecar was connected when the request arrived")
                 continue
-            if has_payload:
+            if payload is not None:
                 self._payload_reqs.add(req.req_id)
             self._live.add(req.req_id)
             self._new.append(
@@ -133,7 +130,7 @@ class SidecarLink:
                     # 0.32 has prompt_len (prompt_embeds prompts have no ids); 0.26 only the ids.
                     prompt_len=int(getattr(req, "prompt_len", None) or len(req.prompt_token_ids or [])),
                     prompt_token_ids=list(req.prompt_token_ids or []),
-                    payload=payload if has_payload else None,
+                    payload=payload,
                 )
             )
 
@@ -479,10 +476,12 @@ def exchange_needed(needs: HookNeeds, payload_reqs: set[str], input_batch: Any) 
     return any(prefilling[i] and r in payload_reqs for i, r in enumerate(ids))
 
 
-def has_payload(req: Any) -> bool:
+def payload_of(req: Any) -> dict | None:
+    """The request's sidecar payload (`extra_args["omni_sidecar"]`), if it carries one."""
     sp = req.sampling_params
     extra = (sp.extra_args or {}) if sp is not None else {}
-    return isinstance(extra.get(PAYLOAD_KEY), dict)
+    payload = extra.get(PAYLOAD_KEY)
+    return payload if isinstance(payload, dict) else None
 
 
 def _prefilling(batch: Any) -> Any:

@@ -24,7 +24,7 @@ import msgspec
 import torch
 
 from proto.messages import HookNeeds
-from worker_shim.link import exchange_needed, has_payload
+from worker_shim.link import exchange_needed, payload_of
 
 log = logging.getLogger("vllm.omni_sidecar.shim.tp")
 MAX_KWARGS_BYTES = 16 << 20
@@ -74,7 +74,7 @@ class TensorParallelSync:
     # -- per step -----------------------------------------------------------------
 
     def note_new(self, new_reqs: list[Any]) -> None:
-        self._payload_reqs.update(r.req_id for r in new_reqs if has_payload(r))
+        self._payload_reqs.update(r.req_id for r in new_reqs if payload_of(r) is not None)
 
     def note_finished(self, finished: set[str]) -> None:
         self._payload_reqs.difference_update(finished)

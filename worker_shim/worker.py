@@ -27,7 +27,7 @@ from worker_shim.config import ShimConfig
 from worker_shim.link import SidecarLink, hidden_arena_size
 from worker_shim.runner import SidecarRunnerMixin, swap_class
 from worker_shim.tp import FollowerLink, TensorParallelSync
-from worker_shim.tensors import dtype_name
+from omni_arena.views import dtype_name
 
 log = logging.getLogger("vllm.omni_sidecar.shim")
 
