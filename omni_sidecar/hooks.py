@@ -60,7 +60,7 @@ class StepBatch:
         """RequestInfo per batch row (built on demand: most steps never need it)."""
         lay = self.layout
         return [
-            self.known.get(r) or RequestInfo(r, lay.prompt_lens[i], [])
+            self.known.get(r) or RequestInfo(r, lay.prefill_lens[i], [])
             for i, r in enumerate(lay.req_ids)
         ]
 
@@ -81,7 +81,7 @@ class StepBatch:
         """
         start, end = self.rows(i)
         nc = self.layout.num_computed_tokens[i]
-        k = min(end - start, max(0, self.layout.prompt_lens[i] - nc))
+        k = min(end - start, max(0, self.layout.prefill_lens[i] - nc))
         return start, k, nc
 
 

@@ -321,7 +321,7 @@ class Session:
         if not (
             len(layout.query_start_loc) == n + 1
             and len(layout.num_computed_tokens) == n
-            and len(layout.prompt_lens) == n
+            and len(layout.prefill_lens) == n
         ):
             raise ValueError("batch layout lists have inconsistent lengths")
         return StepBatch(step, layout, self.requests)

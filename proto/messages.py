@@ -31,6 +31,8 @@ Name = Annotated[str, msgspec.Meta(max_length=256)]
 
 
 IpcHandle = Annotated[bytes, msgspec.Meta(max_length=256)]
+# "shm": POSIX shared memory (CPU, or host staging for accelerators); "cuda_ipc": device memory.
+ArenaKind = Literal["shm", "cuda_ipc"]
 
 
 class CudaIpcInfo(msgspec.Struct, frozen=True):
@@ -57,11 +59,10 @@ class CudaIpcInfo(msgspec.Struct, frozen=True):
 class ArenaInfo(msgspec.Struct, frozen=True):
     """A shared buffer one side created; the other side opens it once."""
 
-    kind: Name  # "shm" | "cuda_ipc"
+    kind: ArenaKind
     name: Name
     size: Count
     device: Name = "cpu"
-    handle: bytes = b""  # unused; kept for wire compatibility
     cuda: CudaIpcInfo | None = None
 
 
@@ -100,7 +101,6 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     dtype: Name
     max_num_tokens: Count
     arenas: Annotated[list[ArenaInfo], msgspec.Meta(max_length=16)]
-    capabilities: Annotated[list[Name], msgspec.Meta(max_length=64)] = []
     # Set when switching to a sidecar that took over: names the state it imported.
     resume_token: Name = ""
     # Shared-memory rings the shim offers for the per-step messages (proto/shmring.py):
@@ -138,11 +138,14 @@ class Reject(msgspec.Struct, tag="reject", frozen=True):
 
 
 class NewRequest(msgspec.Struct, frozen=True, array_like=True):
-    req_id: ReqId
+    req_id: ReqId  # vLLM's id for the request (unique while it lives)
     prompt_len: Count
     prompt_token_ids: Annotated[list[int], msgspec.Meta(max_length=1 << 24)]
     # The request's `extra_args["omni_sidecar"]`: JSON-like values and bytes.
     payload: dict[str, Any] | None = None
+    # The id the client gave the request (vLLM may add a suffix to make `req_id` unique);
+    # "" when it equals `req_id`. Clients look outputs up by either.
+    client_req_id: ReqId = ""
 
 
 class BatchLayout(msgspec.Struct, frozen=True, array_like=True):
@@ -157,7 +160,9 @@ class BatchLayout(msgspec.Struct, frozen=True, array_like=True):
     req_ids: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] | None
     query_start_loc: Annotated[list[Count], msgspec.Meta(max_length=MAX_BATCH + 1)]
     num_computed_tokens: Annotated[list[Count], msgspec.Meta(max_length=MAX_BATCH)]
-    prompt_lens: Annotated[list[Count], msgspec.Meta(max_length=MAX_BATCH)]
+    # Tokens of each request that are prefill (vLLM's prefill_len: the prompt, plus the
+    # output tokens a resumed request recomputes); rows at or past it are decode rows.
+    prefill_lens: Annotated[list[Count], msgspec.Meta(max_length=MAX_BATCH)]
 
 
 class StepBegin(msgspec.Struct, tag="step_begin", frozen=True):

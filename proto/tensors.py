@@ -37,7 +37,6 @@ class TensorRef(msgspec.Struct, frozen=True, array_like=True):
     nbytes: Annotated[int, msgspec.Meta(ge=0)]
     shape: Annotated[list[Dim], msgspec.Meta(max_length=MAX_TENSOR_DIMS)]
     dtype: str
-    device: str = "cpu"
 
 
 # Marks a tensor inside JSON-like values (StepPlan.extra_kwargs): {TENSOR_MARKER: TensorRef}.

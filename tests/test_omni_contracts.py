@@ -209,8 +209,8 @@ def test_accumulation_concatenates_2d_and_keeps_latest_low_dim():
 # -- the hook set: preemption policy, per-request errors, state visible next step --------
 
 
-def _batch(step, req_ids, qsl, computed, prompt_lens):
-    return StepBatch(step, BatchLayout(req_ids, qsl, computed, prompt_lens), [])
+def _batch(step, req_ids, qsl, computed, prefill_lens):
+    return StepBatch(step, BatchLayout(req_ids, qsl, computed, prefill_lens), [])
 
 
 def test_preempted_request_keeps_state_finished_frees_it():

@@ -506,7 +506,7 @@ def _layout(batch: Any, prev_ids: list[str] | None) -> BatchLayout:
         req_ids=None if ids == prev_ids else list(ids),
         query_start_loc=batch.query_start_loc_np[: n + 1].tolist(),
         num_computed_tokens=batch.num_computed_tokens_np[:n].tolist(),
-        prompt_lens=batch.prefill_len_np[:n].tolist(),
+        prefill_lens=batch.prefill_len_np[:n].tolist(),
     )
 
 

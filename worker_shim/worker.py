@@ -87,7 +87,6 @@ class ShimWorkerMixin:
             dtype=dtype,
             max_num_tokens=max_tokens,
             arenas=[],
-            capabilities=["overlay", "extra_kwargs", "hidden_states", "reconnect"],
             pid=os.getpid(),
             pid_namespace=pid_namespace(),
         )

@@ -27,7 +27,7 @@ class ProbeOverlayHooks(PromptEmbedsOverlayHooks):
     def process_model_output(self, batch, hidden_states) -> None:
         lay = batch.layout
         needed = any(
-            lay.num_computed_tokens[i] < lay.prompt_lens[i] and r in self._embeds
+            lay.num_computed_tokens[i] < lay.prefill_lens[i] and r in self._embeds
             for i, r in enumerate(lay.req_ids)
         )
         with open(os.environ["OMNI_PROBE_LOG"], "a") as f:

@@ -1,0 +1,35 @@
+"""Limits and defaults both sides share, and the environment variables that set them.
+
+One place for every value the shim and the sidecar must agree on (or that an
+operator sets once for both); each side's own settings live in its config
+module and take their defaults from here.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+ENV_PREFIX: Final = "OMNI_SIDECAR_"
+ENV_ENDPOINT: Final = "OMNI_SIDECAR_ENDPOINT"
+ENV_RING: Final = "OMNI_SIDECAR_RING"
+ENV_RING_SPIN_US: Final = "OMNI_SIDECAR_RING_SPIN_US"
+ENV_RING_SLEEP_MS: Final = "OMNI_SIDECAR_RING_SLEEP_MS"
+ENV_RING_KIB: Final = "OMNI_SIDECAR_RING_KIB"
+
+# Shared-memory ring fast path: poll (yielding the CPU) this long after the last
+# message, then sleep on the socket for at most RING_SLEEP_MS between re-checks.
+RING_SPIN_US: Final = 2000
+RING_SLEEP_MS: Final = 2
+RING_SLEEP_MS_MAX: Final = 1000
+# After this long without traffic the sidecar's sleeps stretch to RING_IDLE_SLEEP_MS.
+RING_IDLE_S: Final = 1.0
+RING_IDLE_SLEEP_MS: Final = 50
+
+# ZMTP heartbeats on every connection: a peer that stops answering (SIGSTOP, a hung
+# host, a container whose process is gone) is disconnected within the timeout.
+HEARTBEAT_IVL_MS: Final = 1000
+HEARTBEAT_TIMEOUT_MS: Final = 3000
+
+# Error texts that cross the wire are cut to this many characters.
+ERROR_TEXT_MAX: Final = 4000
+RING_KIB: Final = 1024  # each direction's ring, per connection
