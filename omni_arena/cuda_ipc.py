@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from proto.arena import ArenaError
-from proto.messages import ArenaInfo, CudaIpcInfo
+from proto.messages import ArenaInfo, ArenaKind, CudaIpcInfo
 from omni_arena.views import TORCH_DTYPES, dtype_name
 from proto.tensors import DTYPE_ITEMSIZE, TensorRef, check_ref
 
@@ -113,7 +113,7 @@ class CudaIpcArena:
     each side holds its own events and the peer's opened ones.
     """
 
-    kind = "cuda_ipc"
+    kind: ArenaKind = "cuda_ipc"
 
     def __init__(self, buf: torch.Tensor, ready: list[torch.cuda.Event], name: str,
                  info: ArenaInfo | None = None) -> None:

@@ -15,7 +15,7 @@ import re
 import secrets
 from typing import Protocol
 
-from proto.messages import ArenaInfo
+from proto.messages import ArenaInfo, ArenaKind
 from proto.tensors import TensorRef, check_ref
 
 SHM_DIR = "/dev/shm"
@@ -28,11 +28,17 @@ class ArenaError(RuntimeError):
 
 
 class Arena(Protocol):
+    """What both sides hold for a shared buffer: `ShmArena` here, `CudaIpcArena` in omni_arena.
+
+    `kind` tells them apart (host memory is read through `view`, device memory through the
+    arena's own tensor methods and events); code never needs isinstance for it.
+    """
+
+    kind: ArenaKind
+    name: str
     size: int
 
     def info(self) -> ArenaInfo: ...
-
-    def view(self, ref: TensorRef) -> memoryview: ...
 
     def close(self) -> None: ...
 
@@ -43,6 +49,8 @@ def align_up(n: int, align: int = ALIGN) -> int:
 
 class ShmArena:
     """A file in /dev/shm mapped read-write into this process."""
+
+    kind: ArenaKind = "shm"
 
     def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool) -> None:
         self.name = name
