@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import msgspec
 
+from proto.errors import ProtoError
 from proto.messages import Message
 
 DEFAULT_MAX_FRAME_BYTES = 64 << 20
 
 
-class FrameError(ValueError):
+class FrameError(ProtoError, ValueError):
     """A frame that is too large, not msgpack, or not a known message."""
 
     def __init__(self, code: str, message: str) -> None:

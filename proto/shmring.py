@@ -48,6 +48,7 @@ import collections
 from typing import Callable, Literal, TypeVar
 
 from proto.arena import ArenaError, ShmArena
+from proto.errors import ProtoError
 from proto.messages import ArenaInfo
 
 MAGIC = 0x3147_4E49_5249_4E4F  # "ONIRING1" little-endian
@@ -62,7 +63,7 @@ DEFAULT_CAPACITY = 1 << 20
 T = TypeVar("T")
 
 
-class RingError(RuntimeError):
+class RingError(ProtoError, RuntimeError):
     """The shared ring holds something a correct peer never writes; the ring is unusable."""
 
 

@@ -11,6 +11,8 @@ from typing import Annotated
 
 import msgspec
 
+from proto.errors import ProtoError
+
 # dtype name -> item size. Names follow torch (`str(dtype)` minus "torch.").
 DTYPE_ITEMSIZE: dict[str, int] = {
     "float32": 4,
@@ -43,7 +45,7 @@ class TensorRef(msgspec.Struct, frozen=True, array_like=True):
 TENSOR_MARKER = "__omni_tensor_ref__"
 
 
-class TensorRefError(ValueError):
+class TensorRefError(ProtoError, ValueError):
     """A tensor ref that does not fit its arena or its own shape and dtype."""
 
 

@@ -6,20 +6,17 @@ connection in order, so results arrive in step order. Every frame from the
 sidecar is untrusted: anything malformed becomes a SidecarError, never a crash.
 A socket monitor tells the shim at once when the sidecar's end goes away.
 
-Fast path (issue #6, DESIGN §8): the Hello offers two shared-memory rings
-(proto/shmring.py); once the Welcome accepts them, step messages travel through
-them and the socket keeps the handshake, control messages (behind a ring MARK,
-so one order holds per connection), heartbeats and kicks. Waiting for a reply
-polls the ring with sched_yield for `spin_us`, then sleeps on the socket until
-the sidecar's kick (or `sleep_ms`, then re-checks), watching the step timeout
-and the socket monitor all along. OMNI_SIDECAR_RING=0, or a sidecar that does
-not accept rings, keeps everything on ZeroMQ.
+Fast path: the Hello offers two shared-memory rings (proto/shmring.py); once the
+Welcome accepts them, messages travel as proto/transport.py routes them (step
+messages in the rings; control behind a ring MARK on the socket) and waiting for a
+reply follows its WaitPolicy, watching the step timeout and the socket monitor all
+along. OMNI_SIDECAR_RING=0, or a sidecar that does not accept rings, keeps
+everything on ZeroMQ. See docs/ARCHITECTURE.md (transport).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import platform
 import time
 
@@ -29,30 +26,20 @@ from zmq.utils.monitor import recv_monitor_message
 
 from proto.arena import ArenaError
 from proto.codec import Codec, FrameError
-from proto.messages import ErrorReply, Hello, Message, Reject, StepBegin, StepEnd, StepResult, Welcome
+from proto.errors import ProtoError
+from proto.messages import ErrorReply, Hello, Message, Reject, StepResult, Welcome
 from proto.shmring import EMPTY, RingDuplex, RingError, ShmRing
+from proto.transport import RingTransport, WaitPolicy, apply_curve_client, reply_problem, route, set_heartbeats
 from worker_shim.config import RingConfig
 
 log = logging.getLogger("vllm.omni_sidecar.shim.channel")
-RING_MESSAGES = (StepBegin, StepEnd)  # what travels in the ring; everything else is control
 FULL_RING_WAIT_S = 0.0002
 TSO_MACHINES = ("x86_64", "amd64")  # where the rings' store order holds without fences
-
-HEARTBEAT_IVL_MS = 1000
-HEARTBEAT_TIMEOUT_MS = 3000
+MARK_WAIT_MS = 50  # a MARK's frame is already on its way: wait for it in short steps
 
 
 class SidecarError(RuntimeError):
     pass
-
-
-def _apply_curve_client(sock: zmq.Socket, keys_dir: str) -> None:
-    """tcp:// only: our `client.key_secret` and the sidecar's public `server.key`."""
-    import zmq.auth
-
-    pub, sec = zmq.auth.load_certificate(os.path.join(keys_dir, "client.key_secret"))
-    server_pub, _ = zmq.auth.load_certificate(os.path.join(keys_dir, "server.key"))
-    sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = sec, pub, server_pub
 
 
 class SidecarChannel:
@@ -60,10 +47,10 @@ class SidecarChannel:
                  ring: RingConfig | None = None) -> None:
         self.endpoint = endpoint
         self.ring_config = ring if ring is not None else RingConfig.from_env()
+        self.wait = WaitPolicy(spin_us=self.ring_config.spin_us, sleep_ms=self.ring_config.sleep_ms)
         self._offer: tuple[ShmRing, ShmRing] | None = None  # (to sidecar, from sidecar) until Welcome
-        self.duplex: RingDuplex | None = None  # set once the sidecar accepted the rings
+        self.rings: RingTransport | None = None  # set once the sidecar accepted the rings
         self._gone = False
-        self.kicks_sent = 0
         self.sleeps = 0
         self.step_timeout_ms = int(step_timeout_s * 1000)
         self.codec = Codec()
@@ -71,17 +58,18 @@ class SidecarChannel:
         self._sock.setsockopt(zmq.LINGER, 0)
         # A blocking recv with a timeout costs one wake-up; poll() + recv() costs two.
         self._sock.setsockopt(zmq.RCVTIMEO, self.step_timeout_ms)
-        # ZMTP heartbeats from libzmq's I/O thread: a sidecar that stops answering (SIGSTOP,
-        # a hung host) is disconnected within HEARTBEAT_TIMEOUT even while vLLM is idle.
-        self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        set_heartbeats(self._sock)  # a sidecar that stops answering is gone even while vLLM idles
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         if curve_keys:
-            _apply_curve_client(self._sock, curve_keys)
+            apply_curve_client(self._sock, curve_keys)
         self._sock.connect(endpoint)
         self._results: list[StepResult] = []
         self._welcome: Welcome | None = None
         self.acked_step = -1  # highest step whose StepResult arrived
+
+    @property
+    def kicks_sent(self) -> int:
+        return self.rings.kicks_sent if self.rings is not None else 0
 
     # -- handshake ---------------------------------------------------------------
 
@@ -120,7 +108,7 @@ class SidecarChannel:
         offer, self._offer = self._offer, None
         if offer is not None:
             if reply.rings:
-                self.duplex = RingDuplex(tx=offer[0], rx=offer[1])
+                self.rings = RingTransport(RingDuplex(tx=offer[0], rx=offer[1]), self._send_frame, self._kick)
                 log.info("omni-sidecar session %d: step messages over shared-memory rings (%d KiB each way)",
                          reply.session, self.ring_config.capacity_kib)
             else:  # an older sidecar, or one started with rings off: ZeroMQ only
@@ -130,7 +118,7 @@ class SidecarChannel:
 
     def _offer_rings(self, hello: Hello) -> Hello:
         """Create this connection's two rings and name them in the Hello (fresh ones per Hello)."""
-        if not self.ring_config.enabled or self.duplex is not None:
+        if not self.ring_config.enabled or self.rings is not None:
             return hello
         if platform.machine().lower() not in TSO_MACHINES:
             log.warning("no shared-memory rings on %s: their unfenced publication relies on x86-64 store "
@@ -157,7 +145,7 @@ class SidecarChannel:
 
     @property
     def ring_active(self) -> bool:
-        return self.duplex is not None
+        return self.rings is not None
 
     # -- traffic -----------------------------------------------------------------
 
@@ -165,39 +153,33 @@ class SidecarChannel:
         if isinstance(msg, Hello):
             msg = self._offer_rings(msg)
         frame = self.codec.encode(msg)
-        if self.duplex is None:
-            self._sock.send(frame, copy=True)
+        if self.rings is None:
+            self._send_frame(frame)
         else:
-            self._ring_send(frame, control=not isinstance(msg, RING_MESSAGES))
+            self._ring_send(frame, msg)
 
-    def _ring_send(self, frame: bytes, control: bool) -> None:
-        """Into the ring (kick the sidecar if it sleeps), or MARK + socket; waits while full."""
-        duplex = self.duplex
-        assert duplex is not None
-        deadline = 0.0
-        while True:
-            try:
-                outcome = duplex.send(frame, control)
-            except RingError as exc:
-                raise SidecarError(f"bad shared-memory ring: {exc}") from None
-            if outcome == "ring":
-                if duplex.peer_sleeping():
-                    self._kick()
-                return
-            if outcome == "socket":
-                self._sock.send(frame, copy=True)
-                return
-            # Full: the sidecar is behind on this connection. Wait, as long as a reply may take.
-            now = time.monotonic()
-            deadline = deadline or now + self.step_timeout_ms / 1000
-            if now > deadline:
-                raise SidecarError(
-                    f"omni-sidecar at {self.endpoint} did not drain its ring within "
-                    f"{self.step_timeout_ms / 1000:.1f}s (OMNI_SIDECAR_STEP_TIMEOUT)"
-                )
-            if self.peer_gone():
-                raise SidecarError("the sidecar closed the connection")
-            time.sleep(FULL_RING_WAIT_S)
+    def _send_frame(self, frame: bytes) -> None:
+        self._sock.send(frame, copy=True)
+
+    def _ring_send(self, frame: bytes, msg: Message) -> None:
+        """As the transport routes it; waits while the ring is full, as long as a reply may take."""
+        rings = self.rings
+        assert rings is not None
+        try:
+            rings.send(frame, route(msg))
+            deadline = time.monotonic() + self.step_timeout_ms / 1000
+            while rings.queued:  # the sidecar is behind on this connection
+                if time.monotonic() > deadline:
+                    raise SidecarError(
+                        f"omni-sidecar at {self.endpoint} did not drain its ring within "
+                        f"{self.step_timeout_ms / 1000:.1f}s (OMNI_SIDECAR_STEP_TIMEOUT)"
+                    )
+                if self.peer_gone():
+                    raise SidecarError("the sidecar closed the connection")
+                time.sleep(FULL_RING_WAIT_S)
+                rings.flush()
+        except ProtoError as exc:  # a broken ring
+            raise SidecarError(f"bad shared-memory ring: {exc}") from None
 
     def call(self, msg: Message, want: type) -> Message:
         self.send(msg)
@@ -206,15 +188,14 @@ class SidecarChannel:
             if isinstance(reply, StepResult):
                 self._stash(reply)
                 continue
-            if isinstance(reply, ErrorReply):
-                raise SidecarError(f"sidecar rejected {type(msg).__name__}: {reply.code}: {reply.message}")
-            if not isinstance(reply, want):
-                raise SidecarError(f"expected {want.__name__}, sidecar sent {type(reply).__name__}")
+            problem = reply_problem(msg, reply, want)
+            if problem:
+                raise SidecarError(problem)
             return reply
 
     def take_results(self, until_step: int | None = None) -> list[StepResult]:
         """Results received so far; blocks (up to the step timeout) for `until_step`'s."""
-        if self.duplex is not None:
+        if self.rings is not None:
             self._pull_socket(0)
             while (msg := self._ring_next()) is not None:
                 self._stash(msg)
@@ -251,14 +232,14 @@ class SidecarChannel:
         else:
             raise SidecarError(f"unexpected {type(msg).__name__} from the sidecar")
 
-    def _decode(self, frame: bytes) -> Message:
+    def _decode(self, frame: bytes | memoryview) -> Message:
         try:
             return self.codec.decode(frame)
         except FrameError as exc:
             raise SidecarError(f"bad frame from the sidecar: {exc}") from None
 
     def _recv(self, timeout_s: float) -> Message:
-        if self.duplex is not None:
+        if self.rings is not None:
             return self._ring_recv(timeout_s)
         try:
             if timeout_s * 1000 >= self.step_timeout_ms:
@@ -277,27 +258,26 @@ class SidecarChannel:
             "(OMNI_SIDECAR_STEP_TIMEOUT)"
         )
 
-    # -- the ring ------------------------------------------------------------------
+    # -- the rings -----------------------------------------------------------------
 
-    def _kick(self) -> None:
+    def _kick(self) -> bool:
         """Wake a sidecar that sleeps on its socket (an empty frame; never blocks a step)."""
         try:
             self._sock.send(b"", zmq.NOBLOCK, copy=True)
-            self.kicks_sent += 1
+            return True
         except zmq.Again:
-            pass  # the sidecar re-checks its rings on its own within its sleep
+            return False  # the sidecar re-checks its rings on its own within its sleep
 
     def _ring_recv(self, timeout_s: float) -> Message:
-        """Spin (yielding) for `spin_us`, then sleep until kicked; the step timeout and the
-        socket monitor end the wait early when the sidecar is late or gone."""
-        duplex = self.duplex
-        assert duplex is not None
+        """Spin, then sleep until kicked (WaitPolicy); the step timeout and the socket
+        monitor end the wait early when the sidecar is late or gone."""
+        rings = self.rings
+        assert rings is not None
         msg = self._ring_next()
         if msg is not None:
             return msg
-        now = time.monotonic()
-        deadline = now + timeout_s
-        spin_until = now + self.ring_config.spin_us / 1e6
+        busy_at = time.monotonic()
+        deadline = busy_at + timeout_s
         while True:
             msg = self._ring_next()
             if msg is not None:
@@ -305,51 +285,47 @@ class SidecarChannel:
             now = time.monotonic()
             if now >= deadline:
                 raise self._timeout(timeout_s)
-            if duplex.waiting_for_socket:  # a MARK: its frame is on the socket, on its way
-                self._pull_socket(max(1, min(50, int((deadline - now) * 1000))))
-                if not duplex.socket_frames and self.peer_gone():
+            if rings.waiting_for_socket:  # a MARK: its frame is on the socket, on its way
+                self._pull_socket(max(1, min(MARK_WAIT_MS, int((deadline - now) * 1000))))
+                if not rings.socket_frames_waiting and self.peer_gone():
                     raise SidecarError(f"omni-sidecar at {self.endpoint} closed the connection")
                 continue
-            if now < spin_until:
-                os.sched_yield()
+            if self.wait.spin(busy_at, now):
                 continue
-            duplex.rx.set_sleeping(True)
-            try:
-                msg = self._ring_next()  # published before it could see our flag?
-                if msg is not None:
-                    return msg
-                if self.peer_gone():
-                    raise SidecarError(f"omni-sidecar at {self.endpoint} closed the connection")
-                self.sleeps += 1
-                self._pull_socket(max(1, min(self.ring_config.sleep_ms, int((deadline - now) * 1000))))
-            finally:
-                duplex.rx.set_sleeping(False)
+            nap_ms = self.wait.nap_ms(busy_at, now, deadline)
+            msg = self.wait.sleep([rings], self._ring_next, lambda: self._nap(nap_ms))
+            if msg is not None:
+                return msg
+
+    def _nap(self, wait_ms: int) -> None:
+        if self.peer_gone():
+            raise SidecarError(f"omni-sidecar at {self.endpoint} closed the connection")
+        self.sleeps += 1
+        self._pull_socket(wait_ms)
 
     def _ring_next(self) -> Message | None:
         """The next message in connection order, or None when there is none yet."""
-        assert self.duplex is not None
+        assert self.rings is not None
         try:
-            msg = self.duplex.recv(self._decode)
+            msg = self.rings.recv(self._decode)
         except RingError as exc:
             raise SidecarError(f"bad shared-memory ring from the sidecar: {exc}") from None
         return None if msg is EMPTY else msg  # type: ignore[return-value]
 
     def _pull_socket(self, wait_ms: int) -> None:
-        """Socket frames into the duplex (each behind its MARK); kicks (empty frames) dropped."""
-        sock, duplex = self._sock, self.duplex
-        assert duplex is not None
+        """Socket frames into the rings' order (each behind its MARK); kicks dropped."""
+        sock, rings = self._sock, self.rings
+        assert rings is not None
         if wait_ms > 0:
             sock.poll(wait_ms)
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            frame = sock.recv(copy=True)
-            if frame:
-                duplex.feed_socket(frame)
+            rings.feed_socket(sock.recv(copy=True))
 
     def close(self) -> None:
         self._close_offer()
-        if self.duplex is not None:
-            self.duplex.close()
-            self.duplex = None
+        if self.rings is not None:
+            self.rings.close()
+            self.rings = None
         try:
             self._sock.disable_monitor()
         except zmq.ZMQError:
