@@ -13,6 +13,8 @@ from omni_sidecar import __version__
 from omni_sidecar.builtin_hooks import BUILTIN_NAMES
 from proto.endpoint import default_endpoint
 
+LOG_TAIL_CHARS = 3000  # of a failed successor's log, shown by `upgrade`
+
 _EPILOG = """\
 How it fits together:
   1. omni-sidecar serve --hooks capture            # start the sidecar (this process)
@@ -45,54 +47,7 @@ def _parser() -> argparse.ArgumentParser:
         "SIGINT stops at once.",
     )
     s.add_argument("--config", default=None, help="TOML file with the same keys as the flags")
-    s.add_argument("--endpoint", default=None, help=ep_help)
-    s.add_argument(
-        "--hooks", default=None,
-        help=f"hook set: built-in ({', '.join(BUILTIN_NAMES)}) or module:Class "
-        "(a subclass of omni_sidecar.hooks.OmniHooks); default passthrough",
-    )
-    s.add_argument(
-        "--hook-option", action="append", default=[], metavar="KEY=VALUE",
-        help="passed to the hook set's constructor; repeatable (e.g. extra_kwargs=1, "
-        "state_cap_mib=64 for --hooks omni)",
-    )
-    s.add_argument(
-        "--arena-mib", type=int, default=None,
-        help="minimum size of the sidecar->shim arena for overlay rows and kwargs tensors "
-        "(default: sized from the shim's max tokens x hidden size)",
-    )
-    s.add_argument(
-        "--keep-finished", type=int, default=None,
-        help="finished requests whose outputs stay available to clients (default 10000)",
-    )
-    s.add_argument("--max-frame-mib", type=int, default=None, help="reject larger frames (default 64)")
-    s.add_argument(
-        "--metrics-port", type=int, default=None,
-        help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (default: off)",
-    )
-    s.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO)")
-    s.add_argument("--log-format", default=None, choices=["plain", "json"], help="default plain")
-    s.add_argument("--allow-uid", dest="allow_uids", type=int, action="append", default=None,
-                   help="besides this user, let this uid connect (repeatable)")
-    s.add_argument("--curve-keys", default=None,
-                   help="directory with server.key_secret and authorized/ client keys; required for tcp://")
-    s.add_argument(
-        "--ring", action=argparse.BooleanOptionalAction, default=None,
-        help="accept the shared-memory rings shims offer for per-step messages (default on; "
-        "--no-ring keeps everything on ZeroMQ; shims turn it off with OMNI_SIDECAR_RING=0)",
-    )
-    s.add_argument(
-        "--ring-spin-us", type=int, default=None,
-        help="after its last ring message the sidecar keeps polling the rings this long, yielding "
-        "the CPU each time, before it sleeps until a shim's kick (default 2000). Longer keeps the "
-        "next step's exchange at a few us when steps come further apart, at the price of a CPU "
-        "that polls; keep it short on small hosts where vLLM needs the cores",
-    )
-    s.add_argument(
-        "--ring-sleep-ms", type=int, default=None,
-        help="a sleeping sidecar re-checks the rings at least this often (default 2): bounds the "
-        "cost of a missed kick (Python has no store-load fence)",
-    )
+    _add_settings(s)
     s.add_argument("--takeover", action="store_true",
                    help="hot upgrade: take state and shims over from the sidecar running at --endpoint, "
                    "which then drains and exits (vLLM keeps running)")
@@ -101,8 +56,6 @@ def _parser() -> argparse.ArgumentParser:
                    "(what a container or unit that replaces itself wants)")
     s.add_argument("--takeover-timeout", type=float, default=60.0,
                    help="give up (and leave the old sidecar serving) after this many seconds (default 60)")
-    s.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=None,
-                   help="longest SIGTERM drain in seconds (default 10)")
 
     st = sub.add_parser("status", help="print a running sidecar's status as JSON")
     st.add_argument("--endpoint", default=None, help=ep_help)
@@ -132,6 +85,28 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--endpoint", default=None, help=ep_help)
     o.add_argument("--pop", action="store_true", help="remove them from the sidecar")
     return p
+
+
+def _add_settings(parser: argparse.ArgumentParser) -> None:
+    """One flag per ServeConfig field: help and default come from omni_sidecar/config.py.
+
+    Flags default to None ("not given"), so the environment and the TOML file can set them.
+    """
+    from omni_sidecar.config import settings
+
+    for field, flag, default, text, choices in settings():
+        kwargs: dict = {"dest": field, "default": None, "choices": choices}
+        if isinstance(default, bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif field == "hook_options":
+            kwargs.update(action="append", default=[], metavar="KEY=VALUE", dest="hook_option")
+        elif field == "allow_uids":
+            kwargs.update(action="append", type=int)
+        elif isinstance(default, (int, float)):
+            kwargs["type"] = type(default)
+        if default not in ("", msgspec.NODEFAULT) and field != "hook_options":
+            text = f"{text} (default {default})"
+        parser.add_argument(flag, help=text, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,30 +151,22 @@ def _bench(bench_args: list[str]) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     import os
-    from omni_sidecar.config import RELOADABLE, ConfigError, load_config
+    from omni_sidecar.client import answers
+    from omni_sidecar.config import RELOADABLE, ConfigError, ServeConfig, load_config
     from omni_sidecar.loader import HookLoadError, load_hooks, parse_options
     from omni_sidecar.logs import configure_logging
     from omni_sidecar.security import SecurityError
     from omni_sidecar.server import SidecarServer
 
-    keys = ("endpoint", "hooks", "arena_mib", "keep_finished", "max_frame_mib", "metrics_port",
-            "log_level", "log_format", "drain_timeout_s", "allow_uids", "curve_keys", "ring",
-            "ring_spin_us", "ring_sleep_ms")
     try:
-        cli = {k: getattr(args, k) for k in keys}
+        cli = {k: getattr(args, k) for k in ServeConfig.__struct_fields__ if k != "hook_options"}
         cli["hook_options"] = parse_options(args.hook_option)
         config = load_config(dict(cli), args.config)
         configure_logging(config.log_level, config.log_format)
         hooks = load_hooks(config.hooks, config.hook_options)
-        server = SidecarServer(
-            config.endpoint, hooks, keep_finished=config.keep_finished,
-            max_frame_bytes=config.max_frame_mib << 20, arena_bytes=config.arena_mib << 20,
-            metrics_port=config.metrics_port, allowed_uids=config.allow_uids,
-            curve_keys=config.curve_keys or None, ring=config.ring, ring_spin_us=config.ring_spin_us,
-            ring_sleep_ms=config.ring_sleep_ms,
-        )
+        server = SidecarServer(config, hooks)
         if args.takeover_if_running and not args.takeover:
-            args.takeover = _sidecar_running(config.endpoint)
+            args.takeover = answers(config.endpoint, timeout_s=0.5)
         if args.takeover:
             if not config.endpoint.startswith("ipc://"):
                 raise ValueError("--takeover works on ipc:// endpoints")
@@ -210,7 +177,6 @@ def _serve(args: argparse.Namespace) -> int:
     except (HookLoadError, ConfigError, ValueError, SecurityError) as exc:
         print(f"omni-sidecar: {exc}", file=sys.stderr)
         return 2
-    server.drain_timeout_s = config.drain_timeout_s
 
     def reload() -> None:
         nonlocal config
@@ -232,17 +198,6 @@ def _serve(args: argparse.Namespace) -> int:
     server.on_reload = reload
     server.serve_forever()
     return 2 if server.takeover_failed else 0
-
-
-def _sidecar_running(endpoint: str) -> bool:
-    from omni_sidecar.client import SidecarClient, SidecarUnavailable
-
-    try:
-        with SidecarClient(endpoint, timeout_s=0.5) as client:
-            client.ping()
-        return True
-    except SidecarUnavailable:
-        return False
 
 
 def _upgrade(args: argparse.Namespace, endpoint: str) -> int:
@@ -269,7 +224,7 @@ def _upgrade(args: argparse.Namespace, endpoint: str) -> int:
     while time.monotonic() - t0 < args.timeout + 5:
         if proc.poll() is not None:
             print(f"omni-sidecar upgrade: the new sidecar exited ({proc.returncode}); the old one keeps "
-                  f"serving. Its log ({log_path}):\n{open(log_path).read()[-3000:]}", file=sys.stderr)
+                  f"serving. Its log ({log_path}):\n{open(log_path).read()[-LOG_TAIL_CHARS:]}", file=sys.stderr)
             return 2
         try:
             with SidecarClient(endpoint, timeout_s=0.5) as client:

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Iterator
 
 import zmq
 
+from omni_sidecar.errors import OmniSidecarError
 from omni_sidecar.tensors import tensor_from_bytes
 from proto.codec import Codec
-from proto.endpoint import default_endpoint
+from proto.endpoint import default_endpoint, ipc_path
 from proto.messages import (
     Drain,
     Drained,
-    ErrorReply,
     Message,
     OutputsQuery,
     OutputsReply,
@@ -22,13 +23,14 @@ from proto.messages import (
     StatusQuery,
     StatusReply,
 )
+from proto.transport import apply_curve_client, reply_problem
 
 
-class SidecarUnavailable(ConnectionError):
+class SidecarUnavailable(OmniSidecarError, ConnectionError):
     pass
 
 
-class RequestFailed(RuntimeError):
+class RequestFailed(OmniSidecarError, RuntimeError):
     """The sidecar's hooks failed this request; the message says why."""
 
     def __init__(self, req_id: str, message: str) -> None:
@@ -37,18 +39,31 @@ class RequestFailed(RuntimeError):
         self.message = message
 
 
+PROBE_TIMEOUT_S = 0.3
+
+
+def answers(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Does a sidecar answer a ping at `endpoint` now? (No socket file: no, at once.)"""
+    path = ipc_path(endpoint)
+    if path is not None and not os.path.exists(path):
+        return False
+    try:
+        with SidecarClient(endpoint, timeout_s=timeout_s) as client:
+            client.ping()
+        return True
+    except SidecarUnavailable:
+        return False
+
+
 def wait_ready(endpoint: str, timeout_s: float = 60.0, proc: Any = None) -> None:
     """Block until a sidecar answers a ping at `endpoint` (and `proc`, if given, is alive)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise SidecarUnavailable(f"the sidecar process exited with {proc.returncode} before it was ready")
-        try:
-            with SidecarClient(endpoint, timeout_s=0.3) as client:
-                client.ping()
-                return
-        except SidecarUnavailable:
-            continue
+        if answers(endpoint):
+            return
+        time.sleep(0.01)
     raise SidecarUnavailable(f"no sidecar answered at {endpoint} within {timeout_s:.0f}s")
 
 
@@ -68,8 +83,6 @@ class SidecarClient:
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         if curve_keys:
-            from omni_sidecar.security import apply_curve_client
-
             apply_curve_client(self._sock, curve_keys)
         self._sock.connect(self.endpoint)
 
@@ -90,10 +103,9 @@ class SidecarClient:
                 f"{self.timeout_ms / 1000:.1f}s; is `omni-sidecar serve` running there?"
             )
         reply = self.codec.decode(self._sock.recv())
-        if isinstance(reply, ErrorReply):
-            raise RuntimeError(f"sidecar refused {type(msg).__name__}: {reply.code}: {reply.message}")
-        if not isinstance(reply, want):
-            raise RuntimeError(f"expected {want.__name__}, got {type(reply).__name__}")
+        problem = reply_problem(msg, reply, want)
+        if problem:
+            raise RuntimeError(problem)
         return reply
 
     def ping(self, nonce: int = 0) -> int:

@@ -10,43 +10,100 @@ from __future__ import annotations
 
 import os
 import tomllib
-from typing import Any
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
+import msgspec.inspect
 
+from omni_sidecar.builtin_hooks import BUILTIN_NAMES
+from omni_sidecar.errors import OmniSidecarError
+from proto.codec import DEFAULT_MAX_FRAME_BYTES
 from proto.endpoint import default_endpoint
+from proto.settings import ENV_PREFIX, RING_SLEEP_MS, RING_SLEEP_MS_MAX, RING_SPIN_US
+
+
+def _help(text: str) -> Any:
+    return msgspec.Meta(description=text)
 
 
 class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    endpoint: str = ""
-    hooks: str = "passthrough"
-    hook_options: dict[str, str] = {}
-    arena_mib: int = 0
-    keep_finished: int = 10_000
-    max_frame_mib: int = 64
-    metrics_port: int = 0
-    log_level: str = "INFO"
-    log_format: str = "plain"  # or "json"
-    drain_timeout_s: float = 10.0
-    allow_uids: list[int] = []
-    curve_keys: str = ""
-    # Shared-memory rings for per-step messages (omni_sidecar/server.py docstring). The env
-    # names (OMNI_SIDECAR_RING, _RING_SPIN_US, _RING_SLEEP_MS) are the shim's too, like ENDPOINT.
-    ring: bool = True
-    ring_spin_us: int = 2000
-    ring_sleep_ms: int = 2
+    """Every `serve` setting: its default and its help text (the CLI is generated from here)."""
+
+    endpoint: Annotated[str, _help(
+        "ZeroMQ ipc:// endpoint (default: $OMNI_SIDECAR_ENDPOINT or a socket under $XDG_RUNTIME_DIR)")] = ""
+    hooks: Annotated[str, _help(
+        f"hook set: built-in ({', '.join(BUILTIN_NAMES)}) or module:Class "
+        "(a subclass of omni_sidecar.hooks.OmniHooks)")] = "passthrough"
+    hook_options: Annotated[dict[str, str], _help(
+        "passed to the hook set's constructor; repeatable (e.g. extra_kwargs=1, "
+        "state_cap_mib=64 for --hooks omni)")] = {}
+    arena_mib: Annotated[int, _help(
+        "minimum size of the sidecar->shim arena for overlay rows and kwargs tensors "
+        "(0: sized from the shim's max tokens x hidden size)")] = 0
+    keep_finished: Annotated[int, _help(
+        "finished requests whose outputs stay available to clients")] = 10_000
+    max_frame_mib: Annotated[int, _help("reject larger frames")] = DEFAULT_MAX_FRAME_BYTES >> 20
+    metrics_port: Annotated[int, _help(
+        "serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: off)")] = 0
+    log_level: Annotated[str, _help("DEBUG, INFO, WARNING")] = "INFO"
+    log_format: Annotated[Literal["plain", "json"], _help("plain or json lines")] = "plain"
+    drain_timeout_s: Annotated[float, _help("longest SIGTERM drain in seconds")] = 10.0
+    allow_uids: Annotated[list[int], _help("besides this user, let this uid connect (repeatable)")] = []
+    curve_keys: Annotated[str, _help(
+        "directory with server.key_secret and authorized/ client keys; required for tcp://")] = ""
+    # The ring env names (OMNI_SIDECAR_RING, _RING_SPIN_US, _RING_SLEEP_MS) are the shim's too.
+    ring: Annotated[bool, _help(
+        "accept the shared-memory rings shims offer for per-step messages (--no-ring keeps "
+        "everything on ZeroMQ; shims turn it off with OMNI_SIDECAR_RING=0)")] = True
+    ring_spin_us: Annotated[int, _help(
+        "after its last ring message the sidecar keeps polling the rings this long, yielding "
+        "the CPU each time, before it sleeps until a shim's kick. Longer keeps the "
+        "next step's exchange at a few us when steps come further apart, at the price of a CPU "
+        "that polls; keep it short on small hosts where vLLM needs the cores")] = RING_SPIN_US
+    ring_sleep_ms: Annotated[int, _help(
+        "a sleeping sidecar re-checks the rings at least this often: bounds the "
+        "cost of a missed kick (Python has no store-load fence)")] = RING_SLEEP_MS
 
     def __post_init__(self) -> None:
-        if self.ring_spin_us < 0 or not 1 <= self.ring_sleep_ms <= 1000:
-            raise ValueError("ring_spin_us must be >= 0 and ring_sleep_ms in [1, 1000]")
-        if self.log_format not in ("plain", "json"):
-            raise ValueError(f"log_format must be 'plain' or 'json', got {self.log_format!r}")
+        if self.ring_spin_us < 0 or not 1 <= self.ring_sleep_ms <= RING_SLEEP_MS_MAX:
+            raise ValueError(f"ring_spin_us must be >= 0 and ring_sleep_ms in [1, {RING_SLEEP_MS_MAX}]")
         if self.keep_finished < 0 or self.max_frame_mib <= 0 or self.arena_mib < 0:
             raise ValueError("keep_finished, arena_mib must be >= 0 and max_frame_mib > 0")
 
+    @property
+    def max_frame_bytes(self) -> int:
+        return self.max_frame_mib << 20
+
+    @property
+    def arena_bytes(self) -> int:
+        return self.arena_mib << 20
+
+
+# Flags whose name is not the field's (repeatable ones are singular).
+FLAG_NAMES = {"hook_options": "--hook-option", "allow_uids": "--allow-uid", "drain_timeout_s": "--drain-timeout"}
+
+
+class Setting(NamedTuple):
+    field: str
+    flag: str
+    default: Any  # msgspec.NODEFAULT for the repeatable ones (an empty collection)
+    help: str
+    choices: tuple[str, ...] | None
+
+
+def settings() -> list[Setting]:
+    """Every setting in declaration order, as the CLI offers it."""
+    out = []
+    for field in msgspec.inspect.type_info(ServeConfig).fields:
+        meta = getattr(field.type, "extra_json_schema", None) or {}
+        values = getattr(getattr(field.type, "type", None), "values", None)  # a Literal's
+        flag = FLAG_NAMES.get(field.name, "--" + field.name.replace("_", "-"))
+        out.append(Setting(field.name, flag, field.default, meta.get("description", ""),
+                           tuple(values) if values else None))
+    return out
+
 
 RELOADABLE = ("log_level", "log_format", "keep_finished")
-ENV_PREFIX = "OMNI_SIDECAR_"
 _ENV_KEYS = {  # env name -> field (OMNI_SIDECAR_ENDPOINT is shared with the shim)
     f"{ENV_PREFIX}{name.upper()}": name
     for name in ServeConfig.__struct_fields__
@@ -54,7 +111,7 @@ _ENV_KEYS = {  # env name -> field (OMNI_SIDECAR_ENDPOINT is shared with the shi
 }
 
 
-class ConfigError(ValueError):
+class ConfigError(OmniSidecarError, ValueError):
     pass
 
 

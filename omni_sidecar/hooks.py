@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
+from omni_sidecar.errors import OmniSidecarError
 from proto.messages import BatchLayout, HookNeeds
 
 
-class HookErrors(Exception):
+class HookErrors(OmniSidecarError):
     """Fail the named requests (req_id -> message); the others go on."""
 
     def __init__(self, errors: dict[str, str]) -> None:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import importlib
 
+from omni_sidecar.errors import OmniSidecarError
 from omni_sidecar.builtin_hooks import BUILTIN_NAMES, builtin_hooks
 from omni_sidecar.hooks import OmniHooks
 
 
-class HookLoadError(RuntimeError):
+class HookLoadError(OmniSidecarError, RuntimeError):
     pass
 
 

@@ -18,10 +18,12 @@ from pathlib import Path
 
 import zmq
 
+from omni_sidecar.errors import OmniSidecarError
+
 log = logging.getLogger("omni_sidecar.security")
 
 
-class SecurityError(RuntimeError):
+class SecurityError(OmniSidecarError, RuntimeError):
     pass
 
 
@@ -88,15 +90,3 @@ class CurveServer:
 
     def stop(self) -> None:
         self.auth.stop()
-
-
-def apply_curve_client(sock: zmq.Socket, keys_dir: str) -> None:
-    """Client side: `client.key_secret` (ours) and `server.key` (the sidecar's public key)."""
-    import zmq.auth
-
-    keys = Path(keys_dir)
-    pub, sec = zmq.auth.load_certificate(str(keys / "client.key_secret"))
-    server_pub, _ = zmq.auth.load_certificate(str(keys / "server.key"))
-    sock.curve_secretkey = sec
-    sock.curve_publickey = pub
-    sock.curve_serverkey = server_pub

@@ -1,4 +1,8 @@
-"""One shim connection: its arenas, its requests, and the hook calls per step."""
+"""One shim connection's requests and the hook calls per step.
+
+Tensor moves live in omni_sidecar/arenas.py; what a finished request leaves for
+clients in omni_sidecar/store.py.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +11,12 @@ import time
 from typing import Any
 
 import msgspec
-import torch
 
+from omni_sidecar.arenas import SessionArenas
 from omni_sidecar.hooks import HookErrors, OmniHooks, RequestInfo, StepBatch
 from omni_sidecar.metrics import SidecarMetrics
 from omni_sidecar.stats import LatencyWindow
-from omni_sidecar.store import FinishedEntry, FinishedOutputs, client_request_id
-from omni_arena.views import arena_tensor, torch_dtype
-from omni_sidecar.tensors import write_tensor
-from proto.arena import ArenaError, ShmArena, align_up
+from omni_sidecar.store import FinishedEntry, FinishedOutputs
 from proto.messages import (
     BatchLayout,
     Hello,
@@ -28,50 +29,9 @@ from proto.messages import (
     StepPlan,
     StepResult,
 )
-from proto.tensors import DTYPE_ITEMSIZE, TENSOR_MARKER
+from proto.settings import ERROR_TEXT_MAX
 
 log = logging.getLogger("omni_sidecar.session")
-MAX_KWARGS_DEPTH = 8
-
-
-class OutArena:
-    """The sidecar->shim arena, filled from offset 0 for each plan.
-
-    Safe to reuse per step: the shim copies everything out of it before it
-    sends the next message. On a CUDA IPC arena the copies are only enqueued
-    then, so `reset` makes our stream wait on the shim's done event first and
-    `seal` records the ready event the shim's stream waits on.
-    """
-
-    def __init__(self, arena: Any) -> None:
-        self.arena = arena
-        self.offset = 0
-        self.device = not isinstance(arena, ShmArena)
-
-    def reset(self) -> None:
-        if self.device and self.offset:
-            self.arena.wait_done(0)
-        self.offset = 0
-
-    def put(self, tensor: torch.Tensor):
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.offset + nbytes > self.arena.size:
-            raise ArenaError(
-                f"step needs more than the {self.arena.size}-byte sidecar arena "
-                "(raise it with --arena-mib)"
-            )
-        if self.device:
-            ref = self.arena.write(self.offset, tensor.detach().to(self.arena.device))
-        else:
-            ref = write_tensor(self.arena, self.offset, tensor.detach().cpu().contiguous(), arena_id=0)
-        self.offset = align_up(self.offset + max(nbytes, 1))
-        return ref
-
-    def seal(self) -> int:
-        """The event index the shim waits on (-1: nothing written, or host memory)."""
-        if not self.device or not self.offset:
-            return -1
-        return self.arena.mark_ready(0)
 
 
 class Session:
@@ -81,86 +41,35 @@ class Session:
         hello: Hello,
         hooks: OmniHooks,
         finished: FinishedOutputs,
-        arena_bytes: int = 0,
-        metrics: SidecarMetrics | None = None,
+        metrics: SidecarMetrics,
     ) -> None:
         self.id = session_id
         self.hello = hello
         self.hooks = hooks
         self.finished_store = finished
-        self.arena_bytes = arena_bytes
-        self.metrics = metrics or SidecarMetrics()
+        self.metrics = metrics
+        self.arenas = SessionArenas(session_id, hello, metrics)
         self.connected_at = time.monotonic()
         self.requests: dict[str, RequestInfo] = {}
         self.errors_by_request: dict[str, str] = {}
-        self.in_arenas: list[Any] = []  # ShmArena or CudaIpcArena
-        self.out: OutArena | None = None
-        self.opens: Any = None  # CUDA IPC OpenCounts
-        self.consumer_events: list[bytes] = []
         self.steps = 0
         self.new_requests = 0
         self.finished_requests = 0
         self.scheduled_tokens = 0
         self.errors = 0
         self.latency = LatencyWindow()
-        self._aliases: dict[str, str] = {}
+        self._client_ids: dict[str, str] = {}  # the client's id -> vLLM's, while they differ
         self._begin_us = 0.0
         self._last_layout: BatchLayout | None = None
         self._prev_req_ids: list[str] | None = None
 
     # -- set-up --------------------------------------------------------------
 
-    def open_arenas(self) -> None:
-        """Map the shim's arenas; create ours for overlay rows / kwargs if the hooks need one.
-
-        CUDA IPC: each device buffer and event is opened here, once per connection
-        (`opens` counts them); our done events for the shim's slots go back in the Welcome.
-        """
-        for info in self.hello.arenas:
-            if info.kind == "cuda_ipc":
-                from omni_arena.cuda_ipc import CudaIpcArena, OpenCounts
-
-                self.opens = self.opens or OpenCounts()
-                arena = CudaIpcArena.attach(info, self.opens)
-                self.consumer_events = arena.make_done_events()
-                self.in_arenas.append(arena)
-            else:
-                self.in_arenas.append(ShmArena.attach(info))
-        if self.hooks.needs.pre_forward != "never":
-            if self.hello.dtype not in DTYPE_ITEMSIZE:
-                raise ArenaError(f"shim announced unknown dtype {self.hello.dtype!r}")
-            itemsize = DTYPE_ITEMSIZE[self.hello.dtype]
-            rows_bytes = self.hello.max_num_tokens * self.hello.hidden_size * itemsize
-            # Slack for per-tensor alignment; hook sets with big kwargs ask for more.
-            size = max(align_up(max(1, rows_bytes)) + (1 << 20), self.arena_bytes)
-            self.out = OutArena(self._create_out_arena(size))
-            self.metrics.arena_bytes.labels("sidecar_to_shim").inc(size)
-        self.metrics.arena_bytes.labels("shim_to_sidecar").inc(sum(a.size for a in self.in_arenas))
-
-    def _create_out_arena(self, size: int) -> Any:
-        """Same kind as the shim's: device memory when the shim offered CUDA IPC."""
-        device_in = [a for a in self.in_arenas if not isinstance(a, ShmArena)]
-        if not device_in:
-            return ShmArena.create(size, prefix=f"omni-sidecar-s{self.id}")
-        from omni_arena.cuda_ipc import CudaIpcArena
-
-        arena = CudaIpcArena.create(size, device_in[0].device, 1, name=f"omni-sidecar-s{self.id}")
-        arena.open_peer_done(list(self.hello.consumer_events), self.opens)
-        return arena
-
-    @property
-    def out_arena(self) -> Any:
-        return self.out.arena if self.out is not None else None
+    def open_arenas(self, min_out_bytes: int = 0) -> None:
+        self.arenas.open(self.hooks.needs.pre_forward != "never", min_out_bytes)
 
     def close(self) -> None:
-        for arena in self.in_arenas:
-            self.metrics.arena_bytes.labels("shim_to_sidecar").dec(arena.size)
-            arena.close()
-        if self.out is not None:
-            self.metrics.arena_bytes.labels("sidecar_to_shim").dec(self.out.arena.size)
-            self.out.arena.close()
-        self.in_arenas.clear()
-        self.out = None
+        self.arenas.close()
 
     def abandon(self, message: str) -> list[str]:
         """The shim is gone: its live requests end with `message` (clients get RequestFailed)."""
@@ -174,28 +83,29 @@ class Session:
     # -- hot upgrade -------------------------------------------------------------
 
     def export(self) -> dict[str, Any]:
+        clients = {vllm_id: client_id for client_id, vllm_id in self._client_ids.items()}
         return {
-            "requests": {r: [i.prompt_len, i.prompt_token_ids, i.payload] for r, i in self.requests.items()},
+            "requests": {r: [i.prompt_len, i.prompt_token_ids, i.payload, clients.get(r, "")]
+                         for r, i in self.requests.items()},
             "errors": dict(self.errors_by_request),
             "counters": [self.steps, self.new_requests, self.finished_requests, self.scheduled_tokens,
                          self.errors],
         }
 
     def import_(self, doc: dict[str, Any]) -> None:
-        for req_id, (prompt_len, ids, payload) in doc.get("requests", {}).items():
+        for req_id, (prompt_len, ids, payload, *client) in doc.get("requests", {}).items():
             self.requests[req_id] = RequestInfo(req_id, prompt_len, ids, payload)
-            client_id = client_request_id(req_id)
-            if client_id is not None:
-                self._aliases[client_id] = req_id
+            if client and client[0]:
+                self._client_ids[client[0]] = req_id
         self.errors_by_request.update(doc.get("errors", {}))
         (self.steps, self.new_requests, self.finished_requests, self.scheduled_tokens,
          self.errors) = doc.get("counters", [0, 0, 0, 0, 0])
 
     def resolve(self, req_id: str) -> str | None:
-        """The live request a client id names (its own id or vLLM's internal one)."""
+        """The live request a client names (by vLLM's id or by the id the client gave it)."""
         if req_id in self.requests:
             return req_id
-        return self._aliases.get(req_id)
+        return self._client_ids.get(req_id)
 
     # -- per step ------------------------------------------------------------
 
@@ -208,12 +118,13 @@ class Session:
         self._last_layout = layout
         overlays: list[Overlay] = []
         extra: dict[str, Any] = {}
-        if self.out is not None:
-            self.out.reset()
+        out = self.arenas.out
+        if out is not None:
+            out.reset()
         with _collect(errors, batch, "pre-forward hooks"):
-            overlays = self._write_overlays(self.hooks.prepare_prefill_embeds(batch))
-            extra = self._encode_kwargs(self.hooks.build_extra_kwargs(batch), 0)
-        event = self.out.seal() if self.out is not None else -1
+            overlays = self.arenas.write_overlays(self.hooks.prepare_prefill_embeds(batch))
+            extra = self.arenas.encode_kwargs(self.hooks.build_extra_kwargs(batch))
+        event = out.seal() if out is not None else -1
         self._begin_us = (time.perf_counter() - t0) * 1e6
         return StepPlan(step=msg.step, overlays=overlays, extra_kwargs=extra, errors=self._report(errors),
                         event=event)
@@ -230,8 +141,8 @@ class Session:
             self.scheduled_tokens += msg.num_tokens
             batch = self._batch(msg.step, layout)
             with _collect(errors, batch, "process_model_output"):
-                self.hooks.process_model_output(batch, self._hidden(msg))
-            self._release_hidden(msg)
+                self.hooks.process_model_output(batch, self.arenas.hidden(msg))
+            self.arenas.release_hidden(msg)
         self._last_layout = None
         result_errors = self._report(errors)
         self._finish(msg.finished)
@@ -239,18 +150,21 @@ class Session:
         self._begin_us = 0.0
         if msg.num_tokens:
             self.latency.record(hook_us)
-            m = self.metrics
-            m.steps.inc()
-            m.tokens.inc(msg.num_tokens)
-            m.step_hook_seconds.observe(hook_us * 1e-6)
-            if msg.shim_exchange_us:
-                m.shim_exchange_seconds.observe(msg.shim_exchange_us * 1e-6)
-            if msg.shim_post_us:
-                m.shim_post_seconds.observe(msg.shim_post_us * 1e-6)
-            m.arena_used_bytes.labels("shim_to_sidecar").set(msg.hidden.nbytes if msg.hidden else 0)
-            if self.out is not None:
-                m.arena_used_bytes.labels("sidecar_to_shim").set(self.out.offset)
+            self._observe(msg, hook_us)
         return StepResult(step=msg.step, errors=result_errors, hook_us=hook_us)
+
+    def _observe(self, msg: StepEnd, hook_us: float) -> None:
+        m = self.metrics
+        m.steps.inc()
+        m.tokens.inc(msg.num_tokens)
+        m.step_hook_seconds.observe(hook_us * 1e-6)
+        if msg.shim_exchange_us:
+            m.shim_exchange_seconds.observe(msg.shim_exchange_us * 1e-6)
+        if msg.shim_post_us:
+            m.shim_post_seconds.observe(msg.shim_post_us * 1e-6)
+        m.arena_used_bytes.labels("shim_to_sidecar").set(msg.hidden.nbytes if msg.hidden else 0)
+        if self.arenas.out is not None:
+            m.arena_used_bytes.labels("sidecar_to_shim").set(self.arenas.out.offset)
 
     def _admit(
         self, new: list[NewRequest], finished: list[str], preempted: list[str], errors: dict[str, str]
@@ -266,9 +180,8 @@ class Session:
         for req in new:
             info = RequestInfo(req.req_id, req.prompt_len, req.prompt_token_ids, req.payload)
             self.requests[req.req_id] = info
-            client_id = client_request_id(req.req_id)
-            if client_id is not None:
-                self._aliases[client_id] = req.req_id
+            if req.client_req_id and req.client_req_id != req.req_id:
+                self._client_ids[req.client_req_id] = req.req_id
             infos.append(info)
         self.new_requests += len(new)
         self.metrics.requests.labels("new").inc(len(new))
@@ -278,15 +191,25 @@ class Session:
     def _report(self, errors: dict[str, str]) -> list[RequestError]:
         for req_id, message in errors.items():
             self.errors_by_request.setdefault(req_id, message)
-        self.errors += len(errors)
-        if errors:
-            self.metrics.request_errors.inc(len(errors))
-        return [RequestError(r, m[:4000]) for r, m in errors.items()]
+        self._count_errors(len(errors))
+        return [RequestError(r, m[:ERROR_TEXT_MAX]) for r, m in errors.items()]
+
+    def _count_errors(self, n: int) -> None:
+        self.errors += n
+        if n:
+            self.metrics.request_errors.inc(n)
 
     def _finish(self, req_ids: list[str]) -> None:
+        """Requests gone from vLLM: what they leave for clients goes to the finished store.
+
+        An `on_finished` failure becomes the error of those requests (their outputs,
+        still waiting for clients, are then not handed out as complete).
+        """
         if not req_ids:
             return
+        client_of = {vllm_id: client_id for client_id, vllm_id in self._client_ids.items()}
         for req_id in req_ids:
+            client_id = client_of.get(req_id, "")
             entry = FinishedEntry(
                 outputs=self.hooks.get_outputs(req_id),
                 chunks=self.hooks.output_chunks(req_id),
@@ -295,17 +218,18 @@ class Session:
             if entry.outputs is not None or entry.chunks is not None or entry.error:
                 if entry.error:
                     entry.outputs = entry.chunks = None  # never hand out partial outputs as complete
-                self.finished_store.put(req_id, entry)
+                self.finished_store.put(req_id, entry, client_id)
             if self.requests.pop(req_id, None) is not None:
                 self.finished_requests += 1
                 self.metrics.requests.labels("finished").inc()
-            client_id = client_request_id(req_id)
-            if client_id is not None and self._aliases.get(client_id) == req_id:
-                del self._aliases[client_id]
-        try:
+            if client_id:
+                del self._client_ids[client_id]
+        failed: dict[str, str] = {}
+        with _collect(failed, None, "on_finished", list(req_ids)):
             self.hooks.on_finished(list(req_ids))
-        except Exception:
-            log.exception("on_finished raised; the requests are gone from vLLM anyway")
+        for req_id, message in failed.items():
+            self.finished_store.fail(req_id, message[:ERROR_TEXT_MAX], client_of.get(req_id, ""))
+        self._count_errors(len(failed))
 
     def _resolve_layout(self, layout: BatchLayout) -> BatchLayout:
         """Fill in `req_ids` omitted because they equal the previous layout's."""
@@ -326,48 +250,10 @@ class Session:
             raise ValueError("batch layout lists have inconsistent lengths")
         return StepBatch(step, layout, self.requests)
 
-    def _hidden(self, msg: StepEnd) -> torch.Tensor | None:
-        if msg.hidden is None:
-            return None
-        if msg.hidden.arena >= len(self.in_arenas):
-            raise ArenaError(f"hidden states name arena {msg.hidden.arena}, which was never offered")
-        arena = self.in_arenas[msg.hidden.arena]
-        if not isinstance(arena, ShmArena):
-            arena.wait_ready(msg.hidden_event)  # the shim's copy, ordered on our stream
-        return arena_tensor(arena, msg.hidden)
-
-    def _release_hidden(self, msg: StepEnd) -> None:
-        """CUDA IPC: the shim may rewrite the slot once the reads we enqueued ran."""
-        if msg.hidden is not None and msg.hidden_event >= 0 and msg.hidden.arena < len(self.in_arenas):
-            arena = self.in_arenas[msg.hidden.arena]
-            if not isinstance(arena, ShmArena):
-                arena.mark_done(msg.hidden_event)
-
-    def _write_overlays(self, pairs: list[tuple[int, torch.Tensor]]) -> list[Overlay]:
-        if not pairs:
-            return []
-        if self.out is None:
-            raise RuntimeError("hook set returned overlay rows but declared pre_forward='never'")
-        want = torch_dtype(self.hello.dtype)
-        return [Overlay(row_start, self.out.put(rows.to(want))) for row_start, rows in pairs]
-
-    def _encode_kwargs(self, value: Any, depth: int) -> Any:
-        """Tensors in extra kwargs go into the arena; the message carries their refs."""
-        if depth > MAX_KWARGS_DEPTH:
-            raise ValueError(f"extra kwargs nest deeper than {MAX_KWARGS_DEPTH} levels")
-        if isinstance(value, torch.Tensor):
-            if self.out is None:
-                raise RuntimeError("extra kwargs hold tensors but the hook set has no arena")
-            return {TENSOR_MARKER: self.out.put(value)}
-        if isinstance(value, dict):
-            return {k: self._encode_kwargs(v, depth + 1) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [self._encode_kwargs(v, depth + 1) for v in value]
-        return value
-
     def status(self) -> SessionStatus:
         p50, p99 = self.latency.summary()
         h = self.hello
+        opens = self.arenas.opens
         return SessionStatus(
             session=self.id,
             rank=h.rank,
@@ -383,8 +269,8 @@ class Session:
             errors=self.errors,
             step_latency_us_p50=p50,
             step_latency_us_p99=p99,
-            arena_opens=self.opens.mem if self.opens is not None else 0,
-            event_opens=self.opens.events if self.opens is not None else 0,
+            arena_opens=opens.mem if opens is not None else 0,
+            event_opens=opens.events if opens is not None else 0,
         )
 
 

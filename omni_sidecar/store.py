@@ -7,50 +7,55 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def client_request_id(req_id: str) -> str | None:
-    """The id the client gave vLLM: vLLM appends "-<8 random chars>" internally."""
-    if len(req_id) > 9 and req_id[-9] == "-":
-        return req_id[:-9]
-    return None
-
-
 @dataclass
 class FinishedEntry:
     outputs: dict[str, Any] | None
     chunks: list[dict[str, Any]] | None
     error: str = ""
+    client_id: str = ""  # the id the client gave the request, when it differs from vLLM's
 
 
 @dataclass
 class FinishedOutputs:
     """Finished requests' outputs and errors, oldest dropped first.
 
-    Found by vLLM's internal request id or by the client's own id.
+    Found by vLLM's request id or by the client's own id (`NewRequest.client_req_id`).
     """
 
     capacity: int
     _items: OrderedDict[str, FinishedEntry] = field(default_factory=OrderedDict)
-    _alias: dict[str, str] = field(default_factory=dict)
+    _by_client_id: dict[str, str] = field(default_factory=dict)
 
-    def put(self, req_id: str, entry: FinishedEntry) -> None:
+    def put(self, req_id: str, entry: FinishedEntry, client_id: str = "") -> None:
+        entry.client_id = client_id or entry.client_id
         self._items[req_id] = entry
         self._items.move_to_end(req_id)
-        client_id = client_request_id(req_id)
-        if client_id is not None:
-            self._alias[client_id] = req_id
+        if entry.client_id:
+            self._by_client_id[entry.client_id] = req_id
         while len(self._items) > self.capacity:
-            old, _ = self._items.popitem(last=False)
-            old_client = client_request_id(old)
-            if old_client is not None and self._alias.get(old_client) == old:
-                del self._alias[old_client]
+            old, dropped = self._items.popitem(last=False)
+            if dropped.client_id and self._by_client_id.get(dropped.client_id) == old:
+                del self._by_client_id[dropped.client_id]
+
+    def fail(self, req_id: str, message: str, client_id: str = "") -> None:
+        """`req_id` failed after it finished: its outputs are no longer handed out as complete."""
+        entry = self._items.get(req_id)
+        if entry is None:
+            self.put(req_id, FinishedEntry(None, None, message), client_id)
+        elif not entry.error:
+            entry.outputs = entry.chunks = None
+            entry.error = message
 
     def export(self) -> dict[str, list]:
-        return {r: [e.outputs, e.chunks, e.error] for r, e in self._items.items()}
+        return {r: [e.outputs, e.chunks, e.error, e.client_id] for r, e in self._items.items()}
 
     def restore(self, doc: dict[str, list]) -> None:
-        for req_id, (outputs, chunks, error) in doc.items():
-            self.put(req_id, FinishedEntry(outputs, chunks, error))
+        for req_id, (outputs, chunks, error, *client) in doc.items():
+            self.put(req_id, FinishedEntry(outputs, chunks, error), client[0] if client else "")
 
     def get(self, req_id: str, pop: bool = False) -> FinishedEntry | None:
-        key = req_id if req_id in self._items else self._alias.get(req_id, req_id)
-        return self._items.pop(key, None) if pop else self._items.get(key)
+        key = req_id if req_id in self._items else self._by_client_id.get(req_id, req_id)
+        entry = self._items.pop(key, None) if pop else self._items.get(key)
+        if pop and entry is not None and self._by_client_id.get(entry.client_id) == key:
+            del self._by_client_id[entry.client_id]
+        return entry

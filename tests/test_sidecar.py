@@ -10,7 +10,6 @@ import zmq
 from omni_sidecar.builtin_hooks import CaptureHiddenHooks, PromptEmbedsOverlayHooks
 from omni_sidecar.hooks import HookErrors, RequestInfo, StepBatch
 from omni_sidecar.payload import sidecar_extra_args
-from omni_sidecar.store import client_request_id
 from proto.arena import ShmArena
 from proto.codec import Codec
 from proto.messages import (
@@ -62,7 +61,7 @@ def _hello(arenas, major=1, max_tokens=16):
 def test_status_and_ping(sidecar):
     status = sidecar.status()
     assert status.hook_set == "passthrough" and status.sessions == []
-    assert status.protocol == "1.0"
+    assert status.protocol == "1.1"
 
 
 def test_refuses_another_protocol_major(sidecar):
@@ -94,18 +93,19 @@ def test_capture_over_the_wire(sidecar):
     hidden = torch.arange(5 * H, dtype=torch.float32).view(5, H)
     arena.raw(0, hidden.numel() * 4)[:] = hidden.numpy().tobytes()
     layout = BatchLayout(["r1-abcdefgh", "r2-abcdefgh"], [0, 3, 5], [0, 0], [3, 2])
-    new = [NewRequest("r1-abcdefgh", 3, [1, 2, 3]), NewRequest("r2-abcdefgh", 2, [4, 5])]
+    new = [NewRequest("r1-abcdefgh", 3, [1, 2, 3], client_req_id="r1"),
+           NewRequest("r2-abcdefgh", 2, [4, 5], client_req_id="r2")]
     result = peer.call(StepEnd(0, layout, new, hidden=TensorRef(0, 0, hidden.numel() * 4, [5, H], "float32"), num_tokens=5))
     assert isinstance(result, StepResult) and result.errors == []
     # An out-of-bounds ref is an error for the step's requests, not a crash.
     bad_layout = BatchLayout(["r3-abcdefgh"], [0, 1], [0], [1])
-    bad = peer.call(StepEnd(1, bad_layout, [NewRequest("r3-abcdefgh", 1, [9])],
+    bad = peer.call(StepEnd(1, bad_layout, [NewRequest("r3-abcdefgh", 1, [9], client_req_id="r3")],
                             hidden=TensorRef(0, 1 << 16, 4 * H, [1, H], "float32"), num_tokens=1))
     assert [e.req_id for e in bad.errors] == ["r3-abcdefgh"] and "outside arena" in bad.errors[0].message
     with SidecarClient(sidecar.endpoint) as client:
         with pytest.raises(RequestFailed, match="outside arena"):
             client.outputs("r3")
-        live = client.outputs("r1")  # the client's own id (vLLM appends -<8 chars>)
+        live = client.outputs("r1")  # the client's own id (NewRequest.client_req_id)
         torch.testing.assert_close(live["hidden_states"], hidden[:3])
     peer.call(StepEnd(2, None, [], ["r1-abcdefgh", "r2-abcdefgh"]))
     with SidecarClient(sidecar.endpoint) as client:
@@ -175,11 +175,6 @@ def test_capture_hook_forgets_finished_requests():
     assert hooks.get_outputs("a")["hidden_states"].shape == (2, H)
     hooks.on_finished(["a"])
     assert hooks.get_outputs("a") is None
-
-
-def test_client_request_id():
-    assert client_request_id("7-1a2b3c4d") == "7"
-    assert client_request_id("short") is None
 
 
 def test_prometheus_metrics(tmp_path):

@@ -22,11 +22,13 @@ from typing import Any
 
 import torch
 
+from omni_sidecar.errors import OmniSidecarError
+
 KEEP_ON_REPLACE = ("num_processed_tokens", "resumable")
 _SPAN_KEYS = ("decode", "decode_token_start", "decode_token_end")
 
 
-class StateError(ValueError):
+class StateError(OmniSidecarError, ValueError):
     pass
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from omni_sidecar.errors import OmniSidecarError
 from omni_sidecar.omni.keys import flatten, unflatten
 from omni_sidecar.tensors import tensor_from_bytes, tensor_to_bytes
 
@@ -23,7 +24,7 @@ _KINDS = ("tensor_data", "list_data", "scalar_data")
 MAX_ENTRIES = 4096
 
 
-class PayloadError(ValueError):
+class PayloadError(OmniSidecarError, ValueError):
     pass
 
 

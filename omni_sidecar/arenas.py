@@ -1,0 +1,164 @@
+"""A session's shared memory: the shim's arenas it reads, its own arena it writes.
+
+Tensor moves of a step live here: hidden states read from the shim's arena,
+overlay rows and extra-kwargs tensors written into the sidecar's arena (the
+message carries their refs). See docs/ARCHITECTURE.md (arenas) for when a slot
+may be reused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from omni_arena.views import arena_tensor, torch_dtype
+from omni_sidecar.metrics import SidecarMetrics
+from omni_sidecar.tensors import write_tensor
+from proto.arena import ArenaError, ShmArena, align_up
+from proto.messages import Hello, Overlay, StepEnd
+from proto.tensors import DTYPE_ITEMSIZE, TENSOR_MARKER, TensorRef
+
+MAX_KWARGS_DEPTH = 8
+OUT_ARENA_SLACK = 1 << 20  # room for per-tensor alignment next to the overlay rows
+
+
+class OutArena:
+    """The sidecar->shim arena, filled from offset 0 for each plan.
+
+    Safe to reuse per step: the shim copies everything out of it before it
+    sends the next message. On a CUDA IPC arena the copies are only enqueued
+    then, so `reset` makes our stream wait on the shim's done event first and
+    `seal` records the ready event the shim's stream waits on.
+    """
+
+    def __init__(self, arena: Any) -> None:
+        self.arena = arena
+        self.offset = 0
+        self.device = arena.kind != "shm"
+
+    def reset(self) -> None:
+        if self.device and self.offset:
+            self.arena.wait_done(0)
+        self.offset = 0
+
+    def put(self, tensor: torch.Tensor) -> TensorRef:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.offset + nbytes > self.arena.size:
+            raise ArenaError(
+                f"step needs more than the {self.arena.size}-byte sidecar arena "
+                "(raise it with --arena-mib)"
+            )
+        if self.device:
+            ref = self.arena.write(self.offset, tensor.detach().to(self.arena.device))
+        else:
+            ref = write_tensor(self.arena, self.offset, tensor.detach().cpu().contiguous(), arena_id=0)
+        self.offset = align_up(self.offset + max(nbytes, 1))
+        return ref
+
+    def seal(self) -> int:
+        """The event index the shim waits on (-1: nothing written, or host memory)."""
+        if not self.device or not self.offset:
+            return -1
+        return self.arena.mark_ready(0)
+
+
+class SessionArenas:
+    """The arenas of one shim connection and the tensor moves through them."""
+
+    def __init__(self, session_id: int, hello: Hello, metrics: SidecarMetrics) -> None:
+        self.session_id = session_id
+        self.hello = hello
+        self.metrics = metrics
+        self.inputs: list[Any] = []  # the shim's: ShmArena or CudaIpcArena
+        self.out: OutArena | None = None
+        self.opens: Any = None  # CUDA IPC OpenCounts
+        self.consumer_events: list[bytes] = []
+
+    def open(self, wants_out: bool, min_out_bytes: int) -> None:
+        """Map the shim's arenas; create ours for overlay rows / kwargs if the hooks need one.
+
+        CUDA IPC: each device buffer and event is opened here, once per connection
+        (`opens` counts them); our done events for the shim's slots go back in the Welcome.
+        """
+        for info in self.hello.arenas:
+            if info.kind == "cuda_ipc":
+                from omni_arena.cuda_ipc import CudaIpcArena, OpenCounts
+
+                self.opens = self.opens or OpenCounts()
+                arena = CudaIpcArena.attach(info, self.opens)
+                self.consumer_events = arena.make_done_events()
+                self.inputs.append(arena)
+            else:
+                self.inputs.append(ShmArena.attach(info))
+        if wants_out:
+            if self.hello.dtype not in DTYPE_ITEMSIZE:
+                raise ArenaError(f"shim announced unknown dtype {self.hello.dtype!r}")
+            itemsize = DTYPE_ITEMSIZE[self.hello.dtype]
+            rows_bytes = self.hello.max_num_tokens * self.hello.hidden_size * itemsize
+            size = max(align_up(max(1, rows_bytes)) + OUT_ARENA_SLACK, min_out_bytes)
+            self.out = OutArena(self._create_out(size))
+            self.metrics.arena_bytes.labels("sidecar_to_shim").inc(size)
+        self.metrics.arena_bytes.labels("shim_to_sidecar").inc(sum(a.size for a in self.inputs))
+
+    def _create_out(self, size: int) -> Any:
+        """Same kind as the shim's: device memory when the shim offered CUDA IPC."""
+        device_in = [a for a in self.inputs if a.kind != "shm"]
+        if not device_in:
+            return ShmArena.create(size, prefix=f"omni-sidecar-s{self.session_id}")
+        from omni_arena.cuda_ipc import CudaIpcArena
+
+        arena = CudaIpcArena.create(size, device_in[0].device, 1, name=f"omni-sidecar-s{self.session_id}")
+        arena.open_peer_done(list(self.hello.consumer_events), self.opens)
+        return arena
+
+    def close(self) -> None:
+        for arena in self.inputs:
+            self.metrics.arena_bytes.labels("shim_to_sidecar").dec(arena.size)
+            arena.close()
+        if self.out is not None:
+            self.metrics.arena_bytes.labels("sidecar_to_shim").dec(self.out.arena.size)
+            self.out.arena.close()
+        self.inputs.clear()
+        self.out = None
+
+    # -- per step ------------------------------------------------------------
+
+    def hidden(self, msg: StepEnd) -> torch.Tensor | None:
+        if msg.hidden is None:
+            return None
+        if msg.hidden.arena >= len(self.inputs):
+            raise ArenaError(f"hidden states name arena {msg.hidden.arena}, which was never offered")
+        arena = self.inputs[msg.hidden.arena]
+        if arena.kind != "shm":
+            arena.wait_ready(msg.hidden_event)  # the shim's copy, ordered on our stream
+        return arena_tensor(arena, msg.hidden)
+
+    def release_hidden(self, msg: StepEnd) -> None:
+        """CUDA IPC: the shim may rewrite the slot once the reads we enqueued ran."""
+        if msg.hidden is not None and msg.hidden_event >= 0 and msg.hidden.arena < len(self.inputs):
+            arena = self.inputs[msg.hidden.arena]
+            if arena.kind != "shm":
+                arena.mark_done(msg.hidden_event)
+
+    def write_overlays(self, pairs: list[tuple[int, torch.Tensor]]) -> list[Overlay]:
+        if not pairs:
+            return []
+        if self.out is None:
+            raise RuntimeError("hook set returned overlay rows but declared pre_forward='never'")
+        want = torch_dtype(self.hello.dtype)
+        return [Overlay(row_start, self.out.put(rows.to(want))) for row_start, rows in pairs]
+
+    def encode_kwargs(self, value: Any, depth: int = 0) -> Any:
+        """Tensors in extra kwargs go into the arena; the message carries their refs."""
+        if depth > MAX_KWARGS_DEPTH:
+            raise ValueError(f"extra kwargs nest deeper than {MAX_KWARGS_DEPTH} levels")
+        if isinstance(value, torch.Tensor):
+            if self.out is None:
+                raise RuntimeError("extra kwargs hold tensors but the hook set has no arena")
+            return {TENSOR_MARKER: self.out.put(value)}
+        if isinstance(value, dict):
+            return {k: self.encode_kwargs(v, depth + 1) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.encode_kwargs(v, depth + 1) for v in value]
+        return value

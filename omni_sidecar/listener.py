@@ -1,0 +1,116 @@
+"""The sidecar's ZeroMQ ROUTER socket: bound securely, frames in, frames out, removed on close.
+
+Who may connect is decided here (omni_sidecar/security.py): an owner-only Unix
+socket with a uid filter, or CURVE on tcp://. Sends never block: a peer that does
+not read loses that reply (it times out and reconnects), never the whole loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import zmq
+
+from omni_sidecar.security import CurveServer, filter_peers, prepare_socket_dir, secure_socket_file
+from proto.endpoint import ipc_path
+from proto.transport import set_heartbeats
+
+log = logging.getLogger("omni_sidecar.listener")
+RECV_TIMEOUT_MS = 200  # a blocking recv wakes this often, so signals act promptly
+CLOSE_LINGER_MS = 1000  # last replies (a SwitchAck, the successor's state) may still leave
+
+
+class Listener:
+    def __init__(self, max_frame_bytes: int, allowed_uids: list[int], curve_keys: str | None) -> None:
+        self.max_frame_bytes = max_frame_bytes
+        self.allowed_uids = allowed_uids
+        self.curve_keys = curve_keys
+        self.ctx = zmq.Context.instance()
+        self._curve: CurveServer | None = None
+        self._bound: list[tuple[str, int]] = []  # (socket path, inode) this process bound
+        self.sock = self.ctx.socket(zmq.ROUTER)
+
+    def bind(self, endpoint: str) -> None:
+        """Configure the socket for `endpoint`'s kind of security and bind it."""
+        sock = self.sock
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # Frames over the cap get a clear error from the codec; libzmq drops the connection
+        # only for frames past twice the cap, before they are ever buffered whole.
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_frame_bytes)
+        set_heartbeats(sock)
+        path = ipc_path(endpoint)
+        if path is not None:
+            prepare_socket_dir(path)
+            if os.path.exists(path):
+                os.unlink(path)  # a stale socket left by a dead sidecar (the caller checked)
+            filter_peers(sock, self.allowed_uids)
+        else:
+            self._curve = CurveServer(self.ctx, self.curve_keys or "")
+            self._curve.apply(sock)
+        self.bind_also(endpoint)
+        sock.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
+
+    def bind_also(self, endpoint: str) -> None:
+        """Bind one more address (owner-only); its socket file is removed on close if still ours."""
+        old_umask = os.umask(0o077)
+        try:
+            self.sock.bind(endpoint)
+        finally:
+            os.umask(old_umask)
+        path = ipc_path(endpoint)
+        if path is not None:
+            secure_socket_file(path)
+            self._bound.append((path, os.stat(path).st_ino))
+
+    def replace_path(self, endpoint: str) -> None:
+        """Take over `endpoint`'s socket file from a predecessor (its own socket stays open)."""
+        path = ipc_path(endpoint)
+        if path is None:
+            return
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        self.bind_also(endpoint)
+
+    # -- traffic ---------------------------------------------------------------
+
+    def recv_frames(self) -> list[bytes]:
+        """[identity, body, extra frames...]; frame by frame, which is cheaper than recv_multipart.
+
+        zmq.Again when nothing arrived within RECV_TIMEOUT_MS."""
+        sock = self.sock
+        frames = [sock.recv(), sock.recv()]  # ROUTER: an identity, then at least one frame
+        while sock.rcvmore:
+            frames.append(sock.recv())
+        return frames
+
+    def readable(self) -> bool:
+        return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+    def poll(self, timeout_ms: int) -> bool:
+        return bool(self.sock.poll(timeout_ms))
+
+    def send(self, ident: bytes, frame: bytes) -> bool:
+        try:
+            self.sock.send(ident, zmq.SNDMORE | zmq.NOBLOCK)
+            self.sock.send(frame, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            log.warning("dropped a reply: peer is not reading")
+            return False
+
+    def close(self) -> None:
+        if self._curve is not None:
+            self._curve.stop()
+            self._curve = None
+        self.sock.close(linger=CLOSE_LINGER_MS)
+        for path, ino in self._bound:
+            try:
+                if os.stat(path).st_ino == ino:
+                    os.unlink(path)  # never a successor's socket that replaced ours
+            except FileNotFoundError:
+                pass
+        self._bound.clear()

@@ -1,0 +1,93 @@
+"""One shim connection as the sidecar sees it: its session and its transport.
+
+Every way a session ends goes through `ShimPeer.end(reason)`: the worker process
+exited (reaper), the session moved to a successor (hot upgrade), the shim said
+Hello again, the sidecar stops, or the rings broke.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Literal
+
+from omni_sidecar.listener import Listener
+from omni_sidecar.session import Session
+from proto.codec import Codec
+from proto.errors import ProtoError
+from proto.messages import Message
+from proto.shmring import EMPTY
+from proto.transport import RingTransport, route
+
+log = logging.getLogger("omni_sidecar.peer")
+
+EndReason = Literal["worker_exited", "handed_over", "replaced", "sidecar_stopped", "bad_ring", "ring_overflow"]
+
+
+class ShimPeer:
+    def __init__(self, ident: bytes, session: Session, listener: Listener, codec: Codec) -> None:
+        self.ident = ident
+        self.session = session
+        self._listener = listener
+        self._codec = codec
+        self.rings: RingTransport | None = None
+
+    def attach_rings(self) -> None:
+        """Map the rings the Hello offered; on failure this connection stays on the socket."""
+        hello = self.session.hello
+        try:
+            self.rings = RingTransport.attach(list(hello.rings), self._send_frame, self._kick)
+        except Exception as exc:  # not rings, gone, too big: this connection uses the socket
+            log.warning("shim rank %d offered rings that cannot be used (%s); ZeroMQ only", hello.rank, exc)
+
+    def send(self, msg: Message) -> None:
+        """As the transport routes it; ProtoError when the rings broke or the shim stopped reading."""
+        frame = self._codec.encode(msg)
+        if self.rings is None:
+            self._send_frame(frame)
+        else:
+            self.rings.send(frame, route(msg))
+
+    def flush(self) -> None:
+        if self.rings is not None and self.rings.queued:
+            self.rings.flush()
+
+    def next_message(self, decode: Callable[[bytes | memoryview], object]) -> object:
+        """The shim's next ring message in connection order, or EMPTY (FrameError, RingError)."""
+        if self.rings is None or self.rings.closed:
+            return EMPTY
+        return self.rings.recv(decode)
+
+    def end(self, reason: EndReason, detail: str = "", farewell: Message | None = None) -> list[str]:
+        """Release everything this connection holds; `farewell` is its last message.
+
+        Returns the live requests that end with an error (only when the worker exited).
+        """
+        failed: list[str] = []
+        if reason == "worker_exited":
+            failed = self.session.abandon(detail)
+            log.warning("session %d ended: %s; %d live request(s) end with an error, arenas and rings "
+                        "released", self.session.id, detail, len(failed))
+        elif reason in ("bad_ring", "ring_overflow"):
+            log.error("session %d dropped: %s", self.session.id, detail)
+        if farewell is not None:
+            self._say_farewell(farewell)
+        if self.rings is not None:
+            self.rings.close()
+        self.session.close()
+        return failed
+
+    def _say_farewell(self, msg: Message) -> None:
+        frame = self._codec.encode(msg)
+        try:
+            if self.rings is not None and not self.rings.closed:
+                self.rings.send(frame, route(msg))  # behind anything still queued there
+                return
+        except ProtoError:
+            pass  # unmarked: the shim drops the connection either way
+        self._send_frame(frame)
+
+    def _send_frame(self, frame: bytes) -> None:
+        self._listener.send(self.ident, frame)
+
+    def _kick(self) -> bool:
+        return self._listener.send(self.ident, b"")

@@ -1,0 +1,208 @@
+"""The shim connections the sidecar serves: admitted by Hello, ended in one place.
+
+Also the per-turn work over all of them: reaping peers whose worker process is
+gone, and serving their rings fairly (one message per ring peer per turn).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from omni_sidecar import __version__
+from omni_sidecar.hooks import OmniHooks
+from omni_sidecar.listener import Listener
+from omni_sidecar.metrics import SidecarMetrics
+from omni_sidecar.peer import EndReason, ShimPeer
+from omni_sidecar.session import Session
+from omni_sidecar.store import FinishedOutputs
+from proto.codec import Codec, FrameError
+from proto.endpoint import process_gone
+from proto.errors import ProtoError
+from proto.messages import ErrorReply, Hello, Message, Reject, Welcome
+from proto.shmring import EMPTY, RingError
+from proto.transport import RingOverflow, RingTransport
+from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
+
+log = logging.getLogger("omni_sidecar.peers")
+REAP_INTERVAL_S = 2.0
+
+Dispatch = Callable[[bytes, object], None]
+Refuse = Callable[[str, str], ErrorReply]
+
+
+class PeerTable:
+    """Shim peers by ZeroMQ identity.
+
+    `refuse(code, message)` makes (and counts) the ErrorReply for a rejected frame.
+    """
+
+    def __init__(self, hooks: OmniHooks, finished: FinishedOutputs, metrics: SidecarMetrics,
+                 listener: Listener, codec: Codec, refuse: Refuse, arena_bytes: int, rings: bool) -> None:
+        self.hooks = hooks
+        self.finished = finished
+        self.metrics = metrics
+        self.listener = listener
+        self.codec = codec
+        self.refuse = refuse
+        self.arena_bytes = arena_bytes
+        self.rings_enabled = rings
+        self._peers: dict[bytes, ShimPeer] = {}
+        self._next_session = 1
+        self._next_reap = 0.0
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def get(self, ident: bytes) -> ShimPeer | None:
+        return self._peers.get(ident)
+
+    def sessions(self) -> list[Session]:
+        return [p.session for p in self._peers.values()]
+
+    def live_request(self, req_id: str) -> tuple[Session, str] | None:
+        """The session serving the request a client names, and vLLM's id for it."""
+        for peer in self._peers.values():
+            found = peer.session.resolve(req_id)
+            if found is not None:
+                return peer.session, found
+        return None
+
+    # -- admission and ending -----------------------------------------------------
+
+    def admit(self, ident: bytes, hello: Hello, resumed: dict[str, Any] | None) -> Welcome | Reject:
+        """A new session for this identity (ending the one it had); `resumed`: handed-over state."""
+        if ident in self._peers:
+            self.end(ident, "replaced")
+        session = Session(self._next_session, hello, self.hooks, self.finished, self.metrics)
+        try:
+            session.open_arenas(self.arena_bytes)
+        except Exception as exc:
+            session.close()
+            return Reject(f"cannot open the shim's arenas: {exc}")
+        self._next_session += 1
+        peer = ShimPeer(ident, session, self.listener, self.codec)
+        if hello.rings and self.rings_enabled:
+            peer.attach_rings()
+        self._peers[ident] = peer
+        if resumed is not None:
+            session.import_(resumed)
+            log.info("session %d resumed %d request(s) handed over by the predecessor",
+                     session.id, len(session.requests))
+        self.metrics.sessions.set(len(self._peers))
+        log.info(
+            "session %d: shim rank %d/%d, vLLM %s on %s, model %s",
+            session.id, hello.rank, hello.world_size, hello.vllm_version, hello.platform, hello.model,
+        )
+        out = session.arenas.out
+        return Welcome(
+            protocol_major=PROTOCOL_MAJOR,
+            protocol_minor=PROTOCOL_MINOR,
+            sidecar_version=__version__,
+            hook_set=self.hooks.name,
+            needs=self.hooks.needs,
+            session=session.id,
+            arenas=[out.arena.info()] if out is not None else [],
+            consumer_events=session.arenas.consumer_events,
+            rings=peer.rings is not None,
+        )
+
+    def end(self, ident: bytes, reason: EndReason, detail: str = "", farewell: Message | None = None) -> None:
+        peer = self._peers.pop(ident, None)
+        if peer is None:
+            return
+        peer.end(reason, detail, farewell)
+        self.metrics.sessions.set(len(self._peers))
+
+    def end_all(self) -> None:
+        for ident in list(self._peers):
+            self.end(ident, "sidecar_stopped")
+
+    def reap(self) -> None:
+        """End sessions whose vLLM worker process exited (checked every REAP_INTERVAL_S).
+
+        Only possible when the shim runs in our PID namespace (same host or pod, not
+        separate containers); otherwise sessions stay until the sidecar restarts.
+        """
+        now = time.monotonic()
+        if now < self._next_reap:
+            return
+        self._next_reap = now + REAP_INTERVAL_S
+        for ident, peer in list(self._peers.items()):
+            hello = peer.session.hello
+            if process_gone(hello.pid, hello.pid_namespace):
+                self.end(ident, "worker_exited", f"the vLLM worker process (pid {hello.pid}) exited")
+
+    # -- traffic -------------------------------------------------------------------
+
+    def send(self, ident: bytes, msg: Message) -> None:
+        peer = self._peers.get(ident)
+        if peer is None:
+            self.listener.send(ident, self.codec.encode(msg))
+            return
+        try:
+            peer.send(msg)
+        except RingOverflow as exc:
+            self._drop(ident, "ring_overflow", str(exc))
+        except ProtoError as exc:
+            self._drop(ident, "bad_ring", str(exc))
+
+    def _drop(self, ident: bytes, reason: EndReason, message: str) -> None:
+        """A ring we cannot trust any more: tell the shim (if we still can), end the session."""
+        farewell = self.refuse(reason, f"{message}; session closed, reconnect")
+        self.end(ident, reason, message, farewell)
+
+    def ring_transports(self) -> list[RingTransport]:
+        return [p.rings for p in self._peers.values() if p.rings is not None and not p.rings.closed]
+
+    def pump(self, dispatch: Dispatch) -> bool:
+        """At most one message per ring peer (fair across peers); True if any was served."""
+        busy = False
+        for ident, peer in list(self._peers.items()):
+            if peer.rings is None or peer.rings.closed:
+                continue
+            try:
+                peer.flush()
+            except ProtoError as exc:
+                self._drop(ident, "bad_ring", str(exc))
+                continue
+            busy |= self._serve_one(peer, dispatch)
+        return busy
+
+    def on_socket_frames(self, frames: list[bytes], dispatch: Dispatch) -> bool:
+        """Frames from a ring peer's socket: a kick, or the message behind a MARK.
+
+        False when the sender has no rings (its frames are served as they come)."""
+        peer = self._peers.get(frames[0])
+        if peer is None or peer.rings is None:
+            return False
+        if len(frames) != 2:
+            self.send(peer.ident, self.refuse("bad_envelope", f"expected 1 body frame, got {len(frames) - 1}"))
+            return True
+        rings = peer.rings
+        if not rings.feed_socket(frames[1]):
+            return True  # a kick: the loop reads the rings next
+        # Everything the shim put in the ring before it is older: serve up to and including it.
+        while not rings.closed and rings.socket_frames_waiting:
+            if not self._serve_one(peer, dispatch):
+                break
+        return True
+
+    def _serve_one(self, peer: ShimPeer, dispatch: Dispatch) -> bool:
+        ident = peer.ident
+        try:
+            msg = peer.next_message(self.codec.decode)
+        except FrameError as exc:
+            self.send(ident, self.refuse(exc.code, str(exc)))
+            return True
+        except RingError as exc:
+            self._drop(ident, "bad_ring", str(exc))
+            return True
+        if msg is EMPTY:
+            return False
+        if isinstance(msg, Hello):
+            self.send(ident, self.refuse("unexpected", "Hello belongs on the socket, not in a ring"))
+            return True
+        dispatch(ident, msg)
+        return True

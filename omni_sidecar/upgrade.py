@@ -1,0 +1,134 @@
+"""Hot upgrade: a new sidecar takes the hook state and the shims over from the running one.
+
+Two small objects, like Envoy's hot-restart parent and child:
+- `HandOver` (the running sidecar): accepts one successor's Takeover, tells each
+  shim to switch with its next StepResult, and packs the state a switching
+  session leaves behind (the session, the hooks' state, the finished outputs).
+- `TakeOver` (the successor): asks the running sidecar to hand over, imports
+  what comes back, keeps each session's state under a resume token until its
+  shim says Hello with that token, and then answers at the usual address too.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from typing import Any
+
+import zmq
+
+from omni_sidecar import __version__
+from omni_sidecar.hooks import OmniHooks
+from omni_sidecar.session import Session
+from omni_sidecar.statepack import pack, unpack
+from omni_sidecar.store import FinishedOutputs
+from proto.codec import Codec, FrameError
+from proto.messages import Hello, Reject, Takeover, TakeoverState
+
+log = logging.getLogger("omni_sidecar.upgrade")
+
+
+class HandOver:
+    """The running sidecar's side: at most one successor at a time."""
+
+    def __init__(self, hooks: OmniHooks, finished: FinishedOutputs) -> None:
+        self.hooks = hooks
+        self.finished = finished
+        self.successor: bytes | None = None  # its identity on our socket
+        self.switch_to = ""  # its endpoint, told to every shim with a StepResult
+
+    def accept(self, ident: bytes, msg: Takeover, busy: bool) -> Reject | None:
+        """Reject, or None when the successor is accepted (`busy`: a takeover or drain is on)."""
+        if self.successor is not None or busy:
+            return Reject("a takeover or drain is already in progress")
+        mine = self.hooks.state_version
+        if mine not in msg.accepts_state:
+            log.error("refused takeover by %s (%s): it accepts %s, this sidecar keeps %r; still serving",
+                      msg.new_endpoint, msg.hook_set, msg.accepts_state, mine)
+            return Reject(
+                f"incompatible hook state: the running sidecar's hook set {self.hooks.name!r} keeps state "
+                f"{mine!r}, the new hook set {msg.hook_set!r} accepts {list(msg.accepts_state)}; "
+                "nothing switched, the running sidecar keeps serving"
+            )
+        self.successor, self.switch_to = ident, msg.new_endpoint
+        log.info("takeover accepted: %s (hook set %r) will take over; shims switch at their next step",
+                 msg.new_endpoint, msg.hook_set)
+        return None
+
+    def state(self, session: Session | None) -> TakeoverState:
+        """What the successor needs to go on serving `session` (None: no session left)."""
+        doc = {
+            "session": session.export() if session is not None else None,
+            "hooks": self.hooks.export_state(),
+            "finished": self.finished.export(),
+        }
+        return TakeoverState(
+            hook_set=self.hooks.name, state_version=self.hooks.state_version,
+            token=secrets.token_hex(8), state=pack(doc),
+        )
+
+
+class TakeOver:
+    """The successor's side, from its Takeover request until the state arrived."""
+
+    def __init__(self, hooks: OmniHooks, finished: FinishedOutputs, codec: Codec) -> None:
+        self.hooks = hooks
+        self.finished = finished
+        self.codec = codec
+        self.sock: zmq.Socket | None = None  # to the running sidecar, while we wait for its state
+        self.old_endpoint = ""
+        self._deadline = 0.0
+        self._resume: dict[str, dict[str, Any] | None] = {}  # token -> a session's exported state
+        self.waiting_hellos: list[tuple[bytes, Hello]] = []  # shims that came before their state
+
+    @property
+    def waiting(self) -> bool:
+        return self.sock is not None
+
+    def start(self, ctx: zmq.Context, new_endpoint: str, old_endpoint: str, timeout_s: float) -> None:
+        """Bound on a side address already: ask the sidecar at `old_endpoint` to hand over."""
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(old_endpoint)
+        sock.send(self.codec.encode(Takeover(
+            new_endpoint=new_endpoint, sidecar_version=__version__, hook_set=self.hooks.name,
+            accepts_state=list(self.hooks.accepts_state),
+        )))
+        self.sock = sock
+        self._deadline = time.monotonic() + timeout_s
+        self.old_endpoint = old_endpoint
+        log.info("takeover: asked the sidecar at %s to hand over (waiting up to %.0f s)", old_endpoint, timeout_s)
+
+    def expired(self) -> bool:
+        return time.monotonic() > self._deadline
+
+    def receive(self, frame: bytes) -> str:
+        """The running sidecar's answer: import its state; "" when done, else why it failed."""
+        try:
+            msg = self.codec.decode(frame)
+        except FrameError as exc:
+            return f"bad reply: {exc}"
+        if isinstance(msg, Reject):
+            return msg.reason
+        if not isinstance(msg, TakeoverState):
+            return f"unexpected {type(msg).__name__}"
+        doc = unpack(msg.state)
+        self.hooks.import_state(doc.get("hooks") or {})
+        self.finished.restore(doc.get("finished") or {})
+        self._resume[msg.token] = doc.get("session")
+        self.close()
+        log.info("takeover done: state of hook set %r (%s) imported", msg.hook_set, msg.state_version)
+        return ""
+
+    def knows(self, token: str) -> bool:
+        return token in self._resume
+
+    def resume(self, token: str) -> dict[str, Any] | None:
+        """The session state handed over under `token` (once)."""
+        return self._resume.pop(token, None)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None
