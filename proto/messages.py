@@ -115,6 +115,8 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
 
 
 class Welcome(msgspec.Struct, tag="welcome", frozen=True):
+    """The sidecar accepts a Hello: what it speaks, which hooks serve, what they need."""
+
     protocol_major: int
     protocol_minor: int
     sidecar_version: Name
@@ -237,10 +239,11 @@ class StepResult(msgspec.Struct, tag="step_result", frozen=True):
 class Takeover(msgspec.Struct, tag="takeover", frozen=True):
     """A new sidecar asks the running one for its state (sent on the old one's socket)."""
 
-    new_endpoint: Text
-    sidecar_version: Name
+    # The hook set taking over and the state layouts it can import (checked before anything switches).
     hook_set: Name
     accepts_state: Annotated[list[Name], msgspec.Meta(max_length=32)]
+    new_endpoint: Text
+    sidecar_version: Name
 
 
 class TakeoverState(msgspec.Struct, tag="takeover_state", frozen=True):
