@@ -6,8 +6,12 @@ says so), the upstream forward in vLLM, `process_model_output`, and
 `on_finished`. `get_outputs` serves clients asking for a request's outputs.
 
 Errors: raise `RequestHookError` (one request) or `HookErrors` (several) to
-fail those requests; any other exception is reported for every request of the
-step. Nothing is swallowed.
+fail those requests; any other exception fails every request of the call (the
+step's batch, the new or preempted ones, or for `on_finished` the finished
+ones, whose outputs are then no longer handed out as complete). Every failure
+is logged, counted (`omni_sidecar_request_errors`, the session's `errors`) and
+becomes the request's error: the shim gets it with the step's reply, clients
+get RequestFailed. Nothing is swallowed.
 """
 
 from __future__ import annotations

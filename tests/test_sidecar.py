@@ -177,6 +177,31 @@ def test_capture_hook_forgets_finished_requests():
     assert hooks.get_outputs("a") is None
 
 
+class _FailingFinish(CaptureHiddenHooks):
+    def on_finished(self, req_ids):
+        super().on_finished(req_ids)
+        if "bad" in req_ids:
+            raise HookErrors({"bad": "could not flush the audio"})
+        raise RuntimeError("disk full")
+
+
+def test_on_finished_errors_fail_the_requests_and_are_counted():
+    from omni_sidecar.metrics import SidecarMetrics
+    from omni_sidecar.session import Session
+    from omni_sidecar.store import FinishedOutputs
+
+    store, metrics = FinishedOutputs(10), SidecarMetrics()
+    session = Session(1, _hello([]), _FailingFinish(), store, metrics)
+    layout = BatchLayout(["ok", "bad"], [0, 1, 2], [0, 0], [1, 1])
+    session.step_end(StepEnd(0, layout, [NewRequest("ok", 1, [1]), NewRequest("bad", 1, [2], client_req_id="b")]))
+    session.step_end(StepEnd(1, None, [], ["bad"]))  # HookErrors: only the named request fails
+    assert store.get("b").error == "could not flush the audio" and store.get("bad").outputs is None
+    session.step_end(StepEnd(2, None, [], ["ok"]))  # any other exception: every finished request fails
+    assert "on_finished: RuntimeError('disk full')" in store.get("ok").error
+    assert session.errors == 2 and metrics.request_errors._value.get() == 2
+    session.close()
+
+
 def test_prometheus_metrics(tmp_path):
     import socket
     import urllib.request
