@@ -11,7 +11,7 @@ import msgspec
 
 from omni_sidecar import __version__
 from omni_sidecar.builtin_hooks import BUILTIN_NAMES
-from proto.endpoint import default_endpoint
+from proto.endpoint import default_endpoint, ipc_path
 
 LOG_TAIL_CHARS = 3000  # of a failed successor's log, shown by `upgrade`
 
@@ -168,7 +168,7 @@ def _serve(args: argparse.Namespace) -> int:
         if args.takeover_if_running and not args.takeover:
             args.takeover = answers(config.endpoint, timeout_s=0.5)
         if args.takeover:
-            if not config.endpoint.startswith("ipc://"):
+            if ipc_path(config.endpoint) is None:
                 raise ValueError("--takeover works on ipc:// endpoints")
             server.endpoint = f"{config.endpoint}.next-{os.getpid()}"  # bind beside the running one
         server.bind()
@@ -214,7 +214,7 @@ def _upgrade(args: argparse.Namespace, endpoint: str) -> int:
         print(f"omni-sidecar upgrade: {exc}", file=sys.stderr)
         return 2
     extra = [a for a in args.serve_args if a != "--"]
-    log_path = args.log or endpoint[len("ipc://"):] + ".upgrade.log"
+    log_path = args.log or f"{ipc_path(endpoint) or 'omni-sidecar'}.upgrade.log"
     t0 = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", endpoint, "--takeover",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-ENV_ENDPOINT = "OMNI_SIDECAR_ENDPOINT"
+from proto.settings import ENV_ENDPOINT
 
 
 def default_endpoint() -> str:
