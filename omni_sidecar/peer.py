@@ -65,8 +65,8 @@ class ShimPeer:
         failed: list[str] = []
         if reason == "worker_exited":
             failed = self.session.abandon(detail)
-            log.warning("session %d ended: %s; %d live request(s) end with an error, arenas and rings "
-                        "released", self.session.id, detail, len(failed))
+            log.warning("session %d ended: its vLLM worker (pid %d) exited; %d live request(s) end with an "
+                        "error, arenas and rings released", self.session.id, self.session.hello.pid, len(failed))
         elif reason in ("bad_ring", "ring_overflow"):
             log.error("session %d dropped: %s", self.session.id, detail)
         if farewell is not None:
