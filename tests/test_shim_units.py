@@ -138,12 +138,12 @@ def test_a_step_asks_before_the_forward_only_when_the_needs_say_so():
     begin, end = conn.sent
     assert isinstance(begin, StepBegin) and [r.req_id for r in begin.new_requests] == ["plain", "carrier"]
     assert isinstance(end, StepEnd) and end.batch is None and end.new_requests == []  # said once
-    assert link.blocking_exchanges == 1
+    assert link.counters.blocking_exchanges == 1
     link.note_finished({"carrier"}, None)  # no payload request left: no blocking exchange
     link.begin_step()
     link.pre_forward(step_state(["plain"]).input_batch, model=None)
     link.end_step(step_state(["plain"]))
-    assert link.blocking_exchanges == 1 and isinstance(conn.sent[-1], StepEnd)
+    assert link.counters.blocking_exchanges == 1 and isinstance(conn.sent[-1], StepEnd)
     assert conn.sent[-1].finished == ["carrier"]
 
 

@@ -11,7 +11,9 @@ worker_shim/batch.py.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import msgspec
@@ -23,6 +25,19 @@ from worker_shim.channel import SidecarError
 from worker_shim.config import EmbedsSetting, LossPolicy
 from worker_shim.recovery import Recovery
 from worker_shim.session import FailureReports, SessionRequests
+
+
+@dataclass
+class StepCounters:
+    """What the shim sent and measured (read through the worker's `omni_sidecar_stats`)."""
+
+    steps: int = 0
+    new_requests: int = 0
+    finished_requests: int = 0
+    scheduled_tokens: int = 0
+    blocking_exchanges: int = 0
+    exchange_us: list[float] = field(default_factory=list)  # blocking StepBegin round trips
+    post_us: list[float] = field(default_factory=list)  # shim-side cost of each StepEnd (copy + send)
 
 
 class SidecarLink:
@@ -38,14 +53,7 @@ class SidecarLink:
         self.step = 0
         self._in_step = False
         self._layout_sent = False
-        # Counters (read through the worker's `omni_sidecar_stats`).
-        self.steps = 0
-        self.new_requests = 0
-        self.finished_requests = 0
-        self.scheduled_tokens = 0
-        self.blocking_exchanges = 0
-        self.exchange_us: list[float] = []  # blocking StepBegin round trips
-        self.post_us: list[float] = []  # shim-side cost of each StepEnd (copy + send)
+        self.counters = StepCounters()
         self._step_exchange_us = 0.0
         self._last_post_us = 0.0  # reported on the next StepEnd (measured after sending)
 
@@ -69,14 +77,14 @@ class SidecarLink:
     # -- notes from upstream calls ----------------------------------------------
 
     def note_finished(self, finished: set[str], preempted: set[str] | None) -> None:
-        self.finished_requests += len(finished)
+        self.counters.finished_requests += len(finished)
         self.payloads.note_finished(finished)
         self.requests.note_finished(finished, preempted or ())
 
     def note_new(self, new_reqs: list[Any]) -> None:
         for req in new_reqs:
             payload = payload_of(req)
-            self.new_requests += 1
+            self.counters.new_requests += 1
             self.payloads.note_new(req.req_id, payload)
             if self.conn is None:
                 self.recovery.refuse(req.req_id, payload is not None)
@@ -110,14 +118,14 @@ class SidecarLink:
         self._layout_sent = True
         try:
             plan = conn.step_plan(msg)
-            self.blocking_exchanges += 1
+            self.counters.blocking_exchanges += 1
             self.failures.record(plan.errors)
             extra = conn.read_plan(plan, input_batch, model, embeds)
         except (SidecarError, ValueError, msgspec.ValidationError) as exc:
             self.recovery.lose(f"step {self.step}: {exc}")
             return {}
         self._step_exchange_us = (time.perf_counter() - t0) * 1e6
-        self.exchange_us.append(self._step_exchange_us)
+        self.counters.exchange_us.append(self._step_exchange_us)
         return extra
 
     def end_step(self, state: Any) -> None:
@@ -127,8 +135,8 @@ class SidecarLink:
         batch = state.input_batch if state is not None else None
         num_tokens = int(batch.num_tokens) if batch is not None else 0
         if batch is not None:
-            self.steps += 1
-            self.scheduled_tokens += num_tokens
+            self.counters.steps += 1
+            self.counters.scheduled_tokens += num_tokens
         conn = self.conn
         if conn is None or (batch is None and not (self.requests.has_notices() or self.failures.pending)):
             self.step += 1
@@ -140,7 +148,7 @@ class SidecarLink:
         self.step += 1
         if batch is not None:
             self._last_post_us = (time.perf_counter() - t0) * 1e6
-            self.post_us.append(self._last_post_us)
+            self.counters.post_us.append(self._last_post_us)
 
     def _send_step_end(self, conn: Any, batch: Any, state: Any, num_tokens: int) -> None:
         hidden_ref, hidden_event = None, -1
@@ -179,18 +187,12 @@ class SidecarLink:
         return {
             "hook_set": self.hook_set,
             "connected": conn is not None,
-            "steps": self.steps,
-            "new_requests": self.new_requests,
-            "finished_requests": self.finished_requests,
-            "scheduled_tokens": self.scheduled_tokens,
-            "blocking_exchanges": self.blocking_exchanges,
+            **dataclasses.asdict(self.counters),
             "losses": recovery.losses,
             "reconnects": recovery.reconnects,
             "switches": recovery.switches,
             "switch_us": list(recovery.switch_us),
             "request_errors": dict(self.failures.request_errors),
-            "exchange_us": list(self.exchange_us),
-            "post_us": list(self.post_us),
             "arena_kind": conn.arena_kind if conn is not None else "",
             "arena_opens": conn.open_counts() if conn is not None else {},
         }
