@@ -41,6 +41,8 @@ class StepCounters:
 
 
 class SidecarLink:
+    """The runner's side of the step protocol (rank 0, or the only rank)."""
+
     def __init__(self, connect: Callable[..., Any], first: Any, loss_policy: LossPolicy = "fail-all",
                  embeds_setting: EmbedsSetting = "auto", suffixed_ids: bool = True,
                  payloads: PayloadTracker | None = None) -> None:
