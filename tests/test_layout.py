@@ -26,6 +26,7 @@ def _imports(package: str) -> set[str]:
     ("proto", {"vllm", "torch", "worker_shim", "omni_sidecar", "omni_arena"}),
     ("omni_sidecar", {"vllm", "worker_shim"}),
     ("omni_arena", {"vllm", "worker_shim", "omni_sidecar"}),
+    ("worker_shim", {"omni_sidecar"}),
 ])
 def test_import_direction(package, forbidden):
     found = _imports(package)
@@ -69,6 +70,36 @@ def test_shim_config_checks_arena_and_embeds_settings(monkeypatch):
     monkeypatch.setenv("OMNI_SIDECAR_ARENA", "nvlink")
     with pytest.raises(ValueError, match="auto, shm, cuda_ipc"):
         ShimConfig.from_vllm(SimpleNamespace(additional_config={}))
+
+
+def test_shim_defaults_are_the_shared_ones(monkeypatch):
+    from proto import settings
+    from worker_shim.config import RingConfig, ShimConfig
+
+    for name in (settings.ENV_RING, settings.ENV_RING_KIB, settings.ENV_RING_SPIN_US, settings.ENV_RING_SLEEP_MS,
+                 "OMNI_SIDECAR_LOSS_POLICY", "OMNI_SIDECAR_HIDDEN_SLOTS"):
+        monkeypatch.delenv(name, raising=False)
+    ring = RingConfig.from_env({})
+    assert (ring.capacity_kib, ring.spin_us, ring.sleep_ms) == (settings.RING_KIB, settings.RING_SPIN_US,
+                                                                settings.RING_SLEEP_MS)
+    cfg = ShimConfig.from_vllm(SimpleNamespace(additional_config={}))
+    assert cfg.ring == RingConfig() == ring
+    assert (cfg.loss_policy, cfg.hidden_slots) == ("fail-all", 2)
+    with pytest.raises(ValueError, match="fail-payload"):
+        ShimConfig.from_vllm(SimpleNamespace(additional_config={"omni_sidecar": {"loss_policy": "fail-some"}}))
+
+
+def test_the_shim_is_selected_by_its_endpoint_or_its_switch(monkeypatch):
+    from worker_shim.config import shim_selected
+
+    monkeypatch.delenv("OMNI_SIDECAR_ENDPOINT", raising=False)
+    monkeypatch.delenv("OMNI_SIDECAR", raising=False)
+    assert not shim_selected()
+    monkeypatch.setenv("OMNI_SIDECAR", "1")
+    assert shim_selected()
+    monkeypatch.delenv("OMNI_SIDECAR")
+    monkeypatch.setenv("OMNI_SIDECAR_ENDPOINT", "ipc:///tmp/x.sock")
+    assert shim_selected()
 
 
 def test_cuda_ipc_is_not_chosen_without_cuda():

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 
+from worker_shim.channel import SidecarError
+
 # (module, dotted attribute) pairs resolved at import time.
 UPSTREAM_NAMES: list[tuple[str, str]] = [
     ("vllm", "__version__"),
@@ -29,15 +31,14 @@ CPU_NAMES: list[tuple[str, str]] = [
 CUDA_NAMES: list[tuple[str, str]] = [
     ("vllm.v1.worker.gpu_worker", "Worker.init_device"),
 ]
-# Used when present, skipped when absent (start-up must not fail on them).
-OPTIONAL_NAMES: list[tuple[str, str]] = [
-    # plugin.py routes top-k/top-p to torch when Triton runs interpreted.
-    ("vllm.v1.sample.ops.topk_topp_sampler", "HAS_TRITON"),
-]
+# plugin.py routes top-k/top-p to torch when Triton runs interpreted; skipped when absent
+# (start-up must not fail on it).
+TOPK_TOPP_TRITON_FLAG = ("vllm.v1.sample.ops.topk_topp_sampler", "HAS_TRITON")
 # Attributes of live objects, checked on the instances once they exist.
 RUNNER_INIT_ATTRS = ["vllm_config", "max_num_tokens"]  # before load_model
 RUNNER_ATTRS = ["model_state", "model", "execute_model_state", "req_states", *RUNNER_INIT_ATTRS]
 MODEL_STATE_METHODS = ["prepare_inputs", "prepare_dummy_inputs"]
+# Read every step (worker_shim/batch.py); is_prefilling_np is used when present (0.26 lacks it).
 INPUT_BATCH_FIELDS = [
     "req_ids",
     "num_tokens",
@@ -47,20 +48,14 @@ INPUT_BATCH_FIELDS = [
     "prefill_len_np",
     "input_ids",
 ]
-# Used when present, derived from num_computed_tokens_np < prefill_len_np otherwise (0.26 lacks them).
-OPTIONAL_INPUT_BATCH_FIELDS = ["has_prefill", "is_prefilling_np"]
-NEW_REQUEST_FIELDS = ["req_id", "prompt_token_ids", "sampling_params"]  # + prompt_len when present
-SCHEDULER_OUTPUT_FIELDS = [
-    "finished_req_ids",
-    "preempted_req_ids",  # optional: read with getattr; absent means no preemption notices
-    "scheduled_new_reqs",
-    "total_num_scheduled_tokens",
-]
-MODEL_METHODS = ["embed_input_ids"]
+# vLLM 0.12 made request ids unique per engine: the engine's id is the client's plus
+# "-" and 8 random characters (unless VLLM_DISABLE_REQUEST_ID_RANDOMIZATION is set).
+REQUEST_ID_SUFFIX_SINCE = (0, 12)
+REQUEST_ID_SUFFIX_LEN = 9
 
 
-class ShimCompatError(RuntimeError):
-    pass
+class ShimCompatError(SidecarError):
+    """This vLLM lacks something the shim relies on (the message lists what)."""
 
 
 def _resolve(module: str, dotted: str):
@@ -104,6 +99,36 @@ def vllm_version() -> str:
         return str(vllm.__version__)
     except Exception:
         return "unknown"
+
+
+def request_ids_suffixed(version: str, randomization_disabled: bool = False) -> bool:
+    """Does this vLLM add its own suffix to the client's request id?"""
+    if randomization_disabled:
+        return False
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return True  # an unparsable (development) version: the current behaviour
+    return (major, minor) >= REQUEST_ID_SUFFIX_SINCE
+
+
+def upstream_request_ids_suffixed() -> bool:
+    """`request_ids_suffixed` for the running vLLM (its own env flag read through vllm.envs)."""
+    try:
+        import vllm.envs as envs
+
+        disabled = bool(getattr(envs, "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", False))
+    except Exception:
+        disabled = False
+    return request_ids_suffixed(vllm_version(), disabled)
+
+
+def client_request_id(req_id: str, suffixed: bool) -> str:
+    """The id the client gave vLLM ("7-1a2b3c4d" -> "7"); "" when it is `req_id` itself."""
+    cut = REQUEST_ID_SUFFIX_LEN
+    if suffixed and len(req_id) > cut and req_id[-cut] == "-":
+        return req_id[:-cut]
+    return ""
 
 
 def _message(missing: list[str]) -> str:

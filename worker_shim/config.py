@@ -1,68 +1,37 @@
-"""Shim settings: `additional_config["omni_sidecar"]` first, then env, then defaults."""
+"""Shim settings: `additional_config["omni_sidecar"]` first, then env, then defaults.
+
+The one module of the shim that reads its environment. Each setting's default
+is its dataclass field's default; limits both sides share come from
+proto/settings.py.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, get_args
 
 from proto.endpoint import check_endpoint, default_endpoint
+from proto.settings import (
+    ENV_ENDPOINT,
+    ENV_PREFIX,
+    ENV_RING,
+    ENV_RING_KIB,
+    ENV_RING_SLEEP_MS,
+    ENV_RING_SPIN_US,
+    RING_KIB,
+    RING_SLEEP_MS,
+    RING_SLEEP_MS_MAX,
+    RING_SPIN_US,
+)
 
+LossPolicy = Literal["fail-all", "fail-payload"]
+ArenaChoice = Literal["auto", "shm", "cuda_ipc"]
+EmbedsSetting = Literal["auto", "on", "off"]
 
-@dataclass(frozen=True)
-class ShimConfig:
-    endpoint: str
-    connect_timeout_s: float
-    step_timeout_s: float
-    hidden_slots: int
-    loss_policy: str  # "fail-all" | "fail-payload"
-    curve_keys: str  # tcp:// only: dir with client.key_secret and server.key
-    arena: str = "auto"  # "auto" | "shm" | "cuda_ipc": how tensors cross to the sidecar
-    embeds_buffer: str = "auto"  # "auto" | "on" | "off": persistent inputs_embeds for overlays
-    ring: "RingConfig | None" = None  # the shared-memory ring fast path (None: from the environment)
-
-    @classmethod
-    def from_vllm(cls, vllm_config: object) -> "ShimConfig":
-        extra = getattr(vllm_config, "additional_config", None) or {}
-        mine = extra.get("omni_sidecar", {}) if isinstance(extra, dict) else {}
-
-        def pick(key: str, env: str, default: str) -> str:
-            return str(mine.get(key, os.environ.get(env, default)))
-
-        endpoint = pick("endpoint", "OMNI_SIDECAR_ENDPOINT", default_endpoint())
-        curve_keys = pick("curve_keys", "OMNI_SIDECAR_CURVE_KEYS", "")
-        check_endpoint(endpoint, curve_keys or None)
-        return cls(
-            endpoint=endpoint,
-            connect_timeout_s=float(pick("connect_timeout_s", "OMNI_SIDECAR_CONNECT_TIMEOUT", "30")),
-            step_timeout_s=float(pick("step_timeout_s", "OMNI_SIDECAR_STEP_TIMEOUT", "10")),
-            hidden_slots=int(pick("hidden_slots", "OMNI_SIDECAR_HIDDEN_SLOTS", "2")),
-            loss_policy=_policy(pick("loss_policy", "OMNI_SIDECAR_LOSS_POLICY", "fail-all")),
-            curve_keys=curve_keys,
-            arena=_choice(pick("arena", "OMNI_SIDECAR_ARENA", "auto"), "arena",
-                          ("auto", "shm", "cuda_ipc"),
-                          "auto picks CUDA IPC on CUDA GPUs and host shared memory elsewhere"),
-            embeds_buffer=_choice(pick("embeds_buffer", "OMNI_SIDECAR_EMBEDS_BUFFER", "auto"),
-                                  "embeds_buffer", ("auto", "on", "off"),
-                                  "auto feeds the model from a persistent inputs_embeds buffer "
-                                  "when the sidecar's hooks run before the forward"),
-            ring=RingConfig.from_env({**os.environ, **{env: str(mine[key]) for key, env in _RING_KEYS.items()
-                                                       if key in mine}}),
-        )
-
-
-def _policy(value: str) -> str:
-    if value not in ("fail-all", "fail-payload"):
-        raise ValueError(
-            f"loss_policy {value!r}: use fail-all (every request the lost sidecar served fails) or "
-            "fail-payload (only requests carrying a sidecar payload fail; others run on unhooked)"
-        )
-    return value
-
-
-def _choice(value: str, key: str, allowed: tuple[str, ...], why: str) -> str:
-    if value not in allowed:
-        raise ValueError(f"omni_sidecar {key} {value!r}: use one of {', '.join(allowed)} ({why})")
-    return value
+ENV_SELECT = "OMNI_SIDECAR"  # "1" selects the shim where the endpoint is the default one
+ENV_TRITON_INTERPRET = "TRITON_INTERPRET"  # vLLM's Triton kernels run in the interpreter
 
 
 @dataclass(frozen=True)
@@ -83,28 +52,95 @@ class RingConfig:
     """
 
     enabled: bool = True
-    capacity_kib: int = 1024
-    spin_us: int = 2000
-    sleep_ms: int = 2
+    capacity_kib: int = RING_KIB
+    spin_us: int = RING_SPIN_US
+    sleep_ms: int = RING_SLEEP_MS
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> "RingConfig":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "RingConfig":
         env = os.environ if environ is None else environ
-        flag = env.get("OMNI_SIDECAR_RING", "1").strip().lower()
+        flag = env.get(ENV_RING, "1").strip().lower()
         if flag not in ("0", "1", "true", "false", "on", "off", "yes", "no"):
-            raise ValueError(f"OMNI_SIDECAR_RING={flag!r}: use 1 (shared-memory ring for step messages) or 0 "
-                             "(everything over ZeroMQ)")
+            raise ValueError(f"{ENV_RING}={flag!r}: use 1 (shared-memory ring for step messages) "
+                                  "or 0 (everything over ZeroMQ)")
         cfg = cls(
             enabled=flag in ("1", "true", "on", "yes"),
-            capacity_kib=int(env.get("OMNI_SIDECAR_RING_KIB", "1024")),
-            spin_us=int(env.get("OMNI_SIDECAR_RING_SPIN_US", "2000")),
-            sleep_ms=int(env.get("OMNI_SIDECAR_RING_SLEEP_MS", "2")),
+            capacity_kib=int(env.get(ENV_RING_KIB, cls.capacity_kib)),
+            spin_us=int(env.get(ENV_RING_SPIN_US, cls.spin_us)),
+            sleep_ms=int(env.get(ENV_RING_SLEEP_MS, cls.sleep_ms)),
         )
-        if not 4 <= cfg.capacity_kib <= 256 << 10 or cfg.spin_us < 0 or not 1 <= cfg.sleep_ms <= 1000:
-            raise ValueError("OMNI_SIDECAR_RING_KIB must be in [4, 262144], OMNI_SIDECAR_RING_SPIN_US >= 0, "
-                             "OMNI_SIDECAR_RING_SLEEP_MS in [1, 1000]")
+        if not 4 <= cfg.capacity_kib <= 256 << 10 or cfg.spin_us < 0 or not 1 <= cfg.sleep_ms <= RING_SLEEP_MS_MAX:
+            raise ValueError(f"{ENV_RING_KIB} must be in [4, 262144], {ENV_RING_SPIN_US} >= 0, "
+                                  f"{ENV_RING_SLEEP_MS} in [1, {RING_SLEEP_MS_MAX}]")
         return cfg
 
 
-_RING_KEYS = {"ring": "OMNI_SIDECAR_RING", "ring_kib": "OMNI_SIDECAR_RING_KIB",
-              "ring_spin_us": "OMNI_SIDECAR_RING_SPIN_US", "ring_sleep_ms": "OMNI_SIDECAR_RING_SLEEP_MS"}
+_RING_KEYS = {"ring": ENV_RING, "ring_kib": ENV_RING_KIB, "ring_spin_us": ENV_RING_SPIN_US,
+              "ring_sleep_ms": ENV_RING_SLEEP_MS}
+
+
+@dataclass(frozen=True)
+class ShimConfig:
+    endpoint: str
+    connect_timeout_s: float = 30.0
+    step_timeout_s: float = 10.0
+    hidden_slots: int = 2
+    loss_policy: LossPolicy = "fail-all"
+    curve_keys: str = ""  # tcp:// only: dir with client.key_secret and server.key
+    arena: ArenaChoice = "auto"  # how tensors cross to the sidecar
+    embeds_buffer: EmbedsSetting = "auto"  # persistent inputs_embeds for overlays
+    ring: RingConfig = field(default_factory=RingConfig)  # the shared-memory ring fast path
+
+    @classmethod
+    def from_vllm(cls, vllm_config: object) -> "ShimConfig":
+        extra = getattr(vllm_config, "additional_config", None) or {}
+        mine = extra.get("omni_sidecar", {}) if isinstance(extra, dict) else {}
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+
+        def pick(key: str, env_suffix: str) -> str:
+            default = defaults[key]
+            return str(mine.get(key, os.environ.get(ENV_PREFIX + env_suffix, default)))
+
+        endpoint = str(mine.get("endpoint", default_endpoint()))
+        curve_keys = pick("curve_keys", "CURVE_KEYS")
+        check_endpoint(endpoint, curve_keys or None)
+        return cls(
+            endpoint=endpoint,
+            connect_timeout_s=float(pick("connect_timeout_s", "CONNECT_TIMEOUT")),
+            step_timeout_s=float(pick("step_timeout_s", "STEP_TIMEOUT")),
+            hidden_slots=int(pick("hidden_slots", "HIDDEN_SLOTS")),
+            loss_policy=_loss_policy(pick("loss_policy", "LOSS_POLICY")),
+            curve_keys=curve_keys,
+            arena=_choice(pick("arena", "ARENA"), "arena", ArenaChoice,
+                          "auto picks CUDA IPC on CUDA GPUs and host shared memory elsewhere"),
+            embeds_buffer=_choice(pick("embeds_buffer", "EMBEDS_BUFFER"), "embeds_buffer", EmbedsSetting,
+                                  "auto feeds the model from a persistent inputs_embeds buffer "
+                                  "when the sidecar's hooks run before the forward"),
+            ring=RingConfig.from_env({**os.environ, **{env: str(mine[key]) for key, env in _RING_KEYS.items()
+                                                       if key in mine}}),
+        )
+
+
+def shim_selected() -> bool:
+    """Is the shim meant to run in this process (`OMNI_SIDECAR_ENDPOINT` set, or `OMNI_SIDECAR=1`)?"""
+    return bool(os.environ.get(ENV_ENDPOINT)) or os.environ.get(ENV_SELECT) == "1"
+
+
+def triton_interpreted() -> bool:
+    return os.environ.get(ENV_TRITON_INTERPRET) == "1"
+
+
+def _loss_policy(value: str) -> LossPolicy:
+    if value not in get_args(LossPolicy):
+        raise ValueError(
+            f"loss_policy {value!r}: use fail-all (every request the lost sidecar served fails) or "
+            "fail-payload (only requests carrying a sidecar payload fail; others run on unhooked)"
+        )
+    return value  # type: ignore[return-value]
+
+
+def _choice(value: str, key: str, allowed: Any, why: str) -> Any:
+    choices = get_args(allowed)
+    if value not in choices:
+        raise ValueError(f"omni_sidecar {key} {value!r}: use one of {', '.join(choices)} ({why})")
+    return value

@@ -1,54 +1,63 @@
-"""One connection to one sidecar: socket, arenas, and what the sidecar said it needs.
+"""One connection to one sidecar: its channel, its arenas, and what the sidecar has seen.
 
 A new connection (start-up, or reconnect after the sidecar died or was
 replaced) gets a new hidden-state arena: the previous sidecar removed the old
-one's name once it had mapped it.
+one's name once it had mapped it. Everything else in the shim talks to the
+sidecar through this object's methods, never through its channel or slots.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
+import torch
 
-from proto.arena import ArenaError, ShmArena, SlotRing
-from proto.messages import ArenaInfo, Hello, HookNeeds, Welcome
+from proto.arena import ArenaError, ShmArena
+from proto.messages import ArenaInfo, ArenaKind, Hello, HookNeeds, Message, StepBegin, StepEnd, StepPlan, StepResult, Welcome
+from proto.tensors import TensorRef
 from worker_shim.channel import SidecarChannel, SidecarError
+from worker_shim.config import RingConfig
+from worker_shim.transfer import HiddenSlots, read_plan
 
 
 class SidecarConnection:
     def __init__(self, endpoint: str, step_timeout_s: float, hello: Hello, hidden_bytes: int,
                  hidden_slots: int, arena_prefix: str, curve_keys: str | None = None,
-                 device: Any = None, arena_kind: str = "shm", ring: Any = None) -> None:
+                 device: Any = None, arena_kind: ArenaKind = "shm", ring: RingConfig | None = None) -> None:
         self.arena_kind = arena_kind
-        self.device = device
         self.opens = None  # CUDA IPC: OpenCounts of the peer's buffer / events
-        self.hidden_arena: Any = None
+        self._hidden_arena: Any = None
         self._out_done: list[Any] = []  # our done events for the sidecar's arena (CUDA IPC)
         if arena_kind == "cuda_ipc":
             from omni_arena.cuda_ipc import CudaIpcArena, OpenCounts, event_handles, new_event
 
             self.opens = OpenCounts()
-            self.hidden_arena = CudaIpcArena.create(hidden_bytes, device, hidden_slots, name=arena_prefix)
+            self._hidden_arena = CudaIpcArena.create(hidden_bytes, device, hidden_slots, name=arena_prefix)
             self._out_done = [new_event(device)]
             hello = msgspec.structs.replace(hello, consumer_events=event_handles(self._out_done))
         else:
-            self.hidden_arena = ShmArena.create(hidden_bytes, prefix=arena_prefix)
-        self.hello = msgspec.structs.replace(hello, arenas=[self.hidden_arena.info()])
-        self.channel = SidecarChannel(endpoint, step_timeout_s, curve_keys, ring=ring)
-        self.hidden_slots = hidden_slots
+            self._hidden_arena = ShmArena.create(hidden_bytes, prefix=arena_prefix)
+        self.hello = msgspec.structs.replace(hello, arenas=[self._hidden_arena.info()])
+        self._channel = SidecarChannel(endpoint, step_timeout_s, curve_keys, ring=ring)
+        self._num_hidden_slots = hidden_slots
+        self._hidden: HiddenSlots | None = None
+        self._overlay_arena: Any = None
         self.started = time.monotonic()
         self.welcome: Welcome | None = None
         self.needs = HookNeeds()
         self.hook_set = ""
-        self.ring: SlotRing | None = None
-        self.overlay_arena: Any = None
+        # What this sidecar has seen: the last StepEnd sent and the request order it holds.
+        self.last_sent_step = -1
+        self.peer_req_ids: list[str] | None = None
+
+    # -- handshake ------------------------------------------------------------------
 
     def connect(self, timeout_s: float) -> Welcome:
         """Start-up: wait for the Welcome, or fail with a message that says what to do."""
         try:
-            self._accept(self.channel.handshake(self.hello, timeout_s))
+            self._accept(self._channel.handshake(self.hello, timeout_s))
         except BaseException:
             self.close()
             raise
@@ -57,10 +66,10 @@ class SidecarConnection:
 
     def start(self) -> None:
         """Reconnect: send Hello now; `poll` picks up the Welcome on a later step."""
-        self.channel.send(self.hello)
+        self._channel.send(self.hello)
 
     def poll(self, wait_ms: int = 0) -> bool:
-        welcome = self.channel.poll_welcome(self.hello, wait_ms)
+        welcome = self._channel.poll_welcome(self.hello, wait_ms)
         if welcome is None:
             return False
         self._accept(welcome)
@@ -71,15 +80,15 @@ class SidecarConnection:
         self.needs = welcome.needs
         self.hook_set = welcome.hook_set
         if welcome.arenas:
-            self.overlay_arena = self._attach(welcome.arenas[0])
+            self._overlay_arena = self._attach(welcome.arenas[0])
         if welcome.needs.hidden_states:
-            assert self.hidden_arena is not None
-            self.ring = SlotRing(self.hidden_arena.size, self.hidden_slots)
+            assert self._hidden_arena is not None
+            self._hidden = HiddenSlots(self._hidden_arena, self._num_hidden_slots)
             if self.opens is not None:
-                self.hidden_arena.open_peer_done(list(welcome.consumer_events), self.opens)
-        elif self.hidden_arena is not None:
-            self.hidden_arena.close()
-            self.hidden_arena = None
+                self._hidden_arena.open_peer_done(list(welcome.consumer_events), self.opens)
+        elif self._hidden_arena is not None:
+            self._hidden_arena.close()
+            self._hidden_arena = None
 
     def _attach(self, info: ArenaInfo) -> Any:
         """Open the sidecar's arena once; CUDA IPC only when we offered it (same kinds both ways)."""
@@ -96,15 +105,68 @@ class SidecarConnection:
         except ArenaError as exc:
             raise SidecarError(f"cannot open the sidecar's arena: {exc}") from None
 
+    # -- messages -------------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        return self._channel.endpoint
+
+    @property
+    def step_timeout_s(self) -> float:
+        return self._channel.step_timeout_ms / 1000
+
+    def send(self, msg: Message) -> None:
+        self._channel.send(msg)
+        self._note_sent(msg)
+
+    def call(self, msg: Message, want: type) -> Any:
+        self._note_sent(msg)  # a step message's layout is the sidecar's even when no reply comes
+        return self._channel.call(msg, want)
+
+    def step_plan(self, msg: StepBegin) -> StepPlan:
+        return self.call(msg, StepPlan)
+
+    def _note_sent(self, msg: Message) -> None:
+        if isinstance(msg, (StepBegin, StepEnd)) and msg.batch is not None and msg.batch.req_ids is not None:
+            self.peer_req_ids = msg.batch.req_ids
+        if isinstance(msg, StepEnd):
+            self.last_sent_step = msg.step
+
+    def take_results(self, until_step: int | None = None) -> list[StepResult]:
+        """Results received so far; blocks (up to the step timeout) for `until_step`'s."""
+        return self._channel.take_results(until_step=until_step)
+
+    def peer_gone(self) -> bool:
+        return self._channel.peer_gone()
+
+    # -- tensors --------------------------------------------------------------------
+
+    @property
+    def sends_hidden(self) -> bool:
+        return self._hidden is not None
+
+    def write_hidden(self, step: int, hidden: torch.Tensor,
+                     wait_answered: Callable[[int], None]) -> tuple[TensorRef, int]:
+        assert self._hidden is not None
+        return self._hidden.write(step, hidden, wait_answered)
+
+    def hidden_sent(self, step: int) -> None:
+        assert self._hidden is not None
+        self._hidden.sent(step)
+
+    def read_plan(self, plan: StepPlan, input_batch: Any, model: Any, embeds: torch.Tensor | None) -> dict[str, Any]:
+        return read_plan(self._overlay_arena, plan, input_batch, model, embeds)
+
     def open_counts(self) -> dict[str, int]:
         return {"mem": self.opens.mem, "events": self.opens.events} if self.opens is not None else {}
 
     def close(self) -> None:
-        self.channel.close()
-        for arena in (self.hidden_arena, self.overlay_arena):
+        self._channel.close()
+        for arena in (self._hidden_arena, self._overlay_arena):
             if arena is not None:
                 arena.close()
-        self.hidden_arena = self.overlay_arena = None
+        self._hidden_arena = self._overlay_arena = None
+        self._hidden = None
 
 
 __all__ = ["SidecarConnection", "SidecarError"]

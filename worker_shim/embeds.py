@@ -2,7 +2,7 @@
 
 Why: CUDA graphs replay fixed addresses. A FULL graph reads whatever its
 captured input buffers hold, and a piecewise graph traced on the input_ids
-path cannot take a fresh inputs_embeds tensor (DESIGN §4). So when the hook
+path cannot take a fresh inputs_embeds tensor (docs/ARCHITECTURE.md, "CUDA graphs"). So when the hook
 set runs before the forward, the model always takes `inputs_embeds` from this
 one buffer: graphs are captured reading it (`prepare_dummy_inputs`), each step
 writes the token embeddings into it outside the graph, overlay rows land in it

@@ -13,14 +13,15 @@ import os
 
 
 def register() -> None:
-    enabled = os.environ.get("OMNI_SIDECAR_ENDPOINT") or os.environ.get("OMNI_SIDECAR") == "1"
-    if enabled:
-        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        try:
-            from worker_shim.compat import OPTIONAL_NAMES
+    from worker_shim.config import shim_selected, triton_interpreted
 
-            module, name = OPTIONAL_NAMES[0]
+    if shim_selected():
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+    if triton_interpreted():
+        try:
+            from worker_shim.compat import TOPK_TOPP_TRITON_FLAG
+
+            module, name = TOPK_TOPP_TRITON_FLAG
             sampler = importlib.import_module(module)
             if hasattr(sampler, name):
                 setattr(sampler, name, False)

@@ -20,14 +20,15 @@ from worker_shim.compat import MODEL_STATE_METHODS, RUNNER_ATTRS, RUNNER_INIT_AT
 from worker_shim.embeds import EmbedsBuffer
 from worker_shim.embeds import mark_compiled_graph
 from worker_shim.embeds import wanted as embeds_wanted
-from worker_shim.link import SidecarLink, model_device
-from worker_shim.tp import TensorParallelSync
+from worker_shim.link import SidecarLink
+from worker_shim.tp import TensorParallelFollower, TensorParallelSync
+from worker_shim.transfer import model_device
 
 
 class SidecarRunnerMixin:
     """Overrides on the upstream GPUModelRunner / CPUModelRunner (V2)."""
 
-    omni_link: SidecarLink
+    omni_link: SidecarLink | TensorParallelFollower
     omni_embeds: EmbedsBuffer | None = None
     omni_tp: TensorParallelSync | None = None  # TP>1: rank 0 drives, others follow
 
@@ -35,14 +36,10 @@ class SidecarRunnerMixin:
         self.omni_link.note_finished(
             scheduler_output.finished_req_ids, getattr(scheduler_output, "preempted_req_ids", None)
         )
-        if self.omni_tp is not None:
-            self.omni_tp.note_finished(scheduler_output.finished_req_ids)
         return _up(self).finish_requests(scheduler_output)  # type: ignore[misc]
 
     def add_requests(self, scheduler_output: Any) -> None:
         self.omni_link.note_new(scheduler_output.scheduled_new_reqs)
-        if self.omni_tp is not None:
-            self.omni_tp.note_new(scheduler_output.scheduled_new_reqs)
         return _up(self).add_requests(scheduler_output)  # type: ignore[misc]
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -54,7 +51,7 @@ class SidecarRunnerMixin:
         try:
             out = _up(self).execute_model(scheduler_output, *args, **kwargs)  # type: ignore[misc]
         except BaseException:
-            self.omni_link.in_step = False
+            self.omni_link.abort_step()
             raise
         state = self.execute_model_state
         # Steps without a forward (finish-only) leave the state untouched.
@@ -93,7 +90,7 @@ class SidecarModelStateMixin:
     def prepare_inputs(self, input_batch: Any, req_states: Any) -> dict[str, Any]:
         inputs = _up(self).prepare_inputs(input_batch, req_states)  # type: ignore[misc]
         runner = self.omni_runner
-        link: SidecarLink = runner.omni_link
+        link: SidecarLink | TensorParallelFollower = runner.omni_link
         buffer: EmbedsBuffer | None = runner.omni_embeds
         embeds = None
         if buffer is not None:

@@ -24,27 +24,28 @@ import msgspec
 import torch
 
 from proto.messages import HookNeeds
-from worker_shim.link import exchange_needed, payload_of
+from worker_shim.batch import PayloadTracker, payload_of
+from worker_shim.channel import SidecarError
+from worker_shim.config import EmbedsSetting
 
 log = logging.getLogger("vllm.omni_sidecar.shim.tp")
 MAX_KWARGS_BYTES = 16 << 20
 
 
 class TensorParallelSync:
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, payloads: PayloadTracker) -> None:
         self.group = group
         self.rank = int(group.rank_in_group)
         self.size = int(group.world_size)
         self.needs = HookNeeds()
-        self._payload_reqs: set[str] = set()
-        self.broadcasts = 0
+        self.payloads = payloads  # the rank's link feeds it; every rank holds the same
 
     @classmethod
-    def from_vllm(cls) -> "TensorParallelSync | None":
+    def from_vllm(cls, payloads: PayloadTracker) -> "TensorParallelSync | None":
         from vllm.distributed.parallel_state import get_tp_group
 
         group = get_tp_group()
-        return cls(group) if int(group.world_size) > 1 else None
+        return cls(group, payloads) if int(group.world_size) > 1 else None
 
     @property
     def driver(self) -> bool:
@@ -59,7 +60,7 @@ class TensorParallelSync:
         if n == 0:
             return b""
         if n > MAX_KWARGS_BYTES:
-            raise RuntimeError(f"TP broadcast of {n} bytes exceeds {MAX_KWARGS_BYTES}")
+            raise SidecarError(f"TP broadcast of {n} bytes exceeds {MAX_KWARGS_BYTES}")
         buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.driver
                else torch.empty(n, dtype=torch.uint8))
         torch.distributed.broadcast(buf, src=src, group=self.group.cpu_group)
@@ -73,19 +74,13 @@ class TensorParallelSync:
 
     # -- per step -----------------------------------------------------------------
 
-    def note_new(self, new_reqs: list[Any]) -> None:
-        self._payload_reqs.update(r.req_id for r in new_reqs if payload_of(r) is not None)
-
-    def note_finished(self, finished: set[str]) -> None:
-        self._payload_reqs.difference_update(finished)
-
     def step_needs_broadcast(self, input_batch: Any) -> bool:
-        return exchange_needed(self.needs, self._payload_reqs, input_batch)
+        """The link's decision with the start-up needs (every rank's copy of them)."""
+        return self.payloads.exchange_needed(self.needs, input_batch)
 
     def exchange(self, extra: dict[str, Any], embeds: torch.Tensor | None, num_tokens: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
         """Rank 0's extra inputs become every rank's (call on all ranks, same steps)."""
-        self.broadcasts += 1
         header = None
         if self.driver:
             kwargs = {}
@@ -112,27 +107,29 @@ class TensorParallelSync:
         return out
 
 
-class FollowerLink:
-    """The link of TP ranks > 0: no connection of their own; counts steps for `stats`."""
+class TensorParallelFollower:
+    """The runner's link on TP ranks > 0: no sidecar of its own; tracks payloads, counts steps."""
 
-    def __init__(self, needs: HookNeeds, embeds_setting: str) -> None:
+    def __init__(self, needs: HookNeeds, embeds_setting: EmbedsSetting, payloads: PayloadTracker) -> None:
         self.needs = needs
         self.embeds_setting = embeds_setting
+        self.payloads = payloads
         self.hook_set = ""
         self.in_step = False
         self.steps = 0
 
     def note_finished(self, finished: set[str], preempted: set[str] | None) -> None:
-        pass
+        self.payloads.note_finished(finished)
 
     def note_new(self, new_reqs: list[Any]) -> None:
-        pass
+        for req in new_reqs:
+            self.payloads.note_new(req.req_id, payload_of(req))
 
     def begin_step(self) -> None:
         self.in_step = True
 
-    def needs_exchange(self, input_batch: Any) -> bool:
-        return False
+    def abort_step(self) -> None:
+        self.in_step = False
 
     def pre_forward(self, input_batch: Any, model: Any, embeds: torch.Tensor | None = None) -> dict[str, Any]:
         return {}

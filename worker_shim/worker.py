@@ -16,17 +16,19 @@ from typing import Any
 
 from proto.arena import sweep_stale
 from proto.endpoint import pid_namespace
-from proto.messages import Hello
+from proto.messages import ArenaKind, Hello
 from proto.tensors import DTYPE_ITEMSIZE
 from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from worker_shim import __version__
 from worker_shim.channel import SidecarError
 from worker_shim.connection import SidecarConnection
-from worker_shim.compat import ShimCompatError, check_upstream, vllm_version
-from worker_shim.config import ShimConfig
-from worker_shim.link import SidecarLink, hidden_arena_size
+from worker_shim.batch import PayloadTracker
+from worker_shim.compat import ShimCompatError, check_upstream, upstream_request_ids_suffixed, vllm_version
+from worker_shim.config import ArenaChoice, ShimConfig
+from worker_shim.link import SidecarLink
 from worker_shim.runner import SidecarRunnerMixin, swap_class
-from worker_shim.tp import FollowerLink, TensorParallelSync
+from worker_shim.tp import TensorParallelFollower, TensorParallelSync
+from worker_shim.transfer import hidden_arena_size
 from omni_arena.views import dtype_name
 
 log = logging.getLogger("vllm.omni_sidecar.shim")
@@ -35,7 +37,7 @@ log = logging.getLogger("vllm.omni_sidecar.shim")
 class ShimWorkerMixin:
     """Mixed in front of an upstream worker class; every override calls super()."""
 
-    omni_link: SidecarLink | FollowerLink | None = None
+    omni_link: SidecarLink | TensorParallelFollower | None = None
     omni_platform = "cpu"
 
     def init_device(self) -> None:
@@ -46,14 +48,16 @@ class ShimWorkerMixin:
                 "omni-sidecar's shim hosts Model Runner V2 only, but vLLM picked the V1 runner. "
                 "Set VLLM_USE_V2_MODEL_RUNNER=1 (and check the log for the V2 feature it refused)."
             )
-        tp = TensorParallelSync.from_vllm()
+        payloads = PayloadTracker()  # one per rank: its link feeds it, its TP sync reads it
+        tp = TensorParallelSync.from_vllm(payloads)
+        link: SidecarLink | TensorParallelFollower
         if tp is None or tp.driver:
-            link = self._connect_sidecar()
+            link = self._connect_sidecar(payloads)
             if tp is not None:
                 tp.share_needs(link.needs)
         else:
             cfg = ShimConfig.from_vllm(self.vllm_config)  # type: ignore[attr-defined]
-            link = FollowerLink(tp.share_needs(None), cfg.embeds_buffer)
+            link = TensorParallelFollower(tp.share_needs(None), cfg.embeds_buffer, payloads)
             log.info("omni-sidecar shim: TP rank %d follows rank 0's sidecar (needs %s)", tp.rank, link.needs)
         self.omni_link = link
         runner = self.model_runner  # type: ignore[attr-defined]
@@ -61,7 +65,7 @@ class ShimWorkerMixin:
         runner.omni_tp = tp
         swap_class(runner, SidecarRunnerMixin)
 
-    def _connect_sidecar(self) -> SidecarLink:
+    def _connect_sidecar(self, payloads: PayloadTracker) -> SidecarLink:
         stale = sweep_stale()
         if stale:
             log.info("omni-sidecar shim: removed %d stale arena(s) of dead processes from /dev/shm", len(stale))
@@ -115,9 +119,10 @@ class ShimWorkerMixin:
             "tensors via %s)", __version__, cfg.endpoint, welcome.hook_set, welcome.sidecar_version,
             welcome.session, welcome.needs, arena_kind,
         )
-        return SidecarLink(connect, first, cfg.loss_policy, cfg.embeds_buffer)
+        return SidecarLink(connect, first, cfg.loss_policy, cfg.embeds_buffer,
+                           suffixed_ids=upstream_request_ids_suffixed(), payloads=payloads)
 
-    def _arena_choice(self, setting: str) -> tuple[Any, str]:
+    def _arena_choice(self, setting: ArenaChoice) -> tuple[Any, ArenaKind]:
         """CUDA IPC on CUDA GPUs; host shared memory (staging) on CPU and accelerators without it."""
         import torch
 

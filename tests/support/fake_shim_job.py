@@ -19,10 +19,10 @@ def main(endpoint: str) -> None:
                   pid=os.getpid(), pid_namespace=pid_namespace())
     conn = SidecarConnection(endpoint, 10, hello, 4096, 2, arena_prefix="omni-shim-fake")
     conn.connect(10)
-    conn.channel.send(StepEnd(0, BatchLayout(["req-dead"], [0, 3], [0], [3]),
-                              new_requests=[NewRequest("req-dead", 3, [5, 6, 7])], num_tokens=3))
-    conn.channel.take_results(until_step=0)  # the sidecar has admitted the request
-    assert isinstance(conn.channel.call(StatusQuery(), StatusReply), StatusReply)
+    conn.send(StepEnd(0, BatchLayout(["req-dead"], [0, 3], [0], [3]),
+                      new_requests=[NewRequest("req-dead", 3, [5, 6, 7])], num_tokens=3))
+    conn.take_results(until_step=0)  # the sidecar has admitted the request
+    assert isinstance(conn.call(StatusQuery(), StatusReply), StatusReply)
     print("ready", flush=True)
     time.sleep(600)
 

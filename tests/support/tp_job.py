@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from proto.messages import HookNeeds
+from worker_shim.batch import PayloadTracker, payload_of
 from worker_shim.tp import TensorParallelSync
 
 
@@ -35,9 +36,11 @@ def request(req_id: str, payload: bool) -> SimpleNamespace:
 
 def main(rank: int, init_file: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    sync = TensorParallelSync(Group(rank))
+    payloads = PayloadTracker()  # the rank's link feeds it in a real runner
+    sync = TensorParallelSync(Group(rank), payloads)
     needs = sync.share_needs(HookNeeds(pre_forward="prefill", pre_forward_scope="payload") if rank == 0 else None)
-    sync.note_new([request("a", True), request("b", False)])
+    for req in (request("a", True), request("b", False)):
+        payloads.note_new(req.req_id, payload_of(req))
     prefill = SimpleNamespace(req_ids=["a", "b"], num_computed_tokens_np=np.array([0, 5]),
                               prefill_len_np=np.array([4, 5]))
     decode = SimpleNamespace(req_ids=["a", "b"], num_computed_tokens_np=np.array([4, 6]),
@@ -50,7 +53,7 @@ def main(rank: int, init_file: str, out: str) -> None:
         embeds[1:3] = torch.arange(8, dtype=torch.float32).view(2, 4) + 1
         extra = {"inputs_embeds": embeds, "spans": [[0, 4]], "tensor_kwarg": torch.ones(2)}
     got = sync.exchange(extra, embeds, 6, 4, torch.float32, torch.device("cpu"))
-    sync.note_finished({"a"})
+    payloads.note_finished({"a"})
     after = sync.step_needs_broadcast(prefill)
     result = {"needs": needs.pre_forward, "schedule": schedule, "after_finish": after,
               "keys": sorted(got), "spans": got.get("spans"), "embeds": got["inputs_embeds"].tolist(),

@@ -1,0 +1,238 @@
+"""The shim's loss / reconnect / switch state machine, driven through the link with fake connections.
+
+Each transition of worker_shim/recovery.py has a test here that fails if it is removed:
+connected -> lost (peer gone, step error, failed switch), lost -> connected (reconnect),
+lost -> lost (retry with a fresh connection), connected -> switching -> connected.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from proto.messages import HookNeeds, RequestError, StepEnd, StepResult, SwitchAck, SwitchReady
+from worker_shim import recovery
+from worker_shim.channel import SidecarError
+from worker_shim.link import SidecarLink
+
+
+class FakeConnection:
+    """What the link and recovery use of a SidecarConnection, with no socket behind it."""
+
+    def __init__(self, endpoint: str = "ipc:///nonexistent/omni-test.sock", ready: bool = True,
+                 ack: SwitchAck | None = None, needs: HookNeeds | None = None) -> None:
+        self.endpoint = endpoint
+        self.step_timeout_s = 1.0
+        self.needs = needs or HookNeeds()
+        self.hook_set = "fake"
+        self.welcome = SimpleNamespace(session=7)
+        self.arena_kind = "shm"
+        self.started = 0.0
+        self.ready = ready
+        self.ack = ack
+        self.gone = False
+        self.closed = False
+        self.hello_sent = False
+        self.connected = False
+        self.fail_send: Exception | None = None
+        self.fail_call: Exception | None = None
+        self.sent: list = []
+        self.calls: list = []
+        self.results: list[StepResult] = []
+        self.last_sent_step = -1
+        self.peer_req_ids = None
+        self.sends_hidden = False
+
+    # handshake
+    def start(self) -> None:
+        self.hello_sent = True
+
+    def poll(self, wait_ms: int = 0) -> bool:
+        return self.ready
+
+    def connect(self, timeout_s: float) -> None:
+        self.connected = True
+
+    # traffic
+    def peer_gone(self) -> bool:
+        return self.gone
+
+    def send(self, msg) -> None:
+        if self.fail_send is not None:
+            raise self.fail_send
+        self.sent.append(msg)
+        if isinstance(msg, StepEnd):
+            self.last_sent_step = msg.step
+
+    def call(self, msg, want):
+        if self.fail_call is not None:
+            raise self.fail_call
+        self.calls.append(msg)
+        return self.ack
+
+    def take_results(self, until_step=None) -> list[StepResult]:
+        out, self.results = self.results, []
+        return out
+
+    def open_counts(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Factory:
+    """The link's `connect`: hands out prepared fake connections and records the arguments."""
+
+    def __init__(self, *conns: FakeConnection) -> None:
+        self.conns = list(conns)
+        self.made: list[tuple[FakeConnection, dict]] = []
+
+    def __call__(self, **kwargs) -> FakeConnection:
+        conn = self.conns.pop(0)
+        self.made.append((conn, kwargs))
+        return conn
+
+
+def request(req_id: str, payload: bool) -> SimpleNamespace:
+    extra = {"omni_sidecar": {"x": 1}} if payload else None
+    return SimpleNamespace(req_id=req_id, prompt_token_ids=[1, 2, 3], prompt_len=3,
+                           sampling_params=SimpleNamespace(extra_args=extra))
+
+
+def step_state(req_ids: list[str]) -> SimpleNamespace:
+    n = len(req_ids)
+    batch = SimpleNamespace(req_ids=req_ids, num_tokens=n,
+                            query_start_loc_np=np.arange(n + 1), num_computed_tokens_np=np.zeros(n, int),
+                            prefill_len_np=np.full(n, 3))
+    return SimpleNamespace(input_batch=batch, hidden_states=None)
+
+
+def run_step(link: SidecarLink, req_ids: list[str]) -> None:
+    link.begin_step()
+    link.end_step(step_state(req_ids))
+
+
+def served_link(policy: str = "fail-all", factory: Factory | None = None) -> tuple[SidecarLink, FakeConnection]:
+    first = FakeConnection()
+    link = SidecarLink(factory or Factory(), first, loss_policy=policy)
+    link.note_new([request("plain", False), request("carrier", True)])
+    run_step(link, ["plain", "carrier"])
+    assert first.sent and first.last_sent_step == 0
+    return link, first
+
+
+def test_a_vanished_sidecar_is_lost_and_every_request_it_served_fails():
+    link, first = served_link("fail-all")
+    first.gone = True
+    link.begin_step()
+    assert link.recovery.state == "lost" and link.conn is None and first.closed
+    assert link.recovery.losses == 1
+    assert set(link.failures.request_errors) == {"plain", "carrier"}
+    assert "omni-sidecar lost" in link.failures.request_errors["plain"]
+
+
+def test_fail_payload_policy_fails_only_requests_that_carry_a_payload():
+    link, first = served_link("fail-payload")
+    first.gone = True
+    link.begin_step()
+    assert link.recovery.state == "lost"
+    assert set(link.failures.request_errors) == {"carrier"}
+
+
+def test_requests_arriving_while_lost_fail_per_policy():
+    for policy, failed in (("fail-all", {"late-plain", "late-carrier"}), ("fail-payload", {"late-carrier"})):
+        link, first = served_link(policy, Factory(FakeConnection(ready=False)))
+        first.gone = True
+        link.begin_step()
+        link.end_step(None)
+        link.failures.request_errors.clear()
+        link.note_new([request("late-plain", False), request("late-carrier", True)])
+        assert set(link.failures.request_errors) == failed, policy
+
+
+def test_a_step_message_that_fails_loses_the_sidecar():
+    link, first = served_link()
+    first.fail_send = SidecarError("omni-sidecar did not answer")
+    run_step(link, ["plain", "carrier"])
+    assert link.recovery.state == "lost" and link.recovery.losses == 1 and first.closed
+    assert "did not answer" in link.failures.request_errors["plain"]
+
+
+def test_reconnect_brings_a_fresh_sidecar_which_learns_the_failures():
+    second = FakeConnection()
+    link, first = served_link("fail-all", Factory(second))
+    first.gone = True
+    link.begin_step()  # lost
+    link.end_step(None)
+    run_step(link, ["plain", "carrier"])  # the reconnect: Hello, Welcome, then this step's StepEnd
+    assert second.hello_sent and link.conn is second
+    assert link.recovery.state == "connected" and link.recovery.reconnects == 1
+    (end,) = second.sent
+    assert {e.req_id for e in end.failed} == {"plain", "carrier"}
+    assert end.batch.req_ids == ["plain", "carrier"]  # a new sidecar gets the full layout again
+    assert link.failures.pending == []  # told once
+
+
+def test_a_reconnect_attempt_without_welcome_is_replaced_after_the_retry_window(monkeypatch):
+    silent, fresh = FakeConnection(ready=False), FakeConnection()
+    link, first = served_link("fail-all", Factory(silent, fresh))
+    first.gone = True
+    link.begin_step()
+    link.end_step(None)
+    monkeypatch.setattr(recovery, "RETRY_AFTER_S", -1.0)  # the window has passed
+    run_step(link, [])
+    assert silent.hello_sent and silent.closed and link.recovery.state == "lost"
+    monkeypatch.setattr(recovery, "RETRY_AFTER_S", 10.0)
+    run_step(link, [])
+    assert link.conn is fresh and link.recovery.reconnects == 1
+
+
+def test_switch_to_moves_the_session_to_the_successor_at_the_next_step_boundary():
+    successor = FakeConnection(endpoint="ipc:///nonexistent/successor.sock")
+    factory = Factory(successor)
+    link, first = served_link("fail-all", factory)
+    first.ack = SwitchAck(endpoint=successor.endpoint, token="resume-1")
+    first.results = [StepResult(step=0, switch_to=successor.endpoint,
+                                errors=[RequestError("carrier", "hook failed")])]
+    link.flush()
+    assert link.recovery.state == "switching"
+    assert link.failures.request_errors == {"carrier": "hook failed"}
+    run_step(link, ["plain", "carrier"])
+    assert first.calls == [SwitchReady(last_step=0)] and first.closed
+    assert factory.made == [(successor, {"endpoint": successor.endpoint, "resume_token": "resume-1"})]
+    assert successor.connected and link.conn is successor
+    assert link.recovery.state == "connected" and link.recovery.switches == 1
+    assert len(link.recovery.switch_us) == 1 and link.recovery.losses == 0
+    assert successor.sent[0].step == 1  # the step that switched went to the successor
+
+
+def test_a_failed_switch_loses_the_sidecar():
+    link, first = served_link("fail-all", Factory())
+    first.fail_call = SidecarError("no SwitchAck")
+    link.recovery.note_results([StepResult(step=0, switch_to="ipc:///nonexistent/successor.sock")])
+    link.begin_step()
+    assert link.recovery.state == "lost" and link.recovery.switches == 0 and link.recovery.losses == 1
+    assert "switching to the new sidecar" in link.failures.request_errors["plain"]
+
+
+def test_a_loss_drops_a_switch_the_lost_sidecar_asked_for():
+    second = FakeConnection()
+    link, first = served_link("fail-all", Factory(second))
+    link.recovery.note_results([StepResult(step=0, switch_to="ipc:///nonexistent/successor.sock")])
+    link.recovery.lose("test")
+    run_step(link, [])
+    assert link.conn is second and link.recovery.state == "connected"
+    assert second.calls == []  # no SwitchReady to the new sidecar for the old one's successor
+
+
+@pytest.mark.parametrize("policy", ["fail-all", "fail-payload"])
+def test_a_sidecar_that_stays_answers_every_step_with_no_failures(policy):
+    link, first = served_link(policy)
+    for _ in range(3):
+        run_step(link, ["plain", "carrier"])
+    assert link.recovery.state == "connected" and link.recovery.losses == 0
+    assert [m.step for m in first.sent] == [0, 1, 2, 3]
+    assert link.failures.request_errors == {}

@@ -1,0 +1,167 @@
+"""The shim's rooms one by one, without vLLM or a sidecar: batch reading, tensor transfer, step protocol."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from proto.arena import ShmArena
+from proto.messages import HookNeeds, Overlay, RequestError, StepBegin, StepEnd, StepPlan, StepResult
+from proto.tensors import TENSOR_MARKER, TensorRef
+from tests.test_recovery import FakeConnection, request, step_state
+from worker_shim.batch import PayloadTracker, batch_layout, new_request
+from worker_shim.channel import SidecarError
+from worker_shim.compat import ShimCompatError, client_request_id, request_ids_suffixed
+from worker_shim.link import SidecarLink
+from worker_shim.transfer import HiddenSlots, read_plan
+
+
+def test_client_request_id_strips_the_suffix_vllm_added():
+    assert client_request_id("7-1a2b3c4d", suffixed=True) == "7"
+    assert client_request_id("chat-cmpl-42-0a0b0c0d", suffixed=True) == "chat-cmpl-42"
+    assert client_request_id("7", suffixed=True) == ""  # the client's id itself: nothing to send
+    assert client_request_id("7-1a2b3c4d", suffixed=False) == ""
+
+
+def test_request_ids_are_suffixed_by_the_vllm_versions_that_do_it():
+    assert request_ids_suffixed("0.32.0") and request_ids_suffixed("0.26.1")
+    assert not request_ids_suffixed("0.10.2")
+    assert not request_ids_suffixed("0.32.0", randomization_disabled=True)
+    assert request_ids_suffixed("unknown")  # a dev build: today's behaviour
+
+
+def test_new_request_carries_the_client_id():
+    msg = new_request(request("7-1a2b3c4d", True), {"x": 1}, suffixed_ids=True)
+    assert (msg.req_id, msg.client_req_id, msg.prompt_len, msg.payload) == ("7-1a2b3c4d", "7", 3, {"x": 1})
+
+
+def test_shim_errors_share_one_base():
+    assert issubclass(ShimCompatError, SidecarError)
+
+
+def batch(req_ids: list[str], computed: list[int], prefill: list[int]) -> SimpleNamespace:
+    n = len(req_ids)
+    return SimpleNamespace(req_ids=req_ids, num_tokens=n, num_computed_tokens_np=np.array(computed),
+                           prefill_len_np=np.array(prefill), query_start_loc_np=np.arange(n + 1))
+
+
+def test_exchange_decision_follows_needs_and_payloads():
+    tracker = PayloadTracker()
+    tracker.note_new("a", {"x": 1})
+    tracker.note_new("b", None)
+    prefill, decode = batch(["a", "b"], [0, 5], [4, 5]), batch(["a", "b"], [4, 6], [4, 5])
+    payload_prefill = HookNeeds(pre_forward="prefill", pre_forward_scope="payload")
+    assert tracker.exchange_needed(payload_prefill, prefill)
+    assert not tracker.exchange_needed(payload_prefill, decode)
+    assert not tracker.exchange_needed(payload_prefill, prefill, among={"b"})  # "a" unknown to the session
+    assert tracker.exchange_needed(HookNeeds(pre_forward="always", pre_forward_scope="payload"), decode)
+    assert tracker.exchange_needed(HookNeeds(pre_forward="prefill"), prefill)  # scope all
+    assert not tracker.exchange_needed(HookNeeds(), prefill)  # never
+    tracker.note_finished({"a"})
+    assert not tracker.exchange_needed(payload_prefill, prefill)
+
+
+def test_layout_names_requests_only_when_their_order_changed():
+    b = batch(["a", "b"], [0, 5], [4, 5])
+    first = batch_layout(b, None)
+    assert first.req_ids == ["a", "b"] and first.prefill_lens == [4, 5]
+    assert batch_layout(b, ["a", "b"]).req_ids is None
+
+
+def test_hidden_slots_wait_for_the_previous_reader_before_reuse():
+    arena = ShmArena.create(4096, prefix="omni-test-hidden")
+    try:
+        slots = HiddenSlots(arena, 2)
+        waited: list[int] = []
+        for step in range(3):
+            ref, event = slots.write(step, torch.full((2, 4), float(step)), waited.append)
+            slots.sent(step)
+            assert event == -1 and ref.offset == (step % 2) * (4096 // 2)
+        assert waited == [0]  # step 2 reuses step 0's slot: only after step 0's result
+        with pytest.raises(SidecarError, match="exceed the arena slot"):
+            slots.write(3, torch.zeros(1024), waited.append)
+    finally:
+        arena.close()
+
+
+def test_plan_tensors_are_read_out_of_the_sidecar_arena():
+    arena = ShmArena.create(4096, prefix="omni-test-plan")
+    try:
+        rows = torch.frombuffer(arena.raw(0, 32), dtype=torch.float32).view(2, 4)
+        rows.copy_(torch.arange(8, dtype=torch.float32).view(2, 4))
+        ref = TensorRef(0, 0, 32, [2, 4], "float32")
+        plan = StepPlan(step=0, overlays=[Overlay(row_start=1, rows=ref)],
+                        extra_kwargs={"k": [{TENSOR_MARKER: ref}, 3]})
+        embeds = torch.zeros(4, 4)
+        ib = SimpleNamespace(num_tokens=4, num_tokens_after_padding=4)
+        model = torch.nn.Linear(1, 1)
+        extra = read_plan(arena, plan, ib, model, embeds)
+        assert extra["inputs_embeds"] is embeds  # written in place (CUDA graphs read this buffer)
+        assert embeds[0].tolist() == [0.0] * 4 and embeds[2].tolist() == [4.0, 5.0, 6.0, 7.0]
+        assert torch.equal(extra["k"][0], rows) and extra["k"][1] == 3
+        rows.zero_()
+        assert extra["k"][0].sum() > 0  # a copy, not a view of the arena
+        too_long = StepPlan(step=0, overlays=[Overlay(row_start=3, rows=ref)])
+        with pytest.raises(SidecarError, match="do not fit"):
+            read_plan(arena, too_long, ib, model, torch.zeros(4, 4))
+        assert read_plan(None, StepPlan(step=0, extra_kwargs={"k": 1}), ib, model, None) == {"k": 1}
+    finally:
+        arena.close()
+
+
+class PlanningConnection(FakeConnection):
+    """A fake connection that answers StepBegin with an empty plan."""
+
+    def step_plan(self, msg: StepBegin) -> StepPlan:
+        self.sent.append(msg)
+        if msg.batch.req_ids is not None:
+            self.peer_req_ids = msg.batch.req_ids
+        return StepPlan(step=msg.step)
+
+    def read_plan(self, plan, input_batch, model, embeds):
+        return {}
+
+
+def test_a_step_asks_before_the_forward_only_when_the_needs_say_so():
+    conn = PlanningConnection(needs=HookNeeds(pre_forward="prefill", pre_forward_scope="payload"))
+    link = SidecarLink(lambda **kw: None, conn)
+    link.note_new([request("plain", False), request("carrier", True)])
+    state = step_state(["plain", "carrier"])  # both prefilling
+    link.begin_step()
+    assert link.in_step
+    link.pre_forward(state.input_batch, model=None)
+    link.end_step(state)
+    assert not link.in_step
+    begin, end = conn.sent
+    assert isinstance(begin, StepBegin) and [r.req_id for r in begin.new_requests] == ["plain", "carrier"]
+    assert isinstance(end, StepEnd) and end.batch is None and end.new_requests == []  # said once
+    assert link.counters.blocking_exchanges == 1
+    link.note_finished({"carrier"}, None)  # no payload request left: no blocking exchange
+    link.begin_step()
+    link.pre_forward(step_state(["plain"]).input_batch, model=None)
+    link.end_step(step_state(["plain"]))
+    assert link.counters.blocking_exchanges == 1 and isinstance(conn.sent[-1], StepEnd)
+    assert conn.sent[-1].finished == ["carrier"]
+
+
+def test_an_aborted_step_sends_nothing():
+    conn = FakeConnection()
+    link = SidecarLink(lambda **kw: None, conn)
+    link.begin_step()
+    link.abort_step()
+    assert not link.in_step and conn.sent == []
+
+
+def test_hook_errors_in_results_reach_the_stats():
+    conn = FakeConnection()
+    link = SidecarLink(lambda **kw: None, conn)
+    conn.results = [StepResult(step=0, errors=[RequestError("r", "hook raised")])]
+    link.note_new([request("r", False)])
+    link.begin_step()
+    link.end_step(step_state(["r"]))
+    stats = link.stats()
+    assert stats["connected"] and stats["steps"] == 1 and stats["new_requests"] == 1
+    assert stats["request_errors"] == {"r": "hook raised"}

@@ -1,0 +1,100 @@
+"""Reading vLLM's batch: request payloads, prefill flags, the layout the sidecar sees.
+
+Everything the shim knows about vLLM's scheduler output and `InputBatch` is
+read here, so an upstream rename is fixed in one module. `PayloadTracker` is
+the one record of which live requests carry a sidecar payload; the link and
+the TP broadcast both decide from it (`exchange_needed`), so every rank takes
+the same decision from the same scheduler output.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from proto.messages import BatchLayout, HookNeeds, NewRequest
+from worker_shim.compat import client_request_id
+
+PAYLOAD_KEY = "omni_sidecar"
+
+
+def payload_of(req: Any) -> dict | None:
+    """The request's sidecar payload (`extra_args["omni_sidecar"]`), if it carries one."""
+    sp = req.sampling_params
+    extra = (sp.extra_args or {}) if sp is not None else {}
+    payload = extra.get(PAYLOAD_KEY)
+    return payload if isinstance(payload, dict) else None
+
+
+def new_request(req: Any, payload: dict | None, suffixed_ids: bool) -> NewRequest:
+    """The NewRequest message for one of vLLM's `NewRequestData`."""
+    return NewRequest(
+        req_id=req.req_id,
+        # 0.32 has prompt_len (prompt_embeds prompts have no ids); 0.26 only the ids.
+        prompt_len=int(getattr(req, "prompt_len", None) or len(req.prompt_token_ids or [])),
+        prompt_token_ids=list(req.prompt_token_ids or []),
+        payload=payload,
+        client_req_id=client_request_id(req.req_id, suffixed_ids),
+    )
+
+
+def prefilling(batch: Any) -> Any:
+    """Per-row "still in prefill" flags (upstream's own array when it has one, as 0.32 does)."""
+    flags = getattr(batch, "is_prefilling_np", None)
+    if flags is not None:
+        return flags
+    n = len(batch.req_ids)
+    return batch.num_computed_tokens_np[:n] < batch.prefill_len_np[:n]
+
+
+def batch_layout(batch: Any, prev_ids: list[str] | None) -> BatchLayout:
+    """Where each request's rows lie; `req_ids` only when they differ from what the sidecar has."""
+    n = len(batch.req_ids)
+    ids = batch.req_ids
+    return BatchLayout(
+        req_ids=None if ids == prev_ids else list(ids),
+        query_start_loc=batch.query_start_loc_np[: n + 1].tolist(),
+        num_computed_tokens=batch.num_computed_tokens_np[:n].tolist(),
+        prefill_lens=batch.prefill_len_np[:n].tolist(),
+    )
+
+
+class PayloadTracker:
+    """Which of vLLM's live requests carry a sidecar payload (fed once per scheduler output)."""
+
+    def __init__(self) -> None:
+        self.payload_reqs: set[str] = set()
+
+    def note_new(self, req_id: str, payload: dict | None) -> None:
+        if payload is not None:
+            self.payload_reqs.add(req_id)
+
+    def note_finished(self, finished: Iterable[str]) -> None:
+        self.payload_reqs.difference_update(finished)
+
+    def carries_payload(self, req_id: str) -> bool:
+        return req_id in self.payload_reqs
+
+    def exchange_needed(self, needs: HookNeeds, input_batch: Any,
+                        among: set[str] | None = None) -> bool:
+        """Does any scheduled request need the sidecar before this forward?
+
+        The declared needs applied to one batch; `among` narrows the payload
+        requests to those a sidecar session knows (the link's view after a loss).
+        """
+        mode = needs.pre_forward
+        if mode == "never":
+            return False
+        if needs.pre_forward_scope == "all":
+            return mode == "always" or bool(prefilling(input_batch).any())
+        payload = self.payload_reqs
+        if not payload:
+            return False
+
+        def counts(req_id: str) -> bool:
+            return req_id in payload and (among is None or req_id in among)
+
+        ids = input_batch.req_ids
+        if mode == "always":
+            return any(counts(r) for r in ids)
+        flags = prefilling(input_batch)
+        return any(flags[i] and counts(r) for i, r in enumerate(ids))

@@ -1,0 +1,175 @@
+"""Which sidecar the link talks to: loss, reconnect and hot-upgrade switch as one small state machine.
+
+    connected --peer gone / step error--> lost      (requests fail per loss policy)
+    lost      --Welcome on a fresh conn-> connected (reconnects += 1)
+    connected --StepResult.switch_to----> switching (a successor asked for the session)
+    switching --next step boundary------> connected (switches += 1), or lost if the switch fails
+
+Liveness: a sidecar that dies (socket monitor), stalls past the step timeout,
+or sends garbage is dropped at once; vLLM keeps serving. The requests it was
+serving fail explicitly (logged, in `omni_sidecar_stats`, and reported to the
+next sidecar so clients get `RequestFailed`); which others fail meanwhile is
+the `loss_policy`. The shim reconnects in the background (a Hello waits in
+the socket until a sidecar binds) and switches over at a step boundary.
+Transitions run only at step boundaries (`at_step_start`) or where a step
+message failed (`lose`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Callable, Literal
+
+from proto.messages import SwitchAck, SwitchReady
+from worker_shim.channel import SidecarError
+from worker_shim.config import LossPolicy
+from worker_shim.session import FailureReports, SessionRequests
+
+log = logging.getLogger("vllm.omni_sidecar.shim.recovery")
+RETRY_AFTER_S = 10.0
+RECONNECT_WAIT_MS = 200
+MIN_SWITCH_CONNECT_S = 5.0
+
+RecoveryState = Literal["connected", "lost", "switching"]
+
+
+def socket_identity(endpoint: str) -> tuple[int, int] | None:
+    """(inode, mtime) of the sidecar's socket file: a new sidecar binds a new one."""
+    try:
+        st = os.stat(endpoint[len("ipc://"):])
+    except (OSError, ValueError):
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+class Recovery:
+    """Holds the current connection (`conn`, None while lost) and replaces it when it must."""
+
+    def __init__(self, connect: Callable[..., Any], first: Any, requests: SessionRequests,
+                 failures: FailureReports, loss_policy: LossPolicy = "fail-all") -> None:
+        self._connect = connect  # makes a fresh connection (new socket, new arena)
+        self.conn: Any = first  # a SidecarConnection (a fake one in unit tests)
+        self._pending: Any = None  # a reconnect attempt waiting for its Welcome
+        self._switch_to = ""
+        self._waited_sockets: set[tuple[int, int]] = set()
+        self.requests = requests
+        self.failures = failures
+        self.loss_policy = loss_policy
+        self.losses = 0
+        self.reconnects = 0
+        self.switches = 0
+        self.switch_us: list[float] = []  # stall of each hot-upgrade switch
+
+    @property
+    def state(self) -> RecoveryState:
+        if self.conn is None:
+            return "lost"
+        return "switching" if self._switch_to else "connected"
+
+    def at_step_start(self, step: int) -> None:
+        """The step boundary: the one place a connection is replaced."""
+        state = self.state
+        if state == "lost":
+            self._try_reconnect()
+        elif state == "switching":
+            self._switch(step)
+        elif self.conn.peer_gone():
+            self.lose("the sidecar closed the connection (it crashed, was killed or stopped)")
+
+    def note_results(self, results: list[Any]) -> None:
+        for result in results:
+            self.failures.record(result.errors)
+            if result.switch_to:
+                self._switch_to = result.switch_to
+
+    def refuse(self, req_id: str, has_payload: bool) -> None:
+        """A request vLLM admitted while no sidecar was connected: fail it if the policy says so."""
+        if self.loss_policy == "fail-all" or has_payload:
+            self.failures.fail(req_id, "no omni-sidecar was connected when the request arrived")
+
+    # -- transitions -------------------------------------------------------------------
+
+    def lose(self, reason: str) -> None:
+        conn, self.conn = self.conn, None
+        if conn is None:
+            return
+        self._switch_to = ""  # the lost session's successor is no target for the next one
+        self.losses += 1
+        message = f"omni-sidecar lost ({reason}); its hooks did not run for this request"
+        affected = self.requests.end_session(self.loss_policy)
+        for req_id in affected:
+            self.failures.fail(req_id, message)
+        ident = socket_identity(conn.endpoint)
+        if ident is not None:
+            self._waited_sockets.add(ident)  # the dead sidecar's socket: do not wait on it
+        log.error(
+            "omni-sidecar at %s lost: %s. vLLM keeps serving; %d request(s) fail with a clear "
+            "error (policy %s); reconnecting in the background (start a sidecar there).",
+            conn.endpoint, reason, len(affected), self.loss_policy,
+        )
+        conn.close()
+
+    def _switch(self, step: int) -> None:
+        """Hot upgrade at a step boundary: the old sidecar hands over, the new one resumes."""
+        old, target = self.conn, self._switch_to
+        self._switch_to = ""
+        t0 = time.perf_counter()
+        try:
+            ack: SwitchAck = old.call(SwitchReady(last_step=old.last_sent_step), SwitchAck)
+            for result in old.take_results():
+                self.failures.record(result.errors)
+            new = self._connect(endpoint=ack.endpoint, resume_token=ack.token)
+            new.connect(timeout_s=max(MIN_SWITCH_CONNECT_S, old.step_timeout_s))
+        except (SidecarError, ValueError) as exc:
+            self.lose(f"switching to the new sidecar at {target} failed: {exc}")
+            return
+        old.close()
+        self.conn = new
+        self.switches += 1
+        stall = (time.perf_counter() - t0) * 1e6
+        self.switch_us.append(stall)
+        log.warning("omni-sidecar hot upgrade: switched to %s (hook set %r) in %.1f ms at step %d",
+                    ack.endpoint, new.hook_set, stall / 1e3, step)
+
+    def _try_reconnect(self) -> None:
+        pending = self._pending
+        if pending is None:
+            try:
+                pending = self._pending = self._connect()
+                pending.start()
+            except Exception as exc:  # e.g. no room for a new arena: try again later
+                log.error("omni-sidecar reconnect attempt failed: %s", exc)
+                self._pending = None
+                return
+        # A freshly bound sidecar answers within milliseconds: wait that long, once per new
+        # socket, and never for the dead sidecar's leftover socket file.
+        ident = socket_identity(pending.endpoint)
+        wait = ident is not None and ident not in self._waited_sockets
+        if wait:
+            self._waited_sockets.add(ident)
+        try:
+            ready = pending.poll(RECONNECT_WAIT_MS if wait else 0)
+        except (SidecarError, ValueError) as exc:
+            log.error("omni-sidecar refused the reconnect: %s", exc)
+            pending.close()
+            self._pending = None
+            return
+        if ready:
+            self.conn, self._pending = pending, None
+            self.reconnects += 1
+            log.warning(
+                "omni-sidecar reconnected at %s: hook set %r, session %d; %d failed request(s) "
+                "reported to it", pending.endpoint, pending.hook_set, pending.welcome.session,
+                len(self.failures.pending),
+            )
+        elif time.monotonic() - pending.started > RETRY_AFTER_S:
+            pending.close()  # a fresh socket and arena next step
+            self._pending = None
+
+    def close(self) -> None:
+        for conn in (self.conn, self._pending):
+            if conn is not None:
+                conn.close()
+        self.conn = self._pending = None
