@@ -12,8 +12,9 @@ trip, that handles the StepBegin (a subtree whose calls receive a StepBegin or a
 StepPlan as an argument); loop turns that only polled are left out.
 
 Reported per side and in total: calls (Python frames entered), distinct functions,
-distinct files, and moves between files (calls whose calling project frame lies in
-another file). Calls vary with the wait (a spinning wait polls more often), so the
+distinct files, moves between files (calls whose calling project frame lies in
+another file), and distinct call edges (caller function -> function; a wait loop's
+repeats count once, which makes it the length of the walk a reader follows). Calls vary with the wait (a spinning wait polls more often), so the
 minimum and median over the measured round trips are given; the distinct counts are
 the union over them.
 
@@ -188,22 +189,25 @@ class Recorder:
                 id(frame), id(caller) if caller is not None else None, room,
                 f"{room}:{code.co_qualname}:{code.co_firstlineno}",
                 _room(caller.f_code.co_filename) if caller is not None else None, step_msg,
+                f"{_room(caller.f_code.co_filename)}:{caller.f_code.co_qualname}" if caller is not None else "",
             ))
 
 
 def _serving_subtrees(events: list[tuple]) -> list[tuple]:
     """Calls of the server thread under a root (a call whose caller began before the window)
     whose subtree touched a StepBegin/StepPlan; polling turns are dropped."""
-    seen: set[int] = set()
-    root_of: dict[int, int] = {}
-    roots: dict[int, list[tuple]] = {}
+    root_of: dict[int, int] = {}  # frame id -> its tree (ids of dead frames get reused: the latest wins)
+    roots: list[list[tuple]] = []
     for ev in events:
         frame, caller = ev[0], ev[1]
-        root = root_of[caller] if caller in seen else frame
-        seen.add(frame)
+        if caller in root_of:
+            root = root_of[caller]
+        else:
+            root = len(roots)
+            roots.append([])
         root_of[frame] = root
-        roots.setdefault(root, []).append(ev)
-    return [ev for tree in roots.values() if any(e[5] for e in tree) for ev in tree]
+        roots[root].append(ev)
+    return [ev for tree in roots if any(e[5] for e in tree) for ev in tree]
 
 
 def summarize(events: list[tuple]) -> dict[str, Any]:
@@ -212,6 +216,7 @@ def summarize(events: list[tuple]) -> dict[str, Any]:
         "functions": sorted({e[3] for e in events}),
         "files": sorted({e[2] for e in events}),
         "file_moves": sum(1 for e in events if e[4] is not None and e[4] != e[2]),
+        "edges": {(e[6], e[3]) for e in events},
     }
 
 
@@ -287,10 +292,14 @@ def _report(per_round: list[dict[str, Any]], ring: bool) -> dict[str, Any]:
         files = sorted(set().union(*(s["files"] for s in sums)))
         calls = [s["calls"] for s in sums]
         moves = [s["file_moves"] for s in sums]
+        edges = [s["edges"] for s in sums]
+        edge_moves = [sum(1 for a, b in es if a and a.split(":")[0] != b.split(":")[0]) for es in edges]
         out[side] = {
             "calls_min": min(calls), "calls_median": statistics.median(calls),
             "distinct_functions": len(functions), "distinct_files": len(files),
             "file_moves_min": min(moves), "file_moves_median": statistics.median(moves),
+            # Repeats of a wait loop counted once: the walk a reader follows.
+            "call_edges_max": max(len(e) for e in edges), "cross_file_edges_max": max(edge_moves),
             "files": files,
             "functions": functions,
         }
@@ -315,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
             s = rep[side]
             print(f"  {side:8s} calls min {s['calls_min']:4d} median {s['calls_median']:6.1f}  "
                   f"functions {s['distinct_functions']:3d}  files {s['distinct_files']:2d}  "
-                  f"file moves min {s['file_moves_min']:3d} median {s['file_moves_median']:.1f}")
+                  f"file moves min {s['file_moves_min']:3d} median {s['file_moves_median']:5.1f}  "
+                  f"distinct call edges {s['call_edges_max']:3d} (cross-file {s['cross_file_edges_max']:2d})")
         print("  files:", ", ".join(rep["total"]["files"]))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
