@@ -268,7 +268,7 @@ def main() -> None:
     if "cold_start" in parts:
         res["cold_start"] = cold_start(run_dir)
     if "throughput" in parts:
-        from omni_sidecar.testing import build_tiny_llama
+        from tiny_models import build_tiny_llama
 
         model = str(build_tiny_llama(ROOT / ".cache" / "tiny-llama"))
         res["throughput"] = throughput(run_dir, model, args.rounds)

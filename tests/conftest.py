@@ -21,7 +21,7 @@ for key, value in {
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from omni_sidecar.testing import build_tiny_llama
+    from tiny_models import build_tiny_llama
 
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
 
