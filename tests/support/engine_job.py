@@ -60,6 +60,7 @@ def main(job_path: str, result_path: str) -> int:
         os.environ[k] = str(v)
     result: dict = {}
     t0 = time.monotonic()
+    llm = None
     try:
         import torch
         from vllm import LLM, SamplingParams
@@ -153,8 +154,21 @@ def main(job_path: str, result_path: str) -> int:
     result["wall_s"] = time.monotonic() - t0
     with open(result_path, "w") as f:
         json.dump(result, f)
+    if llm is not None:
+        shutdown_engine(llm)
     sys.stdout.flush()
-    os._exit(0)  # skip vLLM's slow interpreter teardown; the result is written
+    os._exit(0)  # skip the interpreter's slow teardown: the engine is down and the result written
+
+
+def shutdown_engine(llm) -> None:
+    """Stop vLLM's engine the way it stops itself: EngineCore, its workers, their shared memory.
+
+    Without this, os._exit leaves (multiprocessing on) the EngineCore, its Worker and the
+    resource tracker re-parented to init, and their /dev/shm segments in place.
+    """
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()
 
 
 if __name__ == "__main__":
