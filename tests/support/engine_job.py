@@ -148,16 +148,25 @@ def main(job_path: str, result_path: str) -> int:
                     result["outputs"][rid] = files
         result["ok"] = True
     except BaseException as exc:  # the test reads the error
-        result["ok"] = False
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        result["traceback"] = traceback.format_exc()
+        record_error(result, exc)
+    exit_with(result, result_path, t0, llm)
+
+
+def record_error(result: dict, exc: BaseException) -> None:
+    result["ok"] = False
+    result["error"] = f"{type(exc).__name__}: {exc}"
+    result["traceback"] = traceback.format_exc()
+
+
+def exit_with(result: dict, result_path: str, t0: float, llm) -> None:
+    """Write the result, stop the engine, and exit without the interpreter's slow teardown."""
     result["wall_s"] = time.monotonic() - t0
     with open(result_path, "w") as f:
         json.dump(result, f)
     if llm is not None:
         shutdown_engine(llm)
     sys.stdout.flush()
-    os._exit(0)  # skip the interpreter's slow teardown: the engine is down and the result written
+    os._exit(0)
 
 
 def shutdown_engine(llm) -> None:

@@ -12,9 +12,12 @@ import json
 import os
 import sys
 import time
-import traceback
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.support.engine_job import exit_with, record_error  # noqa: E402
 
 
 def _preemptions(llm) -> int:
@@ -39,7 +42,7 @@ def main(job_path: str, result_path: str) -> int:
         from vllm import LLM, SamplingParams
 
         from omni_sidecar.client import SidecarClient
-        from tests.support.engine_job import _load_payload, shutdown_engine
+        from tests.support.engine_job import _load_payload
 
         llm = LLM(model=job["model"], dtype="float32", enforce_eager=True, seed=0, worker_cls="worker_shim.Worker",
                   disable_log_stats=False, enable_prefix_caching=False, **job["llm_kwargs"])
@@ -74,16 +77,8 @@ def main(job_path: str, result_path: str) -> int:
                 result[phase] = {"request_ids": ids, "tokens": tokens, "outputs": outputs}
         result["ok"] = True
     except BaseException as exc:  # the test reads the error
-        result["ok"] = False
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        result["traceback"] = traceback.format_exc()
-    result["wall_s"] = time.monotonic() - t0
-    with open(result_path, "w") as f:
-        json.dump(result, f)
-    if llm is not None:
-        shutdown_engine(llm)
-    sys.stdout.flush()
-    os._exit(0)  # the engine is down and the result written: skip the interpreter's slow teardown
+        record_error(result, exc)
+    exit_with(result, result_path, t0, llm)
 
 
 if __name__ == "__main__":
