@@ -221,7 +221,7 @@ def write_markdown(path: Path, res: dict, plots: list[str], out: Path) -> None:
               "", f"Shim side, omni run: {t['shim'].get('omni', {})}.", "",
               "On this machine a V2 decode step is dominated by Triton kernels running in Triton's "
               "interpreter (tens of ms), so the sidecar's cost is small next to it; on a GPU (2.5 ms "
-              "steps, DESIGN §6) the same per-step cost weighs ~10x more (measured in the GPU section below).", "",
+              "steps, docs/ARCHITECTURE.md, Arenas: GPU facts behind this) the same per-step cost weighs ~10x more (measured in the GPU section below).", "",
               "## (c) Tensor handoff through the CPU arena", "",
               "| size | shim write (us/MiB) | sidecar view + clone (us/MiB) |", "|---:|---:|---:|"]
     for r in res["handoff"]:
@@ -268,7 +268,7 @@ def main() -> None:
     if "cold_start" in parts:
         res["cold_start"] = cold_start(run_dir)
     if "throughput" in parts:
-        from omni_sidecar.testing import build_tiny_llama
+        from tiny_models import build_tiny_llama
 
         model = str(build_tiny_llama(ROOT / ".cache" / "tiny-llama"))
         res["throughput"] = throughput(run_dir, model, args.rounds)

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.gpu_handoff import run as handoff_run  # noqa: E402
-from omni_sidecar.testing import build_tiny_llama  # noqa: E402
+from tiny_models import build_tiny_llama  # noqa: E402
 from tests.support.procs import SidecarProcess, run_engine  # noqa: E402
 
 THROUGHPUT = {"num": 64, "prompt_len": 16, "max_tokens": 256, "repeats": 4}

@@ -29,7 +29,7 @@ for key, value in {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFL
 
 from omni_sidecar.client import SidecarClient, SidecarUnavailable, wait_ready  # noqa: E402
 from omni_sidecar.omni.wire import encode_additional_information  # noqa: E402
-from omni_sidecar.testing import build_tiny_llama  # noqa: E402
+from tiny_models import build_tiny_llama  # noqa: E402
 
 PROMPTS = [
     "the quick brown fox",

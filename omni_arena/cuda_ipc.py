@@ -1,9 +1,9 @@
 """CUDA IPC arenas: one device buffer and a small ring of interprocess events, opened once.
 
 Why: a fresh torch IPC handle per tensor per step costs ~95 us p50 (up to 1 ms)
-on the receiving side (DESIGN §6). Exporting one buffer and its events at the
-handshake and passing (offset, nbytes, shape, dtype) refs per step costs
-nothing per step.
+on the receiving side (docs/ARCHITECTURE.md, Arenas: GPU facts behind this).
+Exporting one buffer and its events at the handshake and passing (offset, nbytes,
+shape, dtype) refs per step costs nothing per step.
 
 Ordering without a host synchronize:
 - the producer writes slot k on its current stream, then records `ready[k]`;

@@ -7,12 +7,15 @@ An arena is host shared memory (`proto.arena.ShmArena`) or a device buffer
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 
-from proto.arena import ShmArena
+from proto.arena import Arena, ShmArena
 from proto.tensors import DTYPE_ITEMSIZE, TensorRef
+
+if TYPE_CHECKING:
+    from omni_arena.cuda_ipc import CudaIpcArena
 
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_ITEMSIZE}
 
@@ -28,12 +31,12 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unsupported dtype {name!r}") from None
 
 
-def arena_tensor(arena: Any, ref: TensorRef) -> torch.Tensor:
+def arena_tensor(arena: Arena, ref: TensorRef) -> torch.Tensor:
     """A tensor aliasing the bytes `ref` names (bounds-checked); copy to keep it."""
-    if not isinstance(arena, ShmArena):
-        return arena.tensor(ref)  # a device arena
+    if arena.kind == "cuda_ipc":
+        return cast("CudaIpcArena", arena).tensor(ref)
     dtype = torch_dtype(ref.dtype)
-    mv = arena.view(ref)
+    mv = cast(ShmArena, arena).view(ref)
     if ref.nbytes == 0:
         return torch.empty(ref.shape, dtype=dtype)
     return torch.frombuffer(mv, dtype=dtype).view(ref.shape)

@@ -19,9 +19,28 @@ for key, value in {
     os.environ.setdefault(key, value)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def leaves_nothing_behind():
+    """Fails the run if a process the suite started is alive, or a /dev/shm file it made remains.
+
+    Autouse and session-scoped: set up before every other fixture and torn down after them,
+    so session fixtures (sidecars, engines) have stopped when it looks. A leftover shows as
+    an error of the session's last test, listing each process and file.
+    """
+    from tests.support.leftovers import LeftoverCheck
+
+    check = LeftoverCheck()
+    check.start()
+    yield check
+    left = check.finish()
+    if left:
+        pytest.fail(f"leftover check: the test session left these behind (stop what you start; "
+                    f"shut vLLM engines down before exiting):\n{left}", pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from omni_sidecar.testing import build_tiny_llama
+    from tiny_models import build_tiny_llama
 
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
 

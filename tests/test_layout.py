@@ -11,7 +11,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _imports(package: str) -> set[str]:
+def _imports(package: str | Path) -> set[str]:
+    """Top-level names a package imports anywhere (also inside functions, also by import_module)."""
     names: set[str] = set()
     for path in (ROOT / package).rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -19,6 +20,10 @@ def _imports(package: str) -> set[str]:
                 names.update(a.name.split(".")[0] for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 names.add(node.module.split(".")[0])
+            elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+                  and isinstance(node.args[0].value, str)
+                  and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("import_module", "__import__")):
+                names.add(node.args[0].value.split(".")[0])
     return names
 
 
@@ -36,6 +41,20 @@ def test_import_direction(package, forbidden):
 
 def test_the_import_scan_sees_vllm_where_it_is():
     assert "vllm" in _imports("worker_shim")
+    assert {"proto", "omni_arena"} <= _imports("worker_shim")
+
+
+def test_the_import_scan_sees_every_form_of_import(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text(
+        "import os.path as p\n"
+        "def f():\n"
+        "    from omni_sidecar.client import SidecarClient\n"
+        "    import importlib\n"
+        "    return importlib.import_module('omni_arena.views'), __import__('zmq')\n"
+        "from . import sibling\n"
+    )
+    assert _imports(tmp_path / "pkg") == {"os", "omni_sidecar", "importlib", "omni_arena", "zmq"}
 
 
 def test_embeds_buffer_is_on_only_when_hooks_can_overlay():

@@ -60,6 +60,7 @@ def main(job_path: str, result_path: str) -> int:
         os.environ[k] = str(v)
     result: dict = {}
     t0 = time.monotonic()
+    llm = None
     try:
         import torch
         from vllm import LLM, SamplingParams
@@ -147,14 +148,36 @@ def main(job_path: str, result_path: str) -> int:
                     result["outputs"][rid] = files
         result["ok"] = True
     except BaseException as exc:  # the test reads the error
-        result["ok"] = False
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        result["traceback"] = traceback.format_exc()
+        record_error(result, exc)
+    exit_with(result, result_path, t0, llm)
+
+
+def record_error(result: dict, exc: BaseException) -> None:
+    result["ok"] = False
+    result["error"] = f"{type(exc).__name__}: {exc}"
+    result["traceback"] = traceback.format_exc()
+
+
+def exit_with(result: dict, result_path: str, t0: float, llm) -> None:
+    """Write the result, stop the engine, and exit without the interpreter's slow teardown."""
     result["wall_s"] = time.monotonic() - t0
     with open(result_path, "w") as f:
         json.dump(result, f)
+    if llm is not None:
+        shutdown_engine(llm)
     sys.stdout.flush()
-    os._exit(0)  # skip vLLM's slow interpreter teardown; the result is written
+    os._exit(0)
+
+
+def shutdown_engine(llm) -> None:
+    """Stop vLLM's engine the way it stops itself: EngineCore, its workers, their shared memory.
+
+    Without this, os._exit leaves (multiprocessing on) the EngineCore, its Worker and the
+    resource tracker re-parented to init, and their /dev/shm segments in place.
+    """
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()
 
 
 if __name__ == "__main__":

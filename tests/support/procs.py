@@ -61,7 +61,7 @@ class SidecarProcess:
         self._log.close()
 
 
-def run_engine(job: dict, workdir: Path, name: str, timeout_s: float = 600) -> dict:
+def run_engine(job: dict, workdir: Path, name: str, timeout_s: float = 600, script: Path = ENGINE_JOB) -> dict:
     job = {**job, "workdir": str(workdir), "name": name}
     job_path = workdir / f"{name}.job.json"
     result_path = workdir / f"{name}.result.json"
@@ -69,7 +69,7 @@ def run_engine(job: dict, workdir: Path, name: str, timeout_s: float = 600) -> d
     job_path.write_text(json.dumps(job))
     with open(log_path, "w") as log:
         proc = subprocess.run(
-            [sys.executable, str(ENGINE_JOB), str(job_path), str(result_path)],
+            [sys.executable, str(script), str(job_path), str(result_path)],
             stdout=log, stderr=subprocess.STDOUT, env=child_env(), timeout=timeout_s,
         )
     if not result_path.exists():

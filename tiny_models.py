@@ -1,4 +1,4 @@
-"""Tiny, deterministic models for tests and the demo.
+"""Tiny, deterministic models for tests, the demo and the benchmarks (not shipped).
 
 No model can be downloaded on CI machines, so the demo and the end-to-end
 tests build a random-weight Llama (and an offline BPE tokenizer) with a fixed
