@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     u.add_argument("--endpoint", default=None, help=ep_help)
     u.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the switch (default 60)")
-    u.add_argument("--log", default=None, help="log file for the new sidecar (default: next to the socket)")
+    u.add_argument("--log", default=None, help="log file for the new sidecar, appended to (default: a new file next to the socket, <socket>.<time>-<pid>.log)")
     u.add_argument("serve_args", nargs=argparse.REMAINDER,
                    help="options for the new sidecar, e.g. --hooks my.hooks:New --hook-option k=v")
 
@@ -118,22 +118,27 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(args.bench_args)
     if args.command == "upgrade":
         return _upgrade(args, endpoint)
-    from omni_sidecar.client import SidecarClient, SidecarUnavailable
+    from omni_sidecar.client import RequestFailed, SidecarClient, SidecarUnavailable
 
     try:
         with SidecarClient(endpoint, timeout_s=getattr(args, "timeout", 5.0)) as client:
             if args.command == "status":
                 print(json.dumps(msgspec.to_builtins(client.status()), indent=2))
-            else:
-                outs = client.outputs(args.req_id, pop=args.pop)
-                if outs is None:
-                    print(f"no outputs for request {args.req_id!r}", file=sys.stderr)
-                    return 1
-                for name, t in outs.items():
-                    print(f"{name}: shape={list(t.shape)} dtype={t.dtype}")
+                return 0
+            outs = client.outputs(args.req_id, pop=args.pop)
+    except RequestFailed as exc:
+        print(f"omni-sidecar: request {exc.req_id} failed: {exc.message}", file=sys.stderr)
+        return 2
     except SidecarUnavailable as exc:
         print(f"omni-sidecar: {exc}", file=sys.stderr)
         return 2
+    if outs is None:
+        print(f"omni-sidecar: no request {args.req_id!r} is known to the sidecar at {endpoint} "
+              "(never seen, or its outputs were already taken or evicted)", file=sys.stderr)
+        return 2
+    for name, value in outs.items():
+        shown = f"shape={list(value.shape)} dtype={value.dtype}" if hasattr(value, "shape") else repr(value)
+        print(f"{name}: {shown}")
     return 0
 
 
@@ -214,13 +219,16 @@ def _upgrade(args: argparse.Namespace, endpoint: str) -> int:
         print(f"omni-sidecar upgrade: {exc}", file=sys.stderr)
         return 2
     extra = [a for a in args.serve_args if a != "--"]
-    log_path = args.log or f"{ipc_path(endpoint) or 'omni-sidecar'}.upgrade.log"
+    # Each sidecar process gets its own log, appended to: a later upgrade never truncates
+    # the file the running sidecar still writes to.
+    log_path = args.log or f"{ipc_path(endpoint) or 'omni-sidecar'}.{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}.log"
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", endpoint, "--takeover",
-         "--takeover-timeout", str(args.timeout), *extra],
-        stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-    )
+    with open(log_path, "a") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", endpoint, "--takeover",
+             "--takeover-timeout", str(args.timeout), *extra],
+            stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+        )
     while time.monotonic() - t0 < args.timeout + 5:
         if proc.poll() is not None:
             print(f"omni-sidecar upgrade: the new sidecar exited ({proc.returncode}); the old one keeps "

@@ -10,7 +10,7 @@ import zmq
 
 from omni_sidecar.errors import OmniSidecarError
 from omni_sidecar.tensors import tensor_from_bytes
-from proto.codec import Codec
+from proto.codec import Codec, FrameError
 from proto.endpoint import default_endpoint, ipc_path
 from proto.messages import (
     Drain,
@@ -44,9 +44,6 @@ PROBE_TIMEOUT_S = 0.3
 
 def answers(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
     """Does a sidecar answer a ping at `endpoint` now? (No socket file: no, at once.)"""
-    path = ipc_path(endpoint)
-    if path is not None and not os.path.exists(path):
-        return False
     try:
         with SidecarClient(endpoint, timeout_s=timeout_s) as client:
             client.ping()
@@ -75,16 +72,33 @@ def _decode(tensors: dict, values: dict) -> dict[str, Any]:
 
 
 class SidecarClient:
+    """Raises SidecarUnavailable at once for an endpoint that cannot work (malformed, or an
+    ipc:// socket file that does not exist), instead of waiting out the timeout."""
+
     def __init__(self, endpoint: str | None = None, timeout_s: float = 5.0,
                  curve_keys: str | None = None) -> None:
         self.endpoint = endpoint or default_endpoint()
         self.timeout_ms = int(timeout_s * 1000)
         self.codec = Codec()
+        path = ipc_path(self.endpoint)
+        if path is None and not self.endpoint.startswith("tcp://"):
+            raise SidecarUnavailable(
+                f"endpoint {self.endpoint!r}: use ipc:///path/to/socket (or tcp://host:port with CURVE keys)"
+            )
+        if path is not None and not os.path.exists(path):
+            raise SidecarUnavailable(
+                f"no sidecar at {self.endpoint}: the socket file does not exist "
+                "(start one with `omni-sidecar serve --endpoint ...`)"
+            )
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        if curve_keys:
-            apply_curve_client(self._sock, curve_keys)
-        self._sock.connect(self.endpoint)
+        try:
+            if curve_keys:
+                apply_curve_client(self._sock, curve_keys)
+            self._sock.connect(self.endpoint)
+        except (zmq.ZMQError, OSError) as exc:
+            self._sock.close(0)
+            raise SidecarUnavailable(f"cannot connect to {self.endpoint}: {exc}") from None
 
     def close(self) -> None:
         self._sock.close(0)
@@ -102,10 +116,13 @@ class SidecarClient:
                 f"no answer from the sidecar at {self.endpoint} within "
                 f"{self.timeout_ms / 1000:.1f}s; is `omni-sidecar serve` running there?"
             )
-        reply = self.codec.decode(self._sock.recv())
+        try:
+            reply = self.codec.decode(self._sock.recv())
+        except FrameError as exc:
+            raise SidecarUnavailable(f"the sidecar at {self.endpoint} sent a bad reply: {exc}") from None
         problem = reply_problem(msg, reply, want)
         if problem:
-            raise RuntimeError(problem)
+            raise SidecarUnavailable(problem)
         return reply
 
     def ping(self, nonce: int = 0) -> int:
