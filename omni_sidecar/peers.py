@@ -29,13 +29,13 @@ log = logging.getLogger("omni_sidecar.peers")
 REAP_INTERVAL_S = 2.0
 
 Dispatch = Callable[[bytes, object], None]
-Refuse = Callable[[str, str], ErrorReply]
+Refuse = Callable[[str, str, bytes], ErrorReply]
 
 
 class PeerTable:
     """Shim peers by ZeroMQ identity.
 
-    `refuse(code, message)` makes (and counts) the ErrorReply for a rejected frame.
+    `refuse(code, message, peer)` makes (and counts) the ErrorReply for a rejected frame.
     """
 
     def __init__(self, hooks: OmniHooks, finished: FinishedOutputs, metrics: SidecarMetrics,
@@ -150,7 +150,7 @@ class PeerTable:
 
     def _drop(self, ident: bytes, reason: EndReason, message: str) -> None:
         """A ring we cannot trust any more: tell the shim (if we still can), end the session."""
-        farewell = self.refuse(reason, f"{message}; session closed, reconnect")
+        farewell = self.refuse(reason, f"{message}; session closed, reconnect", ident)
         self.end(ident, reason, message, farewell)
 
     def ring_transports(self) -> list[RingTransport]:
@@ -178,7 +178,7 @@ class PeerTable:
         if peer is None or peer.rings is None:
             return False
         if len(frames) != 2:
-            self.send(peer.ident, self.refuse("bad_envelope", f"expected 1 body frame, got {len(frames) - 1}"))
+            self.send(peer.ident, self.refuse("bad_envelope", f"expected 1 body frame, got {len(frames) - 1}", peer.ident))
             return True
         rings = peer.rings
         if not rings.feed_socket(frames[1]):
@@ -194,7 +194,7 @@ class PeerTable:
         try:
             msg = peer.next_message(self.codec.decode)
         except FrameError as exc:
-            self.send(ident, self.refuse(exc.code, str(exc)))
+            self.send(ident, self.refuse(exc.code, str(exc), ident))
             return True
         except RingError as exc:
             self._drop(ident, "bad_ring", str(exc))
@@ -202,7 +202,7 @@ class PeerTable:
         if msg is EMPTY:
             return False
         if isinstance(msg, Hello):
-            self.send(ident, self.refuse("unexpected", "Hello belongs on the socket, not in a ring"))
+            self.send(ident, self.refuse("unexpected", "Hello belongs on the socket, not in a ring", ident))
             return True
         dispatch(ident, msg)
         return True

@@ -32,6 +32,7 @@ from omni_sidecar.config import ServeConfig
 from omni_sidecar.hooks import OmniHooks
 from omni_sidecar.listener import RECV_TIMEOUT_MS, Listener
 from omni_sidecar.metrics import SidecarMetrics
+from omni_sidecar.rejects import RejectLog
 from omni_sidecar.peers import PeerTable
 from omni_sidecar.queries import Queries
 from omni_sidecar.security import SecurityError
@@ -43,7 +44,6 @@ from proto.endpoint import check_endpoint, ipc_path
 from proto.messages import (
     Drain,
     Drained,
-    ErrorReply,
     Hello,
     OutputsQuery,
     Ping,
@@ -56,7 +56,7 @@ from proto.messages import (
     SwitchReady,
     Takeover,
 )
-from proto.settings import ERROR_TEXT_MAX, RING_IDLE_S, RING_IDLE_SLEEP_MS
+from proto.settings import RING_IDLE_S, RING_IDLE_SLEEP_MS
 from proto.transport import WaitPolicy
 from proto.version import PROTOCOL_MAJOR, PROTOCOL_VERSION
 
@@ -75,16 +75,16 @@ class SidecarServer:
         self.wait = WaitPolicy(spin_us=config.ring_spin_us, sleep_ms=max(1, config.ring_sleep_ms),
                                idle_s=RING_IDLE_S, idle_sleep_ms=RING_IDLE_SLEEP_MS)
         self.metrics = SidecarMetrics()
+        self.rejects = RejectLog(self.metrics)
         self.codec = Codec(config.max_frame_bytes)
         self.finished = FinishedOutputs(config.keep_finished)
         self.listener = Listener(config.max_frame_bytes, config.allow_uids, config.curve_keys or None)
-        self.peers = PeerTable(hooks, self.finished, self.metrics, self.listener, self.codec, self._refuse,
+        self.peers = PeerTable(hooks, self.finished, self.metrics, self.listener, self.codec, self.rejects.refuse,
                                config.arena_bytes, config.ring)
         self.queries = Queries(hooks, self.peers, self.finished)
         self.handover = HandOver(hooks, self.finished)
         self.takeover = TakeOver(hooks, self.finished, self.codec)
         self.takeover_failed = ""
-        self.rejected_frames = 0
         self.on_reload: Callable[[], None] | None = None  # set by the CLI: re-reads the config on SIGHUP
         self._bound = False
         self._stop = False
@@ -151,6 +151,7 @@ class SidecarServer:
         try:
             while not self._stop:
                 self.peers.reap()
+                self.rejects.flush()
                 if self._reload_requested:
                     self._reload_requested = False
                     if self.on_reload is not None:
@@ -197,7 +198,7 @@ class SidecarServer:
             reply = self._handle(ident, msg)
         except Exception as exc:  # never let one peer's frame stop the server
             log.exception("error handling %s", type(msg).__name__)
-            reply = self._refuse("internal", f"{type(msg).__name__}: {exc!r}")
+            reply = self.rejects.refuse("internal", f"{type(msg).__name__}: {exc!r}", ident)
         if reply is not None:
             self.peers.send(ident, reply)
 
@@ -205,7 +206,7 @@ class SidecarServer:
         if isinstance(msg, StepEnd | StepBegin):
             peer = self.peers.get(ident)
             if peer is None:
-                return self._refuse("no_session", "send Hello before step messages")
+                return self.rejects.refuse("no_session", "send Hello before step messages", ident)
             self._last_step = time.monotonic()
             if isinstance(msg, StepBegin):
                 return peer.session.step_begin(msg)
@@ -218,7 +219,7 @@ class SidecarServer:
         if isinstance(msg, Ping):
             return Pong(msg.nonce)
         if isinstance(msg, StatusQuery):
-            return self.queries.status(self._draining, self.rejected_frames)
+            return self.queries.status(self._draining, self.rejects.total)
         if isinstance(msg, OutputsQuery):
             return self.queries.outputs(msg)
         if isinstance(msg, Drain):
@@ -228,7 +229,7 @@ class SidecarServer:
             return self._accept_takeover(ident, msg)
         if isinstance(msg, SwitchReady):
             return self._switch(ident, msg)
-        return self._refuse("unexpected", f"{type(msg).__name__} is not a request the sidecar serves")
+        return self.rejects.refuse("unexpected", f"{type(msg).__name__} is not a request the sidecar serves", ident)
 
     def _hello(self, ident: bytes, hello: Hello):
         if hello.protocol_major != PROTOCOL_MAJOR:
@@ -253,15 +254,8 @@ class SidecarServer:
             resumed = self.takeover.resume(hello.resume_token) or {}
         return self.peers.admit(ident, hello, resumed)
 
-    def _refuse(self, code: str, message: str) -> ErrorReply:
-        """Count and log a rejected frame; the reply tells the sender why."""
-        self.rejected_frames += 1
-        self.metrics.rejected_frames.labels(code).inc()
-        log.warning("rejected a frame (%s): %s", code, message)
-        return ErrorReply(code, message[:ERROR_TEXT_MAX])
-
     def _reject(self, ident: bytes, code: str, message: str) -> None:
-        self.peers.send(ident, self._refuse(code, message))
+        self.peers.send(ident, self.rejects.refuse(code, message, ident))
 
     # -- shared-memory rings ---------------------------------------------------------
 
@@ -302,7 +296,7 @@ class SidecarServer:
     def _switch(self, ident: bytes, msg: SwitchReady):
         peer = self.peers.get(ident)
         if peer is None or self.handover.successor is None:
-            return self._refuse("no_switch", "no takeover in progress for this session")
+            return self.rejects.refuse("no_switch", "no takeover in progress for this session", ident)
         state = self.handover.state(peer.session)
         self.peers.send(self.handover.successor, state)
         log.info("session %d handed over at step %d to %s", peer.session.id, msg.last_step,

@@ -70,3 +70,43 @@ def test_unknown_and_failed_requests_are_one_line(capture_sidecar):
     finally:
         peer.close()
         arena.close()
+
+
+def test_a_flood_of_hostile_frames_gives_a_bounded_log(tmp_path):
+    """20,000 rejected frames from one peer (and a few from 20 others): every frame counted,
+    the log holds at most a first line and a summary per peer."""
+    import time
+
+    import zmq
+
+    log_path = tmp_path / "sidecar.log"
+    sidecar = SidecarProcess(f"ipc://{tmp_path}/s.sock", "passthrough", log_path)
+    socks = []
+    try:
+        ctx = zmq.Context.instance()
+        flood = ctx.socket(zmq.DEALER)
+        flood.setsockopt(zmq.LINGER, 0)
+        flood.connect(sidecar.endpoint)
+        socks.append(flood)
+        for i in range(20_000):
+            flood.send(b"\xc1garbage-%d" % i)
+            if i % 500 == 0:  # keep our receive queue short; the replies are ErrorReplies
+                while flood.poll(0):
+                    flood.recv()
+        for _ in range(20):
+            other = ctx.socket(zmq.DEALER)
+            other.setsockopt(zmq.LINGER, 0)
+            other.connect(sidecar.endpoint)
+            socks.append(other)
+            for _ in range(10):
+                other.send(b"\xc1")
+        deadline = time.monotonic() + 60
+        while sidecar.status().rejected_frames < 20_200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sidecar.status().rejected_frames == 20_200
+    finally:
+        for sock in socks:
+            sock.close(0)
+        sidecar.stop()
+    lines = [line for line in log_path.read_text().splitlines() if "rejected" in line]
+    assert 21 <= len(lines) <= 2 * 21, f"{len(lines)} log lines about rejected frames"
