@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import zmq
 
 from omni_sidecar.security import CurveServer, filter_peers, prepare_socket_dir, secure_socket_file
 from proto.endpoint import ipc_path
 from proto.transport import set_heartbeats
+from omni_sidecar.rejects import REJECT_LOG_INTERVAL_S as DROP_LOG_INTERVAL_S
 
 log = logging.getLogger("omni_sidecar.listener")
 RECV_TIMEOUT_MS = 200  # a blocking recv wakes this often, so signals act promptly
@@ -30,6 +32,8 @@ class Listener:
         self._curve: CurveServer | None = None
         self._bound: list[tuple[str, int]] = []  # (socket path, inode) this process bound
         self.sock = self.ctx.socket(zmq.ROUTER)
+        self.dropped_replies = 0
+        self._next_drop_log = 0.0
 
     def bind(self, endpoint: str) -> None:
         """Configure the socket for `endpoint`'s kind of security and bind it."""
@@ -99,7 +103,11 @@ class Listener:
             self.sock.send(frame, zmq.NOBLOCK)
             return True
         except zmq.Again:
-            log.warning("dropped a reply: peer is not reading")
+            self.dropped_replies += 1
+            now = time.monotonic()
+            if now >= self._next_drop_log:  # a peer that never reads must not flood the log
+                self._next_drop_log = now + DROP_LOG_INTERVAL_S
+                log.warning("dropped a reply: a peer is not reading (%d dropped so far)", self.dropped_replies)
             return False
 
     def close(self) -> None:
