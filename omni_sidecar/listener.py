@@ -12,6 +12,7 @@ import os
 import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from omni_sidecar.security import CurveServer, filter_peers, prepare_socket_dir, secure_socket_file
 from proto.endpoint import ipc_path
@@ -34,6 +35,11 @@ class Listener:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.dropped_replies = 0
         self._next_drop_log = 0.0
+        self.last_fd = -1
+        # ZeroMQ tells a ROUTER nothing per peer, but its monitor reports each closed connection
+        # by file descriptor; with ZMTP heartbeats a vanished or frozen peer's connection closes
+        # within HEARTBEAT_TIMEOUT_MS, whatever process or PID namespace it lives in.
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
 
     def bind(self, endpoint: str) -> None:
         """Configure the socket for `endpoint`'s kind of security and bind it."""
@@ -86,7 +92,9 @@ class Listener:
 
         zmq.Again when nothing arrived within RECV_TIMEOUT_MS."""
         sock = self.sock
-        frames = [sock.recv(), sock.recv()]  # ROUTER: an identity, then at least one frame
+        ident = sock.recv(copy=False)  # ROUTER: an identity, then at least one frame
+        self.last_fd = ident.get(zmq.SRCFD)  # the connection it came on (see disconnected_fds)
+        frames = [ident.bytes, sock.recv()]
         while sock.rcvmore:
             frames.append(sock.recv())
         return frames
@@ -110,7 +118,21 @@ class Listener:
                 log.warning("dropped a reply: a peer is not reading (%d dropped so far)", self.dropped_replies)
             return False
 
+    def disconnected_fds(self) -> list[int]:
+        """File descriptors of connections that closed since the last call (never blocks)."""
+        fds = []
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                fds.append(int(event["value"]))
+        return fds
+
     def close(self) -> None:
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(0)
         if self._curve is not None:
             self._curve.stop()
             self._curve = None

@@ -20,12 +20,13 @@ from proto.transport import RingTransport, route
 
 log = logging.getLogger("omni_sidecar.peer")
 
-EndReason = Literal["worker_exited", "handed_over", "replaced", "sidecar_stopped", "bad_ring", "ring_overflow"]
+EndReason = Literal["worker_exited", "disconnected", "handed_over", "replaced", "sidecar_stopped", "bad_ring", "ring_overflow"]
 
 
 class ShimPeer:
-    def __init__(self, ident: bytes, session: Session, listener: Listener, codec: Codec) -> None:
+    def __init__(self, ident: bytes, session: Session, listener: Listener, codec: Codec, fd: int = -1) -> None:
         self.ident = ident
+        self.fd = fd  # the connection's file descriptor in this process (-1: unknown)
         self.session = session
         self._listener = listener
         self._codec = codec
@@ -60,13 +61,13 @@ class ShimPeer:
     def end(self, reason: EndReason, detail: str = "", farewell: Message | None = None) -> list[str]:
         """Release everything this connection holds; `farewell` is its last message.
 
-        Returns the live requests that end with an error (only when the worker exited).
+        Returns the live requests that end with an error (only when the worker is gone).
         """
         failed: list[str] = []
-        if reason == "worker_exited":
+        if reason in ("worker_exited", "disconnected"):
             failed = self.session.abandon(detail)
-            log.warning("session %d ended: its vLLM worker (pid %d) exited; %d live request(s) end with an "
-                        "error, arenas and rings released", self.session.id, self.session.hello.pid, len(failed))
+            log.warning("session %d ended: %s; %d live request(s) end with an error, arenas and rings "
+                        "released", self.session.id, detail, len(failed))
         elif reason in ("bad_ring", "ring_overflow"):
             log.error("session %d dropped: %s", self.session.id, detail)
         if farewell is not None:

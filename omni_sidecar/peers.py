@@ -71,8 +71,11 @@ class PeerTable:
 
     # -- admission and ending -----------------------------------------------------
 
-    def admit(self, ident: bytes, hello: Hello, resumed: dict[str, Any] | None) -> Welcome | Reject:
-        """A new session for this identity (ending the one it had); `resumed`: handed-over state."""
+    def admit(self, ident: bytes, hello: Hello, resumed: dict[str, Any] | None, fd: int = -1) -> Welcome | Reject:
+        """A new session for this identity (ending the one it had); `resumed`: handed-over state.
+
+        `fd` is the connection the Hello came on: when it closes, the session ends (`reap`)."""
+        self._end_disconnected()  # first, so a reused descriptor is never blamed on the new peer
         if ident in self._peers:
             self.end(ident, "replaced")
         session = Session(self._next_session, hello, self.hooks, self.finished, self.metrics)
@@ -82,7 +85,7 @@ class PeerTable:
             session.close()
             return Reject(f"cannot open the shim's arenas: {exc}")
         self._next_session += 1
-        peer = ShimPeer(ident, session, self.listener, self.codec)
+        peer = ShimPeer(ident, session, self.listener, self.codec, fd)
         if hello.rings and self.rings_enabled:
             peer.attach_rings()
         self._peers[ident] = peer
@@ -120,11 +123,10 @@ class PeerTable:
             self.end(ident, "sidecar_stopped")
 
     def reap(self) -> None:
-        """End sessions whose vLLM worker process exited (checked every REAP_INTERVAL_S).
-
-        Only possible when the shim runs in our PID namespace (same host or pod, not
-        separate containers); otherwise sessions stay until the sidecar restarts.
-        """
+        """End sessions whose connection closed (any PID namespace: heartbeats close a vanished
+        peer's connection), and, checked every REAP_INTERVAL_S, those whose vLLM worker process
+        exited (our PID namespace only; usually noticed first)."""
+        self._end_disconnected()
         now = time.monotonic()
         if now < self._next_reap:
             return
@@ -133,6 +135,14 @@ class PeerTable:
             hello = peer.session.hello
             if process_gone(hello.pid, hello.pid_namespace):
                 self.end(ident, "worker_exited", f"the vLLM worker process (pid {hello.pid}) exited")
+
+    def _end_disconnected(self) -> None:
+        for fd in self.listener.disconnected_fds():
+            for ident, peer in list(self._peers.items()):
+                if peer.fd == fd:
+                    hello = peer.session.hello
+                    self.end(ident, "disconnected", f"the connection of vLLM worker pid {hello.pid} "
+                             f"(rank {hello.rank}) closed: it exited or stopped answering heartbeats")
 
     # -- traffic -------------------------------------------------------------------
 

@@ -231,7 +231,8 @@ class SidecarServer:
             return self._switch(ident, msg)
         return self.rejects.refuse("unexpected", f"{type(msg).__name__} is not a request the sidecar serves", ident)
 
-    def _hello(self, ident: bytes, hello: Hello):
+    def _hello(self, ident: bytes, hello: Hello, fd: int | None = None):
+        fd = self.listener.last_fd if fd is None else fd  # the connection this Hello came on
         if hello.protocol_major != PROTOCOL_MAJOR:
             log.error(
                 "refused shim rank %d: protocol %d.%d, sidecar speaks %s",
@@ -248,11 +249,11 @@ class SidecarServer:
         if hello.resume_token:
             if not self.takeover.knows(hello.resume_token):
                 if self.takeover.waiting:
-                    self.takeover.waiting_hellos.append((ident, hello))  # the state is on its way
+                    self.takeover.waiting_hellos.append((ident, hello, fd))  # the state is on its way
                     return None
                 return Reject(f"unknown resume token {hello.resume_token!r}")
             resumed = self.takeover.resume(hello.resume_token) or {}
-        return self.peers.admit(ident, hello, resumed)
+        return self.peers.admit(ident, hello, resumed, fd)
 
     def _reject(self, ident: bytes, code: str, message: str) -> None:
         self.peers.send(ident, self.rejects.refuse(code, message, ident))
@@ -337,8 +338,8 @@ class SidecarServer:
         self.listener.replace_path(self.takeover.old_endpoint)
         log.info("serving at %s and %s", self.endpoint, self.takeover.old_endpoint)
         waiting, self.takeover.waiting_hellos = self.takeover.waiting_hellos, []
-        for ident, hello in waiting:
-            reply = self._hello(ident, hello)
+        for ident, hello, fd in waiting:
+            reply = self._hello(ident, hello, fd)
             if reply is not None:
                 self.peers.send(ident, reply)
 

@@ -80,7 +80,7 @@ class TakeOver:
         self.old_endpoint = ""
         self._deadline = 0.0
         self._resume: dict[str, dict[str, Any] | None] = {}  # token -> a session's exported state
-        self.waiting_hellos: list[tuple[bytes, Hello]] = []  # shims that came before their state
+        self.waiting_hellos: list[tuple[bytes, Hello, int]] = []  # (ident, Hello, fd): came before their state
 
     @property
     def waiting(self) -> bool:
