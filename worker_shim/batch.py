@@ -25,12 +25,17 @@ def payload_of(req: Any) -> dict | None:
     return payload if isinstance(payload, dict) else None
 
 
+def prompt_len_of(req: Any) -> int:
+    """The prompt's length from one of vLLM's `NewRequestData`."""
+    # 0.32 has prompt_len (prompt_embeds prompts have no ids); 0.26 only the ids.
+    return int(getattr(req, "prompt_len", None) or len(req.prompt_token_ids or []))
+
+
 def new_request(req: Any, payload: dict | None, suffixed_ids: bool) -> NewRequest:
     """The NewRequest message for one of vLLM's `NewRequestData`."""
     return NewRequest(
         req_id=req.req_id,
-        # 0.32 has prompt_len (prompt_embeds prompts have no ids); 0.26 only the ids.
-        prompt_len=int(getattr(req, "prompt_len", None) or len(req.prompt_token_ids or [])),
+        prompt_len=prompt_len_of(req),
         prompt_token_ids=list(req.prompt_token_ids or []),
         payload=payload,
         client_req_id=client_request_id(req.req_id, suffixed_ids),

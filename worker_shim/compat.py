@@ -18,6 +18,11 @@ UPSTREAM_NAMES: list[tuple[str, str]] = [
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.finish_requests"),
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.add_requests"),
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.load_model"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.sample_tokens"),
+    # Read at shutdown only (worker_shim/finishes.py), each with a fallback.
+    ("vllm.v1.worker.gpu.async_utils", "AsyncOutput"),
+    ("vllm.sampling_params", "SamplingParams.eos_token_id"),
+    ("vllm.sampling_params", "SamplingParams.stop_token_ids"),
     ("vllm.v1.worker.gpu.model_runner", "ExecuteModelState"),
     ("vllm.v1.worker.gpu.input_batch", "InputBatch"),
     ("vllm.platforms", "current_platform"),

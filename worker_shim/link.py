@@ -12,6 +12,7 @@ worker_shim/batch.py.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -19,12 +20,16 @@ from typing import Any, Callable
 import msgspec
 import torch
 
-from proto.messages import HookNeeds, StepBegin, StepEnd
-from worker_shim.batch import PayloadTracker, batch_layout, new_request, payload_of
+from proto.messages import HookNeeds, RequestError, StepBegin, StepEnd
+from proto.settings import ERROR_TEXT_MAX
+from worker_shim.batch import PayloadTracker, batch_layout, new_request, payload_of, prompt_len_of
 from worker_shim.channel import SidecarError
 from worker_shim.config import EmbedsSetting, LossPolicy
+from worker_shim.finishes import FinishWatch
 from worker_shim.recovery import Recovery
 from worker_shim.session import FailureReports, SessionRequests
+
+log = logging.getLogger("vllm.omni_sidecar.shim.link")
 
 
 @dataclass
@@ -45,11 +50,12 @@ class SidecarLink:
 
     def __init__(self, connect: Callable[..., Any], first: Any, loss_policy: LossPolicy = "fail-all",
                  embeds_setting: EmbedsSetting = "auto", suffixed_ids: bool = True,
-                 payloads: PayloadTracker | None = None) -> None:
+                 payloads: PayloadTracker | None = None, length_finishes: bool = True) -> None:
         self.embeds_setting = embeds_setting  # read by the runner when it loads the model
         self.payloads = payloads if payloads is not None else PayloadTracker()
         self.requests = SessionRequests(self.payloads)
         self.failures = FailureReports()
+        self.finishes = FinishWatch(length_finishes)
         self.recovery = Recovery(connect, first, self.requests, self.failures, loss_policy)
         self._suffixed_ids = suffixed_ids  # does vLLM add a suffix to the client's request id
         self.step = 0
@@ -79,15 +85,17 @@ class SidecarLink:
     # -- notes from upstream calls ----------------------------------------------
 
     def note_finished(self, finished: set[str], preempted: set[str] | None) -> None:
-        self.counters.finished_requests += len(finished)
+        news = set(finished) - self.finishes.already_told(finished)  # some the sidecar has from us
+        self.counters.finished_requests += len(news)
         self.payloads.note_finished(finished)
-        self.requests.note_finished(finished, preempted or ())
+        self.requests.note_finished(news, preempted or ())
 
     def note_new(self, new_reqs: list[Any]) -> None:
         for req in new_reqs:
             payload = payload_of(req)
             self.counters.new_requests += 1
             self.payloads.note_new(req.req_id, payload)
+            self.finishes.note_new(req, prompt_len_of(req))
             if self.conn is None:
                 self.recovery.refuse(req.req_id, payload is not None)
                 continue
@@ -143,6 +151,11 @@ class SidecarLink:
         if conn is None or (batch is None and not (self.requests.has_notices() or self.failures.pending)):
             self.step += 1
             return
+        if batch is not None:
+            ending = self.finishes.by_length(batch)  # their last sample is this step's
+            if ending:
+                self.counters.finished_requests += len(ending)
+                self.requests.note_finished(ending, ())
         try:
             self._send_step_end(conn, batch, state, num_tokens)
         except (SidecarError, ValueError) as exc:
@@ -209,5 +222,30 @@ class SidecarLink:
         except SidecarError as exc:
             self.recovery.lose(f"flush: {exc}")
 
+    def note_sampled(self, output: Any) -> None:
+        """The step's sampler output (upstream sample_tokens); read only at shutdown."""
+        self.finishes.note_sampled(output)
+
     def close(self) -> None:
+        """Worker shutdown: tell the sidecar how each live request ended, then disconnect.
+
+        Requests whose last sampled token was a stop token completed; the rest were cut
+        short by the shutdown and fail (docs/ARCHITECTURE.md, "Finish notices")."""
+        conn = self.conn
+        live = sorted(self.requests.live)
+        if conn is not None and live:
+            completed = self.finishes.stopped_by_token()
+            message = "vLLM shut down before the request finished"
+            cut_short = [RequestError(r, message[:ERROR_TEXT_MAX]) for r in live if r not in completed]
+            self.requests.note_finished(live, ())
+            new, finished, preempted = self.requests.take_notices()
+            try:
+                conn.send(StepEnd(step=self.step, new_requests=new, finished=finished, preempted=preempted,
+                                  failed=self.failures.take_pending() + cut_short))
+                self.step += 1
+                self.flush()
+            except (SidecarError, ValueError) as exc:
+                log.warning("could not tell the sidecar how %d live request(s) ended: %s", len(live), exc)
+            log.info("shutdown: told the sidecar %d live request(s) completed, %d were cut short",
+                     len(live) - len(cut_short), len(cut_short))
         self.recovery.close()

@@ -58,6 +58,11 @@ class SidecarRunnerMixin:
         self.omni_link.end_step(None if state is before else state)
         return out
 
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        out = _up(self).sample_tokens(*args, **kwargs)  # type: ignore[misc]
+        self.omni_link.note_sampled(out)
+        return out
+
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
         check_instance(self, RUNNER_INIT_ATTRS, "GPUModelRunner")
         link = self.omni_link

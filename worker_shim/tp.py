@@ -139,6 +139,9 @@ class TensorParallelFollower:
         if state is not None:
             self.steps += 1
 
+    def note_sampled(self, output: Any) -> None:
+        pass  # finishes are rank 0's to tell
+
     def stats(self) -> dict[str, Any]:
         return {"role": "tp-follower", "steps": self.steps, "connected": False,
                 "hook_set": self.hook_set, "request_errors": {}}

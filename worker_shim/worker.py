@@ -119,8 +119,11 @@ class ShimWorkerMixin:
             "tensors via %s)", __version__, cfg.endpoint, welcome.hook_set, welcome.sidecar_version,
             welcome.session, welcome.needs, arena_kind,
         )
+        # With speculative decoding a row's sample count is known only after verification.
+        length_finishes = getattr(vcfg, "speculative_config", None) is None
         return SidecarLink(connect, first, cfg.loss_policy, cfg.embeds_buffer,
-                           suffixed_ids=upstream_request_ids_suffixed(), payloads=payloads)
+                           suffixed_ids=upstream_request_ids_suffixed(), payloads=payloads,
+                           length_finishes=length_finishes)
 
     def _arena_choice(self, setting: ArenaChoice) -> tuple[Any, ArenaKind]:
         """CUDA IPC on CUDA GPUs; host shared memory (staging) on CPU and accelerators without it."""

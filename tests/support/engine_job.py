@@ -118,6 +118,15 @@ def main(job_path: str, result_path: str) -> int:
                 n_tok = sum(len(o.outputs[0].token_ids) for o in touts)
                 rates.append(n_tok / (time.monotonic() - t2))
             result["throughput_tok_s"] = rates
+        if job.get("stream_last"):
+            # With vLLM idle now: the last request's stream must end on its own (its finish is
+            # known to the sidecar without a later step).
+            from omni_sidecar.client import SidecarClient
+
+            t2 = time.monotonic()
+            with SidecarClient(job["endpoint"]) as client:
+                chunks = list(client.stream(result["request_ids"][-1], timeout_s=job["stream_last"]))
+            result["stream_last"] = {"chunks": len(chunks), "s": time.monotonic() - t2}
         if job.get("flush"):
             # Finished ids reach the worker on the next step: one more request delivers them.
             llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1), use_tqdm=False)

@@ -1,0 +1,119 @@
+"""Requests the shim sees finish before vLLM's scheduler says so.
+
+vLLM tells the worker that a request finished only in the NEXT step's
+`finished_req_ids`; an engine that goes idle (an offline `LLM.generate`
+returning its last outputs) or exits runs no next step, and the sidecar would
+learn of the finish late or never. So the shim watches what it can see itself
+(docs/ARCHITECTURE.md, "Finish notices"):
+
+- length: a row whose sample this step brings the request to `max_tokens`
+  finishes with this step, whatever token it samples; the StepEnd of this step
+  already says so (the sidecar finishes it after this step's hooks ran);
+- stop tokens: the last step's sampled ids, read only at shutdown (so no step
+  ever waits for the device), tell which live requests ended on EOS or a stop
+  token id; at a clean shutdown those are complete, the rest were cut short.
+
+Stop strings are matched by vLLM's detokenizer in the front end; the worker
+cannot see them, so such requests finish on vLLM's own notice as before.
+With speculative decoding the rows' sample counts are not known before
+verification, so length detection is off there.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+log = logging.getLogger("vllm.omni_sidecar.shim.finishes")
+
+
+@dataclass(frozen=True)
+class _Limits:
+    prompt_len: int
+    max_tokens: int | None
+    stop_ids: frozenset[int]
+
+
+class FinishWatch:
+    def __init__(self, length_detection: bool = True) -> None:
+        self.length_detection = length_detection
+        self._limits: dict[str, _Limits] = {}
+        self.told_early: set[str] = set()  # finishes the sidecar already has from us
+        self._last_sampled: Any = None  # the last step's sampler output (ids read at shutdown)
+
+    def note_new(self, req: Any, prompt_len: int) -> None:
+        sp = getattr(req, "sampling_params", None)
+        if sp is None:  # pooling requests: nothing is sampled
+            return
+        stop = set(getattr(sp, "stop_token_ids", None) or ())
+        eos = getattr(sp, "eos_token_id", None)  # None when ignore_eos
+        if eos is not None:
+            stop.add(int(eos))
+        self._limits[req.req_id] = _Limits(prompt_len, getattr(sp, "max_tokens", None), frozenset(stop))
+
+    def by_length(self, batch: Any) -> list[str]:
+        """Requests whose sample in this step is their last (`max_tokens` reached)."""
+        if not self.length_detection:
+            return []
+        n = len(batch.req_ids)
+        qsl = batch.query_start_loc_np
+        computed = batch.num_computed_tokens_np
+        prefill = batch.prefill_len_np
+        done = []
+        for i, req_id in enumerate(batch.req_ids[:n]):
+            limits = self._limits.get(req_id)
+            if limits is None or limits.max_tokens is None or req_id in self.told_early:
+                continue
+            upto = int(computed[i]) + int(qsl[i + 1] - qsl[i])  # tokens computed after this step
+            if upto < int(prefill[i]):
+                continue  # a prefill chunk that samples nothing
+            if upto - limits.prompt_len + 1 >= limits.max_tokens:
+                done.append(req_id)
+        self.told_early.update(done)
+        return done
+
+    def already_told(self, finished: Iterable[str]) -> set[str]:
+        """Of vLLM's finish notices, those the sidecar has from us already (then forgotten here)."""
+        told = {r for r in finished if r in self.told_early}
+        for req_id in finished:
+            self._limits.pop(req_id, None)
+            self.told_early.discard(req_id)
+        return told
+
+    def note_sampled(self, output: Any) -> None:
+        self._last_sampled = output
+
+    def stopped_by_token(self) -> set[str]:
+        """Requests whose last sampled token (in the last step) was a stop token id."""
+        sampled = _sampled_ids(self._last_sampled)
+        return {r for r, tok in sampled.items()
+                if r in self._limits and tok is not None and tok in self._limits[r].stop_ids}
+
+
+def _sampled_ids(output: Any) -> dict[str, int | None]:
+    """req_id -> last token sampled in that step, from V2's AsyncOutput or a ModelRunnerOutput.
+
+    Waits for the output's device copy (only ever called at shutdown); {} if unreadable."""
+    if output is None:
+        return {}
+    try:
+        event = getattr(output, "copy_event", None)
+        if event is not None:
+            event.synchronize()
+        mro = getattr(output, "model_runner_output", output)
+        req_ids = list(mro.req_ids)
+        tokens = getattr(output, "sampled_token_ids", None)
+        if tokens is None:
+            tokens = mro.sampled_token_ids
+        counts = getattr(output, "num_sampled_tokens_np", None)
+        out: dict[str, int | None] = {}
+        for i, req_id in enumerate(req_ids):
+            row = list(tokens[i])
+            k = int(counts[i]) if counts is not None else len(row)
+            out[req_id] = int(row[k - 1]) if k > 0 else None
+        return out
+    except Exception as exc:  # an upstream shape we do not know: treat every request as cut short
+        log.warning("could not read the last step's sampled tokens (%s); live requests at shutdown "
+                    "are reported as cut short", exc)
+        return {}
