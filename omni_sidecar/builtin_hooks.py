@@ -72,7 +72,7 @@ def check_prompt_embeds(embeds: torch.Tensor, prompt_len: int) -> torch.Tensor:
 def overlay_rows(
     batch: StepBatch, embeds_of: dict[str, torch.Tensor]
 ) -> list[tuple[int, torch.Tensor]]:
-    """Prompt rows of this step that take embeddings (DESIGN §3 row math)."""
+    """Prompt rows of this step that take embeddings (docs/ARCHITECTURE.md, "vllm-omni semantics": prefill overlay row math)."""
     out: list[tuple[int, torch.Tensor]] = []
     if not embeds_of:
         return out

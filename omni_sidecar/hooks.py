@@ -1,4 +1,4 @@
-"""The hook API a sidecar hook set implements (DESIGN §2).
+"""The hook API a sidecar hook set implements (docs/ARCHITECTURE.md, "Step sequence").
 
 Per step the shim's traffic drives, in order: `on_new_requests`,
 `prepare_prefill_embeds` and `build_extra_kwargs` (only when `needs.pre_forward`

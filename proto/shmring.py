@@ -1,7 +1,7 @@
 """Single-producer/single-consumer byte rings in POSIX shared memory (the per-step fast path).
 
 Why: a ZeroMQ round trip costs two kernel wake-ups plus libzmq's I/O-thread hops
-(DESIGN §8); a ring that the waiting side polls costs a few microseconds. One ring
+(docs/ARCHITECTURE.md, Rings); a ring that the waiting side polls costs a few microseconds. One ring
 per direction per connection; the shim creates both (0600, `ShmArena`), offers them
 in its Hello, and the sidecar maps them and removes their names. The socket stays
 for the handshake, control, heartbeats and *kicks* (an empty frame that wakes a

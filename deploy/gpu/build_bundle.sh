@@ -1,5 +1,5 @@
 #!/bin/sh
-# Air-gapped install bundle for a GPU host with no network (DESIGN §6):
+# Air-gapped install bundle for a GPU host with no network (docs/ARCHITECTURE.md, "GPU bundle"):
 # vLLM 0.26.0 for torch 2.11.0+cu130 / Python 3.12, minus what an H200 run does not load,
 # as a tar.xz split into parts of PART_MIB, plus the wheels such a host lacks.
 #   deploy/gpu/build_bundle.sh OUT_DIR [PART_MIB]       (here, with network)

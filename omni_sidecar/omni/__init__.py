@@ -1,1 +1,1 @@
-"""vllm-omni hook semantics in the sidecar (DESIGN §3): payloads, state, outputs."""
+"""vllm-omni hook semantics in the sidecar (docs/ARCHITECTURE.md, "vllm-omni semantics"): payloads, state, outputs."""
