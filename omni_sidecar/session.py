@@ -16,6 +16,7 @@ from omni_sidecar.arenas import SessionArenas
 from omni_sidecar.hooks import HookErrors, OmniHooks, RequestInfo, StepBatch
 from omni_sidecar.metrics import SidecarMetrics
 from omni_sidecar.stats import LatencyWindow
+from omni_sidecar.replays import SeenPositions
 from omni_sidecar.store import FinishedEntry, FinishedOutputs
 from proto.messages import (
     BatchLayout,
@@ -61,6 +62,7 @@ class Session:
         self._client_ids: dict[str, str] = {}  # the client's id -> vLLM's, while they differ
         self._begin_us = 0.0
         self._last_layout: BatchLayout | None = None
+        self.seen = SeenPositions()  # hooks see each position once, also across preemption
         self._prev_req_ids: list[str] | None = None
 
     # -- set-up --------------------------------------------------------------
@@ -90,6 +92,7 @@ class Session:
             "errors": dict(self.errors_by_request),
             "counters": [self.steps, self.new_requests, self.finished_requests, self.scheduled_tokens,
                          self.errors],
+            "seen": dict(self.seen.upto),
         }
 
     def import_(self, doc: dict[str, Any]) -> None:
@@ -100,6 +103,7 @@ class Session:
         self.errors_by_request.update(doc.get("errors", {}))
         (self.steps, self.new_requests, self.finished_requests, self.scheduled_tokens,
          self.errors) = doc.get("counters", [0, 0, 0, 0, 0])
+        self.seen.upto.update(doc.get("seen", {}))
 
     def resolve(self, req_id: str) -> str | None:
         """The live request a client names (by vLLM's id or by the id the client gave it)."""
@@ -139,9 +143,9 @@ class Session:
         if msg.num_tokens and layout is not None:
             self.steps += 1
             self.scheduled_tokens += msg.num_tokens
-            batch = self._batch(msg.step, layout)
-            with _collect(errors, batch, "process_model_output"):
-                self.hooks.process_model_output(batch, self.arenas.hidden(msg))
+            with _collect(errors, self._batch(msg.step, layout), "process_model_output"):
+                fresh, hidden = self.seen.fresh_rows(layout, self.arenas.hidden(msg))
+                self.hooks.process_model_output(self._batch(msg.step, fresh), hidden)
             self.arenas.release_hidden(msg)
         self._last_layout = None
         result_errors = self._report(errors)
@@ -219,6 +223,7 @@ class Session:
                 if entry.error:
                     entry.outputs = entry.chunks = None  # never hand out partial outputs as complete
                 self.finished_store.put(req_id, entry, client_id)
+            self.seen.forget((req_id,))
             if self.requests.pop(req_id, None) is not None:
                 self.finished_requests += 1
                 self.metrics.requests.labels("finished").inc()

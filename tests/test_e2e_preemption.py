@@ -59,10 +59,6 @@ def test_preempted_requests_produce_the_same_tokens(preempted_run):
     assert together["tokens"] == alone["tokens"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "omni hooks keep state and outputs over a preemption, but vLLM V2 recomputes the resumed "
-    "request from position 0 and OmniStateHooks.process_model_output postprocesses those rows "
-    "again: outputs get rows twice (codes [119, 4] instead of [40, 4])"))
 def test_preempted_requests_assemble_the_same_outputs(preempted_run):
     alone, together = preempted_run["alone"], preempted_run["together"]
     for ref, got in zip(alone["outputs"], together["outputs"]):
