@@ -138,6 +138,8 @@ class Session:
         errors: dict[str, str] = {}
         for failure in msg.failed:  # failed by the shim while no sidecar served them
             self.errors_by_request.setdefault(failure.req_id, failure.message)
+            if failure.client_req_id and failure.req_id not in self.requests:
+                self._client_ids.setdefault(failure.client_req_id, failure.req_id)
         self._admit(msg.new_requests, [], msg.preempted, errors)
         layout = self._resolve_layout(msg.batch) if msg.batch is not None else self._last_layout
         if msg.num_tokens and layout is not None:

@@ -185,6 +185,9 @@ class Overlay(msgspec.Struct, frozen=True, array_like=True):
 class RequestError(msgspec.Struct, frozen=True, array_like=True):
     req_id: ReqId
     message: Text
+    # Shim -> sidecar (StepEnd.failed): the client's id for a request the sidecar may never have
+    # seen, so clients asking by their own id learn the failure too; "" when it equals req_id.
+    client_req_id: ReqId = ""
 
 
 class StepPlan(msgspec.Struct, tag="step_plan", frozen=True):

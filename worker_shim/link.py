@@ -24,6 +24,7 @@ from proto.messages import HookNeeds, RequestError, StepBegin, StepEnd
 from proto.settings import ERROR_TEXT_MAX
 from worker_shim.batch import PayloadTracker, batch_layout, new_request, payload_of, prompt_len_of
 from worker_shim.channel import SidecarError
+from worker_shim.compat import client_request_id
 from worker_shim.config import EmbedsSetting, LossPolicy
 from worker_shim.finishes import FinishWatch
 from worker_shim.recovery import Recovery
@@ -54,7 +55,7 @@ class SidecarLink:
         self.embeds_setting = embeds_setting  # read by the runner when it loads the model
         self.payloads = payloads if payloads is not None else PayloadTracker()
         self.requests = SessionRequests(self.payloads)
-        self.failures = FailureReports()
+        self.failures = FailureReports(lambda req_id: client_request_id(req_id, suffixed_ids))
         self.finishes = FinishWatch(length_finishes)
         self.recovery = Recovery(connect, first, self.requests, self.failures, loss_policy)
         self._suffixed_ids = suffixed_ids  # does vLLM add a suffix to the client's request id

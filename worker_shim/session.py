@@ -10,7 +10,7 @@ and, once, for the next sidecar so clients get `RequestFailed`.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from proto.messages import NewRequest, RequestError
 from proto.settings import ERROR_TEXT_MAX
@@ -64,14 +64,15 @@ class SessionRequests:
 
 
 class FailureReports:
-    def __init__(self) -> None:
+    def __init__(self, client_id_of: Callable[[str], str] = lambda req_id: "") -> None:
         self.request_errors: dict[str, str] = {}
         self.pending: list[RequestError] = []  # to tell the next sidecar
+        self._client_id_of = client_id_of
 
     def fail(self, req_id: str, message: str) -> None:
         self.request_errors[req_id] = message
         if len(self.pending) < MAX_PENDING_FAILURES:
-            self.pending.append(RequestError(req_id, message[:ERROR_TEXT_MAX]))
+            self.pending.append(RequestError(req_id, message[:ERROR_TEXT_MAX], self._client_id_of(req_id)))
 
     def record(self, errors: list[Any]) -> None:
         """Hook errors the sidecar reported (it already told its clients)."""

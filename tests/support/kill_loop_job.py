@@ -47,21 +47,29 @@ def main() -> None:
             sidecar = start_sidecar(i)
         prompts = [{"prompt_token_ids": [4 + (i + j) % 300] * 8} for j in range(8)]
         params = [short] * 4 + [long] * 4
-        killer = threading.Timer(0.6, lambda p=sidecar: os.kill(p.pid, signal.SIGKILL))
+        # Mid-batch: the short requests (2 tokens) are done, the long ones (64) are not.
+        killer = threading.Timer(KILL_AT_S, lambda p=sidecar: os.kill(p.pid, signal.SIGKILL))
         seen_failed: list[str] = []
 
         def ask_new_sidecar(ids=list(prev_long)) -> None:
             # The previous round's killed requests, as clients see them on the new sidecar.
             from omni_sidecar.client import RequestFailed
 
+            # The shim reports them on its first step with the new sidecar: ask until then
+            # (a loaded machine reconnects later), but before this round's kill.
+            deadline = time.monotonic() + KILL_AT_S - ASK_FROM_S - 0.1
+            pending = list(ids)
             with SidecarClient(endpoint, timeout_s=2) as client:
-                for rid in ids:
-                    try:
-                        client.outputs(rid)
-                    except RequestFailed as exc:
-                        seen_failed.append(exc.message)
+                while pending and time.monotonic() < deadline:
+                    for rid in list(pending):
+                        try:
+                            client.outputs(rid)
+                        except RequestFailed as exc:
+                            seen_failed.append(exc.message)
+                            pending.remove(rid)
+                    time.sleep(0.02)
 
-        asker = threading.Timer(0.35, ask_new_sidecar)
+        asker = threading.Timer(ASK_FROM_S, ask_new_sidecar)
         asker.start()
         before = llm.collective_rpc("omni_sidecar_stats")[0]
         t0 = time.monotonic()
@@ -90,6 +98,10 @@ def main() -> None:
         json.dump(results, f)
     sys.stdout.flush()
     os._exit(0)
+
+
+KILL_AT_S = 1.0
+ASK_FROM_S = 0.2
 
 
 def _internal(stats: dict, client_id: str) -> str | None:
