@@ -66,9 +66,10 @@ class ShimPeer:
         failed: list[str] = []
         if reason in ("worker_exited", "disconnected"):
             failed = self.session.abandon(detail)
-            log.warning("session %d ended: its vLLM worker (pid %d) is gone: %s; %d live request(s) end "
-                        "with an error, arenas and rings released", self.session.id, self.session.hello.pid,
-                        detail, len(failed))
+            log.log(logging.WARNING if failed else logging.INFO,
+                    "session %d ended: its vLLM worker (pid %d) is gone (%s); %d live request(s) end "
+                    "with an error, arenas and rings released", self.session.id, self.session.hello.pid,
+                    detail, len(failed))
         elif reason in ("bad_ring", "ring_overflow"):
             log.error("session %d dropped: %s", self.session.id, detail)
         if farewell is not None:

@@ -140,9 +140,8 @@ class PeerTable:
         for fd in self.listener.disconnected_fds():
             for ident, peer in list(self._peers.items()):
                 if peer.fd == fd:
-                    hello = peer.session.hello
-                    self.end(ident, "disconnected", f"the connection of vLLM worker pid {hello.pid} "
-                             f"(rank {hello.rank}) closed: it exited or stopped answering heartbeats")
+                    self.end(ident, "disconnected", "its connection closed: the process exited, or "
+                             "stopped answering heartbeats")
 
     # -- traffic -------------------------------------------------------------------
 
