@@ -69,7 +69,13 @@ def start_sidecar(endpoint: str, hooks_name: str, ring: bool) -> tuple[Any, thre
     load_hooks = _first("omni_sidecar.loader:load_hooks", "omni_sidecar.hooks:load_hooks")
     server_cls = _first("omni_sidecar.server:SidecarServer", "omni_sidecar.serve:SidecarServer",
                         "omni_sidecar.loop:SidecarServer")
-    server = server_cls(endpoint, load_hooks(hooks_name, {}), arena_bytes=4 << 20, ring=ring)
+    try:  # after issue 11: the server takes its settings object
+        from omni_sidecar.config import ServeConfig
+
+        server = server_cls(ServeConfig(endpoint=endpoint, hooks=hooks_name, arena_mib=4, ring=ring),
+                            load_hooks(hooks_name, {}))
+    except ImportError:
+        server = server_cls(endpoint, load_hooks(hooks_name, {}), arena_bytes=4 << 20, ring=ring)
     server.bind()
     thread = threading.Thread(target=server.serve_forever, kwargs={"install_signals": False},
                               name="step-walk-sidecar", daemon=True)
