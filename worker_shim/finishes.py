@@ -22,23 +22,19 @@ verification, so length detection is off there.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Iterable
 
+import numpy as np
+
 log = logging.getLogger("vllm.omni_sidecar.shim.finishes")
-
-
-@dataclass(frozen=True)
-class _Limits:
-    prompt_len: int
-    max_tokens: int | None
-    stop_ids: frozenset[int]
+_NEVER = np.iinfo(np.int64).max
 
 
 class FinishWatch:
     def __init__(self, length_detection: bool = True) -> None:
         self.length_detection = length_detection
-        self._limits: dict[str, _Limits] = {}
+        self._stop_ids: dict[str, frozenset[int]] = {}
+        self._last_position: dict[str, int] = {}
         self.told_early: set[str] = set()  # finishes the sidecar already has from us
         self._last_sampled: Any = None  # the last step's sampler output (ids read at shutdown)
 
@@ -50,26 +46,25 @@ class FinishWatch:
         eos = getattr(sp, "eos_token_id", None)  # None when ignore_eos
         if eos is not None:
             stop.add(int(eos))
-        self._limits[req.req_id] = _Limits(prompt_len, getattr(sp, "max_tokens", None), frozenset(stop))
+        max_tokens = getattr(sp, "max_tokens", None)
+        self._stop_ids[req.req_id] = frozenset(stop)
+        if max_tokens is not None:
+            # Computed tokens after the step that samples the last output: prompt + max_tokens - 1.
+            self._last_position[req.req_id] = prompt_len + max_tokens - 1
 
     def by_length(self, batch: Any) -> list[str]:
-        """Requests whose sample in this step is their last (`max_tokens` reached)."""
-        if not self.length_detection:
+        """Requests whose sample in this step is their last (`max_tokens` reached).
+
+        Runs every step: one vectorized comparison, Python only for the rows that finish."""
+        if not self.length_detection or not self._last_position:
             return []
         n = len(batch.req_ids)
-        qsl = batch.query_start_loc_np
-        computed = batch.num_computed_tokens_np
-        prefill = batch.prefill_len_np
-        done = []
-        for i, req_id in enumerate(batch.req_ids[:n]):
-            limits = self._limits.get(req_id)
-            if limits is None or limits.max_tokens is None or req_id in self.told_early:
-                continue
-            upto = int(computed[i]) + int(qsl[i + 1] - qsl[i])  # tokens computed after this step
-            if upto < int(prefill[i]):
-                continue  # a prefill chunk that samples nothing
-            if upto - limits.prompt_len + 1 >= limits.max_tokens:
-                done.append(req_id)
+        ids = batch.req_ids[:n]
+        qsl = batch.query_start_loc_np[: n + 1]
+        upto = batch.num_computed_tokens_np[:n] + (qsl[1:] - qsl[:-1])  # computed after this step
+        last = np.fromiter((self._last_position.get(r, _NEVER) for r in ids), dtype=np.int64, count=n)
+        rows = np.flatnonzero((upto >= last) & (upto >= batch.prefill_len_np[:n]))
+        done = [ids[i] for i in rows if ids[i] not in self.told_early]
         self.told_early.update(done)
         return done
 
@@ -77,7 +72,8 @@ class FinishWatch:
         """Of vLLM's finish notices, those the sidecar has from us already (then forgotten here)."""
         told = {r for r in finished if r in self.told_early}
         for req_id in finished:
-            self._limits.pop(req_id, None)
+            self._stop_ids.pop(req_id, None)
+            self._last_position.pop(req_id, None)
             self.told_early.discard(req_id)
         return told
 
@@ -87,8 +83,7 @@ class FinishWatch:
     def stopped_by_token(self) -> set[str]:
         """Requests whose last sampled token (in the last step) was a stop token id."""
         sampled = _sampled_ids(self._last_sampled)
-        return {r for r, tok in sampled.items()
-                if r in self._limits and tok is not None and tok in self._limits[r].stop_ids}
+        return {r for r, tok in sampled.items() if tok is not None and tok in self._stop_ids.get(r, ())}
 
 
 def _sampled_ids(output: Any) -> dict[str, int | None]:
