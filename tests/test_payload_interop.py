@@ -84,7 +84,8 @@ def thinker_to_talker() -> dict[str, Any]:
 
 
 def code2wav_codes() -> dict[str, Any]:
-    codes = torch.randint(0, 2048, (12, 16), generator=torch.Generator().manual_seed(9), dtype=torch.int64)
+    seeded = torch.Generator().manual_seed(9)
+    codes = torch.randint(0, 2048, (12, 16), generator=seeded, dtype=torch.int64)
     return {
         "codes": {"audio": codes, "ref": codes[:2].clone()},
         "meta": {
@@ -177,8 +178,8 @@ def test_hand_over_is_what_its_talker_reads(its):
     assert sorted(ours["hidden_states"]["layers"]) == [0, 24]
     struct = its.data_entry_keys.to_struct(ours)
     assert sorted(struct.hidden_states.layers) == [0, 24]
-    theirs = its.data_entry_keys.deserialize_payload(as_its_wire(encode_additional_information(payload), its.engine))
-    its.data_entry_keys.validate_payload(theirs, context="talker input")
+    wire = as_its_wire(encode_additional_information(payload), its.engine)
+    its.data_entry_keys.validate_payload(its.data_entry_keys.deserialize_payload(wire), context="talker input")
 
 
 def test_captured_layers_decode_into_its_layers(its):
@@ -195,7 +196,8 @@ def test_captured_layers_decode_into_its_layers(its):
 def test_none_values_and_empty_categories_are_left_out_on_both_sides(its):
     payload = {"embed": {"tts_bos": None, "prefill": torch.ones(1, 2)}, "meta": {}, "speaker": None}
     want = {"embed": {"prefill": torch.ones(1, 2)}}
-    assert_same(its.data_entry_keys.deserialize_payload(as_its_wire(encode_additional_information(payload), its.engine)), want)
+    ours = as_its_wire(encode_additional_information(payload), its.engine)
+    assert_same(its.data_entry_keys.deserialize_payload(ours), want)
     assert_same(decode_additional_information(its.data_entry_keys.serialize_payload(payload)), want)
 
 

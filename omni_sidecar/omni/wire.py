@@ -99,7 +99,9 @@ def _envelope(obj: Any) -> _Envelope:
             obj = msgspec.to_builtins(obj, builtin_types=(bytes, bytearray, memoryview))
         return msgspec.convert(obj, _Envelope)
     except msgspec.MsgspecError as exc:
-        raise PayloadError(f"additional_information must be {{'entries': {{dotted_key: entry}}}}: {exc}") from None
+        raise PayloadError(
+            f"additional_information must be {{'entries': {{dotted_key: entry}}}}: {exc}"
+        ) from None
 
 
 def _decode_entry(key: str, raw: Any) -> Any:
@@ -113,7 +115,9 @@ def _decode_entry(key: str, raw: Any) -> Any:
         raise PayloadError(f"{key}: {exc}") from None
     forms = [f for f in ("tensor_data", "list_data", "scalar_data") if getattr(entry, f) is not None]
     if len(forms) != 1:
-        raise PayloadError(f"{key}: an entry holds exactly one of tensor_data, list_data, scalar_data; has {forms}")
+        raise PayloadError(
+            f"{key}: an entry holds exactly one of tensor_data, list_data, scalar_data; has {forms}"
+        )
     if forms[0] != "tensor_data":
         if entry.tensor_shape is not None or entry.tensor_dtype is not None:
             raise PayloadError(f"{key}: tensor_shape/tensor_dtype without tensor_data")
