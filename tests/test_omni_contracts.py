@@ -25,29 +25,39 @@ from proto.messages import BatchLayout
 
 
 def test_flatten_unflatten_round_trip_with_layer_keys():
+    # vllm-omni's rules: layers are int-keyed under hidden_states["layers"], only
+    # the five categories expand, other top-level dicts stay whole.
+    out, layer0, layer24 = torch.zeros(2), torch.ones(2), torch.full((2,), 24.0)
     nested = {
-        "hidden_states": {"layer_24": 1, "last": 2, "layers": {"3": 4}},
+        "hidden_states": {"output": out, "layers": {24: layer24, 0: layer0}},
         "codes": {"audio": [1, 2]},
+        "meta": {"a.b": 3},
         "flat": "x",
+        "kv_metadata": {"x": 1},
     }
     flat = flatten(nested)
-    assert flat == {
-        "hidden_states.layer_24": 1,
-        "hidden_states.last": 2,
-        "hidden_states.layers.3": 4,
-        "codes.audio": [1, 2],
-        "flat": "x",
+    assert set(flat) == {
+        "hidden_states.output", "hidden_states.layer_24", "hidden_states.layer_0",
+        "codes.audio", "meta.a.b", "flat", "kv_metadata",
     }
-    assert unflatten(flat) == nested
+    assert flat["hidden_states.layer_24"] is layer24 and flat["kv_metadata"] == {"x": 1}
+    back = unflatten(flat)
+    assert back["hidden_states"]["layers"] == {24: layer24, 0: layer0}
+    assert back["hidden_states"]["output"] is out
+    assert {k: back[k] for k in ("codes", "meta", "flat", "kv_metadata")} == {
+        k: nested[k] for k in ("codes", "meta", "flat", "kv_metadata")
+    }
 
 
 def test_unflatten_rejects_conflicts_and_bad_keys():
-    with pytest.raises(ValueError, match="conflicts"):
+    with pytest.raises(PayloadError, match="conflicts"):
         unflatten({"a": 1, "a.b": 2})
-    with pytest.raises(ValueError, match="invalid dotted key"):
-        unflatten({"a..b": 1})
-    with pytest.raises(ValueError, match="invalid key"):
+    with pytest.raises(PayloadError, match="empty part"):
+        unflatten({".b": 1})
+    with pytest.raises(PayloadError, match="with a dot"):
         flatten({"a.b": 1})
+    with pytest.raises(PayloadError, match=r"hidden_states.layer_24: .*\['layers'\]"):
+        flatten({"hidden_states": {"layer_24": torch.zeros(1)}})
 
 
 # -- payload wire format --------------------------------------------------------------

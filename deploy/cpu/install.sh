@@ -5,7 +5,8 @@
 #  - no torchvision / torchaudio / torchcodec: pip pulls CUDA builds that do not
 #    load against CPU torch and break `transformers` imports; text models need none;
 #  - triton plus triton-cpu-stub, a `cpu` backend so vLLM enables V2 and runs its
-#    Triton kernels in Triton's interpreter (TRITON_INTERPRET=1).
+#    Triton kernels in Triton's interpreter (TRITON_INTERPRET=1);
+#  - vllm-omni's wheel without its dependencies, off sys.path, for the payload interop tests.
 set -eu
 PY=${PY:-python3.11}
 VENV=${VENV:-.venv}
@@ -17,6 +18,10 @@ pip_quiet() {
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip_quiet install -q -e ".[cpu,test]"
 pip_quiet install -q ./deploy/cpu/triton_cpu_stub
+# vllm-omni's payload code for the interop tests only, off sys.path: in site-packages its
+# vllm.general_plugins entry point would make every vLLM process import (and patch with) it.
+VLLM_OMNI=$("$VENV/bin/python" -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['tool']['omni-sidecar']['vllm-omni-interop'])")
+[ -d "$VENV/vllm-omni-$VLLM_OMNI" ] || pip_quiet install -q --no-deps --target "$VENV/vllm-omni-$VLLM_OMNI" "vllm-omni==$VLLM_OMNI"
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 rm -f "$LOG"
 # The deployment tests validate deploy/*.yml with a real compose implementation (Debian's).
