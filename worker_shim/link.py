@@ -45,6 +45,7 @@ class StepCounters:
     finished_requests: int = 0
     scheduled_tokens: int = 0
     blocking_exchanges: int = 0
+    states_asked: int = 0  # requests whose state the model's hooks asked the sidecar for
     exchange_us: list[float] = field(default_factory=list)  # blocking StepBegin round trips
     post_us: list[float] = field(default_factory=list)  # shim-side cost of each StepEnd (copy + send)
 
@@ -140,6 +141,7 @@ class SidecarLink:
         try:
             plan = conn.step_plan(msg)
             self.counters.blocking_exchanges += 1
+            self.counters.states_asked += len(want)
             self.failures.record(plan.errors)
             if want and bridge is not None:
                 bridge.fill_states(conn.read_states(plan), failed={e.req_id for e in plan.errors})
