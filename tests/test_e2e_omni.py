@@ -142,6 +142,6 @@ def test_two_stage_demo(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "== stage 1: thinker" in out and "== stage 2: talker" in out and "== done" in out
     assert out.count("thinker hidden states [") == 4
-    assert out.count("codes [16, 4]") == 4
-    assert "streamed request 0 in 16 chunks, 16 code rows" in out
+    assert out.count("codes.audio [15, 4]") == 4  # one row per decode step
+    assert "streamed request 0 in 15 chunks, 15 code rows" in out
     assert "per-step hook latency" in out
