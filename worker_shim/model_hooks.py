@@ -177,7 +177,9 @@ class ModelBridge:
         self.forward_extras = None
         hooks = self.hooks
         for req_id in self.mirror.missing(input_batch.req_ids):
-            self.mirror.fill(req_id, None)  # no sidecar serves states: vllm-omni's empty buffer
+            # No sidecar served its state (none connected, or one that keeps no model states):
+            # the request runs on plain token embeddings rather than hooks fed a state they lack.
+            self.mirror.fill(req_id, None, served=False)
         if hooks.preprocess is None:
             return
         ids = input_batch.input_ids[: int(input_batch.num_tokens)]
