@@ -256,3 +256,18 @@ def test_the_sidecar_sends_states_with_int_keys_merges_updates_and_assembles_cod
     finally:
         session.close()
         shim_arena.close()
+
+
+def test_requests_without_a_served_state_run_without_the_hooks():
+    model = FakeTalker()
+    bridge = ModelBridge(model, find_model_hooks(model))
+    bridge.note_new("a", 5)
+    bridge.note_new("p", 5)
+    bridge.fill_states({}, failed={"p"})  # the sidecar failed p's payload; nobody served a
+    batch = step_batch(["a", "p"], [2, 2], [0, 0], [3, 3, 3, 3])
+    embeds = torch.ones(4, H)
+    bridge.before_forward(batch, embeds)
+    assert model.calls == [] and embeds.sum() == 4 * H  # token embeddings untouched
+    assert bridge.after_forward(batch, torch.zeros(4, H)) == {} and model.calls == []
+    bridge.note_finished({"a", "p"})
+    assert bridge.missing_states(["a", "p"]) == ["a", "p"]
