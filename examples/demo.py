@@ -57,12 +57,12 @@ def start_sidecar(endpoint: str, hooks: str, log_path: Path) -> subprocess.Popen
     return proc
 
 
-def make_llm(model: Path, endpoint: str):
+def make_llm(model: Path, endpoint: str, **kwargs):
     from vllm import LLM
 
     t0 = time.monotonic()
     register()  # the talker's vLLM class (harmless for the thinker)
-    llm = LLM(model=str(model), additional_config={"omni_sidecar": {"endpoint": endpoint}}, **ENGINE)
+    llm = LLM(model=str(model), additional_config={"omni_sidecar": {"endpoint": endpoint}}, **ENGINE, **kwargs)
     print(f"   vLLM V2 + shim ready in {time.monotonic() - t0:.1f}s (sidecar at {endpoint})")
     return llm
 
@@ -119,7 +119,7 @@ def main() -> None:
 
         print("== stage 2: talker (hooks: omni-talker; the model's own hooks run in the shim), "
               "fed the thinker hidden states")
-        llm = make_llm(talker, ep2)
+        llm = make_llm(talker, ep2, skip_tokenizer_init=True)  # codes, not text: no tokenizer
         width = TALKER_CONFIG["thinker_hidden_size"]
         prompts, params = [], []
         for (rid, hs), o in zip(stage2_inputs, outs):
@@ -130,7 +130,7 @@ def main() -> None:
                                                   "embed": {"tts_pad": text.mean(dim=0, keepdim=True)}})
             prompt_len = len(o.prompt_token_ids)  # one codec row per thinker prompt row
             prompts.append({"prompt_token_ids": [CODEC_BOS_ID] + [CODEC_PAD_ID] * (prompt_len - 1)})
-            params.append(SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+            params.append(SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, detokenize=False,
                                          extra_args={"omni_sidecar": {"additional_information": info}}))
         streamed: list[tuple[float, int]] = []
 

@@ -35,14 +35,14 @@ def main(job_path: str, result_path: str) -> None:
         tiny_talker.register()
         endpoint = job["endpoint"]
         llm = LLM(model=job["model"], dtype="float32", enforce_eager=True, seed=0, enable_prefix_caching=False,
-                  worker_cls="worker_shim.Worker", kv_cache_memory_bytes=64 << 20,
+                  skip_tokenizer_init=True, worker_cls="worker_shim.Worker", kv_cache_memory_bytes=64 << 20,
                   additional_config={"omni_sidecar": {"endpoint": endpoint}}, **job["llm_kwargs"])
         prompts, params = [], []
         for spec in job["requests"]:
             req = talker_request(spec["prompt_len"], spec["text_len"], spec["seed"], spec["max_tokens"])
             prompts.append({"prompt_token_ids": req["prompt_token_ids"]})
             params.append(SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True,
-                                         extra_args={"omni_sidecar": {"additional_information":
+                                         detokenize=False, extra_args={"omni_sidecar": {"additional_information":
                                                                       encoded_payload(req["info"])}}))
 
         def session_steps(client) -> int:
