@@ -78,6 +78,15 @@ class StepBatch:
         qsl = self.layout.query_start_loc
         return qsl[i], qsl[i + 1]
 
+    def input_ids(self, i: int) -> list[int]:
+        """The input token ids of request i's rows (a decode row's is the token the previous step
+        sampled); needs `HookNeeds(input_ids=True)`."""
+        ids = self.layout.input_ids
+        if ids is None:
+            raise ValueError("the layout carries no input ids: declare HookNeeds(input_ids=True)")
+        start, end = self.rows(i)
+        return ids[start:end]
+
     def prefill_rows(self, i: int) -> tuple[int, int, int]:
         """(first batch row, number of prompt rows k, prompt position nc) of request i.
 

@@ -60,6 +60,9 @@ class HookNeeds(msgspec.Struct, frozen=True):
     prefix_cache_safe: False when hooks change what a prompt token means (overlaid
       embeddings), so KV computed for one request must not be reused by another.
 
+    input_ids: each row's input token id in the layout (`BatchLayout.input_ids`; for a decode
+      row, the token the previous step sampled), so hooks that write decode rows need no vLLM
+      internals; costs a device-to-host copy per step, so only hook sets that read them ask.
     model_states: the hook set keeps the per-request state of a model that carries its own
       hooks (docs/ARCHITECTURE.md, "Model hooks"): it answers `StepBegin.want_states` with
       `StepPlan.model_states` and takes `StepEnd.model_updates` / `model_outputs`.
@@ -70,6 +73,7 @@ class HookNeeds(msgspec.Struct, frozen=True):
     hidden_states: bool = False
     prefix_cache_safe: bool = True
     model_states: bool = False
+    input_ids: bool = False
 
 
 class ModelHooks(msgspec.Struct, frozen=True, array_like=True):

@@ -24,6 +24,7 @@ from proto.capabilities import ArenaInfo, ArenaKind, Count, CudaIpcInfo, HookNee
 from proto.tensors import TensorRef
 
 MAX_BATCH = 1 << 16
+MAX_STEP_TOKENS = 1 << 20
 MAX_ID_LEN = 256
 ReqId = Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
@@ -109,6 +110,8 @@ class BatchLayout(msgspec.Struct, frozen=True, array_like=True):
     # Tokens of each request that are prefill (vLLM's prefill_len: the prompt, plus the
     # output tokens a resumed request recomputes); rows at or past it are decode rows.
     prefill_lens: Annotated[list[Count], msgspec.Meta(max_length=MAX_BATCH)]
+    # 1.2, only when the hook set's needs ask (HookNeeds.input_ids): each row's input token id.
+    input_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_STEP_TOKENS)] | None = None
 
 
 class StepBegin(msgspec.Struct, tag="step_begin", frozen=True):

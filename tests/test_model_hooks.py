@@ -271,3 +271,15 @@ def test_requests_without_a_served_state_run_without_the_hooks():
     assert bridge.after_forward(batch, torch.zeros(4, H)) == {} and model.calls == []
     bridge.note_finished({"a", "p"})
     assert bridge.missing_states(["a", "p"]) == ["a", "p"]
+
+
+def test_sidecar_hooks_read_each_rows_input_ids_from_the_layout():
+    from omni_sidecar.hooks import StepBatch
+    from omni_sidecar.replays import SeenPositions
+
+    layout = BatchLayout(["a", "b"], [0, 2, 3], [0, 5], [2, 5], [11, 12, 42])
+    assert StepBatch(0, layout).input_ids(1) == [42]  # b decodes the token sampled before
+    seen = SeenPositions()
+    seen.upto["a"] = 1  # a's first position was seen before a preemption
+    fresh, _ = seen.fresh_rows(layout, None)
+    assert fresh.input_ids == [12, 42] and StepBatch(0, fresh).input_ids(0) == [12]

@@ -134,9 +134,9 @@ class SidecarLink:
             return {}
         t0 = time.perf_counter()
         new, finished, preempted = self.requests.take_notices()
-        msg = StepBegin(step=self.step, batch=batch_layout(input_batch, conn.peer_req_ids),
-                        new_requests=new, finished=finished, preempted=preempted, want_states=want,
-                        model_hooks=bridge.wire if want and bridge is not None else None)
+        layout = batch_layout(input_batch, conn.peer_req_ids, conn.needs.input_ids)
+        msg = StepBegin(step=self.step, batch=layout, new_requests=new, finished=finished, preempted=preempted,
+                        want_states=want, model_hooks=bridge.wire if want and bridge is not None else None)
         self._layout_sent = True
         try:
             plan = conn.step_plan(msg)
@@ -197,9 +197,12 @@ class SidecarLink:
             updates, outputs = store_tree(updates, slot.put), store_tree(outputs, slot.put)
             hidden_event = slot.seal()
         new, finished, preempted = self.requests.take_notices()
+        layout = None
+        if batch is not None and not self._layout_sent:
+            layout = batch_layout(batch, conn.peer_req_ids, conn.needs.input_ids)
         msg = StepEnd(
             step=self.step,
-            batch=None if (batch is None or self._layout_sent) else batch_layout(batch, conn.peer_req_ids),
+            batch=layout,
             new_requests=new,
             finished=finished,
             preempted=preempted,
