@@ -283,3 +283,11 @@ def test_sidecar_hooks_read_each_rows_input_ids_from_the_layout():
     seen.upto["a"] = 1  # a's first position was seen before a preemption
     fresh, _ = seen.fresh_rows(layout, None)
     assert fresh.input_ids == [12, 42] and StepBatch(0, fresh).input_ids(0) == [12]
+
+
+def test_int_keyed_state_survives_the_hot_upgrade_hand_over():
+    from omni_sidecar.statepack import pack, unpack
+
+    state = {"states": {"r": {"hidden_states": {"layers": {0: torch.ones(2), 24: torch.zeros(1)}}}}}
+    back = unpack(pack(state))["states"]["r"]["hidden_states"]["layers"]
+    assert set(back) == {0, 24} and torch.equal(back[0], torch.ones(2))
