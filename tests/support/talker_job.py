@@ -1,7 +1,7 @@
 """The tiny talker on real vLLM V2 + the shim + an omni-talker sidecar, twice in one engine.
 
-Run 1: the requests as they are. Run 2: the same requests again while another thread
-hot-upgrades the sidecar once the run is a few steps in. Writes each run's codes
+Run 1: the requests as they are. Run 2: the same requests again, stepped by hand, with a
+hot upgrade of the sidecar a few steps in (while every request is live). Writes each run's codes
 (`codes.audio` from the sidecar), the sidecar state digests, the shim's counters and the
 upgrade's outcome to one JSON result.
 Usage: python talker_job.py job.json result.json
@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -45,34 +44,7 @@ def main(job_path: str, result_path: str) -> None:
                                          detokenize=False, extra_args={"omni_sidecar": {"additional_information":
                                                                       encoded_payload(req["info"])}}))
 
-        def session_steps(client) -> int:
-            return sum(s.steps for s in client.status().sessions)
-
-        upgrades: list[dict] = []
-
-        def upgrade_when(steps: int) -> None:
-            with SidecarClient(endpoint) as client:
-                while session_steps(client) < steps:
-                    time.sleep(0.05)
-            t0 = time.monotonic()
-            proc = subprocess.run(
-                [sys.executable, "-m", "omni_sidecar.cli", "upgrade", "--endpoint", endpoint, "--timeout", "60",
-                 "--", "--hooks", job["hooks"]], capture_output=True, text=True)
-            upgrades.append({"rc": proc.returncode, "err": proc.stderr[-2000:], "seconds": time.monotonic() - t0,
-                             "done_at": time.monotonic()})
-
-        runs = []
-        for upgrade in (False, True):
-            upgrader = None
-            if upgrade:
-                with SidecarClient(endpoint) as client:
-                    start = session_steps(client)
-                upgrader = threading.Thread(target=upgrade_when, args=(start + job["upgrade_after_steps"],))
-                upgrader.start()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            ended = time.monotonic()
-            if upgrader is not None:
-                upgrader.join()
+        def collect(outs, ended: float) -> dict:
             run = {"ended": ended, "tokens": [list(o.outputs[0].token_ids) for o in outs], "codes": [],
                    "digests": []}
             with SidecarClient(endpoint) as client:
@@ -81,9 +53,12 @@ def main(job_path: str, result_path: str) -> None:
                     codes = got.get("codes.audio")
                     run["codes"].append(codes.tolist() if codes is not None else None)
                     run["digests"].append({k: v.tolist() for k, v in got.items() if k.startswith("state.")})
-            runs.append(run)
+            return run
+
+        runs = [collect(llm.generate(prompts, params, use_tqdm=False), time.monotonic())]
+        result["upgrade"] = upgrade = {}
+        runs.append(collect(_generate_across_upgrade(llm, prompts, params, job, upgrade), time.monotonic()))
         result["runs"] = runs
-        result["upgrades"] = upgrades
         result["shim_stats"] = llm.collective_rpc("omni_sidecar_stats")
         with SidecarClient(endpoint) as client:
             result["sidecar_status"] = msgspec.to_builtins(client.status())
@@ -100,6 +75,38 @@ def main(job_path: str, result_path: str) -> None:
         shutdown_engine(llm)
     sys.stdout.flush()
     os._exit(0)
+
+
+def _generate_across_upgrade(llm, prompts, params, job: dict, upgrade: dict) -> list:
+    """The requests again, stepped by hand: after a few steps the sidecar is hot-upgraded, and no
+    step runs until the old sidecar accepted the successor's takeover, so every request is live
+    (mid-stream) when the shim switches at its next step boundary."""
+    engine = llm.llm_engine
+    for i, (prompt, param) in enumerate(zip(prompts, params)):
+        engine.add_request(f"up{i}", prompt, param)
+    done: dict[str, object] = {}
+    steps = 0
+    proc = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        steps += 1
+        if steps == job["upgrade_after_steps"]:
+            upgrade["live_at_takeover"] = len(prompts) - len(done)
+            t0 = time.monotonic()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "omni_sidecar.cli", "upgrade", "--endpoint", job["endpoint"], "--timeout",
+                 "120", "--", "--hooks", job["hooks"]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            while "takeover accepted" not in open(job["sidecar_log"]).read():
+                if proc.poll() is not None or time.monotonic() - t0 > 120:
+                    break
+                time.sleep(0.1)
+            upgrade["accepted_s"] = time.monotonic() - t0
+    if proc is not None:
+        _, err = proc.communicate(timeout=120)
+        upgrade.update(rc=proc.returncode, err=err[-2000:])
+    return [done[f"up{i}"] for i in range(len(prompts))]
 
 
 if __name__ == "__main__":
