@@ -50,7 +50,9 @@ class SeenPositions:
             return layout, hidden
         if hidden is not None:
             hidden = torch.cat([hidden[a:b] for a, b in rows]) if rows else hidden[:0]
-        return BatchLayout(req_ids, starts, fresh_computed, prefill_lens), hidden
+        ids = layout.input_ids
+        fresh_ids = [t for a, b in rows for t in ids[a:b]] if ids is not None else None
+        return BatchLayout(req_ids, starts, fresh_computed, prefill_lens, fresh_ids), hidden
 
     def forget(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:

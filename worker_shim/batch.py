@@ -51,8 +51,10 @@ def prefilling(batch: Any) -> Any:
     return batch.num_computed_tokens_np[:n] < batch.prefill_len_np[:n]
 
 
-def batch_layout(batch: Any, prev_ids: list[str] | None) -> BatchLayout:
-    """Where each request's rows lie; `req_ids` only when they differ from what the sidecar has."""
+def batch_layout(batch: Any, prev_ids: list[str] | None, with_input_ids: bool = False) -> BatchLayout:
+    """Where each request's rows lie; `req_ids` only when they differ from what the sidecar has;
+    each row's input token id when the hooks asked (a device-to-host copy: the decode rows'
+    ids are the previous step's samples, written on the device)."""
     n = len(batch.req_ids)
     ids = batch.req_ids
     return BatchLayout(
@@ -60,6 +62,7 @@ def batch_layout(batch: Any, prev_ids: list[str] | None) -> BatchLayout:
         query_start_loc=batch.query_start_loc_np[: n + 1].tolist(),
         num_computed_tokens=batch.num_computed_tokens_np[:n].tolist(),
         prefill_lens=batch.prefill_len_np[:n].tolist(),
+        input_ids=batch.input_ids[: int(batch.num_tokens)].tolist() if with_input_ids else None,
     )
 
 

@@ -28,6 +28,8 @@ UPSTREAM_NAMES: list[tuple[str, str]] = [
     ("vllm.platforms", "current_platform"),
     ("vllm.distributed.parallel_state", "get_tp_group"),
     ("vllm.distributed.parallel_state", "GroupCoordinator.broadcast"),
+    # Before load: does the model class carry vllm-omni hooks (worker_shim/model_hooks.py)?
+    ("vllm.model_executor.model_loader.utils", "get_model_architecture"),
 ]
 CPU_NAMES: list[tuple[str, str]] = [
     ("vllm.v1.worker.cpu_worker", "CPUWorker.init_device"),
@@ -53,6 +55,22 @@ INPUT_BATCH_FIELDS = [
     "prefill_len_np",
     "input_ids",
 ]
+# vllm-omni section. The model-hook API of vllm-omni's model classes (as its 0.26 runner
+# calls it): optional seams on the served model, none required, read once after load
+# (worker_shim/model_hooks.py; docs/ARCHITECTURE.md, "Model hooks"). Forward results of
+# type OmniOutput are read by these two attribute names.
+MODEL_HOOK_SEAMS = [
+    "has_preprocess",
+    "preprocess",
+    "preprocess_decode_batch",
+    "talker_mtp",
+    "talker_mtp_output_key",
+    "has_postprocess",
+    "postprocess",
+    "gpu_resident_buffer_keys",
+    "have_multimodal_outputs",
+]
+OMNI_OUTPUT_FIELDS = ["text_hidden_states", "multimodal_outputs"]
 # vLLM 0.12 made request ids unique per engine: the engine's id is the client's plus
 # "-" and 8 random characters (unless VLLM_DISABLE_REQUEST_ID_RANDOMIZATION is set).
 REQUEST_ID_SUFFIX_SINCE = (0, 12)

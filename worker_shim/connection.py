@@ -22,7 +22,7 @@ from proto.messages import (
 from proto.tensors import TensorRef
 from worker_shim.channel import SidecarChannel, SidecarError
 from worker_shim.config import RingConfig
-from worker_shim.transfer import HiddenSlots, read_plan
+from worker_shim.transfer import HiddenSlots, StepSlot, read_plan, read_states
 
 
 class SidecarConnection:
@@ -86,7 +86,7 @@ class SidecarConnection:
         self.hook_set = welcome.hook_set
         if welcome.arenas:
             self._overlay_arena = self._attach(welcome.arenas[0])
-        if welcome.needs.hidden_states:
+        if welcome.needs.hidden_states or welcome.needs.model_states:
             assert self._hidden_arena is not None
             self._hidden = HiddenSlots(self._hidden_arena, self._num_hidden_slots)
             if self.opens is not None:
@@ -173,16 +173,19 @@ class SidecarConnection:
 
     @property
     def sends_hidden(self) -> bool:
-        return self._hidden is not None
+        return self._hidden is not None and self.needs.hidden_states
 
-    def write_hidden(self, step: int, hidden: torch.Tensor,
-                     wait_answered: Callable[[int], None]) -> tuple[TensorRef, int]:
+    def claim_slot(self, step: int, wait_answered: Callable[[int], None]) -> StepSlot:
+        """`step`'s hidden slot (hidden rows, then model updates and outputs)."""
         assert self._hidden is not None
-        return self._hidden.write(step, hidden, wait_answered)
+        return self._hidden.claim(step, wait_answered)
 
-    def hidden_sent(self, step: int) -> None:
+    def slot_sent(self, step: int) -> None:
         assert self._hidden is not None
         self._hidden.sent(step)
+
+    def read_states(self, plan: StepPlan) -> dict[str, Any]:
+        return read_states(self._overlay_arena, plan)
 
     def read_plan(self, plan: StepPlan, input_batch: Any, model: Any, embeds: torch.Tensor | None) -> dict[str, Any]:
         return read_plan(self._overlay_arena, plan, input_batch, model, embeds)

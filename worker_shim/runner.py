@@ -20,7 +20,9 @@ from worker_shim.compat import MODEL_STATE_METHODS, RUNNER_ATTRS, RUNNER_INIT_AT
 from worker_shim.embeds import EmbedsBuffer
 from worker_shim.embeds import mark_compiled_graph
 from worker_shim.embeds import wanted as embeds_wanted
+from worker_shim.batch import prompt_len_of
 from worker_shim.link import SidecarLink
+from worker_shim.model_hooks import ModelBridge, attach_bridge, model_class_has_hooks
 from worker_shim.tp import TensorParallelFollower, TensorParallelSync
 from worker_shim.transfer import model_device
 
@@ -31,15 +33,21 @@ class SidecarRunnerMixin:
     omni_link: SidecarLink | TensorParallelFollower
     omni_embeds: EmbedsBuffer | None = None
     omni_tp: TensorParallelSync | None = None  # TP>1: rank 0 drives, others follow
+    omni_bridge: ModelBridge | None = None  # the model carries its own vllm-omni hooks
 
     def finish_requests(self, scheduler_output: Any) -> None:
         self.omni_link.note_finished(
             scheduler_output.finished_req_ids, getattr(scheduler_output, "preempted_req_ids", None)
         )
+        if self.omni_bridge is not None:
+            self.omni_bridge.note_finished(scheduler_output.finished_req_ids)
         return _up(self).finish_requests(scheduler_output)  # type: ignore[misc]
 
     def add_requests(self, scheduler_output: Any) -> None:
         self.omni_link.note_new(scheduler_output.scheduled_new_reqs)
+        if self.omni_bridge is not None:
+            for req in scheduler_output.scheduled_new_reqs:
+                self.omni_bridge.note_new(req.req_id, prompt_len_of(req))
         return _up(self).add_requests(scheduler_output)  # type: ignore[misc]
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -55,7 +63,13 @@ class SidecarRunnerMixin:
             raise
         state = self.execute_model_state
         # Steps without a forward (finish-only) leave the state untouched.
-        self.omni_link.end_step(None if state is before else state)
+        state = None if state is before else state
+        bridge = self.omni_bridge
+        results = None
+        if bridge is not None and state is not None:
+            self.omni_link.note_model_errors(bridge.after_forward(state.input_batch, state.hidden_states))
+            results = bridge.take_step()
+        self.omni_link.end_step(state, results)
         return out
 
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
@@ -66,8 +80,9 @@ class SidecarRunnerMixin:
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
         check_instance(self, RUNNER_INIT_ATTRS, "GPUModelRunner")
         link = self.omni_link
-        use_embeds = embeds_wanted(link.embeds_setting, link.needs.pre_forward,
-                                   bool(getattr(self, "supports_mm_inputs", False)))
+        hooked = model_class_has_hooks(self.vllm_config.model_config)
+        use_embeds = hooked or embeds_wanted(link.embeds_setting, link.needs.pre_forward,
+                                             bool(getattr(self, "supports_mm_inputs", False)))
         if use_embeds:
             mark_compiled_graph(self.vllm_config)
         out = _up(self).load_model(*args, **kwargs)  # type: ignore[misc]
@@ -75,6 +90,10 @@ class SidecarRunnerMixin:
         check_instance(self.model_state, MODEL_STATE_METHODS, "model_state")
         swap_class(self.model_state, SidecarModelStateMixin)
         self.model_state.omni_runner = self
+        self.omni_bridge = attach_bridge(self.model, self.omni_tp, link.embeds_setting)
+        if self.omni_bridge is not None and not use_embeds:  # hooks set on the instance only
+            mark_compiled_graph(self.vllm_config)
+            use_embeds = True
         if use_embeds:
             mcfg = self.vllm_config.model_config
             self.omni_embeds = EmbedsBuffer(int(self.max_num_tokens), int(mcfg.get_hidden_size()),
@@ -103,8 +122,9 @@ class SidecarModelStateMixin:
             embeds = buffer.fill(runner.model, input_batch.input_ids, n)
             # input_ids stay: models that read raw tokens next to the embeddings still get them.
             inputs = {**inputs, "inputs_embeds": embeds}
+        bridge: ModelBridge | None = runner.omni_bridge
         if link.in_step:
-            extra = link.pre_forward(input_batch, runner.model, embeds)
+            extra = link.pre_forward(input_batch, runner.model, embeds, bridge)
             tp: TensorParallelSync | None = runner.omni_tp
             if tp is not None and tp.step_needs_broadcast(input_batch):
                 mcfg = runner.vllm_config.model_config
@@ -112,6 +132,8 @@ class SidecarModelStateMixin:
                                     int(mcfg.get_hidden_size()), mcfg.dtype, model_device(runner.model))
             if extra:
                 inputs = {**inputs, **extra}
+            if bridge is not None and embeds is not None:
+                bridge.before_forward(input_batch, embeds)  # after the plan: states, overlays in place
         return inputs
 
     def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> dict[str, Any]:

@@ -76,7 +76,8 @@ class ShimWorkerMixin:
         hidden_size = int(mcfg.get_hidden_size())
         max_tokens = int(vcfg.scheduler_config.max_num_batched_tokens)
         hidden_bytes = hidden_arena_size(
-            max_tokens, hidden_size, DTYPE_ITEMSIZE.get(dtype, 4), cfg.hidden_slots
+            max_tokens, hidden_size, DTYPE_ITEMSIZE.get(dtype, 4), cfg.hidden_slots,
+            model_io_bytes=int(cfg.model_io_mib * (1 << 20)),
         )
         hello = Hello(
             protocol_major=PROTOCOL_MAJOR,
