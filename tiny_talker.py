@@ -167,6 +167,8 @@ class TalkerHooks:
     has_preprocess = True
     has_postprocess = True
     talker_mtp_output_key = ("codes", "audio")
+    # talker_mtp has no host sync and no data-dependent control flow: a CUDA graph may capture it
+    talker_mtp_graph_safe = True
     gpu_resident_buffer_keys = {("codes", "audio"), ("hidden_states", "last"), ("hidden_states", "trailing_text")}
 
     def preprocess(

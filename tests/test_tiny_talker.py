@@ -134,6 +134,19 @@ def test_payload_is_vllm_omni_entries(reference):
     assert reference.generate({**request, "info": decoded})["tokens"] == reference.generate(request)["tokens"]
 
 
+def test_payload_files_load_as_an_engine_job_payload(tmp_path):
+    from omni_sidecar.omni.wire import decode_additional_information
+    from tests.support.engine_job import _load_payload
+    from tests.support.talker_payload import payload_files
+
+    info = talker_request(4, 10, 12, dtype=torch.bfloat16)["info"]
+    loaded = _load_payload(payload_files(info, tmp_path, "req0"))
+    decoded = decode_additional_information(loaded["additional_information"])
+    for category, key in (("hidden_states", "output"), ("embed", "tts_pad")):
+        assert decoded[category][key].dtype == torch.bfloat16
+        assert torch.equal(decoded[category][key], info[category][key])
+
+
 def test_plain_vllm_loads_and_generates_what_the_direct_forward_does(talker_dir, tmp_path, reference):
     """A real vLLM V2 engine, no shim: the checkpoint loads into the model class (backbone and heads)."""
     from pathlib import Path
