@@ -81,7 +81,9 @@ class ReferenceTalker(TalkerHooks):
 
         def forward_and_postprocess(embeds: torch.Tensor, start: int) -> torch.Tensor:
             hidden = self._forward(embeds, start, cache)
-            merge_update(state, self.postprocess(hidden, **{k: v for k, v in state.items() if k != "hidden_states"}))
+            # as vllm-omni's runner: the state without hidden_states (postprocess's positional name)
+            without_hidden = {k: v for k, v in state.items() if k != "hidden_states"}
+            merge_update(state, self.postprocess(hidden, **without_hidden))
             return hidden
 
         num_computed = 0
@@ -110,7 +112,6 @@ class ReferenceTalker(TalkerHooks):
         codes = torch.cat(code_rows) if code_rows else torch.zeros((0, num_groups), dtype=torch.long)
         return {"codes": codes, "tokens": tokens, "min_gap": min(self._gaps)}
 
-
     @torch.inference_mode()
     def plain_greedy(self, prompt_token_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
         """What vLLM computes with no hook bridge: ids embedded as code-0 tokens; stops at EOS.
@@ -130,7 +131,8 @@ class ReferenceTalker(TalkerHooks):
             logprobs.append(float(logits[tokens[-1]]))
             if len(tokens) == max_tokens or tokens[-1] == self.eos_id:
                 return tokens, logprobs
-            hidden = self._forward(self.embed_input_ids(torch.tensor(tokens[-1:])), len(prompt_token_ids) + len(tokens) - 1, cache)
+            position = len(prompt_token_ids) + len(tokens) - 1
+            hidden = self._forward(self.embed_input_ids(torch.tensor(tokens[-1:])), position, cache)
 
 
 def _under(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
