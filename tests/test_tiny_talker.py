@@ -153,11 +153,12 @@ def test_plain_vllm_loads_and_generates_what_the_direct_forward_does(talker_dir,
 
     from tests.support.procs import run_engine
 
-    prompts = [[64, 66, 66, 66, 66], [64] + [66] * 40, list(range(3, 21))]
+    # 81 rows > max_num_batched_tokens=64: vLLM prefills that prompt in two chunks
+    prompts = [[64, 66, 66, 66, 66], [64] + [66] * 80, list(range(3, 21))]
     result = run_engine({"model": str(talker_dir), "prompts": prompts, "max_tokens": 12, "mp": 0}, tmp_path,
                         "talker-plain", script=Path(__file__).parent / "support" / "talker_plain_job.py")
     assert result["ok"], result.get("traceback")
     for prompt, tokens, logprobs in zip(prompts, result["tokens"], result["logprobs"]):
         want_tokens, want_logprobs = reference.plain_greedy(prompt, 12)
         assert tokens == want_tokens
-        assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+        assert logprobs == pytest.approx(want_logprobs, abs=1e-5)  # seen: 2e-6
