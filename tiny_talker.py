@@ -155,7 +155,7 @@ def _last_hidden(info: dict[str, Any]) -> torch.Tensor:
 
 
 class TalkerHooks:
-    """vllm-omni's model-hook API, as its runner calls it (see docs/ARCHITECTURE.md).
+    """vllm-omni's model-hook API, as its runner calls it (docs/ARCHITECTURE.md, "Model hooks").
 
     A class mixing this in provides `heads: TalkerHeads` and `embed_input_ids(ids)`
     (the backbone's code-0 embedding). `info` is the request's state plus the
