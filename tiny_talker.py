@@ -251,7 +251,9 @@ def build_tiny_talker(path: str | Path, seed: int = 0) -> Path:
 def register() -> None:
     """Registers the talker's vLLM class with vLLM's ModelRegistry in this process.
 
-    Call it before `LLM(...)`; engine processes forked from this one inherit it.
+    Call it before `LLM(...)`. vLLM's CPU platform starts engine and worker processes with
+    `spawn` (multiprocessing on): call it at the top level of the main script, which each
+    spawned process imports again (tests/support/talker_plain_job.py does).
     """
     from vllm import ModelRegistry
 

@@ -147,16 +147,20 @@ def test_payload_files_load_as_an_engine_job_payload(tmp_path):
         assert torch.equal(decoded[category][key], info[category][key])
 
 
-def test_plain_vllm_loads_and_generates_what_the_direct_forward_does(talker_dir, tmp_path, reference):
-    """A real vLLM V2 engine, no shim: the checkpoint loads into the model class (backbone and heads)."""
+@pytest.mark.parametrize("mp", [0, 1])
+def test_plain_vllm_loads_and_generates_what_the_direct_forward_does(talker_dir, tmp_path, reference, mp):
+    """A real vLLM V2 engine, no shim: the checkpoint loads into the model class (backbone and heads).
+
+    mp=1: the engine and its worker are spawned processes, registered by the job script's import.
+    """
     from pathlib import Path
 
     from tests.support.procs import run_engine
 
     # 81 rows > max_num_batched_tokens=64: vLLM prefills that prompt in two chunks
     prompts = [[64, 66, 66, 66, 66], [64] + [66] * 80, list(range(3, 21))]
-    result = run_engine({"model": str(talker_dir), "prompts": prompts, "max_tokens": 12, "mp": 0}, tmp_path,
-                        "talker-plain", script=Path(__file__).parent / "support" / "talker_plain_job.py")
+    result = run_engine({"model": str(talker_dir), "prompts": prompts, "max_tokens": 12, "mp": mp}, tmp_path,
+                        f"talker-plain-{mp}", script=Path(__file__).parent / "support" / "talker_plain_job.py")
     assert result["ok"], result.get("traceback")
     for prompt, tokens, logprobs in zip(prompts, result["tokens"], result["logprobs"]):
         want_tokens, want_logprobs = reference.plain_greedy(prompt, 12)

@@ -15,6 +15,11 @@ import time
 import traceback
 
 from tests.support.engine_job import exit_with
+from tiny_talker import CODEC_EOS_ID, register
+
+# vLLM's CPU platform starts its engine and worker processes with `spawn`, which re-imports
+# this script in each of them: registering at import puts the talker in every ModelRegistry.
+register()
 
 
 def main(job_path: str, result_path: str) -> int:
@@ -26,9 +31,6 @@ def main(job_path: str, result_path: str) -> int:
     try:
         from vllm import LLM, SamplingParams
 
-        from tiny_talker import CODEC_EOS_ID, register
-
-        register()
         llm = LLM(model=job["model"], dtype="float32", max_model_len=512, max_num_batched_tokens=64,
                   max_num_seqs=16, kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0,
                   skip_tokenizer_init=True, enable_prefix_caching=False)
