@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker_shim.compat import MODEL_STATE_METHODS, RUNNER_ATTRS, RUNNER_INIT_ATTRS, check_instance
+from worker_shim.compat import (MODEL_STATE_METHODS, RUNNER_ATTRS, RUNNER_INIT_ATTRS, check_instance,
+                                is_dummy_run)
 from worker_shim.embeds import EmbedsBuffer
 from worker_shim.embeds import mark_compiled_graph
 from worker_shim.embeds import wanted as embeds_wanted
@@ -33,9 +34,7 @@ class SidecarRunnerMixin:
     omni_tp: TensorParallelSync | None = None  # TP>1: rank 0 drives, others follow
 
     def finish_requests(self, scheduler_output: Any) -> None:
-        self.omni_link.note_finished(
-            scheduler_output.finished_req_ids, getattr(scheduler_output, "preempted_req_ids", None)
-        )
+        self.omni_link.note_finished(scheduler_output.finished_req_ids, scheduler_output.preempted_req_ids)
         return _up(self).finish_requests(scheduler_output)  # type: ignore[misc]
 
     def add_requests(self, scheduler_output: Any) -> None:
@@ -43,8 +42,7 @@ class SidecarRunnerMixin:
         return _up(self).add_requests(scheduler_output)  # type: ignore[misc]
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        dummy = kwargs.get("dummy_run", args[1] if len(args) > 1 else False)
-        if dummy:
+        if is_dummy_run(args, kwargs):
             return _up(self).execute_model(scheduler_output, *args, **kwargs)  # type: ignore[misc]
         self.omni_link.begin_step()
         before = self.execute_model_state
