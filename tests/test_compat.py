@@ -111,6 +111,15 @@ def test_a_newer_vllm_whose_seams_check_out_runs_with_a_warning_naming_the_last_
     assert "0.35.1" in record.getMessage() and f"... {newest}" in record.getMessage()
 
 
+def test_on_cuda_a_minor_past_the_gpu_tested_one_warns_naming_it(fake_vllm, caplog):
+    fake_vllm("0.30.0")
+    with caplog.at_level(logging.WARNING, logger="vllm.omni_sidecar.shim.compat"):
+        check_upstream("cuda")
+    (record,) = caplog.records
+    gpu_last = "{}.{}".format(*compat.TESTED["cuda"][1])
+    assert "0.30.0" in record.getMessage() and f"cuda ({gpu_last};" in record.getMessage()
+
+
 def test_a_newer_vllm_lacking_seams_is_refused_with_the_missing_names(fake_vllm):
     fake = fake_vllm("0.35.1")
     fake.drop("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.sample_tokens")

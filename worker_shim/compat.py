@@ -200,8 +200,9 @@ def warn_untested(platform: str) -> None:
     if minor is not None and not first <= minor <= last:
         side = "newer than the last" if minor > last else "older than the first"
         log.warning(
-            "omni-sidecar's shim runs on vLLM %s, %s tested on %s (%s; see COMPAT.md); every "
-            "upstream name it uses checked out at start-up", version, side, platform, _tested_range(platform))
+            "omni-sidecar's shim runs on vLLM %s, %s minor tested on %s (%s; the CPU matrix in COMPAT.md "
+            "covers %s): every upstream name it uses resolved at start-up", version, side, platform,
+            _tested_range(platform), _tested_range("cpu"))
 
 
 def is_dummy_run(args: tuple, kwargs: dict) -> bool:
