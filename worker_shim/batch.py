@@ -1,8 +1,9 @@
 """Reading vLLM's batch: request payloads, prefill flags, the layout the sidecar sees.
 
 Everything the shim knows about vLLM's scheduler output and `InputBatch` is
-read here; what differs between vLLM minors is read through worker_shim/compat.py. `PayloadTracker` is
-the one record of which live requests carry a sidecar payload; the link and
+read here (what differs between vLLM minors through worker_shim/compat.py).
+`PayloadTracker` is the one record of which live requests carry a sidecar
+payload; the link and
 the TP broadcast both decide from it (`exchange_needed`), so every rank takes
 the same decision from the same scheduler output.
 """
