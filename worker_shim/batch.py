@@ -3,9 +3,8 @@
 Everything the shim knows about vLLM's scheduler output and `InputBatch` is
 read here (what differs between vLLM minors through worker_shim/compat.py).
 `PayloadTracker` is the one record of which live requests carry a sidecar
-payload; the link and
-the TP broadcast both decide from it (`exchange_needed`), so every rank takes
-the same decision from the same scheduler output.
+payload; the link and the TP broadcast both decide from it (`exchange_needed`),
+so every rank takes the same decision from the same scheduler output.
 """
 
 from __future__ import annotations
