@@ -23,9 +23,9 @@ import torch
 from omni_arena.tensor_tree import store_tree
 from proto.messages import HookNeeds, RequestError, StepBegin, StepEnd
 from proto.settings import ERROR_TEXT_MAX
-from worker_shim.batch import PayloadTracker, batch_layout, new_request, payload_of, prompt_len_of
+from worker_shim.batch import PayloadTracker, batch_layout, new_request, payload_of
 from worker_shim.channel import SidecarError
-from worker_shim.compat import client_request_id
+from worker_shim.compat import client_request_id, prompt_len_of
 from worker_shim.config import EmbedsSetting, LossPolicy
 from worker_shim.finishes import FinishWatch
 from worker_shim.model_hooks import ModelBridge

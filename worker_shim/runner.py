@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker_shim.compat import MODEL_STATE_METHODS, RUNNER_ATTRS, RUNNER_INIT_ATTRS, check_instance
+from worker_shim.compat import (MODEL_STATE_METHODS, RUNNER_ATTRS, RUNNER_INIT_ATTRS, check_instance,
+                                is_dummy_run)
 from worker_shim.embeds import EmbedsBuffer
 from worker_shim.embeds import mark_compiled_graph
 from worker_shim.embeds import wanted as embeds_wanted
-from worker_shim.batch import prompt_len_of
+from worker_shim.compat import prompt_len_of
 from worker_shim.link import SidecarLink
 from worker_shim.model_hooks import ModelBridge, attach_bridge, model_class_has_hooks
 from worker_shim.tp import TensorParallelFollower, TensorParallelSync
@@ -36,9 +37,7 @@ class SidecarRunnerMixin:
     omni_bridge: ModelBridge | None = None  # the model carries its own vllm-omni hooks
 
     def finish_requests(self, scheduler_output: Any) -> None:
-        self.omni_link.note_finished(
-            scheduler_output.finished_req_ids, getattr(scheduler_output, "preempted_req_ids", None)
-        )
+        self.omni_link.note_finished(scheduler_output.finished_req_ids, scheduler_output.preempted_req_ids)
         if self.omni_bridge is not None:
             self.omni_bridge.note_finished(scheduler_output.finished_req_ids)
         return _up(self).finish_requests(scheduler_output)  # type: ignore[misc]
@@ -51,8 +50,7 @@ class SidecarRunnerMixin:
         return _up(self).add_requests(scheduler_output)  # type: ignore[misc]
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        dummy = kwargs.get("dummy_run", args[1] if len(args) > 1 else False)
-        if dummy:
+        if is_dummy_run(args, kwargs):
             return _up(self).execute_model(scheduler_output, *args, **kwargs)  # type: ignore[misc]
         self.omni_link.begin_step()
         before = self.execute_model_state
