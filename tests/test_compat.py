@@ -16,6 +16,7 @@ import pytest
 
 from proto.messages import HookNeeds
 from worker_shim import compat
+from worker_shim import runner as runner_module
 from worker_shim.compat import ShimCompatError, check_upstream
 from worker_shim.runner import SidecarRunnerMixin, swap_class
 from worker_shim.worker import ShimWorkerMixin
@@ -177,6 +178,12 @@ class UpstreamRunner:
         for name, value in after.items():
             if name != self._leave_out:
                 setattr(self, name, value)
+
+
+@pytest.fixture(autouse=True)
+def plain_model_class(monkeypatch):
+    """The fakes carry no real model config: the model class is a plain one (no vllm-omni hooks)."""
+    monkeypatch.setattr(runner_module, "model_class_has_hooks", lambda vllm_config: False)
 
 
 def shimmed(runner: UpstreamRunner) -> UpstreamRunner:

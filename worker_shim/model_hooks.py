@@ -77,12 +77,12 @@ def find_model_hooks(model: Any) -> ModelHookSet | None:
                         postprocess, resident, returns_outputs)  # type: ignore[arg-type]
 
 
-def model_class_has_hooks(model_config: Any) -> bool:
+def model_class_has_hooks(vllm_config: Any) -> bool:
     """Before load: does the model's class define vllm-omni hooks? (The persistent embeds buffer
     and its compile-cache key must be decided before vLLM builds the model.)"""
     from vllm.model_executor.model_loader.utils import get_model_architecture
 
-    cls, _ = get_model_architecture(model_config)
+    cls, _ = get_model_architecture(vllm_config.model_config)
     return any(callable(getattr(cls, name, None)) for name in ("preprocess", "postprocess"))
 
 

@@ -78,7 +78,7 @@ class SidecarRunnerMixin:
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
         check_instance(self, RUNNER_INIT_ATTRS, "GPUModelRunner")
         link = self.omni_link
-        hooked = model_class_has_hooks(self.vllm_config.model_config)
+        hooked = model_class_has_hooks(self.vllm_config)
         use_embeds = hooked or embeds_wanted(link.embeds_setting, link.needs.pre_forward,
                                              bool(getattr(self, "supports_mm_inputs", False)))
         if use_embeds:
