@@ -8,6 +8,7 @@ Hello again, the sidecar stops, or the rings broke.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Literal
 
 from omni_sidecar.listener import Listener
@@ -31,6 +32,16 @@ class ShimPeer:
         self._listener = listener
         self._codec = codec
         self.rings: RingTransport | None = None
+        self.in_step = False  # a StepBegin was answered, its StepEnd not yet seen
+        self.last_step_at = time.monotonic()  # admission counts: a just-switched shim may step at once
+
+    def note_step(self, begins: bool) -> None:
+        self.in_step = begins
+        self.last_step_at = time.monotonic()
+
+    def idle(self, now: float, quiet_s: float) -> bool:
+        """No step in flight: vLLM has nothing scheduled (steps follow each other within ms when it has)."""
+        return not self.in_step and now - self.last_step_at >= quiet_s
 
     def attach_rings(self) -> None:
         """Map the rings the Hello offered; on failure this connection stays on the socket."""

@@ -58,6 +58,11 @@ class PeerTable:
     def get(self, ident: bytes) -> ShimPeer | None:
         return self._peers.get(ident)
 
+    def idle(self, quiet_s: float) -> list[bytes]:
+        """Identities of the peers with no step in flight for `quiet_s`."""
+        now = time.monotonic()
+        return [ident for ident, peer in self._peers.items() if peer.idle(now, quiet_s)]
+
     def sessions(self) -> list[Session]:
         return [p.session for p in self._peers.values()]
 

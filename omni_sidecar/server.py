@@ -63,6 +63,9 @@ from proto.version import PROTOCOL_MAJOR, PROTOCOL_VERSION
 log = logging.getLogger("omni_sidecar.server")
 DRAIN_IDLE_S = 1.0  # a draining sidecar exits once its sessions were quiet this long
 TAKEOVER_POLL_MS = 100
+# A session this quiet between steps is idle and is handed over without waiting for a step
+# (an idle engine may not step for hours); a busy one steps every few ms and switches at a step.
+IDLE_HANDOVER_S = 0.1
 
 
 class SidecarServer:
@@ -158,6 +161,8 @@ class SidecarServer:
                         self.on_reload()
                 if self._draining and self._drained():
                     break
+                if self.handover.pending:
+                    self._hand_over_idle()  # a busy session may have gone quiet since the Takeover
                 if self.takeover.waiting:
                     self._poll_takeover()
                 elif self.peers.ring_transports():
@@ -208,6 +213,7 @@ class SidecarServer:
             if peer is None:
                 return self.rejects.refuse("no_session", "send Hello before step messages", ident)
             self._last_step = time.monotonic()
+            peer.note_step(begins=isinstance(msg, StepBegin))
             if isinstance(msg, StepBegin):
                 return peer.session.step_begin(msg)
             result = peer.session.step_end(msg)
@@ -288,25 +294,39 @@ class SidecarServer:
         refused = self.handover.accept(ident, msg, busy=self._draining)
         if refused is not None:
             return refused
-        if not self.peers:
-            reply = self.handover.state(None)
-            self.begin_drain()
-            return reply
-        return None  # TakeoverState goes out when a shim is at a step boundary
+        self._hand_over_idle()
+        return None  # else the TakeoverState goes out when a busy shim is at a step boundary or goes idle
+
+    def _hand_over_idle(self) -> None:
+        """Once no session has a step in flight, hand them all over now (docs/ARCHITECTURE.md, Hot upgrade)."""
+        idle = self.peers.idle(IDLE_HANDOVER_S)
+        if len(idle) == len(self.peers):
+            self._hand_over(idle)
 
     def _switch(self, ident: bytes, msg: SwitchReady):
         peer = self.peers.get(ident)
-        if peer is None or self.handover.successor is None:
+        if peer is None or not self.handover.pending:
             return self.rejects.refuse("no_switch", "no takeover in progress for this session", ident)
-        state = self.handover.state(peer.session)
-        self.peers.send(self.handover.successor, state)
-        log.info("session %d handed over at step %d to %s", peer.session.id, msg.last_step,
-                 self.handover.switch_to)
-        # Through the session's rings (behind anything still queued there), then close them.
-        self.peers.end(ident, "handed_over", farewell=SwitchAck(endpoint=self.handover.switch_to,
-                                                                 token=state.token))
-        self.begin_drain()
+        log.info("session %d at its step boundary (step %d)", peer.session.id, msg.last_step)
+        self._hand_over([ident, *(i for i in self.peers.idle(IDLE_HANDOVER_S) if i != ident)])
         return None
+
+    def _hand_over(self, idents: list[bytes]) -> None:
+        """One TakeoverState with these sessions (and resume docs nobody claimed here); each shim
+        gets its SwitchAck, unsolicited when it is idle (it switches at its next step)."""
+        tokens = {ident: self.handover.new_token() for ident in idents}
+        sessions = {token: self.peers.get(ident).session for ident, token in tokens.items()}
+        assert self.handover.successor is not None
+        # Shims go to the usual address, the one that outlives every later upgrade (an idle shim
+        # may switch only after several); it is the successor's before anyone is told.
+        usual = self.takeover.old_endpoint or self.endpoint
+        self.listener.give_path(self.handover.switch_to, usual)
+        self.peers.send(self.handover.successor, self.handover.state(sessions, self.takeover.unclaimed()))
+        for ident, token in tokens.items():
+            log.info("session %d handed over to %s", self.peers.get(ident).session.id, self.handover.switch_to)
+            # Through the session's rings (behind anything still queued there), then close them.
+            self.peers.end(ident, "handed_over", farewell=SwitchAck(endpoint=usual, token=token))
+        self.begin_drain()
 
     def start_takeover(self, old_endpoint: str, timeout_s: float) -> None:
         """Bound on a side address already; ask the running sidecar to hand over."""

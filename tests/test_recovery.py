@@ -2,7 +2,8 @@
 
 Each transition of worker_shim/recovery.py has a test here that fails if it is removed:
 connected -> lost (peer gone, step error, failed switch), lost -> connected (reconnect),
-lost -> lost (retry with a fresh connection), connected -> switching -> connected.
+lost -> lost (retry with a fresh connection), connected -> switching -> connected,
+connected -> connected on a kept unsolicited SwitchAck (idle hand-over).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class FakeConnection:
         self.started = 0.0
         self.ready = ready
         self.ack = ack
+        self.switch_ack: SwitchAck | None = None  # kept by the channel when sent unsolicited
         self.gone = False
         self.closed = False
         self.hello_sent = False
@@ -207,6 +209,32 @@ def test_switch_to_moves_the_session_to_the_successor_at_the_next_step_boundary(
     assert link.recovery.state == "connected" and link.recovery.switches == 1
     assert len(link.recovery.switch_us) == 1 and link.recovery.losses == 0
     assert successor.sent[0].step == 1  # the step that switched went to the successor
+
+
+def test_an_unsolicited_switch_ack_moves_an_idle_session_without_switch_ready_even_after_the_old_sidecar_exited():
+    successor = FakeConnection(endpoint="ipc:///nonexistent/successor.sock")
+    factory = Factory(successor)
+    link, first = served_link("fail-all", factory)
+    # Handed over while idle: no switch_to ever came, and the old sidecar has exited since.
+    first.switch_ack = SwitchAck(endpoint=successor.endpoint, token="resume-idle")
+    first.gone = True
+    run_step(link, ["plain", "carrier"])
+    assert first.calls == [] and first.closed  # no SwitchReady round trip to a sidecar that is gone
+    assert factory.made == [(successor, {"endpoint": successor.endpoint, "resume_token": "resume-idle"})]
+    assert link.conn is successor and link.recovery.state == "connected"
+    assert link.recovery.switches == 1 and link.recovery.losses == 0 and not link.failures.request_errors
+    assert successor.sent[0].step == 1  # no gap: the next step goes to the successor
+
+
+def test_a_kept_switch_ack_wins_over_a_pending_switch_ready():
+    successor = FakeConnection(endpoint="ipc:///nonexistent/successor.sock")
+    link, first = served_link("fail-all", Factory(successor))
+    # Busy when the successor asked (switch_to), idle when the old sidecar handed over.
+    first.results = [StepResult(step=0, switch_to=successor.endpoint)]
+    first.switch_ack = SwitchAck(endpoint=successor.endpoint, token="resume-2")
+    first.fail_call = SidecarError("the old sidecar exited")
+    run_step(link, ["plain"])
+    assert link.conn is successor and link.recovery.switches == 1 and link.recovery.losses == 0
 
 
 def test_a_failed_switch_loses_the_sidecar():

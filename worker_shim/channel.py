@@ -27,7 +27,7 @@ from zmq.utils.monitor import recv_monitor_message
 from proto.arena import ArenaError
 from proto.codec import Codec, FrameError
 from proto.errors import ProtoError
-from proto.messages import ErrorReply, Hello, Message, Reject, StepResult, Welcome
+from proto.messages import ErrorReply, Hello, Message, Reject, StepResult, SwitchAck, Welcome
 from proto.shmring import EMPTY, RingDuplex, RingError, ShmRing
 from proto.transport import RingTransport, WaitPolicy, apply_curve_client, reply_problem, route, set_heartbeats
 from worker_shim.config import RingConfig
@@ -66,6 +66,7 @@ class SidecarChannel:
         self._results: list[StepResult] = []
         self._welcome: Welcome | None = None
         self.acked_step = -1  # highest step whose StepResult arrived
+        self.switch_ack: SwitchAck | None = None  # sent unsolicited when the sidecar handed us over idle
 
     @property
     def kicks_sent(self) -> int:
@@ -227,6 +228,8 @@ class SidecarChannel:
         if isinstance(msg, StepResult):
             self._results.append(msg)
             self.acked_step = max(self.acked_step, msg.step)
+        elif isinstance(msg, SwitchAck):
+            self.switch_ack = msg  # the sidecar handed this idle session over: switch at the next step
         elif isinstance(msg, ErrorReply):
             raise SidecarError(f"sidecar rejected a step message: {msg.code}: {msg.message}")
         else:

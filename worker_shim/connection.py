@@ -15,7 +15,7 @@ import msgspec
 import torch
 
 from proto.arena import ArenaError, ShmArena
-from proto.messages import ArenaInfo, ArenaKind, Hello, HookNeeds, Message, StepBegin, StepEnd, StepPlan, StepResult, Welcome
+from proto.messages import ArenaInfo, ArenaKind, Hello, HookNeeds, Message, StepBegin, StepEnd, StepPlan, StepResult, SwitchAck, Welcome
 from proto.tensors import TensorRef
 from worker_shim.channel import SidecarChannel, SidecarError
 from worker_shim.config import RingConfig
@@ -135,6 +135,11 @@ class SidecarConnection:
     def take_results(self, until_step: int | None = None) -> list[StepResult]:
         """Results received so far; blocks (up to the step timeout) for `until_step`'s."""
         return self._channel.take_results(until_step=until_step)
+
+    @property
+    def switch_ack(self) -> SwitchAck | None:
+        """The old sidecar's SwitchAck when it handed this session over while idle (else None)."""
+        return self._channel.switch_ack
 
     def peer_gone(self) -> bool:
         return self._channel.peer_gone()

@@ -4,6 +4,8 @@
     lost      --Welcome on a fresh conn-> connected (reconnects += 1)
     connected --StepResult.switch_to----> switching (a successor asked for the session)
     switching --next step boundary------> connected (switches += 1), or lost if the switch fails
+    connected/switching --SwitchAck kept--> connected at the next step boundary, no SwitchReady
+              (the old sidecar handed the idle session over already and may have exited)
 
 Liveness: a sidecar that dies (socket monitor), stalls past the step timeout,
 or sends garbage is dropped at once; vLLM keeps serving. The requests it was
@@ -73,6 +75,8 @@ class Recovery:
         state = self.state
         if state == "lost":
             self._try_reconnect()
+        elif self._handed_over():  # before peer_gone: the old sidecar may have exited since
+            self._switch(step)
         elif state == "switching":
             self._switch(step)
         elif self.conn.peer_gone():
@@ -111,13 +115,22 @@ class Recovery:
         )
         conn.close()
 
+    def _handed_over(self) -> bool:
+        """Did the sidecar send an unsolicited SwitchAck (read now: an idle shim reads nothing else)?"""
+        try:
+            self.note_results(self.conn.take_results())
+        except SidecarError as exc:
+            self.lose(str(exc))
+            return False
+        return self.conn.switch_ack is not None
+
     def _switch(self, step: int) -> None:
         """Hot upgrade at a step boundary: the old sidecar hands over, the new one resumes."""
         old, target = self.conn, self._switch_to
         self._switch_to = ""
         t0 = time.perf_counter()
         try:
-            ack: SwitchAck = old.call(SwitchReady(last_step=old.last_sent_step), SwitchAck)
+            ack: SwitchAck = old.switch_ack or old.call(SwitchReady(last_step=old.last_sent_step), SwitchAck)
             for result in old.take_results():
                 self.failures.record(result.errors)
             new = self._connect(endpoint=ack.endpoint, resume_token=ack.token)
