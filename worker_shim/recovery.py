@@ -77,6 +77,8 @@ class Recovery:
             self._try_reconnect()
         elif self._handed_over():  # before peer_gone: the old sidecar may have exited since
             self._switch(step)
+        elif self.conn is None:
+            return  # reading the old sidecar's last messages failed: lost just now
         elif state == "switching":
             self._switch(step)
         elif self.conn.peer_gone():
