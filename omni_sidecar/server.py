@@ -52,20 +52,19 @@ from proto.messages import (
     StatusQuery,
     StepBegin,
     StepEnd,
+    StepStart,
     SwitchAck,
     SwitchReady,
     Takeover,
 )
-from proto.settings import RING_IDLE_S, RING_IDLE_SLEEP_MS
+from proto.settings import IDLE_HANDOVER_S, RING_IDLE_S, RING_IDLE_SLEEP_MS
 from proto.transport import WaitPolicy
 from proto.version import PROTOCOL_MAJOR, PROTOCOL_VERSION
 
 log = logging.getLogger("omni_sidecar.server")
 DRAIN_IDLE_S = 1.0  # a draining sidecar exits once its sessions were quiet this long
 TAKEOVER_POLL_MS = 100
-# A session this quiet between steps is idle and is handed over without waiting for a step
-# (an idle engine may not step for hours); a busy one steps every few ms and switches at a step.
-IDLE_HANDOVER_S = 0.1
+DRAIN_ROUNDS_MAX = 64  # reading what shims wrote before a hand-over decision: a busy one may not stop
 
 
 class SidecarServer:
@@ -162,7 +161,7 @@ class SidecarServer:
                 if self._draining and self._drained():
                     break
                 if self.handover.pending:
-                    self._hand_over_idle()  # a busy session may have gone quiet since the Takeover
+                    self._hand_over_ready()
                 if self.takeover.waiting:
                     self._poll_takeover()
                 elif self.peers.ring_transports():
@@ -208,12 +207,14 @@ class SidecarServer:
             self.peers.send(ident, reply)
 
     def _handle(self, ident: bytes, msg: object):
-        if isinstance(msg, StepEnd | StepBegin):
+        if isinstance(msg, StepEnd | StepBegin | StepStart):
             peer = self.peers.get(ident)
             if peer is None:
                 return self.rejects.refuse("no_session", "send Hello before step messages", ident)
             self._last_step = time.monotonic()
-            peer.note_step(begins=isinstance(msg, StepBegin))
+            peer.note_step(begins=not isinstance(msg, StepEnd))
+            if isinstance(msg, StepStart):
+                return Pong(msg.step) if msg.answer else None
             if isinstance(msg, StepBegin):
                 return peer.session.step_begin(msg)
             result = peer.session.step_end(msg)
@@ -294,21 +295,32 @@ class SidecarServer:
         refused = self.handover.accept(ident, msg, busy=self._draining)
         if refused is not None:
             return refused
-        self._hand_over_idle()
-        return None  # else the TakeoverState goes out when a busy shim is at a step boundary or goes idle
+        return None  # the loop hands the sessions over once each is between steps (_hand_over_ready)
 
-    def _hand_over_idle(self) -> None:
-        """Once no session has a step in flight, hand them all over now (docs/ARCHITECTURE.md, Hot upgrade)."""
-        idle = self.peers.idle(IDLE_HANDOVER_S)
-        if len(idle) == len(self.peers):
-            self._hand_over(idle)
+    def _hand_over_ready(self) -> None:
+        """Once every session can go, hand them all over (docs/ARCHITECTURE.md, Hot upgrade): between
+        steps for IDLE_HANDOVER_S (told by their StepStart), or waiting after SwitchReady."""
+        for _ in range(DRAIN_ROUNDS_MAX):  # first read all the shims wrote before now
+            busy = self.peers.pump(self._dispatch)
+            if self.listener.readable():
+                self._serve(self.listener.recv_frames())
+                busy = True
+            if not busy:
+                break
+        else:
+            return  # still traffic: decide on a later turn
+        if not self.handover.pending:
+            return  # the drain read a Takeover's failure, or a stop
+        ready = self.peers.idle(IDLE_HANDOVER_S)
+        if len(ready) == len(self.peers):
+            self._hand_over(ready)
 
     def _switch(self, ident: bytes, msg: SwitchReady):
         peer = self.peers.get(ident)
         if peer is None or not self.handover.pending:
             return self.rejects.refuse("no_switch", "no takeover in progress for this session", ident)
         log.info("session %d at its step boundary (step %d)", peer.session.id, msg.last_step)
-        self._hand_over([ident, *(i for i in self.peers.idle(IDLE_HANDOVER_S) if i != ident)])
+        peer.switch_ready = True  # its SwitchAck goes out with the hand-over, on this loop's next turn
         return None
 
     def _hand_over(self, idents: list[bytes]) -> None:

@@ -270,6 +270,16 @@ class SwitchAck(msgspec.Struct, tag="switch_ack", frozen=True):
     token: Name
 
 
+class StepStart(msgspec.Struct, tag="step_start", frozen=True):
+    """The shim (protocol 1.2), first thing in a step: a sidecar hands a session over on its own
+    only between steps (docs/ARCHITECTURE.md, Hot upgrade). `answer`: the shim was quiet long
+    enough that the sidecar may be handing it over right now; it waits for Pong(step), or finds
+    the SwitchAck before it."""
+
+    step: Count
+    answer: bool = False
+
+
 # -- control -----------------------------------------------------------------
 
 
@@ -389,4 +399,5 @@ Message = Union[
     TakeoverState,
     SwitchReady,
     SwitchAck,
+    StepStart,
 ]

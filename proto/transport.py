@@ -40,6 +40,7 @@ from proto.messages import (
     StepEnd,
     StepPlan,
     StepResult,
+    StepStart,
     Welcome,
 )
 from proto.settings import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS, RING_SLEEP_MS, RING_SPIN_US
@@ -50,7 +51,7 @@ T = TypeVar("T")
 
 Route = Literal["ring", "marked", "socket"]
 # Per-step traffic (and the errors answering it) rides the ring.
-_RING_MESSAGES = (StepBegin, StepEnd, StepPlan, StepResult, ErrorReply)
+_RING_MESSAGES = (StepStart, StepBegin, StepEnd, StepPlan, StepResult, ErrorReply)
 # The answer to a Hello leaves before the shim reads any ring: socket, no MARK.
 _HANDSHAKE_REPLIES = (Welcome, Reject)
 # Replies waiting for room in one peer's ring before the connection counts as stuck.

@@ -3,7 +3,8 @@
 Each transition of worker_shim/recovery.py has a test here that fails if it is removed:
 connected -> lost (peer gone, step error, failed switch), lost -> connected (reconnect),
 lost -> lost (retry with a fresh connection), connected -> switching -> connected,
-connected -> connected on a kept unsolicited SwitchAck (idle hand-over).
+connected -> connected on a kept unsolicited SwitchAck (idle hand-over), also when it
+comes in answer to the step's StepStart; connected -> lost on an unanswered StepStart.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ class FakeConnection:
         self.last_sent_step = -1
         self.peer_req_ids = None
         self.sends_hidden = False
+        self.announced: list[int] = []
+        self.ack_at_announce: SwitchAck | None = None  # handed over just before it read our StepStart
+        self.fail_announce: Exception | None = None
 
     # handshake
     def start(self) -> None:
@@ -73,6 +77,14 @@ class FakeConnection:
             raise self.fail_call
         self.calls.append(msg)
         return self.ack
+
+    def announce_step(self, step: int, answer_after_s: float) -> None:
+        self.announced.append(step)
+        if self.ack_at_announce is not None:
+            self.switch_ack = self.ack_at_announce
+            raise SidecarError("the sidecar handed this session over to its successor")
+        if self.fail_announce is not None:
+            raise self.fail_announce
 
     def take_results(self, until_step=None) -> list[StepResult]:
         out, self.results = self.results, []
@@ -235,6 +247,27 @@ def test_a_kept_switch_ack_wins_over_a_pending_switch_ready():
     first.fail_call = SidecarError("the old sidecar exited")
     run_step(link, ["plain"])
     assert link.conn is successor and link.recovery.switches == 1 and link.recovery.losses == 0
+
+
+def test_a_session_handed_over_as_its_step_starts_switches_before_that_step_is_sent():
+    successor = FakeConnection(endpoint="ipc:///nonexistent/successor.sock")
+    factory = Factory(successor)
+    link, first = served_link("fail-all", factory)
+    # Quiet long enough that the old sidecar handed the session over before reading our StepStart.
+    first.ack_at_announce = SwitchAck(endpoint=successor.endpoint, token="resume-race")
+    run_step(link, ["plain", "carrier"])
+    assert first.announced == [0, 1] and [m.step for m in first.sent] == [0]  # step 1 never went there
+    assert factory.made == [(successor, {"endpoint": successor.endpoint, "resume_token": "resume-race"})]
+    assert link.conn is successor and successor.announced == [1] and successor.sent[0].step == 1
+    assert link.recovery.switches == 1 and link.recovery.losses == 0 and not link.failures.request_errors
+
+
+def test_an_unanswered_step_start_loses_the_sidecar():
+    link, first = served_link("fail-all")
+    first.fail_announce = SidecarError("no answer within 1.0s")
+    run_step(link, ["plain", "carrier"])
+    assert link.conn is None and link.recovery.losses == 1
+    assert set(link.failures.request_errors) == {"plain", "carrier"}
 
 
 def test_a_failed_switch_loses_the_sidecar():

@@ -189,6 +189,9 @@ class SidecarChannel:
             if isinstance(reply, StepResult):
                 self._stash(reply)
                 continue
+            if isinstance(reply, SwitchAck) and want is not SwitchAck:
+                self._stash(reply)  # sent before our message was read: no other answer comes
+                raise SidecarError("the sidecar handed this session over to its successor")
             problem = reply_problem(msg, reply, want)
             if problem:
                 raise SidecarError(problem)
@@ -231,6 +234,8 @@ class SidecarChannel:
         elif isinstance(msg, SwitchAck):
             self.switch_ack = msg  # the sidecar handed this idle session over: switch at the next step
         elif isinstance(msg, ErrorReply):
+            if self.switch_ack is not None:
+                return  # the sidecar let this session go: what we sent since was not for it
             raise SidecarError(f"sidecar rejected a step message: {msg.code}: {msg.message}")
         else:
             raise SidecarError(f"unexpected {type(msg).__name__} from the sidecar")

@@ -15,7 +15,10 @@ import msgspec
 import torch
 
 from proto.arena import ArenaError, ShmArena
-from proto.messages import ArenaInfo, ArenaKind, Hello, HookNeeds, Message, StepBegin, StepEnd, StepPlan, StepResult, SwitchAck, Welcome
+from proto.messages import (
+    ArenaInfo, ArenaKind, Hello, HookNeeds, Message, Pong, StepBegin, StepEnd, StepPlan, StepResult, StepStart,
+    SwitchAck, Welcome,
+)
 from proto.tensors import TensorRef
 from worker_shim.channel import SidecarChannel, SidecarError
 from worker_shim.config import RingConfig
@@ -51,6 +54,7 @@ class SidecarConnection:
         # What this sidecar has seen: the last StepEnd sent and the request order it holds.
         self.last_sent_step = -1
         self.peer_req_ids: list[str] | None = None
+        self.last_sent_at = self.started  # taken before each send: never later than the sidecar read it
 
     # -- handshake ------------------------------------------------------------------
 
@@ -116,17 +120,34 @@ class SidecarConnection:
         return self._channel.step_timeout_ms / 1000
 
     def send(self, msg: Message) -> None:
+        sent_at = time.monotonic()
         self._channel.send(msg)
-        self._note_sent(msg)
+        self._note_sent(msg, sent_at)
 
     def call(self, msg: Message, want: type) -> Any:
-        self._note_sent(msg)  # a step message's layout is the sidecar's even when no reply comes
+        self._note_sent(msg, time.monotonic())  # a step message's layout is the sidecar's even when no reply comes
         return self._channel.call(msg, want)
+
+    def announce_step(self, step: int, answer_after_s: float) -> None:
+        """StepStart, first thing in a step (sidecars of protocol 1.2 and later): the sidecar hands
+        a session over on its own only between steps. After `answer_after_s` without sending, it
+        may be doing so right now: wait for its answer (SidecarError with `switch_ack` set: it did).
+        See docs/ARCHITECTURE.md, Hot upgrade."""
+        if self.welcome is None or self.welcome.protocol_minor < 2:
+            return
+        quiet_since = self.last_sent_at
+        if time.monotonic() - quiet_since < answer_after_s:
+            self.send(StepStart(step=step))
+            if time.monotonic() - quiet_since < answer_after_s:
+                return  # written while the sidecar still counted this session as stepping
+        self.call(StepStart(step=step, answer=True), Pong)
 
     def step_plan(self, msg: StepBegin) -> StepPlan:
         return self.call(msg, StepPlan)
 
-    def _note_sent(self, msg: Message) -> None:
+    def _note_sent(self, msg: Message, sent_at: float) -> None:
+        if isinstance(msg, (StepStart, StepBegin, StepEnd)):  # what the sidecar counts as stepping
+            self.last_sent_at = sent_at
         if isinstance(msg, (StepBegin, StepEnd)) and msg.batch is not None and msg.batch.req_ids is not None:
             self.peer_req_ids = msg.batch.req_ids
         if isinstance(msg, StepEnd):

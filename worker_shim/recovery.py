@@ -5,7 +5,8 @@
     connected --StepResult.switch_to----> switching (a successor asked for the session)
     switching --next step boundary------> connected (switches += 1), or lost if the switch fails
     connected/switching --SwitchAck kept--> connected at the next step boundary, no SwitchReady
-              (the old sidecar handed the idle session over already and may have exited)
+              (the old sidecar handed the idle session over already and may have exited;
+              kept before the step, or found in answer to this step's StepStart)
 
 Liveness: a sidecar that dies (socket monitor), stalls past the step timeout,
 or sends garbage is dropped at once; vLLM keeps serving. The requests it was
@@ -25,6 +26,7 @@ import time
 from typing import Any, Callable, Literal
 
 from proto.messages import SwitchAck, SwitchReady
+from proto.settings import STEP_START_ANSWER_S
 from worker_shim.channel import SidecarError
 from worker_shim.config import LossPolicy
 from worker_shim.session import FailureReports, SessionRequests
@@ -71,18 +73,34 @@ class Recovery:
         return "switching" if self._switch_to else "connected"
 
     def at_step_start(self, step: int) -> None:
-        """The step boundary: the one place a connection is replaced."""
+        """The step boundary: the one place a connection is replaced. Then the step is announced
+        to whichever sidecar serves it."""
         state = self.state
         if state == "lost":
             self._try_reconnect()
         elif self._handed_over():  # before peer_gone: the old sidecar may have exited since
             self._switch(step)
         elif self.conn is None:
-            return  # reading the old sidecar's last messages failed: lost just now
+            pass  # reading the old sidecar's last messages failed: lost just now
         elif state == "switching":
             self._switch(step)
         elif self.conn.peer_gone():
             self.lose("the sidecar closed the connection (it crashed, was killed or stopped)")
+        self._announce(step)
+
+    def _announce(self, step: int) -> None:
+        conn = self.conn
+        if conn is None:
+            return
+        try:
+            conn.announce_step(step, STEP_START_ANSWER_S)
+        except SidecarError as exc:
+            if conn.switch_ack is None:
+                self.lose(f"step {step}: {exc}")
+                return
+            self._switch(step)  # handed over while we were quiet, before it read our StepStart
+            if self.conn is not None:
+                self._announce(step)
 
     def note_results(self, results: list[Any]) -> None:
         for result in results:
