@@ -10,7 +10,6 @@ import sys
 import msgspec
 
 from omni_sidecar import __version__
-from omni_sidecar.builtin_hooks import BUILTIN_NAMES
 from proto.endpoint import default_endpoint, ipc_path
 
 LOG_TAIL_CHARS = 3000  # of a failed successor's log, shown by `upgrade`

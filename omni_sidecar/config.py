@@ -15,11 +15,15 @@ from typing import Annotated, Any, Literal, NamedTuple
 import msgspec
 import msgspec.inspect
 
-from omni_sidecar.builtin_hooks import BUILTIN_NAMES
 from omni_sidecar.errors import OmniSidecarError
 from proto.codec import DEFAULT_MAX_FRAME_BYTES
 from proto.endpoint import default_endpoint
 from proto.settings import ENV_PREFIX, RING_SLEEP_MS, RING_SLEEP_MS_MAX, RING_SPIN_US
+
+
+# The hook sets `--hooks` names (omni_sidecar/builtin_hooks.py); here, so that the CLI builds its
+# help without importing torch.
+BUILTIN_NAMES = ("passthrough", "capture", "overlay", "omni", "omni-thinker", "omni-talker")
 
 
 def _help(text: str) -> Any:

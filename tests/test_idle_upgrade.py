@@ -1,22 +1,138 @@
-"""Hot upgrades that complete while vLLM is idle (docs/ARCHITECTURE.md, Hot upgrade):
-a real vLLM V2 engine with the shim, real sidecar processes, the `omni-sidecar upgrade` command."""
+"""Hot upgrades that complete while vLLM is idle (docs/ARCHITECTURE.md, Hot upgrade).
+
+The rule on the sidecar's side with real sidecar processes and a shim speaking the protocol by
+hand; then a real vLLM V2 engine with the shim, real sidecars, the `omni-sidecar upgrade` command.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+import zmq
 
-from tests.support.procs import ROOT, child_env
+from proto.arena import ShmArena
+from proto.codec import Codec
+from proto.messages import Hello, StepEnd, StepResult, StepStart, SwitchAck, Welcome
+from proto.settings import IDLE_HANDOVER_S
+from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
+from tests.support.procs import ROOT, SidecarProcess, child_env
 
-pytestmark = pytest.mark.e2e
+
+def test_the_status_and_upgrade_commands_start_without_torch():
+    # The upgrade command's own start-up is on every upgrade's path: torch alone takes seconds.
+    code = ("import sys; from omni_sidecar import cli; cli._parser(); from omni_sidecar import client; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), check=True)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
+class HandShim:
+    """A shim of protocol 1.2 on the socket alone (no rings), spoken by hand."""
+
+    def __init__(self, endpoint: str, arena: ShmArena, resume_token: str = "") -> None:
+        self.codec = Codec()
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        hello = Hello(PROTOCOL_MAJOR, PROTOCOL_MINOR, "test", "none", "cpu", 0, 1, "m", 8, "float32", 16,
+                      [arena.info()], resume_token=resume_token, pid=os.getpid())
+        self.send(hello)
+        self.welcome = self.recv(10.0)
+
+    def send(self, msg) -> None:
+        self.sock.send(self.codec.encode(msg))
+
+    def recv(self, timeout_s: float):
+        assert self.sock.poll(int(timeout_s * 1000)), "the sidecar sent nothing"
+        return self.codec.decode(self.sock.recv())
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def _wait_for_line(path, text: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in path.read_text():
+        assert time.monotonic() < deadline, f"no {text!r} in {path}:\n{path.read_text()}"
+        time.sleep(0.05)
+
+
+def _stop_pid(pid: int) -> None:
+    """SIGTERM a sidecar this test started through `upgrade` (not our child) and wait until it is gone."""
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+
+
+def test_a_session_goes_to_the_successor_between_its_steps_never_inside_one(tmp_path):
+    from omni_sidecar.client import SidecarClient
+
+    endpoint = f"ipc://{tmp_path}/sc.sock"
+    first = SidecarProcess(endpoint, "passthrough", tmp_path / "first.log")
+    arenas = [ShmArena.create(1 << 16), ShmArena.create(1 << 16)]  # a new one per connection
+    shims: list[HandShim] = []
+    upgrade, successor_pid = None, 0
+    try:
+        shim = HandShim(endpoint, arenas[0])
+        shims.append(shim)
+        assert isinstance(shim.welcome, Welcome)
+        shim.send(StepStart(step=0))  # a step begins; its forward may take long and sends nothing
+        upgrade = subprocess.Popen(
+            [sys.executable, "-m", "omni_sidecar.cli", "upgrade", "--endpoint", endpoint, "--timeout", "60",
+             "--", "--hooks", "passthrough"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+        )
+        _wait_for_line(first.log_path, "takeover accepted", 60)
+        # Inside a step nothing moves, however long the step lasts.
+        assert not shim.sock.poll(int(4 * IDLE_HANDOVER_S * 1000))
+        assert upgrade.poll() is None
+        shim.send(StepEnd(step=0))
+        result = shim.recv(10.0)
+        assert isinstance(result, StepResult) and result.switch_to
+        # Between steps: handed over unasked (an idle engine may not step for hours).
+        ack = shim.recv(10.0)
+        assert isinstance(ack, SwitchAck) and ack.endpoint == endpoint and ack.token
+        out, _ = upgrade.communicate(timeout=30)
+        assert upgrade.returncode == 0, out
+        with SidecarClient(endpoint) as client:
+            successor_pid = client.status().pid
+        assert successor_pid not in (0, first.proc.pid)
+        # The usual address is the successor's: the shim resumes its session there.
+        resumed = HandShim(endpoint, arenas[1], resume_token=ack.token)
+        shims.append(resumed)
+        assert isinstance(resumed.welcome, Welcome)
+        resumed.send(StepStart(step=1, answer=True))
+        assert resumed.recv(10.0).nonce == 1
+        with SidecarClient(endpoint) as client:
+            assert len(client.status().sessions) == 1
+        assert first.proc.wait(15) == 0  # the old one drained and exited
+    finally:
+        if upgrade is not None and upgrade.poll() is None:
+            upgrade.kill()
+            upgrade.wait()
+        for s in shims:
+            s.close()
+        if successor_pid:
+            _stop_pid(successor_pid)
+        first.stop()
+        for arena in arenas:
+            arena.close()
+
+
+@pytest.mark.e2e
 def test_upgrades_complete_under_an_idle_engine_and_alternate_with_busy_ones(tiny_model, tmp_path):
-    from tests.support.procs import SidecarProcess
-
     endpoint = f"ipc://{tmp_path}/sc.sock"
     first = SidecarProcess(endpoint, "tests.support.state_hooks:StateCheckHooks", tmp_path / "sidecar.log")
     out = tmp_path / "idle.json"
