@@ -226,6 +226,8 @@ class SidecarServer:
         if isinstance(msg, Ping):
             return Pong(msg.nonce)
         if isinstance(msg, StatusQuery):
+            if self.takeover.waiting:
+                return None  # `upgrade` asks until the answer is ours, which means: we own the state
             return self.queries.status(self._draining, self.rejects.total)
         if isinstance(msg, OutputsQuery):
             return self.queries.outputs(msg)
@@ -353,9 +355,7 @@ class SidecarServer:
         rings = bool(self.peers.ring_transports())
         busy = self.peers.pump(self._dispatch) if rings else False
         ready = dict(poller.poll(0 if busy else self.wait.sleep_ms if rings else TAKEOVER_POLL_MS))
-        if self.listener.sock in ready:
-            self._serve(self.listener.recv_frames())
-        if takeover_sock in ready:
+        if takeover_sock in ready:  # first: a shim or client that reached us may have come after it
             failure = self.takeover.receive(takeover_sock.recv())
             if failure:
                 self._abort_takeover(failure)
@@ -363,6 +363,8 @@ class SidecarServer:
                 self._took_over()
         elif self.takeover.expired():
             self._abort_takeover("the running sidecar did not hand over in time")
+        if self.listener.sock in ready:
+            self._serve(self.listener.recv_frames())
 
     def _took_over(self) -> None:
         # Also answer at the usual address from now on: shims that reconnect later find us
