@@ -131,6 +131,55 @@ def test_a_session_goes_to_the_successor_between_its_steps_never_inside_one(tmp_
             arena.close()
 
 
+FRESH_HOOKS = """
+from omni_sidecar.builtin_hooks import PassThroughHooks
+
+
+class Fresh(PassThroughHooks):
+    name = {name!r}
+"""
+
+
+def test_the_warm_spare_forks_new_sidecars_that_run_the_code_on_disk(tmp_path):
+    from omni_sidecar.client import SidecarClient
+    from omni_sidecar.spare import fork_sidecar
+
+    endpoint = f"ipc://{tmp_path}/sc.sock"
+    assert fork_sidecar(endpoint, ["status"], str(tmp_path / "x.log")) is None  # no spare: a cold start
+    first = SidecarProcess(endpoint, "passthrough", tmp_path / "first.log", extra_args=["--warm-spare"])
+    spare = tmp_path / "sc.sock.spare"
+    hooks_file = tmp_path / "fresh_hooks.py"
+    env = child_env(PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")  # the hook module lives with the asker only
+    last_pid = 0
+    try:
+        _wait_for(spare.exists, 120)
+        assert spare.stat().st_mode & 0o077 == 0
+        for name in ("fresh-1", "fresh-2"):  # the second one edits the module the first imported
+            hooks_file.write_text(FRESH_HOOKS.format(name=name))
+            out = subprocess.run(
+                [sys.executable, "-m", "omni_sidecar.cli", "upgrade", "--endpoint", endpoint, "--timeout", "60",
+                 "--", "--hooks", "fresh_hooks:Fresh"],
+                capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
+            )
+            assert out.returncode == 0 and "forked by the warm spare" in out.stdout, out.stdout + out.stderr
+            with SidecarClient(endpoint) as client:
+                status = client.status()
+            assert status.hook_set == name and status.pid != last_pid
+            last_pid = status.pid
+    finally:
+        if last_pid:
+            _stop_pid(last_pid)
+        first.stop()
+    _wait_for(lambda: not spare.exists(), 10)  # no sidecar serves there: the spare leaves
+
+
+def _wait_for(condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.1)
+
+
 @pytest.mark.e2e
 def test_upgrades_complete_under_an_idle_engine_and_alternate_with_busy_ones(tiny_model, tmp_path):
     from omni_sidecar.client import SidecarClient, SidecarUnavailable
@@ -154,7 +203,7 @@ def test_upgrades_complete_under_an_idle_engine_and_alternate_with_busy_ones(tin
         except SidecarUnavailable:
             pass
         first.stop()
-        _wait_gone(tmp_path / "sc.sock.spare")  # the spare leaves once no sidecar serves there
+        _wait_for(lambda: not (tmp_path / "sc.sock.spare").exists(), 10)  # no sidecar serves there: the spare leaves
     res = json.loads(out.read_text())
     # Five upgrades with no traffic: each returns 0 within 2 s (the old sidecar hands the idle
     # session over at once, the warm spare forks the new one), and they chain: the batch after
@@ -177,9 +226,3 @@ def test_upgrades_complete_under_an_idle_engine_and_alternate_with_busy_ones(tin
     assert stats["switches"] == 1 + 10
     assert res["tokens"] == [res["ref"]] * 5
 
-
-def _wait_gone(path, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while path.exists():
-        assert time.monotonic() < deadline, f"{path} is still there"
-        time.sleep(0.1)
