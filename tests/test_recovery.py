@@ -48,6 +48,7 @@ class FakeConnection:
         self.peer_req_ids = None
         self.sends_hidden = False
         self.announced: list[int] = []
+        self.step_open = False
         self.ack_at_announce: SwitchAck | None = None  # handed over just before it read our StepStart
         self.fail_announce: Exception | None = None
 
@@ -71,6 +72,7 @@ class FakeConnection:
         self.sent.append(msg)
         if isinstance(msg, StepEnd):
             self.last_sent_step = msg.step
+            self.step_open = False
 
     def call(self, msg, want):
         if self.fail_call is not None:
@@ -80,6 +82,7 @@ class FakeConnection:
 
     def announce_step(self, step: int, answer_after_s: float) -> None:
         self.announced.append(step)
+        self.step_open = True
         if self.ack_at_announce is not None:
             self.switch_ack = self.ack_at_announce
             raise SidecarError("the sidecar handed this session over to its successor")
@@ -260,6 +263,16 @@ def test_a_session_handed_over_as_its_step_starts_switches_before_that_step_is_s
     assert factory.made == [(successor, {"endpoint": successor.endpoint, "resume_token": "resume-race"})]
     assert link.conn is successor and successor.announced == [1] and successor.sent[0].step == 1
     assert link.recovery.switches == 1 and link.recovery.losses == 0 and not link.failures.request_errors
+
+
+def test_an_announced_step_without_a_forward_still_ends_with_a_step_end():
+    # vLLM runs finish-only steps (nothing scheduled); the sidecar counted the session as
+    # stepping since the StepStart and would never hand it over while idle.
+    link, first = served_link("fail-all")
+    link.begin_step()
+    link.end_step(None)
+    assert first.announced == [0, 1] and isinstance(first.sent[-1], StepEnd) and first.sent[-1].step == 1
+    assert first.sent[-1].num_tokens == 0 and not first.step_open
 
 
 def test_an_unanswered_step_start_loses_the_sidecar():

@@ -55,6 +55,7 @@ class SidecarConnection:
         self.last_sent_step = -1
         self.peer_req_ids: list[str] | None = None
         self.last_sent_at = self.started  # taken before each send: never later than the sidecar read it
+        self.step_open = False  # a StepStart went out, its StepEnd not yet: the sidecar counts us as stepping
 
     # -- handshake ------------------------------------------------------------------
 
@@ -136,6 +137,7 @@ class SidecarConnection:
         if self.welcome is None or self.welcome.protocol_minor < 2:
             return
         quiet_since = self.last_sent_at
+        self.step_open = True
         if time.monotonic() - quiet_since < answer_after_s:
             self.send(StepStart(step=step))
             if time.monotonic() - quiet_since < answer_after_s:
@@ -148,6 +150,8 @@ class SidecarConnection:
     def _note_sent(self, msg: Message, sent_at: float) -> None:
         if isinstance(msg, (StepStart, StepBegin, StepEnd)):  # what the sidecar counts as stepping
             self.last_sent_at = sent_at
+        if isinstance(msg, StepEnd):
+            self.step_open = False
         if isinstance(msg, (StepBegin, StepEnd)) and msg.batch is not None and msg.batch.req_ids is not None:
             self.peer_req_ids = msg.batch.req_ids
         if isinstance(msg, StepEnd):

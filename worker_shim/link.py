@@ -149,7 +149,9 @@ class SidecarLink:
             self.counters.steps += 1
             self.counters.scheduled_tokens += num_tokens
         conn = self.conn
-        if conn is None or (batch is None and not (self.requests.has_notices() or self.failures.pending)):
+        # A step announced with StepStart ends with a StepEnd, even an empty one (docs/ARCHITECTURE.md, Hot upgrade).
+        if conn is None or (batch is None and not (self.requests.has_notices() or self.failures.pending
+                                                   or conn.step_open)):
             self.step += 1
             return
         if batch is not None:
