@@ -39,6 +39,7 @@ class FakeConnection:
         self.closed = False
         self.hello_sent = False
         self.connected = False
+        self.refuse_connect: Exception | None = None
         self.fail_send: Exception | None = None
         self.fail_call: Exception | None = None
         self.sent: list = []
@@ -60,6 +61,8 @@ class FakeConnection:
         return self.ready
 
     def connect(self, timeout_s: float) -> None:
+        if self.refuse_connect is not None:
+            raise self.refuse_connect
         self.connected = True
 
     # traffic
@@ -273,6 +276,22 @@ def test_an_announced_step_without_a_forward_still_ends_with_a_step_end():
     link.end_step(None)
     assert first.announced == [0, 1] and isinstance(first.sent[-1], StepEnd) and first.sent[-1].step == 1
     assert first.sent[-1].num_tokens == 0 and not first.step_open
+
+
+def test_a_resume_refused_while_the_address_changed_hands_is_asked_again(monkeypatch):
+    # The shim woke up during a later upgrade: the sidecar it reached had just forwarded its
+    # state and refused it; the address now names the next sidecar, which holds the state.
+    refusing = FakeConnection(endpoint="ipc:///nonexistent/usual.sock")
+    refusing.refuse_connect = SidecarError("sidecar is draining; connect to its successor")
+    holder = FakeConnection(endpoint="ipc:///nonexistent/usual.sock")
+    factory = Factory(refusing, holder)
+    link, first = served_link("fail-all", factory)
+    sockets = iter([(1, 1), (2, 2), (2, 2)])  # before the first try, after it, before the second
+    monkeypatch.setattr(recovery, "socket_identity", lambda endpoint: next(sockets))
+    first.switch_ack = SwitchAck(endpoint=holder.endpoint, token="resume-chain")
+    run_step(link, ["plain", "carrier"])
+    assert [kwargs for _, kwargs in factory.made] == [{"endpoint": holder.endpoint, "resume_token": "resume-chain"}] * 2
+    assert link.conn is holder and link.recovery.switches == 1 and link.recovery.losses == 0
 
 
 def test_an_unanswered_step_start_loses_the_sidecar():

@@ -153,8 +153,7 @@ class Recovery:
             ack: SwitchAck = old.switch_ack or old.call(SwitchReady(last_step=old.last_sent_step), SwitchAck)
             for result in old.take_results():
                 self.failures.record(result.errors)
-            new = self._connect(endpoint=ack.endpoint, resume_token=ack.token)
-            new.connect(timeout_s=max(MIN_SWITCH_CONNECT_S, old.step_timeout_s))
+            new = self._resume(ack, timeout_s=max(MIN_SWITCH_CONNECT_S, old.step_timeout_s))
         except (SidecarError, ValueError) as exc:
             self.lose(f"switching to the new sidecar at {target} failed: {exc}")
             return
@@ -165,6 +164,21 @@ class Recovery:
         self.switch_us.append(stall)
         log.warning("omni-sidecar hot upgrade: switched to %s (hook set %r) in %.1f ms at step %d",
                     ack.endpoint, new.hook_set, stall / 1e3, step)
+
+    def _resume(self, ack: SwitchAck, timeout_s: float) -> Any:
+        """Connect with the resume token. An idle shim may switch while the address changes hands
+        (a later upgrade: the sidecar holding our state forwards it and refuses us); when the
+        socket there is a new one after a refusal, ask once more."""
+        for attempt in (1, 2):
+            socket_before = socket_identity(ack.endpoint)
+            new = self._connect(endpoint=ack.endpoint, resume_token=ack.token)
+            try:
+                new.connect(timeout_s=timeout_s)
+                return new
+            except SidecarError:
+                if attempt == 2 or socket_identity(ack.endpoint) in (socket_before, None):
+                    raise
+        raise AssertionError("unreachable")
 
     def _try_reconnect(self) -> None:
         pending = self._pending
