@@ -64,7 +64,6 @@ from proto.version import PROTOCOL_MAJOR, PROTOCOL_VERSION
 log = logging.getLogger("omni_sidecar.server")
 DRAIN_IDLE_S = 1.0  # a draining sidecar exits once its sessions were quiet this long
 TAKEOVER_POLL_MS = 100
-DRAIN_ROUNDS_MAX = 64  # reading what shims wrote before a hand-over decision: a busy one may not stop
 
 
 class SidecarServer:
@@ -234,8 +233,8 @@ class SidecarServer:
         if isinstance(msg, Drain):
             self.begin_drain()
             return Drained(len(self.peers))
-        if isinstance(msg, Takeover):
-            return self._accept_takeover(ident, msg)
+        if isinstance(msg, Takeover):  # sessions go once each is between steps (_hand_over_ready)
+            return self.handover.accept(ident, msg, busy=self._draining)
         if isinstance(msg, SwitchReady):
             return self._switch(ident, msg)
         return self.rejects.refuse("unexpected", f"{type(msg).__name__} is not a request the sidecar serves", ident)
@@ -287,32 +286,18 @@ class SidecarServer:
         if found:  # written before the writer could see our flags
             self._busy_at = time.monotonic()
 
-    def _serve_socket(self, wait_ms: int) -> None:
-        if self.listener.poll(wait_ms):
-            self._serve(self.listener.recv_frames())  # a kick, or control traffic
+    def _serve_socket(self, wait_ms: int) -> bool:
+        if not self.listener.poll(wait_ms):
+            return False
+        self._serve(self.listener.recv_frames())  # a kick, or control traffic
+        return True
 
     # -- hot upgrade -------------------------------------------------------------------
 
-    def _accept_takeover(self, ident: bytes, msg: Takeover):
-        refused = self.handover.accept(ident, msg, busy=self._draining)
-        if refused is not None:
-            return refused
-        return None  # the loop hands the sessions over once each is between steps (_hand_over_ready)
-
     def _hand_over_ready(self) -> None:
-        """Once every session can go, hand them all over (docs/ARCHITECTURE.md, Hot upgrade): between
-        steps for IDLE_HANDOVER_S (told by their StepStart), or waiting after SwitchReady."""
-        for _ in range(DRAIN_ROUNDS_MAX):  # first read all the shims wrote before now
-            busy = self.peers.pump(self._dispatch)
-            if self.listener.readable():
-                self._serve(self.listener.recv_frames())
-                busy = True
-            if not busy:
-                break
-        else:
-            return  # still traffic: decide on a later turn
-        if not self.handover.pending:
-            return  # the drain read a Takeover's failure, or a stop
+        """Hand all sessions over once each is between steps or after SwitchReady (docs/ARCHITECTURE.md, Hot upgrade)."""
+        if not self.peers.drain(self._dispatch, lambda: self._serve_socket(0)) or not self.handover.pending:
+            return  # first read all the shims wrote before now: still coming, decide on a later turn
         ready = self.peers.idle(IDLE_HANDOVER_S)
         if len(ready) == len(self.peers):
             self._hand_over(ready)
@@ -331,9 +316,7 @@ class SidecarServer:
         tokens = {ident: self.handover.new_token() for ident in idents}
         sessions = {token: self.peers.get(ident).session for ident, token in tokens.items()}
         assert self.handover.successor is not None
-        # Shims go to the usual address, the one that outlives every later upgrade (an idle shim
-        # may switch only after several); it is the successor's before anyone is told.
-        usual = self.takeover.old_endpoint or self.endpoint
+        usual = self.takeover.old_endpoint or self.endpoint  # outlives later upgrades; the successor's from now
         self.listener.give_path(self.handover.switch_to, usual)
         self.peers.send(self.handover.successor, self.handover.state(sessions, self.takeover.unclaimed()))
         for ident, token in tokens.items():
@@ -367,8 +350,7 @@ class SidecarServer:
             self._serve(self.listener.recv_frames())
 
     def _took_over(self) -> None:
-        # Also answer at the usual address from now on: shims that reconnect later find us
-        # there. The side address stays bound for the shim that is switching right now.
+        # Answer at the usual address (the side one stays bound for a shim switching right now).
         self.listener.replace_path(self.takeover.old_endpoint)
         log.info("serving at %s and %s", self.endpoint, self.takeover.old_endpoint)
         waiting, self.takeover.waiting_hellos = self.takeover.waiting_hellos, []
