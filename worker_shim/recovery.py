@@ -75,14 +75,13 @@ class Recovery:
     def at_step_start(self, step: int) -> None:
         """The step boundary: the one place a connection is replaced. Then the step is announced
         to whichever sidecar serves it."""
-        state = self.state
-        if state == "lost":
+        if self.state == "lost":
             self._try_reconnect()
         elif self._handed_over():  # before peer_gone: the old sidecar may have exited since
             self._switch(step)
         elif self.conn is None:
             pass  # reading the old sidecar's last messages failed: lost just now
-        elif state == "switching":
+        elif self.state == "switching":  # also when the results just read asked for it
             self._switch(step)
         elif self.conn.peer_gone():
             self.lose("the sidecar closed the connection (it crashed, was killed or stopped)")
