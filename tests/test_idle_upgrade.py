@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
+import threading
 import time
+from types import SimpleNamespace
 
+import msgspec
+import numpy as np
 import pytest
 import zmq
 
@@ -63,6 +68,20 @@ def _wait_for_line(path, text: str, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
+def _stop_sidecars(endpoint: str, first: SidecarProcess) -> None:
+    """Stop the sidecar serving at `endpoint` (the last upgrade's, not our child) and the first one."""
+    from omni_sidecar.client import SidecarClient, SidecarUnavailable
+
+    try:
+        with SidecarClient(endpoint) as client:
+            last = client.status().pid
+        if last != first.proc.pid:
+            _stop_pid(last)
+    except SidecarUnavailable:
+        pass
+    first.stop()
+
+
 def _stop_pid(pid: int) -> None:
     """SIGTERM a sidecar this test started through `upgrade` (not our child) and wait until it is gone."""
     os.kill(pid, signal.SIGTERM)
@@ -83,7 +102,7 @@ def test_a_session_goes_to_the_successor_between_its_steps_never_inside_one(tmp_
     first = SidecarProcess(endpoint, "passthrough", tmp_path / "first.log")
     arenas = [ShmArena.create(1 << 16), ShmArena.create(1 << 16)]  # a new one per connection
     shims: list[HandShim] = []
-    upgrade, successor_pid = None, 0
+    upgrade = None
     try:
         shim = HandShim(endpoint, arenas[0])
         shims.append(shim)
@@ -124,9 +143,7 @@ def test_a_session_goes_to_the_successor_between_its_steps_never_inside_one(tmp_
             upgrade.wait()
         for s in shims:
             s.close()
-        if successor_pid:
-            _stop_pid(successor_pid)
-        first.stop()
+        _stop_sidecars(endpoint, first)
         for arena in arenas:
             arena.close()
 
@@ -167,9 +184,7 @@ def test_the_warm_spare_forks_new_sidecars_that_run_the_code_on_disk(tmp_path):
             assert status.hook_set == name and status.pid != last_pid
             last_pid = status.pid
     finally:
-        if last_pid:
-            _stop_pid(last_pid)
-        first.stop()
+        _stop_sidecars(endpoint, first)
     _wait_for(lambda: not spare.exists(), 10)  # no sidecar serves there: the spare leaves
 
 
@@ -180,10 +195,77 @@ def _wait_for(condition, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
+def _batch_state(req_id: str):
+    batch = SimpleNamespace(req_ids=[req_id], num_tokens=1, query_start_loc_np=np.arange(2),
+                            num_computed_tokens_np=np.full(1, 3), prefill_len_np=np.full(1, 3))
+    return SimpleNamespace(input_batch=batch, hidden_states=None)
+
+
+def test_upgrades_at_random_moments_lose_no_step_of_a_real_shim_link(tmp_path):
+    # The shim's own link, connections and rings (vLLM's batches faked) against real sidecars:
+    # bursts of steps, now and then a long forward, idle spells around IDLE_HANDOVER_S, and
+    # upgrades at random moments. Every step reaches exactly one sidecar's hooks.
+    from omni_sidecar.client import SidecarClient
+    from worker_shim.config import RingConfig
+    from worker_shim.connection import SidecarConnection
+    from worker_shim.link import SidecarLink
+
+    endpoint = f"ipc://{tmp_path}/sc.sock"
+    first = SidecarProcess(endpoint, "passthrough", tmp_path / "first.log", extra_args=["--warm-spare"])
+    hello = Hello(PROTOCOL_MAJOR, PROTOCOL_MINOR, "test", "none", "cpu", 0, 1, "m", 8, "float32", 64, [],
+                  pid=os.getpid())
+
+    def connect(endpoint: str = endpoint, resume_token: str = "") -> SidecarConnection:
+        return SidecarConnection(endpoint, 10.0, msgspec.structs.replace(hello, resume_token=resume_token),
+                                 1 << 16, 2, arena_prefix="omni-test-race", ring=RingConfig())
+
+    rng, upgrades = random.Random(7), []
+    conn = connect()
+    conn.connect(10.0)
+    link = SidecarLink(connect, conn, length_finishes=False)
+
+    def upgrade_now_and_then() -> None:
+        for _ in range(8):
+            time.sleep(rng.uniform(0.0, 0.6))
+            upgrades.append(subprocess.run(
+                [sys.executable, "-m", "omni_sidecar.cli", "upgrade", "--endpoint", endpoint, "--timeout", "60",
+                 "--", "--hooks", "passthrough"], capture_output=True, text=True, env=child_env()))
+
+    try:
+        _wait_for((tmp_path / "sc.sock.spare").exists, 120)
+        upgrader = threading.Thread(target=upgrade_now_and_then)
+        upgrader.start()
+        steps = 0
+        while upgrader.is_alive():
+            req_id = f"r{steps}"
+            link.note_new([SimpleNamespace(req_id=req_id, prompt_token_ids=[1, 2, 3], prompt_len=3,
+                                           sampling_params=SimpleNamespace(extra_args=None))])
+            for _ in range(rng.randint(1, 20)):
+                link.begin_step()
+                time.sleep(rng.choice([0.001, 0.003, 0.01, 0.4]))  # the forward
+                link.end_step(_batch_state(req_id))
+                steps += 1
+            link.note_finished({req_id}, None)
+            time.sleep(rng.uniform(0.0, 0.6))
+        upgrader.join()
+        link.begin_step()
+        link.end_step(None)  # the last finish notice
+        link.flush()
+        stats = link.stats()
+        with SidecarClient(endpoint) as client:
+            status = client.status()
+        assert [u.returncode for u in upgrades] == [0] * 8, [u.stdout + u.stderr for u in upgrades]
+        assert stats["losses"] == 0 and stats["request_errors"] == {} and stats["steps"] == steps
+        (session,) = status.sessions
+        assert session.steps == steps and session.errors == 0
+    finally:
+        link.close()
+        _stop_sidecars(endpoint, first)
+    _wait_for(lambda: not (tmp_path / "sc.sock.spare").exists(), 10)
+
+
 @pytest.mark.e2e
 def test_upgrades_complete_under_an_idle_engine_and_alternate_with_busy_ones(tiny_model, tmp_path):
-    from omni_sidecar.client import SidecarClient, SidecarUnavailable
-
     endpoint = f"ipc://{tmp_path}/sc.sock"
     first = SidecarProcess(endpoint, "tests.support.state_hooks:StateCheckHooks", tmp_path / "sidecar.log",
                            extra_args=["--warm-spare"])
@@ -195,14 +277,7 @@ def test_upgrades_complete_under_an_idle_engine_and_alternate_with_busy_ones(tin
         )
         assert out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
     finally:
-        try:
-            with SidecarClient(endpoint) as client:
-                last = client.status().pid
-            if last != first.proc.pid:
-                _stop_pid(last)
-        except SidecarUnavailable:
-            pass
-        first.stop()
+        _stop_sidecars(endpoint, first)
         _wait_for(lambda: not (tmp_path / "sc.sock.spare").exists(), 10)  # no sidecar serves there: the spare leaves
     res = json.loads(out.read_text())
     # Five upgrades with no traffic: each returns 0 within 2 s (the old sidecar hands the idle
