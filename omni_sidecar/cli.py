@@ -241,8 +241,9 @@ def _upgrade(args: argparse.Namespace, endpoint: str) -> int:
         pid = cold.pid
     while time.monotonic() - t0 < args.timeout + 5:
         if exited(pid):
+            tail = open(log_path).read()[-LOG_TAIL_CHARS:] if os.path.exists(log_path) else "(none written)"
             print(f"omni-sidecar upgrade: the new sidecar exited; the old one keeps serving. Its log "
-                  f"({log_path}):\n{open(log_path).read()[-LOG_TAIL_CHARS:]}", file=sys.stderr)
+                  f"({log_path}):\n{tail}", file=sys.stderr)
             return 2
         try:
             with SidecarClient(endpoint, timeout_s=UPGRADE_POLL_S * 5) as client:
