@@ -225,8 +225,8 @@ class SidecarServer:
         if isinstance(msg, Ping):
             return Pong(msg.nonce)
         if isinstance(msg, StatusQuery):
-            if self.takeover.waiting:
-                return None  # `upgrade` asks until the answer is ours, which means: we own the state
+            if self.takeover.waiting:  # answered once we own the state: that is what `upgrade` waits for
+                return self.takeover.defer_status(ident)
             return self.queries.status(self._draining, self.rejects.total)
         if isinstance(msg, OutputsQuery):
             return self.queries.outputs(msg)
@@ -358,6 +358,8 @@ class SidecarServer:
             reply = self._hello(ident, hello, fd)
             if reply is not None:
                 self.peers.send(ident, reply)
+        for ident in self.takeover.take_status_askers():
+            self.peers.send(ident, self.queries.status(self._draining, self.rejects.total))
 
     def _abort_takeover(self, reason: str) -> None:
         self.takeover_failed = reason

@@ -14,7 +14,8 @@ Torch itself stays the version the spare imported: upgrading torch on disk needs
 (or `upgrade --cold`). See docs/ARCHITECTURE.md, Hot upgrade.
 
 Run as `python -m omni_sidecar.spare ENDPOINT`; imports only the standard library and
-proto.endpoint until it preloads torch.
+proto.endpoint until it preloads torch and the other libraries a sidecar needs (no context,
+socket or thread of theirs is made before a fork).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from typing import Any, NoReturn
 
 from proto.endpoint import ipc_path
 
-PRELOADED = ("torch",)  # what each sidecar's start-up spends its seconds on
+# What each sidecar's start-up spends its time on, none of it ours (torch: seconds).
+PRELOADED = ("torch", "numpy", "msgspec", "zmq", "prometheus_client")
 FRESH_PACKAGES = ("omni_sidecar", "proto", "omni_arena")  # never carried into a forked sidecar
 CHECK_S = 1.0  # how often the spare reaps its children and looks for the sidecar's socket
 ASK_TIMEOUT_S = 2.0

@@ -29,6 +29,7 @@ from proto.codec import Codec, FrameError
 from proto.messages import Hello, Reject, Takeover, TakeoverState
 
 log = logging.getLogger("omni_sidecar.upgrade")
+STATUS_ASKERS_MAX = 64  # status queries held until the takeover's state arrived
 
 
 class HandOver:
@@ -91,6 +92,7 @@ class TakeOver:
         self._deadline = 0.0
         self._resume: dict[str, dict[str, Any] | None] = {}  # token -> a session's exported state
         self.waiting_hellos: list[tuple[bytes, Hello, int]] = []  # (ident, Hello, fd): came before their state
+        self._status_askers: list[bytes] = []  # StatusQuery senders, answered once the state is ours
 
     @property
     def waiting(self) -> bool:
@@ -130,6 +132,14 @@ class TakeOver:
         self.close()
         log.info("takeover done: state of hook set %r (%s) imported", msg.hook_set, msg.state_version)
         return ""
+
+    def defer_status(self, ident: bytes) -> None:
+        if len(self._status_askers) < STATUS_ASKERS_MAX:  # a client that floods us gets no answer
+            self._status_askers.append(ident)
+
+    def take_status_askers(self) -> list[bytes]:
+        out, self._status_askers = self._status_askers, []
+        return out
 
     def knows(self, token: str) -> bool:
         return token in self._resume
