@@ -38,5 +38,5 @@ RING_KIB: Final = 1024  # each direction's ring, per connection
 # it over on its own once it was this long between steps; a shim that sent nothing for
 # STEP_START_ANSWER_S waits at its next step for the sidecar to answer its StepStart. The
 # difference is the margin for a message written before the sidecar looked but not yet read.
-IDLE_HANDOVER_S: Final = 0.3
-STEP_START_ANSWER_S: Final = 0.05
+IDLE_HANDOVER_S: Final = 0.4
+STEP_START_ANSWER_S: Final = 0.1

@@ -242,11 +242,11 @@ def test_upgrades_at_random_moments_lose_no_step_of_a_real_shim_link(tmp_path):
                                            sampling_params=SimpleNamespace(extra_args=None))])
             for _ in range(rng.randint(1, 20)):
                 link.begin_step()
-                time.sleep(rng.choice([0.001, 0.003, 0.01, 0.4]))  # the forward
+                time.sleep(rng.choice([0.001, 0.003, 0.01, 1.5 * IDLE_HANDOVER_S]))  # the forward
                 link.end_step(_batch_state(req_id))
                 steps += 1
             link.note_finished({req_id}, None)
-            time.sleep(rng.uniform(0.0, 0.6))
+            time.sleep(rng.uniform(0.0, 1.5 * IDLE_HANDOVER_S))
         upgrader.join()
         link.begin_step()
         link.end_step(None)  # the last finish notice

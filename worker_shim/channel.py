@@ -29,7 +29,7 @@ from proto.codec import Codec, FrameError
 from proto.errors import ProtoError
 from proto.messages import ErrorReply, Hello, Message, Reject, StepResult, SwitchAck, Welcome
 from proto.shmring import EMPTY, RingDuplex, RingError, ShmRing
-from proto.transport import RingTransport, WaitPolicy, apply_curve_client, reply_problem, route, set_heartbeats
+from proto.transport import RingTransport, WaitPolicy, apply_curve_client, reply_problem, route, set_heartbeats, wakes
 from worker_shim.config import RingConfig
 
 log = logging.getLogger("vllm.omni_sidecar.shim.channel")
@@ -167,7 +167,7 @@ class SidecarChannel:
         rings = self.rings
         assert rings is not None
         try:
-            rings.send(frame, route(msg))
+            rings.send(frame, route(msg), wake=wakes(msg))
             deadline = time.monotonic() + self.step_timeout_ms / 1000
             while rings.queued:  # the sidecar is behind on this connection
                 if time.monotonic() > deadline:

@@ -135,12 +135,15 @@ class Recovery:
         conn.close()
 
     def _handed_over(self) -> bool:
-        """Did the sidecar send an unsolicited SwitchAck (read now: an idle shim reads nothing else)?"""
-        try:
-            self.note_results(self.conn.take_results())
-        except SidecarError as exc:
-            self.lose(str(exc))
-            return False
+        """Did the sidecar hand this session over unasked? Its SwitchAck is read with the step's
+        StepStart answer (a hand-over needs a quiet spell, after which the shim waits for that
+        answer), or here when the old sidecar has exited since."""
+        if self.conn.switch_ack is None and self.conn.peer_gone():
+            try:
+                self.note_results(self.conn.take_results())
+            except SidecarError as exc:
+                self.lose(str(exc))
+                return False
         return self.conn.switch_ack is not None
 
     def _switch(self, step: int) -> None:
