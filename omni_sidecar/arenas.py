@@ -74,6 +74,7 @@ class SessionArenas:
         self.out: OutArena | None = None
         self.opens: Any = None  # CUDA IPC OpenCounts
         self.consumer_events: list[bytes] = []
+        self.wanted_layers: list[int] = []  # the hooks' HookNeeds.hidden_layers
 
     def open(self, wants_out: bool, min_out_bytes: int) -> None:
         """Map the shim's arenas; create ours for overlay rows / kwargs if the hooks need one.
@@ -127,12 +128,23 @@ class SessionArenas:
     def hidden(self, msg: StepEnd) -> torch.Tensor | None:
         if msg.hidden is None:
             return None
-        if msg.hidden.arena >= len(self.inputs):
-            raise ArenaError(f"hidden states name arena {msg.hidden.arena}, which was never offered")
-        arena = self.inputs[msg.hidden.arena]
+        arena = self._input(msg.hidden, "hidden states")
         if arena.kind != "shm":
             arena.wait_ready(msg.hidden_event)  # the shim's copy, ordered on our stream
         return arena_tensor(arena, msg.hidden)
+
+    def hidden_layers(self, msg: StepEnd) -> dict[int, torch.Tensor]:
+        """Captured layers' rows (written with the hidden states, after the same ready event)."""
+        unasked = set(msg.hidden_layers) - set(self.wanted_layers)
+        if unasked or (msg.hidden_layers and msg.hidden is None):
+            raise ArenaError(f"shim sent hidden layers {sorted(msg.hidden_layers)}; the hooks asked for "
+                             f"{sorted(self.wanted_layers)} with the hidden states")
+        return {n: arena_tensor(self._input(ref, f"hidden layer {n}"), ref) for n, ref in msg.hidden_layers.items()}
+
+    def _input(self, ref: TensorRef, what: str) -> Any:
+        if ref.arena >= len(self.inputs):
+            raise ArenaError(f"{what} name arena {ref.arena}, which was never offered")
+        return self.inputs[ref.arena]
 
     def release_hidden(self, msg: StepEnd) -> None:
         """CUDA IPC: the shim may rewrite the slot once the reads we enqueued ran."""

@@ -16,7 +16,7 @@ from omni_sidecar.arenas import SessionArenas
 from omni_sidecar.hooks import HookErrors, OmniHooks, RequestInfo, StepBatch
 from omni_sidecar.metrics import SidecarMetrics
 from omni_sidecar.stats import LatencyWindow
-from omni_sidecar.replays import SeenPositions
+from omni_sidecar.replays import SeenPositions, take_rows
 from omni_sidecar.store import FinishedEntry, FinishedOutputs
 from proto.messages import (
     BatchLayout,
@@ -69,6 +69,7 @@ class Session:
 
     def open_arenas(self, min_out_bytes: int = 0) -> None:
         self.arenas.open(self.hooks.needs.pre_forward != "never", min_out_bytes)
+        self.arenas.wanted_layers = list(self.hooks.needs.hidden_layers)
 
     def close(self) -> None:
         self.arenas.close()
@@ -146,8 +147,10 @@ class Session:
             self.steps += 1
             self.scheduled_tokens += msg.num_tokens
             with _collect(errors, self._batch(msg.step, layout), "process_model_output"):
-                fresh, hidden = self.seen.fresh_rows(layout, self.arenas.hidden(msg))
-                self.hooks.process_model_output(self._batch(msg.step, fresh), hidden)
+                fresh, rows = self.seen.fresh_layout(layout)
+                batch = self._batch(msg.step, fresh)
+                batch.hidden_layers = {n: take_rows(t, rows) for n, t in self.arenas.hidden_layers(msg).items()}
+                self.hooks.process_model_output(batch, take_rows(self.arenas.hidden(msg), rows))
             self.arenas.release_hidden(msg)
         self._last_layout = None
         result_errors = self._report(errors)

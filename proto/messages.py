@@ -26,6 +26,8 @@ MAX_BATCH = 1 << 16
 MAX_ID_LEN = 256
 ReqId = Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+MAX_LAYERS = 64  # captured decoder layers per step
+LayerIndex = Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
 Name = Annotated[str, msgspec.Meta(max_length=256)]
 
@@ -77,12 +79,16 @@ class HookNeeds(msgspec.Struct, frozen=True):
       blocking exchange at all.
     prefix_cache_safe: False when hooks change what a prompt token means (overlaid
       embeddings), so KV computed for one request must not be reused by another.
+    hidden_layers: decoder layers whose input hidden states (vllm-omni's
+      `hidden_states["layers"][N]`: N = 0 is the embeddings) the hooks get with
+      the last-layer ones, every scheduled token; needs hidden_states.
     """
 
     pre_forward: Literal["never", "prefill", "always"] = "never"
     pre_forward_scope: Literal["all", "payload"] = "all"
     hidden_states: bool = False
     prefix_cache_safe: bool = True
+    hidden_layers: Annotated[list[LayerIndex], msgspec.Meta(max_length=MAX_LAYERS)] = []
 
 
 # -- handshake ---------------------------------------------------------------
@@ -217,6 +223,8 @@ class StepEnd(msgspec.Struct, tag="step_end", frozen=True):
     finished: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] = []
     preempted: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] = []
     hidden: TensorRef | None = None
+    # Captured decoder layers' input hidden states (HookNeeds.hidden_layers), same slot and event.
+    hidden_layers: Annotated[dict[LayerIndex, TensorRef], msgspec.Meta(max_length=MAX_LAYERS)] = {}
     num_tokens: Count = 0
     # Shim-side timings of this step, exported by the sidecar's /metrics.
     shim_exchange_us: float = 0.0

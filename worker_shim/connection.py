@@ -81,7 +81,7 @@ class SidecarConnection:
         self.hook_set = welcome.hook_set
         if welcome.arenas:
             self._overlay_arena = self._attach(welcome.arenas[0])
-        if welcome.needs.hidden_states:
+        if welcome.needs.hidden_states:  # captured layers ride in the same slots
             assert self._hidden_arena is not None
             self._hidden = HiddenSlots(self._hidden_arena, self._num_hidden_slots)
             if self.opens is not None:
@@ -145,10 +145,10 @@ class SidecarConnection:
     def sends_hidden(self) -> bool:
         return self._hidden is not None
 
-    def write_hidden(self, step: int, hidden: torch.Tensor,
-                     wait_answered: Callable[[int], None]) -> tuple[TensorRef, int]:
+    def write_hidden(self, step: int, hidden: torch.Tensor, wait_answered: Callable[[int], None],
+                     layers: dict[int, torch.Tensor] | None = None) -> tuple[TensorRef, dict[int, TensorRef], int]:
         assert self._hidden is not None
-        return self._hidden.write(step, hidden, wait_answered)
+        return self._hidden.write(step, hidden, wait_answered, layers)
 
     def hidden_sent(self, step: int) -> None:
         assert self._hidden is not None

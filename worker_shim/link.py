@@ -27,6 +27,7 @@ from worker_shim.channel import SidecarError
 from worker_shim.compat import client_request_id
 from worker_shim.config import EmbedsSetting, LossPolicy
 from worker_shim.finishes import FinishWatch
+from worker_shim.layers import LayerCapture
 from worker_shim.recovery import Recovery
 from worker_shim.session import FailureReports, SessionRequests
 
@@ -65,6 +66,7 @@ class SidecarLink:
         self.counters = StepCounters()
         self._step_exchange_us = 0.0
         self._last_post_us = 0.0  # reported on the next StepEnd (measured after sending)
+        self.layer_capture: LayerCapture | None = None  # set by the runner at load (hidden_layers)
 
     @property
     def conn(self) -> Any:
@@ -167,10 +169,10 @@ class SidecarLink:
             self.counters.post_us.append(self._last_post_us)
 
     def _send_step_end(self, conn: Any, batch: Any, state: Any, num_tokens: int) -> None:
-        hidden_ref, hidden_event = None, -1
+        hidden_ref, layer_refs, hidden_event = None, {}, -1
         if batch is not None and conn.sends_hidden and state.hidden_states is not None:
-            hidden_ref, hidden_event = conn.write_hidden(self.step, state.hidden_states[:num_tokens],
-                                                         self._wait_answered)
+            hidden_ref, layer_refs, hidden_event = conn.write_hidden(
+                self.step, state.hidden_states[:num_tokens], self._wait_answered, self._layer_rows(conn, num_tokens))
         new, finished, preempted = self.requests.take_notices()
         msg = StepEnd(
             step=self.step,
@@ -179,6 +181,7 @@ class SidecarLink:
             finished=finished,
             preempted=preempted,
             hidden=hidden_ref,
+            hidden_layers=layer_refs,
             hidden_event=hidden_event,
             num_tokens=num_tokens,
             shim_exchange_us=self._step_exchange_us,
@@ -190,6 +193,14 @@ class SidecarLink:
         if hidden_ref is not None:
             conn.hidden_sent(self.step)
         self.recovery.note_results(conn.take_results())
+
+    def _layer_rows(self, conn: Any, num_tokens: int) -> dict[int, torch.Tensor] | None:
+        """The captured layers this sidecar wants (those captured since load; a later sidecar
+        wanting others gets the ones there are, docs/ARCHITECTURE.md "Layer capture")."""
+        wanted = conn.needs.hidden_layers
+        if not wanted or self.layer_capture is None:
+            return None
+        return {n: rows for n, rows in self.layer_capture.rows(num_tokens).items() if n in wanted}
 
     # -- results and stats ---------------------------------------------------------
 

@@ -22,8 +22,10 @@ from worker_shim.channel import SidecarError
 MAX_KWARG_DEPTH = 8
 
 
-def hidden_arena_size(max_num_tokens: int, hidden_size: int, itemsize: int, slots: int) -> int:
-    return align_up(max_num_tokens * hidden_size * itemsize) * slots + 64 * slots
+def hidden_arena_size(max_num_tokens: int, hidden_size: int, itemsize: int, slots: int,
+                      rows_per_token: int = 1) -> int:
+    """Per slot: the last-layer hidden rows and `rows_per_token - 1` captured layers' rows."""
+    return (align_up(max_num_tokens * hidden_size * itemsize) * rows_per_token + 64) * slots
 
 
 class HiddenSlots:
@@ -37,9 +39,10 @@ class HiddenSlots:
         self.arena = arena
         self._slots = SlotRing(arena.size, num_slots)
 
-    def write(self, step: int, hidden: torch.Tensor,
-              wait_answered: Callable[[int], None]) -> tuple[TensorRef, int]:
-        """Copy `hidden` into `step`'s slot; returns its ref and ready event (-1 on host memory).
+    def write(self, step: int, hidden: torch.Tensor, wait_answered: Callable[[int], None],
+              layers: dict[int, torch.Tensor] | None = None) -> tuple[TensorRef, dict[int, TensorRef], int]:
+        """Copy `hidden` (then each captured layer's rows) into `step`'s slot; returns their
+        refs and the ready event (-1 on host memory).
 
         `wait_answered(s)` blocks until step s's result arrived (the slot's previous reader).
         """
@@ -49,17 +52,26 @@ class HiddenSlots:
         if reader is not None:
             wait_answered(reader)
             slots.owner_step[slot] = None
-        nbytes = hidden.numel() * hidden.element_size()
-        if nbytes > slots.slot_size:
-            raise SidecarError(f"hidden states of {nbytes} bytes exceed the arena slot of {slots.slot_size}")
-        ref = TensorRef(0, slots.offset(slot), nbytes, list(hidden.shape), dtype_name(hidden.dtype))
+        tensors = [hidden, *(layers or {}).values()]
+        nbytes = [t.numel() * t.element_size() for t in tensors]
+        need = sum(align_up(n) for n in nbytes)
+        if need > slots.slot_size:
+            raise SidecarError(f"hidden states of {need} bytes exceed the arena slot of {slots.slot_size}")
+        refs, offset = [], slots.offset(slot)
+        for tensor, n in zip(tensors, nbytes):
+            refs.append(TensorRef(0, offset, n, list(tensor.shape), dtype_name(tensor.dtype)))
+            offset += align_up(n)
         arena = self.arena
-        if arena.kind == "shm":
-            arena_tensor(arena, ref).copy_(hidden)  # host staging (CPU, or accelerators without IPC)
-            return ref, -1
-        arena.wait_done(slot)  # the sidecar's reads of this slot's previous use
-        arena.tensor(ref).copy_(hidden, non_blocking=True)
-        return ref, arena.mark_ready(slot)
+        on_host = arena.kind == "shm"
+        if not on_host:
+            arena.wait_done(slot)  # the sidecar's reads of this slot's previous use
+        for tensor, ref in zip(tensors, refs):
+            if on_host:
+                arena_tensor(arena, ref).copy_(tensor)  # host staging (CPU, or accelerators without IPC)
+            else:
+                arena.tensor(ref).copy_(tensor, non_blocking=True)
+        layer_refs = dict(zip((layers or {}).keys(), refs[1:]))
+        return refs[0], layer_refs, (-1 if on_host else arena.mark_ready(slot))
 
     def sent(self, step: int) -> None:
         """`step`'s StepEnd is on its way: its slot is the sidecar's until that step's result."""
