@@ -77,6 +77,18 @@ def _save_processor(path: Path) -> None:
     Qwen2VLImageProcessorPil(min_pixels=pixels, max_pixels=pixels).save_pretrained(path)
 
 
+def image_only_processor_class() -> type:
+    """Qwen2VLProcessor without its video half: transformers' video processors need
+    torchvision, and transformers reads a processor's parts from its __init__ signature."""
+    from transformers.models.qwen2_vl import Qwen2VLProcessor
+
+    class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    return ImageOnlyQwen2VLProcessor
+
+
 def vl_prompt(text: str) -> str:
     """A prompt with one image: vLLM expands the single image pad into IMAGE_TOKENS pads."""
     return f"<|vision_start|><|image_pad|><|vision_end|>{text}"

@@ -1,36 +1,43 @@
 """Upstream Qwen2-VL with an image-only HF processor, registered with vLLM's ModelRegistry.
 
-transformers' Qwen2VLProcessor always loads a video processor, and transformers'
-video processors need torchvision, which the CPU venv lacks (a CUDA torchvision
-does not load against CPU torch). The model, its vision encoder, M-RoPE positions
-and vLLM's multimodal processor are upstream's; only the HF processor class that
-vLLM asks transformers for is one without the video half.
+The CPU venv has no torchvision (a CUDA torchvision does not load against CPU
+torch), and two transformers pieces of Qwen2-VL need it: the video processor,
+which transformers' Qwen2VLProcessor always loads, and the module vLLM imports
+`smart_resize` from (`image_processing_qwen2_vl`; the PIL module defines the same
+function). So that module name is pointed at the PIL module before vLLM's
+qwen2_vl is imported, and vLLM asks transformers for a processor class without
+the video half. The model, its vision encoder, M-RoPE positions and vLLM's
+multimodal processor are upstream's. Import this module before vLLM loads the model
+(engine in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0).
 """
 
 from __future__ import annotations
 
-from transformers.models.qwen2_vl import Qwen2VLProcessor
-from vllm.model_executor.models.qwen2_vl import (
+import importlib.util
+import sys
+
+from transformers.models.qwen2_vl import Qwen2VLProcessor, image_processing_pil_qwen2_vl
+
+from tiny_vl import image_only_processor_class
+
+if importlib.util.find_spec("torchvision") is None:
+    sys.modules.setdefault("transformers.models.qwen2_vl.image_processing_qwen2_vl", image_processing_pil_qwen2_vl)
+
+from vllm.model_executor.models.qwen2_vl import (  # noqa: E402 (after the module alias)
     Qwen2VLDummyInputsBuilder,
     Qwen2VLForConditionalGeneration,
     Qwen2VLMultiModalProcessor,
     Qwen2VLProcessingInfo,
 )
-from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.multimodal import MULTIMODAL_REGISTRY  # noqa: E402
 
 ARCH = "OmniTinyQwen2VLForConditionalGeneration"
-
-
-class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
-    """transformers reads a processor's parts from its __init__ signature: no video_processor here."""
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+IMAGE_ONLY_PROCESSOR = image_only_processor_class()  # one class: vLLM caches processors by it
 
 
 class ImageOnlyProcessingInfo(Qwen2VLProcessingInfo):
     def get_hf_processor(self, **kwargs: object) -> Qwen2VLProcessor:
-        return self.ctx.get_hf_processor(ImageOnlyQwen2VLProcessor, **kwargs)
+        return self.ctx.get_hf_processor(IMAGE_ONLY_PROCESSOR, **kwargs)
 
     def get_supported_mm_limits(self):
         return {"image": None}
