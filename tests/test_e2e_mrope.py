@@ -42,30 +42,37 @@ def _job(model: str, prompts: list[dict], **extra) -> dict:
                            "kv_cache_memory_bytes": 32 << 20}, **extra}
 
 
+def _with_sidecar(work, hooks: str, options: list[str], job: dict, e2e_dir, name: str) -> dict:
+    endpoint = f"ipc://{work}/{name}.sock"
+    sidecar = SidecarProcess(endpoint, hooks, work / f"{name}.log", options=options)
+    try:
+        res = run_engine({**job, "shim": True, "endpoint": endpoint}, e2e_dir, name)
+    finally:
+        sidecar.stop()
+    assert res["ok"], res.get("traceback")
+    return res
+
+
 @pytest.fixture(scope="module")
 def runs(vl_model, e2e_dir, tmp_path_factory):
-    """Plain V2, then the shim with the tail-overlay hooks (layers 0 and 2 captured)."""
+    """Plain V2; the shim with a pass-through sidecar; the shim with the tail-overlay hooks
+    (layers 0 and the last captured)."""
     from tiny_vl import TEXT_CONFIG
 
     plain = run_engine(_job(vl_model, PROMPTS), e2e_dir, "mrope-plain")
     assert plain["ok"], plain.get("traceback")
     work = tmp_path_factory.mktemp("mrope")
+    passthrough = _with_sidecar(work, "passthrough", [], _job(vl_model, PROMPTS), e2e_dir, "mrope-passthrough")
     tail = (np.random.default_rng(5).standard_normal((TAIL, TEXT_CONFIG["hidden_size"])) * 0.5).astype(np.float32)
     np.save(work / "tail.npy", tail, allow_pickle=False)
     overlaid = {**PROMPTS[0], "payload": {"model_intermediate_buffer": {"embed": {"tail": {"npy": str(work / "tail.npy")}}}}}
-    endpoint = f"ipc://{work}/sc.sock"
     last = TEXT_CONFIG["num_hidden_layers"] - 1
-    sidecar = SidecarProcess(endpoint, "tests.support.tail_overlay_hooks:TailOverlayHooks", work / "sidecar.log",
-                             options=[f"hidden_layers=0,{last}"])
-    try:
-        shim = run_engine(_job(vl_model, PROMPTS + [overlaid], shim=True, endpoint=endpoint, fetch_outputs=True),
-                          e2e_dir, "mrope-shim")
-    finally:
-        sidecar.stop()
-    assert shim["ok"], shim.get("traceback")
+    shim = _with_sidecar(work, "tests.support.tail_overlay_hooks:TailOverlayHooks", [f"hidden_layers=0,{last}"],
+                         _job(vl_model, PROMPTS + [overlaid], fetch_outputs=True), e2e_dir, "mrope-shim")
     outputs = [{k: torch.from_numpy(np.load(p, allow_pickle=False)) for k, p in shim["outputs"][rid].items()}
                for rid in shim["request_ids"]]
-    return {"plain": plain, "shim": shim, "outputs": outputs, "tail": torch.from_numpy(tail), "last": last}
+    return {"plain": plain, "passthrough": passthrough, "shim": shim, "outputs": outputs,
+            "tail": torch.from_numpy(tail), "last": last}
 
 
 @pytest.fixture(scope="module")
@@ -94,11 +101,14 @@ def direct(vl_model, runs):
 def test_tokens_equal_plain_v2_with_chunked_prefill_across_the_image(runs):
     from tiny_vl import IMAGE_TOKENS
 
-    plain, shim = runs["plain"], runs["shim"]
+    plain, passthrough, shim = runs["plain"], runs["passthrough"], runs["shim"]
+    assert passthrough["tokens"] == plain["tokens"]
+    assert passthrough["prompt_token_ids"] == plain["prompt_token_ids"]
+    (stats,) = passthrough["shim_stats"]
+    assert stats["request_errors"] == {} and stats["steps"] > len(PROMPTS) and stats["blocking_exchanges"] == 0
+    # Next to an overlaid request, with layers captured, the others' tokens do not change either.
     assert shim["tokens"][: len(PROMPTS)] == plain["tokens"]
-    assert shim["prompt_token_ids"][: len(PROMPTS)] == plain["prompt_token_ids"]
-    (stats,) = shim["shim_stats"]
-    assert stats["request_errors"] == {}
+    assert shim["shim_stats"][0]["request_errors"] == {}
     # The image prompts were prefilled in chunks; chunks ended inside image spans (rows 1..16).
     cuts = []
     for i in (0, 2, 3):
