@@ -101,6 +101,48 @@ def test_embeds_come_from_upstream_where_it_builds_them_and_have_its_width():
     assert embeds_width(SimpleNamespace(get_hidden_size=lambda: 64)) == 64  # older vLLM
 
 
+def test_overlays_go_into_the_embeds_upstream_merged_and_positions_pass_through():
+    from worker_shim.runner import SidecarModelStateMixin, swap_class
+
+    class UpstreamState:  # V2's model state: merged embeds (encoder rows in), M-RoPE positions
+        def __init__(self) -> None:
+            self.merged = torch.randn(16, H)
+
+        def prepare_inputs_embeds(self, scheduled_encoder_inputs, input_batch, req_states):
+            return self.merged[: input_batch.num_tokens_after_padding]
+
+        def prepare_inputs(self, input_batch, req_states):
+            return {"positions": torch.arange(3 * 5).view(3, 5)}
+
+        def prepare_dummy_inputs(self, num_reqs, num_tokens):
+            return {}
+
+    class Link:
+        in_step = True
+        seen: list = []
+
+        def pre_forward(self, input_batch, model, embeds=None):
+            self.seen.append(embeds)
+            if embeds is None:
+                return {}
+            embeds[3:5] = 7.0  # what read_plan does with overlay rows
+            return {"inputs_embeds": embeds}
+
+    state, link = UpstreamState(), Link()
+    swap_class(state, SidecarModelStateMixin)
+    state.omni_runner = SimpleNamespace(omni_link=link, omni_embeds=None, omni_tp=None, model=None)
+    batch = SimpleNamespace(num_tokens_after_padding=5, num_tokens=5)
+    before = state.merged.clone()
+    merged = state.prepare_inputs_embeds({}, batch, None)
+    inputs = state.prepare_inputs(batch, None)
+    assert inputs["inputs_embeds"] is merged and merged.data_ptr() == state.merged.data_ptr()
+    assert torch.equal(state.merged[3:5], torch.full((2, H), 7.0))
+    assert torch.equal(state.merged[:3], before[:3]) and torch.equal(state.merged[5:], before[5:])
+    assert torch.equal(inputs["positions"], torch.arange(15).view(3, 5))  # untouched
+    state.prepare_inputs(batch, None)  # a step without the embeds seam (a dummy run): nothing kept
+    assert link.seen[-1] is None
+
+
 @pytest.fixture(scope="module")
 def its():
     with vllm_omni_payload_code() as code:
