@@ -48,12 +48,13 @@ def build_tiny_llama(path: str | Path, seed: int = 0, lm_head_scale: float = 8.0
     with torch.no_grad():
         model.lm_head.weight.mul_(lm_head_scale)
     model.save_pretrained(path, safe_serialization=True)
-    _build_tokenizer(path)
+    build_tokenizer(path)
     stamp.write_text(json.dumps({"stamp": _STAMP, "seed": seed}))
     return path
 
 
-def _build_tokenizer(path: Path) -> None:
+def build_tokenizer(path: Path, extra_special: list[str] | tuple[str, ...] = ()):
+    """Train the offline BPE tokenizer on the corpus, save it in ``path`` and return it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -62,7 +63,7 @@ def _build_tokenizer(path: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=TINY_CONFIG["vocab_size"],
-        special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+        special_tokens=["<pad>", "<s>", "</s>", "<unk>", *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
@@ -74,3 +75,4 @@ def _build_tokenizer(path: Path) -> None:
         pad_token="<pad>",
     )
     fast.save_pretrained(path)
+    return fast

@@ -74,6 +74,7 @@ class SessionArenas:
         self.out: OutArena | None = None
         self.opens: Any = None  # CUDA IPC OpenCounts
         self.consumer_events: list[bytes] = []
+        self.wanted_layers: list[int] = []  # the hooks' HookNeeds.hidden_layers
 
     def open(self, wants_out: bool, min_out_bytes: int) -> None:
         """Map the shim's arenas; create ours for overlay rows / kwargs if the hooks need one.
@@ -143,6 +144,15 @@ class SessionArenas:
         if arena.kind != "shm":
             arena.wait_ready(msg.hidden_event)  # the shim's copy, ordered on our stream
         return arena_tensor(arena, ref)  # bounds-checked against the arena
+
+    def hidden_layers(self, msg: StepEnd) -> dict[int, torch.Tensor]:
+        """Captured layers' rows (written with the hidden rows into the step's slot), views
+        valid until `release_slot`."""
+        unasked = set(msg.hidden_layers) - set(self.wanted_layers)
+        if unasked or (msg.hidden_layers and msg.hidden is None):
+            raise ArenaError(f"shim sent hidden layers {sorted(msg.hidden_layers)}; the hooks asked for "
+                             f"{sorted(self.wanted_layers)} with the hidden states")
+        return {n: self._slot_tensor(msg, ref) for n, ref in msg.hidden_layers.items()}
 
     def release_slot(self, msg: StepEnd) -> None:
         """CUDA IPC: the shim may rewrite the slot once the reads we enqueued ran."""

@@ -60,6 +60,9 @@ class StepBatch:
     step: int
     layout: BatchLayout
     known: dict[str, RequestInfo] = field(default_factory=dict)
+    # In process_model_output: rows of the captured layers (HookNeeds.hidden_layers), token
+    # aligned like the hidden states; shared memory valid only during the call.
+    hidden_layers: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def requests(self) -> list[RequestInfo]:

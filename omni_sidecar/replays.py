@@ -26,6 +26,11 @@ class SeenPositions:
     def fresh_rows(self, layout: BatchLayout, hidden: torch.Tensor | None
                    ) -> tuple[BatchLayout, torch.Tensor | None]:
         """The step's layout and hidden states without rows seen before (usually unchanged)."""
+        fresh, rows = self.fresh_layout(layout)
+        return fresh, take_rows(hidden, rows)
+
+    def fresh_layout(self, layout: BatchLayout) -> tuple[BatchLayout, list[tuple[int, int]] | None]:
+        """The step's layout without rows seen before, and the row ranges kept (None: all)."""
         qsl, computed = layout.query_start_loc, layout.num_computed_tokens
         req_ids: list[str] = []
         starts: list[int] = [0]
@@ -47,13 +52,18 @@ class SeenPositions:
             rows.append((start + skip, end))
             starts.append(starts[-1] + end - start - skip)
         if not replayed:
-            return layout, hidden
-        if hidden is not None:
-            hidden = torch.cat([hidden[a:b] for a, b in rows]) if rows else hidden[:0]
+            return layout, None
         ids = layout.input_ids
         fresh_ids = [t for a, b in rows for t in ids[a:b]] if ids is not None else None
-        return BatchLayout(req_ids, starts, fresh_computed, prefill_lens, fresh_ids), hidden
+        return BatchLayout(req_ids, starts, fresh_computed, prefill_lens, fresh_ids), rows
 
     def forget(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
             self.upto.pop(req_id, None)
+
+
+def take_rows(tensor: torch.Tensor | None, rows: list[tuple[int, int]] | None) -> torch.Tensor | None:
+    """`tensor`'s row ranges `rows` (all of it when None)."""
+    if tensor is None or rows is None:
+        return tensor
+    return torch.cat([tensor[a:b] for a, b in rows]) if rows else tensor[:0]

@@ -16,7 +16,7 @@ from omni_sidecar.arenas import SessionArenas
 from omni_sidecar.hooks import HookErrors, OmniHooks, RequestInfo, StepBatch
 from omni_sidecar.metrics import SidecarMetrics
 from omni_sidecar.stats import LatencyWindow
-from omni_sidecar.replays import SeenPositions
+from omni_sidecar.replays import SeenPositions, take_rows
 from omni_sidecar.store import FinishedEntry, FinishedOutputs
 from proto.messages import (
     BatchLayout,
@@ -72,6 +72,7 @@ class Session:
     def open_arenas(self, min_out_bytes: int = 0) -> None:
         needs = self.hooks.needs
         self.arenas.open(needs.pre_forward != "never" or needs.model_states, min_out_bytes)
+        self.arenas.wanted_layers = list(needs.hidden_layers)
 
     def close(self) -> None:
         self.arenas.close()
@@ -158,8 +159,10 @@ class Session:
             self.steps += 1
             self.scheduled_tokens += msg.num_tokens
             with _collect(errors, self._batch(msg.step, layout), "process_model_output"):
-                fresh, hidden = self.seen.fresh_rows(layout, self.arenas.hidden(msg))
-                self.hooks.process_model_output(self._batch(msg.step, fresh), hidden)
+                fresh, rows = self.seen.fresh_layout(layout)
+                batch = self._batch(msg.step, fresh)
+                batch.hidden_layers = {n: take_rows(t, rows) for n, t in self.arenas.hidden_layers(msg).items()}
+                self.hooks.process_model_output(batch, take_rows(self.arenas.hidden(msg), rows))
         self.arenas.release_slot(msg)
         self._last_layout = None
         result_errors = self._report(errors)

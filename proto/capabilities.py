@@ -11,6 +11,8 @@ import msgspec
 
 Name = Annotated[str, msgspec.Meta(max_length=256)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+MAX_LAYERS = 64  # captured decoder layers per step
+LayerIndex = Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
 
 IpcHandle = Annotated[bytes, msgspec.Meta(max_length=256)]
 # "shm": POSIX shared memory (CPU, or host staging for accelerators); "cuda_ipc": device memory.
@@ -66,6 +68,9 @@ class HookNeeds(msgspec.Struct, frozen=True):
     model_states: the hook set keeps the per-request state of a model that carries its own
       hooks (docs/ARCHITECTURE.md, "Model hooks"): it answers `StepBegin.want_states` with
       `StepPlan.model_states` and takes `StepEnd.model_updates` / `model_outputs`.
+    hidden_layers: decoder layers whose input hidden states (vllm-omni's
+      `hidden_states["layers"][N]`: N = 0 is the embeddings) the hooks get with
+      the last-layer ones, every scheduled token; needs hidden_states.
     """
 
     pre_forward: Literal["never", "prefill", "always"] = "never"
@@ -74,6 +79,7 @@ class HookNeeds(msgspec.Struct, frozen=True):
     prefix_cache_safe: bool = True
     model_states: bool = False
     input_ids: bool = False
+    hidden_layers: Annotated[list[LayerIndex], msgspec.Meta(max_length=MAX_LAYERS)] = []
 
 
 class ModelHooks(msgspec.Struct, frozen=True, array_like=True):

@@ -20,7 +20,8 @@ from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
-from proto.capabilities import ArenaInfo, ArenaKind, Count, CudaIpcInfo, HookNeeds, IpcHandle, ModelHooks, Name
+from proto.capabilities import (ArenaInfo, ArenaKind, Count, CudaIpcInfo, HookNeeds, IpcHandle, LayerIndex, MAX_LAYERS,
+                                ModelHooks, Name)
 from proto.tensors import TensorRef
 
 MAX_BATCH = 1 << 16
@@ -172,6 +173,8 @@ class StepEnd(msgspec.Struct, tag="step_end", frozen=True):
     finished: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] = []
     preempted: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] = []
     hidden: TensorRef | None = None
+    # Captured decoder layers' input hidden states (HookNeeds.hidden_layers), same slot and event.
+    hidden_layers: Annotated[dict[LayerIndex, TensorRef], msgspec.Meta(max_length=MAX_LAYERS)] = {}
     num_tokens: Count = 0
     # Shim-side timings of this step, exported by the sidecar's /metrics.
     shim_exchange_us: float = 0.0

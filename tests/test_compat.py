@@ -18,6 +18,7 @@ from proto.messages import HookNeeds
 from worker_shim import compat
 from worker_shim import runner as runner_module
 from worker_shim.compat import ShimCompatError, check_upstream
+from worker_shim import runner as runner_module
 from worker_shim.runner import SidecarRunnerMixin, swap_class
 from worker_shim.worker import ShimWorkerMixin
 
@@ -169,7 +170,7 @@ class UpstreamRunner:
         self._state_cls, self._leave_out = state_cls, leave_out
         for name in compat.RUNNER_INIT_ATTRS:
             if name != leave_out:
-                setattr(self, name, SimpleNamespace())
+                setattr(self, name, SimpleNamespace(model_config=SimpleNamespace()))
 
     def load_model(self, *args, **kwargs) -> None:
         self.loaded = True
@@ -195,6 +196,8 @@ def shimmed(runner: UpstreamRunner) -> UpstreamRunner:
 @pytest.fixture
 def version_031(monkeypatch):
     monkeypatch.setattr(compat, "vllm_version", lambda: "0.31.0")
+    # The fake runner's model is no vllm-omni model; its class is not in vLLM's registry.
+    monkeypatch.setattr(runner_module, "model_class_has_hooks", lambda model_config: False)
 
 
 def test_a_model_state_lacking_a_seam_is_refused_at_load_model(version_031):

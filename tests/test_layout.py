@@ -62,7 +62,7 @@ def test_embeds_buffer_is_on_only_when_hooks_can_overlay():
 
     assert wanted("auto", "prefill", False) and wanted("auto", "always", False)
     assert not wanted("auto", "never", False)
-    assert not wanted("auto", "prefill", True)  # multimodal models: upstream owns their embeds
+    assert not wanted("auto", "prefill", True)  # multimodal models, prompt embeds: upstream builds them
     assert wanted("on", "never", False) and not wanted("off", "always", False)
 
 

@@ -84,7 +84,7 @@ def test_hidden_slots_wait_for_the_previous_reader_before_reuse():
         slots = HiddenSlots(arena, 2)
         waited: list[int] = []
         for step in range(3):
-            ref, event = slots.write(step, torch.full((2, 4), float(step)), waited.append)
+            ref, _, event = slots.write(step, torch.full((2, 4), float(step)), waited.append)
             slots.sent(step)
             assert event == -1 and ref.offset == (step % 2) * (4096 // 2)
         assert waited == [0]  # step 2 reuses step 0's slot: only after step 0's result

@@ -43,6 +43,17 @@ CUDA_NAMES: list[tuple[str, str]] = [
 # plugin.py routes top-k/top-p to torch when Triton runs interpreted; skipped when absent
 # (start-up must not fail on it).
 TOPK_TOPP_TRITON_FLAG = ("vllm.v1.sample.ops.topk_topp_sampler", "HAS_TRITON")
+# Optional ModelConfig method, with a fallback to get_hidden_size (worker_shim/embeds.py
+# `embeds_width`): the inputs_embeds width.
+INPUTS_EMBEDS_SIZE_METHOD = "get_inputs_embeds_size"
+# Model-state seam where upstream builds inputs_embeds (encoder rows merged in), 0.32's and
+# 0.26's name; one must exist for multimodal models (worker_shim/runner.py).
+MODEL_STATE_EMBEDS_METHODS = ["prepare_inputs_embeds", "get_mm_embeddings"]
+# Layer capture (worker_shim/layers.py): multimodal models expose their language model by
+# this method; its decoder layers are the ModuleList of this name, each called as
+# layer(positions, hidden_states, residual) (vLLM's decoder-layer convention).
+LANGUAGE_MODEL_METHOD = "get_language_model"
+DECODER_LAYERS_ATTR = "layers"
 # Attributes of live objects, checked on the instances once they exist.
 RUNNER_INIT_ATTRS = ["vllm_config", "max_num_tokens"]  # before load_model
 RUNNER_ATTRS = ["model_state", "model", "execute_model_state", "req_states", *RUNNER_INIT_ATTRS]
@@ -131,6 +142,12 @@ def check_instance(obj: object, attrs: list[str], what: str) -> None:
     missing = [f"{what}.{a}" for a in attrs if not hasattr(obj, a)]
     if missing:
         raise ShimCompatError(_message(missing))
+
+
+def check_one_of(obj: object, attrs: list[str], what: str) -> None:
+    """At least one of `attrs` (names of one seam across vLLM versions)."""
+    if not any(hasattr(obj, a) for a in attrs):
+        raise ShimCompatError(_message([f"{what}.{' or '.join(attrs)}"]))
 
 
 def vllm_version() -> str:

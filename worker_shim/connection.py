@@ -86,7 +86,7 @@ class SidecarConnection:
         self.hook_set = welcome.hook_set
         if welcome.arenas:
             self._overlay_arena = self._attach(welcome.arenas[0])
-        if welcome.needs.hidden_states or welcome.needs.model_states:
+        if welcome.needs.hidden_states or welcome.needs.model_states:  # captured layers ride in the same slots
             assert self._hidden_arena is not None
             self._hidden = HiddenSlots(self._hidden_arena, self._num_hidden_slots)
             if self.opens is not None:

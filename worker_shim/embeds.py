@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from worker_shim.compat import INPUTS_EMBEDS_SIZE_METHOD
+
 
 class EmbedsBuffer:
     def __init__(self, max_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -31,11 +33,24 @@ class EmbedsBuffer:
         return self.buf[:num_tokens]
 
 
-def wanted(setting: str, pre_forward: str, multimodal: bool) -> bool:
-    """`auto`: only when hooks may overlay rows; never for multimodal models (upstream owns their embeds)."""
-    if setting == "off" or multimodal:
+def wanted(setting: str, pre_forward: str, upstream_embeds: bool) -> bool:
+    """`auto`: only when hooks may overlay rows; never where upstream builds inputs_embeds.
+
+    Upstream builds them for multimodal models (token embeddings with the encoder's
+    rows merged in) and for prompt embeds, in its own persistent buffer, which its
+    graphs are captured reading: overlays are written into those rows
+    (worker_shim/runner.py `SidecarModelStateMixin`).
+    """
+    if setting == "off" or upstream_embeds:
         return False
     return setting == "on" or pre_forward != "never"
+
+
+def embeds_width(model_config: Any) -> int:
+    """Width of the model's inputs_embeds rows; differs from the hidden size on some models
+    (a Qwen2.5-Omni talker takes thinker-width rows). Hidden size where vLLM has no such method."""
+    method = getattr(model_config, INPUTS_EMBEDS_SIZE_METHOD, None)
+    return int(method() if method is not None else model_config.get_hidden_size())
 
 
 GRAPH_KEY = "omni_sidecar_model_inputs"

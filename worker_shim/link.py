@@ -28,6 +28,7 @@ from worker_shim.channel import SidecarError
 from worker_shim.compat import client_request_id, prompt_len_of
 from worker_shim.config import EmbedsSetting, LossPolicy
 from worker_shim.finishes import FinishWatch
+from worker_shim.layers import LayerCapture
 from worker_shim.model_hooks import ModelBridge
 from worker_shim.recovery import Recovery
 from worker_shim.session import FailureReports, SessionRequests
@@ -69,6 +70,7 @@ class SidecarLink:
         self.counters = StepCounters()
         self._step_exchange_us = 0.0
         self._last_post_us = 0.0  # reported on the next StepEnd (measured after sending)
+        self.layer_capture: LayerCapture | None = None  # set by the runner at load (hidden_layers)
 
     @property
     def conn(self) -> Any:
@@ -186,16 +188,17 @@ class SidecarLink:
 
     def _send_step_end(self, conn: Any, batch: Any, state: Any, num_tokens: int,
                        model_results: ModelResults | None) -> None:
-        hidden_ref, hidden_event, slot = None, -1, None
+        hidden_ref, layer_refs, hidden_event, slot = None, {}, -1, None
         updates, outputs = model_results or ({}, {})
         if not conn.needs.model_states:
             updates, outputs = {}, {}
         send_hidden = batch is not None and conn.sends_hidden and state.hidden_states is not None
         if send_hidden or updates or outputs:
-            # One slot per step: hidden rows first, then the model's updates and outputs.
+            # One slot per step: hidden rows and captured layers first, then the model's updates and outputs.
             slot = conn.claim_slot(self.step, self._wait_answered)
             if send_hidden:
                 hidden_ref = slot.put(state.hidden_states[:num_tokens])
+                layer_refs = slot.put_layers(self._layer_rows(conn, num_tokens))
             updates, outputs = store_tree(updates, slot.put), store_tree(outputs, slot.put)
             hidden_event = slot.seal()
         new, finished, preempted = self.requests.take_notices()
@@ -209,6 +212,7 @@ class SidecarLink:
             finished=finished,
             preempted=preempted,
             hidden=hidden_ref,
+            hidden_layers=layer_refs,
             hidden_event=hidden_event,
             model_updates=updates,
             model_outputs=outputs,
@@ -222,6 +226,14 @@ class SidecarLink:
         if slot is not None:
             conn.slot_sent(self.step)
         self.recovery.note_results(conn.take_results())
+
+    def _layer_rows(self, conn: Any, num_tokens: int) -> dict[int, torch.Tensor] | None:
+        """The captured layers this sidecar wants (those captured since load; a later sidecar
+        wanting others gets the ones there are, docs/ARCHITECTURE.md "Layer capture")."""
+        wanted = conn.needs.hidden_layers
+        if not wanted or self.layer_capture is None:
+            return None
+        return {n: rows for n, rows in self.layer_capture.rows(num_tokens).items() if n in wanted}
 
     # -- results and stats ---------------------------------------------------------
 

@@ -16,12 +16,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker_shim.compat import (MODEL_STATE_METHODS, RUNNER_ATTRS, RUNNER_INIT_ATTRS, check_instance,
-                                is_dummy_run)
-from worker_shim.embeds import EmbedsBuffer
-from worker_shim.embeds import mark_compiled_graph
+from worker_shim.compat import (
+    MODEL_STATE_EMBEDS_METHODS,
+    MODEL_STATE_METHODS,
+    RUNNER_ATTRS,
+    RUNNER_INIT_ATTRS,
+    check_instance,
+    check_one_of,
+    is_dummy_run,
+    prompt_len_of,
+)
+from worker_shim.embeds import EmbedsBuffer, embeds_width, mark_compiled_graph
 from worker_shim.embeds import wanted as embeds_wanted
-from worker_shim.compat import prompt_len_of
+from worker_shim.layers import LayerCapture
 from worker_shim.link import SidecarLink
 from worker_shim.model_hooks import ModelBridge, attach_bridge, model_class_has_hooks
 from worker_shim.tp import TensorParallelFollower, TensorParallelSync
@@ -78,14 +85,18 @@ class SidecarRunnerMixin:
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
         check_instance(self, RUNNER_INIT_ATTRS, "GPUModelRunner")
         link = self.omni_link
+        mcfg = self.vllm_config.model_config
+        upstream_embeds = bool(getattr(self, "supports_mm_inputs", False) or
+                               getattr(mcfg, "enable_prompt_embeds", False))
         hooked = model_class_has_hooks(self.vllm_config)
-        use_embeds = hooked or embeds_wanted(link.embeds_setting, link.needs.pre_forward,
-                                             bool(getattr(self, "supports_mm_inputs", False)))
+        use_embeds = hooked or embeds_wanted(link.embeds_setting, link.needs.pre_forward, upstream_embeds)
         if use_embeds:
             mark_compiled_graph(self.vllm_config)
         out = _up(self).load_model(*args, **kwargs)  # type: ignore[misc]
         check_instance(self, RUNNER_ATTRS, "GPUModelRunner")
         check_instance(self.model_state, MODEL_STATE_METHODS, "model_state")
+        if upstream_embeds:
+            check_one_of(self.model_state, MODEL_STATE_EMBEDS_METHODS, "model_state")
         swap_class(self.model_state, SidecarModelStateMixin)
         self.model_state.omni_runner = self
         self.omni_bridge = attach_bridge(self.model, self.omni_tp, link.embeds_setting)
@@ -93,9 +104,12 @@ class SidecarRunnerMixin:
             mark_compiled_graph(self.vllm_config)
             use_embeds = True
         if use_embeds:
-            mcfg = self.vllm_config.model_config
-            self.omni_embeds = EmbedsBuffer(int(self.max_num_tokens), int(mcfg.get_hidden_size()),
+            self.omni_embeds = EmbedsBuffer(int(self.max_num_tokens), embeds_width(mcfg),
                                             mcfg.dtype, model_device(self.model))
+        if link.needs.hidden_layers and isinstance(link, SidecarLink):  # rank 0 sends them
+            link.layer_capture = LayerCapture(
+                self.model, int(mcfg.hf_text_config.num_hidden_layers), list(link.needs.hidden_layers),
+                int(self.max_num_tokens), int(mcfg.get_hidden_size()), mcfg.dtype, model_device(self.model))
         return out
 
 
@@ -105,17 +119,36 @@ class SidecarModelStateMixin:
     Upstream merges the dict `model_state.prepare_inputs` returns over the
     default model inputs ("values returned by prepare_inputs will override the
     default values"), so this is where inputs_embeds and extra kwargs go.
+
+    Where upstream builds inputs_embeds itself (multimodal models: token
+    embeddings with the encoder's rows merged in; prompt embeds), overlays land
+    on those rows in place, never on a re-embedding of input_ids
+    (docs/ARCHITECTURE.md, "Multimodal inputs").
     """
 
     omni_runner: Any
+    omni_upstream_embeds: Any = None  # this step's inputs_embeds as upstream built them
+
+    def prepare_inputs_embeds(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM 0.32: the merged inputs_embeds, kept for this step's overlays."""
+        embeds = _up(self).prepare_inputs_embeds(*args, **kwargs)  # type: ignore[misc]
+        self.omni_upstream_embeds = embeds
+        return embeds
+
+    def get_mm_embeddings(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM 0.26's name for prepare_inputs_embeds."""
+        embeds = _up(self).get_mm_embeddings(*args, **kwargs)  # type: ignore[misc]
+        self.omni_upstream_embeds = embeds
+        return embeds
 
     def prepare_inputs(self, input_batch: Any, req_states: Any) -> dict[str, Any]:
         inputs = _up(self).prepare_inputs(input_batch, req_states)  # type: ignore[misc]
         runner = self.omni_runner
         link: SidecarLink | TensorParallelFollower = runner.omni_link
         buffer: EmbedsBuffer | None = runner.omni_embeds
-        embeds = None
-        if buffer is not None:
+        # Upstream calls the embeds seam (if at all) just before this, in the same step.
+        embeds, self.omni_upstream_embeds = self.omni_upstream_embeds, None
+        if embeds is None and buffer is not None:
             n = int(input_batch.num_tokens_after_padding)
             embeds = buffer.fill(runner.model, input_batch.input_ids, n)
             # input_ids stay: models that read raw tokens next to the embeddings still get them.
@@ -127,7 +160,7 @@ class SidecarModelStateMixin:
             if tp is not None and tp.step_needs_broadcast(input_batch):
                 mcfg = runner.vllm_config.model_config
                 extra = tp.exchange(extra, embeds, int(input_batch.num_tokens_after_padding),
-                                    int(mcfg.get_hidden_size()), mcfg.dtype, model_device(runner.model))
+                                    embeds_width(mcfg), mcfg.dtype, model_device(runner.model))
             if extra:
                 inputs = {**inputs, **extra}
             if bridge is not None and embeds is not None:

@@ -22,9 +22,11 @@ from worker_shim.channel import SidecarError
 
 
 def hidden_arena_size(max_num_tokens: int, hidden_size: int, itemsize: int, slots: int,
-                      model_io_bytes: int = 0) -> int:
-    """Per slot: a step's hidden rows, then room for its model updates and outputs."""
-    return (align_up(max_num_tokens * hidden_size * itemsize) + align_up(model_io_bytes)) * slots + 64 * slots
+                      model_io_bytes: int = 0, rows_per_token: int = 1) -> int:
+    """Per slot: a step's hidden rows and `rows_per_token - 1` captured layers' rows, then room
+    for its model updates and outputs."""
+    rows = align_up(max_num_tokens * hidden_size * itemsize) * rows_per_token
+    return (rows + align_up(model_io_bytes) + 64) * slots
 
 
 class HiddenSlots:
@@ -52,12 +54,14 @@ class HiddenSlots:
             self.arena.wait_done(slot)  # the sidecar's reads of this slot's previous use
         return StepSlot(self.arena, slot, slots.offset(slot), slots.slot_size)
 
-    def write(self, step: int, hidden: torch.Tensor,
-              wait_answered: Callable[[int], None]) -> tuple[TensorRef, int]:
-        """`hidden` alone into `step`'s slot: its ref and the slot's ready event."""
+    def write(self, step: int, hidden: torch.Tensor, wait_answered: Callable[[int], None],
+              layers: dict[int, torch.Tensor] | None = None) -> tuple[TensorRef, dict[int, TensorRef], int]:
+        """`hidden` (then each captured layer's rows) alone into `step`'s slot: their refs and
+        the slot's ready event."""
         slot = self.claim(step, wait_answered)
         ref = slot.put(hidden)
-        return ref, slot.seal()
+        layer_refs = slot.put_layers(layers)
+        return ref, layer_refs, slot.seal()
 
     def sent(self, step: int) -> None:
         """`step`'s StepEnd is on its way: its slot is the sidecar's until that step's result."""
@@ -74,12 +78,13 @@ class StepSlot:
         self.start = start
         self.end = start + size
         self.offset = start
-        self._refs: dict[int, TensorRef] = {}  # a tensor put twice (state and output) is stored once
+        # A tensor put twice (state and output) is stored once; kept alive so its id stays its own.
+        self._refs: dict[int, tuple[torch.Tensor, TensorRef]] = {}
 
     def put(self, tensor: torch.Tensor) -> TensorRef:
         known = self._refs.get(id(tensor))
         if known is not None:
-            return known
+            return known[1]
         nbytes = tensor.numel() * tensor.element_size()
         if self.offset + nbytes > self.end:
             raise SidecarError(
@@ -93,8 +98,12 @@ class StepSlot:
             else:
                 self.arena.tensor(ref).copy_(tensor.detach(), non_blocking=True)
         self.offset = align_up(self.offset + max(nbytes, 1))
-        self._refs[id(tensor)] = ref
+        self._refs[id(tensor)] = (tensor, ref)
         return ref
+
+    def put_layers(self, layers: dict[int, torch.Tensor] | None) -> dict[int, TensorRef]:
+        """Captured layers' rows (HookNeeds.hidden_layers), after the hidden rows."""
+        return {n: self.put(rows) for n, rows in (layers or {}).items()}
 
     @property
     def used(self) -> bool:

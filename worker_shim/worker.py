@@ -75,10 +75,7 @@ class ShimWorkerMixin:
         dtype = dtype_name(mcfg.dtype)
         hidden_size = int(mcfg.get_hidden_size())
         max_tokens = int(vcfg.scheduler_config.max_num_batched_tokens)
-        hidden_bytes = hidden_arena_size(
-            max_tokens, hidden_size, DTYPE_ITEMSIZE.get(dtype, 4), cfg.hidden_slots,
-            model_io_bytes=int(cfg.model_io_mib * (1 << 20)),
-        )
+        layer_room = [0]  # captured layers a slot has room for: what the last sidecar wanted
         hello = Hello(
             protocol_major=PROTOCOL_MAJOR,
             protocol_minor=PROTOCOL_MINOR,
@@ -99,6 +96,8 @@ class ShimWorkerMixin:
         device, arena_kind = self._arena_choice(cfg.arena)
 
         def connect(endpoint: str | None = None, resume_token: str = "") -> SidecarConnection:
+            hidden_bytes = hidden_arena_size(max_tokens, hidden_size, DTYPE_ITEMSIZE.get(dtype, 4), cfg.hidden_slots,
+                                             int(cfg.model_io_mib * (1 << 20)), 1 + layer_room[0])
             return SidecarConnection(
                 endpoint or cfg.endpoint, cfg.step_timeout_s,
                 msgspec.structs.replace(hello, resume_token=resume_token), hidden_bytes, cfg.hidden_slots,
@@ -108,6 +107,12 @@ class ShimWorkerMixin:
 
         first = connect()
         welcome = first.connect(cfg.connect_timeout_s)
+        if len(welcome.needs.hidden_layers) > layer_room[0]:
+            # The Hello offers the arena before the hooks' needs are known: once more, with room.
+            first.close()
+            layer_room[0] = len(welcome.needs.hidden_layers)
+            first = connect()
+            welcome = first.connect(cfg.connect_timeout_s)
         if not welcome.needs.prefix_cache_safe and vcfg.cache_config.enable_prefix_caching:
             first.close()
             raise SidecarError(

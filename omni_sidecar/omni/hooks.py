@@ -10,7 +10,10 @@ outputs per request for clients (streamed per step, complete at finish).
 
 Subclass it for a model: override `postprocess`, `multimodal_outputs` or
 `runtime_info`. Options (`--hook-option key=value`): extra_kwargs=1,
-state_cap_mib=N, resident_keys=cat.qual,cat.qual.
+state_cap_mib=N, resident_keys=cat.qual,cat.qual, hidden_layers=0,24 (each
+request's outputs then hold those decoder layers' hidden states, token aligned,
+as `hidden_states.layer_N`: vllm-omni's `hidden_states["layers"][N]` once
+unflattened, omni/keys.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 from omni_sidecar.builtin_hooks import check_prompt_embeds, overlay_rows
 from omni_sidecar.hooks import HookErrors, OmniHooks, RequestInfo, StepBatch
+from omni_sidecar.omni.keys import layer_key
 from omni_sidecar.omni.outputs import OutputLog, accumulate, dotted_outputs, slice_per_request
 from omni_sidecar.omni.state import IntermediateBuffer, StateError
 from omni_sidecar.omni.wire import (
@@ -40,7 +44,8 @@ class OmniStateHooks(OmniHooks):
     accepts_state = ("omni/1",)
 
     def __init__(
-        self, extra_kwargs: str = "0", state_cap_mib: str = "256", resident_keys: str = ""
+        self, extra_kwargs: str = "0", state_cap_mib: str = "256", resident_keys: str = "",
+        hidden_layers: str = "",
     ) -> None:
         self.send_extra_kwargs = str(extra_kwargs).lower() in _TRUE
         resident = {tuple(k.split(".", 1)) for k in resident_keys.split(",") if "." in k}
@@ -57,6 +62,7 @@ class OmniStateHooks(OmniHooks):
             hidden_states=True,
             prefix_cache_safe=False,
             model_states=True,
+            hidden_layers=sorted({int(n) for n in hidden_layers.split(",") if n.strip()}),
         )
 
     # -- model-specific parts (override) -----------------------------------------
@@ -122,8 +128,9 @@ class OmniStateHooks(OmniHooks):
             return
         layout = batch.layout
         n = len(layout.req_ids)
+        layers = {layer_key(index): rows for index, rows in batch.hidden_layers.items()}
         per_req = slice_per_request(
-            self.multimodal_outputs(batch, hidden_states), layout.query_start_loc, n
+            {**self.multimodal_outputs(batch, hidden_states), **layers}, layout.query_start_loc, n
         )
         errors = {}
         for i, req_id in enumerate(layout.req_ids):

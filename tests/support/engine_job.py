@@ -78,6 +78,10 @@ def main(job_path: str, result_path: str) -> int:
             from tests.support.kwargs_model import register
 
             register()
+        if job.get("register_vl_model"):
+            from tests.support.vl_model import register as register_vl
+
+            register_vl()
 
         kwargs = dict(
             model=job["model"], dtype="float32", max_model_len=512, max_num_batched_tokens=64,
@@ -99,6 +103,14 @@ def main(job_path: str, result_path: str) -> int:
                     extra = sidecar_extra_args(prompt_embeds=embeds)
                 else:
                     prompts.append({"prompt_embeds": embeds})
+            elif "text" in p:  # tiny_vl.py: a text prompt, with one image when image_seed is given
+                from tiny_vl import tiny_image, vl_prompt
+
+                if "image_seed" in p:
+                    prompts.append({"prompt": vl_prompt(p["text"]),
+                                    "multi_modal_data": {"image": tiny_image(p["image_seed"])}})
+                else:
+                    prompts.append({"prompt": p["text"]})
             else:
                 prompts.append({"prompt_token_ids": p["token_ids"]})
             if "payload" in p:

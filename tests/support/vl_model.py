@@ -1,0 +1,56 @@
+"""Upstream Qwen2-VL with an image-only HF processor, registered with vLLM's ModelRegistry.
+
+The CPU venv has no torchvision (a CUDA torchvision does not load against CPU
+torch), and two transformers pieces of Qwen2-VL need it: the video processor,
+which transformers' Qwen2VLProcessor always loads, and the module vLLM imports
+`smart_resize` from (`image_processing_qwen2_vl`; the PIL module defines the same
+function). So that module name is pointed at the PIL module before vLLM's
+qwen2_vl is imported, and vLLM asks transformers for a processor class without
+the video half. The model, its vision encoder, M-RoPE positions and vLLM's
+multimodal processor are upstream's. Import this module before vLLM loads the model
+(engine in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+from transformers.models.qwen2_vl import Qwen2VLProcessor, image_processing_pil_qwen2_vl
+
+from tiny_vl import image_only_processor_class
+
+if importlib.util.find_spec("torchvision") is None:
+    sys.modules.setdefault("transformers.models.qwen2_vl.image_processing_qwen2_vl", image_processing_pil_qwen2_vl)
+
+from vllm.model_executor.models.qwen2_vl import (  # noqa: E402 (after the module alias)
+    Qwen2VLDummyInputsBuilder,
+    Qwen2VLForConditionalGeneration,
+    Qwen2VLMultiModalProcessor,
+    Qwen2VLProcessingInfo,
+)
+from vllm.multimodal import MULTIMODAL_REGISTRY  # noqa: E402
+
+ARCH = "OmniTinyQwen2VLForConditionalGeneration"
+IMAGE_ONLY_PROCESSOR = image_only_processor_class()  # one class: vLLM caches processors by it
+
+
+class ImageOnlyProcessingInfo(Qwen2VLProcessingInfo):
+    def get_hf_processor(self, **kwargs: object) -> Qwen2VLProcessor:
+        return self.ctx.get_hf_processor(IMAGE_ONLY_PROCESSOR, **kwargs)
+
+    def get_supported_mm_limits(self):
+        return {"image": None}
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    Qwen2VLMultiModalProcessor, info=ImageOnlyProcessingInfo, dummy_inputs=Qwen2VLDummyInputsBuilder
+)
+class OmniTinyQwen2VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    pass
+
+
+def register() -> None:
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model(ARCH, OmniTinyQwen2VLForConditionalGeneration)
