@@ -2,8 +2,9 @@
 
 The KV cache holds about two of the four requests at once, so vLLM preempts requests
 that carry a prompt-embeds payload, per-request state and hidden-state driven outputs
-(the "omni" hook set: hidden states, and a trace of the state's processed-token count). Each prompt run alone first (nothing to preempt) gives
-the reference: tokens and the sidecar's assembled outputs must not change.
+(the "omni" hook set: hidden states, and a trace of the state's processed-token count).
+Each prompt run alone first (nothing to preempt) gives the reference: tokens and the
+sidecar's assembled outputs must not change.
 The engine runs once for both tests (about 60 s here).
 """
 
