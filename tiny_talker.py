@@ -155,7 +155,7 @@ def _last_hidden(info: dict[str, Any]) -> torch.Tensor:
 
 
 class TalkerHooks:
-    """vllm-omni's model-hook API, as its runner calls it (see docs/ARCHITECTURE.md).
+    """vllm-omni's model-hook API, as its runner calls it (docs/ARCHITECTURE.md, "Model hooks").
 
     A class mixing this in provides `heads: TalkerHeads` and `embed_input_ids(ids)`
     (the backbone's code-0 embedding). `info` is the request's state plus the
@@ -167,6 +167,8 @@ class TalkerHooks:
     has_preprocess = True
     has_postprocess = True
     talker_mtp_output_key = ("codes", "audio")
+    # talker_mtp has no host sync and no data-dependent control flow: a CUDA graph may capture it
+    talker_mtp_graph_safe = True
     gpu_resident_buffer_keys = {("codes", "audio"), ("hidden_states", "last"), ("hidden_states", "trailing_text")}
 
     def preprocess(
@@ -249,7 +251,9 @@ def build_tiny_talker(path: str | Path, seed: int = 0) -> Path:
 def register() -> None:
     """Registers the talker's vLLM class with vLLM's ModelRegistry in this process.
 
-    Call it before `LLM(...)`; engine processes forked from this one inherit it.
+    Call it before `LLM(...)`. vLLM's CPU platform starts engine and worker processes with
+    `spawn` (multiprocessing on): call it at the top level of the main script, which each
+    spawned process imports again (tests/support/talker_plain_job.py does).
     """
     from vllm import ModelRegistry
 

@@ -27,6 +27,7 @@ class OmniTinyTalkerForConditionalGeneration(TalkerHooks, nn.Module):
         self.config = config
         self.model = Qwen3Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         self.heads = TalkerHeads(config)
+        self.mtp_hidden_size = int(config.hidden_size)
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:

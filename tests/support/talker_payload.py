@@ -10,8 +10,10 @@ with prefix caching off.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from omni_sidecar.omni.wire import encode_additional_information
@@ -34,3 +36,18 @@ def talker_request(prompt_len: int, text_len: int, seed: int, max_tokens: int = 
 def encoded_payload(info: dict[str, Any]) -> dict[str, Any]:
     """`info` as vllm-omni's `additional_information` ({"entries": {dotted key: entry}})."""
     return encode_additional_information(info)
+
+
+def payload_files(info: dict[str, Any], workdir: Path, name: str) -> dict[str, Any]:
+    """`info` as an engine job's payload (tests/support/engine_job.py): tensors saved as .npy files."""
+
+    def save(value: Any, key: str) -> Any:
+        if isinstance(value, dict):
+            return {k: save(v, f"{key}.{k}") for k, v in value.items()}
+        if isinstance(value, torch.Tensor):
+            path = Path(workdir) / f"{name}.{key}.npy"
+            np.save(path, value.to(torch.float32).numpy(), allow_pickle=False)
+            return {"npy": str(path), "dtype": str(value.dtype).removeprefix("torch.")}
+        return value
+
+    return {"additional_information": save(info, "payload")}

@@ -40,6 +40,17 @@ class ReferenceTalker(TalkerHooks):
         self.heads = TalkerHeads(config).eval()
         self.heads.load_state_dict(_under(weights, "heads."), strict=True)
         self.eos_id = int(config.codec_eos_id)
+        self._gaps: list[float] = []
+        self.heads.codec_head.register_forward_hook(self._record_gap)
+        for head in self.heads.predictor_heads:
+            head.register_forward_hook(self._record_gap)
+
+    def _record_gap(self, module, _inputs, logits: torch.Tensor) -> None:
+        """Top1-top2 logit gap of every greedy choice: how far the codes are from a near-tie."""
+        if module is self.heads.codec_head:
+            logits = logits.masked_fill(self.heads._never_sampled, float("-inf"))
+        top = logits.topk(2, dim=-1).values
+        self._gaps.extend((top[..., 0] - top[..., 1]).reshape(-1).tolist())
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.backbone.embed_tokens(input_ids)
@@ -62,6 +73,7 @@ class ReferenceTalker(TalkerHooks):
         prompt_len = int(prompt.shape[0])
         state = {k: dict(v) if isinstance(v, dict) else v for k, v in request["info"].items()}
         cache = DynamicCache()
+        self._gaps.clear()
 
         def step_info(num_computed: int) -> dict[str, Any]:
             return {**state, "request_id": request.get("request_id", "ref"), "_omni_prompt_len": prompt_len,
@@ -69,7 +81,9 @@ class ReferenceTalker(TalkerHooks):
 
         def forward_and_postprocess(embeds: torch.Tensor, start: int) -> torch.Tensor:
             hidden = self._forward(embeds, start, cache)
-            merge_update(state, self.postprocess(hidden, **{k: v for k, v in state.items() if k != "hidden_states"}))
+            # as vllm-omni's runner: the state without hidden_states (postprocess's positional name)
+            without_hidden = {k: v for k, v in state.items() if k != "hidden_states"}
+            merge_update(state, self.postprocess(hidden, **without_hidden))
             return hidden
 
         num_computed = 0
@@ -96,7 +110,29 @@ class ReferenceTalker(TalkerHooks):
             tokens.append(self._sample(hidden))
         num_groups = self.heads.num_code_groups
         codes = torch.cat(code_rows) if code_rows else torch.zeros((0, num_groups), dtype=torch.long)
-        return {"codes": codes, "tokens": tokens}
+        return {"codes": codes, "tokens": tokens, "min_gap": min(self._gaps)}
+
+    @torch.inference_mode()
+    def plain_greedy(self, prompt_token_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        """What vLLM computes with no hook bridge: ids embedded as code-0 tokens; stops at EOS.
+
+        Returns the sampled ids and each one's logprob.
+        """
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        ids = torch.tensor(prompt_token_ids, dtype=torch.long)
+        hidden = self._forward(self.embed_input_ids(ids), 0, cache)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        while True:
+            logits = self.heads.codec_logits(hidden[-1:]).log_softmax(dim=-1)[0]
+            tokens.append(int(logits.argmax()))
+            logprobs.append(float(logits[tokens[-1]]))
+            if len(tokens) == max_tokens or tokens[-1] == self.eos_id:
+                return tokens, logprobs
+            position = len(prompt_token_ids) + len(tokens) - 1
+            hidden = self._forward(self.embed_input_ids(torch.tensor(tokens[-1:])), position, cache)
 
 
 def _under(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -105,7 +141,9 @@ def _under(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Ten
 
 def reference_codes(model_dir: str | Path, requests: list[dict[str, Any]],
                     prefill_chunk: int | None = None) -> list[dict[str, Any]]:
-    """Per request {"codes": [T, Q] long (one row per decode step), "tokens": sampled code-0 ids}.
+    """Per request {"codes": [T, Q] long (one row per decode step), "tokens": sampled code-0 ids,
+    "min_gap": the smallest top1-top2 logit gap of its greedy choices (near 0: a near-tie that
+    another, numerically different forward may break the other way)}.
 
     vLLM stops a request at EOS only when asked (`stop_token_ids=[CODEC_EOS_ID]`: the talker has
     no tokenizer); requests run there with `ignore_eos=True` need `"ignore_eos": True` here.
