@@ -2,8 +2,9 @@
 
 The KV cache holds about two of the four requests at once, so vLLM preempts requests
 that carry a prompt-embeds payload, per-request state and hidden-state driven outputs
-(the "omni" hook set). Each prompt run alone first (nothing to preempt) gives
-the reference: tokens and the sidecar's assembled outputs must not change.
+(the "omni" hook set: hidden states, and a trace of the state's processed-token count).
+Each prompt run alone first (nothing to preempt) gives the reference: tokens and the
+sidecar's assembled outputs must not change.
 The engine runs once for both tests (about 60 s here).
 """
 
@@ -66,6 +67,13 @@ def test_preempted_requests_assemble_the_same_outputs(preempted_run):
         for name in ref:
             a = np.load(ref[name], allow_pickle=False)
             b = np.load(got[name], allow_pickle=False)
+            if name == "processed_trace":
+                # [tokens processed before (state), rows this step] per step: the chunking depends on
+                # the batch, the state's count must not (a replayed row would break the running sum).
+                for trace in (a, b):
+                    assert trace[:, 0].tolist() == np.concatenate([[0], np.cumsum(trace[:, 1])[:-1]]).tolist()
+                assert a[:, 1].sum() == b[:, 1].sum() == len(np.load(ref["hidden_states"], allow_pickle=False))
+                continue
             assert a.shape == b.shape, name
             if np.issubdtype(a.dtype, np.floating):
                 np.testing.assert_allclose(b, a, atol=2e-4, rtol=2e-4)
