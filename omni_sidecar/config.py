@@ -15,11 +15,15 @@ from typing import Annotated, Any, Literal, NamedTuple
 import msgspec
 import msgspec.inspect
 
-from omni_sidecar.builtin_hooks import BUILTIN_NAMES
 from omni_sidecar.errors import OmniSidecarError
 from proto.codec import DEFAULT_MAX_FRAME_BYTES
 from proto.endpoint import default_endpoint
 from proto.settings import ENV_PREFIX, RING_SLEEP_MS, RING_SLEEP_MS_MAX, RING_SPIN_US
+
+
+# The hook sets `--hooks` names (omni_sidecar/builtin_hooks.py); here, so that the CLI builds its
+# help without importing torch.
+BUILTIN_NAMES = ("passthrough", "capture", "overlay", "omni", "omni-thinker", "omni-talker")
 
 
 def _help(text: str) -> Any:
@@ -49,6 +53,10 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log_format: Annotated[Literal["plain", "json"], _help("plain or json lines")] = "plain"
     drain_timeout_s: Annotated[float, _help("longest SIGTERM drain in seconds")] = 10.0
     allow_uids: Annotated[list[int], _help("besides this user, let this uid connect (repeatable)")] = []
+    warm_spare: Annotated[bool, _help(
+        "keep a spare process with torch imported next to the socket: `omni-sidecar upgrade` "
+        "forks the new sidecar from it and completes in well under a second instead of a cold "
+        "start (costs the memory of an idle torch import)")] = False
     curve_keys: Annotated[str, _help(
         "directory with server.key_secret and authorized/ client keys; required for tcp://")] = ""
     # The ring env names (OMNI_SIDECAR_RING, _RING_SPIN_US, _RING_SLEEP_MS) are the shim's too.

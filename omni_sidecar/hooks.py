@@ -1,9 +1,10 @@
 """The hook API a sidecar hook set implements (docs/ARCHITECTURE.md, "Step sequence").
 
 Per step the shim's traffic drives, in order: `on_new_requests`,
+`model_states` (a model with its own hooks asks for new requests' states),
 `prepare_prefill_embeds` and `build_extra_kwargs` (only when `needs.pre_forward`
-says so), the upstream forward in vLLM, `process_model_output`, and
-`on_finished`. `get_outputs` serves clients asking for a request's outputs.
+says so), the upstream forward in vLLM (and the model's own hooks around it),
+`on_model_results`, `process_model_output`, and `on_finished`. `get_outputs` serves clients asking for a request's outputs.
 
 Errors: raise `RequestHookError` (one request) or `HookErrors` (several) to
 fail those requests; any other exception fails every request of the call (the
@@ -80,6 +81,15 @@ class StepBatch:
         qsl = self.layout.query_start_loc
         return qsl[i], qsl[i + 1]
 
+    def input_ids(self, i: int) -> list[int]:
+        """The input token ids of request i's rows (a decode row's is the token the previous step
+        sampled); needs `HookNeeds(input_ids=True)`."""
+        ids = self.layout.input_ids
+        if ids is None:
+            raise ValueError("the layout carries no input ids: declare HookNeeds(input_ids=True)")
+        start, end = self.rows(i)
+        return ids[start:end]
+
     def prefill_rows(self, i: int) -> tuple[int, int, int]:
         """(first batch row, number of prompt rows k, prompt position nc) of request i.
 
@@ -134,6 +144,15 @@ class OmniHooks:
     def output_chunks(self, req_id: str) -> list[dict[str, Any]] | None:
         """Per-step outputs in step order, for streaming clients (None: not kept)."""
         return None
+
+    def model_states(self, req_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """Initial state of requests new to a model that carries its own hooks (needs.model_states):
+        what its preprocess / postprocess read as `**info` in the vLLM process."""
+        return {}
+
+    def on_model_results(self, updates: dict[str, dict[str, Any]], outputs: dict[str, dict[str, Any]]) -> None:
+        """A step's model updates (merge into state) and outputs (e.g. {"codes": {"audio": [1, Q]}})
+        per request, returned by the model's own hooks in the vLLM process. Tensors are copies."""
 
     def on_preempted(self, req_ids: list[str]) -> None:
         """vLLM preempted these; they come back later through `on_new_requests`."""

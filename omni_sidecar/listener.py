@@ -85,6 +85,15 @@ class Listener:
             pass
         self.bind_also(endpoint)
 
+    @staticmethod
+    def give_path(successor: str, usual: str) -> None:
+        """Move the successor's socket file onto `usual` (rename is atomic): from now on a shim that
+        connects there reaches the successor, never this draining sidecar, even before the
+        successor binds `usual` itself."""
+        src, dst = ipc_path(successor), ipc_path(usual)
+        if src is not None and dst is not None and os.path.exists(src):
+            os.replace(src, dst)
+
     # -- traffic ---------------------------------------------------------------
 
     def recv_frames(self) -> list[bytes]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib
 
 from omni_sidecar.errors import OmniSidecarError
-from omni_sidecar.builtin_hooks import BUILTIN_NAMES, builtin_hooks
+from omni_sidecar.builtin_hooks import builtin_hooks
+from omni_sidecar.config import BUILTIN_NAMES
 from omni_sidecar.hooks import OmniHooks
 
 

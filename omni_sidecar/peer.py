@@ -8,6 +8,7 @@ Hello again, the sidecar stops, or the rings broke.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Literal
 
 from omni_sidecar.listener import Listener
@@ -31,6 +32,22 @@ class ShimPeer:
         self._listener = listener
         self._codec = codec
         self.rings: RingTransport | None = None
+        self.in_step = False  # a StepStart or StepBegin came, its StepEnd not yet
+        self.last_step_at = time.monotonic()  # admission counts: a just-switched shim may step at once
+        self.switch_ready = False  # sent SwitchReady: it waits for its SwitchAck, sending nothing
+        # Shims of protocol 1.2 announce every step (StepStart), so "between steps" is known.
+        self.announces_steps = session.hello.protocol_minor >= 2
+
+    def note_step(self, begins: bool) -> None:
+        self.in_step = begins
+        self.last_step_at = time.monotonic()
+
+    def idle(self, now: float, quiet_s: float) -> bool:
+        """Can go to a successor now: waiting for its SwitchAck, or between steps for `quiet_s`
+        (docs/ARCHITECTURE.md, Hot upgrade: the shim re-checks at its next step after that long)."""
+        if self.switch_ready:
+            return True
+        return self.announces_steps and not self.in_step and now - self.last_step_at >= quiet_s
 
     def attach_rings(self) -> None:
         """Map the rings the Hello offered; on failure this connection stays on the socket."""

@@ -27,6 +27,7 @@ from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
 
 log = logging.getLogger("omni_sidecar.peers")
 REAP_INTERVAL_S = 2.0
+DRAIN_ROUNDS_MAX = 64  # reading what shims wrote before a hand-over decision: a busy one may not stop
 
 Dispatch = Callable[[bytes, object], None]
 Refuse = Callable[[str, str, bytes], ErrorReply]
@@ -57,6 +58,11 @@ class PeerTable:
 
     def get(self, ident: bytes) -> ShimPeer | None:
         return self._peers.get(ident)
+
+    def idle(self, quiet_s: float) -> list[bytes]:
+        """Identities of the peers with no step in flight for `quiet_s`."""
+        now = time.monotonic()
+        return [ident for ident, peer in self._peers.items() if peer.idle(now, quiet_s)]
 
     def sessions(self) -> list[Session]:
         return [p.session for p in self._peers.values()]
@@ -178,6 +184,13 @@ class PeerTable:
                 continue
             busy |= self._serve_one(peer, dispatch)
         return busy
+
+    def drain(self, dispatch: Dispatch, serve_socket: Callable[[], bool]) -> bool:
+        """Serve all the shims wrote before now, rings and socket; False if it kept coming."""
+        for _ in range(DRAIN_ROUNDS_MAX):
+            if not (self.pump(dispatch) | serve_socket()):
+                return True
+        return False
 
     def on_socket_frames(self, frames: list[bytes], dispatch: Dispatch) -> bool:
         """Frames from a ring peer's socket: a kick, or the message behind a MARK.

@@ -53,7 +53,9 @@ class SeenPositions:
             starts.append(starts[-1] + end - start - skip)
         if not replayed:
             return layout, None
-        return BatchLayout(req_ids, starts, fresh_computed, prefill_lens), rows
+        ids = layout.input_ids
+        fresh_ids = [t for a, b in rows for t in ids[a:b]] if ids is not None else None
+        return BatchLayout(req_ids, starts, fresh_computed, prefill_lens, fresh_ids), rows
 
     def forget(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:

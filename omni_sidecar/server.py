@@ -52,11 +52,12 @@ from proto.messages import (
     StatusQuery,
     StepBegin,
     StepEnd,
+    StepStart,
     SwitchAck,
     SwitchReady,
     Takeover,
 )
-from proto.settings import RING_IDLE_S, RING_IDLE_SLEEP_MS
+from proto.settings import IDLE_HANDOVER_S, RING_IDLE_S, RING_IDLE_SLEEP_MS
 from proto.transport import WaitPolicy
 from proto.version import PROTOCOL_MAJOR, PROTOCOL_VERSION
 
@@ -158,6 +159,8 @@ class SidecarServer:
                         self.on_reload()
                 if self._draining and self._drained():
                     break
+                if self.handover.pending:
+                    self._hand_over_ready()
                 if self.takeover.waiting:
                     self._poll_takeover()
                 elif self.peers.ring_transports():
@@ -203,11 +206,14 @@ class SidecarServer:
             self.peers.send(ident, reply)
 
     def _handle(self, ident: bytes, msg: object):
-        if isinstance(msg, StepEnd | StepBegin):
+        if isinstance(msg, StepEnd | StepBegin | StepStart):
             peer = self.peers.get(ident)
             if peer is None:
                 return self.rejects.refuse("no_session", "send Hello before step messages", ident)
             self._last_step = time.monotonic()
+            peer.note_step(begins=not isinstance(msg, StepEnd))
+            if isinstance(msg, StepStart):
+                return Pong(msg.step) if msg.answer else None
             if isinstance(msg, StepBegin):
                 return peer.session.step_begin(msg)
             result = peer.session.step_end(msg)
@@ -219,14 +225,16 @@ class SidecarServer:
         if isinstance(msg, Ping):
             return Pong(msg.nonce)
         if isinstance(msg, StatusQuery):
+            if self.takeover.waiting:  # answered once we own the state: that is what `upgrade` waits for
+                return self.takeover.defer_status(ident)
             return self.queries.status(self._draining, self.rejects.total)
         if isinstance(msg, OutputsQuery):
             return self.queries.outputs(msg)
         if isinstance(msg, Drain):
             self.begin_drain()
             return Drained(len(self.peers))
-        if isinstance(msg, Takeover):
-            return self._accept_takeover(ident, msg)
+        if isinstance(msg, Takeover):  # sessions go once each is between steps (_hand_over_ready)
+            return self.handover.accept(ident, msg, busy=self._draining)
         if isinstance(msg, SwitchReady):
             return self._switch(ident, msg)
         return self.rejects.refuse("unexpected", f"{type(msg).__name__} is not a request the sidecar serves", ident)
@@ -278,35 +286,44 @@ class SidecarServer:
         if found:  # written before the writer could see our flags
             self._busy_at = time.monotonic()
 
-    def _serve_socket(self, wait_ms: int) -> None:
-        if self.listener.poll(wait_ms):
-            self._serve(self.listener.recv_frames())  # a kick, or control traffic
+    def _serve_socket(self, wait_ms: int) -> bool:
+        if not self.listener.poll(wait_ms):
+            return False
+        self._serve(self.listener.recv_frames())  # a kick, or control traffic
+        return True
 
     # -- hot upgrade -------------------------------------------------------------------
 
-    def _accept_takeover(self, ident: bytes, msg: Takeover):
-        refused = self.handover.accept(ident, msg, busy=self._draining)
-        if refused is not None:
-            return refused
-        if not self.peers:
-            reply = self.handover.state(None)
-            self.begin_drain()
-            return reply
-        return None  # TakeoverState goes out when a shim is at a step boundary
+    def _hand_over_ready(self) -> None:
+        """Hand all sessions over once each is between steps or after SwitchReady (docs/ARCHITECTURE.md, Hot upgrade)."""
+        if not self.peers.drain(self._dispatch, lambda: self._serve_socket(0)) or not self.handover.pending:
+            return  # first read all the shims wrote before now: still coming, decide on a later turn
+        ready = self.peers.idle(IDLE_HANDOVER_S)
+        if len(ready) == len(self.peers):
+            self._hand_over(ready)
 
     def _switch(self, ident: bytes, msg: SwitchReady):
         peer = self.peers.get(ident)
-        if peer is None or self.handover.successor is None:
+        if peer is None or not self.handover.pending:
             return self.rejects.refuse("no_switch", "no takeover in progress for this session", ident)
-        state = self.handover.state(peer.session)
-        self.peers.send(self.handover.successor, state)
-        log.info("session %d handed over at step %d to %s", peer.session.id, msg.last_step,
-                 self.handover.switch_to)
-        # Through the session's rings (behind anything still queued there), then close them.
-        self.peers.end(ident, "handed_over", farewell=SwitchAck(endpoint=self.handover.switch_to,
-                                                                 token=state.token))
-        self.begin_drain()
+        log.info("session %d at its step boundary (step %d)", peer.session.id, msg.last_step)
+        peer.switch_ready = True  # its SwitchAck goes out with the hand-over, on this loop's next turn
         return None
+
+    def _hand_over(self, idents: list[bytes]) -> None:
+        """One TakeoverState with these sessions (and resume docs nobody claimed here); each shim
+        gets its SwitchAck, unsolicited when it is idle (it switches at its next step)."""
+        tokens = {ident: self.handover.new_token() for ident in idents}
+        sessions = {token: self.peers.get(ident).session for ident, token in tokens.items()}
+        assert self.handover.successor is not None
+        usual = self.takeover.old_endpoint or self.endpoint  # outlives later upgrades; the successor's from now
+        self.listener.give_path(self.handover.switch_to, usual)
+        self.peers.send(self.handover.successor, self.handover.state(sessions, self.takeover.unclaimed()))
+        for ident, token in tokens.items():
+            log.info("session %d handed over to %s", self.peers.get(ident).session.id, self.handover.switch_to)
+            # Through the session's rings (behind anything still queued there), then close them.
+            self.peers.end(ident, "handed_over", farewell=SwitchAck(endpoint=usual, token=token))
+        self.begin_drain()
 
     def start_takeover(self, old_endpoint: str, timeout_s: float) -> None:
         """Bound on a side address already; ask the running sidecar to hand over."""
@@ -321,9 +338,7 @@ class SidecarServer:
         rings = bool(self.peers.ring_transports())
         busy = self.peers.pump(self._dispatch) if rings else False
         ready = dict(poller.poll(0 if busy else self.wait.sleep_ms if rings else TAKEOVER_POLL_MS))
-        if self.listener.sock in ready:
-            self._serve(self.listener.recv_frames())
-        if takeover_sock in ready:
+        if takeover_sock in ready:  # first: a shim or client that reached us may have come after it
             failure = self.takeover.receive(takeover_sock.recv())
             if failure:
                 self._abort_takeover(failure)
@@ -331,10 +346,11 @@ class SidecarServer:
                 self._took_over()
         elif self.takeover.expired():
             self._abort_takeover("the running sidecar did not hand over in time")
+        if self.listener.sock in ready:
+            self._serve(self.listener.recv_frames())
 
     def _took_over(self) -> None:
-        # Also answer at the usual address from now on: shims that reconnect later find us
-        # there. The side address stays bound for the shim that is switching right now.
+        # Answer at the usual address (the side one stays bound for a shim switching right now).
         self.listener.replace_path(self.takeover.old_endpoint)
         log.info("serving at %s and %s", self.endpoint, self.takeover.old_endpoint)
         waiting, self.takeover.waiting_hellos = self.takeover.waiting_hellos, []
@@ -342,6 +358,8 @@ class SidecarServer:
             reply = self._hello(ident, hello, fd)
             if reply is not None:
                 self.peers.send(ident, reply)
+        for ident in self.takeover.take_status_askers():
+            self.peers.send(ident, self.queries.status(self._draining, self.rejects.total))
 
     def _abort_takeover(self, reason: str) -> None:
         self.takeover_failed = reason

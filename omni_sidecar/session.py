@@ -21,6 +21,7 @@ from omni_sidecar.store import FinishedEntry, FinishedOutputs
 from proto.messages import (
     BatchLayout,
     Hello,
+    ModelHooks,
     NewRequest,
     Overlay,
     RequestError,
@@ -63,13 +64,15 @@ class Session:
         self._begin_us = 0.0
         self._last_layout: BatchLayout | None = None
         self.seen = SeenPositions()  # hooks see each position once, also across preemption
+        self.model_hooks: ModelHooks | None = None  # what the served model carries (told with want_states)
         self._prev_req_ids: list[str] | None = None
 
     # -- set-up --------------------------------------------------------------
 
     def open_arenas(self, min_out_bytes: int = 0) -> None:
-        self.arenas.open(self.hooks.needs.pre_forward != "never", min_out_bytes)
-        self.arenas.wanted_layers = list(self.hooks.needs.hidden_layers)
+        needs = self.hooks.needs
+        self.arenas.open(needs.pre_forward != "never" or needs.model_states, min_out_bytes)
+        self.arenas.wanted_layers = list(needs.hidden_layers)
 
     def close(self) -> None:
         self.arenas.close()
@@ -123,16 +126,22 @@ class Session:
         self._last_layout = layout
         overlays: list[Overlay] = []
         extra: dict[str, Any] = {}
+        states: dict[str, Any] = {}
         out = self.arenas.out
         if out is not None:
             out.reset()
+        if msg.model_hooks is not None:
+            self.model_hooks = msg.model_hooks
+        if msg.want_states:
+            with _collect(errors, None, "model_states", list(msg.want_states)):
+                states = self.arenas.encode_tensors(self.hooks.model_states(list(msg.want_states)))
         with _collect(errors, batch, "pre-forward hooks"):
             overlays = self.arenas.write_overlays(self.hooks.prepare_prefill_embeds(batch))
-            extra = self.arenas.encode_kwargs(self.hooks.build_extra_kwargs(batch))
+            extra = self.arenas.encode_tensors(self.hooks.build_extra_kwargs(batch))
         event = out.seal() if out is not None else -1
         self._begin_us = (time.perf_counter() - t0) * 1e6
         return StepPlan(step=msg.step, overlays=overlays, extra_kwargs=extra, errors=self._report(errors),
-                        event=event)
+                        event=event, model_states=states)
 
     def step_end(self, msg: StepEnd) -> StepResult:
         t0 = time.perf_counter()
@@ -143,6 +152,9 @@ class Session:
                 self._client_ids.setdefault(failure.client_req_id, failure.req_id)
         self._admit(msg.new_requests, [], msg.preempted, errors)
         layout = self._resolve_layout(msg.batch) if msg.batch is not None else self._last_layout
+        if msg.model_updates or msg.model_outputs:
+            with _collect(errors, None, "on_model_results", [*msg.model_updates, *msg.model_outputs]):
+                self.hooks.on_model_results(*self.arenas.model_results(msg))
         if msg.num_tokens and layout is not None:
             self.steps += 1
             self.scheduled_tokens += msg.num_tokens
@@ -151,7 +163,7 @@ class Session:
                 batch = self._batch(msg.step, fresh)
                 batch.hidden_layers = {n: take_rows(t, rows) for n, t in self.arenas.hidden_layers(msg).items()}
                 self.hooks.process_model_output(batch, take_rows(self.arenas.hidden(msg), rows))
-            self.arenas.release_hidden(msg)
+        self.arenas.release_slot(msg)
         self._last_layout = None
         result_errors = self._report(errors)
         self._finish(msg.finished)

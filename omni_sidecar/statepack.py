@@ -24,7 +24,8 @@ def _to_wire(value: Any, depth: int = 0) -> Any:
         data, shape, dtype = tensor_to_bytes(value)
         return {_TENSOR: [shape, dtype, data]}
     if isinstance(value, dict):
-        return {str(k): _to_wire(v, depth + 1) for k, v in value.items()}
+        # int keys stay ints (vllm-omni's hidden_states.layers); msgpack keeps them
+        return {k if isinstance(k, (str, int)) else str(k): _to_wire(v, depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):
         return [_to_wire(v, depth + 1) for v in value]
     return value

@@ -1,9 +1,11 @@
 """Hot upgrade: a new sidecar takes the hook state and the shims over from the running one.
 
 Two small objects, like Envoy's hot-restart parent and child:
-- `HandOver` (the running sidecar): accepts one successor's Takeover, tells each
-  shim to switch with its next StepResult, and packs the state a switching
-  session leaves behind (the session, the hooks' state, the finished outputs).
+- `HandOver` (the running sidecar): accepts one successor's Takeover and packs,
+  once, the state its sessions leave behind (each session under a resume token,
+  the hooks' state, the finished outputs). Idle sessions go at once (their shims
+  get an unsolicited SwitchAck); a busy one is told with its next StepResult and
+  goes at its step boundary.
 - `TakeOver` (the successor): asks the running sidecar to hand over, imports
   what comes back, keeps each session's state under a resume token until its
   shim says Hello with that token, and then answers at the usual address too.
@@ -27,6 +29,7 @@ from proto.codec import Codec, FrameError
 from proto.messages import Hello, Reject, Takeover, TakeoverState
 
 log = logging.getLogger("omni_sidecar.upgrade")
+STATUS_ASKERS_MAX = 64  # status queries held until the takeover's state arrived
 
 
 class HandOver:
@@ -37,6 +40,12 @@ class HandOver:
         self.finished = finished
         self.successor: bytes | None = None  # its identity on our socket
         self.switch_to = ""  # its endpoint, told to every shim with a StepResult
+        self.handed = False  # the one TakeoverState went out: the successor reads only one
+
+    @property
+    def pending(self) -> bool:
+        """A successor waits for the state."""
+        return self.successor is not None and not self.handed
 
     def accept(self, ident: bytes, msg: Takeover, busy: bool) -> Reject | None:
         """Reject, or None when the successor is accepted (`busy`: a takeover or drain is on)."""
@@ -56,17 +65,19 @@ class HandOver:
                  msg.new_endpoint, msg.hook_set)
         return None
 
-    def state(self, session: Session | None) -> TakeoverState:
-        """What the successor needs to go on serving `session` (None: no session left)."""
-        doc = {
-            "session": session.export() if session is not None else None,
-            "hooks": self.hooks.export_state(),
-            "finished": self.finished.export(),
-        }
-        return TakeoverState(
-            hook_set=self.hooks.name, state_version=self.hooks.state_version,
-            token=secrets.token_hex(8), state=pack(doc),
-        )
+    def state(self, sessions: dict[str, Session], forwarded: dict[str, Any]) -> TakeoverState:
+        """All the successor needs, once: each session's export under a fresh resume token
+        (the keys of `sessions`), plus resume docs this sidecar was handed and nobody claimed."""
+        self.handed = True
+        exported = dict(forwarded)
+        exported.update((token, session.export()) for token, session in sessions.items())
+        doc = {"sessions": exported, "hooks": self.hooks.export_state(), "finished": self.finished.export()}
+        return TakeoverState(hook_set=self.hooks.name, state_version=self.hooks.state_version,
+                             token="", state=pack(doc))
+
+    @staticmethod
+    def new_token() -> str:
+        return secrets.token_hex(8)
 
 
 class TakeOver:
@@ -81,6 +92,7 @@ class TakeOver:
         self._deadline = 0.0
         self._resume: dict[str, dict[str, Any] | None] = {}  # token -> a session's exported state
         self.waiting_hellos: list[tuple[bytes, Hello, int]] = []  # (ident, Hello, fd): came before their state
+        self._status_askers: list[bytes] = []  # StatusQuery senders, answered once the state is ours
 
     @property
     def waiting(self) -> bool:
@@ -116,10 +128,18 @@ class TakeOver:
         doc = unpack(msg.state)
         self.hooks.import_state(doc.get("hooks") or {})
         self.finished.restore(doc.get("finished") or {})
-        self._resume[msg.token] = doc.get("session")
+        self._resume.update(doc.get("sessions") or {})
         self.close()
         log.info("takeover done: state of hook set %r (%s) imported", msg.hook_set, msg.state_version)
         return ""
+
+    def defer_status(self, ident: bytes) -> None:
+        if len(self._status_askers) < STATUS_ASKERS_MAX:  # a client that floods us gets no answer
+            self._status_askers.append(ident)
+
+    def take_status_askers(self) -> list[bytes]:
+        out, self._status_askers = self._status_askers, []
+        return out
 
     def knows(self, token: str) -> bool:
         return token in self._resume
@@ -127,6 +147,11 @@ class TakeOver:
     def resume(self, token: str) -> dict[str, Any] | None:
         """The session state handed over under `token` (once)."""
         return self._resume.pop(token, None)
+
+    def unclaimed(self) -> dict[str, Any]:
+        """Resume docs no shim claimed (yet): forwarded on our own hand-over, so idle upgrades chain."""
+        out, self._resume = self._resume, {}
+        return out
 
     def close(self) -> None:
         if self.sock is not None:

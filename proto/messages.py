@@ -20,75 +20,15 @@ from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
+from proto.capabilities import (ArenaInfo, ArenaKind, Count, CudaIpcInfo, HookNeeds, IpcHandle, LayerIndex, MAX_LAYERS,
+                                ModelHooks, Name)
 from proto.tensors import TensorRef
 
 MAX_BATCH = 1 << 16
+MAX_STEP_TOKENS = 1 << 20
 MAX_ID_LEN = 256
 ReqId = Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)]
-Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
-MAX_LAYERS = 64  # captured decoder layers per step
-LayerIndex = Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
-Name = Annotated[str, msgspec.Meta(max_length=256)]
-
-
-IpcHandle = Annotated[bytes, msgspec.Meta(max_length=256)]
-# "shm": POSIX shared memory (CPU, or host staging for accelerators); "cuda_ipc": device memory.
-ArenaKind = Literal["shm", "cuda_ipc"]
-
-
-class CudaIpcInfo(msgspec.Struct, frozen=True):
-    """What the peer needs to open a CUDA IPC arena once: the buffer and its event ring.
-
-    The fields are torch's `UntypedStorage._share_cuda_()` export (device memory
-    handle, the storage's place in its allocation, torch's cross-process
-    ref-counter) plus the producer's interprocess "ready" events, one per slot.
-    `device_uuid` lets the peer pick the same physical GPU whatever its
-    CUDA_VISIBLE_DEVICES numbering.
-    """
-
-    device_uuid: Name
-    mem_handle: IpcHandle
-    storage_size: Count
-    storage_offset: Count
-    ref_counter_handle: IpcHandle
-    ref_counter_offset: Count
-    alloc_event_handle: IpcHandle
-    alloc_event_sync: bool
-    ready_events: Annotated[list[IpcHandle], msgspec.Meta(max_length=64)] = []
-
-
-class ArenaInfo(msgspec.Struct, frozen=True):
-    """A shared buffer one side created; the other side opens it once."""
-
-    kind: ArenaKind
-    name: Name
-    size: Count
-    device: Name = "cpu"
-    cuda: CudaIpcInfo | None = None
-
-
-class HookNeeds(msgspec.Struct, frozen=True):
-    """What the loaded hook set needs from the shim; decides the per-step traffic.
-
-    pre_forward: when the shim must ask before the forward (a blocking StepBegin):
-      "never", "prefill" (only on steps that schedule prompt tokens) or "always".
-    hidden_states: the last-layer hidden states of every scheduled token.
-    pre_forward_scope: "all" requests, or only requests that carry a payload
-      (`extra_args["omni_sidecar"]`); a step whose requests need nothing gets no
-      blocking exchange at all.
-    prefix_cache_safe: False when hooks change what a prompt token means (overlaid
-      embeddings), so KV computed for one request must not be reused by another.
-    hidden_layers: decoder layers whose input hidden states (vllm-omni's
-      `hidden_states["layers"][N]`: N = 0 is the embeddings) the hooks get with
-      the last-layer ones, every scheduled token; needs hidden_states.
-    """
-
-    pre_forward: Literal["never", "prefill", "always"] = "never"
-    pre_forward_scope: Literal["all", "payload"] = "all"
-    hidden_states: bool = False
-    prefix_cache_safe: bool = True
-    hidden_layers: Annotated[list[LayerIndex], msgspec.Meta(max_length=MAX_LAYERS)] = []
 
 
 # -- handshake ---------------------------------------------------------------
@@ -171,6 +111,8 @@ class BatchLayout(msgspec.Struct, frozen=True, array_like=True):
     # Tokens of each request that are prefill (vLLM's prefill_len: the prompt, plus the
     # output tokens a resumed request recomputes); rows at or past it are decode rows.
     prefill_lens: Annotated[list[Count], msgspec.Meta(max_length=MAX_BATCH)]
+    # 1.2, only when the hook set's needs ask (HookNeeds.input_ids): each row's input token id.
+    input_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_STEP_TOKENS)] | None = None
 
 
 class StepBegin(msgspec.Struct, tag="step_begin", frozen=True):
@@ -179,6 +121,11 @@ class StepBegin(msgspec.Struct, tag="step_begin", frozen=True):
     new_requests: Annotated[list[NewRequest], msgspec.Meta(max_length=MAX_BATCH)] = []
     finished: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] = []
     preempted: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] = []
+    # 1.2, model hooks: requests whose initial state the shim's mirror lacks (new to this
+    # shim); the plan answers with `model_states`. `model_hooks` rides along because the
+    # Hello goes out before vLLM loads the model (only then are its hooks known).
+    want_states: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] = []
+    model_hooks: ModelHooks | None = None
 
 
 class Overlay(msgspec.Struct, frozen=True, array_like=True):
@@ -197,10 +144,11 @@ class RequestError(msgspec.Struct, frozen=True, array_like=True):
 
 
 class StepPlan(msgspec.Struct, tag="step_plan", frozen=True):
-    """Overlay rows and extra forward kwargs for this step.
+    """Overlay rows, extra forward kwargs and initial model states for this step.
 
-    In `extra_kwargs`, a tensor is `{TENSOR_MARKER: TensorRef}` pointing into the
-    sidecar's arena; everything else is JSON-like.
+    In `extra_kwargs` and `model_states`, a tensor is `{TENSOR_MARKER: TensorRef}`
+    pointing into the sidecar's arena; everything else is JSON-like. A state is typed
+    `Any`, not `dict[str, Any]`: vllm-omni's `hidden_states.layers` is keyed by int.
     """
 
     step: Count
@@ -209,6 +157,8 @@ class StepPlan(msgspec.Struct, tag="step_plan", frozen=True):
     errors: Annotated[list[RequestError], msgspec.Meta(max_length=MAX_BATCH)] = []
     # CUDA IPC: the ready event the shim's stream waits on before reading this plan's tensors.
     event: Annotated[int, msgspec.Meta(ge=-1, le=63)] = -1
+    # 1.2: the state of each request named in `want_states` (the sidecar's decoded payload).
+    model_states: dict[ReqId, Any] = {}
 
 
 class StepEnd(msgspec.Struct, tag="step_end", frozen=True):
@@ -232,8 +182,14 @@ class StepEnd(msgspec.Struct, tag="step_end", frozen=True):
     # Requests the shim failed because no sidecar served them (a previous one died):
     # the sidecar records the errors so clients asking it get them.
     failed: Annotated[list[RequestError], msgspec.Meta(max_length=1 << 17)] = []
-    # CUDA IPC: the ready event recorded after the hidden states were written (-1: none).
+    # CUDA IPC: the ready event recorded after this step's slot was written (hidden states,
+    # model updates and outputs; -1: none).
     hidden_event: Annotated[int, msgspec.Meta(ge=-1, le=63)] = -1
+    # 1.2, model hooks: per request, this step's merged state updates and its outputs
+    # (e.g. {"codes": {"audio": [1, Q]}}); tensors are TENSOR_MARKER refs into the step's
+    # hidden slot, after the hidden rows. Typed `Any` for int keys (see StepPlan).
+    model_updates: dict[ReqId, Any] = {}
+    model_outputs: dict[ReqId, Any] = {}
 
 
 class StepResult(msgspec.Struct, tag="step_result", frozen=True):
@@ -276,6 +232,16 @@ class SwitchReady(msgspec.Struct, tag="switch_ready", frozen=True):
 class SwitchAck(msgspec.Struct, tag="switch_ack", frozen=True):
     endpoint: Text
     token: Name
+
+
+class StepStart(msgspec.Struct, tag="step_start", frozen=True):
+    """The shim (protocol 1.2), first thing in a step: a sidecar hands a session over on its own
+    only between steps (docs/ARCHITECTURE.md, Hot upgrade). `answer`: the shim was quiet long
+    enough that the sidecar may be handing it over right now; it waits for Pong(step), or finds
+    the SwitchAck before it."""
+
+    step: Count
+    answer: bool = False
 
 
 # -- control -----------------------------------------------------------------
@@ -376,6 +342,8 @@ class ErrorReply(msgspec.Struct, tag="error", frozen=True):
     message: Text
 
 
+__all__ = ["ArenaInfo", "ArenaKind", "CudaIpcInfo", "HookNeeds", "IpcHandle", "ModelHooks"]  # re-exported
+
 Message = Union[
     Hello,
     Welcome,
@@ -397,4 +365,5 @@ Message = Union[
     TakeoverState,
     SwitchReady,
     SwitchAck,
+    StepStart,
 ]

@@ -33,3 +33,10 @@ HEARTBEAT_TIMEOUT_MS: Final = 3000
 # Error texts that cross the wire are cut to this many characters.
 ERROR_TEXT_MAX: Final = 4000
 RING_KIB: Final = 1024  # each direction's ring, per connection
+
+# Hot upgrade of a session between steps (docs/ARCHITECTURE.md, Hot upgrade): the sidecar hands
+# it over on its own once it was this long between steps; a shim that sent nothing for
+# STEP_START_ANSWER_S waits at its next step for the sidecar to answer its StepStart. The
+# difference is the margin for a message written before the sidecar looked but not yet read.
+IDLE_HANDOVER_S: Final = 0.4
+STEP_START_ANSWER_S: Final = 0.1

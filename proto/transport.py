@@ -40,6 +40,7 @@ from proto.messages import (
     StepEnd,
     StepPlan,
     StepResult,
+    StepStart,
     Welcome,
 )
 from proto.settings import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS, RING_SLEEP_MS, RING_SPIN_US
@@ -50,7 +51,7 @@ T = TypeVar("T")
 
 Route = Literal["ring", "marked", "socket"]
 # Per-step traffic (and the errors answering it) rides the ring.
-_RING_MESSAGES = (StepBegin, StepEnd, StepPlan, StepResult, ErrorReply)
+_RING_MESSAGES = (StepStart, StepBegin, StepEnd, StepPlan, StepResult, ErrorReply)
 # The answer to a Hello leaves before the shim reads any ring: socket, no MARK.
 _HANDSHAKE_REPLIES = (Welcome, Reject)
 # Replies waiting for room in one peer's ring before the connection counts as stuck.
@@ -64,6 +65,12 @@ def route(msg: object) -> Route:
     if isinstance(msg, _HANDSHAKE_REPLIES):
         return "socket"
     return "marked"
+
+
+def wakes(msg: object) -> bool:
+    """Does sending `msg` wake a reader that sleeps? Not a StepStart that wants no answer: the
+    sidecar reads it with the step's next message, or when it looks before a hand-over."""
+    return not isinstance(msg, StepStart) or msg.answer
 
 
 class RingOverflow(ProtoError):
@@ -105,18 +112,19 @@ class RingTransport:
 
     # -- sending ---------------------------------------------------------------
 
-    def send(self, frame: bytes, how: Route) -> None:
+    def send(self, frame: bytes, how: Route, wake: bool = True) -> None:
         """In order after anything queued; RingOverflow when the queue passes its bound."""
         if how == "socket":
             self._send_socket(frame)
             return
         self._queue.append((frame, how == "marked"))
-        self.flush()
+        self.flush(wake)
         if len(self._queue) > self._max_queued:
             raise RingOverflow(f"{len(self._queue)} replies wait for room in the peer's ring")
 
-    def flush(self) -> None:
-        """Send what the ring has room for now (RingError: the ring is broken)."""
+    def flush(self, wake: bool = True) -> None:
+        """Send what the ring has room for now (RingError: the ring is broken); kick a sleeping
+        reader unless `wake` is False."""
         wrote = False
         queue = self._queue
         while queue:
@@ -129,7 +137,7 @@ class RingTransport:
                 self._send_socket(frame)  # the peer wakes on this frame itself
             else:
                 wrote = True
-        if wrote and self.duplex.peer_sleeping() and self._kick():
+        if wrote and wake and self.duplex.peer_sleeping() and self._kick():
             self.kicks_sent += 1
 
     @property
@@ -250,5 +258,5 @@ def reply_problem(request: object, reply: object, want: type) -> str:
 
 __all__ = [
     "EMPTY", "MAX_QUEUED", "Route", "RingOverflow", "RingTransport", "WaitPolicy", "apply_curve_client",
-    "reply_problem", "route", "set_heartbeats",
+    "reply_problem", "route", "set_heartbeats", "wakes",
 ]

@@ -1,5 +1,9 @@
 """Protocol version. Peers with a different major version refuse each other."""
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 1  # 1.1: BatchLayout.prefill_lens, NewRequest.client_req_id
+# 1.1: BatchLayout.prefill_lens, NewRequest.client_req_id
+# 1.2: StepStart (idle hand-over); model hooks (HookNeeds.model_states, StepBegin.want_states/model_hooks,
+#      StepPlan.model_states, StepEnd.model_updates/model_outputs); HookNeeds.input_ids, BatchLayout.input_ids;
+#      layer capture (HookNeeds.hidden_layers, StepEnd.hidden_layers)
+PROTOCOL_MINOR = 2
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"

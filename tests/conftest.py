@@ -65,10 +65,14 @@ def embeds_case(tiny_model, e2e_dir):
     """Prompt embeddings E and the tokens plain vLLM V2 gives for `prompt_embeds=E`."""
     from tests.support.procs import run_engine, write_embeds
 
+    from worker_shim.compat import v2_takes_prompt_embeds, vllm_version
+
     files = write_embeds(e2e_dir, EMBEDS_LENS, HIDDEN)
+    # Before vLLM 0.29 only the V1 runner takes prompt_embeds: the reference runs there.
+    runner_env = {} if v2_takes_prompt_embeds(vllm_version()) else {"VLLM_USE_V2_MODEL_RUNNER": "0"}
     ref = run_engine(
         {"model": tiny_model, "max_tokens": 16, "prompts": [{"embeds_file": f} for f in files],
-         "llm_kwargs": {"enable_prefix_caching": False, "enable_prompt_embeds": True}},
+         "llm_kwargs": {"enable_prefix_caching": False, "enable_prompt_embeds": True}, "env": runner_env},
         e2e_dir, "plain-embeds",
     )
     assert ref["ok"], ref.get("traceback")

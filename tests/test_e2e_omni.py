@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import EMBEDS_LENS, HIDDEN
+from tests.conftest import EMBEDS_LENS
 from tests.support.procs import ROOT, SidecarProcess, child_env, run_engine
 
 pytestmark = pytest.mark.e2e
@@ -111,14 +111,10 @@ def test_extra_kwargs_state_and_assembled_outputs(kwargs_model, tiny_model, e2e_
     )
 
 
-def test_talker_overlay_state_and_codes(tiny_model, e2e_dir, embeds_case, tmp_path):
-    """vllm-omni payload -> overlay == prompt_embeds; codes == a reference from a direct forward."""
-    from transformers import LlamaForCausalLM
-
-    from omni_sidecar.omni.stages import CodePredictor
-
+def test_omni_payload_overlay(tiny_model, e2e_dir, embeds_case, tmp_path):
+    """vllm-omni payload (`embed.prefill`) -> overlay: the same tokens as prompt_embeds."""
     endpoint = f"ipc://{tmp_path}/sc.sock"
-    sidecar = SidecarProcess(endpoint, "omni-talker", tmp_path / "sidecar.log")
+    sidecar = SidecarProcess(endpoint, "omni", tmp_path / "sidecar.log")
     prompts = [
         {"token_ids": [3] * n,
          "payload": {"additional_information": {"embed": {"prefill": {"npy": f}}, "meta": {"source": "stage1"}}}}
@@ -127,26 +123,14 @@ def test_talker_overlay_state_and_codes(tiny_model, e2e_dir, embeds_case, tmp_pa
     try:
         res = run_engine(
             {"model": tiny_model, "prompts": prompts, "max_tokens": 16, "shim": True, "endpoint": endpoint,
-             "fetch_outputs": True, "llm_kwargs": {"enable_prefix_caching": False}},
-            e2e_dir, "omni-talker",
+             "llm_kwargs": {"enable_prefix_caching": False}},
+            e2e_dir, "omni-overlay",
         )
     finally:
         sidecar.stop()
     assert res["ok"], res.get("traceback")
     assert res["shim_stats"][0]["request_errors"] == {}
     assert res["tokens"] == embeds_case["tokens"]  # overlay through the omni payload path
-
-    model = LlamaForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
-    predictor = CodePredictor(HIDDEN)
-    for rid, f, out in zip(res["request_ids"], embeds_case["files"], res["tokens"]):
-        embeds = torch.from_numpy(np.load(f, allow_pickle=False))
-        with torch.no_grad():
-            inputs = torch.cat([embeds, model.model.embed_tokens(torch.tensor(out[:-1]))])
-            direct = model.model(inputs_embeds=inputs[None]).last_hidden_state[0]
-        expected = predictor.run(direct[embeds.shape[0] - 1 :], None)
-        codes = torch.from_numpy(np.load(res["outputs"][rid]["codes"], allow_pickle=False))
-        assert codes.shape == (len(out), 4)
-        assert torch.equal(codes, expected)
 
 
 def test_two_stage_demo(tmp_path):
@@ -158,6 +142,6 @@ def test_two_stage_demo(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "== stage 1: thinker" in out and "== stage 2: talker" in out and "== done" in out
     assert out.count("thinker hidden states [") == 4
-    assert out.count("codes [16, 4]") == 4
-    assert "streamed request 0 in 16 chunks, 16 code rows" in out
+    assert out.count("codes.audio [15, 4]") == 4  # one row per decode step
+    assert "streamed request 0 in 15 chunks, 15 code rows" in out
     assert "per-step hook latency" in out

@@ -2,7 +2,7 @@
 
 The KV cache holds about two of the four requests at once, so vLLM preempts requests
 that carry a prompt-embeds payload, per-request state and hidden-state driven outputs
-(the "omni-talker" hook set). Each prompt run alone first (nothing to preempt) gives
+(the "omni" hook set). Each prompt run alone first (nothing to preempt) gives
 the reference: tokens and the sidecar's assembled outputs must not change.
 The engine runs once for both tests (about 60 s here).
 """
@@ -34,7 +34,7 @@ def preempted_run(tiny_model, tmp_path_factory):
         for n, f in zip(PROMPT_LENS, files)
     ]
     endpoint = f"ipc://{work}/sc.sock"
-    sidecar = SidecarProcess(endpoint, "omni-talker", work / "sidecar.log")
+    sidecar = SidecarProcess(endpoint, "omni", work / "sidecar.log")
     try:
         res = run_engine(
             {"model": tiny_model, "prompts": prompts, "max_tokens": MAX_TOKENS, "endpoint": endpoint,

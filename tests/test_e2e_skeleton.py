@@ -37,7 +37,7 @@ def workdir(e2e_dir):
 def plain_tokens(tiny_model, workdir):
     res = run_engine({"model": tiny_model, "prompts": _prompts(), "max_tokens": MAX_TOKENS}, workdir, "plain")
     assert res["ok"], res.get("traceback")
-    assert "Using V2 Model Runner" in open(res["log_path"]).read()
+    assert res["runner_v2"] == [True]
     return res["tokens"]
 
 
@@ -55,7 +55,7 @@ def test_passthrough_is_token_identical_and_sidecar_sees_everything(tiny_model, 
     finally:
         sidecar.stop()
     log = open(res["log_path"]).read()
-    assert "Using V2 Model Runner" in log and "omni-sidecar shim" in log
+    assert res["runner_v2"] == [True] and "omni-sidecar shim" in log
 
     assert res["tokens"] == plain_tokens
     assert all(len(t) == MAX_TOKENS for t in res["tokens"])

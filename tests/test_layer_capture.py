@@ -121,7 +121,7 @@ def test_overlays_go_into_the_embeds_upstream_merged_and_positions_pass_through(
         in_step = True
         seen: list = []
 
-        def pre_forward(self, input_batch, model, embeds=None):
+        def pre_forward(self, input_batch, model, embeds=None, bridge=None):
             self.seen.append(embeds)
             if embeds is None:
                 return {}
@@ -132,7 +132,8 @@ def test_overlays_go_into_the_embeds_upstream_merged_and_positions_pass_through(
     swap_class(state, SidecarModelStateMixin)
     # A shim embeds buffer next to upstream's (model hooks want one): upstream's wins, in graphs too.
     buffer = EmbedsBuffer(16, H, torch.float32, torch.device("cpu"))
-    state.omni_runner = SimpleNamespace(omni_link=link, omni_embeds=buffer, omni_tp=None, model=None)
+    state.omni_runner = SimpleNamespace(omni_link=link, omni_embeds=buffer, omni_tp=None, model=None,
+                                        omni_bridge=None)
     batch = SimpleNamespace(num_tokens_after_padding=5, num_tokens=5)
     before = state.merged.clone()
     merged = state.prepare_inputs_embeds({}, batch, None)

@@ -2,7 +2,9 @@
 
 Each transition of worker_shim/recovery.py has a test here that fails if it is removed:
 connected -> lost (peer gone, step error, failed switch), lost -> connected (reconnect),
-lost -> lost (retry with a fresh connection), connected -> switching -> connected.
+lost -> lost (retry with a fresh connection), connected -> switching -> connected,
+connected -> connected on a kept unsolicited SwitchAck (idle hand-over), also when it
+comes in answer to the step's StepStart; connected -> lost on an unanswered StepStart.
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ class FakeConnection:
         self.started = 0.0
         self.ready = ready
         self.ack = ack
+        self.switch_ack: SwitchAck | None = None  # kept by the channel when sent unsolicited
         self.gone = False
         self.closed = False
         self.hello_sent = False
         self.connected = False
+        self.refuse_connect: Exception | None = None
         self.fail_send: Exception | None = None
         self.fail_call: Exception | None = None
         self.sent: list = []
@@ -44,6 +48,10 @@ class FakeConnection:
         self.last_sent_step = -1
         self.peer_req_ids = None
         self.sends_hidden = False
+        self.announced: list[int] = []
+        self.step_open = False
+        self.ack_at_announce: SwitchAck | None = None  # handed over just before it read our StepStart
+        self.fail_announce: Exception | None = None
 
     # handshake
     def start(self) -> None:
@@ -53,6 +61,8 @@ class FakeConnection:
         return self.ready
 
     def connect(self, timeout_s: float) -> None:
+        if self.refuse_connect is not None:
+            raise self.refuse_connect
         self.connected = True
 
     # traffic
@@ -65,12 +75,22 @@ class FakeConnection:
         self.sent.append(msg)
         if isinstance(msg, StepEnd):
             self.last_sent_step = msg.step
+            self.step_open = False
 
     def call(self, msg, want):
         if self.fail_call is not None:
             raise self.fail_call
         self.calls.append(msg)
         return self.ack
+
+    def announce_step(self, step: int, answer_after_s: float) -> None:
+        self.announced.append(step)
+        self.step_open = True
+        if self.ack_at_announce is not None:
+            self.switch_ack = self.ack_at_announce
+            raise SidecarError("the sidecar handed this session over to its successor")
+        if self.fail_announce is not None:
+            raise self.fail_announce
 
     def take_results(self, until_step=None) -> list[StepResult]:
         out, self.results = self.results, []
@@ -207,6 +227,79 @@ def test_switch_to_moves_the_session_to_the_successor_at_the_next_step_boundary(
     assert link.recovery.state == "connected" and link.recovery.switches == 1
     assert len(link.recovery.switch_us) == 1 and link.recovery.losses == 0
     assert successor.sent[0].step == 1  # the step that switched went to the successor
+
+
+def test_an_unsolicited_switch_ack_moves_an_idle_session_without_switch_ready_even_after_the_old_sidecar_exited():
+    successor = FakeConnection(endpoint="ipc:///nonexistent/successor.sock")
+    factory = Factory(successor)
+    link, first = served_link("fail-all", factory)
+    # Handed over while idle: no switch_to ever came, and the old sidecar has exited since.
+    first.switch_ack = SwitchAck(endpoint=successor.endpoint, token="resume-idle")
+    first.gone = True
+    run_step(link, ["plain", "carrier"])
+    assert first.calls == [] and first.closed  # no SwitchReady round trip to a sidecar that is gone
+    assert factory.made == [(successor, {"endpoint": successor.endpoint, "resume_token": "resume-idle"})]
+    assert link.conn is successor and link.recovery.state == "connected"
+    assert link.recovery.switches == 1 and link.recovery.losses == 0 and not link.failures.request_errors
+    assert successor.sent[0].step == 1  # no gap: the next step goes to the successor
+
+
+def test_a_kept_switch_ack_wins_over_a_pending_switch_ready():
+    successor = FakeConnection(endpoint="ipc:///nonexistent/successor.sock")
+    link, first = served_link("fail-all", Factory(successor))
+    # Busy when the successor asked (switch_to), idle when the old sidecar handed over.
+    first.results = [StepResult(step=0, switch_to=successor.endpoint)]
+    first.switch_ack = SwitchAck(endpoint=successor.endpoint, token="resume-2")
+    first.fail_call = SidecarError("the old sidecar exited")
+    run_step(link, ["plain"])
+    assert link.conn is successor and link.recovery.switches == 1 and link.recovery.losses == 0
+
+
+def test_a_session_handed_over_as_its_step_starts_switches_before_that_step_is_sent():
+    successor = FakeConnection(endpoint="ipc:///nonexistent/successor.sock")
+    factory = Factory(successor)
+    link, first = served_link("fail-all", factory)
+    # Quiet long enough that the old sidecar handed the session over before reading our StepStart.
+    first.ack_at_announce = SwitchAck(endpoint=successor.endpoint, token="resume-race")
+    run_step(link, ["plain", "carrier"])
+    assert first.announced == [0, 1] and [m.step for m in first.sent] == [0]  # step 1 never went there
+    assert factory.made == [(successor, {"endpoint": successor.endpoint, "resume_token": "resume-race"})]
+    assert link.conn is successor and successor.announced == [1] and successor.sent[0].step == 1
+    assert link.recovery.switches == 1 and link.recovery.losses == 0 and not link.failures.request_errors
+
+
+def test_an_announced_step_without_a_forward_still_ends_with_a_step_end():
+    # vLLM runs finish-only steps (nothing scheduled); the sidecar counted the session as
+    # stepping since the StepStart and would never hand it over while idle.
+    link, first = served_link("fail-all")
+    link.begin_step()
+    link.end_step(None)
+    assert first.announced == [0, 1] and isinstance(first.sent[-1], StepEnd) and first.sent[-1].step == 1
+    assert first.sent[-1].num_tokens == 0 and not first.step_open
+
+
+def test_a_resume_refused_while_the_address_changed_hands_is_asked_again(monkeypatch):
+    # The shim woke up during a later upgrade: the sidecar it reached had just forwarded its
+    # state and refused it; the address now names the next sidecar, which holds the state.
+    refusing = FakeConnection(endpoint="ipc:///nonexistent/usual.sock")
+    refusing.refuse_connect = SidecarError("sidecar is draining; connect to its successor")
+    holder = FakeConnection(endpoint="ipc:///nonexistent/usual.sock")
+    factory = Factory(refusing, holder)
+    link, first = served_link("fail-all", factory)
+    sockets = iter([(1, 1), (2, 2), (2, 2)])  # before the first try, after it, before the second
+    monkeypatch.setattr(recovery, "socket_identity", lambda endpoint: next(sockets))
+    first.switch_ack = SwitchAck(endpoint=holder.endpoint, token="resume-chain")
+    run_step(link, ["plain", "carrier"])
+    assert [kwargs for _, kwargs in factory.made] == [{"endpoint": holder.endpoint, "resume_token": "resume-chain"}] * 2
+    assert link.conn is holder and link.recovery.switches == 1 and link.recovery.losses == 0
+
+
+def test_an_unanswered_step_start_loses_the_sidecar():
+    link, first = served_link("fail-all")
+    first.fail_announce = SidecarError("no answer within 1.0s")
+    run_step(link, ["plain", "carrier"])
+    assert link.conn is None and link.recovery.losses == 1
+    assert set(link.failures.request_errors) == {"plain", "carrier"}
 
 
 def test_a_failed_switch_loses_the_sidecar():

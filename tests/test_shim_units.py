@@ -71,6 +71,13 @@ def test_layout_names_requests_only_when_their_order_changed():
     assert batch_layout(b, ["a", "b"]).req_ids is None
 
 
+def test_layout_carries_input_ids_only_when_the_hooks_ask():
+    b = batch(["a", "b"], [0, 5], [4, 5])
+    b.input_ids = torch.tensor([11, 12, 99])  # b's decode row: the token sampled by the step before
+    assert batch_layout(b, None).input_ids is None
+    assert batch_layout(b, None, with_input_ids=True).input_ids == [11, 12]
+
+
 def test_hidden_slots_wait_for_the_previous_reader_before_reuse():
     arena = ShmArena.create(4096, prefix="omni-test-hidden")
     try:

@@ -1,10 +1,10 @@
 """Reading vLLM's batch: request payloads, prefill flags, the layout the sidecar sees.
 
 Everything the shim knows about vLLM's scheduler output and `InputBatch` is
-read here, so an upstream rename is fixed in one module. `PayloadTracker` is
-the one record of which live requests carry a sidecar payload; the link and
-the TP broadcast both decide from it (`exchange_needed`), so every rank takes
-the same decision from the same scheduler output.
+read here (what differs between vLLM minors through worker_shim/compat.py).
+`PayloadTracker` is the one record of which live requests carry a sidecar
+payload; the link and the TP broadcast both decide from it (`exchange_needed`),
+so every rank takes the same decision from the same scheduler output.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from proto.messages import BatchLayout, HookNeeds, NewRequest
-from worker_shim.compat import client_request_id
+from worker_shim.compat import client_request_id, prefill_flags, prompt_len_of
 
 PAYLOAD_KEY = "omni_sidecar"
 
@@ -23,12 +23,6 @@ def payload_of(req: Any) -> dict | None:
     extra = (sp.extra_args or {}) if sp is not None else {}
     payload = extra.get(PAYLOAD_KEY)
     return payload if isinstance(payload, dict) else None
-
-
-def prompt_len_of(req: Any) -> int:
-    """The prompt's length from one of vLLM's `NewRequestData`."""
-    # 0.32 has prompt_len (prompt_embeds prompts have no ids); 0.26 only the ids.
-    return int(getattr(req, "prompt_len", None) or len(req.prompt_token_ids or []))
 
 
 def new_request(req: Any, payload: dict | None, suffixed_ids: bool) -> NewRequest:
@@ -42,17 +36,10 @@ def new_request(req: Any, payload: dict | None, suffixed_ids: bool) -> NewReques
     )
 
 
-def prefilling(batch: Any) -> Any:
-    """Per-row "still in prefill" flags (upstream's own array when it has one, as 0.32 does)."""
-    flags = getattr(batch, "is_prefilling_np", None)
-    if flags is not None:
-        return flags
-    n = len(batch.req_ids)
-    return batch.num_computed_tokens_np[:n] < batch.prefill_len_np[:n]
-
-
-def batch_layout(batch: Any, prev_ids: list[str] | None) -> BatchLayout:
-    """Where each request's rows lie; `req_ids` only when they differ from what the sidecar has."""
+def batch_layout(batch: Any, prev_ids: list[str] | None, with_input_ids: bool = False) -> BatchLayout:
+    """Where each request's rows lie; `req_ids` only when they differ from what the sidecar has;
+    each row's input token id when the hooks asked (a device-to-host copy: the decode rows'
+    ids are the previous step's samples, written on the device)."""
     n = len(batch.req_ids)
     ids = batch.req_ids
     return BatchLayout(
@@ -60,6 +47,7 @@ def batch_layout(batch: Any, prev_ids: list[str] | None) -> BatchLayout:
         query_start_loc=batch.query_start_loc_np[: n + 1].tolist(),
         num_computed_tokens=batch.num_computed_tokens_np[:n].tolist(),
         prefill_lens=batch.prefill_len_np[:n].tolist(),
+        input_ids=batch.input_ids[: int(batch.num_tokens)].tolist() if with_input_ids else None,
     )
 
 
@@ -90,7 +78,7 @@ class PayloadTracker:
         if mode == "never":
             return False
         if needs.pre_forward_scope == "all":
-            return mode == "always" or bool(prefilling(input_batch).any())
+            return mode == "always" or bool(prefill_flags(input_batch).any())
         payload = self.payload_reqs
         if not payload:
             return False
@@ -101,5 +89,5 @@ class PayloadTracker:
         ids = input_batch.req_ids
         if mode == "always":
             return any(counts(r) for r in ids)
-        flags = prefilling(input_batch)
+        flags = prefill_flags(input_batch)
         return any(flags[i] and counts(r) for i, r in enumerate(ids))

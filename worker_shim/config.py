@@ -85,6 +85,7 @@ class ShimConfig:
     connect_timeout_s: float = 30.0
     step_timeout_s: float = 10.0
     hidden_slots: int = 2
+    model_io_mib: float = 16.0  # per hidden slot: room for model updates and outputs (model hooks)
     loss_policy: LossPolicy = "fail-all"
     curve_keys: str = ""  # tcp:// only: dir with client.key_secret and server.key
     arena: ArenaChoice = "auto"  # how tensors cross to the sidecar
@@ -109,6 +110,7 @@ class ShimConfig:
             connect_timeout_s=float(pick("connect_timeout_s", "CONNECT_TIMEOUT")),
             step_timeout_s=float(pick("step_timeout_s", "STEP_TIMEOUT")),
             hidden_slots=int(pick("hidden_slots", "HIDDEN_SLOTS")),
+            model_io_mib=float(pick("model_io_mib", "MODEL_IO_MIB")),
             loss_policy=_loss_policy(pick("loss_policy", "LOSS_POLICY")),
             curve_keys=curve_keys,
             arena=_choice(pick("arena", "ARENA"), "arena", ArenaChoice,

@@ -15,11 +15,14 @@ import msgspec
 import torch
 
 from proto.arena import ArenaError, ShmArena
-from proto.messages import ArenaInfo, ArenaKind, Hello, HookNeeds, Message, StepBegin, StepEnd, StepPlan, StepResult, Welcome
+from proto.messages import (
+    ArenaInfo, ArenaKind, Hello, HookNeeds, Message, Pong, StepBegin, StepEnd, StepPlan, StepResult, StepStart,
+    SwitchAck, Welcome,
+)
 from proto.tensors import TensorRef
 from worker_shim.channel import SidecarChannel, SidecarError
 from worker_shim.config import RingConfig
-from worker_shim.transfer import HiddenSlots, read_plan
+from worker_shim.transfer import HiddenSlots, StepSlot, read_plan, read_states
 
 
 class SidecarConnection:
@@ -51,6 +54,8 @@ class SidecarConnection:
         # What this sidecar has seen: the last StepEnd sent and the request order it holds.
         self.last_sent_step = -1
         self.peer_req_ids: list[str] | None = None
+        self.last_sent_at = self.started  # taken before each send: never later than the sidecar read it
+        self.step_open = False  # a StepStart went out, its StepEnd not yet: the sidecar counts us as stepping
 
     # -- handshake ------------------------------------------------------------------
 
@@ -81,7 +86,7 @@ class SidecarConnection:
         self.hook_set = welcome.hook_set
         if welcome.arenas:
             self._overlay_arena = self._attach(welcome.arenas[0])
-        if welcome.needs.hidden_states:  # captured layers ride in the same slots
+        if welcome.needs.hidden_states or welcome.needs.model_states:  # captured layers ride in the same slots
             assert self._hidden_arena is not None
             self._hidden = HiddenSlots(self._hidden_arena, self._num_hidden_slots)
             if self.opens is not None:
@@ -116,17 +121,37 @@ class SidecarConnection:
         return self._channel.step_timeout_ms / 1000
 
     def send(self, msg: Message) -> None:
+        sent_at = time.monotonic()
         self._channel.send(msg)
-        self._note_sent(msg)
+        self._note_sent(msg, sent_at)
 
     def call(self, msg: Message, want: type) -> Any:
-        self._note_sent(msg)  # a step message's layout is the sidecar's even when no reply comes
+        self._note_sent(msg, time.monotonic())  # a step message's layout is the sidecar's even when no reply comes
         return self._channel.call(msg, want)
+
+    def announce_step(self, step: int, answer_after_s: float) -> None:
+        """StepStart, first thing in a step (sidecars of protocol 1.2 and later): the sidecar hands
+        a session over on its own only between steps. After `answer_after_s` without sending, it
+        may be doing so right now: wait for its answer (SidecarError with `switch_ack` set: it did).
+        See docs/ARCHITECTURE.md, Hot upgrade."""
+        if self.welcome is None or self.welcome.protocol_minor < 2:
+            return
+        quiet_since = self.last_sent_at
+        self.step_open = True
+        if time.monotonic() - quiet_since < answer_after_s:
+            self.send(StepStart(step=step))
+            if time.monotonic() - quiet_since < answer_after_s:
+                return  # written while the sidecar still counted this session as stepping
+        self.call(StepStart(step=step, answer=True), Pong)
 
     def step_plan(self, msg: StepBegin) -> StepPlan:
         return self.call(msg, StepPlan)
 
-    def _note_sent(self, msg: Message) -> None:
+    def _note_sent(self, msg: Message, sent_at: float) -> None:
+        if isinstance(msg, (StepStart, StepBegin, StepEnd)):  # what the sidecar counts as stepping
+            self.last_sent_at = sent_at
+        if isinstance(msg, StepEnd):
+            self.step_open = False
         if isinstance(msg, (StepBegin, StepEnd)) and msg.batch is not None and msg.batch.req_ids is not None:
             self.peer_req_ids = msg.batch.req_ids
         if isinstance(msg, StepEnd):
@@ -136,6 +161,11 @@ class SidecarConnection:
         """Results received so far; blocks (up to the step timeout) for `until_step`'s."""
         return self._channel.take_results(until_step=until_step)
 
+    @property
+    def switch_ack(self) -> SwitchAck | None:
+        """The old sidecar's SwitchAck when it handed this session over while idle (else None)."""
+        return self._channel.switch_ack
+
     def peer_gone(self) -> bool:
         return self._channel.peer_gone()
 
@@ -143,16 +173,19 @@ class SidecarConnection:
 
     @property
     def sends_hidden(self) -> bool:
-        return self._hidden is not None
+        return self._hidden is not None and self.needs.hidden_states
 
-    def write_hidden(self, step: int, hidden: torch.Tensor, wait_answered: Callable[[int], None],
-                     layers: dict[int, torch.Tensor] | None = None) -> tuple[TensorRef, dict[int, TensorRef], int]:
+    def claim_slot(self, step: int, wait_answered: Callable[[int], None]) -> StepSlot:
+        """`step`'s hidden slot (hidden rows, then model updates and outputs)."""
         assert self._hidden is not None
-        return self._hidden.write(step, hidden, wait_answered, layers)
+        return self._hidden.claim(step, wait_answered)
 
-    def hidden_sent(self, step: int) -> None:
+    def slot_sent(self, step: int) -> None:
         assert self._hidden is not None
         self._hidden.sent(step)
+
+    def read_states(self, plan: StepPlan) -> dict[str, Any]:
+        return read_states(self._overlay_arena, plan)
 
     def read_plan(self, plan: StepPlan, input_batch: Any, model: Any, embeds: torch.Tensor | None) -> dict[str, Any]:
         return read_plan(self._overlay_arena, plan, input_batch, model, embeds)

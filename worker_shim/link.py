@@ -20,18 +20,21 @@ from typing import Any, Callable
 import msgspec
 import torch
 
+from omni_arena.tensor_tree import store_tree
 from proto.messages import HookNeeds, RequestError, StepBegin, StepEnd
 from proto.settings import ERROR_TEXT_MAX
-from worker_shim.batch import PayloadTracker, batch_layout, new_request, payload_of, prompt_len_of
+from worker_shim.batch import PayloadTracker, batch_layout, new_request, payload_of
 from worker_shim.channel import SidecarError
-from worker_shim.compat import client_request_id
+from worker_shim.compat import client_request_id, prompt_len_of
 from worker_shim.config import EmbedsSetting, LossPolicy
 from worker_shim.finishes import FinishWatch
 from worker_shim.layers import LayerCapture
+from worker_shim.model_hooks import ModelBridge
 from worker_shim.recovery import Recovery
 from worker_shim.session import FailureReports, SessionRequests
 
 log = logging.getLogger("vllm.omni_sidecar.shim.link")
+ModelResults = tuple[dict[str, Any], dict[str, Any]]  # per request: state updates, outputs
 
 
 @dataclass
@@ -43,6 +46,7 @@ class StepCounters:
     finished_requests: int = 0
     scheduled_tokens: int = 0
     blocking_exchanges: int = 0
+    states_asked: int = 0  # requests whose state the model's hooks asked the sidecar for
     exchange_us: list[float] = field(default_factory=list)  # blocking StepBegin round trips
     post_us: list[float] = field(default_factory=list)  # shim-side cost of each StepEnd (copy + send)
 
@@ -115,24 +119,34 @@ class SidecarLink:
         """Upstream raised inside execute_model: no StepEnd for this step."""
         self._in_step = False
 
-    def pre_forward(self, input_batch: Any, model: Any, embeds: torch.Tensor | None = None) -> dict[str, Any]:
+    def pre_forward(self, input_batch: Any, model: Any, embeds: torch.Tensor | None = None,
+                    bridge: ModelBridge | None = None) -> dict[str, Any]:
         """Blocking StepBegin when the hooks need it; returns extra model inputs.
 
         `embeds` is the persistent inputs_embeds buffer when the runner feeds
-        the model from one (worker_shim/transfer.py `read_plan`).
+        the model from one (worker_shim/transfer.py `read_plan`). With a `bridge`
+        (the model carries its own hooks), requests whose state the shim's mirror
+        lacks are asked for in the same exchange (docs/ARCHITECTURE.md, "Model hooks").
         """
         conn = self.conn
-        if conn is None or not self.payloads.exchange_needed(conn.needs, input_batch, among=self.requests.live):
+        if conn is None:
+            return {}
+        want = bridge.missing_states(input_batch.req_ids) if bridge is not None and conn.needs.model_states else []
+        if not want and not self.payloads.exchange_needed(conn.needs, input_batch, among=self.requests.live):
             return {}
         t0 = time.perf_counter()
         new, finished, preempted = self.requests.take_notices()
-        msg = StepBegin(step=self.step, batch=batch_layout(input_batch, conn.peer_req_ids),
-                        new_requests=new, finished=finished, preempted=preempted)
+        layout = batch_layout(input_batch, conn.peer_req_ids, conn.needs.input_ids)
+        msg = StepBegin(step=self.step, batch=layout, new_requests=new, finished=finished, preempted=preempted,
+                        want_states=want, model_hooks=bridge.wire if want and bridge is not None else None)
         self._layout_sent = True
         try:
             plan = conn.step_plan(msg)
             self.counters.blocking_exchanges += 1
+            self.counters.states_asked += len(want)
             self.failures.record(plan.errors)
+            if want and bridge is not None:
+                bridge.fill_states(conn.read_states(plan), failed={e.req_id for e in plan.errors})
             extra = conn.read_plan(plan, input_batch, model, embeds)
         except (SidecarError, ValueError, msgspec.ValidationError) as exc:
             self.recovery.lose(f"step {self.step}: {exc}")
@@ -141,8 +155,10 @@ class SidecarLink:
         self.counters.exchange_us.append(self._step_exchange_us)
         return extra
 
-    def end_step(self, state: Any) -> None:
-        """After upstream execute_model: StepEnd with what the sidecar has not seen yet."""
+    def end_step(self, state: Any, model_results: ModelResults | None = None) -> None:
+        """After upstream execute_model: StepEnd with what the sidecar has not seen yet.
+
+        `model_results`: the step's model updates and outputs per request (model hooks)."""
         self._in_step = False
         t0 = time.perf_counter()
         batch = state.input_batch if state is not None else None
@@ -151,7 +167,9 @@ class SidecarLink:
             self.counters.steps += 1
             self.counters.scheduled_tokens += num_tokens
         conn = self.conn
-        if conn is None or (batch is None and not (self.requests.has_notices() or self.failures.pending)):
+        # A step announced with StepStart ends with a StepEnd, even an empty one (docs/ARCHITECTURE.md, Hot upgrade).
+        if conn is None or (batch is None and not (self.requests.has_notices() or self.failures.pending
+                                                   or conn.step_open)):
             self.step += 1
             return
         if batch is not None:
@@ -160,7 +178,7 @@ class SidecarLink:
                 self.counters.finished_requests += len(ending)
                 self.requests.note_finished(ending, ())
         try:
-            self._send_step_end(conn, batch, state, num_tokens)
+            self._send_step_end(conn, batch, state, num_tokens, model_results)
         except (SidecarError, ValueError) as exc:
             self.recovery.lose(f"step {self.step}: {exc}")
         self.step += 1
@@ -168,21 +186,36 @@ class SidecarLink:
             self._last_post_us = (time.perf_counter() - t0) * 1e6
             self.counters.post_us.append(self._last_post_us)
 
-    def _send_step_end(self, conn: Any, batch: Any, state: Any, num_tokens: int) -> None:
-        hidden_ref, layer_refs, hidden_event = None, {}, -1
-        if batch is not None and conn.sends_hidden and state.hidden_states is not None:
-            hidden_ref, layer_refs, hidden_event = conn.write_hidden(
-                self.step, state.hidden_states[:num_tokens], self._wait_answered, self._layer_rows(conn, num_tokens))
+    def _send_step_end(self, conn: Any, batch: Any, state: Any, num_tokens: int,
+                       model_results: ModelResults | None) -> None:
+        hidden_ref, layer_refs, hidden_event, slot = None, {}, -1, None
+        updates, outputs = model_results or ({}, {})
+        if not conn.needs.model_states:
+            updates, outputs = {}, {}
+        send_hidden = batch is not None and conn.sends_hidden and state.hidden_states is not None
+        if send_hidden or updates or outputs:
+            # One slot per step: hidden rows and captured layers first, then the model's updates and outputs.
+            slot = conn.claim_slot(self.step, self._wait_answered)
+            if send_hidden:
+                hidden_ref = slot.put(state.hidden_states[:num_tokens])
+                layer_refs = slot.put_layers(self._layer_rows(conn, num_tokens))
+            updates, outputs = store_tree(updates, slot.put), store_tree(outputs, slot.put)
+            hidden_event = slot.seal()
         new, finished, preempted = self.requests.take_notices()
+        layout = None
+        if batch is not None and not self._layout_sent:
+            layout = batch_layout(batch, conn.peer_req_ids, conn.needs.input_ids)
         msg = StepEnd(
             step=self.step,
-            batch=None if (batch is None or self._layout_sent) else batch_layout(batch, conn.peer_req_ids),
+            batch=layout,
             new_requests=new,
             finished=finished,
             preempted=preempted,
             hidden=hidden_ref,
             hidden_layers=layer_refs,
             hidden_event=hidden_event,
+            model_updates=updates,
+            model_outputs=outputs,
             num_tokens=num_tokens,
             shim_exchange_us=self._step_exchange_us,
             shim_post_us=self._last_post_us,
@@ -190,8 +223,8 @@ class SidecarLink:
         )
         self._step_exchange_us = 0.0
         conn.send(msg)
-        if hidden_ref is not None:
-            conn.hidden_sent(self.step)
+        if slot is not None:
+            conn.slot_sent(self.step)
         self.recovery.note_results(conn.take_results())
 
     def _layer_rows(self, conn: Any, num_tokens: int) -> dict[int, torch.Tensor] | None:
@@ -233,6 +266,11 @@ class SidecarLink:
             self.recovery.note_results(conn.take_results(until_step=conn.last_sent_step))
         except SidecarError as exc:
             self.recovery.lose(f"flush: {exc}")
+
+    def note_model_errors(self, errors: dict[str, str]) -> None:
+        """Requests whose model hooks failed in this step: the sidecar's clients learn it."""
+        for req_id, message in errors.items():
+            self.failures.fail(req_id, message)
 
     def note_sampled(self, output: Any) -> None:
         """The step's sampler output (upstream sample_tokens); read only at shutdown."""

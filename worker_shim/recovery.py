@@ -4,6 +4,9 @@
     lost      --Welcome on a fresh conn-> connected (reconnects += 1)
     connected --StepResult.switch_to----> switching (a successor asked for the session)
     switching --next step boundary------> connected (switches += 1), or lost if the switch fails
+    connected/switching --SwitchAck kept--> connected at the next step boundary, no SwitchReady
+              (the old sidecar handed the idle session over already and may have exited;
+              kept before the step, or found in answer to this step's StepStart)
 
 Liveness: a sidecar that dies (socket monitor), stalls past the step timeout,
 or sends garbage is dropped at once; vLLM keeps serving. The requests it was
@@ -23,6 +26,7 @@ import time
 from typing import Any, Callable, Literal
 
 from proto.messages import SwitchAck, SwitchReady
+from proto.settings import STEP_START_ANSWER_S
 from worker_shim.channel import SidecarError
 from worker_shim.config import LossPolicy
 from worker_shim.session import FailureReports, SessionRequests
@@ -69,14 +73,33 @@ class Recovery:
         return "switching" if self._switch_to else "connected"
 
     def at_step_start(self, step: int) -> None:
-        """The step boundary: the one place a connection is replaced."""
-        state = self.state
-        if state == "lost":
+        """The step boundary: the one place a connection is replaced. Then the step is announced
+        to whichever sidecar serves it."""
+        if self.state == "lost":
             self._try_reconnect()
-        elif state == "switching":
+        elif self._handed_over():  # before peer_gone: the old sidecar may have exited since
+            self._switch(step)
+        elif self.conn is None:
+            pass  # reading the old sidecar's last messages failed: lost just now
+        elif self.state == "switching":  # also when the results just read asked for it
             self._switch(step)
         elif self.conn.peer_gone():
             self.lose("the sidecar closed the connection (it crashed, was killed or stopped)")
+        self._announce(step)
+
+    def _announce(self, step: int) -> None:
+        conn = self.conn
+        if conn is None:
+            return
+        try:
+            conn.announce_step(step, STEP_START_ANSWER_S)
+        except SidecarError as exc:
+            if conn.switch_ack is None:
+                self.lose(f"step {step}: {exc}")
+                return
+            self._switch(step)  # handed over while we were quiet, before it read our StepStart
+            if self.conn is not None:
+                self._announce(step)
 
     def note_results(self, results: list[Any]) -> None:
         for result in results:
@@ -111,17 +134,28 @@ class Recovery:
         )
         conn.close()
 
+    def _handed_over(self) -> bool:
+        """Did the sidecar hand this session over unasked? Its SwitchAck is read with the step's
+        StepStart answer (a hand-over needs a quiet spell, after which the shim waits for that
+        answer), or here when the old sidecar has exited since."""
+        if self.conn.switch_ack is None and self.conn.peer_gone():
+            try:
+                self.note_results(self.conn.take_results())
+            except SidecarError as exc:
+                self.lose(str(exc))
+                return False
+        return self.conn.switch_ack is not None
+
     def _switch(self, step: int) -> None:
         """Hot upgrade at a step boundary: the old sidecar hands over, the new one resumes."""
         old, target = self.conn, self._switch_to
         self._switch_to = ""
         t0 = time.perf_counter()
         try:
-            ack: SwitchAck = old.call(SwitchReady(last_step=old.last_sent_step), SwitchAck)
+            ack: SwitchAck = old.switch_ack or old.call(SwitchReady(last_step=old.last_sent_step), SwitchAck)
             for result in old.take_results():
                 self.failures.record(result.errors)
-            new = self._connect(endpoint=ack.endpoint, resume_token=ack.token)
-            new.connect(timeout_s=max(MIN_SWITCH_CONNECT_S, old.step_timeout_s))
+            new = self._resume(ack, timeout_s=max(MIN_SWITCH_CONNECT_S, old.step_timeout_s))
         except (SidecarError, ValueError) as exc:
             self.lose(f"switching to the new sidecar at {target} failed: {exc}")
             return
@@ -132,6 +166,21 @@ class Recovery:
         self.switch_us.append(stall)
         log.warning("omni-sidecar hot upgrade: switched to %s (hook set %r) in %.1f ms at step %d",
                     ack.endpoint, new.hook_set, stall / 1e3, step)
+
+    def _resume(self, ack: SwitchAck, timeout_s: float) -> Any:
+        """Connect with the resume token. An idle shim may switch while the address changes hands
+        (a later upgrade: the sidecar holding our state forwards it and refuses us); when the
+        socket there is a new one after a refusal, ask once more."""
+        for attempt in (1, 2):
+            socket_before = socket_identity(ack.endpoint)
+            new = self._connect(endpoint=ack.endpoint, resume_token=ack.token)
+            try:
+                new.connect(timeout_s=timeout_s)
+                return new
+            except SidecarError:
+                if attempt == 2 or socket_identity(ack.endpoint) in (socket_before, None):
+                    raise
+        raise AssertionError("unreachable")
 
     def _try_reconnect(self) -> None:
         pending = self._pending

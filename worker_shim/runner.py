@@ -23,11 +23,14 @@ from worker_shim.compat import (
     RUNNER_INIT_ATTRS,
     check_instance,
     check_one_of,
+    is_dummy_run,
+    prompt_len_of,
 )
 from worker_shim.embeds import EmbedsBuffer, embeds_width, mark_compiled_graph
 from worker_shim.embeds import wanted as embeds_wanted
 from worker_shim.layers import LayerCapture
 from worker_shim.link import SidecarLink
+from worker_shim.model_hooks import ModelBridge, attach_bridge, model_class_has_hooks
 from worker_shim.tp import TensorParallelFollower, TensorParallelSync
 from worker_shim.transfer import model_device
 
@@ -38,20 +41,23 @@ class SidecarRunnerMixin:
     omni_link: SidecarLink | TensorParallelFollower
     omni_embeds: EmbedsBuffer | None = None
     omni_tp: TensorParallelSync | None = None  # TP>1: rank 0 drives, others follow
+    omni_bridge: ModelBridge | None = None  # the model carries its own vllm-omni hooks
 
     def finish_requests(self, scheduler_output: Any) -> None:
-        self.omni_link.note_finished(
-            scheduler_output.finished_req_ids, getattr(scheduler_output, "preempted_req_ids", None)
-        )
+        self.omni_link.note_finished(scheduler_output.finished_req_ids, scheduler_output.preempted_req_ids)
+        if self.omni_bridge is not None:
+            self.omni_bridge.note_finished(scheduler_output.finished_req_ids)
         return _up(self).finish_requests(scheduler_output)  # type: ignore[misc]
 
     def add_requests(self, scheduler_output: Any) -> None:
         self.omni_link.note_new(scheduler_output.scheduled_new_reqs)
+        if self.omni_bridge is not None:
+            for req in scheduler_output.scheduled_new_reqs:
+                self.omni_bridge.note_new(req.req_id, prompt_len_of(req))
         return _up(self).add_requests(scheduler_output)  # type: ignore[misc]
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        dummy = kwargs.get("dummy_run", args[1] if len(args) > 1 else False)
-        if dummy:
+        if is_dummy_run(args, kwargs):
             return _up(self).execute_model(scheduler_output, *args, **kwargs)  # type: ignore[misc]
         self.omni_link.begin_step()
         before = self.execute_model_state
@@ -62,7 +68,13 @@ class SidecarRunnerMixin:
             raise
         state = self.execute_model_state
         # Steps without a forward (finish-only) leave the state untouched.
-        self.omni_link.end_step(None if state is before else state)
+        state = None if state is before else state
+        bridge = self.omni_bridge
+        results = None
+        if bridge is not None and state is not None:
+            self.omni_link.note_model_errors(bridge.after_forward(state.input_batch, state.hidden_states))
+            results = bridge.take_step()
+        self.omni_link.end_step(state, results)
         return out
 
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
@@ -76,7 +88,8 @@ class SidecarRunnerMixin:
         mcfg = self.vllm_config.model_config
         upstream_embeds = bool(getattr(self, "supports_mm_inputs", False) or
                                getattr(mcfg, "enable_prompt_embeds", False))
-        use_embeds = embeds_wanted(link.embeds_setting, link.needs.pre_forward, upstream_embeds)
+        hooked = model_class_has_hooks(self.vllm_config)
+        use_embeds = hooked or embeds_wanted(link.embeds_setting, link.needs.pre_forward, upstream_embeds)
         if use_embeds:
             mark_compiled_graph(self.vllm_config)
         out = _up(self).load_model(*args, **kwargs)  # type: ignore[misc]
@@ -86,6 +99,10 @@ class SidecarRunnerMixin:
             check_one_of(self.model_state, MODEL_STATE_EMBEDS_METHODS, "model_state")
         swap_class(self.model_state, SidecarModelStateMixin)
         self.model_state.omni_runner = self
+        self.omni_bridge = attach_bridge(self.model, self.omni_tp, link.embeds_setting)
+        if self.omni_bridge is not None and not use_embeds:  # hooks set on the instance only
+            mark_compiled_graph(self.vllm_config)
+            use_embeds = True
         if use_embeds:
             self.omni_embeds = EmbedsBuffer(int(self.max_num_tokens), embeds_width(mcfg),
                                             mcfg.dtype, model_device(self.model))
@@ -136,8 +153,9 @@ class SidecarModelStateMixin:
             embeds = buffer.fill(runner.model, input_batch.input_ids, n)
             # input_ids stay: models that read raw tokens next to the embeddings still get them.
             inputs = {**inputs, "inputs_embeds": embeds}
+        bridge: ModelBridge | None = runner.omni_bridge
         if link.in_step:
-            extra = link.pre_forward(input_batch, runner.model, embeds)
+            extra = link.pre_forward(input_batch, runner.model, embeds, bridge)
             tp: TensorParallelSync | None = runner.omni_tp
             if tp is not None and tp.step_needs_broadcast(input_batch):
                 mcfg = runner.vllm_config.model_config
@@ -145,6 +163,8 @@ class SidecarModelStateMixin:
                                     embeds_width(mcfg), mcfg.dtype, model_device(runner.model))
             if extra:
                 inputs = {**inputs, **extra}
+            if bridge is not None and embeds is not None:
+                bridge.before_forward(input_batch, embeds)  # after the plan: states, overlays in place
         return inputs
 
     def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> dict[str, Any]:

@@ -131,10 +131,11 @@ class TensorParallelFollower:
     def abort_step(self) -> None:
         self.in_step = False
 
-    def pre_forward(self, input_batch: Any, model: Any, embeds: torch.Tensor | None = None) -> dict[str, Any]:
-        return {}
+    def pre_forward(self, input_batch: Any, model: Any, embeds: torch.Tensor | None = None,
+                    bridge: Any = None) -> dict[str, Any]:
+        return {}  # model hooks run with TP size 1 only (worker_shim/model_hooks.py)
 
-    def end_step(self, state: Any) -> None:
+    def end_step(self, state: Any, model_results: Any = None) -> None:
         self.in_step = False
         if state is not None:
             self.steps += 1

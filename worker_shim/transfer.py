@@ -1,4 +1,5 @@
-"""Tensors across the arenas: hidden states into our hidden slots, the plan's tensors out of the sidecar's arena.
+"""Tensors across the arenas: a step's hidden states and model results into our hidden slots,
+the plan's tensors out of the sidecar's arena.
 
 Host arenas (`kind == "shm"`) are plain memory; device arenas (`"cuda_ipc"`)
 order their reads and writes with events: a slot is rewritten only after the
@@ -10,73 +11,123 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import msgspec
 import torch
 
+from omni_arena.tensor_tree import load_tree
 from omni_arena.views import arena_tensor, dtype_name
 from proto.arena import SlotRing, align_up
 from proto.messages import StepPlan
-from proto.tensors import TENSOR_MARKER, TensorRef
+from proto.tensors import TensorRef
 from worker_shim.channel import SidecarError
-
-MAX_KWARG_DEPTH = 8
 
 
 def hidden_arena_size(max_num_tokens: int, hidden_size: int, itemsize: int, slots: int,
-                      rows_per_token: int = 1) -> int:
-    """Per slot: the last-layer hidden rows and `rows_per_token - 1` captured layers' rows."""
-    return (align_up(max_num_tokens * hidden_size * itemsize) * rows_per_token + 64) * slots
+                      model_io_bytes: int = 0, rows_per_token: int = 1) -> int:
+    """Per slot: a step's hidden rows and `rows_per_token - 1` captured layers' rows, then room
+    for its model updates and outputs."""
+    rows = align_up(max_num_tokens * hidden_size * itemsize) * rows_per_token
+    return (rows + align_up(model_io_bytes) + 64) * slots
 
 
 class HiddenSlots:
     """The hidden-state arena cut into slots written round-robin, one per step.
 
-    A slot may be rewritten only once the sidecar answered the step that last
-    used it (its StepResult says it is done reading).
+    A step's slot holds its hidden rows, then its model updates and outputs
+    (docs/ARCHITECTURE.md, "Model hooks"). A slot may be rewritten only once the
+    sidecar answered the step that last used it (its StepResult says it is done reading).
     """
 
     def __init__(self, arena: Any, num_slots: int) -> None:
         self.arena = arena
         self._slots = SlotRing(arena.size, num_slots)
 
-    def write(self, step: int, hidden: torch.Tensor, wait_answered: Callable[[int], None],
-              layers: dict[int, torch.Tensor] | None = None) -> tuple[TensorRef, dict[int, TensorRef], int]:
-        """Copy `hidden` (then each captured layer's rows) into `step`'s slot; returns their
-        refs and the ready event (-1 on host memory).
-
-        `wait_answered(s)` blocks until step s's result arrived (the slot's previous reader).
-        """
+    def claim(self, step: int, wait_answered: Callable[[int], None]) -> "StepSlot":
+        """`step`'s slot, once its previous reader is done; `wait_answered(s)` blocks until
+        step s's result arrived."""
         slots = self._slots
         slot = slots.slot_of(step)
         reader = slots.owner_step[slot]
         if reader is not None:
             wait_answered(reader)
             slots.owner_step[slot] = None
-        tensors = [hidden, *(layers or {}).values()]
-        nbytes = [t.numel() * t.element_size() for t in tensors]
-        need = sum(align_up(n) for n in nbytes)
-        if need > slots.slot_size:
-            raise SidecarError(f"hidden states of {need} bytes exceed the arena slot of {slots.slot_size}")
-        refs, offset = [], slots.offset(slot)
-        for tensor, n in zip(tensors, nbytes):
-            refs.append(TensorRef(0, offset, n, list(tensor.shape), dtype_name(tensor.dtype)))
-            offset += align_up(n)
-        arena = self.arena
-        on_host = arena.kind == "shm"
-        if not on_host:
-            arena.wait_done(slot)  # the sidecar's reads of this slot's previous use
-        for tensor, ref in zip(tensors, refs):
-            if on_host:
-                arena_tensor(arena, ref).copy_(tensor)  # host staging (CPU, or accelerators without IPC)
-            else:
-                arena.tensor(ref).copy_(tensor, non_blocking=True)
-        layer_refs = dict(zip((layers or {}).keys(), refs[1:]))
-        return refs[0], layer_refs, (-1 if on_host else arena.mark_ready(slot))
+        if self.arena.kind != "shm":
+            self.arena.wait_done(slot)  # the sidecar's reads of this slot's previous use
+        return StepSlot(self.arena, slot, slots.offset(slot), slots.slot_size)
+
+    def write(self, step: int, hidden: torch.Tensor, wait_answered: Callable[[int], None],
+              layers: dict[int, torch.Tensor] | None = None) -> tuple[TensorRef, dict[int, TensorRef], int]:
+        """`hidden` (then each captured layer's rows) alone into `step`'s slot: their refs and
+        the slot's ready event."""
+        slot = self.claim(step, wait_answered)
+        ref = slot.put(hidden)
+        layer_refs = slot.put_layers(layers)
+        return ref, layer_refs, slot.seal()
 
     def sent(self, step: int) -> None:
         """`step`'s StepEnd is on its way: its slot is the sidecar's until that step's result."""
         slots = self._slots
         slots.owner_step[slots.slot_of(step)] = step
+
+
+class StepSlot:
+    """One step's slot, filled front to back; `seal` once everything is in."""
+
+    def __init__(self, arena: Any, slot: int, start: int, size: int) -> None:
+        self.arena = arena
+        self.slot = slot
+        self.start = start
+        self.end = start + size
+        self.offset = start
+        # A tensor put twice (state and output) is stored once; kept alive so its id stays its own.
+        self._refs: dict[int, tuple[torch.Tensor, TensorRef]] = {}
+
+    def put(self, tensor: torch.Tensor) -> TensorRef:
+        known = self._refs.get(id(tensor))
+        if known is not None:
+            return known[1]
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.offset + nbytes > self.end:
+            raise SidecarError(
+                f"step data of {self.offset - self.start + nbytes} bytes exceed the arena slot of "
+                f"{self.end - self.start} (raise omni_sidecar model_io_mib)"
+            )
+        ref = TensorRef(0, self.offset, nbytes, list(tensor.shape), dtype_name(tensor.dtype))
+        if nbytes:
+            if self.arena.kind == "shm":
+                arena_tensor(self.arena, ref).copy_(tensor.detach().reshape(ref.shape))  # host staging
+            else:
+                self.arena.tensor(ref).copy_(tensor.detach(), non_blocking=True)
+        self.offset = align_up(self.offset + max(nbytes, 1))
+        self._refs[id(tensor)] = (tensor, ref)
+        return ref
+
+    def put_layers(self, layers: dict[int, torch.Tensor] | None) -> dict[int, TensorRef]:
+        """Captured layers' rows (HookNeeds.hidden_layers), after the hidden rows."""
+        return {n: self.put(rows) for n, rows in (layers or {}).items()}
+
+    @property
+    def used(self) -> bool:
+        return self.offset > self.start
+
+    def seal(self) -> int:
+        """The ready event the sidecar waits on (-1 on host memory)."""
+        return -1 if self.arena.kind == "shm" else self.arena.mark_ready(self.slot)
+
+
+def read_states(arena: Any, plan: StepPlan) -> dict[str, Any]:
+    """The plan's model states, as host copies (vllm-omni keeps decoded payloads on the host).
+
+    Call before `read_plan`, which lets the sidecar reuse its arena once our copies ran."""
+    if not plan.model_states:
+        return {}
+    if arena is not None and arena.kind != "shm" and plan.event >= 0:
+        arena.wait_ready(plan.event)
+    cpu = torch.device("cpu")
+    states = {r: load_tree(v, lambda ref: _copy_out(arena, ref, cpu)) for r, v in plan.model_states.items()}
+    bad = [r for r, v in states.items() if not isinstance(v, dict)]
+    if bad:
+        raise SidecarError(f"sidecar sent model states that are not dicts for {bad[:4]}")
+    return states
 
 
 def read_plan(arena: Any, plan: StepPlan, input_batch: Any, model: Any,
@@ -87,7 +138,7 @@ def read_plan(arena: Any, plan: StepPlan, input_batch: Any, model: Any,
     step's token embeddings) when the runner feeds the model from one: overlay
     rows are written into it in place, so CUDA graphs see them.
     """
-    if not (plan.extra_kwargs or plan.overlays):
+    if not (plan.extra_kwargs or plan.overlays or plan.model_states):
         return {}
     on_device = arena is not None and arena.kind != "shm"
     if on_device and plan.event >= 0:
@@ -95,7 +146,7 @@ def read_plan(arena: Any, plan: StepPlan, input_batch: Any, model: Any,
     extra: dict[str, Any] = {}
     if plan.extra_kwargs:
         device = model_device(model)
-        extra = {k: _decode_kwarg(arena, v, device, 0) for k, v in plan.extra_kwargs.items()}
+        extra = load_tree(plan.extra_kwargs, lambda ref: _copy_out(arena, ref, device))
     if plan.overlays:
         extra["inputs_embeds"] = _overlay(arena, plan, input_batch, model, embeds)
     if on_device:
@@ -125,20 +176,10 @@ def _overlay(arena: Any, plan: StepPlan, input_batch: Any, model: Any,
     return embeds
 
 
-def _decode_kwarg(arena: Any, value: Any, device: torch.device, depth: int) -> Any:
-    """Tensor markers become tensors (copied out of the arena onto the model's device)."""
-    if depth > MAX_KWARG_DEPTH:
-        raise SidecarError(f"sidecar extra kwargs nest deeper than {MAX_KWARG_DEPTH} levels")
-    if isinstance(value, dict):
-        if TENSOR_MARKER in value:
-            if arena is None:
-                raise SidecarError("sidecar sent tensor kwargs but offered no arena")
-            ref = msgspec.convert(value[TENSOR_MARKER], TensorRef)
-            return arena_tensor(arena, ref).to(device, copy=True)
-        return {k: _decode_kwarg(arena, v, device, depth + 1) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_decode_kwarg(arena, v, device, depth + 1) for v in value]
-    return value
+def _copy_out(arena: Any, ref: TensorRef, device: torch.device) -> torch.Tensor:
+    if arena is None:
+        raise SidecarError("sidecar sent tensors but offered no arena")
+    return arena_tensor(arena, ref).to(device, copy=True)
 
 
 def model_device(model: Any) -> torch.device:

@@ -96,8 +96,8 @@ class ShimWorkerMixin:
         device, arena_kind = self._arena_choice(cfg.arena)
 
         def connect(endpoint: str | None = None, resume_token: str = "") -> SidecarConnection:
-            hidden_bytes = hidden_arena_size(max_tokens, hidden_size, DTYPE_ITEMSIZE.get(dtype, 4),
-                                             cfg.hidden_slots, 1 + layer_room[0])
+            hidden_bytes = hidden_arena_size(max_tokens, hidden_size, DTYPE_ITEMSIZE.get(dtype, 4), cfg.hidden_slots,
+                                             int(cfg.model_io_mib * (1 << 20)), 1 + layer_room[0])
             return SidecarConnection(
                 endpoint or cfg.endpoint, cfg.step_timeout_s,
                 msgspec.structs.replace(hello, resume_token=resume_token), hidden_bytes, cfg.hidden_slots,

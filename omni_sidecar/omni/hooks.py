@@ -25,7 +25,7 @@ import torch
 from omni_sidecar.builtin_hooks import check_prompt_embeds, overlay_rows
 from omni_sidecar.hooks import HookErrors, OmniHooks, RequestInfo, StepBatch
 from omni_sidecar.omni.keys import layer_key
-from omni_sidecar.omni.outputs import OutputLog, accumulate, slice_per_request
+from omni_sidecar.omni.outputs import OutputLog, accumulate, dotted_outputs, slice_per_request
 from omni_sidecar.omni.state import IntermediateBuffer, StateError
 from omni_sidecar.omni.wire import (
     PayloadError,
@@ -61,6 +61,7 @@ class OmniStateHooks(OmniHooks):
             pre_forward_scope="all" if self.send_extra_kwargs else "payload",
             hidden_states=True,
             prefix_cache_safe=False,
+            model_states=True,
             hidden_layers=sorted({int(n) for n in hidden_layers.split(",") if n.strip()}),
         )
 
@@ -143,6 +144,30 @@ class OmniStateHooks(OmniHooks):
                 self.log.add(req_id, {**per_req[i], **(outputs or {})})
             except (StateError, PayloadError, ValueError) as exc:
                 errors[req_id] = f"postprocess: {exc}"
+        if errors:
+            raise HookErrors(errors)
+
+    def model_states(self, req_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """The decoded payload state of each request (those whose payload failed are already reported)."""
+        return {r: state for r in req_ids if (state := self.state.get(r)) is not None}
+
+    def on_model_results(self, updates: dict[str, dict[str, Any]], outputs: dict[str, dict[str, Any]]) -> None:
+        """The model's updates merge into state (its rules); its outputs join the request's
+        output log under dotted names ("codes.audio": [1, Q] per step -> [T, Q] assembled)."""
+        errors = {}
+        for req_id, update in updates.items():
+            try:
+                if not isinstance(update, dict):
+                    raise StateError(f"model update is a {type(update).__name__}, not a dict")
+                self.state.merge(req_id, update)
+            except StateError as exc:
+                errors[req_id] = f"model update: {exc}"
+        for req_id, output in outputs.items():
+            try:
+                if req_id not in errors:
+                    self.log.add(req_id, dotted_outputs(output))
+            except ValueError as exc:
+                errors[req_id] = f"model outputs: {exc}"
         if errors:
             raise HookErrors(errors)
 

@@ -30,6 +30,19 @@ def slice_per_request(
     return per_req
 
 
+def dotted_outputs(nested: Any) -> dict[str, Any]:
+    """A model's two-level outputs ({"codes": {"audio": t}}) under dotted names ("codes.audio")."""
+    if not isinstance(nested, dict):
+        raise ValueError(f"model outputs must be a dict, got {type(nested).__name__}")
+    flat: dict[str, Any] = {}
+    for key, value in nested.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}.{qual}": v for qual, v in value.items()})
+        else:
+            flat[str(key)] = value
+    return flat
+
+
 def accumulate(chunks: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     parts: dict[str, list[torch.Tensor]] = {}

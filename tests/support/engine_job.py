@@ -51,6 +51,13 @@ def _load_payload(payload: dict) -> dict:
     return out
 
 
+def _runs_model_runner_v2(worker) -> bool:
+    """In the worker: is its runner Model Runner V2? (Not every minor logs the choice on CPU.)"""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    return isinstance(worker.model_runner, GPUModelRunner)
+
+
 def main(job_path: str, result_path: str) -> int:
     job = json.loads(open(job_path).read())
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = str(job.get("mp", 0))
@@ -85,6 +92,7 @@ def main(job_path: str, result_path: str) -> int:
             kwargs["worker_cls"] = "worker_shim.Worker"
         llm = LLM(**kwargs)
         result["start_s"] = time.monotonic() - t0
+        result["runner_v2"] = llm.collective_rpc(_runs_model_runner_v2)
         prompts, params = [], []
         for p in job["prompts"]:
             extra = None

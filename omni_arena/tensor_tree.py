@@ -1,0 +1,53 @@
+"""Nested JSON-like values with tensors inside, in both directions across an arena.
+
+A tensor travels as `{TENSOR_MARKER: TensorRef}`; dicts (any key type: vllm-omni keys
+`hidden_states.layers` by int), lists and tuples nest up to `MAX_TREE_DEPTH` levels.
+Both sides use these two walkers (extra kwargs, model states, model updates and
+outputs), so the encoding is written once. A received tree is untrusted: its refs
+are converted by the caller's `load`, which bounds-checks them against its arena.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import msgspec
+import torch
+
+from proto.tensors import TENSOR_MARKER, TensorRef
+
+MAX_TREE_DEPTH = 8
+
+
+class TreeError(ValueError):
+    """A tree nests too deep or holds a malformed tensor marker."""
+
+
+def store_tree(value: Any, put: Callable[[torch.Tensor], TensorRef], depth: int = 0) -> Any:
+    """Tensors become markers holding the ref `put` returns (the tensor copied into an arena)."""
+    if depth > MAX_TREE_DEPTH:
+        raise TreeError(f"value nests deeper than {MAX_TREE_DEPTH} levels")
+    if isinstance(value, torch.Tensor):
+        return {TENSOR_MARKER: put(value)}
+    if isinstance(value, dict):
+        return {k: store_tree(v, put, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [store_tree(v, put, depth + 1) for v in value]
+    return value
+
+
+def load_tree(value: Any, load: Callable[[TensorRef], torch.Tensor], depth: int = 0) -> Any:
+    """Markers become the tensors `load` makes of their refs (a copy out of the arena)."""
+    if depth > MAX_TREE_DEPTH:
+        raise TreeError(f"value nests deeper than {MAX_TREE_DEPTH} levels")
+    if isinstance(value, dict):
+        if TENSOR_MARKER in value:
+            try:
+                ref = msgspec.convert(value[TENSOR_MARKER], TensorRef)
+            except msgspec.ValidationError as exc:
+                raise TreeError(f"malformed tensor ref: {exc}") from None
+            return load(ref)
+        return {k: load_tree(v, load, depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [load_tree(v, load, depth + 1) for v in value]
+    return value

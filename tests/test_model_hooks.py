@@ -1,0 +1,293 @@
+"""The model-hook bridge without vLLM: a fake talker's hooks called in vllm-omni's order,
+the shim's state mirror, StepEnd model results through a real arena, and the sidecar side
+(states sent once, updates merged, codes assembled) in a real Session."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from omni_arena.tensor_tree import load_tree
+from omni_arena.views import arena_tensor
+from omni_sidecar.metrics import SidecarMetrics
+from omni_sidecar.omni.stages import TalkerHooks
+from omni_sidecar.session import Session
+from omni_sidecar.store import FinishedOutputs
+from proto.arena import ShmArena
+from proto.messages import BatchLayout, Hello, HookNeeds, NewRequest, StepBegin, StepEnd, StepPlan
+from tests.test_recovery import FakeConnection, request
+from worker_shim.link import SidecarLink
+from worker_shim.model_hooks import ModelBridge, find_model_hooks, per_request, unwrap_forward_output
+from worker_shim.state_mirror import StateMirror
+from worker_shim.transfer import HiddenSlots
+
+H, Q = 4, 3
+
+
+class FakeTalker(torch.nn.Module):
+    """vllm-omni's hook API on a toy: prefill rows from the state, decode rows through talker_mtp."""
+
+    has_preprocess = True
+    has_postprocess = True
+    have_multimodal_outputs = True
+    talker_mtp_output_key = ("codes", "audio")
+    gpu_resident_buffer_keys = {("hidden_states", "last")}
+
+    def __init__(self, batched: bool = False) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(()))
+        self.calls: list[tuple] = []
+        if batched:
+            self.preprocess_decode_batch = self._decode_batch
+
+    def preprocess(self, input_ids, input_embeds, **info):
+        self.calls.append(("pre", info["request_id"], int(input_ids.shape[0])))
+        if info["_omni_is_prefill"]:
+            nc = info["_omni_num_computed_tokens"]
+            rows = info["embed"]["prefill"][nc : nc + input_ids.shape[0]]
+            return input_ids, rows, {"meta": {"prefilled": nc + rows.shape[0]}}
+        last, text, update = self._decode_inputs(info)
+        return input_ids, input_embeds, {"mtp_inputs": (last, text), **update}
+
+    def _decode_inputs(self, info):
+        pos = int(info.get("meta", {}).get("text_pos", 0))
+        return info["hidden_states"]["last"].reshape(1, -1), info["text"]["rows"][pos : pos + 1], \
+            {"meta": {"text_pos": pos + 1}}
+
+    def _decode_batch(self, *, input_ids, req_infos):
+        self.calls.append(("pre_batch", [i["request_id"] for i in req_infos]))
+        parts = [self._decode_inputs(info) for info in req_infos]
+        embeds = torch.zeros(len(req_infos), H)
+        return (input_ids, embeds, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
+                [p[2] for p in parts])
+
+    def talker_mtp(self, input_ids, input_embeds, last_talker_hidden, text_step):
+        self.calls.append(("mtp", input_ids.tolist()))
+        codes = torch.stack([input_ids, input_ids + 1, input_ids + 2], dim=1).long()
+        return input_embeds + text_step + last_talker_hidden, codes
+
+    def postprocess(self, hidden_states, multimodal_outputs=None, **info):
+        self.calls.append(("post", info["request_id"], int(hidden_states.shape[0])))
+        return {"hidden_states": {"last": hidden_states[-1:]}}
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        hidden = inputs_embeds * 2
+        return hidden, hidden.sum(-1)  # a tuple: V2 gets the tensor, the sum is a per-token output
+
+
+def step_batch(req_ids, rows, computed, ids):
+    qsl = np.concatenate([[0], np.cumsum(rows)])
+    return SimpleNamespace(req_ids=req_ids, num_tokens=int(qsl[-1]), num_tokens_after_padding=int(qsl[-1]),
+                           query_start_loc_np=qsl, num_computed_tokens_np=np.array(computed),
+                           prefill_len_np=np.array([5] * len(req_ids)), input_ids=torch.tensor(ids))
+
+
+def states():
+    prompt = torch.arange(20, dtype=torch.float32).view(5, H)
+    text = torch.full((3, H), 0.5)
+    return {"a": {"embed": {"prefill": prompt}, "text": {"rows": text}},
+            "b": {"embed": {"prefill": prompt}, "text": {"rows": text},
+                  "hidden_states": {"last": torch.ones(1, H)}}}
+
+
+def test_plain_models_have_no_hooks_and_talkers_show_theirs():
+    assert find_model_hooks(torch.nn.Linear(2, 2)) is None
+    wire = find_model_hooks(FakeTalker(batched=True)).wire()
+    assert wire.has_preprocess and wire.has_postprocess and wire.batch_decode_preprocess
+    assert wire.mtp_output_key == "codes.audio" and wire.resident_keys == ["hidden_states.last"]
+
+
+def test_forward_results_are_unwrapped_for_upstream_v2():
+    h = torch.ones(3, H)
+    assert unwrap_forward_output(h) == (h, None)
+    hidden, extras = unwrap_forward_output((h, h.sum(-1)))
+    assert hidden is h and torch.equal(extras["model_output"]["1"], h.sum(-1))
+    omni = SimpleNamespace(text_hidden_states=h, multimodal_outputs={"codes": {"audio": torch.zeros(3, Q)}})
+    hidden, extras = unwrap_forward_output(omni)
+    assert hidden is h and set(extras) == {"codes"}
+    cut = per_request(extras, 1, 1, 3, num_reqs=2, num_tokens=3)
+    assert cut["codes"]["audio"].shape == (2, Q)
+
+
+def test_one_step_calls_the_hooks_in_vllm_omnis_order():
+    model = FakeTalker()
+    bridge = ModelBridge(model, find_model_hooks(model))
+    for req_id in "ab":
+        bridge.note_new(req_id, 5)
+    bridge.fill_states(states(), failed=set())
+    # a prefills rows 0..2 of its prompt; b decodes (code-0 id 7 sampled by the step before).
+    batch = step_batch(["a", "b"], [3, 1], [0, 5], [3, 3, 3, 7])
+    embeds = torch.zeros(4, H)
+    bridge.before_forward(batch, embeds)
+    assert model.calls == [("pre", "a", 3), ("pre", "b", 1), ("mtp", [7])]
+    assert torch.equal(embeds[:3], states()["a"]["embed"]["prefill"][:3])
+    assert torch.equal(embeds[3], torch.full((H,), 1.5))  # talker_mtp's embeddings replaced the row
+    hidden = model(batch.input_ids, None, inputs_embeds=embeds)  # the wrapped forward: a tensor
+    assert isinstance(hidden, torch.Tensor)
+    assert bridge.after_forward(batch, hidden) == {}
+    assert model.calls[3:] == [("post", "a", 3), ("post", "b", 1)]
+    updates, outputs = bridge.take_step()
+    assert updates["a"]["meta"] == {"prefilled": 3} and torch.equal(updates["a"]["hidden_states"]["last"], hidden[2:3])
+    assert updates["b"]["meta"] == {"text_pos": 1} and updates["b"]["codes"]["audio"].tolist() == [[7, 8, 9]]
+    assert outputs["b"]["codes"]["audio"] is updates["b"]["codes"]["audio"]  # one tensor, sent once
+    assert torch.equal(outputs["a"]["model_output"]["1"], hidden[:3].sum(-1))
+    assert "mtp_inputs" not in bridge.mirror.states["b"]  # popped, never state
+    assert bridge.take_step() == ({}, {})
+
+
+def test_decode_rows_batch_through_preprocess_decode_batch_flushed_before_other_rows():
+    model = FakeTalker(batched=True)
+    bridge = ModelBridge(model, find_model_hooks(model))
+    two = states()
+    two["c"] = two["b"]
+    for req_id in "abc":
+        bridge.note_new(req_id, 5)
+    bridge.fill_states(two, failed=set())
+    batch = step_batch(["b", "a", "c"], [1, 2, 1], [5, 0, 6], [7, 3, 3, 9])
+    bridge.before_forward(batch, torch.zeros(4, H))
+    assert model.calls == [("pre_batch", ["b"]), ("pre", "a", 2), ("pre_batch", ["c"]), ("mtp", [7, 9])]
+    assert bridge.mirror.states["c"]["codes"]["audio"].tolist() == [[9, 10, 11]]
+
+
+def test_mirror_keeps_resident_keys_copies_the_rest_and_frees_at_finish():
+    mirror = StateMirror(frozenset({("hidden_states", "last")}))
+    mirror.fill("r", {"meta": {"n": 1}})
+    last, other = torch.ones(2), torch.ones(2)
+    mirror.merge("r", {"hidden_states": {"last": last, "other": other}, "meta": {"m": 2}})
+    other.zero_()
+    assert mirror.states["r"]["meta"] == {"n": 1, "m": 2}  # two-level merge
+    assert mirror.states["r"]["hidden_states"]["other"].sum() == 2  # a copy, not the model's tensor
+    mirror.merge("gone", {"meta": {"x": 1}})  # unknown request: no-op
+    assert mirror.missing(["r", "s"]) == ["s"]
+    mirror.free(["r"])
+    assert "r" not in mirror and mirror.take_step() == ({}, {})
+
+
+class StatesConnection(FakeConnection):
+    """Answers StepBegin with the states asked for; keeps a real slot arena for StepEnd."""
+
+    def __init__(self, arena) -> None:
+        super().__init__(needs=HookNeeds(model_states=True))
+        self.slots = HiddenSlots(arena, 2)
+
+    def step_plan(self, msg: StepBegin) -> StepPlan:
+        self.sent.append(msg)
+        return StepPlan(step=msg.step, model_states={r: {"asked": True} for r in msg.want_states})
+
+    def read_states(self, plan):
+        return dict(plan.model_states)
+
+    def read_plan(self, plan, input_batch, model, embeds):
+        return {}
+
+    def claim_slot(self, step, wait):
+        return self.slots.claim(step, wait)
+
+    def slot_sent(self, step):
+        self.slots.sent(step)
+
+
+def test_the_link_asks_for_states_once_and_sends_results_through_the_slot():
+    arena = ShmArena.create(1 << 16, prefix="omni-test-model-io")
+    try:
+        conn = StatesConnection(arena)
+        link = SidecarLink(lambda **kw: None, conn)
+        model = FakeTalker()
+        bridge = ModelBridge(model, find_model_hooks(model))
+        link.note_new([request("a", True)])
+        bridge.note_new("a", 3)
+        for step in range(3):  # a new request, then two steps with nothing new
+            batch = step_batch(["a"], [1], [3 + step], [5])
+            link.begin_step()
+            link.pre_forward(batch, model, torch.zeros(1, H), bridge)
+            bridge.mirror.merge("a", {"codes": {"audio": torch.tensor([[step, 1, 2]])}})
+            link.end_step(SimpleNamespace(input_batch=batch, hidden_states=None), bridge.take_step())
+        begins = [m for m in conn.sent if isinstance(m, StepBegin)]
+        assert len(begins) == 1 and begins[0].want_states == ["a"] and begins[0].model_hooks.has_postprocess
+        assert bridge.mirror.states["a"]["asked"] is True
+        assert link.counters.blocking_exchanges == 1 and link.counters.steps == 3
+        last = conn.sent[-1]
+        assert isinstance(last, StepEnd) and last.hidden_event == -1
+        got = load_tree(last.model_updates, lambda ref: arena_tensor(arena, ref).clone())
+        assert got["a"]["codes"]["audio"].tolist() == [[2, 1, 2]]
+    finally:
+        arena.close()
+
+
+def _session(hooks) -> tuple[Session, ShmArena]:
+    shim_arena = ShmArena.create(1 << 16, prefix="omni-test-shim-slot")
+    hello = Hello(1, 2, "test", "none", "cpu", 0, 1, "m", H, "float32", 8, [shim_arena.info()])
+    session = Session(1, hello, hooks, FinishedOutputs(10), SidecarMetrics())
+    session.open_arenas()
+    return session, shim_arena
+
+
+def test_the_sidecar_sends_states_with_int_keys_merges_updates_and_assembles_codes():
+    hooks = TalkerHooks()
+    session, shim_arena = _session(hooks)
+    try:
+        layers = {0: torch.ones(2, H), 24: torch.zeros(2, H)}
+        payload = {"model_intermediate_buffer": {"hidden_states": {"layers": layers}, "meta": {"tag": "t"}}}
+        layout = BatchLayout(["r"], [0, 2], [0], [2])
+        plan = session.step_begin(StepBegin(step=0, batch=layout, want_states=["r"],
+                                            new_requests=[NewRequest("r", 2, [3, 3], payload)]))
+        assert plan.errors == [] and plan.overlays == [] and session.model_hooks is None
+        out = session.arenas.out.arena
+        state = load_tree(plan.model_states["r"], lambda ref: arena_tensor(out, ref).clone())
+        assert set(state["hidden_states"]["layers"]) == {0, 24}  # int keys survive the wire
+        assert torch.equal(state["hidden_states"]["layers"][0], layers[0]) and state["meta"]["tag"] == "t"
+        slots = HiddenSlots(shim_arena, 2)
+        for step in (1, 2):
+            slot = slots.claim(step, lambda s: None)
+            codes = torch.tensor([[step, 5, 6]])
+            end = StepEnd(step=step, num_tokens=1, batch=BatchLayout(None, [0, 1], [1 + step], [2]),
+                          model_updates={"r": {"meta": {"k": {"__omni_tensor_ref__": slot.put(torch.ones(1))}},
+                                               "codes": {"audio": {"__omni_tensor_ref__": slot.put(codes)}}}},
+                          model_outputs={"r": {"codes": {"audio": {"__omni_tensor_ref__": slot.put(codes)}}}})
+            assert session.step_end(end).errors == []
+            slots.sent(step)
+        assert hooks.state.get("r")["codes"]["audio"].tolist() == [[2, 5, 6]]  # merged, a copy
+        assert hooks.get_outputs("r")["codes.audio"].tolist() == [[1, 5, 6], [2, 5, 6]]
+        bad = StepEnd(step=3, num_tokens=1, model_outputs={"r": {"x": {"__omni_tensor_ref__": [0, 1 << 30, 4, [1],
+                                                                                               "float32"]}}})
+        assert "outside" in session.step_end(bad).errors[0].message  # every ref is checked
+    finally:
+        session.close()
+        shim_arena.close()
+
+
+def test_requests_without_a_served_state_run_without_the_hooks():
+    model = FakeTalker()
+    bridge = ModelBridge(model, find_model_hooks(model))
+    bridge.note_new("a", 5)
+    bridge.note_new("p", 5)
+    bridge.fill_states({}, failed={"p"})  # the sidecar failed p's payload; nobody served a
+    batch = step_batch(["a", "p"], [2, 2], [0, 0], [3, 3, 3, 3])
+    embeds = torch.ones(4, H)
+    bridge.before_forward(batch, embeds)
+    assert model.calls == [] and embeds.sum() == 4 * H  # token embeddings untouched
+    assert bridge.after_forward(batch, torch.zeros(4, H)) == {} and model.calls == []
+    bridge.note_finished({"a", "p"})
+    assert bridge.missing_states(["a", "p"]) == ["a", "p"]
+
+
+def test_sidecar_hooks_read_each_rows_input_ids_from_the_layout():
+    from omni_sidecar.hooks import StepBatch
+    from omni_sidecar.replays import SeenPositions
+
+    layout = BatchLayout(["a", "b"], [0, 2, 3], [0, 5], [2, 5], [11, 12, 42])
+    assert StepBatch(0, layout).input_ids(1) == [42]  # b decodes the token sampled before
+    seen = SeenPositions()
+    seen.upto["a"] = 1  # a's first position was seen before a preemption
+    fresh, _ = seen.fresh_rows(layout, None)
+    assert fresh.input_ids == [12, 42] and StepBatch(0, fresh).input_ids(0) == [12]
+
+
+def test_int_keyed_state_survives_the_hot_upgrade_hand_over():
+    from omni_sidecar.statepack import pack, unpack
+
+    state = {"states": {"r": {"hidden_states": {"layers": {0: torch.ones(2), 24: torch.zeros(1)}}}}}
+    back = unpack(pack(state))["states"]["r"]["hidden_states"]["layers"]
+    assert set(back) == {0, 24} and torch.equal(back[0], torch.ones(2))

@@ -1,0 +1,262 @@
+"""A tiny Qwen3-TTS-shaped talker for tests and benchmarks (not shipped).
+
+The talker turns a thinker's hidden rows (payload `hidden_states.output`
+[T_text, H_thinker] and `embed.tts_pad` [1, H_thinker]) into audio codes:
+a Qwen3 backbone samples code 0 of each frame over codebook 0 (+ EOS), and a
+small code predictor fills codebooks 1..Q-1 greedily from the backbone's last
+hidden row. The sum of a frame's Q code embeddings plus the next projected
+thinker row is the next step's input, so every frame depends on the previous.
+
+Written by us in the shape of vllm-omni's `Qwen3TTSTalkerForConditionalGeneration`
+(none of its code): the same hook names and signatures (`TalkerHooks`), the
+same order of calls. All talker-specific weights and maths live in one plain
+module (`TalkerHeads`) used both by the vLLM model class
+(tests/support/talker_model.py) and by the direct reference forward
+(tests/support/talker_reference.py), so comparing the two checks the bridge
+that calls the hooks, not the maths twice.
+
+This module imports torch and transformers only; `register()` imports vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ARCH = "OmniTinyTalkerForConditionalGeneration"
+CODEBOOK_SIZE = 64
+# Specials sit after codebook 0 in the backbone's vocabulary; only codebook 0 and EOS are ever sampled.
+CODEC_BOS_ID = CODEBOOK_SIZE
+CODEC_EOS_ID = CODEBOOK_SIZE + 1
+CODEC_PAD_ID = CODEBOOK_SIZE + 2
+TALKER_CONFIG = dict(
+    vocab_size=CODEBOOK_SIZE + 3,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,  # vLLM's CPU attention needs head_dim >= 32
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=CODEC_BOS_ID,
+    eos_token_id=CODEC_EOS_ID,
+    pad_token_id=CODEC_PAD_ID,
+    # talker fields (extra config keys; HF keeps them as attributes)
+    codebook_size=CODEBOOK_SIZE,
+    num_code_groups=4,
+    thinker_hidden_size=96,
+    codec_bos_id=CODEC_BOS_ID,
+    codec_eos_id=CODEC_EOS_ID,
+    codec_pad_id=CODEC_PAD_ID,
+)
+# Heads are scaled up so greedy argmax has clear winners (as tiny_models.py does for its LM head).
+HEAD_SCALE = 8.0
+_STAMP = "omni-tiny-talker-v1"
+
+
+class TalkerHeads(nn.Module):
+    """Every talker weight outside the backbone, and the maths of the hooks.
+
+    `config` is the checkpoint's config (an HF `Qwen3Config` carrying the talker
+    fields of `TALKER_CONFIG`). Code 0 is embedded by the backbone's own token
+    embedding; the residual codebooks 1..Q-1 by `residual_embeds`.
+    """
+
+    def __init__(self, config: Any):
+        super().__init__()
+        hidden, thinker = int(config.hidden_size), int(config.thinker_hidden_size)
+        self.codebook_size = int(config.codebook_size)
+        self.num_code_groups = int(config.num_code_groups)
+        self.text_fc1 = nn.Linear(thinker, thinker)
+        self.text_fc2 = nn.Linear(thinker, hidden)
+        self.residual_embeds = nn.ModuleList(
+            nn.Embedding(self.codebook_size, hidden) for _ in range(self.num_code_groups - 1)
+        )
+        self.predictor_in = nn.Linear(hidden, hidden)
+        self.predictor_heads = nn.ModuleList(
+            nn.Linear(hidden, self.codebook_size, bias=False) for _ in range(self.num_code_groups - 1)
+        )
+        self.codec_head = nn.Linear(hidden, int(config.vocab_size), bias=False)
+        sampled = torch.zeros(int(config.vocab_size), dtype=torch.bool)
+        sampled[: self.codebook_size] = True
+        sampled[int(config.codec_eos_id)] = True
+        self.register_buffer("_never_sampled", ~sampled, persistent=False)
+
+    def project_text(self, rows: torch.Tensor) -> torch.Tensor:
+        """Thinker rows [n, H_thinker] -> talker width [n, H]."""
+        rows = rows.to(device=self.text_fc1.weight.device, dtype=self.text_fc1.weight.dtype)
+        return self.text_fc2(nn.functional.silu(self.text_fc1(rows)))
+
+    def prompt_text_rows(self, info: dict[str, Any], start: int, count: int) -> torch.Tensor:
+        """Projected thinker rows for prompt rows [start, start+count); tts_pad past the thinker's end."""
+        output = info["hidden_states"]["output"]
+        rows = output[start : start + count]
+        missing = count - int(rows.shape[0])
+        if missing > 0:
+            pad = info["embed"]["tts_pad"].reshape(1, -1).to(rows.dtype)
+            rows = torch.cat([rows, pad.expand(missing, -1)])
+        return self.project_text(rows)
+
+    def trailing_text_update(self, info: dict[str, Any]) -> dict[str, Any]:
+        """The thinker rows past the prompt, projected once (first prefill chunk) for the decode steps."""
+        if "trailing_text" in info.get("hidden_states", {}):
+            return {}
+        tail = info["hidden_states"]["output"][int(info["_omni_prompt_len"]) :]
+        return {"hidden_states": {"trailing_text": self.project_text(tail)}, "meta": {"text_pos": 0}}
+
+    def next_text_step(self, info: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """This decode step's text row [1, H] (the projected tts_pad once the thinker rows run out)."""
+        pos = int(info["meta"]["text_pos"])
+        tail = info["hidden_states"]["trailing_text"]
+        if pos < int(tail.shape[0]):
+            step = tail[pos : pos + 1].to(self.text_fc1.weight.device)
+        else:
+            step = self.project_text(info["embed"]["tts_pad"].reshape(1, -1))
+        return step, {"meta": {"text_pos": pos + 1}}
+
+    def predict_codes(
+        self, code0: torch.Tensor, code0_embeds: torch.Tensor, last_hidden: torch.Tensor, text_step: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual codes (greedy, one codebook after the other) -> (next inputs_embeds [B,H], codes [B,Q])."""
+        state = last_hidden.reshape(code0_embeds.shape) + code0_embeds
+        frame_embeds = code0_embeds
+        codes = [code0.reshape(-1).to(torch.long)]
+        for head, embed in zip(self.predictor_heads, self.residual_embeds):
+            code = head(nn.functional.silu(self.predictor_in(state))).argmax(dim=-1)
+            code_embeds = embed(code)
+            state = state + code_embeds
+            frame_embeds = frame_embeds + code_embeds
+            codes.append(code)
+        return frame_embeds + text_step.reshape(frame_embeds.shape), torch.stack(codes, dim=1)
+
+    def codec_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary; only codebook 0 and EOS can win."""
+        return self.codec_head(hidden).masked_fill(self._never_sampled, float("-inf"))
+
+
+def _is_prefill(info: dict[str, Any]) -> bool:
+    flag = info.get("_omni_is_prefill")
+    if isinstance(flag, bool):
+        return flag
+    return int(info["_omni_num_computed_tokens"]) < int(info["_omni_prompt_len"])
+
+
+def _last_hidden(info: dict[str, Any]) -> torch.Tensor:
+    last = info.get("hidden_states", {}).get("last")
+    if not isinstance(last, torch.Tensor):
+        raise RuntimeError(f"request {info.get('request_id')}: no hidden_states.last (postprocess did not run)")
+    return last.reshape(1, -1)
+
+
+class TalkerHooks:
+    """vllm-omni's model-hook API, as its runner calls it (docs/ARCHITECTURE.md, "Model hooks").
+
+    A class mixing this in provides `heads: TalkerHeads` and `embed_input_ids(ids)`
+    (the backbone's code-0 embedding). `info` is the request's state plus the
+    runner's `request_id`, `_omni_prompt_len`, `_omni_num_computed_tokens`,
+    `_omni_is_prefill`.
+    """
+
+    heads: TalkerHeads
+    has_preprocess = True
+    has_postprocess = True
+    talker_mtp_output_key = ("codes", "audio")
+    # talker_mtp has no host sync and no data-dependent control flow: a CUDA graph may capture it
+    talker_mtp_graph_safe = True
+    gpu_resident_buffer_keys = {("codes", "audio"), ("hidden_states", "last"), ("hidden_states", "trailing_text")}
+
+    def preprocess(
+        self, input_ids: torch.Tensor, input_embeds: torch.Tensor | None, **info: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        code_embeds = self.embed_input_ids(input_ids)
+        span = int(input_ids.shape[0])
+        if _is_prefill(info):
+            start = int(info["_omni_num_computed_tokens"])
+            embeds = code_embeds + self.heads.prompt_text_rows(info, start, span)
+            return input_ids, embeds, self.heads.trailing_text_update(info)
+        if span > 1:
+            return input_ids, code_embeds, {}
+        text_step, update = self.heads.next_text_step(info)
+        update["mtp_inputs"] = (_last_hidden(info), text_step)
+        return input_ids, code_embeds, update
+
+    def preprocess_decode_batch(
+        self, *, input_ids: torch.Tensor, req_infos: list[dict[str, Any]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[dict[str, Any]]]:
+        steps = [self.heads.next_text_step(info) for info in req_infos]
+        last_hidden = torch.cat([_last_hidden(info) for info in req_infos])
+        text_steps = torch.cat([step for step, _ in steps])
+        input_ids = input_ids.reshape(-1)
+        return input_ids, self.embed_input_ids(input_ids), last_hidden, text_steps, [u for _, u in steps]
+
+    def talker_mtp(
+        self,
+        input_ids: torch.Tensor,
+        input_embeds: torch.Tensor,
+        last_talker_hidden: torch.Tensor,
+        text_step: torch.Tensor,
+        **_: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.heads.predict_codes(input_ids, input_embeds, last_talker_hidden, text_step)
+
+    def postprocess(self, hidden_states: torch.Tensor, **_: Any) -> dict[str, Any]:
+        if hidden_states.shape[0] == 0:
+            return {}
+        return {"hidden_states": {"last": hidden_states[-1:].detach()}}
+
+
+def load_talker_config(model_dir: str | Path):
+    from transformers import Qwen3Config
+
+    return Qwen3Config.from_pretrained(str(model_dir))
+
+
+def build_tiny_talker(path: str | Path, seed: int = 0) -> Path:
+    """Create (once) the tiny talker checkpoint in `path`: config.json + model.safetensors."""
+    path = Path(path)
+    stamp = path / "omni_tiny.json"
+    if stamp.exists() and json.loads(stamp.read_text()).get("stamp") == _STAMP:
+        return path
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config, Qwen3Model
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = Qwen3Config(**TALKER_CONFIG, architectures=[ARCH], torch_dtype="float32")
+    torch.manual_seed(seed)
+    backbone = Qwen3Model(config)
+    heads = TalkerHeads(config)
+    with torch.no_grad():
+        for name, param in heads.named_parameters():
+            if name.endswith("bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, config.initializer_range)
+        heads.codec_head.weight.mul_(HEAD_SCALE)
+        for head in heads.predictor_heads:
+            head.weight.mul_(HEAD_SCALE)
+    tensors = {f"model.{k}": v for k, v in backbone.state_dict().items()}
+    tensors.update({f"heads.{k}": v for k, v in heads.state_dict().items()})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    config.save_pretrained(path)
+    stamp.write_text(json.dumps({"stamp": _STAMP, "seed": seed}))
+    return path
+
+
+def register() -> None:
+    """Registers the talker's vLLM class with vLLM's ModelRegistry in this process.
+
+    Call it before `LLM(...)`. vLLM's CPU platform starts engine and worker processes with
+    `spawn` (multiprocessing on): call it at the top level of the main script, which each
+    spawned process imports again (tests/support/talker_plain_job.py does).
+    """
+    from vllm import ModelRegistry
+
+    from tests.support.talker_model import OmniTinyTalkerForConditionalGeneration
+
+    ModelRegistry.register_model(ARCH, OmniTinyTalkerForConditionalGeneration)

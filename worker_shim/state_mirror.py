@@ -1,0 +1,103 @@
+"""The model's view of each live request's state: vllm-omni's `model_intermediate_buffer`, mirrored.
+
+The sidecar owns the state (docs/ARCHITECTURE.md, "Model hooks"); this mirror is
+what the model's hooks read as `**info` in the vLLM process. It is filled once per
+request from the sidecar's plan (the decoded payload), then updated in place by the
+model's own updates with vllm-omni's runner rules (`_update_intermediate_buffer`:
+two-level merge, `{cat: {qual: v}}` replaces per qualifier; tensors under the
+model's `gpu_resident_buffer_keys` stay on its device, the others go to the host).
+Every update is also kept, merged the same way, as the step's update for the
+sidecar. Kept across preemption (vLLM re-adds the same id); freed at finish.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+ResidentKeys = frozenset[tuple[str, str]]
+
+
+class StateMirror:
+    def __init__(self, resident_keys: ResidentKeys = frozenset()) -> None:
+        self.resident_keys = resident_keys
+        self.states: dict[str, dict[str, Any]] = {}
+        self.unserved: set[str] = set()  # the sidecar failed their state: model hooks skip them
+        self.step_updates: dict[str, dict[str, Any]] = {}
+        self.step_outputs: dict[str, dict[str, Any]] = {}
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self.states
+
+    def missing(self, req_ids: Iterable[str]) -> list[str]:
+        return [r for r in req_ids if r not in self.states]
+
+    def fill(self, req_id: str, initial: dict[str, Any] | None, served: bool = True) -> None:
+        """A request's first state (the sidecar's decoded payload; {} when none serves it)."""
+        self.states[req_id] = {}
+        if not served:
+            self.unserved.add(req_id)
+        if initial:
+            self._merge_into(self.states[req_id], initial)
+
+    def merge(self, req_id: str, update: Any) -> None:
+        """A model update: into the state the hooks read next, and into this step's update."""
+        state = self.states.get(req_id)
+        if state is None or not isinstance(update, dict) or not update:
+            return
+        self._merge_into(state, update)
+        # The stored values, not the model's: the sidecar gets exactly what the mirror holds.
+        sent = self.step_updates.setdefault(req_id, {})
+        for key, value in update.items():
+            if isinstance(value, dict):
+                held = state[key]
+                sent.setdefault(key, {}).update({q: held[q] for q in value})
+            else:
+                sent[key] = state[key]
+
+    def add_output(self, req_id: str, output: dict[str, Any]) -> None:
+        """Per-request outputs of this step (MTP codes, model-returned tensors), two-level."""
+        if req_id not in self.states:
+            return
+        mine = self.step_outputs.setdefault(req_id, {})
+        for key, value in output.items():
+            if isinstance(value, dict) and isinstance(mine.get(key), dict):
+                mine[key].update(value)
+            else:
+                mine[key] = value
+
+    def take_step(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """This step's updates and outputs per request (for its StepEnd); starts the next step."""
+        taken = self.step_updates, self.step_outputs
+        self.step_updates, self.step_outputs = {}, {}
+        return taken
+
+    def free(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            self.states.pop(req_id, None)
+            self.unserved.discard(req_id)
+            self.step_updates.pop(req_id, None)
+            self.step_outputs.pop(req_id, None)
+
+    def _merge_into(self, state: dict[str, Any], update: dict[str, Any]) -> None:
+        for key, value in update.items():
+            if isinstance(value, dict):
+                slot = state.get(key)
+                if not isinstance(slot, dict):
+                    slot = state[key] = {}
+                for qual, v in value.items():
+                    slot[qual] = self._stored(v, (key, qual) in self.resident_keys)
+            else:
+                state[key] = self._stored(value, False)
+
+    @staticmethod
+    def _stored(value: Any, resident: bool) -> Any:
+        """vllm-omni's `_store_value`, except that host tensors are copied too: a model's
+        update may alias a buffer the next forward overwrites."""
+        if isinstance(value, torch.Tensor):
+            t = value.detach()
+            return t.clone() if resident else t.to("cpu", copy=True).contiguous()
+        if isinstance(value, list):
+            return [v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v for v in value]
+        return value
