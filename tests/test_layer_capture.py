@@ -18,7 +18,7 @@ from tests.support.procs import SidecarProcess
 from tests.support.vllm_omni_payload import as_its_wire, vllm_omni_payload_code
 from tests.test_sidecar import Peer
 from worker_shim.channel import SidecarError
-from worker_shim.embeds import embeds_width, wanted
+from worker_shim.embeds import EmbedsBuffer, embeds_width, wanted
 from worker_shim.layers import LayerCapture
 from worker_shim.transfer import HiddenSlots
 
@@ -115,7 +115,7 @@ def test_overlays_go_into_the_embeds_upstream_merged_and_positions_pass_through(
             return {"positions": torch.arange(3 * 5).view(3, 5)}
 
         def prepare_dummy_inputs(self, num_reqs, num_tokens):
-            return {}
+            return {"inputs_embeds": self.merged[:num_tokens]}
 
     class Link:
         in_step = True
@@ -130,8 +130,10 @@ def test_overlays_go_into_the_embeds_upstream_merged_and_positions_pass_through(
 
     state, link = UpstreamState(), Link()
     swap_class(state, SidecarModelStateMixin)
-    state.omni_runner = SimpleNamespace(omni_link=link, omni_embeds=None, omni_tp=None, model=None,
-                                       omni_bridge=None)
+    # A shim embeds buffer next to upstream's (model hooks want one): upstream's wins, in graphs too.
+    buffer = EmbedsBuffer(16, H, torch.float32, torch.device("cpu"))
+    state.omni_runner = SimpleNamespace(omni_link=link, omni_embeds=buffer, omni_tp=None, model=None,
+                                        omni_bridge=None)
     batch = SimpleNamespace(num_tokens_after_padding=5, num_tokens=5)
     before = state.merged.clone()
     merged = state.prepare_inputs_embeds({}, batch, None)
@@ -140,6 +142,8 @@ def test_overlays_go_into_the_embeds_upstream_merged_and_positions_pass_through(
     assert torch.equal(state.merged[3:5], torch.full((2, H), 7.0))
     assert torch.equal(state.merged[:3], before[:3]) and torch.equal(state.merged[5:], before[5:])
     assert torch.equal(inputs["positions"], torch.arange(15).view(3, 5))  # untouched
+    assert state.prepare_dummy_inputs(1, 4)["inputs_embeds"].data_ptr() == state.merged.data_ptr()
+    state.omni_runner.omni_embeds = None
     state.prepare_inputs(batch, None)  # a step without the embeds seam (a dummy run): nothing kept
     assert link.seen[-1] is None
 

@@ -168,10 +168,11 @@ class SidecarModelStateMixin:
         return inputs
 
     def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> dict[str, Any]:
-        """Graph capture: with the embeds buffer on, graphs are captured reading it."""
+        """Graph capture: graphs are captured reading the embeds real steps will use."""
         inputs = _up(self).prepare_dummy_inputs(num_reqs, num_tokens)  # type: ignore[misc]
         buffer: EmbedsBuffer | None = self.omni_runner.omni_embeds
-        if buffer is not None:
+        # Where upstream brings its own persistent embeds, real steps use those too (prepare_inputs).
+        if buffer is not None and inputs.get("inputs_embeds") is None:
             inputs = {**inputs, "inputs_embeds": buffer.rows(num_tokens)}
         return inputs
 
