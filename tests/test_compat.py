@@ -16,7 +16,6 @@ import pytest
 
 from proto.messages import HookNeeds
 from worker_shim import compat
-from worker_shim import runner as runner_module
 from worker_shim.compat import ShimCompatError, check_upstream
 from worker_shim import runner as runner_module
 from worker_shim.runner import SidecarRunnerMixin, swap_class
@@ -196,8 +195,6 @@ def shimmed(runner: UpstreamRunner) -> UpstreamRunner:
 @pytest.fixture
 def version_031(monkeypatch):
     monkeypatch.setattr(compat, "vllm_version", lambda: "0.31.0")
-    # The fake runner's model is no vllm-omni model; its class is not in vLLM's registry.
-    monkeypatch.setattr(runner_module, "model_class_has_hooks", lambda model_config: False)
 
 
 def test_a_model_state_lacking_a_seam_is_refused_at_load_model(version_031):
