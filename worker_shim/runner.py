@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from worker_shim.compat import MODEL_STATE_METHODS, RUNNER_ATTRS, RUNNER_INIT_ATTRS, check_instance
+from worker_shim.config import ShimConfig
 from worker_shim.embeds import EmbedsBuffer
 from worker_shim.embeds import mark_compiled_graph
 from worker_shim.embeds import wanted as embeds_wanted
@@ -90,7 +91,8 @@ class SidecarRunnerMixin:
         check_instance(self.model_state, MODEL_STATE_METHODS, "model_state")
         swap_class(self.model_state, SidecarModelStateMixin)
         self.model_state.omni_runner = self
-        self.omni_bridge = attach_bridge(self.model, self.omni_tp, link.embeds_setting)
+        self.omni_bridge = attach_bridge(self.model, self.omni_tp, link.embeds_setting,
+                                         ShimConfig.from_vllm(self.vllm_config).subtalker_sampling)
         if self.omni_bridge is not None and not use_embeds:  # hooks set on the instance only
             mark_compiled_graph(self.vllm_config)
             use_embeds = True
