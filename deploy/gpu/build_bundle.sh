@@ -43,6 +43,12 @@ if [ "${BUNDLE_OMNI:-0}" = 1 ]; then
   for spec in aenum omegaconf prettytable wcwidth soundfile cffi pycparser; do
     $DL -d "$OUT/wheels" "$spec"
   done
+  # Its AR worker imports diffusers, its orchestrator janus, its tokenizers loguru: pure Python,
+  # unpacked into the tree (xz packs them tighter than their wheels).
+  for spec in diffusers janus loguru; do
+    $DL -d "$OUT/work/omni" "$spec"
+  done
+  for w in "$OUT"/work/omni/*.whl; do $PY -m zipfile -e "$w" "$T"; done
 fi
 tar -C "$T" -cJf "$OUT/vllm-0.26.0-tree.tar.xz" .
 split -b "${PART_MIB}m" -d "$OUT/vllm-0.26.0-tree.tar.xz" "$OUT/vllm-tree.part-"

@@ -23,7 +23,7 @@ export PYTHONPATH="$SRC:$SITE" VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VL
 python3 -c "import torch, transformers, vllm, vllm_omni; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'vllm', vllm.__version__, 'vllm-omni', vllm_omni.__version__, torch.cuda.get_device_name())" \
   2>&1 | tail -3
-W=/tmp/talker-work
+W=$(mktemp -d /tmp/talker-XXXXXX)  # private: the sidecar's socket lives there
 timeout "$LIMIT" python3 "$SRC/deploy/gpu/talker.py" --model "$MODEL" --out "$W" > "$OUT/talker.log" 2>&1
 echo "talker.py rc=$? after $(( $(date +%s) - t0 )) s"
 tail -30 "$OUT/talker.log"

@@ -98,6 +98,7 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    out.chmod(0o700)  # the sidecar's socket lives there
     spec = job(args.model, json.loads(args.engine_overrides), args.quick)
     kinds = args.kinds.split(",")
     spec["kinds"] = kinds
