@@ -20,9 +20,6 @@ fi
 echo "installed in $(( $(date +%s) - t0 )) s"
 export PYTHONPATH="$SRC:$SITE" VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
   PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-python3 -c "import torch, transformers, vllm, vllm_omni; print('torch', torch.__version__, 'transformers', \
-transformers.__version__, 'vllm', vllm.__version__, 'vllm-omni', vllm_omni.__version__, torch.cuda.get_device_name())" \
-  2>&1 | tail -3
 W=$(mktemp -d /tmp/talker-XXXXXX)  # private: the sidecar's socket lives there
 timeout "$LIMIT" python3 "$SRC/deploy/gpu/talker.py" --model "$MODEL" --out "$W" > "$OUT/talker.log" 2>&1
 echo "talker.py rc=$? after $(( $(date +%s) - t0 )) s"

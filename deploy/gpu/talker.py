@@ -135,12 +135,21 @@ def main() -> None:
     if omni.get("ok"):
         c.figures.update(omni_decode_step_ms=decode_step_ms(omni), omni_start_s=round(omni["start_s"], 1),
                          omni_steps=len(omni["runs"]["bench"]["step_s"]))
+    for kind in ("omni", "shim"):
+        if kind in results and Path(results[kind].get("log_path", "")).is_file():
+            c.figures[f"{kind}_graphs"] = graph_captures(Path(results[kind]["log_path"]).read_text())
     if omni.get("ok") and shim.get("ok"):
         c.figures["step_ratio_shim_over_omni"] = round(decode_step_ms(shim) / decode_step_ms(omni), 3)
     c.figures["wall_s"] = round(time.monotonic() - t0, 1)
     summary = {"check": c.report(), "engines": {k: _brief(results[k]) for k in ("omni", "shim") if k in results},
                "sidecar_status": results.get("sidecar_status")}
     (out / "talker.json").write_text(json.dumps(summary, indent=1))
+
+
+def graph_captures(log: str) -> list[str]:
+    """What CUDA graphs the engine captured, as its log says ("Capturing CUDA graphs (...)")."""
+    marker = "Capturing CUDA graphs"
+    return sorted({line[line.index(marker):][:80] for line in log.splitlines() if marker in line})
 
 
 def _steps_with_new_requests(spec: dict) -> int:
