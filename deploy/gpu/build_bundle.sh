@@ -6,8 +6,9 @@
 #   deploy/gpu/install_bundle.sh BUNDLE_DIR TARGET_DIR  (there, offline)
 # Options (environment), for bundles that must travel small (a 64 MiB limit):
 #   BUNDLE_SM=90        keep only the cubins of that GPU generation (deploy/gpu/keep_sm.py; PTX stays)
-#   BUNDLE_NO_FA3=1     leave out FlashAttention 3 (serve with attention_backend=TRITON_ATTN) and the
-#                       JIT headers of DeepGEMM / the SM100 FMHA
+#   BUNDLE_NO_JIT_HEADERS=1  leave out the JIT headers of DeepGEMM (FP8) and the SM100 FMHA
+#   (FlashAttention 3 stays: vllm.vllm_flash_attn refuses to import without FA2 or FA3, and the
+#   model loader imports it)
 #   BUNDLE_OMNI=1       add vllm-omni 0.26.0 (its package, minus sample audio) and what it needs to import
 set -eu
 OUT=${1:-gpu-bundle}
@@ -29,8 +30,7 @@ rm -f "$T/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so"
 rm -rf "$T/vllm/vllm-rs"
 [ "${BUNDLE_KEEP_MOE:-0}" = 1 ] || rm -f "$T/vllm/_moe_C_stable_libtorch.abi3.so"
 find "$T/vllm/third_party" -name '_C.cpython-3*.so' ! -name '*cpython-312*' -delete 2>/dev/null || true
-if [ "${BUNDLE_NO_FA3:-0}" = 1 ]; then
-  rm -f "$T/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"
+if [ "${BUNDLE_NO_JIT_HEADERS:-0}" = 1 ]; then
   rm -rf "$T/vllm/third_party/deep_gemm/include" "$T/vllm/third_party/fmha_sm100/cutlass"
 fi
 [ -z "${BUNDLE_SM:-}" ] || find "$T/vllm" -name '*.so' -exec $PY "$(dirname "$0")/keep_sm.py" "$BUNDLE_SM" {} +

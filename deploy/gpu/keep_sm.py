@@ -2,10 +2,12 @@
 
 vLLM's kernel libraries carry one cubin per compute capability (7.5 … 12.0) plus PTX.
 A GPU loads only the cubin of its own major version (SASS runs within one major
-version) or JIT-compiles PTX, so the cubins of the other majors are dead weight in a
-bundle for one GPU kind. Their payload bytes are zeroed in place (headers, sizes and
-offsets stay, so the file's layout is unchanged; zeros compress to nothing); every PTX
-entry is kept. See docs/ARCHITECTURE.md, "GPU bundle".
+version) and JIT-compiles PTX only for code that has no such cubin, so in a bundle for
+one GPU kind the cubins of the other majors are dead weight, and so is the PTX of every
+fatbin (one per compiled source file) that holds a cubin of the kept major. Their payload
+bytes are zeroed in place (headers, sizes and offsets stay, so the file's layout is
+unchanged; zeros compress to nothing); PTX of fatbins without such a cubin is kept.
+See docs/ARCHITECTURE.md, "GPU bundle".
 
   python3 deploy/gpu/keep_sm.py 90 LIB.so [LIB.so ...]
 """
@@ -35,8 +37,19 @@ def fatbin_section(data: bytes) -> tuple[int, int]:
     raise ValueError("no .nv_fatbin section")
 
 
+def fatbin_entries(buf: bytearray, pos: int, end: int) -> list[tuple[int, int, int, int]]:
+    """(kind, compute capability, payload offset, padded size) of one fatbin's entries."""
+    entries = []
+    while pos < end:
+        kind, _v, entry_head, padded = struct.unpack_from("<HHIQ", buf, pos)
+        sm, = struct.unpack_from("<I", buf, pos + 28)
+        entries.append((kind, sm, pos + entry_head, padded))
+        pos += entry_head + padded
+    return entries
+
+
 def blank_other_majors(buf: bytearray, keep_major: int) -> dict[str, int]:
-    """Zero the cubins whose compute capability's major differs from keep_major."""
+    """Zero the cubins of other majors, and PTX where a cubin of keep_major exists."""
     off, size = fatbin_section(bytes(buf))
     pos, end_of_section = off, off + size
     kept = blanked = 0
@@ -45,18 +58,15 @@ def blank_other_majors(buf: bytearray, keep_major: int) -> dict[str, int]:
         if magic != FATBIN_MAGIC:
             pos += 8  # fatbins are 8-byte aligned, padding between them
             continue
-        entry, end = pos + head, pos + head + fat_size
-        while entry < end:
-            kind, _v, entry_head, padded = struct.unpack_from("<HHIQ", buf, entry)
-            sm, = struct.unpack_from("<I", buf, entry + 28)
-            payload = entry + entry_head
-            if kind == KIND_ELF and sm // 10 != keep_major:
+        entries = fatbin_entries(buf, pos + head, pos + head + fat_size)
+        has_cubin = any(kind == KIND_ELF and sm // 10 == keep_major for kind, sm, _, _ in entries)
+        for kind, sm, payload, padded in entries:
+            if (kind == KIND_ELF and sm // 10 != keep_major) or (kind != KIND_ELF and has_cubin):
                 buf[payload: payload + padded] = bytes(padded)
                 blanked += padded
             else:
                 kept += padded
-            entry = payload + padded
-        pos = end
+        pos += head + fat_size
     return {"kept_bytes": kept, "blanked_bytes": blanked}
 
 

@@ -18,6 +18,7 @@ if ! sh "$SRC/deploy/gpu/install_bundle.sh" "$B" "$SITE" > "$OUT/install.log" 2>
   exit 1
 fi
 echo "installed in $(( $(date +%s) - t0 )) s"
+cd "$SRC"  # `python -m` children put the working directory first on sys.path
 export PYTHONPATH="$SRC:$SITE" VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
   PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 W=$(mktemp -d /tmp/talker-XXXXXX)  # private: the sidecar's socket lives there

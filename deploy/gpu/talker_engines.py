@@ -65,8 +65,7 @@ def common_engine_args(job: dict) -> dict:
     args = dict(model=job["model"], dtype="bfloat16", seed=0, enforce_eager=False, skip_tokenizer_init=True,
                 enable_prefix_caching=False, async_scheduling=False, max_model_len=512,
                 max_num_seqs=job["max_num_seqs"], max_num_batched_tokens=job["max_num_batched_tokens"],
-                kv_cache_memory_bytes=1 << 30, attention_backend="TRITON_ATTN",  # the bundle leaves out FA3
-                gpu_memory_utilization=0.4)  # two engines side by side on one GPU
+                kv_cache_memory_bytes=1 << 30, gpu_memory_utilization=0.4)  # two engines side by side on one GPU
     args.update(job.get("engine_overrides", {}))
     return args
 
