@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from omni_arena.tensor_tree import load_tree
@@ -63,8 +64,8 @@ class FakeTalker(torch.nn.Module):
         return (input_ids, embeds, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
                 [p[2] for p in parts])
 
-    def talker_mtp(self, input_ids, input_embeds, last_talker_hidden, text_step):
-        self.calls.append(("mtp", input_ids.tolist()))
+    def talker_mtp(self, input_ids, input_embeds, last_talker_hidden, text_step, **sampling):
+        self.calls.append(("mtp", input_ids.tolist(), *([sampling] if sampling else [])))
         codes = torch.stack([input_ids, input_ids + 1, input_ids + 2], dim=1).long()
         return input_embeds + text_step + last_talker_hidden, codes
 
@@ -135,6 +136,23 @@ def test_one_step_calls_the_hooks_in_vllm_omnis_order():
     assert torch.equal(outputs["a"]["model_output"]["1"], hidden[:3].sum(-1))
     assert "mtp_inputs" not in bridge.mirror.states["b"]  # popped, never state
     assert bridge.take_step() == ({}, {})
+
+
+def test_talker_mtp_gets_the_shims_subtalker_sampling_setting():
+    """As vllm-omni's runner passes `subtalker_sampling_params` (greedy codes need do_sample=False)."""
+    from worker_shim.config import ShimConfig
+
+    extra = {"omni_sidecar": {"endpoint": "ipc:///tmp/x.sock", "subtalker_sampling": {"do_sample": False}}}
+    setting = ShimConfig.from_vllm(SimpleNamespace(additional_config=extra)).subtalker_sampling
+    with pytest.raises(ValueError, match="subtalker_sampling"):
+        ShimConfig.from_vllm(SimpleNamespace(additional_config={"omni_sidecar": {
+            "endpoint": "ipc:///tmp/x.sock", "subtalker_sampling": {"seed": 1}}}))
+    model = FakeTalker()
+    bridge = ModelBridge(model, find_model_hooks(model), setting)
+    bridge.note_new("b", 5)
+    bridge.fill_states({"b": states()["b"]}, failed=set())
+    bridge.before_forward(step_batch(["b"], [1], [5], [7]), torch.zeros(1, H))
+    assert model.calls[-1] == ("mtp", [7], {"do_sample": False})
 
 
 def test_decode_rows_batch_through_preprocess_decode_batch_flushed_before_other_rows():

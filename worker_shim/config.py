@@ -29,6 +29,8 @@ from proto.settings import (
 LossPolicy = Literal["fail-all", "fail-payload"]
 ArenaChoice = Literal["auto", "shm", "cuda_ipc"]
 EmbedsSetting = Literal["auto", "on", "off"]
+# vllm-omni's `subtalker_sampling_params`: how a model's talker_mtp samples its residual codes.
+SUBTALKER_SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p")
 
 ENV_SELECT = "OMNI_SIDECAR"  # "1" selects the shim where the endpoint is the default one
 ENV_TRITON_INTERPRET = "TRITON_INTERPRET"  # vLLM's Triton kernels run in the interpreter
@@ -91,6 +93,9 @@ class ShimConfig:
     arena: ArenaChoice = "auto"  # how tensors cross to the sidecar
     embeds_buffer: EmbedsSetting = "auto"  # persistent inputs_embeds for overlays
     ring: RingConfig = field(default_factory=RingConfig)  # the shared-memory ring fast path
+    # Passed to a model's talker_mtp as keyword arguments, as vllm-omni's runner passes its
+    # `subtalker_sampling_params`; empty: the model's own defaults (docs/ARCHITECTURE.md, "Model hooks").
+    subtalker_sampling: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_vllm(cls, vllm_config: object) -> "ShimConfig":
@@ -120,6 +125,7 @@ class ShimConfig:
                                   "when the sidecar's hooks run before the forward"),
             ring=RingConfig.from_env({**os.environ, **{env: str(mine[key]) for key, env in _RING_KEYS.items()
                                                        if key in mine}}),
+            subtalker_sampling=_subtalker_sampling(mine.get("subtalker_sampling", {})),
         )
 
 
@@ -139,6 +145,13 @@ def _loss_policy(value: str) -> LossPolicy:
             "fail-payload (only requests carrying a sidecar payload fail; others run on unhooked)"
         )
     return value  # type: ignore[return-value]
+
+
+def _subtalker_sampling(value: Any) -> dict[str, Any]:
+    if not isinstance(value, Mapping) or not set(value) <= set(SUBTALKER_SAMPLING_KEYS):
+        raise ValueError(f"omni_sidecar subtalker_sampling {value!r}: a dict with keys among "
+                         f"{', '.join(SUBTALKER_SAMPLING_KEYS)} (vllm-omni's subtalker_sampling_params)")
+    return dict(value)
 
 
 def _choice(value: str, key: str, allowed: Any, why: str) -> Any:

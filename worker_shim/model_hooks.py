@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -86,7 +86,8 @@ def model_class_has_hooks(vllm_config: Any) -> bool:
     return any(callable(getattr(cls, name, None)) for name in ("preprocess", "postprocess"))
 
 
-def attach_bridge(model: Any, tp: Any, embeds_setting: str) -> "ModelBridge | None":
+def attach_bridge(model: Any, tp: Any, embeds_setting: str,
+                  mtp_kwargs: Mapping[str, Any] | None = None) -> "ModelBridge | None":
     """After load: the bridge for a model that carries hooks (None for a plain model)."""
     hooks = find_model_hooks(model)
     if hooks is None:
@@ -98,7 +99,7 @@ def attach_bridge(model: Any, tp: Any, embeds_setting: str) -> "ModelBridge | No
         raise ShimCompatError("omni-sidecar: this model's preprocess writes input embeddings; "
                               "embeds_buffer=off cannot serve it (use auto or on)")
     log.info("omni-sidecar shim: the model carries vllm-omni hooks %s", hooks.wire())
-    return ModelBridge(model, hooks)
+    return ModelBridge(model, hooks, mtp_kwargs)
 
 
 def unwrap_forward_output(output: Any) -> tuple[Any, dict[str, Any] | None]:
@@ -118,9 +119,10 @@ def unwrap_forward_output(output: Any) -> tuple[Any, dict[str, Any] | None]:
 class ModelBridge:
     """Calls one loaded model's hooks per step and keeps what they read and return."""
 
-    def __init__(self, model: Any, hooks: ModelHookSet) -> None:
+    def __init__(self, model: Any, hooks: ModelHookSet, mtp_kwargs: Mapping[str, Any] | None = None) -> None:
         self.model = model
         self.hooks = hooks
+        self.mtp_kwargs = dict(mtp_kwargs or {})  # the shim's `subtalker_sampling` setting
         self.mirror = StateMirror(hooks.resident_keys)
         self.prompt_lens: dict[str, int] = {}
         self.forward_extras: dict[str, Any] | None = None  # the last forward's, until after_forward
@@ -234,6 +236,7 @@ class ModelBridge:
             embeds.index_select(0, rows),
             torch.cat([r[3].reshape(1, -1) for r in mtp_rows]),
             torch.cat([r[4].reshape(1, -1) for r in mtp_rows]),
+            **self.mtp_kwargs,
         )
         embeds.index_copy_(0, rows, out_embeds.to(embeds.dtype))
         if codes is None:

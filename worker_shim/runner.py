@@ -27,6 +27,7 @@ from worker_shim.compat import (
     prompt_len_of,
 )
 from worker_shim.embeds import EmbedsBuffer, embeds_width, mark_compiled_graph
+from worker_shim.config import ShimConfig
 from worker_shim.embeds import wanted as embeds_wanted
 from worker_shim.layers import LayerCapture
 from worker_shim.link import SidecarLink
@@ -99,7 +100,8 @@ class SidecarRunnerMixin:
             check_one_of(self.model_state, MODEL_STATE_EMBEDS_METHODS, "model_state")
         swap_class(self.model_state, SidecarModelStateMixin)
         self.model_state.omni_runner = self
-        self.omni_bridge = attach_bridge(self.model, self.omni_tp, link.embeds_setting)
+        self.omni_bridge = attach_bridge(self.model, self.omni_tp, link.embeds_setting,
+                                         ShimConfig.from_vllm(self.vllm_config).subtalker_sampling)
         if self.omni_bridge is not None and not use_embeds:  # hooks set on the instance only
             mark_compiled_graph(self.vllm_config)
             use_embeds = True

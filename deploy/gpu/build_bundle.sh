@@ -4,6 +4,12 @@
 # as a tar.xz split into parts of PART_MIB, plus the wheels such a host lacks.
 #   deploy/gpu/build_bundle.sh OUT_DIR [PART_MIB]       (here, with network)
 #   deploy/gpu/install_bundle.sh BUNDLE_DIR TARGET_DIR  (there, offline)
+# Options (environment), for bundles that must travel small (a 64 MiB limit):
+#   BUNDLE_SM=90        keep only the cubins of that GPU generation (deploy/gpu/keep_sm.py; PTX stays)
+#   BUNDLE_NO_JIT_HEADERS=1  leave out the JIT headers of DeepGEMM (FP8) and the SM100 FMHA
+#   (FlashAttention 3 stays: vllm.vllm_flash_attn refuses to import without FA2 or FA3, and the
+#   model loader imports it)
+#   BUNDLE_OMNI=1       add vllm-omni 0.26.0 (its package, minus sample audio) and what it needs to import
 set -eu
 OUT=${1:-gpu-bundle}
 PART_MIB=${2:-60}
@@ -24,6 +30,26 @@ rm -f "$T/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so"
 rm -rf "$T/vllm/vllm-rs"
 [ "${BUNDLE_KEEP_MOE:-0}" = 1 ] || rm -f "$T/vllm/_moe_C_stable_libtorch.abi3.so"
 find "$T/vllm/third_party" -name '_C.cpython-3*.so' ! -name '*cpython-312*' -delete 2>/dev/null || true
+if [ "${BUNDLE_NO_JIT_HEADERS:-0}" = 1 ]; then
+  rm -rf "$T/vllm/third_party/deep_gemm/include" "$T/vllm/third_party/fmha_sm100/cutlass"
+fi
+[ -z "${BUNDLE_SM:-}" ] || find "$T/vllm" -name '*.so' -exec $PY "$(dirname "$0")/keep_sm.py" "$BUNDLE_SM" {} +
+if [ "${BUNDLE_OMNI:-0}" = 1 ]; then
+  # vllm-omni 0.26.0 pairs with vLLM 0.26.0; importing it and its Qwen3-TTS talker needs only these
+  # (the host has torch, torchaudio, transformers <= 5.20, numpy, PyYAML).
+  $DL -d "$OUT/work" vllm-omni==0.26.0
+  $PY -m zipfile -e "$OUT"/work/vllm_omni-0.26.0-*.whl "$T"
+  find "$T/vllm_omni" \( -name '*.wav' -o -name '*.npy' \) -delete
+  for spec in aenum omegaconf prettytable wcwidth soundfile cffi pycparser; do
+    $DL -d "$OUT/wheels" "$spec"
+  done
+  # Its AR worker imports diffusers, its orchestrator janus, its tokenizers loguru: pure Python,
+  # unpacked into the tree (xz packs them tighter than their wheels).
+  for spec in diffusers janus loguru; do
+    $DL -d "$OUT/work/omni" "$spec"
+  done
+  for w in "$OUT"/work/omni/*.whl; do $PY -m zipfile -e "$w" "$T"; done
+fi
 tar -C "$T" -cJf "$OUT/vllm-0.26.0-tree.tar.xz" .
 split -b "${PART_MIB}m" -d "$OUT/vllm-0.26.0-tree.tar.xz" "$OUT/vllm-tree.part-"
 rm -f "$OUT/vllm-0.26.0-tree.tar.xz"

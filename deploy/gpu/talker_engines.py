@@ -1,0 +1,245 @@
+"""One engine serving vllm-omni's own Qwen3-TTS talker class, in a process of its own.
+
+  python deploy/gpu/talker_engines.py job.json result.json     (job["kind"]: omni or shim)
+
+`omni`: vllm-omni 0.26's own way of running a talker stage: its engine arguments
+(`OmniEngineArgs`: AR worker `GPUARWorker` -> its `GPUARModelRunner` on vLLM's V1
+runner, its `OmniARScheduler`, its `subtalker_sampling_params`) and its request
+builder (`build_engine_core_request_from_tokens`, its payload serializer). The codes
+it produces are read from its engine-core outputs (`multimodal_output`).
+
+`shim`: upstream vLLM V2 with the shim as worker and an `omni-sidecar serve --hooks
+omni-talker` at `job["endpoint"]`; the payload goes in `extra_args` encoded by us,
+the codes come back from the sidecar (`codes.audio`).
+
+Both: the same model directory, requests, greedy sampling (code 0 by vLLM's sampler,
+codes 1..Q-1 by the model's code predictor with do_sample=False), CUDA graphs on,
+each step timed around `LLMEngine.step()`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: its outputs are readable
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+GREEDY_SUBTALKER = {"do_sample": False}
+
+
+def talker_requests(specs: list[dict], prefix: str) -> list[dict]:
+    """Qwen3-TTS VoiceDesign requests with their text ids precomputed (no tokenizer involved).
+
+    Text ids follow the assistant template the prompt builder slices: 3 role ids, the
+    text, 5 closing ids. Prompt rows: 3 role + 4 codec prefix, then (non-streaming) the
+    text + tts_eos + 1, or (streaming) 1 first text row, the rest fed one per decode step.
+    """
+    import numpy as np
+    import torch
+
+    from tiny_qwen3_tts import IM_END, IM_START, TEXT_VOCAB
+
+    out = []
+    for i, spec in enumerate(specs):
+        rng = np.random.default_rng(spec["seed"])
+        text = rng.integers(0, TEXT_VOCAB - 8, spec["text_len"]).tolist()
+        ids = [IM_START, 1, 2] + text + [IM_END, 3, IM_START, 1, 2]
+        streaming = bool(spec["streaming"])
+        prompt_len = 8 if streaming else 9 + spec["text_len"]
+        info = {"_qwen3_tts_text_ids": torch.tensor([ids], dtype=torch.long), "task_type": ["VoiceDesign"],
+                "non_streaming_mode": [not streaming]}
+        out.append({"rid": f"{prefix}{i}", "prompt_token_ids": [5] * prompt_len, "info": info,
+                    "max_tokens": spec["max_tokens"]})
+    return out
+
+
+def common_engine_args(job: dict) -> dict:
+    args = dict(model=job["model"], dtype="bfloat16", seed=0, enforce_eager=False, skip_tokenizer_init=True,
+                enable_prefix_caching=False, async_scheduling=False, max_model_len=512,
+                max_num_seqs=job["max_num_seqs"], max_num_batched_tokens=job["max_num_batched_tokens"],
+                kv_cache_memory_bytes=1 << 30, gpu_memory_utilization=0.4)  # two engines side by side on one GPU
+    args.update(job.get("engine_overrides", {}))
+    return args
+
+
+def omni_engine(job: dict) -> tuple[Any, Any]:
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm_omni.engine.arg_utils import OmniEngineArgs
+    from vllm_omni.engine.orchestrator import build_engine_core_request_from_tokens
+
+    args = OmniEngineArgs(**common_engine_args(job), stage_id=0, model_stage="qwen3_tts",
+                          model_arch="Qwen3TTSTalkerForConditionalGeneration", worker_type="ar",
+                          engine_output_type="latent", subtalker_sampling_params=GREEDY_SUBTALKER,
+                          scheduler_cls="vllm_omni.core.sched.omni_ar_scheduler.OmniARScheduler")
+    engine = LLMEngine.from_engine_args(args)
+
+    def add(req: dict, params: Any) -> None:
+        ecr = build_engine_core_request_from_tokens(
+            req["rid"], {"prompt_token_ids": req["prompt_token_ids"], "additional_information": req["info"]}, params)
+        engine.add_request(req["rid"], ecr, params)
+
+    return engine, add
+
+
+def shim_engine(job: dict) -> tuple[Any, Any]:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from omni_sidecar.omni.wire import encode_additional_information
+
+    args = EngineArgs(**common_engine_args(job), worker_cls="worker_shim.Worker",
+                      additional_config={"omni_sidecar": {"endpoint": job["endpoint"],
+                                                          "subtalker_sampling": GREEDY_SUBTALKER}})
+    engine = LLMEngine.from_engine_args(args)
+
+    def add(req: dict, params: Any) -> None:
+        params = params.clone()
+        params.extra_args = {"omni_sidecar": {"additional_information": encode_additional_information(req["info"])}}
+        engine.add_request(req["rid"], {"prompt_token_ids": req["prompt_token_ids"]}, params)
+
+    return engine, add
+
+
+class OutputRecorder:
+    """The engine core's outputs per request, in order (vllm-omni's codes ride `multimodal_output`)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.by_request: dict[str, list[dict]] = {}
+        core = engine.engine_core
+        inner = core.get_output
+
+        def get_output() -> Any:
+            outs = inner()
+            for o in getattr(outs, "outputs", []) or []:
+                mm = getattr(o, "multimodal_output", None)
+                external = o.request_id.rsplit("-", 1)[0]  # vLLM suffixes the client's id
+                self.by_request.setdefault(external, []).append(
+                    {"new": list(o.new_token_ids or []), "mm": _plain(mm) if mm else None})
+            return outs
+
+        core.get_output = get_output
+
+
+def _plain(obj: Any) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return {"shape": list(obj.shape), "values": obj.detach().cpu().tolist()}
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj if isinstance(obj, (int, float, str, bool)) or obj is None else repr(obj)
+
+
+def omni_codes(records: list[dict]) -> list[list[int]] | None:
+    """codes.audio rows of the decode steps: the outputs after the one that ended the prefill."""
+    rows: list[list[int]] = []
+    seen_token = False
+    for rec in records:
+        mm = rec["mm"] or {}
+        audio = mm.get("codes.audio") or (mm.get("codes") or {}).get("audio")
+        if seen_token and isinstance(audio, dict):
+            rows.extend(audio["values"])
+        seen_token = seen_token or bool(rec["new"])
+    return rows or None
+
+
+def drive(engine: Any, add: Any, reqs: list[dict]) -> dict:
+    """All requests added, then `engine.step()` until done; each step timed."""
+    from vllm import SamplingParams
+
+    for req in reqs:
+        add(req, SamplingParams(max_tokens=req["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False))
+    tokens: dict[str, list[int]] = {}
+    step_s: list[float] = []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        step_s.append(time.perf_counter() - t0)
+        for o in outs:
+            if o.finished:
+                tokens[o.request_id] = list(o.outputs[0].token_ids)
+    return {"tokens": [tokens.get(r["rid"]) for r in reqs], "step_s": step_s}
+
+
+_TURN: list = []
+
+
+def bench_turn(job: dict, kind: str) -> None:
+    """Engines start side by side (start-up is most of the wall time) but time their bench
+    runs one at a time: wait until every engine has done its codes run (or gave up), then
+    take the bench lock."""
+    import fcntl
+
+    work = Path(job["workdir"])
+    (work / f"ready-{kind}").touch()
+    deadline = time.monotonic() + job.get("barrier_s", 300)
+    while time.monotonic() < deadline and not all((work / f"ready-{k}").exists() for k in job["kinds"]):
+        time.sleep(0.2)
+    lock = open(work / "bench.lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    _TURN.append(lock)
+
+
+def release_bench_turn() -> None:
+    for lock in _TURN:
+        lock.close()  # closing releases the flock
+    _TURN.clear()
+
+
+def main(job_path: str, result_path: str) -> None:
+    job = json.loads(Path(job_path).read_text())
+    kind = job["kind"]
+    for key, value in job.get("env", {}).items():
+        os.environ[key] = str(value)
+    result: dict = {"ok": False, "kind": kind}
+    engine = None
+    try:
+        t0 = time.monotonic()
+        engine, add = (omni_engine if kind == "omni" else shim_engine)(job)
+        result["start_s"] = time.monotonic() - t0
+        recorder = OutputRecorder(engine)
+        drive(engine, add, talker_requests(job["warmup"], "warm-"))  # compiles the code predictor
+        runs = {}
+        for name in ("codes", "bench"):
+            reqs = talker_requests(job[name], f"{name}-")
+            if name == "bench":
+                bench_turn(job, kind)
+            run = drive(engine, add, reqs)
+            if kind == "omni":
+                run["codes"] = [omni_codes(recorder.by_request.get(r["rid"], [])) for r in reqs]
+                if name == "codes":
+                    run["raw_outputs"] = {r["rid"]: recorder.by_request.get(r["rid"], [])[:3] for r in reqs[:2]}
+            else:
+                from omni_sidecar.client import SidecarClient
+
+                with SidecarClient(job["endpoint"]) as client:
+                    got = [client.outputs(r["rid"]) or {} for r in reqs]
+                run["codes"] = [g["codes.audio"].tolist() if "codes.audio" in g else None for g in got]
+            runs[name] = run
+        release_bench_turn()
+        result["runs"] = runs
+        if kind == "shim":
+            result["shim_stats"] = engine.collective_rpc("omni_sidecar_stats")
+        result["ok"] = True
+    except BaseException as exc:  # the check reads the error
+        release_bench_turn()
+        Path(job["workdir"], f"ready-{kind}").touch()  # the other engine need not wait for this one
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()[-6000:]
+    Path(result_path).write_text(json.dumps(result))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
