@@ -281,3 +281,12 @@ def _message(missing: list[str]) -> str:
         f"are missing: {', '.join(missing)}. Tested: vLLM {_tested_range('cpu')} (CPU, COMPAT.md) "
         f"and {_tested_range('cuda')} (CUDA); see worker_shim/compat.py."
     )
+
+
+# vLLM's V2 kernel warm-up (vllm/v1/worker/gpu/warmup.py) runs real steps with requests of its
+# own, named with this prefix (0.26 … 0.32); they carry no sidecar state, so model hooks skip them.
+WARMUP_REQ_ID_PREFIX = "_v2_mixed_warmup"
+
+
+def is_warmup_request(req_id: str) -> bool:
+    return req_id.startswith(WARMUP_REQ_ID_PREFIX)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from proto.messages import ModelHooks
-from worker_shim.compat import ShimCompatError
+from worker_shim.compat import ShimCompatError, is_warmup_request
 from worker_shim.state_mirror import StateMirror
 
 log = logging.getLogger("vllm.omni_sidecar.shim.model_hooks")
@@ -182,6 +182,9 @@ class ModelBridge:
             # No sidecar served its state (none connected, or one that keeps no model states):
             # the request runs on plain token embeddings rather than hooks fed a state they lack.
             self.mirror.fill(req_id, None, served=False)
+        for req_id in input_batch.req_ids:
+            if is_warmup_request(req_id):  # vLLM's own warm-up requests: no payload, no hooks
+                self.mirror.unserved.add(req_id)
         if hooks.preprocess is None:
             return
         ids = input_batch.input_ids[: int(input_batch.num_tokens)]
