@@ -195,10 +195,10 @@ def run_version(cache: Path, version: str, checks: dict[str, list[str]]) -> dict
     log(f"{version}: running {len(nodes)} e2e tests (log: {out_log})")
     junit.unlink(missing_ok=True)
     with open(out_log, "w") as out:
-        subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT)
+        rc = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT)
     outcomes = _junit_outcomes(junit)
     for check, ids in checks.items():
-        row["checks"][check] = _combine(ids, outcomes, out_log)
+        row["checks"][check] = _combine(ids, outcomes, f"pytest ended with rc={rc}, see {out_log.name}")
     return row
 
 
@@ -220,11 +220,11 @@ def _junit_outcomes(junit: Path) -> dict[str, tuple[bool, str]]:
     return outcomes
 
 
-def _combine(ids: list[str], outcomes: dict[str, tuple[bool, str]], out_log: Path) -> dict:
+def _combine(ids: list[str], outcomes: dict[str, tuple[bool, str]], ended: str) -> dict:
     reasons = []
     for node in (n.split("[")[0] for n in ids):
         if node not in outcomes:
-            reasons.append(f"{node.split('::')[1]} did not run (see {out_log.name})")
+            reasons.append(f"{node.split('::')[1]} did not run ({ended})")
         elif not outcomes[node][0]:
             reasons.append(f"{node.split('::')[1]}: {outcomes[node][1]}")
     return {"ok": not reasons, "reason": "; ".join(reasons)}

@@ -95,7 +95,8 @@ def main(job_path: str, result_path: str) -> int:
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         llm = LLM(**kwargs)
         result["start_s"] = time.monotonic() - t0
-        result["runner_v2"] = llm.collective_rpc(_runs_model_runner_v2)
+        if not job.get("mp"):  # a callable crosses to a worker process only with insecure serialization
+            result["runner_v2"] = llm.collective_rpc(_runs_model_runner_v2)
         prompts, params = [], []
         for p in job["prompts"]:
             extra = None
