@@ -90,9 +90,6 @@ def main(job_path: str, result_path: str) -> int:
         kwargs.update(job.get("llm_kwargs", {}))
         if job.get("shim"):
             kwargs["worker_cls"] = "worker_shim.Worker"
-        # With multiprocessing on, collective_rpc ships the probe function to the worker with
-        # cloudpickle, which vLLM allows only when asked (between vLLM's own processes, test-only).
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         llm = LLM(**kwargs)
         result["start_s"] = time.monotonic() - t0
         if not job.get("mp"):  # a callable crosses to a worker process only with insecure serialization
