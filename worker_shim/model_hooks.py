@@ -147,6 +147,8 @@ class ModelBridge:
 
     def note_new(self, req_id: str, prompt_len: int) -> None:
         self.prompt_lens[req_id] = prompt_len
+        if is_warmup_request(req_id):  # vLLM's own warm-up requests: no payload, no hooks, no state asked
+            self.mirror.fill(req_id, None, served=False)
 
     def note_finished(self, finished: set[str]) -> None:
         """Preempted requests are not here: vLLM re-adds them and their state goes on."""
@@ -182,9 +184,6 @@ class ModelBridge:
             # No sidecar served its state (none connected, or one that keeps no model states):
             # the request runs on plain token embeddings rather than hooks fed a state they lack.
             self.mirror.fill(req_id, None, served=False)
-        for req_id in input_batch.req_ids:
-            if is_warmup_request(req_id):  # vLLM's own warm-up requests: no payload, no hooks
-                self.mirror.unserved.add(req_id)
         if hooks.preprocess is None:
             return
         ids = input_batch.input_ids[: int(input_batch.num_tokens)]
