@@ -207,3 +207,11 @@ def test_hook_needs_name_layers_as_ints():
     assert needs.hidden_layers == [0, 24]
     with pytest.raises(msgspec.ValidationError):
         msgspec.msgpack.decode(msgspec.msgpack.encode({"hidden_layers": [-1]}), type=HookNeeds)
+
+
+def test_graphs_with_capture_hooks_get_their_own_compile_cache_key():
+    from worker_shim.embeds import GRAPH_KEY, LAYERS_GRAPH_KEY, mark_compiled_graph
+
+    cfg = SimpleNamespace(additional_config={})
+    mark_compiled_graph(cfg, LAYERS_GRAPH_KEY, [0, 24])
+    assert cfg.additional_config == {LAYERS_GRAPH_KEY: [0, 24]} and GRAPH_KEY != LAYERS_GRAPH_KEY

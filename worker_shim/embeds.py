@@ -54,16 +54,20 @@ def embeds_width(model_config: Any) -> int:
 
 
 GRAPH_KEY = "omni_sidecar_model_inputs"
+LAYERS_GRAPH_KEY = "omni_sidecar_hidden_layers"
 
 
-def mark_compiled_graph(vllm_config: Any) -> None:
-    """Give graphs that read the embeds buffer their own torch.compile cache entry.
+def mark_compiled_graph(vllm_config: Any, key: str = GRAPH_KEY, value: Any = "inputs_embeds") -> None:
+    """Give graphs that read the embeds buffer (or carry layer-capture hooks, `LAYERS_GRAPH_KEY`)
+    their own torch.compile cache entry.
 
     vLLM caches compiled graphs (AOT artifacts, Inductor) under a hash of the
     config. A graph compiled by a plain run takes input_ids and ignores
     inputs_embeds; loaded from that cache, overlay rows would silently have no
-    effect (seen on the H200). `additional_config` is vLLM's documented way to
-    add out-of-tree factors to that hash; only this worker's copy changes.
+    effect (seen on the H200). Likewise torch.compile traces the capture hooks'
+    copies into the graph, so a graph compiled without them captures nothing.
+    `additional_config` is vLLM's documented way to add out-of-tree factors to
+    that hash; only this worker's copy changes.
     """
     extra = vllm_config.additional_config
     if not isinstance(extra, dict):
@@ -71,4 +75,4 @@ def mark_compiled_graph(vllm_config: Any) -> None:
             "omni-sidecar needs additional_config to be a dict to key its compiled graphs "
             f"(got {type(extra).__name__}); or set omni_sidecar embeds_buffer=off and enforce_eager"
         )
-    extra[GRAPH_KEY] = "inputs_embeds"
+    extra[key] = value

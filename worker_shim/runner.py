@@ -26,7 +26,7 @@ from worker_shim.compat import (
     is_dummy_run,
     prompt_len_of,
 )
-from worker_shim.embeds import EmbedsBuffer, embeds_width, mark_compiled_graph
+from worker_shim.embeds import LAYERS_GRAPH_KEY, EmbedsBuffer, embeds_width, mark_compiled_graph
 from worker_shim.config import ShimConfig
 from worker_shim.embeds import wanted as embeds_wanted
 from worker_shim.layers import LayerCapture
@@ -93,6 +93,9 @@ class SidecarRunnerMixin:
         use_embeds = hooked or embeds_wanted(link.embeds_setting, link.needs.pre_forward, upstream_embeds)
         if use_embeds:
             mark_compiled_graph(self.vllm_config)
+        capture_layers = bool(link.needs.hidden_layers) and isinstance(link, SidecarLink)  # rank 0 sends them
+        if capture_layers:
+            mark_compiled_graph(self.vllm_config, LAYERS_GRAPH_KEY, sorted(link.needs.hidden_layers))
         out = _up(self).load_model(*args, **kwargs)  # type: ignore[misc]
         check_instance(self, RUNNER_ATTRS, "GPUModelRunner")
         check_instance(self.model_state, MODEL_STATE_METHODS, "model_state")
@@ -108,7 +111,7 @@ class SidecarRunnerMixin:
         if use_embeds:
             self.omni_embeds = EmbedsBuffer(int(self.max_num_tokens), embeds_width(mcfg),
                                             mcfg.dtype, model_device(self.model))
-        if link.needs.hidden_layers and isinstance(link, SidecarLink):  # rank 0 sends them
+        if capture_layers:
             link.layer_capture = LayerCapture(
                 self.model, int(mcfg.hf_text_config.num_hidden_layers), list(link.needs.hidden_layers),
                 int(self.max_num_tokens), int(mcfg.get_hidden_size()), mcfg.dtype, model_device(self.model))
