@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 import zmq
@@ -29,7 +30,9 @@ class Listener:
         self.max_frame_bytes = max_frame_bytes
         self.allowed_uids = allowed_uids
         self.curve_keys = curve_keys
-        self.ctx = zmq.Context.instance()
+        # Our own context: only terminating it makes ZeroMQ send what is still queued (the
+        # successor's state, last SwitchAcks) before the process exits; see flush().
+        self.ctx = zmq.Context()
         self._curve: CurveServer | None = None
         self._bound: list[tuple[str, int]] = []  # (socket path, inode) this process bound
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -145,7 +148,8 @@ class Listener:
         if self._curve is not None:
             self._curve.stop()
             self._curve = None
-        self.sock.close(linger=CLOSE_LINGER_MS)
+        # Unlink while still bound: a closed socket's inode number can go to the next file made,
+        # e.g. the successor's socket at the same path, which an inode check would then take for ours.
         for path, ino in self._bound:
             try:
                 if os.stat(path).st_ino == ino:
@@ -153,3 +157,17 @@ class Listener:
             except FileNotFoundError:
                 pass
         self._bound.clear()
+        self.sock.close(linger=CLOSE_LINGER_MS)
+
+    def flush(self) -> None:
+        """Send what is still queued (up to CLOSE_LINGER_MS), once every socket of ours is closed.
+
+        A closed socket's linger applies only while its context terminates; a process that exits
+        without terminating it drops queued frames, e.g. the state a successor waits for."""
+        if self.ctx.closed:
+            return
+        done = threading.Thread(target=self.ctx.term, name="omni-zmq-flush", daemon=True)
+        done.start()
+        done.join(CLOSE_LINGER_MS / 1000 + 0.5)  # a socket left open would block term() for ever
+        if done.is_alive():
+            log.warning("some ZeroMQ socket was left open: queued replies may not have left")

@@ -178,6 +178,7 @@ class SidecarServer:
         self.peers.end_all()
         self.listener.close()
         self.takeover.close()
+        self.listener.flush()
         log.info("omni-sidecar stopped")
 
     # -- dispatch ------------------------------------------------------------

@@ -8,7 +8,8 @@ are imported afresh from disk in the child (the spare keeps none of them), with 
 command's working directory, `sys.path` and environment, so the new code is what runs. The
 spare does no tensor work, so no thread pool is half-copied into a child.
 
-It lives while a sidecar's socket file exists at the endpoint, answers only its own uid
+It lives while a sidecar listens at the endpoint (its socket file exists and, when probed now
+and then, takes connections: a killed sidecar leaves its file behind), answers only its own uid
 (SO_PEERCRED) on an owner-only socket in the sidecar's 0700 directory, and parses JSON only.
 Torch itself stays the version the spare imported: upgrading torch on disk needs a restart
 (or `upgrade --cold`). See docs/ARCHITECTURE.md, Hot upgrade.
@@ -39,6 +40,7 @@ from proto.endpoint import ipc_path
 PRELOADED = ("torch", "numpy", "msgspec", "zmq", "prometheus_client")
 FRESH_PACKAGES = ("omni_sidecar", "proto", "omni_arena")  # never carried into a forked sidecar
 CHECK_S = 1.0  # how often the spare reaps its children and looks for the sidecar's socket
+PROBE_EVERY = 5  # checks between connection probes (each is an accept on the sidecar's side)
 ASK_TIMEOUT_S = 2.0
 REQUEST_MAX_BYTES = 1 << 20
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
@@ -118,21 +120,42 @@ def serve(endpoint: str) -> None:
     listener.listen(8)
     inode = os.stat(path).st_ino
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    missing = 0  # checks in a row without the sidecar's socket (a takeover replaces it in place)
+    missing = 0  # checks in a row without a sidecar (a takeover replaces its socket in place)
+    checks = 0
     try:
         while missing < 2:
             if select.select([listener], [], [], CHECK_S)[0]:
                 _answer(listener)
                 continue
             _reap()
-            missing = 0 if os.path.exists(sidecar_path) else missing + 1
+            checks += 1
+            probe = missing > 0 or checks % PROBE_EVERY == 0
+            missing = 0 if _sidecar_present(sidecar_path, probe) else missing + 1
     finally:
-        listener.close()
+        # Unlink while still bound: once closed, our inode number may be reused by a new file.
         try:
             if os.stat(path).st_ino == inode:
                 os.unlink(path)
         except FileNotFoundError:
             pass
+        listener.close()
+
+
+def _sidecar_present(sidecar_path: str, probe: bool) -> bool:
+    """The sidecar's socket file exists (and, when `probe`, something accepts connections on it)."""
+    if not os.path.exists(sidecar_path):
+        return False
+    if not probe:
+        return True
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(ASK_TIMEOUT_S)
+            sock.connect(sidecar_path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False  # a dead sidecar's file, or gone meanwhile
+    except OSError:
+        pass  # busy (a full backlog, a timeout): someone is there
+    return True
 
 
 def _reap() -> None:

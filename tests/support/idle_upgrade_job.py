@@ -46,7 +46,7 @@ def main() -> None:
     model, endpoint, out_path = sys.argv[1], sys.argv[2], sys.argv[3]
     from vllm import LLM, SamplingParams
 
-    from omni_sidecar.client import SidecarClient
+    from omni_sidecar.client import SidecarClient, SidecarUnavailable
 
     llm = LLM(model=model, dtype="float32", max_model_len=512, max_num_batched_tokens=256,
               kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0, worker_cls="worker_shim.Worker",
@@ -64,8 +64,11 @@ def main() -> None:
     while not os.path.exists(spare) and time.monotonic() < deadline:
         time.sleep(0.1)
     idle = [upgrade(endpoint, HOOKS) for _ in range(4)] + [upgrade(endpoint, "tests.support.idle_upgrade_job:LastHooks")]
-    with SidecarClient(endpoint) as client:
-        status_before = client.status()
+    try:
+        with SidecarClient(endpoint, timeout_s=15) as client:
+            status_before = client.status()
+    except SidecarUnavailable as exc:
+        raise SystemExit(f"{exc}\nafter the idle upgrades: {json.dumps(idle)}") from None
     after_idle = generate()
     (stats_after_idle,) = llm.collective_rpc("omni_sidecar_stats")
 
