@@ -1,0 +1,62 @@
+"""The session-wide leftover check (tests/conftest.py) catches what a test forgets to clean up.
+
+Each case runs a small pytest session of its own under our conftest: one that cleans up passes,
+one that leaves a process or a /dev/shm file fails and names it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from tests.support.procs import ROOT, child_env
+
+INNER_TEST = '''
+import os, subprocess, sys, time
+from pathlib import Path
+
+def test_start_and_maybe_clean_up():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    Path(os.environ["PID_FILE"]).write_text(str(proc.pid))
+    shm = Path("/dev/shm") / os.environ["SHM_NAME"]
+    shm.write_bytes(b"x")
+    held = open(shm, "rb")  # the sampler sees who holds it
+    time.sleep(1.0)
+    held.close()
+    if os.environ["CLEAN_UP"] == "1":
+        proc.kill()
+        proc.wait()
+        shm.unlink()
+'''
+
+
+@pytest.mark.parametrize("clean_up", [True, False])
+def test_the_leftover_check_fails_a_session_that_leaves_a_process_or_shm_file(tmp_path, clean_up):
+    (tmp_path / "conftest.py").write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n"
+                                          "from tests.conftest import leaves_nothing_behind  # noqa: F401\n")
+    (tmp_path / "test_inner.py").write_text(INNER_TEST)
+    pid_file, shm_name = tmp_path / "pid", f"omni-leftover-check-{uuid.uuid4().hex[:8]}"
+    env = child_env(PID_FILE=str(pid_file), SHM_NAME=shm_name, CLEAN_UP="1" if clean_up else "0",
+                    OMNI_LEFTOVER_GRACE_S="1")
+    try:
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+        report = out.stdout + out.stderr
+        if clean_up:
+            assert out.returncode == 0 and "leftover check" not in report, report
+        else:
+            assert out.returncode != 0 and "leftover check" in report, report
+            assert f"process {pid_file.read_text()}:" in report and f"/dev/shm/{shm_name}" in report, report
+    finally:
+        if pid_file.exists():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if os.path.exists(f"/dev/shm/{shm_name}"):
+            os.unlink(f"/dev/shm/{shm_name}")
