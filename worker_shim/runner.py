@@ -43,6 +43,7 @@ class SidecarRunnerMixin:
     omni_embeds: EmbedsBuffer | None = None
     omni_tp: TensorParallelSync | None = None  # TP>1: rank 0 drives, others follow
     omni_bridge: ModelBridge | None = None  # the model carries its own vllm-omni hooks
+    omni_warming_up = False  # inside the worker's compile_or_warm_up_model: requests are vLLM's own
 
     def finish_requests(self, scheduler_output: Any) -> None:
         self.omni_link.note_finished(scheduler_output.finished_req_ids, scheduler_output.preempted_req_ids)
@@ -54,7 +55,7 @@ class SidecarRunnerMixin:
         self.omni_link.note_new(scheduler_output.scheduled_new_reqs)
         if self.omni_bridge is not None:
             for req in scheduler_output.scheduled_new_reqs:
-                self.omni_bridge.note_new(req.req_id, prompt_len_of(req))
+                self.omni_bridge.note_new(req.req_id, prompt_len_of(req), warmup=self.omni_warming_up)
         return _up(self).add_requests(scheduler_output)  # type: ignore[misc]
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:

@@ -65,6 +65,19 @@ class ShimWorkerMixin:
         runner.omni_tp = tp
         swap_class(runner, SidecarRunnerMixin)
 
+    def compile_or_warm_up_model(self, *args: Any, **kwargs: Any) -> Any:
+        """Upstream's warm-up runs real steps with requests of its own (V2 `warmup_kernels`,
+        kernel warm-ups; worker_shim/compat.py): the runner marks every request added meanwhile
+        as vLLM's, so model hooks skip them, whatever their ids."""
+        runner = getattr(self, "model_runner", None)
+        if runner is not None:
+            runner.omni_warming_up = True
+        try:
+            return super().compile_or_warm_up_model(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            if runner is not None:
+                runner.omni_warming_up = False
+
     def _connect_sidecar(self, payloads: PayloadTracker) -> SidecarLink:
         stale = sweep_stale()
         if stale:
