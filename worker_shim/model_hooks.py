@@ -126,6 +126,7 @@ class ModelBridge:
         self.mirror = StateMirror(hooks.resident_keys)
         self.prompt_lens: dict[str, int] = {}
         self.forward_extras: dict[str, Any] | None = None  # the last forward's, until after_forward
+        self.host_us = 0.0  # this step's host time in the hooks so far (the runner reads and resets it)
         self._wrap_forward()
 
     @property

@@ -14,6 +14,7 @@ base that fits one refuses the other. A single-inheritance subclass always fits.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from worker_shim.compat import (
@@ -74,8 +75,13 @@ class SidecarRunnerMixin:
         bridge = self.omni_bridge
         results = None
         if bridge is not None and state is not None:
+            t0 = time.perf_counter()
             self.omni_link.note_model_errors(bridge.after_forward(state.input_batch, state.hidden_states))
             results = bridge.take_step()
+            counters = getattr(self.omni_link, "counters", None)
+            if counters is not None:
+                counters.model_hook_us.append(bridge.host_us + (time.perf_counter() - t0) * 1e6)
+            bridge.host_us = 0.0
         self.omni_link.end_step(state, results)
         return out
 
@@ -170,7 +176,9 @@ class SidecarModelStateMixin:
             if extra:
                 inputs = {**inputs, **extra}
             if bridge is not None and embeds is not None:
+                t0 = time.perf_counter()
                 bridge.before_forward(input_batch, embeds)  # after the plan: states, overlays in place
+                bridge.host_us += (time.perf_counter() - t0) * 1e6
         return inputs
 
     def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> dict[str, Any]:
