@@ -291,6 +291,49 @@ def test_requests_without_a_served_state_run_without_the_hooks():
     assert bridge.missing_states(["a", "p"]) == ["a", "p"]
 
 
+def test_requests_vllm_adds_during_its_warm_up_reach_no_hook_and_ask_no_state():
+    """vLLM 0.26's V2 warm-up (`warmup_kernels`) adds `_warmup_{i}_` requests inside the worker's
+    compile_or_warm_up_model; other releases use other ids. Marked by the phase, not the names."""
+    from worker_shim.runner import SidecarRunnerMixin, swap_class
+    from worker_shim.worker import ShimWorkerMixin
+
+    model = FakeTalker()
+    bridge = ModelBridge(model, find_model_hooks(model))
+
+    class UpstreamRunner:
+        def add_requests(self, scheduler_output):
+            pass
+
+    runner = UpstreamRunner()
+    swap_class(runner, SidecarRunnerMixin)
+    runner.omni_link = SimpleNamespace(note_new=lambda reqs: None)
+    runner.omni_bridge = bridge
+
+    def add(req_id):
+        req = SimpleNamespace(req_id=req_id, prompt_len=3, prompt_token_ids=[0, 1, 2])
+        runner.add_requests(SimpleNamespace(scheduled_new_reqs=[req]))
+
+    class UpstreamWorker:
+        def compile_or_warm_up_model(self):
+            add("_warmup_0_")
+            add("_sparse_mla_v2_warmup_prefill_")
+            return "compilation times"
+
+    worker = type("Worker", (ShimWorkerMixin, UpstreamWorker), {})()
+    worker.model_runner = runner
+    assert worker.compile_or_warm_up_model() == "compilation times"
+    assert runner.omni_warming_up is False
+    add("client-a")
+    assert bridge.missing_states(["_warmup_0_", "_sparse_mla_v2_warmup_prefill_", "client-a"]) == ["client-a"]
+    batch = step_batch(["_warmup_0_", "_sparse_mla_v2_warmup_prefill_"], [2, 1], [0, 2], [0, 1, 2])
+    embeds = torch.ones(3, H)
+    bridge.before_forward(batch, embeds)
+    assert model.calls == [] and embeds.sum() == 3 * H
+    assert bridge.after_forward(batch, torch.zeros(3, H)) == {} and model.calls == []
+    bridge.note_finished({"_warmup_0_", "_sparse_mla_v2_warmup_prefill_"})
+    assert bridge.missing_states(["_warmup_0_"]) == ["_warmup_0_"]
+
+
 def test_sidecar_hooks_read_each_rows_input_ids_from_the_layout():
     from omni_sidecar.hooks import StepBatch
     from omni_sidecar.replays import SeenPositions

@@ -283,10 +283,11 @@ def _message(missing: list[str]) -> str:
     )
 
 
-# vLLM's V2 kernel warm-up (vllm/v1/worker/gpu/warmup.py) runs real steps with requests of its
-# own, named with this prefix (0.26 … 0.32); they carry no sidecar state, so model hooks skip them.
-WARMUP_REQ_ID_PREFIX = "_v2_mixed_warmup"
-
-
-def is_warmup_request(req_id: str) -> bool:
-    return req_id.startswith(WARMUP_REQ_ID_PREFIX)
+# vLLM's own warm-up requests (not the client's): every step the worker runs inside its
+# `compile_or_warm_up_model`, before the engine takes requests. Read from the wheels: 0.26.0's
+# V2 `warmup_kernels` (vllm/v1/worker/gpu/warmup.py) names them `_warmup_{i}_`; 0.32 adds
+# `run_mixed_prefill_decode_warmup` (`_v2_mixed_warmup_*`, `_sparse_mla_v2_warmup_*`) called from
+# the kernel warm-ups. They carry no payload and no sidecar state, so model hooks skip them. The
+# shim marks them by the phase (worker_shim/worker.py), not by these names, which change between
+# releases; profiling and CUDA-graph capture runs (`dummy_run=True`, `_dummy_req_{i}`, capture's
+# dummy inputs) add no requests and reach no hook.

@@ -49,6 +49,9 @@ class StepCounters:
     states_asked: int = 0  # requests whose state the model's hooks asked the sidecar for
     exchange_us: list[float] = field(default_factory=list)  # blocking StepBegin round trips
     post_us: list[float] = field(default_factory=list)  # shim-side cost of each StepEnd (copy + send)
+    # Host time in the model's own hooks per step (preprocess, talker_mtp, postprocess, state mirror):
+    # work vllm-omni's runner does too, told apart from the shim's own cost.
+    model_hook_us: list[float] = field(default_factory=list)
 
 
 class SidecarLink:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from proto.messages import ModelHooks
-from worker_shim.compat import ShimCompatError, is_warmup_request
+from worker_shim.compat import ShimCompatError
 from worker_shim.state_mirror import StateMirror
 
 log = logging.getLogger("vllm.omni_sidecar.shim.model_hooks")
@@ -126,6 +126,7 @@ class ModelBridge:
         self.mirror = StateMirror(hooks.resident_keys)
         self.prompt_lens: dict[str, int] = {}
         self.forward_extras: dict[str, Any] | None = None  # the last forward's, until after_forward
+        self.host_us = 0.0  # this step's host time in the hooks so far (the runner reads and resets it)
         self._wrap_forward()
 
     @property
@@ -145,9 +146,11 @@ class ModelBridge:
 
     # -- request lifecycle (from the runner's notes) ------------------------------------
 
-    def note_new(self, req_id: str, prompt_len: int) -> None:
+    def note_new(self, req_id: str, prompt_len: int, warmup: bool = False) -> None:
+        """`warmup`: one of vLLM's own warm-up requests (worker_shim/compat.py): no payload, so
+        no hooks and no state asked of the sidecar."""
         self.prompt_lens[req_id] = prompt_len
-        if is_warmup_request(req_id):  # vLLM's own warm-up requests: no payload, no hooks, no state asked
+        if warmup:
             self.mirror.fill(req_id, None, served=False)
 
     def note_finished(self, finished: set[str]) -> None:

@@ -14,6 +14,7 @@ base that fits one refuses the other. A single-inheritance subclass always fits.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from worker_shim.compat import (
@@ -43,6 +44,7 @@ class SidecarRunnerMixin:
     omni_embeds: EmbedsBuffer | None = None
     omni_tp: TensorParallelSync | None = None  # TP>1: rank 0 drives, others follow
     omni_bridge: ModelBridge | None = None  # the model carries its own vllm-omni hooks
+    omni_warming_up = False  # inside the worker's compile_or_warm_up_model: requests are vLLM's own
 
     def finish_requests(self, scheduler_output: Any) -> None:
         self.omni_link.note_finished(scheduler_output.finished_req_ids, scheduler_output.preempted_req_ids)
@@ -54,7 +56,7 @@ class SidecarRunnerMixin:
         self.omni_link.note_new(scheduler_output.scheduled_new_reqs)
         if self.omni_bridge is not None:
             for req in scheduler_output.scheduled_new_reqs:
-                self.omni_bridge.note_new(req.req_id, prompt_len_of(req))
+                self.omni_bridge.note_new(req.req_id, prompt_len_of(req), warmup=self.omni_warming_up)
         return _up(self).add_requests(scheduler_output)  # type: ignore[misc]
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -73,8 +75,13 @@ class SidecarRunnerMixin:
         bridge = self.omni_bridge
         results = None
         if bridge is not None and state is not None:
+            t0 = time.perf_counter()
             self.omni_link.note_model_errors(bridge.after_forward(state.input_batch, state.hidden_states))
             results = bridge.take_step()
+            counters = getattr(self.omni_link, "counters", None)
+            if counters is not None:
+                counters.model_hook_us.append(bridge.host_us + (time.perf_counter() - t0) * 1e6)
+            bridge.host_us = 0.0
         self.omni_link.end_step(state, results)
         return out
 
@@ -169,7 +176,9 @@ class SidecarModelStateMixin:
             if extra:
                 inputs = {**inputs, **extra}
             if bridge is not None and embeds is not None:
+                t0 = time.perf_counter()
                 bridge.before_forward(input_batch, embeds)  # after the plan: states, overlays in place
+                bridge.host_us += (time.perf_counter() - t0) * 1e6
         return inputs
 
     def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> dict[str, Any]:

@@ -65,6 +65,19 @@ class ShimWorkerMixin:
         runner.omni_tp = tp
         swap_class(runner, SidecarRunnerMixin)
 
+    def compile_or_warm_up_model(self, *args: Any, **kwargs: Any) -> Any:
+        """Upstream's warm-up runs real steps with requests of its own (V2 `warmup_kernels`,
+        kernel warm-ups; worker_shim/compat.py): the runner marks every request added meanwhile
+        as vLLM's, so model hooks skip them, whatever their ids."""
+        runner = getattr(self, "model_runner", None)
+        if runner is not None:
+            runner.omni_warming_up = True
+        try:
+            return super().compile_or_warm_up_model(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            if runner is not None:
+                runner.omni_warming_up = False
+
     def _connect_sidecar(self, payloads: PayloadTracker) -> SidecarLink:
         stale = sweep_stale()
         if stale:
@@ -154,7 +167,7 @@ class ShimWorkerMixin:
         """For `llm.collective_rpc("omni_sidecar_stats")`: what the shim sent and measured."""
         assert self.omni_link is not None
         stats = self.omni_link.stats()
-        for key in ("exchange_us", "post_us", "switch_us"):
+        for key in ("exchange_us", "post_us", "model_hook_us", "switch_us"):
             lat = sorted(stats.pop(key, []))
             stats[f"{key}_p50"] = statistics.median(lat) if lat else 0.0
             stats[f"{key}_p99"] = lat[round(0.99 * (len(lat) - 1))] if lat else 0.0
