@@ -100,6 +100,7 @@ class Session:
             "counters": [self.steps, self.new_requests, self.finished_requests, self.scheduled_tokens,
                          self.errors],
             "seen": dict(self.seen.upto),
+            "last_step": self.appends.last_step,  # what AppendReply.after_step counts from
         }
 
     def import_(self, doc: dict[str, Any]) -> None:
@@ -111,6 +112,7 @@ class Session:
         (self.steps, self.new_requests, self.finished_requests, self.scheduled_tokens,
          self.errors) = doc.get("counters", [0, 0, 0, 0, 0])
         self.seen.upto.update(doc.get("seen", {}))
+        self.appends.last_step = doc.get("last_step", -1)
 
     def resolve(self, req_id: str) -> str | None:
         """The live request a client names (by vLLM's id or by the id the client gave it)."""

@@ -164,3 +164,13 @@ def test_finished_store_alone_names_the_request_finished():
     store.put("v1", FinishedEntry({}, []), client_id="mine")
     assert unknown("mine", store).code == "request_finished"
     assert unknown("v2", store).code == "unknown_request"
+
+
+def test_a_successor_counts_steps_from_where_its_predecessor_was():
+    old, _ = _session(Recording())
+    _step(old, 0, new_requests=[NewRequest("r", 1, [1]), NewRequest("o", 1, [2])])
+    _step(old, 1)
+    new, _ = _session(Recording())
+    new.hooks.import_state(old.hooks.export_state())
+    new.import_(msgspec.msgpack.decode(msgspec.msgpack.encode(old.export())))
+    assert new.appends.receive(AppendPayload("r", _payload(0, 1, "x")), lambda m: None) == AppendReply("r", 1)
