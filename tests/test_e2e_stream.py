@@ -75,6 +75,7 @@ def test_appended_payloads_reach_the_next_step_in_order(tiny_model, e2e_dir, tmp
     finally:
         sidecar.stop()
     assert res["ok"], res.get("traceback")
+    assert not streamer.is_alive(), f"the appending client is still waiting: {got}"
     assert "error" not in got, got["error"]
     assert res["shim_stats"][0]["request_errors"] == {}  # the refused appends failed no request
     assert [len(t) for t in res["tokens"]] == MAX_TOKENS
