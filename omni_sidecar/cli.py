@@ -87,6 +87,11 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("req_id", help="vLLM request id")
     o.add_argument("--endpoint", default=None, help=ep_help)
     o.add_argument("--pop", action="store_true", help="remove them from the sidecar")
+
+    a = sub.add_parser("append", help="append entries to a running request (streaming payloads)")
+    a.add_argument("req_id", help="vLLM request id (yours or vLLM's)")
+    a.add_argument("payload_file", help="vllm-omni additional_information as msgpack bytes ('-': stdin)")
+    a.add_argument("--endpoint", default=None, help=ep_help)
     return p
 
 
@@ -121,18 +126,23 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(args.bench_args)
     if args.command == "upgrade":
         return _upgrade(args, endpoint)
-    from omni_sidecar.client import RequestFailed, SidecarClient, SidecarUnavailable
+    from omni_sidecar.client import AppendRefused, RequestFailed, SidecarClient, SidecarUnavailable
 
     try:
         with SidecarClient(endpoint, timeout_s=getattr(args, "timeout", 5.0)) as client:
             if args.command == "status":
                 print(json.dumps(msgspec.to_builtins(client.status()), indent=2))
                 return 0
+            if args.command == "append":
+                path = args.payload_file
+                payload = sys.stdin.buffer.read() if path == "-" else open(path, "rb").read()
+                print(f"appended to {args.req_id}: steps after {client.append(args.req_id, payload)} see it")
+                return 0
             outs = client.outputs(args.req_id, pop=args.pop)
     except RequestFailed as exc:
         print(f"omni-sidecar: request {exc.req_id} failed: {exc.message}", file=sys.stderr)
         return 2
-    except SidecarUnavailable as exc:
+    except (SidecarUnavailable, AppendRefused, OSError) as exc:  # OSError: the payload file
         print(f"omni-sidecar: {exc}", file=sys.stderr)
         return 2
     if outs is None:

@@ -1,4 +1,4 @@
-"""Control client: status, outputs, ping, drain. What `omni-sidecar status` and apps use."""
+"""Control client: status, outputs, appends, ping, drain. What `omni-sidecar status` and apps use."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from omni_sidecar.errors import OmniSidecarError
 from proto.codec import Codec, FrameError
 from proto.endpoint import default_endpoint, ipc_path
 from proto.messages import (
+    AppendPayload,
+    AppendReply,
     Drain,
+    ErrorReply,
     Drained,
     Message,
     OutputsQuery,
@@ -36,6 +39,16 @@ class RequestFailed(OmniSidecarError, RuntimeError):
         super().__init__(f"request {req_id}: {message}")
         self.req_id = req_id
         self.message = message
+
+
+class AppendRefused(OmniSidecarError, ValueError):
+    """The sidecar did not append to the request (unknown, finished, or its hooks refused the entries);
+    `code` is the ErrorReply's code. Nothing else changed: the request runs on with its state as it was."""
+
+    def __init__(self, req_id: str, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.req_id = req_id
+        self.code = code
 
 
 PROBE_TIMEOUT_S = 0.3
@@ -111,7 +124,7 @@ class SidecarClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, msg: Message, want: type) -> Message:
+    def _call(self, msg: Message, want: type | tuple[type, ...]) -> Message:
         self._sock.send(self.codec.encode(msg))
         if not self._sock.poll(self.timeout_ms):
             raise SidecarUnavailable(
@@ -122,7 +135,8 @@ class SidecarClient:
             reply = self.codec.decode(self._sock.recv())
         except FrameError as exc:
             raise SidecarUnavailable(f"the sidecar at {self.endpoint} sent a bad reply: {exc}") from None
-        problem = reply_problem(msg, reply, want)
+        first = want[0] if isinstance(want, tuple) else want
+        problem = "" if isinstance(reply, want) else reply_problem(msg, reply, first)
         if problem:
             raise SidecarUnavailable(problem)
         return reply
@@ -145,6 +159,22 @@ class SidecarClient:
         if reply.error:
             raise RequestFailed(req_id, reply.error)
         return _decode(reply.tensors, reply.values)
+
+    def append(self, req_id: str, payload: bytes | dict[str, Any]) -> int:
+        """Append entries to the running request `req_id` (your id or vLLM's): vllm-omni's
+        additional_information as msgpack bytes, or a nested dict (`{"embed": {"decode": t,
+        "decode_token_start": 0}}`) encoded here. Applied between two steps; returns the last step
+        that did not see it. Raises AppendRefused (unknown or finished request, refused entries)."""
+        if not isinstance(payload, bytes):
+            import msgspec
+
+            from omni_sidecar.omni.wire import encode_additional_information
+
+            payload = msgspec.msgpack.encode(encode_additional_information(payload))
+        reply = self._call(AppendPayload(req_id, payload), (AppendReply, ErrorReply))
+        if isinstance(reply, ErrorReply):
+            raise AppendRefused(req_id, reply.code, reply.message)
+        return reply.after_step  # type: ignore[union-attr]
 
     def stream(
         self, req_id: str, poll_s: float = 0.02, timeout_s: float = 600.0

@@ -5,6 +5,7 @@ Per step the shim's traffic drives, in order: `on_new_requests`,
 `prepare_prefill_embeds` and `build_extra_kwargs` (only when `needs.pre_forward`
 says so), the upstream forward in vLLM (and the model's own hooks around it),
 `on_model_results`, `process_model_output`, and `on_finished`. `get_outputs` serves clients asking for a request's outputs.
+Between two steps, `on_payload_appended` takes what a client appended to a running request.
 
 Errors: raise `RequestHookError` (one request) or `HookErrors` (several) to
 fail those requests; any other exception fails every request of the call (the
@@ -153,6 +154,13 @@ class OmniHooks:
     def on_model_results(self, updates: dict[str, dict[str, Any]], outputs: dict[str, dict[str, Any]]) -> None:
         """A step's model updates (merge into state) and outputs (e.g. {"codes": {"audio": [1, Q]}})
         per request, returned by the model's own hooks in the vLLM process. Tensors are copies."""
+
+    def on_payload_appended(self, req_id: str, payload: bytes) -> None:
+        """A client appended `payload` (vllm-omni's additional_information, msgpack bytes) to the running
+        request `req_id`; called between two steps, in arrival order (docs/ARCHITECTURE.md, Streaming
+        payloads). Raise to refuse it: the error goes to that client only, the request runs on, so leave
+        its state as it was. Untrusted bytes: decode with a schema (omni/wire.py), never pickle."""
+        raise RequestHookError(req_id, f"hook set {self.name!r} takes no appended payloads")
 
     def on_preempted(self, req_ids: list[str]) -> None:
         """vLLM preempted these; they come back later through `on_new_requests`."""

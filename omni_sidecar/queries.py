@@ -1,4 +1,5 @@
-"""What control clients ask: status, a request's outputs, and its streamed chunks.
+"""What control clients ask: status, a request's outputs, and its streamed chunks; and what they
+append to a running request (routed to its session, omni_sidecar/appends.py).
 
 Outputs are looked up among live requests first (a streaming client reads them
 while vLLM still runs the request), then in the finished store. Tensors travel
@@ -13,11 +14,12 @@ import time
 import torch
 
 from omni_sidecar import __version__
+from omni_sidecar.appends import unknown
 from omni_sidecar.hooks import OmniHooks
 from omni_sidecar.peers import PeerTable
 from omni_sidecar.store import FinishedOutputs
 from omni_sidecar.tensors import tensor_to_bytes
-from proto.messages import OutputChunk, OutputsQuery, OutputsReply, StatusReply, TensorBlob
+from proto.messages import AppendPayload, Message, OutputChunk, OutputsQuery, OutputsReply, StatusReply, TensorBlob
 from proto.version import PROTOCOL_VERSION
 
 
@@ -40,6 +42,15 @@ class Queries:
             sessions=[s.status() for s in self.peers.sessions()],
             pid=os.getpid(),
         )
+
+    def answer(self, ident: bytes, msg: OutputsQuery | AppendPayload) -> Message | None:
+        """A query about one request; None: an append's reply goes out when its step ends."""
+        if isinstance(msg, OutputsQuery):
+            return self.outputs(msg)
+        live = self.peers.live_request(msg.req_id)
+        if live is None:
+            return unknown(msg.req_id, self.finished)
+        return live[0].appends.receive(msg, lambda reply: self.peers.send(ident, reply))
 
     def outputs(self, q: OutputsQuery) -> OutputsReply:
         live = self.peers.live_request(q.req_id)

@@ -42,6 +42,7 @@ from proto.arena import sweep_stale
 from proto.codec import Codec, FrameError
 from proto.endpoint import check_endpoint, ipc_path
 from proto.messages import (
+    AppendPayload,
     Drain,
     Drained,
     Hello,
@@ -229,8 +230,8 @@ class SidecarServer:
             if self.takeover.waiting:  # answered once we own the state: that is what `upgrade` waits for
                 return self.takeover.defer_status(ident)
             return self.queries.status(self._draining, self.rejects.total)
-        if isinstance(msg, OutputsQuery):
-            return self.queries.outputs(msg)
+        if isinstance(msg, OutputsQuery | AppendPayload):
+            return self.queries.answer(ident, msg)
         if isinstance(msg, Drain):
             self.begin_drain()
             return Drained(len(self.peers))

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from omni_sidecar.appends import AppendQueue
 from omni_sidecar.arenas import SessionArenas
 from omni_sidecar.hooks import HookErrors, OmniHooks, RequestInfo, StepBatch
 from omni_sidecar.metrics import SidecarMetrics
@@ -66,6 +67,7 @@ class Session:
         self.seen = SeenPositions()  # hooks see each position once, also across preemption
         self.model_hooks: ModelHooks | None = None  # what the served model carries (told with want_states)
         self._prev_req_ids: list[str] | None = None
+        self.appends = AppendQueue(self)  # streamed payloads, applied between steps
 
     # -- set-up --------------------------------------------------------------
 
@@ -75,6 +77,7 @@ class Session:
         self.arenas.wanted_layers = list(needs.hidden_layers)
 
     def close(self) -> None:
+        self.appends.abandon("the engine's connection to this sidecar ended")
         self.arenas.close()
 
     def abandon(self, message: str) -> list[str]:
@@ -97,6 +100,7 @@ class Session:
             "counters": [self.steps, self.new_requests, self.finished_requests, self.scheduled_tokens,
                          self.errors],
             "seen": dict(self.seen.upto),
+            "last_step": self.appends.last_step,  # what AppendReply.after_step counts from
         }
 
     def import_(self, doc: dict[str, Any]) -> None:
@@ -108,6 +112,7 @@ class Session:
         (self.steps, self.new_requests, self.finished_requests, self.scheduled_tokens,
          self.errors) = doc.get("counters", [0, 0, 0, 0, 0])
         self.seen.upto.update(doc.get("seen", {}))
+        self.appends.last_step = doc.get("last_step", -1)
 
     def resolve(self, req_id: str) -> str | None:
         """The live request a client names (by vLLM's id or by the id the client gave it)."""
@@ -120,6 +125,7 @@ class Session:
     def step_begin(self, msg: StepBegin) -> StepPlan:
         t0 = time.perf_counter()
         errors: dict[str, str] = {}
+        self.appends.step_began()
         self._admit(msg.new_requests, msg.finished, msg.preempted, errors)
         layout = self._resolve_layout(msg.batch)
         batch = self._batch(msg.step, layout)
@@ -172,6 +178,7 @@ class Session:
         if msg.num_tokens:
             self.latency.record(hook_us)
             self._observe(msg, hook_us)
+        self.appends.step_ended(msg.step)
         return StepResult(step=msg.step, errors=result_errors, hook_us=hook_us)
 
     def _observe(self, msg: StepEnd, hook_us: float) -> None:

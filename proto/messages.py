@@ -11,6 +11,7 @@ Conversation (see README "Protocol"):
   shim -> StepEnd,   sidecar -> StepResult  (every step; the shim does not wait for
                                               the result before the next step)
   any  -> Ping / StatusQuery / OutputsQuery / Drain   (control, any client)
+  any  -> AppendPayload, sidecar -> AppendReply | ErrorReply  (1.3: entries into a running request)
   any  -> ErrorReply                         (a frame was rejected; the peer keeps serving)
 """
 
@@ -327,6 +328,22 @@ class OutputsReply(msgspec.Struct, tag="outputs_reply", frozen=True):
     error: Text = ""
 
 
+class AppendPayload(msgspec.Struct, tag="append", frozen=True):
+    """1.3: append entries to a running request (by vLLM's id or the client's own): `payload` is
+    vllm-omni's additional_information in msgpack ({"entries": {dotted key: entry}}). Applied between
+    two steps, in arrival order (docs/ARCHITECTURE.md, Streaming payloads)."""
+
+    req_id: ReqId
+    payload: bytes
+
+
+class AppendReply(msgspec.Struct, tag="append_reply", frozen=True):
+    """The append is in the request's state: steps after `after_step` see it (-1: every step)."""
+
+    req_id: ReqId
+    after_step: int
+
+
 class Drain(msgspec.Struct, tag="drain", frozen=True):
     pass
 
@@ -366,4 +383,6 @@ Message = Union[
     SwitchReady,
     SwitchAck,
     StepStart,
+    AppendPayload,
+    AppendReply,
 ]

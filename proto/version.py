@@ -5,5 +5,6 @@ PROTOCOL_MAJOR = 1
 # 1.2: StepStart (idle hand-over); model hooks (HookNeeds.model_states, StepBegin.want_states/model_hooks,
 #      StepPlan.model_states, StepEnd.model_updates/model_outputs); HookNeeds.input_ids, BatchLayout.input_ids;
 #      layer capture (HookNeeds.hidden_layers, StepEnd.hidden_layers)
-PROTOCOL_MINOR = 2
+# 1.3: AppendPayload / AppendReply (streaming payloads into running requests)
+PROTOCOL_MINOR = 3
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"

@@ -48,7 +48,7 @@ def capture_sidecar(tmp_path):
     proc.stop()
 
 
-def test_unknown_and_failed_requests_are_one_line(capture_sidecar):
+def test_unknown_and_failed_requests_are_one_line(capture_sidecar, tmp_path):
     endpoint = capture_sidecar.endpoint
     arena = ShmArena.create(1 << 16)
     peer = Peer(endpoint)
@@ -65,6 +65,11 @@ def test_unknown_and_failed_requests_are_one_line(capture_sidecar):
         failed = _one_clear_line(_cli("outputs", "bad", "--endpoint", endpoint), "bad", "failed")
         assert "outside arena" in failed
         _one_clear_line(_cli("outputs", "never-seen", "--endpoint", endpoint), "never-seen")
+        payload = tmp_path / "append.msgpack"
+        payload.write_bytes(b"\x81\xa7entries\x80")  # {"entries": {}}
+        gone = _one_clear_line(_cli("append", "never-seen", str(payload), "--endpoint", endpoint), "unknown_request")
+        assert "'never-seen' is not running" in gone
+        _one_clear_line(_cli("append", "r", str(tmp_path / "missing"), "--endpoint", endpoint), "No such file")
         ok = _cli("status", "--endpoint", endpoint)
         assert ok.returncode == 0 and '"hook_set": "capture"' in ok.stdout
     finally:

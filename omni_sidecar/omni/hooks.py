@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from omni_sidecar.builtin_hooks import check_prompt_embeds, overlay_rows
-from omni_sidecar.hooks import HookErrors, OmniHooks, RequestInfo, StepBatch
+from omni_sidecar.hooks import HookErrors, OmniHooks, RequestHookError, RequestInfo, StepBatch
 from omni_sidecar.omni.keys import layer_key
 from omni_sidecar.omni.outputs import OutputLog, accumulate, dotted_outputs, slice_per_request
 from omni_sidecar.omni.state import IntermediateBuffer, StateError
@@ -170,6 +170,17 @@ class OmniStateHooks(OmniHooks):
                 errors[req_id] = f"model outputs: {exc}"
         if errors:
             raise HookErrors(errors)
+
+    def on_payload_appended(self, req_id: str, payload: bytes) -> None:
+        """Entries streamed into a running request (vllm-omni's "async chunk"): decoded like a prompt's
+        additional_information and merged with the state rules (`embed.decode` spans in order, overlap
+        trimmed, a gap refused), all or nothing."""
+        if self.state.get(req_id) is None:
+            raise RequestHookError(req_id, "the request has no state to append to (its payload failed)")
+        try:
+            self.state.merge(req_id, decode_additional_information(payload))
+        except (PayloadError, StateError) as exc:
+            raise RequestHookError(req_id, f"append refused: {exc}") from None
 
     def get_outputs(self, req_id: str) -> dict[str, Any] | None:
         chunks = self.log.chunks(req_id)

@@ -113,9 +113,23 @@ class IntermediateBuffer:
         return _nbytes(self._states.get(req_id, {}))
 
     def merge(self, req_id: str, update: dict[str, Any] | None, replace: bool = False) -> None:
+        """All or nothing: an update that raises (a span gap, over the cap) leaves the state as it was."""
         state = self._states.get(req_id)
         if state is None or not update:
             return
+        before = {k: (v, dict(v) if isinstance(v, dict) else None) for k, v in state.items()}
+        try:
+            self._merge(state, update, replace)
+        except BaseException:
+            state.clear()
+            for key, (value, items) in before.items():  # the same dict objects, as they were
+                if items is not None:
+                    value.clear()
+                    value.update(items)
+                state[key] = value
+            raise
+
+    def _merge(self, state: dict[str, Any], update: dict[str, Any], replace: bool) -> None:
         if replace:
             meta = state.get("meta", {})
             kept = {k: meta[k] for k in KEEP_ON_REPLACE if k in meta}

@@ -116,7 +116,7 @@ def main(job_path: str, result_path: str) -> int:
                 prompts.append({"prompt_token_ids": p["token_ids"]})
             if "payload" in p:
                 extra = {"omni_sidecar": _load_payload(p["payload"])}
-            params.append(SamplingParams(max_tokens=job.get("max_tokens", 16), temperature=0.0,
+            params.append(SamplingParams(max_tokens=p.get("max_tokens", job.get("max_tokens", 16)), temperature=0.0,
                                          ignore_eos=True, extra_args=extra))
         t1 = time.monotonic()
         outs = llm.generate(prompts, params, use_tqdm=False)
