@@ -133,10 +133,11 @@ class PromptEmbedsOverlayHooks(OmniHooks):
 
 
 def builtin_hooks() -> dict[str, type[OmniHooks]]:
+    from omni_sidecar.omni.code2wav import Code2WavHooks
     from omni_sidecar.omni.hooks import OmniStateHooks
     from omni_sidecar.omni.stages import TalkerHooks, ThinkerHooks
 
     classes = (PassThroughHooks, CaptureHiddenHooks, PromptEmbedsOverlayHooks, OmniStateHooks,
-               ThinkerHooks, TalkerHooks)
+               ThinkerHooks, TalkerHooks, Code2WavHooks)
     return {cls.name: cls for cls in classes}
 

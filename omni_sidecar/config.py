@@ -23,7 +23,8 @@ from proto.settings import ENV_PREFIX, RING_SLEEP_MS, RING_SLEEP_MS_MAX, RING_SP
 
 # The hook sets `--hooks` names (omni_sidecar/builtin_hooks.py); here, so that the CLI builds its
 # help without importing torch.
-BUILTIN_NAMES = ("passthrough", "capture", "overlay", "omni", "omni-thinker", "omni-talker")
+BUILTIN_NAMES = ("passthrough", "capture", "overlay", "omni", "omni-thinker", "omni-talker",
+                 "omni-code2wav")
 
 
 def _help(text: str) -> Any:

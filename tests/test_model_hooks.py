@@ -5,6 +5,7 @@ the shim's state mirror, StepEnd model results through a real arena, and the sid
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -25,6 +26,11 @@ from worker_shim.state_mirror import StateMirror
 from worker_shim.transfer import HiddenSlots
 
 H, Q = 4, 3
+
+
+class NamedTupleOmniOutput(NamedTuple):  # vllm-omni's OmniOutput is a NamedTuple of this shape
+    text_hidden_states: torch.Tensor
+    multimodal_outputs: Any = None
 
 
 class FakeTalker(torch.nn.Module):
@@ -110,6 +116,13 @@ def test_forward_results_are_unwrapped_for_upstream_v2():
     assert hidden is h and set(extras) == {"codes"}
     cut = per_request(extras, 1, 1, 3, num_reqs=2, num_tokens=3)
     assert cut["codes"]["audio"].shape == (2, Q)
+    # vllm-omni's OmniOutput is a NamedTuple: its multimodal outputs are not tuple extras.
+    wave = torch.ones(5)
+    as_tuple = NamedTupleOmniOutput(h, {"model_outputs": [wave, None]})
+    hidden, extras = unwrap_forward_output(as_tuple)
+    assert hidden is h and set(extras) == {"model_outputs"}
+    assert per_request(extras, 0, 0, 2, num_reqs=2, num_tokens=3)["model_outputs"] is wave
+    assert per_request(extras, 1, 2, 3, num_reqs=2, num_tokens=3) == {}
 
 
 def test_one_step_calls_the_hooks_in_vllm_omnis_order():

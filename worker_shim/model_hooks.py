@@ -106,13 +106,14 @@ def unwrap_forward_output(output: Any) -> tuple[Any, dict[str, Any] | None]:
     """(the tensor upstream V2 takes, the extra outputs as a two-level dict or None)."""
     if isinstance(output, torch.Tensor):
         return output, None
-    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-        extras = {str(i): t for i, t in enumerate(output[1:], start=1) if t is not None}
-        return output[0], ({EXTRA_OUTPUT_CATEGORY: extras} if extras else None)
+    # OmniOutput first: vllm-omni's is a NamedTuple, which the plain-tuple case would misread.
     hidden = getattr(output, "text_hidden_states", None)
     if isinstance(hidden, torch.Tensor):
         extras = getattr(output, "multimodal_outputs", None)
         return hidden, (dict(extras) if isinstance(extras, dict) and extras else None)
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        extras = {str(i): t for i, t in enumerate(output[1:], start=1) if t is not None}
+        return output[0], ({EXTRA_OUTPUT_CATEGORY: extras} if extras else None)
     return output, None  # intermediate tensors (pipeline parallel) and the like: upstream's business
 
 

@@ -1,0 +1,160 @@
+"""`omni-code2wav`: a generation-only stage (codes in, waveform out, no sampling) on V2 through the shim.
+
+The shape of vllm-omni's code2wav stage (Qwen3-TTS, Qwen3-Omni): its model takes
+`runtime_additional_information` per request, `codes.audio` (flat, codebook-major) and
+`meta.left_context_size`, and returns one waveform per request in
+`multimodal_outputs["model_outputs"]`, the left context's samples already cut off.
+
+Upstream V2 samples a token for every scheduled request every step and knows no other
+kind of request, so a code2wav request runs as a clock (docs/ARCHITECTURE.md,
+"Generation-only stages"): one placeholder prompt token, `max_tokens` = its number of
+chunks (`num_chunks`), `ignore_eos`; the model's logits make any token fine and no
+sampled token is read. This hook set does the rest, with no weights:
+- on admission, the request's payload (vllm-omni's `additional_information`) gives
+  `codes.audio` [frames, Q] (the talker's assembled codes), optionally
+  `meta.codec_chunk_frames` / `meta.codec_left_context_frames` for this request;
+- before each forward (one blocking exchange per step with a code2wav request), each
+  request's next chunk: chunk k is decoded on the step whose last row is the request's
+  position `prompt_len - 1 + k` (so a request that vLLM recomputes after preemption
+  gets the chunk of the position it reaches, never one twice), frames
+  [start - ctx, end) with ctx = min(left context, start);
+- after it, the waveform chunks the model returned are kept per request as
+  `waveform` [samples, 1] (concatenated across steps; streamed per step) and `sr`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from omni_sidecar.hooks import HookErrors, RequestInfo, StepBatch
+from omni_sidecar.omni.hooks import OmniStateHooks
+from proto.messages import HookNeeds
+from proto.settings import CODE2WAV_CHUNK_FRAMES, CODE2WAV_LEFT_CONTEXT_FRAMES
+
+WAVEFORM = "waveform"  # assembled output: [samples, 1] float32
+MODEL_WAVEFORM = "model_outputs"  # vllm-omni's code2wav output key: one 1-dim waveform per request
+
+
+def num_chunks(frames: int, chunk_frames: int) -> int:
+    """Chunks of a request of `frames` code frames: its `max_tokens` (one chunk per step)."""
+    return -(-frames // chunk_frames)
+
+
+def chunk_span(k: int, frames: int, chunk_frames: int, left_context: int) -> tuple[int, int, int] | None:
+    """(first, start, end) of chunk k: frames [first, end) are decoded, [start, end) are new
+    (first = start - min(left_context, start)); None past the last chunk or before the first."""
+    start = k * chunk_frames
+    if k < 0 or start >= frames:
+        return None
+    return start - min(left_context, start), start, min(frames, start + chunk_frames)
+
+
+def chunk_input(codes: torch.Tensor, k: int, chunk_frames: int, left_context: int) -> dict[str, Any] | None:
+    """Chunk k of codes [frames, Q] as the model's runtime info (vllm-omni's code2wav input)."""
+    span = chunk_span(k, int(codes.shape[0]), chunk_frames, left_context)
+    if span is None:
+        return None
+    first, start, end = span
+    flat = codes[first:end].t().contiguous().reshape(-1)  # codebook-major [Q * (end - first)]
+    return {"codes": {"audio": flat}, "meta": {"left_context_size": start - first}}
+
+
+class Code2WavHooks(OmniStateHooks):
+    name = "omni-code2wav"
+
+    def __init__(self, chunk_frames: str = str(CODE2WAV_CHUNK_FRAMES),
+                 left_context: str = str(CODE2WAV_LEFT_CONTEXT_FRAMES), state_cap_mib: str = "256") -> None:
+        super().__init__(state_cap_mib=state_cap_mib)
+        self.chunk_frames = int(chunk_frames)
+        self.left_context = int(left_context)
+        if self.chunk_frames < 1 or self.left_context < 0:
+            raise ValueError(f"chunk_frames must be >= 1 and left_context >= 0, got {chunk_frames}, {left_context}")
+        # The chunk must reach the forward: one exchange per step that runs a request with a payload.
+        self.needs = HookNeeds(pre_forward="always", pre_forward_scope="payload", hidden_states=False,
+                               prefix_cache_safe=False, model_states=True)
+
+    def plan(self, state: dict[str, Any]) -> tuple[torch.Tensor, int, int]:
+        """(codes [frames, Q], chunk frames, left context) of a request."""
+        meta = state.get("meta", {})
+        chunk = int(meta.get("codec_chunk_frames", self.chunk_frames))
+        left = int(meta.get("codec_left_context_frames", self.left_context))
+        return state["codes"]["audio"], chunk, left
+
+    def on_new_requests(self, requests: list[RequestInfo]) -> None:
+        errors: dict[str, str] = {}
+        try:
+            super().on_new_requests(requests)
+        except HookErrors as exc:
+            errors.update(exc.errors)
+        for req in requests:
+            state = self.state.get(req.req_id)
+            if req.req_id in errors or state is None:
+                continue
+            problem = _check(state, self)
+            if problem:
+                errors[req.req_id] = problem
+                self.on_finished([req.req_id])
+        if errors:
+            raise HookErrors(errors)
+
+    def model_states(self, req_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """The model's hooks read no state (its chunks come per step): an empty one each."""
+        return {r: {} for r in req_ids if r in self.state}
+
+    def build_extra_kwargs(self, batch: StepBatch) -> dict[str, Any]:
+        infos: list[dict[str, Any]] = []
+        lay = batch.layout
+        for i, req_id in enumerate(batch.req_ids):
+            state = self.state.get(req_id)
+            info = None
+            if state is not None:
+                start, end = batch.rows(i)
+                last_position = lay.num_computed_tokens[i] + end - start - 1
+                k = last_position - (int(state["meta"]["prompt_len"]) - 1)
+                codes, chunk, left = self.plan(state)
+                info = chunk_input(codes, k, chunk, left)
+            infos.append(info or {})
+        return {"runtime_additional_information": infos}
+
+    def on_model_results(self, updates: dict[str, dict[str, Any]], outputs: dict[str, dict[str, Any]]) -> None:
+        errors: dict[str, str] = {}
+        try:
+            super().on_model_results(updates, {})
+        except HookErrors as exc:
+            errors.update(exc.errors)
+        for req_id, output in outputs.items():
+            wave = output.get(MODEL_WAVEFORM) if isinstance(output, dict) else None
+            if req_id in errors or wave is None:
+                continue
+            if not isinstance(wave, torch.Tensor) or wave.dim() != 1:
+                errors[req_id] = f"code2wav: {MODEL_WAVEFORM} must be a 1-dim waveform, got {_describe(wave)}"
+                continue
+            chunk = {WAVEFORM: wave.to(torch.float32).reshape(-1, 1)}
+            if isinstance(output.get("sr"), torch.Tensor):
+                chunk["sr"] = output["sr"]
+            self.log.add(req_id, chunk)
+        if errors:
+            raise HookErrors(errors)
+
+
+def _check(state: dict[str, Any], hooks: Code2WavHooks) -> str | None:
+    codes = state.get("codes", {}).get("audio") if isinstance(state.get("codes"), dict) else None
+    if not isinstance(codes, torch.Tensor) or codes.dim() != 2 or codes.shape[0] == 0:
+        return f"code2wav: the payload needs codes.audio [frames, codebooks], got {_describe(codes)}"
+    if codes.dtype.is_floating_point or codes.dtype == torch.bool:
+        return f"code2wav: codes.audio must hold integer codes, got {codes.dtype}"
+    try:
+        _, chunk, left = hooks.plan(state)
+    except (TypeError, ValueError) as exc:
+        return f"code2wav: meta.codec_chunk_frames / codec_left_context_frames: {exc}"
+    if chunk < 1 or left < 0:
+        return f"code2wav: chunk frames must be >= 1 and left context >= 0, got {chunk}, {left}"
+    return None
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {list(value.shape)}"
+    return type(value).__name__
