@@ -80,7 +80,11 @@ def test_compose_files_validate_and_keep_their_invariants(name, gpu, tmp_path):
 def test_sidecar_image_has_no_vllm():
     text = (DEPLOY / "Dockerfile.sidecar").read_text()
     code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
-    assert "pip install --no-cache-dir ." in code
+    # Dependencies in their own layer (from pyproject.toml alone), then the project without deps:
+    # a code change rebuilds only the project layer.
+    assert "pip install --no-cache-dir -r /tmp/deps.txt" in code
+    assert "pip install --no-cache-dir --no-deps ." in code
+    assert code.index("COPY pyproject.toml") < code.index("-r /tmp/deps.txt") < code.index("COPY omni_sidecar")
     assert "find_spec('vllm') is None" in code  # the build fails if vllm sneaks in
     assert not re.search(r"pip install[^\n]*vllm", code)
 
