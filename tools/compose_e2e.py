@@ -270,7 +270,7 @@ class Stack:
                     result["finish"] = choice.get("finish_reason") or result["finish"]
         except (OSError, ValueError) as exc:
             result["error"] = repr(exc)
-        result["done_at"] = time.monotonic()
+        result["done_at"], result["done_wall"] = time.monotonic(), time.time()
 
     def streams(self, prompts: list[str], tag: str, max_tokens: int) -> tuple[list[dict], list[threading.Thread]]:
         results = [{"id": f"{tag}-{i}"} for i in range(len(prompts))]
@@ -427,7 +427,13 @@ def main() -> int:
 
         prompts = ["the quick brown fox", "a sidecar hosts the omni hooks", "tokens prompts outputs",
                    "thinker talker code to wave"]
-        n_tok = 96
+        # Streams long enough (about 20 s) for an upgrade or a kill to land in their middle, at
+        # whatever speed this CPU decodes 4 streams (measured); max_model_len is 512.
+        cal, threads = stack.streams(prompts, "e2e-cal", 32)
+        join(threads)
+        per_token = (max(r["done_at"] for r in cal) - max(r["first_at"] for r in cal)) / 31
+        n_tok = max(96, min(480, int(20 / max(per_token, 1e-3))))
+        print(f"\n    decode: {per_token * 1e3:.0f} ms per step with {len(prompts)} streams: {n_tok} tokens a request")
         with step(f"reference: {len(prompts)} streaming requests, {n_tok} tokens each, no upgrade"):
             ref, threads = stack.streams(prompts, "e2e-ref", n_tok)
             join(threads)
@@ -441,6 +447,16 @@ def main() -> int:
             out("docker", "tag", "omni-sidecar/sidecar-cpu" + NEXT, SIDECAR)
             res, threads = stack.streams(prompts, "e2e-up", n_tok)
             wait_first_tokens(res, threads)
+            old_gone: dict = {}
+
+            def watch_old() -> None:  # when the old sidecar stops (upgrade.sh then removes it)
+                while subprocess.run(["docker", "inspect", "-f", "{{.State.Running}}", old], capture_output=True,
+                                     text=True).stdout.strip() == "true":
+                    time.sleep(0.1)
+                old_gone["at"] = time.time()
+
+            watch = threading.Thread(target=watch_old, daemon=True)
+            watch.start()
             t = time.monotonic()
             up = subprocess.run(["sh", "deploy/upgrade.sh", "--no-build", COMPOSE_FILE], capture_output=True,
                                 text=True, cwd=ROOT, timeout=300)
@@ -448,7 +464,12 @@ def main() -> int:
             print("    " + (up.stdout + up.stderr).strip().replace("\n", "\n    ")[-2500:])
             join(threads)
             check(up.returncode == 0, f"deploy/upgrade.sh exited 0 ({up_end - t:.1f} s)")
-            check(up_end < min(r["done_at"] for r in res), "the upgrade finished while every request was still streaming")
+            # The old sidecar exits only after handing the shim over: the switch happened mid-stream.
+            watch.join(10)
+            finished = old_gone.get("at", float("inf"))
+            check(finished < min(r["done_wall"] for r in res),
+                  f"the old sidecar handed over and exited while every request was still streaming "
+                  f"({min(r['done_wall'] for r in res) - finished:.1f} s before the first stream ended)")
             failed_reqs = [r for r in res if r["error"] is not None or r["finish"] != "length"]
             check(not failed_reqs, f"0 failed requests of {len(res)} ({failed_reqs[:1]})")
             check([r["pieces"] for r in res] == [r["pieces"] for r in ref],
@@ -463,7 +484,8 @@ def main() -> int:
             for r in res:
                 outputs_ok(stack, r["id"])
             check(True, "the sidecar has every upgraded request's outputs, none failed")
-            check(stack.inspect(vllm, "{{.State.StartedAt}}") == vllm_started, "the vLLM container kept running")
+            check(stack.inspect(vllm, "{{.State.StartedAt}} {{.RestartCount}}") == f"{vllm_started} 0",
+                  "the vLLM container kept running (never restarted)")
 
         with step("docker kill of the sidecar container while requests run"):
             killed = stack.cid("sidecar")[0]
