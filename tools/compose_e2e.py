@@ -154,6 +154,8 @@ def build(image: str, context: Path, *args: str, log: str) -> dict:
     """docker build (legacy builder: there is no buildx here) with the host's pip settings.
     Returns {"seconds", "steps": [(n, instruction, cached)]}."""
     t = time.monotonic()
+    before = subprocess.run(["docker", "image", "inspect", "-f", "{{.Id}}", image], capture_output=True,
+                            text=True).stdout.strip()
     with host_pip.build_args() as pip_args:
         cmd = host_pip.with_build_args(["docker", "build", *args, "-t", image, str(context)], pip_args)
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=context, timeout=3600,
@@ -168,6 +170,10 @@ def build(image: str, context: Path, *args: str, log: str) -> dict:
             cached = i + 1 < len(lines) and "Using cache" in lines[i + 1]
             steps.append((n, instr, cached))
     secs = time.monotonic() - t
+    if before and before != out("docker", "image", "inspect", "-f", "{{.Id}}", image):
+        # The image this tag named before is now untagged: remove it (unless a container uses it),
+        # so that repeated runs do not pile up GBs of dangling images.
+        subprocess.run(["docker", "rmi", before], capture_output=True)
     print(f"    {image}: built in {secs:.1f} s (log {LOGS.relative_to(ROOT) / log})")
     for n, instr, cached in steps:
         print(f"      {n:>6} {'cached' if cached else 'RAN   '} {instr[:100]}")
