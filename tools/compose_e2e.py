@@ -175,8 +175,12 @@ def build(image: str, context: Path, *args: str, log: str) -> dict:
         # so that repeated runs do not pile up GBs of dangling images.
         subprocess.run(["docker", "rmi", before], capture_output=True)
     print(f"    {image}: built in {secs:.1f} s (log {LOGS.relative_to(ROOT) / log})")
+    seen_from = False
     for n, instr, cached in steps:
-        print(f"      {n:>6} {'cached' if cached else 'RAN   '} {instr[:100]}")
+        seen_from = seen_from or instr.startswith("FROM")
+        # ARGs before FROM and FROM itself make no layer: neither cached nor run.
+        state = "      " if not seen_from or instr.startswith("FROM") else "cached" if cached else "RAN   "
+        print(f"      {n:>6} {state} {instr[:100]}")
     return {"seconds": secs, "steps": steps}
 
 
