@@ -226,15 +226,19 @@ class Stack:
         return f"http://127.0.0.1:{self.port}{path}"
 
     def wait_serving(self, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
+        deadline, why = time.monotonic() + timeout, f"vLLM did not serve within {timeout} s"
         while time.monotonic() < deadline:
             try:
                 urllib.request.urlopen(self.url("/v1/models"), timeout=5).read()
                 return
             except OSError:
                 time.sleep(1)
-        logs = self.dc("logs", "--tail", "60", check_rc=False, quiet=True)
-        raise Failed(f"vLLM did not serve within {timeout} s:\n{logs.stdout[-4000:]}")
+            ids = self.cid("vllm", all_=True)
+            if ids and self.inspect(ids[0], "{{.RestartCount}}") != "0":  # no use waiting for a crash loop
+                why = "the vLLM container crashed while starting"
+                break
+        logs = self.dc("logs", "--tail", "80", "vllm", check_rc=False, quiet=True)
+        raise Failed(f"{why}:\n{logs.stdout[-6000:]}")
 
     def wait_sidecar(self, timeout: float = 90) -> str:
         """The one running sidecar container, once `omni-sidecar status` answers in it."""
