@@ -437,7 +437,10 @@ def main() -> int:
         with step("the sidecar's outputs for that request, read with the CLI from another container"):
             text = outputs_ok(stack, "e2e-first")
             print("    " + text.strip().replace("\n", "\n    ")[:1500])
-            check(text.strip(), "omni-sidecar outputs cmpl-e2e-first-0 printed the request's outputs")
+            rows = reply["usage"]["prompt_tokens"] + reply["usage"]["completion_tokens"] - 1
+            check(f"hidden_states: shape=[{rows}, 128]" in text,
+                  f"omni-sidecar outputs cmpl-e2e-first-0: the omni hooks' hidden states, one row per "
+                  f"token the model ran ({rows} = prompt + completion - 1), hidden size 128")
 
         prompts = ["the quick brown fox", "a sidecar hosts the omni hooks", "tokens prompts outputs",
                    "thinker talker code to wave"]
