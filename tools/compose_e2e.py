@@ -327,6 +327,35 @@ def outputs_ok(stack: Stack, req_id: str) -> str:
     return proc.stdout
 
 
+NOTES: list[str] = []
+
+
+def after_sidecar_is_back(stack: Stack, tag: str) -> None:
+    """The shim reconnects at its next step boundary (an idle vLLM runs no steps), so the first
+    request after the sidecar is back drives the reconnect. vLLM serves it in any case; on the
+    sidecar side it may fail per loss_policy=fail-all if it was admitted before the reconnect
+    completed: reported as a note, not hidden. Then the shim's session must be there, and a new
+    request must succeed end to end."""
+    reply = stack.complete("the lazy dog", f"{tag}-first", 8)
+    check(reply["usage"]["completion_tokens"] == 8, "vLLM serves the first request after the sidecar is back")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        status = json.loads(out("docker", "exec", stack.cid("sidecar")[0], "omni-sidecar", "status"))
+        if status.get("sessions"):
+            break
+        time.sleep(0.5)
+    check(status.get("sessions"), "the shim reconnected to the sidecar (a session in `omni-sidecar status`)")
+    first = stack.cli("outputs", f"cmpl-{tag}-first-0")
+    how = "outputs ok" if first.returncode == 0 else first.stderr.strip()
+    print(f"    note: the first request after the sidecar came back (it drove the shim's reconnect): {how}")
+    if first.returncode != 0:
+        NOTES.append(f"{tag}: the request that drove the shim's reconnect failed on the sidecar side: {how}")
+    reply = stack.complete("the lazy dog", f"{tag}-next", 8)
+    check(reply["usage"]["completion_tokens"] == 8, "a new request succeeds once the sidecar is back")
+    outputs_ok(stack, f"{tag}-next")
+    check(True, "... and the sidecar has its outputs, no error")
+
+
 def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm"))
 
@@ -524,10 +553,7 @@ def main() -> int:
                   f"(status, restarts: {state})")
             stack.dc("up", "-d", "--no-build", "--no-deps", "sidecar")
             stack.wait_sidecar()
-            reply = stack.complete("the lazy dog", "e2e-after-kill", 8)
-            check(reply["usage"]["completion_tokens"] == 8, "a new request succeeds once the sidecar is back")
-            outputs_ok(stack, "e2e-after-kill")
-            check(True, "... and the sidecar has its outputs")
+            after_sidecar_is_back(stack, "e2e-after-kill")
             for r in res:
                 proc = stack.cli("outputs", f"cmpl-{r['id']}-0")
                 print(f"    outputs cmpl-{r['id']}-0: rc {proc.returncode}: {proc.stderr.strip()[:300]}")
@@ -546,9 +572,7 @@ def main() -> int:
             stack.wait_sidecar()
             check(int(stack.inspect(crashed, "{{.RestartCount}}")) == restarts + 1,
                   "Docker restarted the same container (restart policy)")
-            reply = stack.complete("the lazy dog", "e2e-after-crash", 8)
-            check(reply["usage"]["completion_tokens"] == 8, "a new request succeeds after the restart")
-            outputs_ok(stack, "e2e-after-crash")
+            after_sidecar_is_back(stack, "e2e-after-crash")
             for r in res:
                 proc = stack.cli("outputs", f"cmpl-{r['id']}-0")
                 check(proc.returncode == 2 and "omni-sidecar lost" in proc.stderr,
@@ -609,6 +633,8 @@ def main() -> int:
         if f"{name}_rebuild_s" in report:
             print(f"  {name}: first build {report[f'{name}_build']['seconds']:.1f} s (layers may come from the "
                   f"cache of earlier runs), rebuild after a one-line change {report[f'{name}_rebuild_s']:.1f} s")
+    for note in NOTES:
+        print(f"  note: {note}")
     print("compose-e2e: " + ("FAILED" if failed else "passed"))
     return 1 if failed else 0
 
