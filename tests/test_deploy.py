@@ -80,7 +80,11 @@ def test_compose_files_validate_and_keep_their_invariants(name, gpu, tmp_path):
 def test_sidecar_image_has_no_vllm():
     text = (DEPLOY / "Dockerfile.sidecar").read_text()
     code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
-    assert "pip install --no-cache-dir ." in code
+    # Dependencies in their own layer (from pyproject.toml alone), then the project without deps:
+    # a code change rebuilds only the project layer.
+    assert "pip install --no-cache-dir -r /tmp/deps.txt" in code
+    assert "pip install --no-cache-dir --no-deps ." in code
+    assert code.index("COPY pyproject.toml") < code.index("-r /tmp/deps.txt") < code.index("COPY omni_sidecar")
     assert "find_spec('vllm') is None" in code  # the build fails if vllm sneaks in
     assert not re.search(r"pip install[^\n]*vllm", code)
 
@@ -248,3 +252,33 @@ def test_cpu_compose_services_complete_a_request_as_local_processes(tiny_model, 
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def test_host_pip_passes_the_hosts_pip_settings_to_docker_build(tmp_path, monkeypatch):
+    """tools/host_pip.py: local indexes are served on loopback for the build, URLs pass as they are."""
+    from tools import host_pip
+
+    (tmp_path / "pypi" / "simple" / "demo").mkdir(parents=True)
+    (tmp_path / "pypi" / "simple" / "demo" / "index.html").write_text('<a href="../../files/demo-1.whl">d</a>')
+    (tmp_path / "pypi" / "files").mkdir()
+    (tmp_path / "pypi" / "files" / "demo-1.whl").write_bytes(b"wheel")
+    (tmp_path / "wheels").mkdir()
+    (tmp_path / "c.txt").write_text("torch<=9\n")
+    monkeypatch.setattr(host_pip, "PORT", _free_port())
+    monkeypatch.setattr(host_pip, "host_pip_config", lambda: {
+        "extra-index-url": f"file://{tmp_path}/pypi/simple https://mirror.example/simple",
+        "find-links": str(tmp_path / "wheels"), "constraint": str(tmp_path / "c.txt"),
+        "cert": "/host/ca.pem", "default-timeout": "180", "no-such": "x"})
+    with host_pip.build_args() as args:
+        given = dict(a.split("=", 1) for a in args[1::2])
+        base = f"http://127.0.0.1:{host_pip.PORT}{tmp_path}"
+        assert given == {
+            "PIP_EXTRA_INDEX_URL": f"{base}/pypi/simple/ https://mirror.example/simple",
+            "PIP_FIND_LINKS": f"{base}/wheels/", "PIP_CONSTRAINT": f"{base}/c.txt",
+            "PIP_DEFAULT_TIMEOUT": "180", "PIP_CERT": host_pip.IN_IMAGE_CA}
+        # The index page's relative links resolve, as pip follows them inside the build.
+        assert urllib.request.urlopen(f"{base}/pypi/simple/demo/index.html").read().startswith(b"<a")
+        assert urllib.request.urlopen(f"{base}/pypi/files/demo-1.whl").read() == b"wheel"
+        assert urllib.request.urlopen(f"{base}/c.txt").read() == b"torch<=9\n"
+    cmd = host_pip.with_build_args(["docker", "build", "-t", "x", "."], ["--build-arg", "A=1"])
+    assert cmd == ["docker", "build", "--build-arg", "A=1", "--network", "host", "-t", "x", "."]
