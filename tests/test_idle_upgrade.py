@@ -351,6 +351,61 @@ def test_upgrades_at_random_moments_lose_no_step_of_a_real_shim_link(tmp_path):
         _spare_leaves(endpoint)
 
 
+def test_the_first_request_after_a_sidecar_came_back_is_served(tmp_path):
+    # The sidecar was killed and a new one started while vLLM was idle: no step ran to reconnect.
+    # The request that arrives next must reach the new sidecar, not be failed as "no omni-sidecar
+    # was connected" (vLLM adds requests before the step that would reconnect).
+    from worker_shim.config import RingConfig
+    from worker_shim.connection import SidecarConnection
+    from worker_shim.link import SidecarLink
+
+    endpoint = f"ipc://{tmp_path}/sc.sock"
+    first = SidecarProcess(endpoint, "passthrough", tmp_path / "first.log")
+    hello = Hello(PROTOCOL_MAJOR, PROTOCOL_MINOR, "test", "none", "cpu", 0, 1, "m", 8, "float32", 64, [],
+                  pid=os.getpid())
+
+    def connect(endpoint: str = endpoint, resume_token: str = "") -> SidecarConnection:
+        return SidecarConnection(endpoint, 10.0, msgspec.structs.replace(hello, resume_token=resume_token),
+                                 1 << 16, 2, arena_prefix="omni-test-back", ring=RingConfig())
+
+    def request(req_id: str) -> SimpleNamespace:
+        return SimpleNamespace(req_id=req_id, prompt_token_ids=[1, 2, 3], prompt_len=3,
+                               sampling_params=SimpleNamespace(extra_args=None))
+
+    conn = connect()
+    conn.connect(10.0)
+    link = SidecarLink(connect, conn, length_finishes=False)
+    second = None
+    try:
+        link.note_new([request("before")])
+        link.begin_step()
+        link.end_step(_batch_state("before"))
+        link.note_finished({"before"}, None)
+        first.proc.kill()
+        first.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while link.stats()["losses"] == 0:  # the loss is seen at a step boundary
+            assert time.monotonic() < deadline, "the shim did not notice the killed sidecar"
+            link.begin_step()
+            link.end_step(None)
+            time.sleep(0.05)
+        second = SidecarProcess(endpoint, "passthrough", tmp_path / "second.log")
+        link.note_new([request("after")])  # vLLM idle until now: this is the first thing the shim sees
+        link.begin_step()
+        link.end_step(_batch_state("after"))
+        link.note_finished({"after"}, None)
+        link.begin_step()
+        link.end_step(None)
+        stats = link.stats()
+        assert "after" not in stats["request_errors"], stats["request_errors"]
+        assert stats["reconnects"] == 1
+    finally:
+        link.close()
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
 @pytest.mark.e2e
 def test_upgrades_complete_under_an_idle_engine_and_alternate_with_busy_ones(tiny_model, tmp_path):
     endpoint = f"ipc://{tmp_path}/sc.sock"

@@ -101,6 +101,8 @@ class SidecarLink:
         self.requests.note_finished(news, preempted or ())
 
     def note_new(self, new_reqs: list[Any]) -> None:
+        if new_reqs and self.conn is None:
+            self.recovery.reconnect_now()
         for req in new_reqs:
             payload = payload_of(req)
             self.counters.new_requests += 1

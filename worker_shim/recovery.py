@@ -107,6 +107,14 @@ class Recovery:
             if result.switch_to:
                 self._switch_to = result.switch_to
 
+    def reconnect_now(self) -> bool:
+        """Lost and requests arrive: try the reconnect before they are refused (an idle vLLM runs
+        no step, so the first requests after a sidecar came back arrive before the step that would
+        reconnect). True when connected."""
+        if self.state == "lost":
+            self._try_reconnect()
+        return self.conn is not None
+
     def refuse(self, req_id: str, has_payload: bool) -> None:
         """A request vLLM admitted while no sidecar was connected: fail it if the policy says so."""
         if self.loss_policy == "fail-all" or has_payload:
