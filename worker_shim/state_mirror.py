@@ -56,6 +56,18 @@ class StateMirror:
             else:
                 sent[key] = state[key]
 
+    def apply_appended(self, req_id: str, entries: dict[str, Any], device: Any = None) -> None:
+        """A client's append the sidecar sent (MirrorUpdate): into the state the hooks read next, not
+        into the step's update (the sidecar holds it already). Resident keys go to `device`."""
+        state = self.states.get(req_id)
+        if state is None or req_id in self.unserved:
+            return
+        for key, value in entries.items():
+            if isinstance(value, dict) and device is not None:
+                value = {q: v.to(device) if isinstance(v, torch.Tensor) and (key, q) in self.resident_keys else v
+                         for q, v in value.items()}
+            self._merge_into(state, {key: value})
+
     def add_output(self, req_id: str, output: dict[str, Any]) -> None:
         """Per-request outputs of this step (MTP codes, model-returned tensors), two-level."""
         if req_id not in self.states:

@@ -64,6 +64,17 @@ def merge_decode_span(current: dict[str, Any], update: dict[str, Any]) -> dict[s
     return {"decode": merged, "decode_token_start": old_start, "decode_token_end": end}
 
 
+def _assign(state: dict[str, Any], entries: dict[str, Any]) -> None:
+    for category, value in entries.items():
+        if isinstance(value, dict):
+            slot = state.get(category)
+            if not isinstance(slot, dict):
+                slot = state[category] = {}
+            slot.update(value)
+        else:
+            state[category] = value
+
+
 class IntermediateBuffer:
     def __init__(
         self,
@@ -128,6 +139,32 @@ class IntermediateBuffer:
                     value.update(items)
                 state[key] = value
             raise
+
+    def trial_merge(self, req_id: str, earlier: list[dict[str, Any]], update: dict[str, Any]) -> dict[str, Any]:
+        """`update` merged (its rules, the cap) into a copy of the state with the `earlier` entries
+        assigned; the state is untouched. Returns the merged values of the keys `update` touches
+        (with the `embed.decode` span keys), for `assign` on both sides of the mirror."""
+        state = self._states.get(req_id)
+        if state is None:
+            raise StateError("the request has no state")
+        trial = {k: dict(v) if isinstance(v, dict) else v for k, v in state.items()}
+        for entries in earlier:
+            _assign(trial, entries)
+        self._merge(trial, update or {}, False)
+        out: dict[str, Any] = {}
+        for category, value in update.items():
+            if not isinstance(value, dict):
+                out[category] = trial[category]
+                continue
+            keys = set(value) | (set(_SPAN_KEYS) if category == "embed" and "decode" in value else set())
+            out[category] = {q: trial[category][q] for q in keys if q in trial[category]}
+        return out
+
+    def assign(self, req_id: str, entries: dict[str, Any]) -> None:
+        """Values from `trial_merge`, per qualifier (the shim's mirror assigns the same)."""
+        state = self._states.get(req_id)
+        if state is not None:
+            _assign(state, entries)
 
     def _merge(self, state: dict[str, Any], update: dict[str, Any], replace: bool) -> None:
         if replace:
