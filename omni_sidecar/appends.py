@@ -13,7 +13,7 @@ through the hook set's `on_payload_appended` (docs/ARCHITECTURE.md, Streaming pa
   last step that did not.
 - a request whose state the shim mirrors (the model's own hooks read it in the vLLM process):
   checked on arrival against its state plus the updates already sent, then sent at once as a
-  MirrorUpdate (protocol 1.4: `seq`, the merged values of the keys it touches). The shim applies it
+  MirrorUpdate (protocol 1.4: `seq`, its delta: the `embed.decode` rows past the span). The shim applies it
   at its next step start and says so in that step's StepStart (`mirror_seq`); only then does it
   enter the sidecar's state too and the client get `after_step` = that step - 1. A request that
   ends first, or a hot upgrade before the shim applied it (SwitchReady.mirror_seq), is an error.

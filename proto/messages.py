@@ -315,8 +315,8 @@ class AppendReply(msgspec.Struct, tag="append_reply", frozen=True):
 
 class MirrorUpdate(msgspec.Struct, tag="mirror_update", frozen=True):
     """1.4, sidecar -> shim, unsolicited: an append to a request whose state the shim mirrors; the
-    shim applies it at its next step start and says so in StepStart.mirror_seq. `entries`: the
-    merged values of the keys it touches; tensors as {TENSOR_MARKER: TensorBlob}."""
+    shim applies it at its next step start and says so in StepStart.mirror_seq. `entries`: the append's
+    delta (decoded; `embed.decode` rows past the span held); tensors as {TENSOR_MARKER: TensorBlob}."""
 
     seq: Count
     req_id: ReqId

@@ -1,7 +1,7 @@
 """Appends to requests whose state the shim mirrors (MirrorUpdate, protocol 1.4): ordering and acks.
 
 The sidecar checks an append on arrival against the state plus the updates already sent, sends
-the merged values at once, and applies them to its own state (and answers the client) only when
+its delta at once (the `embed.decode` rows past the span), and applies them to its own state (and answers the client) only when
 a StepStart says the shim applied them; a request that ends first or a hot upgrade before the
 shim applied it is a clear error, never a half-applied append.
 """
@@ -9,6 +9,7 @@ shim applied it is a clear error, never a half-applied append.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -21,6 +22,8 @@ from tests.test_appends import Recording, _layout, _payload
 from omni_sidecar.metrics import SidecarMetrics
 from omni_sidecar.session import Session
 from omni_sidecar.store import FinishedOutputs
+from tests.test_recovery import FakeConnection
+from worker_shim.link import SidecarLink
 from worker_shim.state_mirror import StateMirror
 
 
@@ -48,14 +51,15 @@ def test_sent_at_once_applied_and_answered_when_the_shim_says_so():
     mirror.fill("t", session.hooks.model_states(["t"])["t"])
     answers: list = []
     assert _append(session, 2, 1, "a", answers) is None
-    # Contiguous with the update already sent, not with the state: checked against both.
-    assert _append(session, 3, 1, "b", answers) is None
+    # Contiguous with the update already sent, not with the state: checked against both;
+    # overlapping it, so only the rows past it travel.
+    assert _append(session, 2, 2, "b", answers) is None
     gap = _append(session, 9, 1, "c", answers)
     assert isinstance(gap, ErrorReply) and gap.code == "append_refused" and "gap" in gap.message
     assert [u.seq for u in sent] == [1, 2] and answers == []
     second = load_inline_tree(Codec().decode(Codec().encode(sent[1])).entries)
-    assert second["embed"]["decode_token_start"] == 0 and second["embed"]["decode_token_end"] == 4
-    assert second["embed"]["decode"][:, 0].tolist() == [0, 0, 2, 3]
+    assert second["embed"]["decode_token_start"] == 3 and second["embed"]["decode_token_end"] == 4
+    assert second["embed"]["decode"][:, 0].tolist() == [3]
     state = session.hooks.state.get("t")
     assert state["embed"]["decode_token_end"] == 2 and "tags" not in state["meta"]  # not before the shim applied it
 
@@ -74,6 +78,7 @@ def test_sent_at_once_applied_and_answered_when_the_shim_says_so():
     mine, theirs = mirror.states["t"], session.hooks.state.get("t")
     assert mine["meta"] == theirs["meta"] and theirs["meta"]["tags"] == ["b"]
     assert torch.equal(mine["embed"]["decode"], theirs["embed"]["decode"])
+    assert theirs["embed"]["decode"][:, 0].tolist() == [0, 0, 2, 3]
     assert mine["embed"]["decode_token_end"] == theirs["embed"]["decode_token_end"] == 4
     assert mirror.take_step() == ({}, {})
 
@@ -109,3 +114,34 @@ def test_a_shim_before_1_4_keeps_the_refusal_and_a_lost_session_answers():
     _append(session, 2, 1, "a", answers)
     session.close()
     assert answers[0].code == "session_ended" and session.appends.unacked == 0
+
+
+class MirrorConnection(FakeConnection):
+    """A 1.4 sidecar's connection holding MirrorUpdates that arrived since the last step."""
+
+    def __init__(self, minor: int) -> None:
+        super().__init__()
+        self.welcome = SimpleNamespace(session=7, protocol_minor=minor)
+        self.held = [MirrorUpdate(1, "t", {"meta": {"probe": 1}}), MirrorUpdate(2, "t", {"meta": {"probe": 2}})]
+        self.log: list = []
+
+    def take_mirror_updates(self):
+        held, self.held = self.held, []
+        self.mirror_seq = held[-1].seq if held else self.mirror_seq
+        return [(u.req_id, u.entries) for u in held]
+
+    def announce_step(self, step: int, answer_after_s: float) -> None:
+        self.log.append(("StepStart", step, self.mirror_seq))
+
+
+def test_the_shim_applies_held_updates_before_the_steps_start_and_says_so_in_it():
+    conn = MirrorConnection(minor=4)
+    link = SidecarLink(lambda **kw: None, conn)
+    link.mirror_sink = lambda req_id, entries: conn.log.append(("apply", req_id, entries["meta"]["probe"]))
+    link.begin_step()
+    assert conn.log == [("apply", "t", 1), ("apply", "t", 2), ("StepStart", 0, 2)]
+    old = MirrorConnection(minor=3)  # a 1.3 sidecar sends none; nothing is read ahead of the step
+    link = SidecarLink(lambda **kw: None, old)
+    link.mirror_sink = lambda req_id, entries: old.log.append("apply")
+    link.begin_step()
+    assert old.log == [("StepStart", 0, 0)]

@@ -132,7 +132,7 @@ class SidecarLink:
             self.recovery.note_results(conn.take_results())
             for req_id, entries in conn.take_mirror_updates():
                 self.mirror_sink(req_id, entries)
-        except SidecarError as exc:
+        except (SidecarError, ValueError) as exc:  # ValueError: entries that do not merge (a span gap)
             self.recovery.lose(f"step {self.step}: {exc}")
 
     def abort_step(self) -> None:

@@ -16,6 +16,8 @@ from typing import Any, Iterable
 
 import torch
 
+from omni_arena.spans import merge_category
+
 ResidentKeys = frozenset[tuple[str, str]]
 
 
@@ -57,15 +59,19 @@ class StateMirror:
                 sent[key] = state[key]
 
     def apply_appended(self, req_id: str, entries: dict[str, Any], device: Any = None) -> None:
-        """A client's append the sidecar sent (MirrorUpdate): into the state the hooks read next, not
-        into the step's update (the sidecar holds it already). Resident keys go to `device`."""
+        """A client's append the sidecar sent (MirrorUpdate, its delta): merged as the sidecar merges it
+        (`embed.decode` spans appended, omni_arena/spans.py) into the state the hooks read next, not into
+        the step's update (the sidecar holds it already). Resident keys go to `device`. SpanError: a gap."""
         state = self.states.get(req_id)
         if state is None or req_id in self.unserved:
             return
         for key, value in entries.items():
-            if isinstance(value, dict) and device is not None:
-                value = {q: v.to(device) if isinstance(v, torch.Tensor) and (key, q) in self.resident_keys else v
-                         for q, v in value.items()}
+            if isinstance(value, dict):
+                if device is not None:
+                    value = {q: v.to(device) if isinstance(v, torch.Tensor) and (key, q) in self.resident_keys else v
+                             for q, v in value.items()}
+                slot = state.get(key)
+                value = merge_category(slot if isinstance(slot, dict) else {}, key, value)
             self._merge_into(state, {key: value})
 
     def add_output(self, req_id: str, output: dict[str, Any]) -> None:

@@ -183,8 +183,8 @@ class OmniStateHooks(OmniHooks):
             raise RequestHookError(req_id, f"append refused: {exc}") from None
 
     def stage_mirrored_append(self, req_id: str, payload: bytes, earlier: list[dict[str, Any]]) -> dict[str, Any]:
-        """As `on_payload_appended`, checked against the state plus the staged `earlier`; returns the
-        merged values of the keys it touches (both sides then assign the same values)."""
+        """As `on_payload_appended`, checked against the state plus the staged `earlier`; returns its delta
+        (both sides then merge the same delta into the same state)."""
         if self.state.get(req_id) is None:
             raise RequestHookError(req_id, "the request has no state to append to (its payload failed)")
         try:
@@ -193,7 +193,7 @@ class OmniStateHooks(OmniHooks):
             raise RequestHookError(req_id, f"append refused: {exc}") from None
 
     def commit_mirrored_append(self, req_id: str, entries: dict[str, Any]) -> None:
-        self.state.assign(req_id, entries)
+        self.state.merge(req_id, entries)
 
     def get_outputs(self, req_id: str) -> dict[str, Any] | None:
         chunks = self.log.chunks(req_id)
