@@ -7,7 +7,9 @@ model's own updates with vllm-omni's runner rules (`_update_intermediate_buffer`
 two-level merge, `{cat: {qual: v}}` replaces per qualifier; tensors under the
 model's `gpu_resident_buffer_keys` stay on its device, the others go to the host).
 Every update is also kept, merged the same way, as the step's update for the
-sidecar. Kept across preemption (vLLM re-adds the same id); freed at finish.
+sidecar. Clients' appends arrive as MirrorUpdates and merge at a step start
+(`apply_appended`, not a model update). Kept across preemption (vLLM re-adds the same id);
+freed at finish.
 """
 
 from __future__ import annotations
