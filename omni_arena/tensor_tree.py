@@ -14,6 +14,8 @@ from typing import Any, Callable
 import msgspec
 import torch
 
+from omni_arena.views import tensor_from_bytes, tensor_to_bytes
+from proto.messages import TensorBlob
 from proto.tensors import TENSOR_MARKER, TensorRef
 
 MAX_TREE_DEPTH = 8
@@ -36,18 +38,39 @@ def store_tree(value: Any, put: Callable[[torch.Tensor], TensorRef], depth: int 
     return value
 
 
-def load_tree(value: Any, load: Callable[[TensorRef], torch.Tensor], depth: int = 0) -> Any:
-    """Markers become the tensors `load` makes of their refs (a copy out of the arena)."""
+def load_tree(value: Any, load: Callable[[Any], torch.Tensor], depth: int = 0, ref_type: type = TensorRef) -> Any:
+    """Markers become the tensors `load` makes of their refs (a copy out of the arena; `ref_type`
+    TensorBlob: a tensor sent inline, see `inline_tree`)."""
     if depth > MAX_TREE_DEPTH:
         raise TreeError(f"value nests deeper than {MAX_TREE_DEPTH} levels")
     if isinstance(value, dict):
         if TENSOR_MARKER in value:
             try:
-                ref = msgspec.convert(value[TENSOR_MARKER], TensorRef)
+                ref = msgspec.convert(value[TENSOR_MARKER], ref_type)
             except msgspec.ValidationError as exc:
                 raise TreeError(f"malformed tensor ref: {exc}") from None
             return load(ref)
-        return {k: load_tree(v, load, depth + 1) for k, v in value.items()}
+        return {k: load_tree(v, load, depth + 1, ref_type) for k, v in value.items()}
     if isinstance(value, list):
-        return [load_tree(v, load, depth + 1) for v in value]
+        return [load_tree(v, load, depth + 1, ref_type) for v in value]
     return value
+
+
+def inline_tree(value: Any) -> Any:
+    """Tensors as `{TENSOR_MARKER: TensorBlob}`: bytes in the message itself (MirrorUpdate)."""
+    def blob(tensor: torch.Tensor) -> Any:
+        data, shape, dtype = tensor_to_bytes(tensor)
+        return TensorBlob(shape, dtype, data)
+
+    return store_tree(value, blob)
+
+
+def load_inline_tree(value: Any) -> Any:
+    """`inline_tree`'s inverse for an untrusted message: TreeError on a malformed tensor."""
+    def tensor(blob: TensorBlob) -> torch.Tensor:
+        try:
+            return tensor_from_bytes(blob.data, list(blob.shape), blob.dtype)
+        except (KeyError, ValueError, RuntimeError) as exc:
+            raise TreeError(f"bad inline tensor: {exc}") from None
+
+    return load_tree(value, tensor, ref_type=TensorBlob)

@@ -40,3 +40,26 @@ def arena_tensor(arena: Arena, ref: TensorRef) -> torch.Tensor:
     if ref.nbytes == 0:
         return torch.empty(ref.shape, dtype=dtype)
     return torch.frombuffer(mv, dtype=dtype).view(ref.shape)
+
+
+def tensor_from_bytes(data: bytes, shape: list[int], dtype: str) -> torch.Tensor:
+    """Decode a row-major tensor sent inline (payloads), checking the byte count."""
+    tdtype = torch_dtype(dtype)
+    n = 1
+    for d in shape:
+        n *= d
+    want = n * DTYPE_ITEMSIZE[dtype]
+    if len(data) != want:
+        raise ValueError(f"{len(data)} bytes for shape {list(shape)} of {dtype}; need {want}")
+    if want == 0:
+        return torch.empty(shape, dtype=tdtype)
+    return torch.frombuffer(bytearray(data), dtype=tdtype).view(shape)
+
+
+def tensor_to_bytes(tensor: torch.Tensor) -> tuple[bytes, list[int], str]:
+    """Row-major bytes of any tensor (bf16, bool, 0-d, empty, non-contiguous)."""
+    t = tensor.detach().cpu().contiguous()
+    if t.numel() == 0:
+        return b"", list(t.shape), dtype_name(t.dtype)
+    raw = t.reshape(-1).view(torch.uint8)  # a byte view works for every dtype, numpy or not
+    return raw.numpy().tobytes(), list(t.shape), dtype_name(t.dtype)

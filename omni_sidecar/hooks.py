@@ -162,6 +162,16 @@ class OmniHooks:
         its state as it was. Untrusted bytes: decode with a schema (omni/wire.py), never pickle."""
         raise RequestHookError(req_id, f"hook set {self.name!r} takes no appended payloads")
 
+    def stage_mirrored_append(self, req_id: str, payload: bytes, earlier: list[dict[str, Any]]) -> dict[str, Any]:
+        """An append to a request whose state the shim mirrors (the model's own hooks): check it against
+        the state plus `earlier` (staged, not yet applied), leave the state as it is, and return the
+        entries to apply on both sides (`commit_mirrored_append` once the shim applied them). Raise to
+        refuse it (docs/ARCHITECTURE.md, Streaming payloads)."""
+        raise RequestHookError(req_id, f"hook set {self.name!r} takes no appended payloads")
+
+    def commit_mirrored_append(self, req_id: str, entries: dict[str, Any]) -> None:
+        """The shim applied `entries` (from `stage_mirrored_append`) before a step: now the state's too."""
+
     def on_preempted(self, req_ids: list[str]) -> None:
         """vLLM preempted these; they come back later through `on_new_requests`."""
 

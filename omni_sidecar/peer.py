@@ -15,7 +15,7 @@ from omni_sidecar.listener import Listener
 from omni_sidecar.session import Session
 from proto.codec import Codec
 from proto.errors import ProtoError
-from proto.messages import Message
+from proto.messages import Message, StepBegin, StepEnd, StepStart, SwitchReady
 from proto.shmring import EMPTY
 from proto.transport import RingTransport, route
 
@@ -37,16 +37,26 @@ class ShimPeer:
         self.switch_ready = False  # sent SwitchReady: it waits for its SwitchAck, sending nothing
         # Shims of protocol 1.2 announce every step (StepStart), so "between steps" is known.
         self.announces_steps = session.hello.protocol_minor >= 2
+        session.appends.to_shim = self.send  # MirrorUpdates (1.4), unsolicited
 
-    def note_step(self, begins: bool) -> None:
-        self.in_step = begins
+    def note_step(self, msg: StepStart | StepBegin | StepEnd) -> None:
+        self.in_step = not isinstance(msg, StepEnd)
         self.last_step_at = time.monotonic()
+        if isinstance(msg, StepStart) and self.session.appends.unacked:
+            self.session.appends.mirror_applied(msg.mirror_seq, msg.step)
+
+    def note_switch_ready(self, msg: SwitchReady) -> None:
+        """The shim waits for its SwitchAck; MirrorUpdates it did not apply never reach it."""
+        self.switch_ready = True
+        self.session.appends.mirror_applied(msg.mirror_seq, msg.last_step + 1, final=True)
 
     def idle(self, now: float, quiet_s: float) -> bool:
         """Can go to a successor now: waiting for its SwitchAck, or between steps for `quiet_s`
         (docs/ARCHITECTURE.md, Hot upgrade: the shim re-checks at its next step after that long)."""
         if self.switch_ready:
             return True
+        if self.session.appends.unacked:  # a MirrorUpdate in flight: hand over once the shim applied it
+            return False
         return self.announces_steps and not self.in_step and now - self.last_step_at >= quiet_s
 
     def attach_rings(self) -> None:

@@ -213,7 +213,7 @@ class SidecarServer:
             if peer is None:
                 return self.rejects.refuse("no_session", "send Hello before step messages", ident)
             self._last_step = time.monotonic()
-            peer.note_step(begins=not isinstance(msg, StepEnd))
+            peer.note_step(msg)  # also: MirrorUpdates the shim applied (StepStart)
             if isinstance(msg, StepStart):
                 return Pong(msg.step) if msg.answer else None
             if isinstance(msg, StepBegin):
@@ -309,7 +309,7 @@ class SidecarServer:
         if peer is None or not self.handover.pending:
             return self.rejects.refuse("no_switch", "no takeover in progress for this session", ident)
         log.info("session %d at its step boundary (step %d)", peer.session.id, msg.last_step)
-        peer.switch_ready = True  # its SwitchAck goes out with the hand-over, on this loop's next turn
+        peer.note_switch_ready(msg)  # its SwitchAck goes out with the hand-over, on this loop's next turn
         return None
 
     def _hand_over(self, idents: list[bytes]) -> None:

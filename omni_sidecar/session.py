@@ -101,6 +101,7 @@ class Session:
                          self.errors],
             "seen": dict(self.seen.upto),
             "last_step": self.appends.last_step,  # what AppendReply.after_step counts from
+            "model_hooks": msgspec.to_builtins(self.model_hooks),  # appends to mirrored state go to the shim
         }
 
     def import_(self, doc: dict[str, Any]) -> None:
@@ -113,6 +114,8 @@ class Session:
          self.errors) = doc.get("counters", [0, 0, 0, 0, 0])
         self.seen.upto.update(doc.get("seen", {}))
         self.appends.last_step = doc.get("last_step", -1)
+        if doc.get("model_hooks") is not None:
+            self.model_hooks = msgspec.convert(doc["model_hooks"], ModelHooks)
 
     def resolve(self, req_id: str) -> str | None:
         """The live request a client names (by vLLM's id or by the id the client gave it)."""

@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 import msgspec
 
 Name = Annotated[str, msgspec.Meta(max_length=256)]
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
 MAX_LAYERS = 64  # captured decoder layers per step
 LayerIndex = Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]

@@ -12,6 +12,7 @@ Conversation (see README "Protocol"):
                                               the result before the next step)
   any  -> Ping / StatusQuery / OutputsQuery / Drain   (control, any client)
   any  -> AppendPayload, sidecar -> AppendReply | ErrorReply  (1.3: entries into a running request)
+  sidecar -> MirrorUpdate, unsolicited; acknowledged by StepStart.mirror_seq (1.4: appends to mirrored state)
   any  -> ErrorReply                         (a frame was rejected; the peer keeps serving)
 """
 
@@ -22,14 +23,14 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 
 from proto.capabilities import (ArenaInfo, ArenaKind, Count, CudaIpcInfo, HookNeeds, IpcHandle, LayerIndex, MAX_LAYERS,
-                                ModelHooks, Name)
+                                ModelHooks, Name, Text)
 from proto.tensors import TensorRef
+from proto.upgrade import SwitchAck, SwitchReady, Takeover, TakeoverState
 
 MAX_BATCH = 1 << 16
 MAX_STEP_TOKENS = 1 << 20
 MAX_ID_LEN = 256
 ReqId = Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)]
-Text = Annotated[str, msgspec.Meta(max_length=4096)]
 
 
 # -- handshake ---------------------------------------------------------------
@@ -201,40 +202,6 @@ class StepResult(msgspec.Struct, tag="step_result", frozen=True):
     switch_to: Text = ""
 
 
-# -- hot upgrade ---------------------------------------------------------------
-
-
-class Takeover(msgspec.Struct, tag="takeover", frozen=True):
-    """A new sidecar asks the running one for its state (sent on the old one's socket)."""
-
-    # The hook set taking over and the state layouts it can import (checked before anything switches).
-    hook_set: Name
-    accepts_state: Annotated[list[Name], msgspec.Meta(max_length=32)]
-    new_endpoint: Text
-    sidecar_version: Name
-
-
-class TakeoverState(msgspec.Struct, tag="takeover_state", frozen=True):
-    """The old sidecar's state, for the successor only. `state` is the sidecar's own
-    msgpack document (requests, hook state, finished outputs); tensors inside it are bytes."""
-
-    hook_set: Name
-    state_version: Name
-    token: Name
-    state: bytes
-
-
-class SwitchReady(msgspec.Struct, tag="switch_ready", frozen=True):
-    """The shim, at a step boundary: every step up to `last_step` is sent; hand over now."""
-
-    last_step: int
-
-
-class SwitchAck(msgspec.Struct, tag="switch_ack", frozen=True):
-    endpoint: Text
-    token: Name
-
-
 class StepStart(msgspec.Struct, tag="step_start", frozen=True):
     """The shim (protocol 1.2), first thing in a step: a sidecar hands a session over on its own
     only between steps (docs/ARCHITECTURE.md, Hot upgrade). `answer`: the shim was quiet long
@@ -243,6 +210,8 @@ class StepStart(msgspec.Struct, tag="step_start", frozen=True):
 
     step: Count
     answer: bool = False
+    # 1.4: the last MirrorUpdate the shim applied to its mirror before this step (0: none yet).
+    mirror_seq: Count = 0
 
 
 # -- control -----------------------------------------------------------------
@@ -344,6 +313,16 @@ class AppendReply(msgspec.Struct, tag="append_reply", frozen=True):
     after_step: int
 
 
+class MirrorUpdate(msgspec.Struct, tag="mirror_update", frozen=True):
+    """1.4, sidecar -> shim, unsolicited: an append to a request whose state the shim mirrors; the
+    shim applies it at its next step start and says so in StepStart.mirror_seq. `entries`: the append's
+    delta (decoded; `embed.decode` rows past the span held); tensors as {TENSOR_MARKER: TensorBlob}."""
+
+    seq: Count
+    req_id: ReqId
+    entries: dict[str, Any]
+
+
 class Drain(msgspec.Struct, tag="drain", frozen=True):
     pass
 
@@ -359,7 +338,8 @@ class ErrorReply(msgspec.Struct, tag="error", frozen=True):
     message: Text
 
 
-__all__ = ["ArenaInfo", "ArenaKind", "CudaIpcInfo", "HookNeeds", "IpcHandle", "ModelHooks"]  # re-exported
+__all__ = ["ArenaInfo", "ArenaKind", "CudaIpcInfo", "HookNeeds", "IpcHandle", "ModelHooks",  # re-exported
+           "SwitchAck", "SwitchReady", "Takeover", "TakeoverState"]
 
 Message = Union[
     Hello,
@@ -385,4 +365,5 @@ Message = Union[
     StepStart,
     AppendPayload,
     AppendReply,
+    MirrorUpdate,
 ]

@@ -6,5 +6,6 @@ PROTOCOL_MAJOR = 1
 #      StepPlan.model_states, StepEnd.model_updates/model_outputs); HookNeeds.input_ids, BatchLayout.input_ids;
 #      layer capture (HookNeeds.hidden_layers, StepEnd.hidden_layers)
 # 1.3: AppendPayload / AppendReply (streaming payloads into running requests)
-PROTOCOL_MINOR = 3
+# 1.4: MirrorUpdate, StepStart.mirror_seq, SwitchReady.mirror_seq (appends reach the shim's state mirror)
+PROTOCOL_MINOR = 4
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"

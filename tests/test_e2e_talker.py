@@ -6,7 +6,9 @@ the state and assembles `codes.audio`. Requests of different prompt and text len
 together with chunked prefill (16 tokens per step); their codes must equal a direct
 step-by-step forward of the same weights (tests/support/talker_reference.py). The same
 requests run again while the sidecar is hot-upgraded mid-stream: codes and the sidecar's
-state go on unchanged, and no state is sent to the shim twice.
+state go on unchanged, and no state is sent to the shim twice. Then, on the successor, a client
+appends to a running request: the model's own hooks see it from the step after the reply's
+`after_step` on, never before.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def talker_run(talker_model, tmp_path_factory):
     try:
         res = run_engine(
             {"model": talker_model, "endpoint": endpoint, "requests": REQUESTS, "hooks": HOOKS,
-             "upgrade_after_steps": 6, "sidecar_log": str(work / "sidecar.log"),
+             "upgrade_after_steps": 6, "append_after_steps": 8, "sidecar_log": str(work / "sidecar.log"),
              "llm_kwargs": {"max_model_len": 256, "max_num_batched_tokens": MAX_BATCHED_TOKENS,
                             "max_num_seqs": 8}},
             work, "talker", script=ROOT / "tests" / "support" / "talker_job.py",
@@ -100,7 +102,7 @@ def _check_run(run, reference):
 
 
 def test_talker_codes_equal_the_direct_forward(talker_run, reference):
-    first, _ = talker_run["runs"]
+    first = talker_run["runs"][0]
     _check_run(first, reference)
     (shim,) = talker_run["shim_stats"]
     assert shim["request_errors"] == {}
@@ -111,7 +113,7 @@ def test_talker_codes_equal_the_direct_forward(talker_run, reference):
 
 
 def test_talker_codes_and_state_survive_a_hot_upgrade_mid_stream(talker_run, reference):
-    _, second = talker_run["runs"]
+    second = talker_run["runs"][1]
     upgrade = talker_run["upgrade"]
     assert upgrade["rc"] == 0, upgrade["err"]
     assert upgrade["live_at_takeover"] == len(REQUESTS)  # every request switched mid-stream
@@ -120,3 +122,18 @@ def test_talker_codes_and_state_survive_a_hot_upgrade_mid_stream(talker_run, ref
     _check_run(second, reference)
     # Each request's state went to the shim once: the successor was never asked again.
     assert shim["states_asked"] == 2 * len(REQUESTS)
+
+
+def test_an_append_reaches_the_models_own_hooks_from_the_step_after_its_reply(talker_run, reference):
+    appended = talker_run["append"]
+    assert "error" not in appended, appended.get("error")
+    after = appended["after_step"]
+    assert after >= appended["sent_at_step"]
+    before = [probe for step, probe in appended["seen"] if step <= after]
+    later = [(step, probe) for step, probe in appended["seen"] if step > after]
+    assert before and set(before) == {None}  # no step up to after_step saw it
+    assert later and {probe for _, probe in later} == {7}  # every later step did
+    assert later[0][0] == after + 1  # from the very next step on (one decode row per step)
+    third = talker_run["runs"][2]
+    assert third["digests"][0]["state.probe"] == 7  # the sidecar's state holds it too
+    assert torch.equal(torch.tensor(third["codes"][0]), reference[0]["codes"])  # a probe the model ignores

@@ -35,6 +35,7 @@ class FakeConnection:
         self.ready = ready
         self.ack = ack
         self.switch_ack: SwitchAck | None = None  # kept by the channel when sent unsolicited
+        self.mirror_seq = 0
         self.gone = False
         self.closed = False
         self.hello_sent = False

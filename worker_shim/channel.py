@@ -27,7 +27,7 @@ from zmq.utils.monitor import recv_monitor_message
 from proto.arena import ArenaError
 from proto.codec import Codec, FrameError
 from proto.errors import ProtoError
-from proto.messages import ErrorReply, Hello, Message, Reject, StepResult, SwitchAck, Welcome
+from proto.messages import ErrorReply, Hello, Message, MirrorUpdate, Reject, StepResult, SwitchAck, Welcome
 from proto.shmring import EMPTY, RingDuplex, RingError, ShmRing
 from proto.transport import RingTransport, WaitPolicy, apply_curve_client, reply_problem, route, set_heartbeats, wakes
 from worker_shim.config import RingConfig
@@ -67,6 +67,7 @@ class SidecarChannel:
         self._welcome: Welcome | None = None
         self.acked_step = -1  # highest step whose StepResult arrived
         self.switch_ack: SwitchAck | None = None  # sent unsolicited when the sidecar handed us over idle
+        self.mirror_updates: list[MirrorUpdate] = []  # unsolicited; applied at the next step start
 
     @property
     def kicks_sent(self) -> int:
@@ -144,9 +145,7 @@ class SidecarChannel:
         for ring in offer or ():
             ring.close()
 
-    @property
-    def ring_active(self) -> bool:
-        return self.rings is not None
+    ring_active = property(lambda self: self.rings is not None)
 
     # -- traffic -----------------------------------------------------------------
 
@@ -186,7 +185,7 @@ class SidecarChannel:
         self.send(msg)
         while True:
             reply = self._recv(self.step_timeout_ms / 1000)
-            if isinstance(reply, StepResult):
+            if isinstance(reply, StepResult | MirrorUpdate):
                 self._stash(reply)
                 continue
             if isinstance(reply, SwitchAck) and want is not SwitchAck:
@@ -233,6 +232,8 @@ class SidecarChannel:
             self.acked_step = max(self.acked_step, msg.step)
         elif isinstance(msg, SwitchAck):
             self.switch_ack = msg  # the sidecar handed this idle session over: switch at the next step
+        elif isinstance(msg, MirrorUpdate):
+            self.mirror_updates.append(msg)
         elif isinstance(msg, ErrorReply):
             if self.switch_ack is not None:
                 return  # the sidecar let this session go: what we sent since was not for it

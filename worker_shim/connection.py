@@ -19,6 +19,7 @@ from proto.messages import (
     ArenaInfo, ArenaKind, Hello, HookNeeds, Message, Pong, StepBegin, StepEnd, StepPlan, StepResult, StepStart,
     SwitchAck, Welcome,
 )
+from omni_arena.tensor_tree import TreeError, load_inline_tree
 from proto.tensors import TensorRef
 from worker_shim.channel import SidecarChannel, SidecarError
 from worker_shim.config import RingConfig
@@ -56,6 +57,7 @@ class SidecarConnection:
         self.peer_req_ids: list[str] | None = None
         self.last_sent_at = self.started  # taken before each send: never later than the sidecar read it
         self.step_open = False  # a StepStart went out, its StepEnd not yet: the sidecar counts us as stepping
+        self.mirror_seq = 0  # the last MirrorUpdate applied (told in StepStart / SwitchReady)
 
     # -- handshake ------------------------------------------------------------------
 
@@ -139,10 +141,24 @@ class SidecarConnection:
         quiet_since = self.last_sent_at
         self.step_open = True
         if time.monotonic() - quiet_since < answer_after_s:
-            self.send(StepStart(step=step))
+            self.send(StepStart(step=step, mirror_seq=self.mirror_seq))
             if time.monotonic() - quiet_since < answer_after_s:
                 return  # written while the sidecar still counted this session as stepping
-        self.call(StepStart(step=step, answer=True), Pong)
+        self.call(StepStart(step=step, answer=True, mirror_seq=self.mirror_seq), Pong)
+
+    def take_mirror_updates(self) -> list[tuple[str, dict[str, Any]]]:
+        """(req_id, entries) of the MirrorUpdates received so far (read with `take_results`), in order,
+        now counted as applied: the caller applies them before this step's StepStart
+        (docs/ARCHITECTURE.md, Streaming payloads)."""
+        updates, self._channel.mirror_updates = self._channel.mirror_updates, []
+        out = []
+        for update in updates:
+            try:
+                out.append((update.req_id, load_inline_tree(update.entries)))
+            except TreeError as exc:
+                raise SidecarError(f"bad MirrorUpdate {update.seq}: {exc}") from None
+            self.mirror_seq = update.seq
+        return out
 
     def step_plan(self, msg: StepBegin) -> StepPlan:
         return self.call(msg, StepPlan)

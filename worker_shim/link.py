@@ -74,6 +74,7 @@ class SidecarLink:
         self._step_exchange_us = 0.0
         self._last_post_us = 0.0  # reported on the next StepEnd (measured after sending)
         self.layer_capture: LayerCapture | None = None  # set by the runner at load (hidden_layers)
+        self.mirror_sink: Callable[[str, dict[str, Any]], None] | None = None  # the bridge's, set at load
 
     @property
     def conn(self) -> Any:
@@ -118,7 +119,23 @@ class SidecarLink:
     def begin_step(self) -> None:
         self._in_step = True
         self._layout_sent = False
+        self._apply_mirror_updates()
         self.recovery.at_step_start(self.step)
+
+    def _apply_mirror_updates(self) -> None:
+        """Appends to mirrored state the sidecar sent since (MirrorUpdate, protocol 1.4): into the
+        mirror before this step's hooks run; this step's StepStart (or a SwitchReady) says so. A
+        non-blocking read; not the model's updates (docs/ARCHITECTURE.md, Streaming payloads)."""
+        conn = self.conn
+        welcome = getattr(conn, "welcome", None)
+        if welcome is None or self.mirror_sink is None or welcome.protocol_minor < 4:
+            return
+        try:
+            self.recovery.note_results(conn.take_results())
+            for req_id, entries in conn.take_mirror_updates():
+                self.mirror_sink(req_id, entries)
+        except (SidecarError, ValueError) as exc:  # ValueError: entries that do not merge (a span gap)
+            self.recovery.lose(f"step {self.step}: {exc}")
 
     def abort_step(self) -> None:
         """Upstream raised inside execute_model: no StepEnd for this step."""

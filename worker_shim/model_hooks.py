@@ -128,6 +128,7 @@ class ModelBridge:
         self.prompt_lens: dict[str, int] = {}
         self.forward_extras: dict[str, Any] | None = None  # the last forward's, until after_forward
         self.host_us = 0.0  # this step's host time in the hooks so far (the runner reads and resets it)
+        self.device = next((p.device for p in model.parameters()), None) if hasattr(model, "parameters") else None
         self._wrap_forward()
 
     @property
@@ -159,6 +160,10 @@ class ModelBridge:
         self.mirror.free(finished)
         for req_id in finished:
             self.prompt_lens.pop(req_id, None)
+
+    def apply_appended(self, req_id: str, entries: dict[str, Any]) -> None:
+        """A streamed payload for a mirrored request (docs/ARCHITECTURE.md, Streaming payloads)."""
+        self.mirror.apply_appended(req_id, entries, self.device)
 
     def missing_states(self, req_ids: list[str]) -> list[str]:
         return self.mirror.missing(req_ids)

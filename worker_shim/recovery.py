@@ -160,7 +160,8 @@ class Recovery:
         self._switch_to = ""
         t0 = time.perf_counter()
         try:
-            ack: SwitchAck = old.switch_ack or old.call(SwitchReady(last_step=old.last_sent_step), SwitchAck)
+            ack: SwitchAck = old.switch_ack or old.call(SwitchReady(last_step=old.last_sent_step, mirror_seq=old.mirror_seq),
+                                                     SwitchAck)
             for result in old.take_results():
                 self.failures.record(result.errors)
             new = self._resume(ack, timeout_s=max(MIN_SWITCH_CONNECT_S, old.step_timeout_s))

@@ -112,6 +112,8 @@ class SidecarRunnerMixin:
         self.model_state.omni_runner = self
         self.omni_bridge = attach_bridge(self.model, self.omni_tp, link.embeds_setting,
                                          ShimConfig.from_vllm(self.vllm_config).subtalker_sampling)
+        if self.omni_bridge is not None:
+            link.mirror_sink = self.omni_bridge.apply_appended
         if self.omni_bridge is not None and not use_embeds:  # hooks set on the instance only
             mark_compiled_graph(self.vllm_config)
             use_embeds = True

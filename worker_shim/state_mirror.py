@@ -7,7 +7,9 @@ model's own updates with vllm-omni's runner rules (`_update_intermediate_buffer`
 two-level merge, `{cat: {qual: v}}` replaces per qualifier; tensors under the
 model's `gpu_resident_buffer_keys` stay on its device, the others go to the host).
 Every update is also kept, merged the same way, as the step's update for the
-sidecar. Kept across preemption (vLLM re-adds the same id); freed at finish.
+sidecar. Clients' appends arrive as MirrorUpdates and merge at a step start
+(`apply_appended`, not a model update). Kept across preemption (vLLM re-adds the same id);
+freed at finish.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
+
+from omni_arena.spans import merge_category
 
 ResidentKeys = frozenset[tuple[str, str]]
 
@@ -55,6 +59,22 @@ class StateMirror:
                 sent.setdefault(key, {}).update({q: held[q] for q in value})
             else:
                 sent[key] = state[key]
+
+    def apply_appended(self, req_id: str, entries: dict[str, Any], device: Any = None) -> None:
+        """A client's append the sidecar sent (MirrorUpdate, its delta): merged as the sidecar merges it
+        (`embed.decode` spans appended, omni_arena/spans.py) into the state the hooks read next, not into
+        the step's update (the sidecar holds it already). Resident keys go to `device`. SpanError: a gap."""
+        state = self.states.get(req_id)
+        if state is None or req_id in self.unserved:
+            return
+        for key, value in entries.items():
+            if isinstance(value, dict):
+                if device is not None:
+                    value = {q: v.to(device) if isinstance(v, torch.Tensor) and (key, q) in self.resident_keys else v
+                             for q, v in value.items()}
+                slot = state.get(key)
+                value = merge_category(slot if isinstance(slot, dict) else {}, key, value)
+            self._merge_into(state, {key: value})
 
     def add_output(self, req_id: str, output: dict[str, Any]) -> None:
         """Per-request outputs of this step (MTP codes, model-returned tensors), two-level."""

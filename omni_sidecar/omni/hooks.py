@@ -182,6 +182,19 @@ class OmniStateHooks(OmniHooks):
         except (PayloadError, StateError) as exc:
             raise RequestHookError(req_id, f"append refused: {exc}") from None
 
+    def stage_mirrored_append(self, req_id: str, payload: bytes, earlier: list[dict[str, Any]]) -> dict[str, Any]:
+        """As `on_payload_appended`, checked against the state plus the staged `earlier`; returns its delta
+        (both sides then merge the same delta into the same state)."""
+        if self.state.get(req_id) is None:
+            raise RequestHookError(req_id, "the request has no state to append to (its payload failed)")
+        try:
+            return self.state.trial_merge(req_id, earlier, decode_additional_information(payload))
+        except (PayloadError, StateError) as exc:
+            raise RequestHookError(req_id, f"append refused: {exc}") from None
+
+    def commit_mirrored_append(self, req_id: str, entries: dict[str, Any]) -> None:
+        self.state.merge(req_id, entries)
+
     def get_outputs(self, req_id: str) -> dict[str, Any] | None:
         chunks = self.log.chunks(req_id)
         return accumulate(chunks) if chunks is not None else None

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
+from omni_arena.spans import SPAN_KEYS, SpanError, has_span, merge_category, span_delta
 from omni_sidecar.errors import OmniSidecarError
 
 KEEP_ON_REPLACE = ("num_processed_tokens", "resumable")
-_SPAN_KEYS = ("decode", "decode_token_start", "decode_token_end")
 
 
 class StateError(OmniSidecarError, ValueError):
@@ -40,28 +40,6 @@ def _nbytes(value: Any) -> int:
     if isinstance(value, (list, tuple)):
         return sum(_nbytes(v) for v in value)
     return 0
-
-
-def merge_decode_span(current: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    """Span-merge `embed.decode` rows [start, end) of `update` into `current`."""
-    new = update["decode"]
-    start = int(update["decode_token_start"])
-    end = int(update.get("decode_token_end", start + new.shape[0]))
-    if end - start != new.shape[0]:
-        raise StateError(f"embed.decode has {new.shape[0]} rows but its span is [{start}, {end})")
-    old = current.get("decode")
-    if old is None:
-        return {"decode": new, "decode_token_start": start, "decode_token_end": end}
-    old_start, old_end = int(current["decode_token_start"]), int(current["decode_token_end"])
-    if start > old_end:
-        raise StateError(
-            f"embed.decode span [{start}, {end}) leaves a gap after [{old_start}, {old_end})"
-        )
-    if end <= old_end:
-        return {}  # already covered
-    fresh = new[old_end - start :] if start < old_end else new
-    merged = torch.cat([old, fresh.to(old.device, old.dtype)], dim=0)
-    return {"decode": merged, "decode_token_start": old_start, "decode_token_end": end}
 
 
 class IntermediateBuffer:
@@ -129,6 +107,27 @@ class IntermediateBuffer:
                 state[key] = value
             raise
 
+    def trial_merge(self, req_id: str, earlier: list[dict[str, Any]], update: dict[str, Any]) -> dict[str, Any]:
+        """`update` checked (its rules, the cap) on a copy of the state with the `earlier` deltas
+        merged; the state is untouched. Returns its delta (the `embed.decode` rows past the span
+        there is), which both sides of the mirror then `merge`."""
+        state = self._states.get(req_id)
+        if state is None:
+            raise StateError("the request has no state")
+        trial = {k: dict(v) if isinstance(v, dict) else v for k, v in state.items()}
+        for entries in earlier:
+            self._merge(trial, entries, False)
+        delta = dict(update or {})
+        embed = delta.get("embed")
+        if has_span("embed", embed):
+            try:
+                span = span_delta(trial.get("embed", {}), embed)
+            except SpanError as exc:
+                raise StateError(str(exc)) from None
+            delta["embed"] = {**{k: v for k, v in embed.items() if k not in SPAN_KEYS}, **span}
+        self._merge(trial, delta, False)
+        return delta
+
     def _merge(self, state: dict[str, Any], update: dict[str, Any], replace: bool) -> None:
         if replace:
             meta = state.get("meta", {})
@@ -141,9 +140,10 @@ class IntermediateBuffer:
                 slot = state.setdefault(category, {})
                 if not isinstance(slot, dict):
                     slot = state[category] = {}
-                if category == "embed" and "decode" in value and "decode_token_start" in value:
-                    others = {k: v for k, v in value.items() if k not in _SPAN_KEYS}
-                    value = {**others, **merge_decode_span(slot, value)}
+                try:
+                    value = merge_category(slot, category, value)
+                except SpanError as exc:
+                    raise StateError(str(exc)) from None
                 for qualifier, v in value.items():
                     slot[qualifier] = self._place(category, qualifier, v)
             else:

@@ -1,8 +1,8 @@
 """omni-talker plus a digest of its own state per step, so a test can see the sidecar's state.
 
 After each step's model results are merged, every request that got results emits
-`state.text_pos` (the text row its next decode step reads) and `state.codes` (the last
-codes row held in state); assembled, the latest step's values win. Both come from the
+`state.text_pos` (the text row its next decode step reads), `state.codes` (the last
+codes row held in state) and `state.probe` once a client appended `meta.probe`; assembled, the latest step's values win. Both come from the
 sidecar's state, which a hot upgrade hands to the successor.
 """
 
@@ -26,4 +26,6 @@ class StateDigestTalkerHooks(TalkerHooks):
             digest = {"state.text_pos": torch.tensor(int(state.get("meta", {}).get("text_pos", -1)))}
             if isinstance(codes, torch.Tensor):
                 digest["state.codes"] = codes.reshape(-1)
+            if "probe" in state.get("meta", {}):  # appended mid-stream (test_e2e_talker)
+                digest["state.probe"] = torch.tensor(int(state["meta"]["probe"]))
             self.log.add(req_id, digest)

@@ -1,9 +1,11 @@
 """The tiny talker on real vLLM V2 + the shim + an omni-talker sidecar, twice in one engine.
 
 Run 1: the requests as they are. Run 2: the same requests again, stepped by hand, with a
-hot upgrade of the sidecar a few steps in (while every request is live). Writes each run's codes
-(`codes.audio` from the sidecar), the sidecar state digests, the shim's counters and the
-upgrade's outcome to one JSON result.
+hot upgrade of the sidecar a few steps in (while every request is live). Run 3 (on the
+successor): one request, stepped by hand; a client appends `meta.probe` mid-stream and the
+model's own hook records, per decode row, the shim's step and the probe its state held. Writes
+each run's codes (`codes.audio` from the sidecar), the sidecar state digests, the shim's
+counters, the upgrade's outcome and the append's to one JSON result.
 Usage: python talker_job.py job.json result.json
 """
 
@@ -58,8 +60,10 @@ def main(job_path: str, result_path: str) -> None:
         runs = [collect(llm.generate(prompts, params, use_tqdm=False), time.monotonic())]
         result["upgrade"] = upgrade = {}
         runs.append(collect(_generate_across_upgrade(llm, prompts, params, job, upgrade), time.monotonic()))
-        result["runs"] = runs
         result["shim_stats"] = llm.collective_rpc("omni_sidecar_stats")
+        result["append"] = appended = {}
+        runs.append(collect(_append_mid_stream(llm, prompts[0], params[0], job, appended), time.monotonic()))
+        result["runs"] = runs
         with SidecarClient(endpoint) as client:
             result["sidecar_status"] = msgspec.to_builtins(client.status())
         result["ok"] = True
@@ -107,6 +111,50 @@ def _generate_across_upgrade(llm, prompts, params, job: dict, upgrade: dict) -> 
         _, err = proc.communicate(timeout=120)
         upgrade.update(rc=proc.returncode, err=err[-2000:])
     return [done[f"up{i}"] for i in range(len(prompts))]
+
+
+def _append_mid_stream(llm, prompt, param, job: dict, appended: dict) -> list:
+    """One request stepped by hand; after `append_after_steps` steps a client thread appends
+    `meta.probe` (its reply comes once the shim applied it, while the engine keeps stepping)."""
+    import threading
+
+    import tiny_talker
+    from omni_sidecar.client import SidecarClient
+    from worker_shim.link import SidecarLink
+
+    step_now = [-1]
+    seen = appended["seen"] = []  # [shim step, probe] per decode row the model's own hook read
+    begin_step, next_text_step = SidecarLink.begin_step, tiny_talker.TalkerHeads.next_text_step
+
+    def begin(link):
+        step_now[0] = link.step
+        begin_step(link)
+
+    def text_step(heads, info):
+        seen.append([step_now[0], info.get("meta", {}).get("probe")])
+        return next_text_step(heads, info)
+
+    def send():
+        try:
+            with SidecarClient(job["endpoint"]) as client:
+                appended["after_step"] = client.append("ap", {"meta": {"probe": 7}})
+        except Exception as exc:  # the test reads it
+            appended["error"] = repr(exc)
+
+    SidecarLink.begin_step, tiny_talker.TalkerHeads.next_text_step = begin, text_step
+    engine, thread, steps, done = llm.llm_engine, threading.Thread(target=send), 0, []
+    try:
+        engine.add_request("ap", prompt, param)
+        while engine.has_unfinished_requests():
+            done += [out for out in engine.step() if out.finished]
+            steps += 1
+            if steps == job["append_after_steps"]:
+                appended["sent_at_step"] = step_now[0]
+                thread.start()
+        thread.join(timeout=60)
+    finally:
+        SidecarLink.begin_step, tiny_talker.TalkerHeads.next_text_step = begin_step, next_text_step
+    return done
 
 
 if __name__ == "__main__":
