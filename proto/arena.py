@@ -63,7 +63,7 @@ class ShmArena:
     def create(cls, size: int, prefix: str = "omni-sidecar") -> "ShmArena":
         if size <= 0:
             raise ArenaError(f"arena size must be positive, got {size}")
-        name = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
+        name = f"{prefix}-n{PID_NAMESPACE}-{os.getpid()}-{secrets.token_hex(6)}"
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -124,14 +124,26 @@ class ShmArena:
             pass
 
 
-_STALE_RE = re.compile(r"^omni-[A-Za-z0-9.-]*?-(\d+)-[0-9a-f]{12}$")
+def _pid_namespace() -> int:
+    """This process's PID namespace (its inode), 0 if unknown."""
+    try:
+        return int(os.readlink("/proc/self/ns/pid").split("[")[1].rstrip("]"))
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+# A pid means something only inside its PID namespace: containers that share /dev/shm (one IPC
+# namespace) but not their PIDs, e.g. vLLM and the sidecar in deploy/docker-compose*.yml, would
+# each take the other's live creators for dead. Names carry both; only our namespace's are swept.
+PID_NAMESPACE = _pid_namespace()
+_STALE_RE = re.compile(r"^omni-[A-Za-z0-9.-]*?-n(\d+)-(\d+)-[0-9a-f]{12}$")
 
 
 def sweep_stale(shm_dir: str = SHM_DIR) -> list[str]:
     """Remove our arenas whose creator died before the peer mapped them.
 
-    Names carry the creator's pid; the peer unlinks a name once mapped, so what
-    is left with a dead creator is garbage (e.g. a reconnect attempt pending
+    Names carry the creator's PID namespace and pid; the peer unlinks a name once mapped, so what
+    is left with a dead creator of our namespace is garbage (e.g. a reconnect attempt pending
     when vLLM exited). Only files of our own uid are touched.
     """
     removed = []
@@ -141,13 +153,13 @@ def sweep_stale(shm_dir: str = SHM_DIR) -> list[str]:
         return removed
     for name in names:
         m = _STALE_RE.match(name)
-        if m is None:
+        if m is None or int(m.group(1)) != PID_NAMESPACE:
             continue
         path = os.path.join(shm_dir, name)
         try:
             if os.stat(path).st_uid != os.getuid():
                 continue
-            os.kill(int(m.group(1)), 0)
+            os.kill(int(m.group(2)), 0)
         except ProcessLookupError:
             _unlink_quietly(path)
             removed.append(name)

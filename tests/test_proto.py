@@ -110,12 +110,26 @@ def test_slot_ring_round_robin():
 
 
 def test_sweep_removes_only_arenas_of_dead_creators(tmp_path):
-    from proto.arena import sweep_stale
+    from proto.arena import PID_NAMESPACE, sweep_stale
 
-    live = tmp_path / f"omni-shim-r0-{os.getpid()}-0123456789ab"
-    dead = tmp_path / "omni-shim-r0-999999-0123456789ab"
+    ns = PID_NAMESPACE
+    live = tmp_path / f"omni-shim-r0-n{ns}-{os.getpid()}-0123456789ab"
+    dead = tmp_path / f"omni-shim-r0-n{ns}-999999-0123456789ab"
+    # Another PID namespace (a container sharing /dev/shm): its pid 999999 may be alive there.
+    elsewhere = tmp_path / f"omni-shim-r0-n{ns + 1}-999999-0123456789ab"
     other = tmp_path / "psm_0123"
-    for p in (live, dead, other):
+    for p in (live, dead, elsewhere, other):
         p.write_bytes(b"x")
     assert sweep_stale(str(tmp_path)) == [dead.name]
-    assert live.exists() and other.exists() and not dead.exists()
+    assert live.exists() and elsewhere.exists() and other.exists() and not dead.exists()
+
+
+def test_arena_names_carry_the_pid_namespace():
+    from proto.arena import PID_NAMESPACE, ShmArena
+
+    arena = ShmArena.create(4096, prefix="omni-test-ns")
+    try:
+        assert arena.name.startswith(f"omni-test-ns-n{PID_NAMESPACE}-{os.getpid()}-")
+        assert PID_NAMESPACE == os.stat("/proc/self/ns/pid").st_ino
+    finally:
+        arena.close()
