@@ -159,7 +159,7 @@ class OmniHooks:
         """A client appended `payload` (vllm-omni's additional_information, msgpack bytes) to the running
         request `req_id`; called between two steps, in arrival order (docs/ARCHITECTURE.md, Streaming
         payloads). Raise to refuse it: the error goes to that client only, the request runs on, so leave
-        its state as it was. Untrusted bytes: decode with a schema (omni/wire.py), never pickle."""
+        its state as it was. Untrusted bytes: decode them only with a msgspec schema (omni/wire.py)."""
         raise RequestHookError(req_id, f"hook set {self.name!r} takes no appended payloads")
 
     def stage_mirrored_append(self, req_id: str, payload: bytes, earlier: list[dict[str, Any]]) -> dict[str, Any]:
