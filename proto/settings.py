@@ -32,6 +32,9 @@ HEARTBEAT_TIMEOUT_MS: Final = 3000
 
 # Error texts that cross the wire are cut to this many characters.
 ERROR_TEXT_MAX: Final = 4000
+# Per-step timings the shim keeps for its stats (exchange, StepEnd, model hooks): the latest this
+# many; a server running for days must not grow a list per step.
+TIMINGS_KEPT: Final = 10_000
 RING_KIB: Final = 1024  # each direction's ring, per connection
 
 # Hot upgrade of a session between steps (docs/ARCHITECTURE.md, Hot upgrade): the sidecar hands

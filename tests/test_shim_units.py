@@ -172,3 +172,15 @@ def test_hook_errors_in_results_reach_the_stats():
     stats = link.stats()
     assert stats["connected"] and stats["steps"] == 1 and stats["new_requests"] == 1
     assert stats["request_errors"] == {"r": "hook raised"}
+
+
+def test_per_step_timings_stay_bounded_and_keep_the_latest():
+    from proto.settings import TIMINGS_KEPT
+    from worker_shim.link import record_timing
+
+    samples: list[float] = []
+    for i in range(5 * TIMINGS_KEPT):
+        record_timing(samples, float(i))
+        assert len(samples) <= 2 * TIMINGS_KEPT
+    assert samples[-1] == 5 * TIMINGS_KEPT - 1 and len(samples) >= TIMINGS_KEPT
+    assert samples == [float(i) for i in range(5 * TIMINGS_KEPT - len(samples), 5 * TIMINGS_KEPT)]

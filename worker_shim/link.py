@@ -22,7 +22,7 @@ import torch
 
 from omni_arena.tensor_tree import store_tree
 from proto.messages import HookNeeds, RequestError, StepBegin, StepEnd
-from proto.settings import ERROR_TEXT_MAX
+from proto.settings import ERROR_TEXT_MAX, TIMINGS_KEPT
 from worker_shim.batch import PayloadTracker, batch_layout, new_request, payload_of
 from worker_shim.channel import SidecarError
 from worker_shim.compat import client_request_id, prompt_len_of
@@ -35,6 +35,13 @@ from worker_shim.session import FailureReports, SessionRequests
 
 log = logging.getLogger("vllm.omni_sidecar.shim.link")
 ModelResults = tuple[dict[str, Any], dict[str, Any]]  # per request: state updates, outputs
+
+
+def record_timing(samples: list[float], value: float) -> None:
+    """Append a per-step timing, keeping the latest TIMINGS_KEPT (trimmed in chunks: O(1) a step)."""
+    samples.append(value)
+    if len(samples) > 2 * TIMINGS_KEPT:
+        del samples[:-TIMINGS_KEPT]
 
 
 @dataclass
@@ -174,7 +181,7 @@ class SidecarLink:
             self.recovery.lose(f"step {self.step}: {exc}")
             return {}
         self._step_exchange_us = (time.perf_counter() - t0) * 1e6
-        self.counters.exchange_us.append(self._step_exchange_us)
+        record_timing(self.counters.exchange_us, self._step_exchange_us)
         return extra
 
     def end_step(self, state: Any, model_results: ModelResults | None = None) -> None:
@@ -206,7 +213,7 @@ class SidecarLink:
         self.step += 1
         if batch is not None:
             self._last_post_us = (time.perf_counter() - t0) * 1e6
-            self.counters.post_us.append(self._last_post_us)
+            record_timing(self.counters.post_us, self._last_post_us)
 
     def _send_step_end(self, conn: Any, batch: Any, state: Any, num_tokens: int,
                        model_results: ModelResults | None) -> None:

@@ -31,7 +31,7 @@ from worker_shim.embeds import LAYERS_GRAPH_KEY, EmbedsBuffer, embeds_width, mar
 from worker_shim.config import ShimConfig
 from worker_shim.embeds import wanted as embeds_wanted
 from worker_shim.layers import LayerCapture
-from worker_shim.link import SidecarLink
+from worker_shim.link import SidecarLink, record_timing
 from worker_shim.model_hooks import ModelBridge, attach_bridge, model_class_has_hooks
 from worker_shim.tp import TensorParallelFollower, TensorParallelSync
 from worker_shim.transfer import model_device
@@ -80,7 +80,7 @@ class SidecarRunnerMixin:
             results = bridge.take_step()
             counters = getattr(self.omni_link, "counters", None)
             if counters is not None:
-                counters.model_hook_us.append(bridge.host_us + (time.perf_counter() - t0) * 1e6)
+                record_timing(counters.model_hook_us, bridge.host_us + (time.perf_counter() - t0) * 1e6)
             bridge.host_us = 0.0
         self.omni_link.end_step(state, results)
         return out
