@@ -103,22 +103,20 @@ class TalkerHeads(nn.Module):
             rows = torch.cat([rows, pad.expand(missing, -1)])
         return self.project_text(rows)
 
-    def trailing_text_update(self, info: dict[str, Any]) -> dict[str, Any]:
-        """The thinker rows past the prompt, projected once (first prefill chunk) for the decode steps."""
-        if "trailing_text" in info.get("hidden_states", {}):
-            return {}
-        tail = info["hidden_states"]["output"][int(info["_omni_prompt_len"]) :]
-        return {"hidden_states": {"trailing_text": self.project_text(tail)}, "meta": {"text_pos": 0}}
+    def start_text_steps(self, info: dict[str, Any]) -> dict[str, Any]:
+        """The decode steps read thinker rows from the first one past the prompt (set once)."""
+        return {} if "text_pos" in info.get("meta", {}) else {"meta": {"text_pos": 0}}
 
     def next_text_step(self, info: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
-        """This decode step's text row [1, H] (the projected tts_pad once the thinker rows run out)."""
+        """This decode step's text row [1, H]: thinker row `text_pos` past the prompt, projected.
+
+        The rows come in the payload (`hidden_states.output` past the prompt) or streamed in while
+        the request runs (`embed.decode`, span-indexed from the first row past the prompt, as
+        vllm-omni's streamed decode rows are); past them, the projected `tts_pad`. A row is
+        projected alone either way, so a streamed run and one given every row up front compute
+        the same. A streaming driver steps a request only once its next row is there."""
         pos = int(info["meta"]["text_pos"])
-        tail = info["hidden_states"]["trailing_text"]
-        if pos < int(tail.shape[0]):
-            step = tail[pos : pos + 1].to(self.text_fc1.weight.device)
-        else:
-            step = self.project_text(info["embed"]["tts_pad"].reshape(1, -1))
-        return step, {"meta": {"text_pos": pos + 1}}
+        return self.project_text(_thinker_row(info, pos)), {"meta": {"text_pos": pos + 1}}
 
     def predict_codes(
         self, code0: torch.Tensor, code0_embeds: torch.Tensor, last_hidden: torch.Tensor, text_step: torch.Tensor
@@ -138,6 +136,20 @@ class TalkerHeads(nn.Module):
     def codec_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary; only codebook 0 and EOS can win."""
         return self.codec_head(hidden).masked_fill(self._never_sampled, float("-inf"))
+
+
+def _thinker_row(info: dict[str, Any], pos: int) -> torch.Tensor:
+    """Thinker row `pos` past the prompt [1, H_thinker] (see `TalkerHeads.next_text_step`)."""
+    output = info["hidden_states"]["output"]
+    index = int(info["_omni_prompt_len"]) + pos
+    if index < int(output.shape[0]):
+        return output[index : index + 1]
+    streamed = info.get("embed", {})
+    if streamed.get("decode") is not None:
+        start, end = int(streamed["decode_token_start"]), int(streamed["decode_token_end"])
+        if start <= pos < end:
+            return streamed["decode"][pos - start : pos - start + 1]
+    return info["embed"]["tts_pad"].reshape(1, -1)
 
 
 def _is_prefill(info: dict[str, Any]) -> bool:
@@ -169,7 +181,7 @@ class TalkerHooks:
     talker_mtp_output_key = ("codes", "audio")
     # talker_mtp has no host sync and no data-dependent control flow: a CUDA graph may capture it
     talker_mtp_graph_safe = True
-    gpu_resident_buffer_keys = {("codes", "audio"), ("hidden_states", "last"), ("hidden_states", "trailing_text")}
+    gpu_resident_buffer_keys = {("codes", "audio"), ("hidden_states", "last")}
 
     def preprocess(
         self, input_ids: torch.Tensor, input_embeds: torch.Tensor | None, **info: Any
@@ -179,7 +191,7 @@ class TalkerHooks:
         if _is_prefill(info):
             start = int(info["_omni_num_computed_tokens"])
             embeds = code_embeds + self.heads.prompt_text_rows(info, start, span)
-            return input_ids, embeds, self.heads.trailing_text_update(info)
+            return input_ids, embeds, self.heads.start_text_steps(info)
         if span > 1:
             return input_ids, code_embeds, {}
         text_step, update = self.heads.next_text_step(info)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import zmq
 
@@ -84,6 +84,13 @@ def _decode(tensors: dict, values: dict) -> dict[str, Any]:
     for name, b in tensors.items():
         out[name] = tensor_from_bytes(b.data, b.shape, b.dtype)
     return out
+
+
+class StreamPoll(NamedTuple):
+    chunks: list[dict[str, Any]]  # per-step outputs past the cursor asked with, in step order
+    cursor: int  # ask with this next time
+    found: bool  # the sidecar knows the request (not yet admitted: False)
+    finished: bool  # no more chunks will come
 
 
 class SidecarClient:
@@ -176,20 +183,27 @@ class SidecarClient:
             raise AppendRefused(req_id, reply.code, reply.message)
         return reply.after_step  # type: ignore[union-attr]
 
+    def poll(self, req_id: str, cursor: int = 0) -> StreamPoll:
+        """One look at a request's per-step outputs past `cursor` (no waiting): for a client that
+        follows several requests at once. Raises RequestFailed if the hooks reported an error."""
+        reply: OutputsReply = self._call(OutputsQuery(req_id, since=cursor), OutputsReply)  # type: ignore[assignment]
+        if reply.error:
+            raise RequestFailed(req_id, reply.error)
+        return StreamPoll([_decode(c.tensors, c.values) for c in reply.chunks], reply.cursor,
+                          reply.found, reply.found and reply.finished)
+
     def stream(
         self, req_id: str, poll_s: float = 0.02, timeout_s: float = 600.0
     ) -> Iterator[dict[str, Any]]:
-        """Yield the request's per-step outputs as they are produced, until it finishes."""
+        """Yield the request's per-step outputs as they are produced, until it finishes
+        (a request not known yet is waited for)."""
         cursor, deadline, seen = 0, time.monotonic() + timeout_s, False
         while time.monotonic() < deadline:
-            reply: OutputsReply = self._call(OutputsQuery(req_id, since=cursor), OutputsReply)  # type: ignore[assignment]
-            if reply.error:
-                raise RequestFailed(req_id, reply.error)
-            seen = seen or reply.found
-            for chunk in reply.chunks:
-                yield _decode(chunk.tensors, chunk.values)
-            cursor = reply.cursor
-            if seen and (reply.finished or not reply.found):
+            got = self.poll(req_id, cursor)
+            seen = seen or got.found
+            yield from got.chunks
+            cursor = got.cursor
+            if seen and (got.finished or not got.found):
                 return
             time.sleep(poll_s)
         raise TimeoutError(f"request {req_id} did not finish within {timeout_s}s")

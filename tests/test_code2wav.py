@@ -157,3 +157,52 @@ def test_bad_payloads_and_outputs_fail_only_their_request(decoder):
     assert set(err.value.errors) == {"ok"} and "1-dim" in err.value.errors["ok"]
     with pytest.raises(ValueError):
         Code2WavHooks(chunk_frames="0")
+
+
+def append(hooks: Code2WavHooks, req_id: str, info: dict) -> None:
+    import msgspec
+
+    hooks.on_payload_appended(req_id, msgspec.msgpack.encode(encode_additional_information(info)))
+
+
+def test_streamed_codes_wait_for_their_chunk_and_end_equal_to_codes_given_up_front(decoder, caplog):
+    """Frames arrive while the request runs (appends replace codes.audio): a step whose next chunk
+    is incomplete decodes nothing, the chunk goes to a later step, a step seen again gets the same
+    chunk, and the final flag releases the short last chunk; the waveform equals the up-front one."""
+    c = codes(10, 7)
+    hooks = Code2WavHooks(chunk_frames="4", left_context="8")
+    hooks.on_new_requests([request("s", {"codes": {"audio": c[:0]}, "meta": {"codec_streaming": True}})])
+    arrived = {0: 3, 1: 4, 3: 9, 5: 10}  # frames there before step t (and 8 after step 2)
+    decoded = []
+    for step in range(8):
+        if step in arrived:
+            append(hooks, "s", {"codes": {"audio": c[: arrived[step]]}})
+        if step == 5:
+            append(hooks, "s", {"meta": {"codec_final": True}})
+        info = run_step(hooks, decoder, step, layout([("s", step, 1)]))[0]
+        decoded.append(info["meta"]["left_context_size"] if info else None)
+        if step == 2:  # the same step again (a replay) gets what it got, though chunk 1 is there now
+            append(hooks, "s", {"codes": {"audio": c[:8]}})
+            assert run_step(hooks, decoder, step, layout([("s", step, 1)]))[0] == {}
+    # step 0: 3 frames < chunk 0's 4 -> nothing; 1: chunk 0; 2: 4 frames, chunk 1 needs 8 -> nothing;
+    # 3: chunk 1 (9 frames); 4: chunk 2 needs 12, not final -> nothing; 5: final -> chunk 2 (frames 8..10)
+    assert decoded == [None, 0, None, 4, None, 8, None, None]
+    torch.testing.assert_close(hooks.get_outputs("s")["waveform"].reshape(-1), whole(decoder, c), atol=1e-5, rtol=0)
+    with pytest.raises(HookErrors, match="integer"):
+        append(hooks, "s", {"codes": {"audio": torch.zeros(12, Q)}})
+    with caplog.at_level("WARNING", logger="omni_sidecar.code2wav"):
+        hooks.on_finished(["s"])
+    assert not caplog.records  # every chunk decoded
+
+
+def test_a_step_seen_again_gets_the_chunk_it_got_and_a_short_clock_is_reported(decoder, caplog):
+    c = codes(8, 8)
+    hooks = Code2WavHooks(chunk_frames="4", left_context="0")
+    hooks.on_new_requests([request("w", {"codes": {"audio": c[:4]}, "meta": {"codec_streaming": True}})])
+    first = hooks.build_extra_kwargs(StepBatch(0, layout([("w", 0, 1)])))["runtime_additional_information"][0]
+    again = hooks.build_extra_kwargs(StepBatch(0, layout([("w", 0, 1)])))["runtime_additional_information"][0]
+    assert torch.equal(first["codes"]["audio"], again["codes"]["audio"])
+    append(hooks, "w", {"codes": {"audio": c}})
+    with caplog.at_level("WARNING", logger="omni_sidecar.code2wav"):
+        hooks.on_finished(["w"])  # its clock ended before chunk 1 was decoded
+    assert "1 of its chunks undecoded" in caplog.text

@@ -102,8 +102,8 @@ def test_decode_batch_preprocess_equals_the_per_request_path(reference):
         info = talker_request(prompt_len, text_len, seed)["info"]
         info = {**info, "_omni_prompt_len": prompt_len, "_omni_num_computed_tokens": 0, "_omni_is_prefill": True}
         _, _, update = reference.preprocess(torch.full((prompt_len,), 66), None, **info)
-        state = {**info, "hidden_states": {**info["hidden_states"], **update["hidden_states"],
-                                           "last": torch.randn(1, hidden)}}
+        assert update == {"meta": {"text_pos": 0}}
+        state = {**info, "hidden_states": {**info["hidden_states"], "last": torch.randn(1, hidden)}}
         # text_pos inside and past the thinker rows
         state["meta"] = {"text_pos": i % 3 if i % 2 else text_len + 1}
         state.update({"_omni_num_computed_tokens": prompt_len + 4, "_omni_is_prefill": False})

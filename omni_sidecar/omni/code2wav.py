@@ -14,25 +14,39 @@ sampled token is read. This hook set does the rest, with no weights:
   `codes.audio` [frames, Q] (the talker's assembled codes), optionally
   `meta.codec_chunk_frames` / `meta.codec_left_context_frames` for this request;
 - before each forward (one blocking exchange per step with a code2wav request), each
-  request's next chunk: chunk k is decoded on the step whose last row is the request's
-  position `prompt_len - 1 + k` (so a request that vLLM recomputes after preemption
-  gets the chunk of the position it reaches, never one twice), frames
-  [start - ctx, end) with ctx = min(left context, start);
+  request's next chunk, frames [start - ctx, end) with ctx = min(left context, start).
+  Step t of a request is the one whose last row is its position `prompt_len - 1 + t`;
+  the chunk a step got is kept in the request's state with t, so a step seen again
+  (recompute after preemption reaches a later position, never an earlier one) is never
+  given a chunk twice;
+- streamed codes (`meta.codec_streaming: true`, vllm-omni's async chunk): the talker's
+  frames arrive while the request runs, as appends that replace `codes.audio` with the
+  frames so far, and `meta.codec_final: true` once no more will come. A chunk is
+  decoded once all its frames are there (or the codes are final); a step that finds
+  the next chunk incomplete decodes nothing for that request, and the chunk goes to a
+  later step. Such a request's clock (`max_tokens`) therefore needs room for the steps
+  that waited: a driver that steps the stage only when each request's next chunk is
+  there needs none; a request whose clock ends with chunks undecoded is reported in
+  the log with how many;
 - after it, the waveform chunks the model returned are kept per request as
   `waveform` [samples, 1] (concatenated across steps; streamed per step) and `sr`.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
-from omni_sidecar.hooks import HookErrors, RequestInfo, StepBatch
+from omni_sidecar.hooks import HookErrors, RequestHookError, RequestInfo, StepBatch
 from omni_sidecar.omni.hooks import OmniStateHooks
 from proto.messages import HookNeeds
 from proto.settings import CODE2WAV_CHUNK_FRAMES, CODE2WAV_LEFT_CONTEXT_FRAMES
 
+log = logging.getLogger("omni_sidecar.code2wav")
+# Per-request bookkeeping in the state's meta (handed over with it in a hot upgrade).
+STEP_SEEN, STEP_CHUNK, NEXT_CHUNK = "codec_step_seen", "codec_step_chunk", "codec_next_chunk"
 WAVEFORM = "waveform"  # assembled output: [samples, 1] float32
 MODEL_WAVEFORM = "model_outputs"  # vllm-omni's code2wav output key: one 1-dim waveform per request
 
@@ -49,6 +63,12 @@ def chunk_span(k: int, frames: int, chunk_frames: int, left_context: int) -> tup
     if k < 0 or start >= frames:
         return None
     return start - min(left_context, start), start, min(frames, start + chunk_frames)
+
+
+def chunk_ready(codes: torch.Tensor, k: int, chunk_frames: int, final: bool) -> bool:
+    """Chunk k can be decoded: all its frames are there, or the codes are final and it has some."""
+    frames = int(codes.shape[0])
+    return k * chunk_frames < frames and (final or (k + 1) * chunk_frames <= frames)
 
 
 def chunk_input(codes: torch.Tensor, k: int, chunk_frames: int, left_context: int) -> dict[str, Any] | None:
@@ -111,12 +131,52 @@ class Code2WavHooks(OmniStateHooks):
             info = None
             if state is not None:
                 start, end = batch.rows(i)
-                last_position = lay.num_computed_tokens[i] + end - start - 1
-                k = last_position - (int(state["meta"]["prompt_len"]) - 1)
+                step = lay.num_computed_tokens[i] + end - start - int(state["meta"]["prompt_len"])
                 codes, chunk, left = self.plan(state)
-                info = chunk_input(codes, k, chunk, left)
+                k = self._chunk_of_step(req_id, state, step, codes, chunk)
+                info = chunk_input(codes, k, chunk, left) if k is not None else None
             infos.append(info or {})
         return {"runtime_additional_information": infos}
+
+    def _chunk_of_step(self, req_id: str, state: dict[str, Any], step: int, codes: torch.Tensor,
+                       chunk: int) -> int | None:
+        """The chunk step `step` decodes (None: none), decided once per step and kept in the state."""
+        meta = state["meta"]
+        if step == meta.get(STEP_SEEN, -1):
+            return meta.get(STEP_CHUNK)
+        k = int(meta.get(NEXT_CHUNK, 0))
+        final = not meta.get("codec_streaming", False) or bool(meta.get("codec_final", False))
+        decided = k if chunk_ready(codes, k, chunk, final) else None
+        self.state.merge(req_id, {"meta": {STEP_SEEN: step, STEP_CHUNK: decided,
+                                           NEXT_CHUNK: k + (decided is not None)}})
+        return decided
+
+    def stage_mirrored_append(self, req_id: str, payload: bytes, earlier: list[dict[str, Any]]) -> dict[str, Any]:
+        """Streamed codes are checked as a payload's are: a bad append is refused to its client,
+        never handed to the model."""
+        delta = super().stage_mirrored_append(req_id, payload, earlier)
+        state = self.state.get(req_id) or {}
+        merged = {"codes": {**state.get("codes", {}), **delta.get("codes", {})},
+                  "meta": {**state.get("meta", {}), **delta.get("meta", {})}}
+        problem = _check(merged, self)
+        if problem:
+            raise RequestHookError(req_id, f"append refused: {problem}")
+        return delta
+
+    def on_payload_appended(self, req_id: str, payload: bytes) -> None:
+        self.commit_mirrored_append(req_id, self.stage_mirrored_append(req_id, payload, []))
+
+    def on_finished(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            state = self.state.get(req_id)
+            if state is not None and req_id not in self.preempted and _check(state, self) is None:
+                codes, chunk, _ = self.plan(state)
+                left = num_chunks(int(codes.shape[0]), chunk) - int(state["meta"].get(NEXT_CHUNK, 0))
+                if left > 0:
+                    log.warning("code2wav request %s finished with %d of its chunks undecoded: its clock "
+                                "(max_tokens) ran out while its codes were still coming; give it more",
+                                req_id, left)
+        super().on_finished(req_ids)
 
     def on_model_results(self, updates: dict[str, dict[str, Any]], outputs: dict[str, dict[str, Any]]) -> None:
         errors: dict[str, str] = {}
@@ -141,7 +201,8 @@ class Code2WavHooks(OmniStateHooks):
 
 def _check(state: dict[str, Any], hooks: Code2WavHooks) -> str | None:
     codes = state.get("codes", {}).get("audio") if isinstance(state.get("codes"), dict) else None
-    if not isinstance(codes, torch.Tensor) or codes.dim() != 2 or codes.shape[0] == 0:
+    streaming = bool(state.get("meta", {}).get("codec_streaming", False))
+    if not isinstance(codes, torch.Tensor) or codes.dim() != 2 or (codes.shape[0] == 0 and not streaming):
         return f"code2wav: the payload needs codes.audio [frames, codebooks], got {_describe(codes)}"
     if codes.dtype.is_floating_point or codes.dtype == torch.bool:
         return f"code2wav: codes.audio must hold integer codes, got {codes.dtype}"
