@@ -1,166 +1,212 @@
-"""`make demo`: a thinker -> talker pipeline on real vLLM V2 engines with omni sidecars.
+"""`make demo`: a three-stage speech pipeline on upstream vLLM V2 with omni sidecars.
 
-Stage 1 (thinker, tiny Llama A) runs with `omni-sidecar serve --hooks omni-thinker`:
-the sidecar assembles each request's last-layer hidden states. A client fetches
-them and hands them to stage 2 as a vllm-omni `additional_information` payload.
-Stage 2 (talker: tiny_talker.py, a Qwen3-TTS-shaped model carrying vllm-omni's
-own hooks) runs with `--hooks omni-talker`: the shim calls the talker's
-preprocess / talker_mtp / postprocess in the vLLM process, its sidecar decodes
-the payload into the state those hooks read, keeps it, and assembles the code
-predictor's `codes.audio` [decode steps, codebooks], streamed to the client step
-by step. Both models are random-weight and built on first use with a fixed seed,
-so the "text" and codes are noise; the plumbing is real.
+thinker (tiny Qwen2-VL, text + an image, M-RoPE; `--hooks omni-thinker`) -> talker (tiny
+Qwen3-TTS-shaped talker carrying vllm-omni's model hooks, code predictor; `--hooks
+omni-talker`) -> code2wav (tiny codec decoder, generation only; `--hooks omni-code2wav`).
+The three stages run at once, each in its own process with its own engine and sidecar, and
+stream into each other through the sidecars (examples/pipeline/__init__.py says how).
+Prints each request's time to first audio and each stage's step latency, and writes a WAV
+per request. All weights are random with a fixed seed, built on first use: the words and
+the audio are noise; the plumbing is real.
+
+Options: --by-hand then runs the talker and code2wav stages again one after the other (each
+takes the previous stage's whole output) and checks the codes and audio equal the streamed run's; --out DIR keeps
+the WAVs and logs there; --requests N; --cuda runs on a GPU with CUDA graphs.
 """
 
 from __future__ import annotations
 
-import gc
+import argparse
+import json
 import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-for key, value in {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-                   "VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
-    os.environ.setdefault(key, value)
 
-from omni_sidecar.client import SidecarClient, SidecarUnavailable, wait_ready  # noqa: E402
-from omni_sidecar.omni.wire import encode_additional_information  # noqa: E402
-from tiny_models import build_tiny_llama  # noqa: E402
-from tiny_talker import CODEC_BOS_ID, CODEC_PAD_ID, TALKER_CONFIG, build_tiny_talker, register  # noqa: E402
+from examples.pipeline import STAGES  # noqa: E402
 
-PROMPTS = [
-    "the quick brown fox",
-    "a sidecar hosts the omni hooks",
-    "every step they exchange small messages",
-    "thinker talker code to wave",
-]
-ENGINE = dict(dtype="float32", max_model_len=512, max_num_batched_tokens=64,
-              kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0,
-              enable_prefix_caching=False, worker_cls="worker_shim.Worker")
+PROMPTS = ["the quick brown fox", "a sidecar hosts the omni hooks", "every step they exchange small messages",
+           "thinker talker code to wave"]
+SIZES = {"thinker_max_tokens": 10, "talker_max_tokens": 17, "chunk_frames": 4, "left_context": 8,
+         "batched_tokens": 16}
+STAGE_TIMEOUT_S = 900
 
 
-def start_sidecar(endpoint: str, hooks: str, log_path: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", endpoint, "--hooks", hooks],
-        stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-    )
+def build_models(cache: Path) -> dict[str, str]:
+    from tests.support.vl_model import ARCH
+    from tiny_code2wav import build_tiny_code2wav
+    from tiny_talker import build_tiny_talker
+    from tiny_vl import build_tiny_vl
+
+    return {"thinker": str(build_tiny_vl(cache / "tiny-vl-thinker", architecture=ARCH)),
+            "talker": str(build_tiny_talker(cache / "tiny-qwen3-tts-talker", seed=1)),
+            "code2wav": str(build_tiny_code2wav(cache / "tiny-code2wav"))}
+
+
+class Sidecars:
+    """One `omni-sidecar serve` per stage, stopped (and waited for) on exit."""
+
+    def __init__(self, run_dir: Path, chunk_frames: int, left_context: int) -> None:
+        from omni_sidecar.client import SidecarUnavailable, wait_ready
+
+        sockets = run_dir / "sockets"  # the sidecars accept only a directory no one else can enter
+        sockets.mkdir(mode=0o700, exist_ok=True)
+        sockets.chmod(0o700)
+        self.endpoints = {s: f"ipc://{sockets}/{s}.sock" for s in STAGES}
+        options = {"code2wav": [f"chunk_frames={chunk_frames}", f"left_context={left_context}"]}
+        self.procs = []
+        for stage in STAGES:
+            cmd = [sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", self.endpoints[stage],
+                   "--hooks", f"omni-{stage}"]
+            for option in options.get(stage, []):
+                cmd += ["--hook-option", option]
+            log = open(run_dir / f"{stage}-sidecar.log", "w")
+            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+        for stage, proc in zip(STAGES, self.procs):
+            try:
+                wait_ready(self.endpoints[stage], 90, proc)
+            except SidecarUnavailable as exc:
+                self.close()
+                raise SystemExit(f"the {stage} sidecar did not start: {exc} (see {run_dir}/{stage}-sidecar.log)")
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def run_stages(config: dict, stages: tuple[str, ...]) -> dict[str, dict]:
+    """Start `stages` (each its own process), start them together once every engine is up, and
+    return their results."""
+    run_dir = Path(config["run_dir"])
+    (run_dir / "go").unlink(missing_ok=True)
+    config_path = run_dir / f"config.{config['mode']}.json"
+    config_path.write_text(json.dumps(config))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    procs = {}
+    for stage in stages:
+        (run_dir / f"{stage}.ready").unlink(missing_ok=True)
+        log = open(run_dir / f"{stage}.{config['mode']}.log", "w")
+        procs[stage] = subprocess.Popen([sys.executable, "-m", "examples.pipeline.stage", stage, str(config_path)],
+                                        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     try:
-        wait_ready(endpoint, 90, proc)
-    except SidecarUnavailable as exc:
-        raise SystemExit(f"sidecar failed to start: {exc}\n{log_path.read_text()}") from None
-    return proc
+        deadline = time.monotonic() + STAGE_TIMEOUT_S
+        while not all((run_dir / f"{s}.ready").exists() for s in stages):
+            for stage, proc in procs.items():
+                if proc.poll() is not None and not (run_dir / f"{stage}.ready").exists():
+                    raise SystemExit(f"the {stage} stage exited while starting (see {run_dir}/{stage}.{config['mode']}.log)")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the stages did not start within {STAGE_TIMEOUT_S}s (logs in {run_dir})")
+            time.sleep(0.05)
+        (run_dir / "go").write_text(repr(time.time()))
+        for stage, proc in procs.items():
+            proc.wait(max(1.0, deadline - time.monotonic()))
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    results = {}
+    for stage in stages:
+        path = run_dir / f"{stage}.{config['mode']}.json"
+        result = json.loads(path.read_text()) if path.exists() else {"error": "no result"}
+        if "error" in result:
+            raise SystemExit(f"the {stage} stage failed: {result['error']} (see {run_dir}/{stage}.{config['mode']}.log)")
+        results[stage] = result
+    return results
 
 
-def make_llm(model: Path, endpoint: str, **kwargs):
-    from vllm import LLM
-
-    t0 = time.monotonic()
-    register()  # the talker's vLLM class (harmless for the thinker)
-    llm = LLM(model=str(model), additional_config={"omni_sidecar": {"endpoint": endpoint}}, **ENGINE, **kwargs)
-    print(f"   vLLM V2 + shim ready in {time.monotonic() - t0:.1f}s (sidecar at {endpoint})")
-    return llm
+BY_HAND = "-by-hand"  # request id suffix: the sidecars keep the streamed run's outputs under the plain ids
 
 
-def close_llm(llm) -> None:
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+def by_hand(config: dict) -> dict[str, dict]:
+    """The talker and code2wav stages again, one after the other: the talker takes each thinker
+    request's whole output (the streamed run's thinker, finished), the code2wav each talker
+    request's whole codes once the talker has finished them all. Results under the plain ids."""
+    requests = [{**r, "id": r["id"] + BY_HAND, "thinker_id": r["id"]} for r in config["requests"]]
+    results = run_stages({**config, "mode": "by-hand", "requests": requests}, ("talker", "code2wav"))
+    for result in results.values():
+        for key in ("codes", "audio", "first_audio_s", "added_s", "finished_s", "appends", "whole_at_add"):
+            if key in result:
+                result[key] = {k.removesuffix(BY_HAND): v for k, v in result[key].items()}
+    return results
 
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
+
+def report(config: dict, results: dict[str, dict]) -> None:
+    audio = results["code2wav"]
+    print(f"== {len(config['requests'])} requests through thinker -> talker -> code2wav, streaming "
+          f"({audio['wall_s']:.2f} s from start to the last audio)")
+    for req in config["requests"]:
+        rid = req["id"]
+        thinker = results["thinker"]["requests"][rid]
+        wave = audio["audio"][rid]
+        seconds = len(wave["waveform"]) / wave["sr"] if wave["sr"] else 0.0
+        print(f"   [{rid}] image + {req['text']!r}: thinker {thinker['prompt_len']} prompt rows -> "
+              f"{len(thinker['token_ids'])} tokens; talker {len(results['talker']['codes'][rid])} codec frames; "
+              f"{rid}.stream.wav {seconds:.2f} s @ {wave['sr']} Hz; time to first audio "
+              f"{audio['first_audio_s'][rid] * 1e3:.0f} ms")
+    print("   per-stage step latency (engine step wall time; shim: StepEnd cost, blocking round trips):")
+    for stage in STAGES:
+        steps, shim = results[stage]["steps"], results[stage]["shim"]
+        print(f"     {stage:9s} {steps['steps']:3d} steps, p50 {steps['p50_ms']:.1f} ms, p90 {steps['p90_ms']:.1f} ms; "
+              f"StepEnd p50 {shim.get('post_us_p50', 0):.0f} us, {shim.get('blocking_exchanges', 0)} blocking "
+              f"(p50 {shim.get('exchange_us_p50', 0):.0f} us)")
 
 
-def print_latency(llm, endpoint: str) -> None:
-    (shim,) = llm.collective_rpc("omni_sidecar_stats")
-    with SidecarClient(endpoint) as client:
-        (session,) = client.status().sessions
-    print(f"   per-step hook latency: sidecar p50 {session.step_latency_us_p50:.0f} us / "
-          f"p99 {session.step_latency_us_p99:.0f} us; shim StepEnd p50 {shim['post_us_p50']:.0f} us / "
-          f"p99 {shim['post_us_p99']:.0f} us; blocking round trips {shim['blocking_exchanges']} "
-          f"(p50 {shim['exchange_us_p50']:.0f} us) over {shim['steps']} steps")
-    print(f"   sidecar saw {session.steps} steps, {session.new_requests} requests, "
-          f"{session.scheduled_tokens} tokens (shim sent {shim['steps']} / {shim['new_requests']} / "
-          f"{shim['scheduled_tokens']})")
+def compare(streamed: dict[str, dict], hand: dict[str, dict], atol: float = 1e-5) -> float:
+    """Worst waveform difference streamed vs by hand; raises if codes or audio differ."""
+    worst = 0.0
+    for rid, wave in streamed["code2wav"]["audio"].items():
+        if streamed["talker"]["codes"][rid] != hand["talker"]["codes"][rid]:
+            raise SystemExit(f"[{rid}] the talker's codes differ between the streamed run and the one by hand")
+        a, b = wave["waveform"], hand["code2wav"]["audio"][rid]["waveform"]
+        if len(a) != len(b):
+            raise SystemExit(f"[{rid}] {len(a)} samples streamed, {len(b)} by hand")
+        worst = max([worst] + [abs(x - y) for x, y in zip(a, b)])
+    if worst > atol:
+        raise SystemExit(f"the streamed audio differs from the audio by hand by up to {worst:.3g} (> {atol})")
+    return worst
 
 
 def main() -> None:
-    from vllm import SamplingParams
-
-    thinker = build_tiny_llama(ROOT / ".cache" / "tiny-thinker", seed=0)
-    talker = build_tiny_talker(ROOT / ".cache" / "tiny-qwen3-tts-talker", seed=1)
-    run_dir = Path(tempfile.mkdtemp(prefix="omni-demo-"))
-    ep1, ep2 = f"ipc://{run_dir}/thinker.sock", f"ipc://{run_dir}/talker.sock"
-    sidecars = [start_sidecar(ep1, "omni-thinker", run_dir / "thinker.log"),
-                start_sidecar(ep2, "omni-talker", run_dir / "talker.log")]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=3, help="requests (1-4)")
+    parser.add_argument("--by-hand", action="store_true", help="also run the stages one after another and compare")
+    parser.add_argument("--out", type=Path, help="keep WAVs, results and logs here (default: a temporary directory)")
+    parser.add_argument("--cuda", action="store_true", help="run on the GPU with CUDA graphs")
+    args = parser.parse_args()
+    run_dir = args.out or Path(tempfile.mkdtemp(prefix="omni-demo-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = run_dir.resolve()
+    requests = [{"id": f"r{i}", "text": PROMPTS[i % len(PROMPTS)], "image_seed": i} for i in range(args.requests)]
+    print(f"== building the tiny models (cached under .cache/) and starting three sidecars; run in {run_dir}")
+    models = build_models(ROOT / ".cache")
+    sidecars = Sidecars(run_dir, SIZES["chunk_frames"], SIZES["left_context"])
     try:
-        print("== stage 1: thinker (hooks: omni-thinker)")
-        llm = make_llm(thinker, ep1)
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
-                            use_tqdm=False)
-        stage2_inputs = []
-        with SidecarClient(ep1) as client:
-            for o in outs:
-                got = client.outputs(o.request_id)
-                hs = got["hidden_states"]
-                print(f"   [{o.request_id}] {o.prompt!r} -> {o.outputs[0].text!r}")
-                print(f"       token ids {list(o.outputs[0].token_ids)}")
-                print(f"       thinker hidden states {list(hs.shape)} ({len(o.prompt_token_ids)} prompt + "
-                      f"{hs.shape[0] - len(o.prompt_token_ids)} generated rows), processed_trace "
-                      f"{got['processed_trace'][:, 1].tolist()}")
-                stage2_inputs.append((o.request_id, hs))
-        print_latency(llm, ep1)
-        close_llm(llm)
-
-        print("== stage 2: talker (hooks: omni-talker; the model's own hooks run in the shim), "
-              "fed the thinker hidden states")
-        llm = make_llm(talker, ep2, skip_tokenizer_init=True)  # codes, not text: no tokenizer
-        width = TALKER_CONFIG["thinker_hidden_size"]
-        prompts, params = [], []
-        for (rid, hs), o in zip(stage2_inputs, outs):
-            # The thinker's rows as vllm-omni hands them over (`hidden_states.output`); the tiny
-            # thinker is wider than the tiny talker reads, so it gets the first `width` columns.
-            text = hs[:, :width].contiguous()
-            info = encode_additional_information({"hidden_states": {"output": text},
-                                                  "embed": {"tts_pad": text.mean(dim=0, keepdim=True)}})
-            prompt_len = len(o.prompt_token_ids)  # one codec row per thinker prompt row
-            prompts.append({"prompt_token_ids": [CODEC_BOS_ID] + [CODEC_PAD_ID] * (prompt_len - 1)})
-            params.append(SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, detokenize=False,
-                                         extra_args={"omni_sidecar": {"additional_information": info}}))
-        streamed: list[tuple[float, int]] = []
-
-        def follow(req_id: str) -> None:
-            with SidecarClient(ep2) as client:
-                for chunk in client.stream(req_id, timeout_s=120):
-                    streamed.append((time.monotonic(), int(chunk["codes.audio"].shape[0])))
-
-        follower = threading.Thread(target=follow, args=("0",), daemon=True)
-        follower.start()
-        t0 = time.monotonic()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        follower.join(30)
-        with SidecarClient(ep2) as client:
-            for o in outs:
-                codes = client.outputs(o.request_id)["codes.audio"]
-                print(f"   [{o.request_id}] codes.audio {list(codes.shape)} (decode steps x codebooks); "
-                      f"first rows {codes[:3].tolist()}")
-        print(f"   streamed request 0 in {len(streamed)} chunks, "
-              f"{sum(n for _, n in streamed)} code rows, first after "
-              f"{(streamed[0][0] - t0) * 1e3:.0f} ms" if streamed else "   (no chunks streamed)")
-        print_latency(llm, ep2)
-        close_llm(llm)
-        print("== done: two stages, two sidecars, upstream vLLM V2 unmodified")
+        config = {"run_dir": str(run_dir), "mode": "stream", "models": models, "endpoints": sidecars.endpoints,
+                  "requests": requests, "cuda": args.cuda, **SIZES}
+        print("== starting the three stages (one vLLM V2 engine + shim each), then streaming")
+        streamed = run_stages(config, STAGES)
+        report(config, streamed)
+        if args.by_hand:
+            hand = by_hand(config)
+            worst = compare(streamed, hand)
+            print(f"== by hand (each stage given the previous one's whole output): same codes, audio equal "
+                  f"(max |diff| {worst:.2g})")
+        (run_dir / "demo.json").write_text(json.dumps({"stream": streamed, **({"by_hand": hand} if args.by_hand else {})}))
     finally:
-        for proc in sidecars:
-            proc.terminate()
-            proc.wait(10)
-    sys.stdout.flush()
-    os._exit(0)
+        sidecars.close()
+    print(f"== done: WAVs in {run_dir}")
 
 
 if __name__ == "__main__":

@@ -86,6 +86,16 @@ def _decode(tensors: dict, values: dict) -> dict[str, Any]:
     return out
 
 
+def _append_bytes(payload: bytes | dict[str, Any]) -> bytes:
+    if isinstance(payload, bytes):
+        return payload
+    import msgspec
+
+    from omni_sidecar.omni.wire import encode_additional_information
+
+    return msgspec.msgpack.encode(encode_additional_information(payload))
+
+
 class StreamPoll(NamedTuple):
     chunks: list[dict[str, Any]]  # per-step outputs past the cursor asked with, in step order
     cursor: int  # ask with this next time
@@ -172,13 +182,7 @@ class SidecarClient:
         additional_information as msgpack bytes, or a nested dict (`{"embed": {"decode": t,
         "decode_token_start": 0}}`) encoded here. Applied between two steps; returns the last step
         that did not see it. Raises AppendRefused (unknown or finished request, refused entries)."""
-        if not isinstance(payload, bytes):
-            import msgspec
-
-            from omni_sidecar.omni.wire import encode_additional_information
-
-            payload = msgspec.msgpack.encode(encode_additional_information(payload))
-        reply = self._call(AppendPayload(req_id, payload), (AppendReply, ErrorReply))
+        reply = self._call(AppendPayload(req_id, _append_bytes(payload)), (AppendReply, ErrorReply))
         if isinstance(reply, ErrorReply):
             raise AppendRefused(req_id, reply.code, reply.message)
         return reply.after_step  # type: ignore[union-attr]
@@ -210,3 +214,48 @@ class SidecarClient:
 
     def drain(self) -> int:
         return self._call(Drain(), Drained).sessions_left  # type: ignore[union-attr]
+
+
+class AppendStream:
+    """Appends sent without waiting for their answers, for a driver that steps its engine itself.
+
+    An append to a model that reads its state in the vLLM process (its own hooks: the shim's
+    mirror) is answered only once a step has applied it, so a driver that waits for the answer
+    before stepping waits for ever. Here `send` returns at once; the worker tells when the
+    append is in (`llm.collective_rpc("omni_sidecar_mirror_waiting")`); `answers` collects
+    the sidecar's answers in sending order. Use this client for appends only."""
+
+    def __init__(self, endpoint: str | None = None, timeout_s: float = 5.0) -> None:
+        self._client = SidecarClient(endpoint, timeout_s)
+        self.in_flight: list[str] = []  # request ids of the appends not answered yet, in order
+
+    def send(self, req_id: str, payload: bytes | dict[str, Any]) -> None:
+        self._client._sock.send(self._client.codec.encode(AppendPayload(req_id, _append_bytes(payload))))
+        self.in_flight.append(req_id)
+
+    def answers(self, wait_s: float = 0.0) -> list[tuple[str, int]]:
+        """(request id, the last step that did not see it) of the appends answered so far (waiting up
+        to `wait_s` for each missing one); raises AppendRefused for one that was refused."""
+        done: list[tuple[str, int]] = []
+        sock = self._client._sock
+        while self.in_flight and sock.poll(int(wait_s * 1000)):
+            try:
+                reply = self._client.codec.decode(sock.recv())
+            except FrameError as exc:
+                raise SidecarUnavailable(f"the sidecar at {self._client.endpoint} sent a bad reply: {exc}") from None
+            req_id = self.in_flight.pop(0)
+            if isinstance(reply, ErrorReply):
+                raise AppendRefused(req_id, reply.code, reply.message)
+            if not isinstance(reply, AppendReply):
+                raise SidecarUnavailable(f"the sidecar answered an append with {type(reply).__name__}")
+            done.append((req_id, reply.after_step))
+        return done
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> "AppendStream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

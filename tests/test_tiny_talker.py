@@ -166,3 +166,24 @@ def test_plain_vllm_loads_and_generates_what_the_direct_forward_does(talker_dir,
         want_tokens, want_logprobs = reference.plain_greedy(prompt, 12)
         assert tokens == want_tokens
         assert logprobs == pytest.approx(want_logprobs, abs=1e-5)  # seen: 2e-6
+
+
+def test_thinker_rows_streamed_as_embed_decode_read_as_rows_given_up_front(reference):
+    """A decode step reads thinker row `text_pos` past the prompt: from `hidden_states.output` when
+    the payload had it, from the streamed `embed.decode` span otherwise; tts_pad past both."""
+    prompt_len, text_len = 4, 5  # thinker rows: the prompt's, then text_len generated ones
+    info = talker_request(prompt_len, prompt_len + text_len, 7)["info"]
+    rows = info["hidden_states"]["output"]
+    up_front = {**info, "_omni_prompt_len": prompt_len}
+    streamed = {**info, "_omni_prompt_len": prompt_len,
+                "hidden_states": {"output": rows[:prompt_len]},
+                "embed": {**info["embed"], "decode": rows[prompt_len:], "decode_token_start": 0,
+                          "decode_token_end": text_len}}
+    pad = reference.heads.project_text(info["embed"]["tts_pad"].reshape(1, -1))
+    with torch.inference_mode():
+        for pos in range(text_len + 2):
+            a, update = reference.heads.next_text_step({**up_front, "meta": {"text_pos": pos}})
+            b, _ = reference.heads.next_text_step({**streamed, "meta": {"text_pos": pos}})
+            assert update == {"meta": {"text_pos": pos + 1}}
+            assert torch.equal(a, b), pos
+            assert torch.equal(a, pad) == (pos >= text_len), pos

@@ -146,6 +146,11 @@ class SidecarConnection:
                 return  # written while the sidecar still counted this session as stepping
         self.call(StepStart(step=step, answer=True, mirror_seq=self.mirror_seq), Pong)
 
+    @property
+    def mirror_updates_waiting(self) -> int:
+        """MirrorUpdates received (read with `take_results`) and not yet taken."""
+        return len(self._channel.mirror_updates)
+
     def take_mirror_updates(self) -> list[tuple[str, dict[str, Any]]]:
         """(req_id, entries) of the MirrorUpdates received so far (read with `take_results`), in order,
         now counted as applied: the caller applies them before this step's StepStart

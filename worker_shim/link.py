@@ -144,6 +144,19 @@ class SidecarLink:
         except (SidecarError, ValueError) as exc:  # ValueError: entries that do not merge (a span gap)
             self.recovery.lose(f"step {self.step}: {exc}")
 
+    def mirror_updates_waiting(self) -> int:
+        """Between steps: read what the sidecar sent (no waiting); the MirrorUpdates the next step
+        start will apply."""
+        conn = self.conn
+        if self._in_step or getattr(conn, "welcome", None) is None or self.mirror_sink is None:
+            return 0
+        try:
+            self.recovery.note_results(conn.take_results())
+        except SidecarError as exc:
+            self.recovery.lose(f"between steps: {exc}")
+            return 0
+        return conn.mirror_updates_waiting
+
     def abort_step(self) -> None:
         """Upstream raised inside execute_model: no StepEnd for this step."""
         self._in_step = False

@@ -143,6 +143,9 @@ class TensorParallelFollower:
     def note_sampled(self, output: Any) -> None:
         pass  # finishes are rank 0's to tell
 
+    def mirror_updates_waiting(self) -> int:
+        return 0  # rank 0's link receives them
+
     def stats(self) -> dict[str, Any]:
         return {"role": "tp-follower", "steps": self.steps, "connected": False,
                 "hook_set": self.hook_set, "request_errors": {}}

@@ -174,6 +174,14 @@ class ShimWorkerMixin:
             stats[f"{key}_n"] = len(lat)
         return stats
 
+    def omni_sidecar_mirror_waiting(self) -> int:
+        """For `llm.collective_rpc("omni_sidecar_mirror_waiting")`, between steps: how many appends
+        to mirrored state (MirrorUpdates) have reached this worker and wait for the next step's
+        start. A driver that must have an append in a step waits for it here before stepping
+        (examples/pipeline); the sidecar answers the append only once a step applied it."""
+        assert self.omni_link is not None
+        return self.omni_link.mirror_updates_waiting()
+
     def shutdown(self) -> None:
         if self.omni_link is not None:
             self.omni_link.close()
