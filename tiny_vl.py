@@ -31,6 +31,8 @@ TEXT_CONFIG = dict(
 VISION_CONFIG = dict(depth=1, embed_dim=32, num_heads=2, mlp_ratio=2, patch_size=14,
                      spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
 _STAMP = "omni-tiny-qwen2-vl-v1"
+# The vLLM class tests/support/vl_model.py registers (upstream Qwen2-VL, image-only processor).
+VLLM_ARCH = "OmniTinyQwen2VLForConditionalGeneration"
 
 
 def build_tiny_vl(path: str | Path, seed: int = 0, lm_head_scale: float = 8.0,

@@ -11,7 +11,8 @@ the audio are noise; the plumbing is real.
 
 Options: --by-hand then runs the talker and code2wav stages again one after the other (each
 takes the previous stage's whole output) and checks the codes and audio equal the streamed run's; --out DIR keeps
-the WAVs and logs there; --requests N; --cuda runs on a GPU with CUDA graphs.
+the WAVs and logs there; --requests N; --cuda runs on a GPU, bf16, thinker and talker with CUDA
+graphs (code2wav eager: its forward decodes per request in Python, which a graph replay skips).
 """
 
 from __future__ import annotations
@@ -38,12 +39,11 @@ STAGE_TIMEOUT_S = 900
 
 
 def build_models(cache: Path) -> dict[str, str]:
-    from tests.support.vl_model import ARCH
     from tiny_code2wav import build_tiny_code2wav
     from tiny_talker import build_tiny_talker
-    from tiny_vl import build_tiny_vl
+    from tiny_vl import VLLM_ARCH, build_tiny_vl
 
-    return {"thinker": str(build_tiny_vl(cache / "tiny-vl-thinker", architecture=ARCH)),
+    return {"thinker": str(build_tiny_vl(cache / "tiny-vl-thinker", architecture=VLLM_ARCH)),
             "talker": str(build_tiny_talker(cache / "tiny-qwen3-tts-talker", seed=1)),
             "code2wav": str(build_tiny_code2wav(cache / "tiny-code2wav"))}
 

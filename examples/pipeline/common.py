@@ -9,12 +9,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-for _key, _value in {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-                     "VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_NO_USAGE_STATS": "1",
-                     "TOKENIZERS_PARALLELISM": "false"}.items():
-    os.environ.setdefault(_key, _value)
-# The driver steps its own engine (gating on its inputs): engine core in this process.
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+def set_environment(cuda: bool) -> None:
+    """Before vLLM is imported: V2, offline, and (CPU) what V2 needs on a CPU host."""
+    defaults = {"HF_HUB_OFFLINE": "1", "VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_NO_USAGE_STATS": "1",
+                "TOKENIZERS_PARALLELISM": "false"}
+    if not cuda:
+        defaults.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    # The driver steps its own engine (gating on its inputs): engine core in this process.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
 
 # The step a stage waits before looking at its inputs again, when they are not there yet.
 INPUT_POLL_S = 0.002
@@ -25,13 +31,13 @@ def make_engine(config: dict[str, Any], stage: str, **kwargs: Any) -> Any:
     from vllm import LLM
 
     gpu = bool(config.get("cuda"))
-    engine = dict(dtype="float32", max_model_len=256, seed=0, enable_prefix_caching=False,
+    engine = dict(dtype="bfloat16" if gpu else "float32", max_model_len=256, seed=0, enable_prefix_caching=False,
                   # The driver gates each step on what it has fed in: a step must not run ahead.
                   async_scheduling=False,
                   enforce_eager=not gpu, worker_cls="worker_shim.Worker",
                   additional_config={"omni_sidecar": {"endpoint": config["endpoints"][stage]}})
-    if gpu:
-        engine["gpu_memory_utilization"] = 0.12
+    if gpu:  # three engines on one GPU, started at once
+        engine.update(gpu_memory_utilization=0.2, kv_cache_memory_bytes=256 << 20)
     else:
         engine["kv_cache_memory_bytes"] = 32 << 20
     engine.update(kwargs)

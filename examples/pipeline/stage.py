@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from examples.pipeline.common import (INPUT_POLL_S, Appends, StepTimes, finish, make_engine, shim_figures,
-                                      wait_for_go, write_result)
+from examples.pipeline.common import (INPUT_POLL_S, Appends, StepTimes, finish, make_engine, set_environment,
+                                      shim_figures, wait_for_go, write_result)
 from examples.pipeline.feeds import Feed, note_outputs, pull_all, wait_ended
 
 
@@ -135,8 +135,10 @@ def run_code2wav(config: dict[str, Any]) -> None:
 
     tiny_code2wav.register()
     chunk = config["chunk_frames"]
+    # Eager on a GPU too: its forward decodes each request's chunk from the step's runtime info in
+    # Python (shapes vary per chunk); a CUDA graph replay would not run that code again.
     llm = make_engine(config, "code2wav", skip_tokenizer_init=True, max_model_len=64, max_num_seqs=8,
-                      max_num_batched_tokens=64)
+                      max_num_batched_tokens=64, enforce_eager=True)
     engine, times = llm.llm_engine, StepTimes()
     stream = config["mode"] == "stream"
     go = wait_for_go(config, "code2wav")
@@ -245,6 +247,7 @@ RUNNERS = {"thinker": run_thinker, "talker": run_talker, "code2wav": run_code2wa
 
 def main(name: str, config_path: str) -> None:
     config = json.loads(Path(config_path).read_text())
+    set_environment(bool(config.get("cuda")))
     try:
         RUNNERS[name](config)
     except BaseException as exc:  # the demo reads it from the result file

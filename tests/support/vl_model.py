@@ -18,7 +18,7 @@ import sys
 
 from transformers.models.qwen2_vl import Qwen2VLProcessor, image_processing_pil_qwen2_vl
 
-from tiny_vl import image_only_processor_class
+from tiny_vl import VLLM_ARCH, image_only_processor_class
 
 if importlib.util.find_spec("torchvision") is None:
     sys.modules.setdefault("transformers.models.qwen2_vl.image_processing_qwen2_vl", image_processing_pil_qwen2_vl)
@@ -31,7 +31,7 @@ from vllm.model_executor.models.qwen2_vl import (  # noqa: E402 (after the modul
 )
 from vllm.multimodal import MULTIMODAL_REGISTRY  # noqa: E402
 
-ARCH = "OmniTinyQwen2VLForConditionalGeneration"
+ARCH = VLLM_ARCH
 IMAGE_ONLY_PROCESSOR = image_only_processor_class()  # one class: vLLM caches processors by it
 
 

@@ -1,0 +1,39 @@
+#!/bin/sh
+# The issue #14 GPU checks in one go on a bare GPU host (docs/ARCHITECTURE.md, "GPU bundle"):
+#   deploy/gpu/run_omni.sh BUNDLE_DIR OUT_DIR [SECONDS]
+# installs the bundle into /tmp/omni-site (once per machine), then runs
+#   1. deploy/gpu/mrope.py: the tiny Qwen2-VL (M-RoPE, images) shim vs plain V2, CUDA graphs on;
+#   2. examples/demo.py --cuda --by-hand: the three-stage streaming pipeline (thinker and talker
+#      with CUDA graphs), its time to first audio, and its audio against the stages by hand.
+# The tiny models come prebuilt under .cache/ (make demo builds them). Results and logs to OUT_DIR.
+set -u
+B=$1
+OUT=$2
+LIMIT=${3:-420}
+SRC=$(cd "$(dirname "$0")/../.." && pwd)
+SITE=/tmp/omni-site
+mkdir -p "$OUT"
+t0=$(date +%s)
+if [ ! -f "$SITE/.omni-installed" ]; then
+  if ! sh "$SRC/deploy/gpu/install_bundle.sh" "$B" "$SITE" > "$OUT/install.log" 2>&1; then
+    tail -40 "$OUT/install.log"
+    exit 1
+  fi
+  touch "$SITE/.omni-installed"
+fi
+echo "installed in $(( $(date +%s) - t0 )) s"
+cd "$SRC"
+export PYTHONPATH="$SRC:$SITE" VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
+  PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false VLLM_USE_V2_MODEL_RUNNER=1
+W=$(mktemp -d /tmp/omni-XXXXXX)  # private: the sidecars' sockets live there
+timeout "$LIMIT" python3 deploy/gpu/mrope.py --model "$SRC/.cache/tiny-vl-thinker" --out "$W/mrope" > "$OUT/mrope.log" 2>&1
+echo "mrope.py rc=$? after $(( $(date +%s) - t0 )) s"
+grep -E "^\[(PASS|FAIL)\]" "$OUT/mrope.log"
+timeout "$LIMIT" python3 examples/demo.py --cuda --requests 3 --by-hand --out "$W/demo" > "$OUT/demo.log" 2>&1
+echo "demo.py rc=$? after $(( $(date +%s) - t0 )) s"
+grep -v '^\s*$' "$OUT/demo.log" | tail -14
+mkdir -p "$OUT/mrope" "$OUT/demo"
+cp "$W"/mrope/*.json "$W"/mrope/*.log "$OUT/mrope/" 2>/dev/null
+cp "$W"/demo/*.json "$W"/demo/*.log "$W"/demo/*.wav "$OUT/demo/" 2>/dev/null
+grep -c "Capturing CUDA graphs (FULL" "$W"/demo/*.stream.log 2>/dev/null
+exit 0
