@@ -109,8 +109,14 @@ def run_stages(config: dict, stages: tuple[str, ...]) -> dict[str, dict]:
                 raise SystemExit(f"the stages did not start within {STAGE_TIMEOUT_S}s (logs in {run_dir})")
             time.sleep(0.05)
         (run_dir / "go").write_text(repr(time.time()))
-        for stage, proc in procs.items():
-            proc.wait(max(1.0, deadline - time.monotonic()))
+        while any(proc.poll() is None for proc in procs.values()):
+            failed = [s for s, proc in procs.items() if proc.poll() not in (None, 0)]
+            if failed:  # the others would wait for its outputs for ever
+                break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the stages did not finish within {STAGE_TIMEOUT_S}s (logs in {run_dir}):\n"
+                                 + "\n".join(_tail(run_dir / f"{s}.{config['mode']}.log") for s in stages))
+            time.sleep(0.1)
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -119,14 +125,23 @@ def run_stages(config: dict, stages: tuple[str, ...]) -> dict[str, dict]:
     results = {}
     for stage in stages:
         path = run_dir / f"{stage}.{config['mode']}.json"
-        result = json.loads(path.read_text()) if path.exists() else {"error": "no result"}
-        if "error" in result:
-            raise SystemExit(f"the {stage} stage failed: {result['error']} (see {run_dir}/{stage}.{config['mode']}.log)")
-        results[stage] = result
+        results[stage] = json.loads(path.read_text()) if path.exists() else {"error": "stopped with no result"}
+    # The stage that failed first says why; the ones stopped after it have no result.
+    for stage in sorted(stages, key=lambda s: "no result" in results[s].get("error", "")):
+        if "error" in results[stage]:
+            log = run_dir / f"{stage}.{config['mode']}.log"
+            raise SystemExit(f"the {stage} stage failed: {results[stage]['error']}\n{_tail(log)}")
     return results
 
 
 BY_HAND = "-by-hand"  # request id suffix: the sidecars keep the streamed run's outputs under the plain ids
+
+
+def _tail(log: Path, lines: int = 12) -> str:
+    """The end of a stage's log (its own event lines and errors, not vLLM's start-up chatter)."""
+    text = log.read_text(errors="replace").splitlines() if log.exists() else []
+    keep = [line for line in text if line.startswith("[") and "s]" in line or "Error" in line]
+    return f"--- {log.name}\n" + "\n".join((keep or text)[-lines:])
 
 
 def by_hand(config: dict) -> dict[str, dict]:

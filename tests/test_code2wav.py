@@ -206,3 +206,12 @@ def test_a_step_seen_again_gets_the_chunk_it_got_and_a_short_clock_is_reported(d
     with caplog.at_level("WARNING", logger="omni_sidecar.code2wav"):
         hooks.on_finished(["w"])  # its clock ended before chunk 1 was decoded
     assert "1 of its chunks undecoded" in caplog.text
+
+
+def test_a_request_without_a_payload_is_not_a_code2wav_request_and_no_error(decoder):
+    """vLLM's own warm-up requests (0.26 on CUDA) come with no payload: passed over, not failed."""
+    hooks = Code2WavHooks(chunk_frames="4", left_context="0")
+    hooks.on_new_requests([RequestInfo("_warmup_0_", 1, [1]), request("a", {"codes": {"audio": codes(4, 9)}})])
+    assert hooks.model_states(["_warmup_0_", "a"]) == {"a": {}}
+    infos = run_step(hooks, decoder, 0, layout([("_warmup_0_", 0, 1), ("a", 0, 1)]))
+    assert infos[0] == {} and infos[1]["meta"]["left_context_size"] == 0

@@ -34,7 +34,10 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     job = {"model": args.model, "prompts": PROMPTS, "max_tokens": 24, "register_vl_model": True, "llm_kwargs": ENGINE}
     plain = run_engine(job, args.out, "mrope-plain", timeout_s=300)
-    endpoint = f"ipc://{args.out}/mrope.sock"
+    sockets = args.out / "sockets"  # the sidecar accepts only a directory no one else can enter
+    sockets.mkdir(mode=0o700, exist_ok=True)
+    sockets.chmod(0o700)
+    endpoint = f"ipc://{sockets}/mrope.sock"
     sidecar = SidecarProcess(endpoint, "passthrough", args.out / "mrope-sidecar.log")
     try:
         shim = run_engine({**job, "shim": True, "endpoint": endpoint}, args.out, "mrope-shim", timeout_s=300)

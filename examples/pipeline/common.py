@@ -24,6 +24,26 @@ def set_environment(cuda: bool) -> None:
 
 # The step a stage waits before looking at its inputs again, when they are not there yet.
 INPUT_POLL_S = 0.002
+# A stage that has neither stepped nor seen new input for this long stops, saying what it waits for.
+STALL_S = 60.0
+
+
+class Progress:
+    """A stage's request-level events, one line each (never per step), and its stall watchdog."""
+
+    def __init__(self, stage: str, go: float) -> None:
+        self.stage, self.go = stage, go
+        self.last = time.monotonic()
+
+    def note(self, event: str | None = None) -> None:
+        self.last = time.monotonic()
+        if event:
+            print(f"[{self.stage} +{time.time() - self.go:7.3f}s] {event}", flush=True)
+
+    def check(self, waiting_for: Any) -> None:
+        """`waiting_for()`: one line on what the stage waits for, for the error if it stalled."""
+        if time.monotonic() - self.last > STALL_S:
+            raise TimeoutError(f"the {self.stage} stage made no progress for {STALL_S:.0f}s; {waiting_for()}")
 
 
 def make_engine(config: dict[str, Any], stage: str, **kwargs: Any) -> Any:

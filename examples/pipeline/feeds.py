@@ -64,9 +64,20 @@ class Feed:
         return self.added and not self.finished
 
 
-def pull_all(feeds: list[Feed], client: SidecarClient) -> None:
+def pull_all(feeds: list[Feed], client: SidecarClient) -> bool:
+    """Whether anything new came in."""
+    before = [(f.count, f.ended) for f in feeds]
     for feed in feeds:
         feed.pull(client)
+    return before != [(f.count, f.ended) for f in feeds]
+
+
+def describe(feeds: list[Feed]) -> str:
+    """Where each request stands: for the error of a stage that stalled."""
+    return "; ".join(f"{f.req_id}: {f.count} {f.output} rows in ({f.values.get('prompt_len', '?')} prompt), "
+                     f"input {'ended' if f.ended else 'open'}, {'added' if f.added else 'not added'}, "
+                     f"{f.sent} sent, {f.generated} generated{', finished' if f.finished else ''}"
+                     for f in feeds)
 
 
 def wait_ended(feeds: list[Feed], client: SidecarClient, poll_s: float, timeout_s: float = 600.0) -> None:

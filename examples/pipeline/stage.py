@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from examples.pipeline.common import (INPUT_POLL_S, Appends, StepTimes, finish, make_engine, set_environment,
-                                      shim_figures, wait_for_go, write_result)
-from examples.pipeline.feeds import Feed, note_outputs, pull_all, wait_ended
+from examples.pipeline.common import (INPUT_POLL_S, Appends, Progress, StepTimes, finish, make_engine,
+                                      set_environment, shim_figures, wait_for_go, write_result)
+from examples.pipeline.feeds import Feed, describe, note_outputs, pull_all, wait_ended
 
 
 def run_thinker(config: dict[str, Any]) -> None:
@@ -39,6 +39,7 @@ def run_thinker(config: dict[str, Any]) -> None:
     while engine.has_unfinished_requests():
         for out in times.step(engine):
             if out.finished:
+                print(f"[thinker +{time.time() - go:7.3f}s] {out.request_id} finished", flush=True)
                 done[out.request_id] = {"text": out.outputs[0].text, "token_ids": list(out.outputs[0].token_ids),
                                         "prompt_len": len(out.prompt_token_ids), "finished_s": time.time() - go}
     write_result(config, "thinker", {"steps": times.summary(), "shim": shim_figures(llm), "requests": done})
@@ -71,6 +72,7 @@ def run_talker(config: dict[str, Any]) -> None:
     stream = config["mode"] == "stream"
     go = wait_for_go(config, "talker")
     added, ended, appended = {}, {}, {}  # seconds from the start: added here, finished here; appends sent
+    progress = Progress("talker", go)
     feeds = {r["id"]: Feed(r["id"], "hidden_states", source_id=r.get("thinker_id", r["id"]))
              for r in config["requests"]}
     appends = Appends(config["endpoints"]["talker"], llm)
@@ -86,6 +88,7 @@ def run_talker(config: dict[str, Any]) -> None:
             feed.added = True
             feed.sent = feed.count - len(prompt) if not stream else 0
             added[feed.req_id] = time.time() - go
+            progress.note(f"{feed.req_id} added: {len(prompt)} prompt rows, {feed.count} thinker rows in")
 
         def feed_rows(feed: Feed) -> None:
             """Thinker rows past the prompt not sent yet: appended as `embed.decode` rows."""
@@ -101,7 +104,8 @@ def run_talker(config: dict[str, Any]) -> None:
 
         while not all(f.finished for f in feeds.values()):
             if stream:
-                pull_all([f for f in feeds.values() if not f.finished], previous)
+                if pull_all([f for f in feeds.values() if not f.finished], previous):
+                    progress.note()
                 for feed in feeds.values():
                     if not feed.added and "prompt_len" in feed.values and feed.count >= feed.values["prompt_len"]:
                         add(feed)
@@ -116,8 +120,12 @@ def run_talker(config: dict[str, Any]) -> None:
                 appends.wait_in()
                 for req_id in note_outputs(feeds, times.step(engine)):
                     ended[req_id] = time.time() - go
+                    progress.note(f"{req_id} finished: {feeds[req_id].generated} tokens, "
+                                  f"{appended.get(req_id, 0)} appends of thinker rows")
+                progress.note()
                 appends.stepped()
             else:
+                progress.check(lambda: describe(list(feeds.values())))
                 time.sleep(INPUT_POLL_S)
         appends.close()
         codes = {r: own.outputs(r)["codes.audio"].tolist() for r in feeds}
@@ -146,6 +154,7 @@ def run_code2wav(config: dict[str, Any]) -> None:
     audio = {r: Feed(r, "waveform") for r in feeds}  # this stage's own output, followed for the first audio
     first_audio: dict[str, float] = {}
     added, ended, appended, whole_at_add = {}, {}, {}, {}
+    progress = Progress("code2wav", go)
     appends = Appends(config["endpoints"]["code2wav"], llm)
     with SidecarClient(config["endpoints"]["talker"]) as previous, SidecarClient(config["endpoints"]["code2wav"]) as own:
         if not stream:
@@ -163,6 +172,7 @@ def run_code2wav(config: dict[str, Any]) -> None:
             feed.added, feed.sent = True, int(frames.shape[0])
             added[feed.req_id] = time.time() - go
             whole_at_add[feed.req_id] = feed.ended
+            progress.note(f"{feed.req_id} added: {feed.sent} frames in, clock {clock} chunks")
             feed.values["final_sent"] = feed.ended or not stream
 
         def feed_frames(feed: Feed) -> None:
@@ -183,8 +193,8 @@ def run_code2wav(config: dict[str, Any]) -> None:
 
         while not all(f.finished for f in feeds.values()):
             pending = [f for f in feeds.values() if not f.finished]
-            if stream:
-                pull_all(pending, previous)
+            if stream and pull_all(pending, previous):
+                progress.note()
             for feed in pending:
                 if not feed.added and (feed.count >= chunk or (feed.ended and feed.count)):
                     add(feed)
@@ -197,12 +207,17 @@ def run_code2wav(config: dict[str, Any]) -> None:
                 appends.wait_in()
                 for req_id in note_outputs(feeds, times.step(engine)):
                     ended[req_id] = time.time() - go
+                    progress.note(f"{req_id} finished: {feeds[req_id].count} frames decoded in "
+                                  f"{feeds[req_id].generated} steps")
+                progress.note()
                 appends.stepped()
                 for req_id in [f.req_id for f in feeds.values() if f.added and f.req_id not in first_audio]:
                     audio[req_id].pull(own)
                     if audio[req_id].count:
                         first_audio[req_id] = time.time() - go
+                        progress.note(f"{req_id} first audio")
             else:
+                progress.check(lambda: describe(list(feeds.values())))
                 time.sleep(INPUT_POLL_S)
         appends.close()
         waves = {}

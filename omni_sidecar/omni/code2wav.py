@@ -112,6 +112,9 @@ class Code2WavHooks(OmniStateHooks):
             state = self.state.get(req.req_id)
             if req.req_id in errors or state is None:
                 continue
+            if not req.payload:  # no codes to decode (vLLM's own warm-up requests): nothing for it, no error
+                self.state.free(req.req_id)
+                continue
             problem = _check(state, self)
             if problem:
                 errors[req.req_id] = problem
