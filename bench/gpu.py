@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU code-path check: tiny sizes, float32, eager, 2 blocks")
     ap.add_argument("--budget-s", type=float, default=400.0, help="bound on the whole run (partial results stay)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"in order, from {', '.join(CONFIGS)}")
-    ap.add_argument("--measure-s", type=float, help="timed rounds per configuration (default 28; smoke: 2 blocks)")
+    ap.add_argument("--measure-s", type=float, help="seconds of timed rounds per configuration (default 22; smoke: 2 blocks)")
     ap.add_argument("--parts", default="throughput", help="throughput[,exchange][,handoff]")
     ap.add_argument("--iters", type=int, default=500, help="exchange round trips per block (--parts exchange)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "gpu"), help="folder for the JSON")

@@ -22,6 +22,7 @@ its figures behind.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from bench.ab_stats import block_order, summarize
-from bench.gpu_models import SHAPES, build_model_dir, engine_kwargs, omni_hook_options, param_count
+from bench.gpu_models import KWARGS_MARK_ENV, SHAPES, build_model_dir, engine_kwargs, omni_hook_options, param_count
 
 CONFIGS: dict[str, tuple[str, str]] = {  # name -> (model, hook set); run in this order
     "tiny-passthrough": ("tiny", "passthrough"),
@@ -44,7 +45,7 @@ class Sizes:
     num: int = 64  # requests per round (= max_num_seqs)
     prompt_len: int = 16
     max_tokens: dict[str, int] = field(default_factory=lambda: {"tiny": 128, "1b": 96})
-    measure_s: float = 28.0  # timed rounds per configuration, after warm-up
+    measure_s: float = 22.0  # timed rounds per configuration, after warm-up
     min_blocks: int = 3
     max_blocks: int = 200
     start_guess_s: float = 60.0  # one engine's start before any was seen
@@ -127,11 +128,18 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
     sidecar = SidecarProcess(endpoint, hooks, work / f"{name}-sidecar.log", options=res["hook_options"],
                              extra_args=["--keep-finished", "256", "--log-level", "WARNING"])
     engines: dict = {}
+    mark = work / f"{name}-kwargs.json"
     try:
         for engine in ("plain", "shim"):
             t0 = time.monotonic()
-            extra = {"worker_cls": "worker_shim.Worker",
-                     "additional_config": {"omni_sidecar": {"endpoint": endpoint}}} if engine == "shim" else {}
+            # Both get the same additional_config (plain ignores it): it enters vLLM's compile-cache
+            # key and worker_cls does not, so the second engine reuses the first one's compiled graphs
+            # where the shim adds none of its own (pass-through).
+            extra = {"additional_config": {"omni_sidecar": {"endpoint": endpoint}}}
+            if engine == "shim":
+                extra["worker_cls"] = "worker_shim.Worker"
+            if engine == "shim":  # the engine core inherits it (fork or spawn); the plain one did not
+                os.environ[KWARGS_MARK_ENV] = str(mark)
             engines[engine] = LLM(**kwargs, **extra)
             starts.append(time.monotonic() - t0)
             res[f"{engine}_start_s"] = round(starts[-1], 1)
@@ -158,6 +166,8 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
             sink(res)
         (stats,) = engines["shim"].collective_rpc("omni_sidecar_stats")
         res["shim_stats"] = _scalar_stats(stats)
+        # Did the hooks' extra kwargs reach the model's forward (omni), and only there?
+        res["kwargs_reached_model"] = json.loads(mark.read_text()) if mark.exists() else None
         res["summary"] = summarize(res["rounds"])
         res["status"] = "done"
         s = res["summary"]
@@ -168,6 +178,7 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
         res["error"] = f"{type(exc).__name__}: {exc}"[:2000]
         print(f"[{name}] FAILED: {res['error']}", flush=True)
     finally:
+        os.environ.pop(KWARGS_MARK_ENV, None)
         for llm in engines.values():
             try:
                 _shutdown(llm)

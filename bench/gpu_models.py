@@ -7,8 +7,8 @@ nothing is downloaded and a 1B model costs no weight files.
 
 Their architecture is `BenchKwargsLlamaForCausalLM`: upstream Llama whose forward also
 takes vllm-omni's extra kwargs (`runtime_additional_information`, `request_token_spans`)
-and only counts the steps that brought them (no device sync, no file writes: the bench
-measures the hooks' cost, not the model's bookkeeping). Plain and shim engines load the
+and only counts the steps that brought them (no device sync; one file written the first
+time, as proof they arrived: the bench measures the hooks' cost, not the model's bookkeeping). Plain and shim engines load the
 same class, so they run the same forward.
 
 vLLM resolves the architecture in every process: the driver registers it directly,
@@ -25,6 +25,7 @@ from pathlib import Path
 
 ARCH = "BenchKwargsLlamaForCausalLM"
 PLUGIN_DIST = "omni_bench_kwargs_llama-0.0.dist-info"
+KWARGS_MARK_ENV = "OMNI_BENCH_KWARGS_MARK"  # file the model writes when extra kwargs first reach it
 
 # name -> Llama shape. "tiny": the tests' tiny Llama (tiny_models.TINY_CONFIG, 0.1 M params, the
 # per-step host cost as visible as it gets); "1b": Llama-1B-shaped (1.1 B params, a realistic
@@ -107,6 +108,9 @@ def _define() -> type:
                     runtime_additional_information=None, request_token_spans=None, **_: object):
             if runtime_additional_information is not None:
                 self.kwargs_steps += 1
+                if self.kwargs_steps == 1 and os.environ.get(KWARGS_MARK_ENV):  # once: proof they arrived
+                    Path(os.environ[KWARGS_MARK_ENV]).write_text(json.dumps(
+                        {"rows": len(runtime_additional_information), "spans": request_token_spans}))
             return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     BenchKwargsLlamaForCausalLM.__module__ = __name__

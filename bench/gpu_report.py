@@ -97,8 +97,21 @@ def render(res: dict) -> str:
     for c in res.get("configs", []):
         s = c.get("summary") or {}
         if s.get("verdict"):
-            start = f"starts {c.get('plain_start_s')} s / {c.get('shim_start_s')} s"
+            start = f"engine starts {c.get('plain_start_s')} s / {c.get('shim_start_s')} s"
+            if c.get("hooks") == "omni":
+                got = c.get("kwargs_reached_model")
+                start += (f"; extra kwargs reached the model's forward ({got['rows']} rows on its first such step)"
+                          if got else "; extra kwargs did NOT reach the model's forward")
             lines.append(f"- {c['config']}: {s['verdict']} ({start}).")
+    if res.get("exchange"):
+        lines += ["", "Per-step exchange on this host (StepBegin for N requests -> StepPlan), µs p50 / p99:", "",
+                  "| requests | shm ring | ZeroMQ only | raw pyzmq REQ/REP | ring / raw p50 |", "|---:|---:|---:|---:|---:|"]
+        for r in res["exchange"]:
+            lines.append(f"| {r['requests']} | {r['ring_p50']:.1f} / {r['ring_p99']:.1f} | {r['zmq_p50']:.1f} / "
+                         f"{r['zmq_p99']:.1f} | {r['raw_p50']:.1f} / {r['raw_p99']:.1f} | {r['ratio_p50']:.2f} |")
+    for h in res.get("handoff", []):
+        lines.append(f"- handoff 16 MiB via {h['kind']}: shim host cost p50 {h['enqueue_us']['p50']:.0f} µs, "
+                     f"until the sidecar has it p50 {h['round_trip_us']['p50']:.0f} µs")
     lines += ["", "Reproduce (one GPU): see `bench/gpu.py`'s docstring; the CPU smoke: "
               "`python -m bench.gpu --smoke`.", "", END]
     return "\n".join(lines)
