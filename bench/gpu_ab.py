@@ -69,8 +69,9 @@ class Budget:
         return time.monotonic() - self.t0
 
 
-def _prompts(sizes: Sizes, hidden: int, payloads: bool, max_tokens: int) -> tuple[list, list]:
-    """Token-id prompts (fixed seed) and their params; with `payloads`, each carries prompt_embeds."""
+def _prompts(sizes: Sizes, hidden: int, payloads: bool, max_tokens: int, dtype: str) -> tuple[list, list]:
+    """Token-id prompts (fixed seed) and their params; with `payloads`, each carries prompt_embeds
+    (in the model's dtype; both engines get the same params, so both pay for the bytes)."""
     import numpy as np
     import torch
     from vllm import SamplingParams
@@ -84,6 +85,7 @@ def _prompts(sizes: Sizes, hidden: int, payloads: bool, max_tokens: int) -> tupl
         extra = None
         if payloads:
             embeds = torch.from_numpy((rng.standard_normal((sizes.prompt_len, hidden)) * 0.02).astype(np.float32))
+            embeds = embeds.to(getattr(torch, dtype))
             extra = sidecar_extra_args(prompt_embeds=embeds)
         params.append(SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra))
     return prompts, params
@@ -145,7 +147,8 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
             res[f"{engine}_start_s"] = round(starts[-1], 1)
             print(f"[{name}] {engine} engine up in {starts[-1]:.1f} s ({budget.left():.0f} s of budget left)",
                   flush=True)
-        prompts, params = _prompts(sizes, SHAPES[shape]["hidden_size"], hooks == "omni", sizes.max_tokens[model])
+        prompts, params = _prompts(sizes, SHAPES[shape]["hidden_size"], hooks == "omni", sizes.max_tokens[model],
+                                   kwargs["dtype"])
         for engine in ("plain", "shim", "plain", "shim"):  # warm-up: graphs, allocator, sidecar paths
             _round(engines[engine], prompts, params)
         res["status"] = "measuring"

@@ -62,7 +62,7 @@ def render(res: dict) -> str:
         f"torch {m.get('torch')}, vLLM {m.get('vllm')} (Model Runner V2), msgspec {m.get('msgspec')}, "
         f"pyzmq {m.get('zmq')}; commit {m.get('commit')}; budget {res.get('budget_s')} s, used "
         f"{res.get('elapsed_s')} s{' (cut short)' if res.get('partial') else ''}. Raw rounds and machine: "
-        f"`{res.get('json_name', 'gpu_ab.json')}`.",
+        f"`docs/bench/gpu/{res.get('json_name', 'gpu_ab.json')}`.",
         "",
         "Method: one driver process holds both engines at once (each its own engine-core process, its own share "
         "of the device), then runs short rounds (N requests x T tokens, greedy, ignore_eos) alternating in ABBA / "
