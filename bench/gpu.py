@@ -8,7 +8,9 @@ order, inside `--budget-s` (configurations that no longer fit are skipped, round
 the deadline, a watchdog ends the run GRACE_S past it). After every block it rewrites
 `--out`/gpu_ab.json (machine, versions, every round, spread) and its own section of
 BENCHMARKS.md (bench/gpu_report.py). `--parts exchange,handoff` add issue #3's per-step
-exchange and 16 MiB handoff figures (to the JSON) when the budget still allows.
+exchange and 16 MiB handoff figures (to the JSON) when the budget still allows; `refusal`
+(default) checks, when 50 s are left, that the shim refuses extra-kwargs hooks under FULL
+CUDA graphs at start-up with its one-line message.
 
 On one GPU host with the bundle (deploy/gpu/build_bundle.sh) at .cache/h-gpu/bundle:
     sh deploy/gpu/run_bench.sh .cache/h-gpu/bundle OUT_DIR 470
@@ -111,7 +113,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=400.0, help="bound on the whole run (partial results stay)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"in order, from {', '.join(CONFIGS)}")
     ap.add_argument("--measure-s", type=float, help="seconds of timed rounds per configuration (default 22; smoke: 2 blocks)")
-    ap.add_argument("--parts", default="throughput", help="throughput[,exchange][,handoff]")
+    ap.add_argument("--parts", default="throughput,refusal", help="throughput[,refusal][,exchange][,handoff]")
     ap.add_argument("--iters", type=int, default=500, help="exchange round trips per block (--parts exchange)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "gpu"), help="folder for the JSON")
     ap.add_argument("--benchmarks", default=str(ROOT / "BENCHMARKS.md"),
@@ -161,6 +163,10 @@ def main() -> None:
         if unknown:
             raise SystemExit(f"unknown configuration(s) {unknown}; known: {list(CONFIGS)}")
         run_all(names, work, sizes, budget, sink)
+    if "refusal" in parts and budget.left() > 50:
+        from bench.gpu_ab import refusal_check
+
+        res["refusal"] = refusal_check(work, sizes)
     if "exchange" in parts and budget.left() > 60:
         from bench.__main__ import exchange
 

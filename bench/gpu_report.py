@@ -103,6 +103,10 @@ def render(res: dict) -> str:
                 start += (f"; extra kwargs reached the model's forward ({got['rows']} rows on its first such step)"
                           if got else "; extra kwargs did NOT reach the model's forward")
             lines.append(f"- {c['config']}: {s['verdict']} ({start}).")
+    ref = res.get("refusal")
+    if ref:
+        lines.append(f"- Extra kwargs under FULL CUDA graphs (the shim with `--hooks omni --hook-option extra_kwargs=1`, "
+                     f"FULL_AND_PIECEWISE): {ref.get('status')}: `{ref.get('message') or ref.get('why', '')}`.")
     if res.get("exchange"):
         lines += ["", "Per-step exchange on this host (StepBegin for N requests -> StepPlan), µs p50 / p99:", "",
                   "| requests | shm ring | ZeroMQ only | raw pyzmq REQ/REP | ring / raw p50 |", "|---:|---:|---:|---:|---:|"]
