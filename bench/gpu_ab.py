@@ -206,9 +206,10 @@ def refusal_check(work: Path, sizes: Sizes) -> dict:
     worker's init_device, before the model loads."""
     from tests.support.procs import SidecarProcess, run_engine
 
-    kwargs = engine_kwargs(build_model_dir(work, "tiny"), smoke=sizes.smoke, graphs="FULL_AND_PIECEWISE", num_seqs=4)
     if sizes.smoke:
         return {"status": "not applicable", "why": "no CUDA graphs on CPU (tests/test_graph_kwargs.py covers it)"}
+    kwargs = engine_kwargs(build_model_dir(work / "refusal", "tiny"), smoke=False, graphs="FULL_AND_PIECEWISE",
+                           num_seqs=4)
     endpoint = f"ipc://{work}/refusal.sock"
     sidecar = SidecarProcess(endpoint, "omni", work / "refusal-sidecar.log", options=["extra_kwargs=1"],
                              extra_args=["--log-level", "WARNING"])
