@@ -157,11 +157,18 @@ def main() -> None:
     from bench.gpu_models import install_plugin
 
     install_plugin(work)
-    refusal = None
+    refusal, held = None, {}
     if "refusal" in parts:  # alongside the first engines' start (it fails before any model loads)
         from bench.gpu_ab import refusal_check
 
-        refusal = threading.Thread(target=lambda: res.__setitem__("refusal", refusal_check(work, sizes)), daemon=True)
+        # Its own holder: `res` is being serialised by sink() meanwhile.
+        def check() -> None:
+            try:
+                held["refusal"] = refusal_check(work, sizes)
+            except Exception as exc:
+                held["refusal"] = {"status": "check failed", "message": f"{type(exc).__name__}: {exc}"[:400]}
+
+        refusal = threading.Thread(target=check, daemon=True)
         refusal.start()
     if "throughput" in parts:
         names = [n for n in args.configs.split(",") if n]
@@ -171,6 +178,7 @@ def main() -> None:
         run_all(names, work, sizes, budget, sink)
     if refusal is not None:
         refusal.join(max(1.0, budget.left()))
+        res["refusal"] = held.get("refusal", {"status": "unfinished within the budget"})
     if "exchange" in parts and budget.left() > 60:
         from bench.__main__ import exchange
 
