@@ -127,11 +127,12 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
                  "status": "starting", "rounds": []}
     sink(res)
     endpoint = f"ipc://{work}/{name}.sock"
-    sidecar = SidecarProcess(endpoint, hooks, work / f"{name}-sidecar.log", options=res["hook_options"],
-                             extra_args=["--keep-finished", "256", "--log-level", "WARNING"])
     engines: dict = {}
     mark = work / f"{name}-kwargs.json"
+    sidecar = None
     try:
+        sidecar = SidecarProcess(endpoint, hooks, work / f"{name}-sidecar.log", options=res["hook_options"],
+                                 extra_args=["--keep-finished", "256", "--log-level", "WARNING"])
         for engine in ("plain", "shim"):
             t0 = time.monotonic()
             # Both get the same additional_config (plain ignores it): it enters vLLM's compile-cache
@@ -140,8 +141,7 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
             extra = {"additional_config": {"omni_sidecar": {"endpoint": endpoint}}}
             if engine == "shim":
                 extra["worker_cls"] = "worker_shim.Worker"
-            if engine == "shim":  # the engine core inherits it (fork or spawn); the plain one did not
-                os.environ[KWARGS_MARK_ENV] = str(mark)
+                os.environ[KWARGS_MARK_ENV] = str(mark)  # its engine core inherits it (fork or spawn)
             engines[engine] = LLM(**kwargs, **extra)
             starts.append(time.monotonic() - t0)
             res[f"{engine}_start_s"] = round(starts[-1], 1)
@@ -169,7 +169,7 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
             sink(res)
         (stats,) = engines["shim"].collective_rpc("omni_sidecar_stats")
         res["shim_stats"] = _scalar_stats(stats)
-        # Did the hooks' extra kwargs reach the model's forward (omni), and only there?
+        # Did the hooks' extra kwargs reach the model's forward (omni)?
         res["kwargs_reached_model"] = json.loads(mark.read_text()) if mark.exists() else None
         res["summary"] = summarize(res["rounds"])
         res["status"] = "done"
@@ -188,7 +188,8 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
             except Exception:
                 pass
         engines.clear()
-        sidecar.stop()
+        if sidecar is not None:
+            sidecar.stop()
         import gc
 
         gc.collect()
