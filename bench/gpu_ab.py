@@ -44,7 +44,7 @@ CONFIGS: dict[str, tuple[str, str]] = {  # name -> (model, hook set); run in thi
 class Sizes:
     num: int = 64  # requests per round (= max_num_seqs)
     prompt_len: int = 16
-    max_tokens: dict[str, int] = field(default_factory=lambda: {"tiny": 128, "1b": 96})
+    max_tokens: dict[str, int] = field(default_factory=lambda: {"tiny": 128, "1b": 128})
     measure_s: float = 22.0  # timed rounds per configuration, after warm-up
     min_blocks: int = 3
     max_blocks: int = 200
