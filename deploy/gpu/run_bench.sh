@@ -13,7 +13,7 @@ OUT=$2
 LIMIT=${3:-470}
 [ $# -ge 3 ] && shift 3 || shift $#
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
-SITE=/tmp/omni-site
+SITE=${OMNI_SITE:-/tmp/omni-site}  # where the bundle goes (a marker file skips a second install)
 mkdir -p "$OUT"
 t0=$(date +%s)
 if [ -f "$SITE/.omni-installed" ]; then
@@ -30,9 +30,10 @@ echo "installed in $used s; bench budget $BUDGET s"
 cd "$SRC"  # `python -m` children put the working directory first on sys.path
 export PYTHONPATH="$SRC:$SITE" VLLM_USE_V2_MODEL_RUNNER=1 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
   VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-timeout $(( BUDGET + 30 )) python3 -m bench.gpu --budget-s "$BUDGET" --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
+W=$(mktemp -d /tmp/bench-XXXXXX)  # this run's work folder (models, sockets, sidecar logs)
+TMPDIR=$W timeout $(( BUDGET + 30 )) python3 -m bench.gpu --budget-s "$BUDGET" --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
 echo "bench.gpu rc=$? after $(( $(date +%s) - t0 )) s"
 cp BENCHMARKS.md "$OUT/BENCHMARKS.md"
-cp /tmp/omni-gpu-ab-*/*-sidecar.log "$OUT/" 2>/dev/null
+cp "$W"/omni-gpu-ab-*/*-sidecar.log "$W"/omni-gpu-ab-*/refusal.log "$OUT/" 2>/dev/null
 grep -v '^(' "$OUT/bench.log" | grep -v '^\[W' | tail -30
 exit 0
