@@ -1,81 +1,48 @@
-"""GPU benchmark (issue #3): exchange latency, 16 MiB handoff, decode throughput shim / plain.
+"""GPU benchmark on ONE device (issue #15), plus issue #3's exchange and handoff parts.
 
-One run prints and writes (results.json in --out):
-- per-step exchange p50/p99 for 1/64/256 requests: sidecar over the shm ring, over ZeroMQ
-  only, and raw pyzmq REQ/REP of the same bytes (bench.exchange, on this host's CPUs);
-- tensor handoff of 16 MiB of bf16 hidden states through the CUDA IPC arena and through
-  host staging (bench.gpu_handoff);
-- decode throughput of shim + pass-through sidecar vs plain V2 (bf16, CUDA graphs, tiny
-  Llama, 64 requests x 256 tokens): the two engines run at the same time on two GPUs, then
-  swap GPUs, so host load and GPU differences hit both sides alike; once with the ring and
-  once with ZeroMQ only. The tiny model makes the per-step host cost as visible as it gets.
+Default (`--parts throughput`): decode throughput shim / plain V2 with both engines
+resident in this one driver process, many short ABBA / BAAB rounds, median block ratio,
+bootstrap 95 % interval and the spread (bench/gpu_ab.py, bench/ab_stats.py), for
+tiny-passthrough, tiny-omni, 1b-passthrough, 1b-omni (bench/gpu_models.py), in that
+order, inside `--budget-s` (configurations that no longer fit are skipped, rounds stop at
+the deadline, a watchdog ends the run GRACE_S past it). After every block it rewrites
+`--out`/gpu_ab.json (machine, versions, every round, spread) and its own section of
+BENCHMARKS.md (bench/gpu_report.py). `--parts exchange,handoff` add issue #3's per-step
+exchange and 16 MiB handoff figures (to the JSON) when the budget still allows; `refusal`
+(default) checks, in a thread while the first engines start, that the shim refuses
+extra-kwargs hooks under FULL CUDA graphs at start-up with its one-line message.
 
-Usage on the GPU host: PYTHONPATH=.:/opt/omni-site python3 -m bench.gpu --out DIR
+On one GPU host with the bundle (deploy/gpu/build_bundle.sh) at .cache/h-gpu/bundle:
+    sh deploy/gpu/run_bench.sh .cache/h-gpu/bundle OUT_DIR 470
+or by hand, once installed into /tmp/omni-site:
+    PYTHONPATH=$PWD:/tmp/omni-site VLLM_USE_V2_MODEL_RUNNER=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
+      HF_HUB_OFFLINE=1 python3 -m bench.gpu --budget-s 400 --out OUT_DIR
+Here, on CPU (code path only; TRITON_INTERPRET=1 etc. as for the tests):
+    python -m bench.gpu --smoke --out /tmp/smoke
+Rebuild the section from a run made elsewhere: python -m bench.gpu --render-json OUT_DIR/gpu_ab.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu_handoff import run as handoff_run  # noqa: E402
-from tiny_models import build_tiny_llama  # noqa: E402
-from tests.support.procs import SidecarProcess, run_engine  # noqa: E402
+from bench.gpu_ab import CONFIGS, Budget, Sizes, run_all  # noqa: E402
+from bench.gpu_report import machine, render as render_section, write_json, write_section  # noqa: E402
 
-THROUGHPUT = {"num": 64, "prompt_len": 16, "max_tokens": 256, "repeats": 4}
-GRAPHS = {"enforce_eager": False, "dtype": "bfloat16", "kv_cache_memory_bytes": 1 << 30,
-          "max_num_seqs": 64, "max_num_batched_tokens": 1024}
+GRACE_S = 25.0  # past the budget, the watchdog ends the run (figures so far are on disk)
 
 
-def _engine(model: str, work: Path, name: str, gpu: str, shim_env: dict | None) -> dict:
-    job = {"model": model, "prompts": [{"token_ids": [5, 6, 7]}], "max_tokens": 4, "llm_kwargs": GRAPHS,
-           "throughput": THROUGHPUT, "env": {"CUDA_VISIBLE_DEVICES": gpu}}
-    if shim_env is None:
-        res = run_engine(job, work, name, timeout_s=900)
-    else:
-        sc = SidecarProcess(f"ipc://{work}/{name}.sock", "passthrough", work / f"{name}-sidecar.log",
-                            env={"CUDA_VISIBLE_DEVICES": gpu})
-        try:
-            job.update(shim=True, endpoint=sc.endpoint, env={**job["env"], **shim_env})
-            res = run_engine(job, work, name, timeout_s=900)
-        finally:
-            sc.stop()
-    if not res["ok"]:
-        raise RuntimeError(f"{name}: {res.get('error')}\n{open(res['log_path']).read()[-3000:]}")
-    return res
-
-
-def throughput(model: str, work: Path, variant: str, shim_env: dict) -> dict:
-    """Plain and shim side by side on GPUs 0/1, then swapped; ratio of medians per pair."""
-    ratios, plain_all, shim_all, post = [], [], [], []
-    for i, (gp, gs) in enumerate((("0", "1"), ("1", "0"))):
-        with ThreadPoolExecutor(2) as pool:
-            fp = pool.submit(_engine, model, work, f"tp-plain-{variant}-{i}", gp, None)
-            fs = pool.submit(_engine, model, work, f"tp-shim-{variant}-{i}", gs, shim_env)
-            plain, shim = fp.result(), fs.result()
-        p, s = statistics.median(plain["throughput_tok_s"]), statistics.median(shim["throughput_tok_s"])
-        plain_all += plain["throughput_tok_s"]
-        shim_all += shim["throughput_tok_s"]
-        ratios.append(s / p)
-        post.append(shim["shim_stats"][0].get("post_us_p50", 0.0))
-    out = {"variant": variant, "plain_tok_s": [round(x) for x in plain_all],
-           "shim_tok_s": [round(x) for x in shim_all], "pair_ratios": [round(r, 4) for r in ratios],
-           "ratio": round(statistics.mean(ratios), 4), "shim_post_us_p50": [round(x, 1) for x in post]}
-    print(f"(throughput, {variant}) plain {out['plain_tok_s']} tok/s | shim {out['shim_tok_s']} tok/s | "
-          f"pair ratios {out['pair_ratios']} -> {out['ratio']:.3f} | shim StepEnd p50 {out['shim_post_us_p50']} us",
-          flush=True)
-    return out
-
-
-def render(res: dict, acceptance: list[tuple[str, list[dict]]]) -> str:
+def render_issue3(res: dict, acceptance: list[tuple[str, list[dict]]]) -> str:
     """The GPU section of BENCHMARKS.md, from one bench.gpu run (+ acceptance results)."""
     lines = [
         "## GPU (issue #3)",
@@ -121,46 +88,110 @@ def render(res: dict, acceptance: list[tuple[str, list[dict]]]) -> str:
     return "\n".join(lines)
 
 
+def _watchdog(seconds: float) -> threading.Timer:
+    """Ends this process and the processes it started (engine cores, sidecars) if the run overstays."""
+    def stop() -> None:
+        print(f"bench.gpu: past the budget by {GRACE_S:.0f} s: stopping (figures so far are written)", flush=True)
+        try:
+            import psutil
+
+            for child in psutil.Process().children(recursive=True):
+                child.kill()
+        except Exception:
+            pass
+        os._exit(3)
+
+    timer = threading.Timer(seconds, stop)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=tempfile.mkdtemp(prefix="omni-gpu-bench-"))
-    ap.add_argument("--iters", type=int, default=2000)
-    ap.add_argument("--parts", default="exchange,handoff,throughput")
+    ap.add_argument("--smoke", action="store_true", help="CPU code-path check: tiny sizes, float32, eager, 2 blocks")
+    ap.add_argument("--budget-s", type=float, default=400.0, help="bound on the whole run (partial results stay)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"in order, from {', '.join(CONFIGS)}")
+    ap.add_argument("--measure-s", type=float, help="seconds of timed rounds per configuration (default 22; smoke: 2 blocks)")
+    ap.add_argument("--parts", default="throughput,refusal", help="throughput[,refusal][,exchange][,handoff]")
+    ap.add_argument("--iters", type=int, default=500, help="exchange round trips per block (--parts exchange)")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "gpu"), help="folder for the JSON")
+    ap.add_argument("--benchmarks", default=str(ROOT / "BENCHMARKS.md"),
+                    help="markdown file whose bench.gpu section is replaced ('' to leave it)")
+    ap.add_argument("--render-json", metavar="JSON", help="rebuild the BENCHMARKS.md section from a run's JSON, exit")
     ap.add_argument("--render", nargs="+", metavar="JSON",
-                    help="write the markdown section from a bench.gpu result (+ acceptance results) and exit")
+                    help="issue #3's two-GPU section (docs/bench/gpu/GPU.md) from its results, exit")
     ap.add_argument("--markdown", default=str(ROOT / "docs" / "bench" / "gpu" / "GPU.md"))
     args = ap.parse_args()
     if args.render:
         res = json.loads(Path(args.render[0]).read_text())
         acc = [(Path(f).name, json.loads(Path(f).read_text())["results"]) for f in args.render[1:]]
-        Path(args.markdown).write_text(render(res, acc))
+        Path(args.markdown).write_text(render_issue3(res, acc))
         print(f"written {args.markdown}")
         return
+    if args.render_json:
+        write_section(Path(args.benchmarks), render_section(json.loads(Path(args.render_json).read_text())))
+        print(f"written {args.benchmarks}")
+        return
+    budget = Budget(args.budget_s)
+    _watchdog(args.budget_s + GRACE_S)
+    sizes = Sizes.smoke_sizes() if args.smoke else Sizes()
+    if args.measure_s is not None:
+        sizes.measure_s = args.measure_s
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="omni-gpu-bench-work-"))
-    import torch
+    json_path = out / ("gpu_ab-smoke.json" if args.smoke else "gpu_ab.json")
+    work = Path(tempfile.mkdtemp(prefix="omni-gpu-ab-"))
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "smoke": args.smoke,
+                 "budget_s": args.budget_s, "json_name": json_path.name, "machine": machine(),
+                 "sizes": {k: v for k, v in vars(sizes).items()}, "configs": [], "partial": True}
 
-    res: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    def sink(configs: list[dict]) -> None:
+        res["configs"] = configs
+        res["elapsed_s"] = round(budget.elapsed(), 1)
+        write_json(json_path, res)
+        if args.benchmarks:
+            write_section(Path(args.benchmarks), render_section(res))
+
     parts = args.parts.split(",")
-    if "exchange" in parts:
+    from bench.gpu_models import install_plugin
+
+    install_plugin(work)
+    refusal, held = None, {}
+    if "refusal" in parts:  # alongside the first engines' start (it fails before any model loads)
+        from bench.gpu_ab import refusal_check
+
+        # Its own holder: `res` is being serialised by sink() meanwhile.
+        def check() -> None:
+            try:
+                held["refusal"] = refusal_check(work, sizes)
+            except Exception as exc:
+                held["refusal"] = {"status": "check failed", "message": f"{type(exc).__name__}: {exc}"[:400]}
+
+        refusal = threading.Thread(target=check, daemon=True)
+        refusal.start()
+    if "throughput" in parts:
+        names = [n for n in args.configs.split(",") if n]
+        unknown = [n for n in names if n not in CONFIGS]
+        if unknown:
+            raise SystemExit(f"unknown configuration(s) {unknown}; known: {list(CONFIGS)}")
+        run_all(names, work, sizes, budget, sink)
+    if refusal is not None:
+        refusal.join(max(1.0, budget.left()))
+        res["refusal"] = held.get("refusal", {"status": "unfinished within the budget"})
+    if "exchange" in parts and budget.left() > 60:
         from bench.__main__ import exchange
 
         res["exchange"], _ = exchange(work, args.iters)
-    if "handoff" in parts:
-        res["handoff"] = [handoff_run("cuda_ipc", 16, 300), handoff_run("shm", 16, 100)]
-        for r in res["handoff"]:
-            print(f"(handoff) {r['kind']}: enqueue p50 {r['enqueue_us']['p50']:.1f} p99 {r['enqueue_us']['p99']:.1f} us"
-                  f" | round trip p50 {r['round_trip_us']['p50']:.1f} p99 {r['round_trip_us']['p99']:.1f} us", flush=True)
-    if "throughput" in parts:
-        model = str(build_tiny_llama(work / "tiny"))
-        res["throughput"] = [throughput(model, work, "ring", {}),
-                             throughput(model, work, "zmq", {"OMNI_SIDECAR_RING": "0"})]
-    import vllm
+    if "handoff" in parts and budget.left() > 40:
+        from bench.gpu_handoff import run as handoff_run
 
-    res["vllm"] = vllm.__version__
-    (out / "gpu_results.json").write_text(json.dumps(res, indent=1))
-    print(f"written {out / 'gpu_results.json'}")
+        res["handoff"] = [handoff_run("cuda_ipc", 16, 300), handoff_run("shm", 16, 100)]
+    res["partial"] = any(c.get("status") != "done" for c in res["configs"])
+    sink(res["configs"])
+    print(f"written {json_path}" + (f" and {args.benchmarks}" if args.benchmarks else ""), flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # engines are shut down; skip the interpreter's slow teardown
 
 
 if __name__ == "__main__":

@@ -72,6 +72,10 @@ class HookNeeds(msgspec.Struct, frozen=True):
     hidden_layers: decoder layers whose input hidden states (vllm-omni's
       `hidden_states["layers"][N]`: N = 0 is the embeddings) the hooks get with
       the last-layer ones, every scheduled token; needs hidden_states.
+    extra_kwargs: the plans carry extra model forward kwargs (`build_extra_kwargs`). A FULL CUDA
+      graph replays what it captured and never sees them, so the shim refuses FULL graphs with
+      such hooks at start-up (docs/ARCHITECTURE.md, "Extra kwargs and CUDA graphs"). Older
+      sidecars do not send it (False): their shims do not refuse.
     """
 
     pre_forward: Literal["never", "prefill", "always"] = "never"
@@ -81,6 +85,7 @@ class HookNeeds(msgspec.Struct, frozen=True):
     model_states: bool = False
     input_ids: bool = False
     hidden_layers: Annotated[list[LayerIndex], msgspec.Meta(max_length=MAX_LAYERS)] = []
+    extra_kwargs: bool = False
 
 
 class ModelHooks(msgspec.Struct, frozen=True, array_like=True):

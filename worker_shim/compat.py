@@ -273,6 +273,36 @@ def v2_takes_prompt_embeds(version: str) -> bool:
     return minor is None or minor >= V2_PROMPT_EMBEDS_SINCE
 
 
+def welcome_refusal(needs, hook_set: str, vllm_config) -> str | None:
+    """Why vLLM must not start with these hooks and this configuration (one line), or None.
+
+    Prefix caching with hooks that overlay prompt embeddings (KV of one request reused by
+    another); extra forward kwargs with FULL CUDA graphs: a FULL graph replays the forward it
+    captured without calling the model, so kwargs the graph did not capture would be dropped
+    without a word (docs/ARCHITECTURE.md, "Extra kwargs and CUDA graphs").
+    """
+    if not needs.prefix_cache_safe and vllm_config.cache_config.enable_prefix_caching:
+        return (f"hook set {hook_set!r} overlays prompt embeddings, so KV cached for one request must not "
+                "be reused by another: start vLLM with prefix caching off "
+                "(--no-enable-prefix-caching / enable_prefix_caching=False).")
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    if getattr(needs, "extra_kwargs", False) and full_cuda_graphs(mode):
+        return (f"hook set {hook_set!r} passes extra forward kwargs, which FULL CUDA graph replay would "
+                f"drop (cudagraph_mode={getattr(mode, 'name', mode)}): start vLLM with "
+                "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' or --enforce-eager.")
+    return None
+
+
+def full_cuda_graphs(mode) -> bool:
+    """Does this CUDAGraphMode replay whole forwards (FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE)?"""
+    if mode is None:
+        return False
+    has_full = getattr(mode, "has_full_cudagraphs", None)
+    if callable(has_full):
+        return bool(has_full())
+    return "FULL" in str(getattr(mode, "name", mode)).upper()
+
+
 def _message(missing: list[str]) -> str:
     version = vllm_version()
     newer = " (newer than the last tested)" if newer_than_tested(version, "cpu") else ""

@@ -23,7 +23,8 @@ from worker_shim import __version__
 from worker_shim.channel import SidecarError
 from worker_shim.connection import SidecarConnection
 from worker_shim.batch import PayloadTracker
-from worker_shim.compat import ShimCompatError, check_upstream, upstream_request_ids_suffixed, vllm_version
+from worker_shim.compat import (ShimCompatError, check_upstream, upstream_request_ids_suffixed, vllm_version,
+                                welcome_refusal)
 from worker_shim.config import ArenaChoice, ShimConfig
 from worker_shim.link import SidecarLink
 from worker_shim.runner import SidecarRunnerMixin, swap_class
@@ -126,13 +127,10 @@ class ShimWorkerMixin:
             layer_room[0] = len(welcome.needs.hidden_layers)
             first = connect()
             welcome = first.connect(cfg.connect_timeout_s)
-        if not welcome.needs.prefix_cache_safe and vcfg.cache_config.enable_prefix_caching:
+        refusal = welcome_refusal(welcome.needs, welcome.hook_set, vcfg)
+        if refusal:
             first.close()
-            raise SidecarError(
-                f"hook set {welcome.hook_set!r} overlays prompt embeddings, so KV cached for one "
-                "request must not be reused by another: start vLLM with prefix caching off "
-                "(--no-enable-prefix-caching / enable_prefix_caching=False)."
-            )
+            raise SidecarError(refusal)
         log.info(
             "omni-sidecar shim %s connected to %s: hook set %r (sidecar %s, session %d, needs %s, "
             "tensors via %s)", __version__, cfg.endpoint, welcome.hook_set, welcome.sidecar_version,

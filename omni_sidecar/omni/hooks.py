@@ -63,6 +63,7 @@ class OmniStateHooks(OmniHooks):
             prefix_cache_safe=False,
             model_states=True,
             hidden_layers=sorted({int(n) for n in hidden_layers.split(",") if n.strip()}),
+            extra_kwargs=self.send_extra_kwargs,
         )
 
     # -- model-specific parts (override) -----------------------------------------

@@ -1,0 +1,259 @@
+"""Decode throughput shim / plain V2 on ONE device: both engines resident in this process.
+
+For each configuration (model x hook set) this driver process holds two vLLM engines at
+once, each in its own engine-core process (`VLLM_ENABLE_V1_MULTIPROCESSING=1`) with a
+share of the GPU's memory: plain V2, and V2 with the shim talking to a sidecar. It then
+runs many short rounds (N requests x T tokens, greedy, `ignore_eos`) alternating
+between them in ABBA / BAAB blocks and records each round's tokens/s; bench/ab_stats.py
+turns the rounds into the median block ratio, its bootstrap interval and the spread.
+
+Configurations: `passthrough` (the sidecar does nothing; default CUDA graphs) and `omni`
+(the omni hook set working every step: extra kwargs through a blocking plan each step,
+last-layer and two captured layers' hidden states each token, prefill overlays from each
+request's `prompt_embeds`). The shim refuses extra kwargs under FULL CUDA graphs
+(docs/ARCHITECTURE.md, "Extra kwargs and CUDA graphs"), so both engines of an `omni`
+pair run PIECEWISE graphs: like with like.
+
+Everything is bounded by a `Budget`: a configuration starts only if its engines' start
+(estimated from the starts seen so far) and its shortest measurement fit, rounds stop at
+the deadline, and `sink(results)` is called after every block so a cut-short run leaves
+its figures behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from bench.ab_stats import block_order, summarize
+from bench.gpu_models import KWARGS_MARK_ENV, SHAPES, build_model_dir, engine_kwargs, omni_hook_options, param_count
+
+CONFIGS: dict[str, tuple[str, str]] = {  # name -> (model, hook set); run in this order
+    "tiny-passthrough": ("tiny", "passthrough"),
+    "tiny-omni": ("tiny", "omni"),
+    "1b-passthrough": ("1b", "passthrough"),
+    "1b-omni": ("1b", "omni"),
+}
+
+
+@dataclass
+class Sizes:
+    num: int = 64  # requests per round (= max_num_seqs)
+    prompt_len: int = 16
+    max_tokens: dict[str, int] = field(default_factory=lambda: {"tiny": 128, "1b": 128})
+    measure_s: float = 22.0  # timed rounds per configuration, after warm-up
+    min_blocks: int = 3
+    max_blocks: int = 200
+    start_guess_s: float = 60.0  # one engine's start before any was seen
+    smoke: bool = False
+
+    @classmethod
+    def smoke_sizes(cls) -> "Sizes":
+        return cls(num=4, prompt_len=8, max_tokens={"tiny": 8, "1b": 8}, measure_s=0.0, min_blocks=2,
+                   max_blocks=2, start_guess_s=25.0, smoke=True)
+
+
+class Budget:
+    def __init__(self, seconds: float) -> None:
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + seconds
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+
+def _prompts(sizes: Sizes, hidden: int, payloads: bool, max_tokens: int, dtype: str) -> tuple[list, list]:
+    """Token-id prompts (fixed seed) and their params; with `payloads`, each carries prompt_embeds
+    (in the model's dtype; both engines get the same params, so both pay for the bytes)."""
+    import numpy as np
+    import torch
+    from vllm import SamplingParams
+
+    from omni_sidecar.payload import sidecar_extra_args
+
+    rng = np.random.default_rng(15)
+    prompts, params = [], []
+    for _ in range(sizes.num):
+        prompts.append({"prompt_token_ids": rng.integers(4, 380, sizes.prompt_len).tolist()})
+        extra = None
+        if payloads:
+            embeds = torch.from_numpy((rng.standard_normal((sizes.prompt_len, hidden)) * 0.02).astype(np.float32))
+            embeds = embeds.to(getattr(torch, dtype))
+            extra = sidecar_extra_args(prompt_embeds=embeds)
+        params.append(SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra))
+    return prompts, params
+
+
+def _round(llm, prompts, params) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    return sum(len(o.outputs[0].token_ids) for o in outs), dt
+
+
+def _shutdown(llm) -> None:
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()
+
+
+def _scalar_stats(stats: dict) -> dict:
+    return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in stats.items()
+            if isinstance(v, (int, float, str, bool))}
+
+
+def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list[float],
+               sink: Callable[[dict], None]) -> dict:
+    """One configuration: sidecar, the two engines, warm-up, ABBA blocks; `sink` after each block."""
+    from vllm import LLM
+
+    from tests.support.procs import SidecarProcess
+
+    model, hooks = CONFIGS[name]
+    shape = "mid" if (sizes.smoke and model == "1b") else model
+    graphs = "PIECEWISE" if hooks == "omni" else "FULL_AND_PIECEWISE"
+    kwargs = engine_kwargs(build_model_dir(work, shape), smoke=sizes.smoke, graphs=graphs, num_seqs=sizes.num)
+    res: dict = {"config": name, "model": shape, "params_m": round(param_count(SHAPES[shape]) / 1e6, 2),
+                 "hooks": hooks, "hook_options": omni_hook_options(shape) if hooks == "omni" else [],
+                 "graphs": "eager" if sizes.smoke else graphs, "dtype": kwargs["dtype"],
+                 "requests": sizes.num, "prompt_len": sizes.prompt_len, "max_tokens": sizes.max_tokens[model],
+                 "status": "starting", "rounds": []}
+    sink(res)
+    endpoint = f"ipc://{work}/{name}.sock"
+    engines: dict = {}
+    mark = work / f"{name}-kwargs.json"
+    sidecar = None
+    try:
+        sidecar = SidecarProcess(endpoint, hooks, work / f"{name}-sidecar.log", options=res["hook_options"],
+                                 extra_args=["--keep-finished", "256", "--log-level", "WARNING"])
+        for engine in ("plain", "shim"):
+            t0 = time.monotonic()
+            # Both get the same additional_config (plain ignores it): it enters vLLM's compile-cache
+            # key and worker_cls does not, so the second engine reuses the first one's compiled graphs
+            # where the shim adds none of its own (pass-through).
+            extra = {"additional_config": {"omni_sidecar": {"endpoint": endpoint}}}
+            if engine == "shim":
+                extra["worker_cls"] = "worker_shim.Worker"
+                os.environ[KWARGS_MARK_ENV] = str(mark)  # its engine core inherits it (fork or spawn)
+            engines[engine] = LLM(**kwargs, **extra)
+            starts.append(time.monotonic() - t0)
+            res[f"{engine}_start_s"] = round(starts[-1], 1)
+            print(f"[{name}] {engine} engine up in {starts[-1]:.1f} s ({budget.left():.0f} s of budget left)",
+                  flush=True)
+        prompts, params = _prompts(sizes, SHAPES[shape]["hidden_size"], hooks == "omni", sizes.max_tokens[model],
+                                   kwargs["dtype"])
+        for engine in ("plain", "shim", "plain", "shim"):  # warm-up: graphs, allocator, sidecar paths
+            _round(engines[engine], prompts, params)
+        res["status"] = "measuring"
+        t_measure = time.monotonic()
+        block = 0
+        while block < sizes.max_blocks:
+            if block >= sizes.min_blocks and time.monotonic() - t_measure >= sizes.measure_s:
+                break
+            if block >= 1 and budget.left() < 4 * (res["rounds"][-1]["s"] + 0.5) + 10:
+                res["cut_by_budget"] = True
+                break
+            for engine in block_order(block):
+                tokens, dt = _round(engines[engine], prompts, params)
+                res["rounds"].append({"block": block, "engine": engine, "tokens": tokens, "s": round(dt, 4),
+                                      "tok_s": round(tokens / dt, 2)})
+            block += 1
+            res["summary"] = summarize(res["rounds"])
+            sink(res)
+        (stats,) = engines["shim"].collective_rpc("omni_sidecar_stats")
+        res["shim_stats"] = _scalar_stats(stats)
+        # Did the hooks' extra kwargs reach the model's forward (omni)?
+        res["kwargs_reached_model"] = json.loads(mark.read_text()) if mark.exists() else None
+        res["summary"] = summarize(res["rounds"])
+        res["status"] = "done"
+        s = res["summary"]
+        print(f"[{name}] {s.get('blocks')} blocks: shim/plain median {s.get('ratio_median')} "
+              f"CI95 {s.get('ratio_ci95')} halves {s.get('halves')} | {s.get('verdict')}", flush=True)
+    except Exception as exc:  # a configuration that fails leaves the others' figures standing
+        res["status"] = "failed"
+        res["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        print(f"[{name}] FAILED: {res['error']}", flush=True)
+    finally:
+        os.environ.pop(KWARGS_MARK_ENV, None)
+        for llm in engines.values():
+            try:
+                _shutdown(llm)
+            except Exception:
+                pass
+        engines.clear()
+        if sidecar is not None:
+            sidecar.stop()
+        import gc
+
+        gc.collect()
+        sink(res)
+    return res
+
+
+REFUSAL = "FULL CUDA graph replay would drop"
+
+
+def refusal_check(work: Path, sizes: Sizes) -> dict:
+    """The shim with extra-kwargs hooks under FULL_AND_PIECEWISE graphs must refuse to start, with
+    its one-line message (docs/ARCHITECTURE.md, "Extra kwargs and CUDA graphs"). One engine in a
+    process of its own (engine core in-process, so the error comes back whole); it fails in the
+    worker's init_device, before the model loads."""
+    from tests.support.procs import SidecarProcess, run_engine
+
+    if sizes.smoke:
+        return {"status": "not applicable", "why": "no CUDA graphs on CPU (tests/test_graph_kwargs.py covers it)"}
+    kwargs = engine_kwargs(build_model_dir(work / "refusal", "tiny"), smoke=False, graphs="FULL_AND_PIECEWISE",
+                           num_seqs=4)
+    endpoint = f"ipc://{work}/refusal.sock"
+    sidecar = SidecarProcess(endpoint, "omni", work / "refusal-sidecar.log", options=["extra_kwargs=1"],
+                             extra_args=["--log-level", "WARNING"])
+    t0 = time.monotonic()
+    try:
+        res = run_engine({"model": kwargs.pop("model"), "prompts": [{"token_ids": [5, 6, 7]}], "max_tokens": 2,
+                          "shim": True, "endpoint": endpoint, "mp": 0, "llm_kwargs": kwargs}, work, "refusal",
+                         timeout_s=240)
+    except Exception as exc:
+        res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        sidecar.stop()
+    error = res.get("error") or ""
+    log = Path(res["log_path"]).read_text() if res.get("log_path") else ""
+    refused = not res.get("ok") and (REFUSAL in error or REFUSAL in log)
+    line = next((ln.strip() for ln in (error + "\n" + log).splitlines() if REFUSAL in ln), error[:300])
+    out = {"status": "refused" if refused else ("STARTED" if res.get("ok") else "failed otherwise"),
+           "message": line[-400:], "s": round(time.monotonic() - t0, 1)}
+    print(f"[refusal] {out['status']}: {out['message']}", flush=True)
+    return out
+
+
+def run_all(names: list[str], work: Path, sizes: Sizes, budget: Budget, sink: Callable[[list[dict]], None]) -> list[dict]:
+    """The configurations in order, each only if its starts and shortest measurement fit the budget."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # each engine core in a process of its own
+    results: list[dict] = []
+    starts: list[float] = []
+
+    def put(res: dict) -> None:
+        if not results or results[-1] is not res:
+            results.append(res)
+        sink(results)
+
+    for name in names:
+        start_est = max(starts[-2:]) if starts else sizes.start_guess_s
+        if name.startswith("1b") and not sizes.smoke and not any(r["config"].startswith("1b") for r in results):
+            start_est *= 1.5  # a larger model's first compile
+        need = 2 * start_est + 12 + (0 if sizes.smoke else min(sizes.measure_s, 15.0))
+        if budget.left() < need:
+            results.append({"config": name, "status": "skipped", "rounds": [],
+                            "error": f"budget: {budget.left():.0f} s left, ~{need:.0f} s needed"})
+            print(f"[{name}] skipped: {results[-1]['error']}", flush=True)
+            sink(results)
+            continue
+        run_config(name, work, sizes, budget, starts, put)
+    return results

@@ -1,0 +1,142 @@
+"""The one-device section of BENCHMARKS.md, owned by `python -m bench.gpu` (replaced each run).
+
+The section lies between two marker comments; a run (also a partial one, after every
+block) rewrites only what lies between them, or appends the section when the file has
+none. Every figure comes from the results JSON, so `python -m bench.gpu --render-json
+FILE` rebuilds the section from a run made elsewhere (the GPU host).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+BEGIN = "<!-- bench.gpu one-device: begin (written by `python -m bench.gpu`; edits here are replaced) -->"
+END = "<!-- bench.gpu one-device: end -->"
+
+
+def machine() -> dict:
+    """Where and with what the run happened (no CUDA initialised here: engines fork after this)."""
+    info: dict = {"python": platform.python_version(), "host_cpus": os.cpu_count(), "arch": platform.machine()}
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        gpus = [line.strip() for line in out.stdout.splitlines() if line.strip()]
+        info["gpus"] = gpus
+        info["visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    except (OSError, subprocess.SubprocessError):
+        info["gpus"] = []
+    for mod in ("torch", "vllm", "msgspec", "zmq", "triton"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:
+            info[mod] = None
+    try:
+        root = Path(__file__).resolve().parents[1]
+        info["commit"] = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        info["commit"] = None
+    info["argv"] = " ".join(sys.argv[1:])
+    return info
+
+
+def _fmt_ci(ci) -> str:
+    return f"{ci[0]:.3f} .. {ci[1]:.3f}" if ci else "-"
+
+
+def render(res: dict) -> str:
+    m = res.get("machine", {})
+    gpu = ", ".join(m.get("gpus") or []) or "no GPU (CPU)"
+    smoke = res.get("smoke")
+    lines = [BEGIN, "", "## Decode throughput on one device, side by side (issue #15)", ""]
+    if smoke:
+        lines += ["**Smoke run on CPU** (`--smoke`: tiny sizes, float32, eager, 2 blocks): it proves the code path "
+                  "end to end; its ratios are not figures to quote. The GPU run replaces this section.", ""]
+    lines += [
+        f"Run {res.get('date', '?')} on {gpu} ({m.get('host_cpus')} host CPUs), Python {m.get('python')}, "
+        f"torch {m.get('torch')}, vLLM {m.get('vllm')} (Model Runner V2), msgspec {m.get('msgspec')}, "
+        f"pyzmq {m.get('zmq')}; commit {m.get('commit')}; budget {res.get('budget_s')} s, used "
+        f"{res.get('elapsed_s')} s{' (cut short)' if res.get('partial') else ''}. Raw rounds and machine: "
+        f"`docs/bench/gpu/{res.get('json_name', 'gpu_ab.json')}`.",
+        "",
+        "Method: one driver process holds both engines at once (each its own engine-core process, its own share "
+        "of the device), then runs short rounds (N requests x T tokens, greedy, ignore_eos) alternating in ABBA / "
+        "BAAB blocks. Ratio = median over blocks of (mean shim tok/s / mean plain tok/s in the block), with a "
+        "bootstrap 95 % interval; spread = p10..p90 of block ratios, the two halves' medians (what two shorter "
+        "runs would disagree by), each engine's round-to-round CV. Random-weight Llamas (`load_format=dummy`, "
+        "fixed seed); `omni` = the omni hook set working every step (extra kwargs through a blocking plan, "
+        "hidden states + 2 captured layers per token, prefill overlays), run with PIECEWISE graphs on both "
+        "engines because the shim refuses extra kwargs under FULL graphs.",
+        "",
+        "| configuration | model | graphs | N x T | blocks | plain tok/s | shim tok/s | **shim / plain** (95 % CI) "
+        "| block ratios p10..p90 | halves | CV plain / shim | shim steps, blocking | shim StepEnd p50 / exchange p50 µs |",
+        "|---|---|---|---|---:|---:|---:|---|---|---|---|---|---|",
+    ]
+    for c in res.get("configs", []):
+        s = c.get("summary") or {}
+        st = c.get("shim_stats") or {}
+        if c.get("status") in ("skipped", "failed") and not s.get("blocks"):
+            lines.append(f"| {c['config']} | {c.get('model', '-')} | - | - | 0 | - | - | {c['status']}: "
+                         f"{c.get('error', '')[:160]} | | | | | |")
+            continue
+        steps = f"{st.get('steps', '-')}, {st.get('blocking_exchanges', '-')}" if st else "-"
+        host = (f"{st.get('post_us_p50', 0):.0f} / {st.get('exchange_us_p50', 0):.0f}" if st else "-")
+        status = "" if c.get("status") == "done" else f" ({c.get('status')})"
+        lines.append(
+            f"| {c['config']}{status} | {c['model']} ({c['params_m']} M) | {c['graphs']}, {c['dtype']} | "
+            f"{c['requests']} x {c['max_tokens']} | {s.get('blocks', 0)} | {s.get('plain_tok_s_median', '-')} | "
+            f"{s.get('shim_tok_s_median', '-')} | **{s.get('ratio_median', float('nan')):.3f}** "
+            f"({_fmt_ci(s.get('ratio_ci95'))}) | {_fmt_ci(s.get('block_ratio_p10_p90'))} | "
+            f"{s.get('halves')} | {s.get('cv_plain')} / {s.get('cv_shim')} | {steps} | {host} |")
+    lines.append("")
+    for c in res.get("configs", []):
+        s = c.get("summary") or {}
+        if s.get("verdict"):
+            start = f"engine starts {c.get('plain_start_s')} s / {c.get('shim_start_s')} s"
+            if c.get("hooks") == "omni":
+                got = c.get("kwargs_reached_model")
+                start += (f"; extra kwargs reached the model's forward ({got['rows']} rows on its first such step)"
+                          if got else "; extra kwargs did NOT reach the model's forward")
+            lines.append(f"- {c['config']}: {s['verdict']} ({start}).")
+    ref = res.get("refusal")
+    if ref:
+        lines.append(f"- Extra kwargs under FULL CUDA graphs (the shim with `--hooks omni --hook-option extra_kwargs=1`, "
+                     f"FULL_AND_PIECEWISE): {ref.get('status')}: `{ref.get('message') or ref.get('why', '')}`.")
+    if res.get("exchange"):
+        lines += ["", "Per-step exchange on this host (StepBegin for N requests -> StepPlan), µs p50 / p99:", "",
+                  "| requests | shm ring | ZeroMQ only | raw pyzmq REQ/REP | ring / raw p50 |", "|---:|---:|---:|---:|---:|"]
+        for r in res["exchange"]:
+            lines.append(f"| {r['requests']} | {r['ring_p50']:.1f} / {r['ring_p99']:.1f} | {r['zmq_p50']:.1f} / "
+                         f"{r['zmq_p99']:.1f} | {r['raw_p50']:.1f} / {r['raw_p99']:.1f} | {r['ratio_p50']:.2f} |")
+    for h in res.get("handoff", []):
+        lines.append(f"- handoff 16 MiB via {h['kind']}: shim host cost p50 {h['enqueue_us']['p50']:.0f} µs, "
+                     f"until the sidecar has it p50 {h['round_trip_us']['p50']:.0f} µs")
+    lines += ["", "Reproduce (one GPU): see `bench/gpu.py`'s docstring; the CPU smoke: "
+              "`python -m bench.gpu --smoke`.", "", END]
+    return "\n".join(lines)
+
+
+def write_section(path: Path, section: str) -> None:
+    """Replace the marked section of `path` (or append it), atomically."""
+    path = Path(path)
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        tail = rest.split(END, 1)[1]
+        text = head + section + tail
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def write_json(path: Path, res: dict) -> None:
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    tmp.write_text(json.dumps(res, indent=1))
+    tmp.replace(path)

@@ -1,0 +1,39 @@
+#!/bin/sh
+# The one-GPU throughput bench (issue #15) in one go on a bare GPU host:
+#   deploy/gpu/run_bench.sh BUNDLE_DIR OUT_DIR [SECONDS] [bench.gpu options...]
+# installs the bundle (deploy/gpu/build_bundle.sh) into /tmp/omni-site, runs
+# `python3 -m bench.gpu` with a budget of what is left of SECONDS (default 470) after the
+# install, less a margin for the copies, and leaves in OUT_DIR: gpu_ab.json (every round,
+# machine, versions, spread), BENCHMARKS.md (its bench.gpu section rewritten), bench.log,
+# the sidecars' logs. Partial results are written after every block, so a run cut short
+# still leaves its figures.
+set -u
+B=$1
+OUT=$2
+LIMIT=${3:-470}
+[ $# -ge 3 ] && shift 3 || shift $#
+SRC=$(cd "$(dirname "$0")/../.." && pwd)
+SITE=${OMNI_SITE:-/tmp/omni-site}  # where the bundle goes (a marker file skips a second install)
+mkdir -p "$OUT"
+t0=$(date +%s)
+if [ -f "$SITE/.omni-installed" ]; then
+  echo "bundle already installed in $SITE"
+elif sh "$SRC/deploy/gpu/install_bundle.sh" "$B" "$SITE" > "$OUT/install.log" 2>&1; then
+  touch "$SITE/.omni-installed"
+else
+  tail -40 "$OUT/install.log"
+  exit 1
+fi
+used=$(( $(date +%s) - t0 ))
+BUDGET=$(( LIMIT - used - 35 ))
+echo "installed in $used s; bench budget $BUDGET s"
+cd "$SRC"  # `python -m` children put the working directory first on sys.path
+export PYTHONPATH="$SRC:$SITE" VLLM_USE_V2_MODEL_RUNNER=1 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
+  VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+W=$(mktemp -d /tmp/bench-XXXXXX)  # this run's work folder (models, sockets, sidecar logs)
+TMPDIR=$W timeout $(( BUDGET + 30 )) python3 -m bench.gpu --budget-s "$BUDGET" --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
+echo "bench.gpu rc=$? after $(( $(date +%s) - t0 )) s"
+cp BENCHMARKS.md "$OUT/BENCHMARKS.md"
+cp "$W"/omni-gpu-ab-*/*-sidecar.log "$W"/omni-gpu-ab-*/refusal.log "$OUT/" 2>/dev/null
+grep -v '^(' "$OUT/bench.log" | grep -v '^\[W' | tail -30
+exit 0

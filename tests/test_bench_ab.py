@@ -1,0 +1,60 @@
+"""The one-device bench's statistics and its BENCHMARKS.md section (pure functions: no timing)."""
+
+from __future__ import annotations
+
+from bench.ab_stats import block_order, block_ratios, bootstrap_median, summarize
+from bench.gpu_report import BEGIN, END, render, write_section
+
+
+def rounds(plain: list[float], shim: list[float]) -> list[dict]:
+    """Blocks of two plain and two shim rounds, in the bench's order."""
+    out, p, s = [], iter(plain), iter(shim)
+    for b in range(len(plain) // 2):
+        for engine in block_order(b):
+            out.append({"block": b, "engine": engine, "tok_s": next(p if engine == "plain" else s), "s": 1.0})
+    return out
+
+
+def test_blocks_alternate_abba_and_baab():
+    assert block_order(0) == ["plain", "shim", "shim", "plain"]
+    assert block_order(1) == ["shim", "plain", "plain", "shim"]
+
+
+def test_block_ratio_is_mean_shim_over_mean_plain_and_skips_incomplete_blocks():
+    rs = rounds([100, 100, 200, 200], [90, 110, 180, 180])
+    assert block_ratios(rs) == [1.0, 0.9]
+    assert block_ratios(rs[:-1]) == [1.0]  # the last block lost its last round
+
+
+def test_bootstrap_interval_holds_the_median_and_is_seeded():
+    values = [0.97, 0.98, 0.99, 1.0, 0.985, 0.975, 0.995]
+    lo, hi = bootstrap_median(values)
+    assert lo <= sorted(values)[3] <= hi
+    assert bootstrap_median(values) == (lo, hi)
+
+
+def test_an_effect_inside_the_spread_is_not_claimed():
+    plain = [100.0, 104.0, 96.0, 101.0, 99.0, 103.0, 97.0, 100.0, 102.0, 98.0, 100.0, 101.0, 99.0, 100.0]
+    same = summarize(rounds(plain, list(reversed(plain))))
+    assert same["blocks"] == 7 and same["ratio_ci95"][0] <= 1.0 <= same["ratio_ci95"][1]
+    assert "not" in same["verdict"].split(":")[-1] or "no cost" in same["verdict"]
+    slower = summarize(rounds(plain, [x * 0.9 for x in plain]))
+    assert abs(slower["ratio_median"] - 0.9) < 1e-3 and slower["verdict"].endswith("agree within the effect")
+    few = summarize(rounds(plain[:4], [x * 0.9 for x in plain[:4]]))
+    assert "only 2 blocks" in few["verdict"]
+
+
+def test_the_section_is_replaced_not_appended(tmp_path):
+    path = tmp_path / "BENCHMARKS.md"
+    path.write_text("# Benchmarks\n\nkept above\n")
+    res = {"smoke": True, "machine": {}, "configs": [
+        {"config": "tiny-passthrough", "model": "tiny", "params_m": 0.39, "graphs": "eager", "dtype": "float32",
+         "requests": 4, "max_tokens": 8, "status": "done", "summary": summarize(rounds([10.0] * 4, [9.0] * 4))},
+        {"config": "1b-omni", "status": "skipped", "error": "budget"}]}
+    write_section(path, render(res))
+    path.write_text(path.read_text() + "\nkept below\n")
+    write_section(path, render(res))
+    text = path.read_text()
+    assert text.count(BEGIN) == 1 and text.count(END) == 1
+    assert text.startswith("# Benchmarks\n\nkept above\n") and text.rstrip().endswith("kept below")
+    assert "**0.900**" in text and "1b-omni | - | - | - | 0 | - | - | skipped: budget" in text
