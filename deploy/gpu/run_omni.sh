@@ -9,7 +9,7 @@
 set -u
 B=$1
 OUT=$2
-LIMIT=${3:-420}
+LIMIT=${3:-180}
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
 SITE=/tmp/omni-site
 mkdir -p "$OUT"

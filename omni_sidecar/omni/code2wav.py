@@ -92,8 +92,9 @@ class Code2WavHooks(OmniStateHooks):
         if self.chunk_frames < 1 or self.left_context < 0:
             raise ValueError(f"chunk_frames must be >= 1 and left_context >= 0, got {chunk_frames}, {left_context}")
         # The chunk must reach the forward: one exchange per step that runs a request with a payload.
+        # Its chunks are forward kwargs: no FULL CUDA graph may replay a forward without them (refused).
         self.needs = HookNeeds(pre_forward="always", pre_forward_scope="payload", hidden_states=False,
-                               prefix_cache_safe=False, model_states=True)
+                               prefix_cache_safe=False, model_states=True, extra_kwargs=True)
 
     def plan(self, state: dict[str, Any]) -> tuple[torch.Tensor, int, int]:
         """(codes [frames, Q], chunk frames, left context) of a request."""
