@@ -57,7 +57,7 @@ rm -f "$OUT/vllm-0.26.0-tree.tar.xz"
 for spec in pydantic==2.14.4 pydantic_core==2.50.5 annotated_types typing_inspection pyzmq==27.3.0 \
     msgspec==0.23.0 cbor2 pybase64 cachetools openai httpx2 sniffio openai_harmony llguidance==1.7.6 \
     xgrammar==0.2.7 apache_tvm_ffi==0.1.10 partial_json_parser fastapi==0.136.3 starlette==1.10.0 \
-    httpcore2 jiter setproctitle prometheus_client; do
+    httpcore2 jiter setproctitle prometheus_client blake3; do
   $DL -d "$OUT/wheels" "$spec"
 done
 # The project itself, as a wheel (no dependencies: the host has them from above).

@@ -21,6 +21,8 @@ if [ ! -f "$SITE/.omni-installed" ]; then
   fi
   touch "$SITE/.omni-installed"
 fi
+# Wheels a bundle built before it listed them (blake3: vLLM hashes multimodal inputs with it).
+[ -d "$SRC/.whl" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$SRC"/.whl/*.whl
 echo "installed in $(( $(date +%s) - t0 )) s"
 cd "$SRC"
 export PYTHONPATH="$SRC:$SITE" VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
