@@ -218,6 +218,18 @@ class SidecarChannel:
         out, self._results = self._results, []
         return out
 
+    def poll_ring_results(self) -> list[StepResult]:
+        """Results waiting in the ring now, socket untouched (a frame behind a MARK waits for the
+        next `take_results`); without rings, `take_results`."""
+        if self.rings is None:
+            return self.take_results()
+        while (msg := self._ring_next()) is not None:
+            self._stash(msg)
+        if not self._results:
+            return []
+        out, self._results = self._results, []
+        return out
+
     def peer_gone(self) -> bool:
         """True once the sidecar's end of the connection went away (crash, kill, stop)."""
         # Called every step: poll(0) is a cheap "nothing new" (no exception on the common path).

@@ -21,7 +21,7 @@ import msgspec
 import torch
 
 from omni_arena.tensor_tree import store_tree
-from proto.messages import HookNeeds, RequestError, StepBegin, StepEnd
+from proto.messages import HookNeeds, RequestError, StepBegin, StepEnd, StepTick
 from proto.settings import ERROR_TEXT_MAX, TIMINGS_KEPT
 from worker_shim.batch import PayloadTracker, batch_layout, new_request, payload_of
 from worker_shim.channel import SidecarError
@@ -207,13 +207,36 @@ class SidecarLink:
                 self.counters.finished_requests += len(ending)
                 self.requests.note_finished(ending, ())
         try:
-            self._send_step_end(conn, batch, state, num_tokens, model_results)
+            if self._brings_nothing_new(conn, batch, state, model_results):
+                self._send_step_tick(conn, num_tokens)
+            else:
+                self._send_step_end(conn, batch, state, num_tokens, model_results)
         except (SidecarError, ValueError) as exc:
             self.recovery.lose(f"step {self.step}: {exc}")
         self.step += 1
         if batch is not None:
             self._last_post_us = (time.perf_counter() - t0) * 1e6
             record_timing(self.counters.post_us, self._last_post_us)
+
+    def _brings_nothing_new(self, conn: Any, batch: Any, state: Any, model_results: ModelResults | None) -> bool:
+        """Does this step leave the sidecar with nothing to do but count it? Only when its hooks read
+        no per-step layout (HookNeeds.step_layouts, 1.5) and the step brings no request change, no
+        failure, no hidden states and no model results (docs/ARCHITECTURE.md, Step sequence)."""
+        needs = conn.needs
+        if needs.step_layouts or self.requests.has_notices() or self.failures.pending:
+            return False
+        if batch is not None and conn.sends_hidden and state.hidden_states is not None:
+            return False
+        return not (needs.model_states and model_results and (model_results[0] or model_results[1]))
+
+    def _send_step_tick(self, conn: Any, num_tokens: int) -> None:
+        """The fixed-size StepTick: counters and timings, nothing that grows with the batch. Only a
+        StepResult with `switch_to` answers it; a non-blocking look at the ring finds that one."""
+        conn.send_tick(StepTick(self.step, num_tokens, self._step_exchange_us, self._last_post_us))
+        self._step_exchange_us = 0.0
+        results = conn.poll_results()
+        if results:
+            self.recovery.note_results(results)
 
     def _send_step_end(self, conn: Any, batch: Any, state: Any, num_tokens: int,
                        model_results: ModelResults | None) -> None:
@@ -287,14 +310,20 @@ class SidecarLink:
         }
 
     def flush(self) -> None:
-        """Wait for the results of every step sent so far (if a sidecar is connected)."""
+        """Wait until the sidecar handled every step sent so far (if a sidecar is connected): the
+        results of the StepEnds; StepTicks sent since are unanswered, so one Ping behind them
+        (docs/ARCHITECTURE.md, Step sequence)."""
         conn = self.conn
         if conn is None or conn.last_sent_step < 0:
             return
         try:
-            self.recovery.note_results(conn.take_results(until_step=conn.last_sent_step))
+            if conn.last_answered_step >= 0:
+                self.recovery.note_results(conn.take_results(until_step=conn.last_answered_step))
+            if conn.last_sent_step > conn.last_answered_step and conn.switch_ack is None:
+                conn.sync()
         except SidecarError as exc:
-            self.recovery.lose(f"flush: {exc}")
+            if conn.switch_ack is None:  # else handed over while idle: the next step switches
+                self.recovery.lose(f"flush: {exc}")
 
     def note_model_errors(self, errors: dict[str, str]) -> None:
         """Requests whose model hooks failed in this step: the sidecar's clients learn it."""
