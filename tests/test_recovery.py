@@ -49,6 +49,7 @@ class FakeConnection:
         self.last_sent_step = -1
         self.last_answered_step = -1
         self.syncs = 0
+        self.answer_due = False  # the real one defers a quiet spell's answer; announce_step answers here
         self.peer_req_ids = None
         self.sends_hidden = False
         self.announced: list[int] = []

@@ -27,7 +27,7 @@ from zmq.utils.monitor import recv_monitor_message
 from proto.arena import ArenaError
 from proto.codec import Codec, FrameError
 from proto.errors import ProtoError
-from proto.messages import ErrorReply, Hello, Message, MirrorUpdate, Reject, StepResult, SwitchAck, Welcome
+from proto.messages import ErrorReply, Hello, Message, MirrorUpdate, Ping, Pong, Reject, StepResult, SwitchAck, Welcome
 from proto.shmring import EMPTY, RingDuplex, RingError, ShmRing
 from proto.transport import RingTransport, WaitPolicy, apply_curve_client, reply_problem, route, set_heartbeats, wakes
 from worker_shim.config import RingConfig
@@ -68,6 +68,9 @@ class SidecarChannel:
         self.acked_step = -1  # highest step whose StepResult arrived
         self.switch_ack: SwitchAck | None = None  # sent unsolicited when the sidecar handed us over idle
         self.mirror_updates: list[MirrorUpdate] = []  # unsolicited; applied at the next step start
+        # StepStarts sent with `answer` whose Pong has not arrived: awaited later in the step, at its
+        # one wait (docs/ARCHITECTURE.md, Hot upgrade); a Pong read meanwhile settles one.
+        self.pongs_due = 0
 
     @property
     def kicks_sent(self) -> int:
@@ -185,7 +188,7 @@ class SidecarChannel:
         self.send(msg)
         while True:
             reply = self._recv(self.step_timeout_ms / 1000)
-            if isinstance(reply, StepResult | MirrorUpdate):
+            if isinstance(reply, StepResult | MirrorUpdate) or self._answers_step_start(reply, msg):
                 self._stash(reply)
                 continue
             if isinstance(reply, SwitchAck) and want is not SwitchAck:
@@ -195,6 +198,19 @@ class SidecarChannel:
             if problem:
                 raise SidecarError(problem)
             return reply
+
+    def _answers_step_start(self, reply: Message, request: Message) -> bool:
+        """A Pong owed to a StepStart, not the answer to `request` (a Ping's Pong carries its nonce)."""
+        return (isinstance(reply, Pong) and self.pongs_due > 0
+                and not (isinstance(request, Ping) and reply.nonce == request.nonce))
+
+    def await_pongs(self) -> None:
+        """Wait for the Pongs owed to StepStarts; SidecarError (with `switch_ack` set) when the sidecar
+        handed this session over before it read them: they never come."""
+        while self.pongs_due > 0:
+            if self.switch_ack is not None:
+                raise SidecarError("the sidecar handed this session over to its successor")
+            self._stash(self._recv(self.step_timeout_ms / 1000))
 
     def take_results(self, until_step: int | None = None) -> list[StepResult]:
         """Results received so far; blocks (up to the step timeout) for `until_step`'s."""
@@ -246,6 +262,8 @@ class SidecarChannel:
             self.switch_ack = msg  # the sidecar handed this idle session over: switch at the next step
         elif isinstance(msg, MirrorUpdate):
             self.mirror_updates.append(msg)
+        elif isinstance(msg, Pong) and self.pongs_due > 0:
+            self.pongs_due -= 1  # the sidecar read that StepStart before it could hand the session over
         elif isinstance(msg, ErrorReply):
             if self.switch_ack is not None:
                 return  # the sidecar let this session go: what we sent since was not for it

@@ -139,7 +139,7 @@ class SidecarConnection:
     def sync(self) -> None:
         """One round trip behind everything sent so far (a Ping: one order per connection): the
         sidecar has read it all, StepTicks included."""
-        self.call(Ping(), Pong)
+        self.call(Ping(nonce=-1), Pong)  # -1: never a step, so never taken for a StepStart's answer
 
     def call(self, msg: Message, want: type) -> Any:
         self._note_sent(msg, time.monotonic())  # a step message's layout is the sidecar's even when no reply comes
@@ -148,8 +148,8 @@ class SidecarConnection:
     def announce_step(self, step: int, answer_after_s: float) -> None:
         """StepStart, first thing in a step (sidecars of protocol 1.2 and later): the sidecar hands
         a session over on its own only between steps. After `answer_after_s` without sending, it
-        may be doing so right now: wait for its answer (SidecarError with `switch_ack` set: it did).
-        See docs/ARCHITECTURE.md, Hot upgrade."""
+        may be doing so right now: the StepStart asks for an answer, awaited at the step's one wait
+        (`answer_due`: the plan's round trip, else `await_answer`). See docs/ARCHITECTURE.md, Hot upgrade."""
         if self.welcome is None or self.welcome.protocol_minor < 2:
             return
         quiet_since = self.last_sent_at
@@ -158,7 +158,17 @@ class SidecarConnection:
             self.send(StepStart(step=step, mirror_seq=self.mirror_seq))
             if time.monotonic() - quiet_since < answer_after_s:
                 return  # written while the sidecar still counted this session as stepping
-        self.call(StepStart(step=step, answer=True, mirror_seq=self.mirror_seq), Pong)
+        self.send(StepStart(step=step, answer=True, mirror_seq=self.mirror_seq))
+        self._channel.pongs_due += 1
+
+    @property
+    def answer_due(self) -> bool:
+        """A StepStart of this step asked for an answer that has not come yet."""
+        return self._channel.pongs_due > 0
+
+    def await_answer(self) -> None:
+        """Wait for it; SidecarError with `switch_ack` set when the session was handed over first."""
+        self._channel.await_pongs()
 
     def take_mirror_updates(self) -> list[tuple[str, dict[str, Any]]]:
         """(req_id, entries) of the MirrorUpdates received so far (read with `take_results`), in order,

@@ -21,7 +21,7 @@ import msgspec
 import torch
 
 from omni_arena.tensor_tree import store_tree
-from proto.messages import HookNeeds, RequestError, StepBegin, StepEnd, StepTick
+from proto.messages import HookNeeds, RequestError, StepBegin, StepEnd, StepPlan, StepTick
 from proto.settings import ERROR_TEXT_MAX, TIMINGS_KEPT
 from worker_shim.batch import PayloadTracker, batch_layout, new_request, payload_of
 from worker_shim.channel import SidecarError
@@ -160,17 +160,20 @@ class SidecarLink:
         conn = self.conn
         if conn is None:
             return {}
-        want = bridge.missing_states(input_batch.req_ids) if bridge is not None and conn.needs.model_states else []
-        if not want and not self.payloads.exchange_needed(conn.needs, input_batch, among=self.requests.live):
+        want, needed = self._plan_needed(conn, input_batch, bridge)
+        if not needed and conn.answer_due:  # the quiet spell's answer is this step's one wait
+            self.recovery.settle(self.step)
+            if self.conn is not conn:  # a successor (or none): its needs decide
+                return self.pre_forward(input_batch, model, embeds, bridge) if self.conn is not None else {}
+        if not needed:
             return {}
         t0 = time.perf_counter()
-        new, finished, preempted = self.requests.take_notices()
-        layout = batch_layout(input_batch, conn.peer_req_ids, conn.needs.input_ids)
-        msg = StepBegin(step=self.step, batch=layout, new_requests=new, finished=finished, preempted=preempted,
-                        want_states=want, model_hooks=bridge.wire if want and bridge is not None else None)
-        self._layout_sent = True
+        notices = self.requests.take_notices()
         try:
-            plan = conn.step_plan(msg)
+            plan = self._ask_plan(conn, input_batch, notices, want, bridge)
+            if plan is None:  # handed over before the sidecar read this step: the successor decides
+                self.requests.requeue(*notices)
+                return self.pre_forward(input_batch, model, embeds, bridge) if self.conn is not None else {}
             self.counters.blocking_exchanges += 1
             self.counters.states_asked += len(want)
             self.failures.record(plan.errors)
@@ -184,6 +187,29 @@ class SidecarLink:
         record_timing(self.counters.exchange_us, self._step_exchange_us)
         return extra
 
+    def _plan_needed(self, conn: Any, input_batch: Any, bridge: ModelBridge | None) -> tuple[list[str], bool]:
+        """(requests whose state the mirror lacks, whether this batch needs a plan before the forward)."""
+        want = bridge.missing_states(input_batch.req_ids) if bridge is not None and conn.needs.model_states else []
+        return want, bool(want) or self.payloads.exchange_needed(conn.needs, input_batch, among=self.requests.live)
+
+    def _ask_plan(self, conn: Any, input_batch: Any, notices: tuple[list, list, list], want: list[str],
+                  bridge: ModelBridge | None) -> StepPlan | None:
+        """The blocking StepBegin; it also takes the answer a quiet spell's StepStart asked for. None when
+        the sidecar handed the session over before it read this step (switched: the successor has it)."""
+        new, finished, preempted = notices
+        layout = batch_layout(input_batch, conn.peer_req_ids, conn.needs.input_ids)
+        msg = StepBegin(step=self.step, batch=layout, new_requests=new, finished=finished, preempted=preempted,
+                        want_states=want, model_hooks=bridge.wire if want and bridge is not None else None)
+        self._layout_sent = True
+        try:
+            return conn.step_plan(msg)
+        except SidecarError:
+            if conn.switch_ack is None or not conn.answer_due:
+                raise
+        self._layout_sent = False  # the successor has seen nothing of this step
+        self.recovery.settle(self.step)  # switches and announces the step to the successor
+        return None
+
     def end_step(self, state: Any, model_results: ModelResults | None = None) -> None:
         """After upstream execute_model: StepEnd with what the sidecar has not seen yet.
 
@@ -195,6 +221,8 @@ class SidecarLink:
         if batch is not None:
             self.counters.steps += 1
             self.counters.scheduled_tokens += num_tokens
+        if self.conn is not None and self.conn.answer_due:  # nothing of this step waited yet: now, once
+            self.recovery.settle(self.step)
         conn = self.conn
         # A step announced with StepStart ends with a StepEnd, even an empty one (docs/ARCHITECTURE.md, Hot upgrade).
         if conn is None or (batch is None and not (self.requests.has_notices() or self.failures.pending

@@ -104,6 +104,21 @@ class Recovery:
             if self.conn is not None:
                 self._announce(step)
 
+    def settle(self, step: int) -> None:
+        """The step's StepStart asked for an answer (a quiet spell) and nothing else of the step waited
+        for the sidecar yet: wait for it now. Handed over before the sidecar read it: switch now and
+        announce the step to the successor, before anything else of the step is sent (Hot upgrade)."""
+        while self.conn is not None and self.conn.answer_due:
+            conn = self.conn
+            try:
+                conn.await_answer()
+            except SidecarError as exc:
+                if conn.switch_ack is None:
+                    self.lose(f"step {step}: {exc}")
+                    return
+                self._switch(step)
+                self._announce(step)
+
     def note_results(self, results: list[Any]) -> None:
         for result in results:
             self.failures.record(result.errors)
