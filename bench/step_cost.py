@@ -54,8 +54,10 @@ def _start_sidecar(endpoint: str, hooks: str) -> subprocess.Popen:
 
 
 def _request(req_id: str) -> SimpleNamespace:
+    """A request as vLLM hands it over; the shim watches its length (max_tokens) every step."""
     return SimpleNamespace(req_id=req_id, prompt_token_ids=[1, 2, 3], prompt_len=3,
-                           sampling_params=SimpleNamespace(extra_args=None))
+                           sampling_params=SimpleNamespace(extra_args=None, stop_token_ids=[], eos_token_id=2,
+                                                           max_tokens=1 << 20))
 
 
 def _decode_state(req_ids: list[str], step: int) -> SimpleNamespace:
@@ -86,7 +88,7 @@ class ShimUnderTest:
 
         conn = connect()
         conn.connect(10.0)
-        self.link = SidecarLink(connect, conn, length_finishes=False)
+        self.link = SidecarLink(connect, conn)  # length finishes watched, as in the worker
         self.req_ids = [f"cmpl-{i:06d}-0-abcdef12" for i in range(num_reqs)]
         self.link.note_new([_request(r) for r in self.req_ids])
         self.step = 0

@@ -122,6 +122,14 @@ class RingTransport:
         if how == "socket":
             self._send_socket(frame)
             return
+        if not self._queue:  # the usual case: nothing waits, no queue to go through
+            outcome = self.duplex.send(frame, how == "marked")
+            if outcome == "socket":
+                self._send_socket(frame)  # the peer wakes on this frame itself
+            elif outcome == "ring" and wake and self.duplex.peer_sleeping() and self._kick():
+                self.kicks_sent += 1
+            if outcome != "full":
+                return
         self._queue.append((frame, how == "marked"))
         self.flush(wake)
         if len(self._queue) > self._max_queued:

@@ -170,6 +170,8 @@ class SidecarChannel:
         assert rings is not None
         try:
             rings.send(frame, route(msg), wake=wakes(msg))
+            if not rings.queued:
+                return
             deadline = time.monotonic() + self.step_timeout_ms / 1000
             while rings.queued:  # the sidecar is behind on this connection
                 if time.monotonic() > deadline:

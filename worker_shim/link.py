@@ -103,6 +103,8 @@ class SidecarLink:
     # -- notes from upstream calls ----------------------------------------------
 
     def note_finished(self, finished: set[str], preempted: set[str] | None) -> None:
+        if not finished and not preempted:  # most steps: nothing to note
+            return
         news = set(finished) - self.finishes.already_told(finished)  # some the sidecar has from us
         self.counters.finished_requests += len(news)
         self.payloads.note_finished(finished)
