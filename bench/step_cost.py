@@ -3,9 +3,9 @@
 What a decode step costs the vLLM worker's thread in the shim: `note_finished` + `begin_step`
 (StepStart) + `pre_forward` (no exchange here) + `end_step` (whatever the step sends), with
 vLLM's batch faked (N requests, one decode row each, numpy arrays as V2 keeps them). The
-"forward" between steps is a sleep (`--forward-ms`, default 2.5 ms: the tiny model's CUDA-graph
-step on an H200), so the sidecar spins out and sleeps as it would, and kicks are paid where
-they would be. Two figures per step: the worker thread's CPU time in those calls (the host cost;
+"forward" between steps (`--forward-ms`, default 2.5 ms: the tiny model's CUDA-graph step on an
+H200) spins on the worker thread (or sleeps, `--forward-sleep`); the sidecar spins out and sleeps
+as it would, and kicks are paid where they would be. Two figures per step: the worker thread's CPU time in those calls (the host cost;
 other processes on a small host do not inflate it: on a one-CPU VM the sidecar's spin shares the
 core) and their wall time. Timings only: nothing here passes or fails.
 
@@ -69,6 +69,18 @@ def _decode_state(req_ids: list[str], step: int) -> SimpleNamespace:
     return SimpleNamespace(input_batch=batch, hidden_states=None)
 
 
+def _forward(seconds: float, spin: bool) -> None:
+    """The forward's time on the worker thread: spinning, as a thread that waits for the device with
+    CUDA's default (spin) synchronisation keeps its CPU; or sleeping (`--forward-sleep`), where a
+    VM's CPU goes idle and the next step starts with cold caches."""
+    if not spin:
+        time.sleep(seconds)
+        return
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 class ShimUnderTest:
     """One link + connection (rings on) to its own sidecar process."""
 
@@ -95,7 +107,7 @@ class ShimUnderTest:
         self.samples: list[float] = []  # wall time in the shim's calls
         self.cpu_samples: list[float] = []  # CPU time of this thread in them (what other processes do not inflate)
 
-    def run(self, steps: int, forward_s: float) -> None:
+    def run(self, steps: int, forward_s: float, spin: bool = True) -> None:
         link, no_finishes = self.link, set()
         wall, cpu = time.perf_counter, time.thread_time
         for _ in range(steps):
@@ -105,7 +117,7 @@ class ShimUnderTest:
             link.begin_step()
             link.pre_forward(state.input_batch, None)
             t1, c1 = wall(), cpu()
-            time.sleep(forward_s)  # the forward: not the shim's cost
+            _forward(forward_s, spin)  # not the shim's cost
             c2, t2 = cpu(), wall()
             link.end_step(state)
             t3, c3 = wall(), cpu()
@@ -135,19 +147,20 @@ def percentiles(samples_s: list[float]) -> dict[str, float]:
             "p99": us[round(0.99 * (len(us) - 1))], "n": len(us)}
 
 
-def measure(steps: int, num_reqs: int, forward_ms: float, hook_sets: dict[str, str] = HOOK_SETS) -> dict:
+def measure(steps: int, num_reqs: int, forward_ms: float, hook_sets: dict[str, str] = HOOK_SETS,
+            spin: bool = True) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="omni-stepcost-"))
     shims = {name: ShimUnderTest(run_dir, name, hooks, num_reqs) for name, hooks in hook_sets.items()}
     try:
         for shim in shims.values():
-            shim.run(20, forward_ms / 1000)  # warm-up: the first step admits the requests
+            shim.run(20, forward_ms / 1000, spin)  # warm-up: the first step admits the requests
             shim.samples.clear()
             shim.cpu_samples.clear()
         done = 0
         while done < steps:
             block = min(BLOCK, steps - done)
             for shim in shims.values():
-                shim.run(block, forward_ms / 1000)
+                shim.run(block, forward_ms / 1000, spin)
             done += block
     finally:
         checks = {name: shim.close() for name, shim in shims.items()}
@@ -160,10 +173,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--forward-ms", type=float, default=2.5)
+    p.add_argument("--forward-sleep", action="store_true", help="sleep through the forward instead of spinning")
     p.add_argument("--only", default="", help="comma-separated hook sets (passthrough, observe)")
     args = p.parse_args()
     names = [n for n in args.only.split(",") if n] or list(HOOK_SETS)
-    res = measure(args.steps, args.requests, args.forward_ms, {n: HOOK_SETS[n] for n in names})
+    res = measure(args.steps, args.requests, args.forward_ms, {n: HOOK_SETS[n] for n in names}, not args.forward_sleep)
     for name, r in res.items():
         cpu, wall = r["cpu"], r["wall"]
         print(f"shim host cost per step, {name:>11}, {args.requests} requests: CPU p50 {cpu['p50']:.1f} us "

@@ -41,6 +41,7 @@ class FinishWatch:
         # requests (steady decode): rebuilding them costs a dict look-up per row every step.
         self._rows_ids: list[str] | None = None
         self._rows_last: np.ndarray | None = None
+        self._rows_last_before: np.ndarray | None = None  # minus one: the position a last decode row starts at
 
     def note_new(self, req: Any, prompt_len: int) -> None:
         sp = getattr(req, "sampling_params", None)
@@ -68,8 +69,13 @@ class FinishWatch:
         if ids != self._rows_ids:  # the same strings in the same rows: a cheap comparison
             self._rows_ids = list(ids)
             self._rows_last = np.fromiter((self._last_position.get(r, _NEVER) for r in ids), dtype=np.int64, count=n)
+            self._rows_last_before = self._rows_last - 1
+        computed = batch.num_computed_tokens_np[:n]
         qsl = batch.query_start_loc_np
-        upto = batch.num_computed_tokens_np[:n] + qsl[1:n + 1] - qsl[:n]  # computed after this step
+        if qsl[n] == n:  # one row each (decode): computed after this step = computed + 1
+            if not (computed >= self._rows_last_before).any():
+                return []
+        upto = computed + qsl[1:n + 1] - qsl[:n]  # computed after this step
         reached = upto >= self._rows_last
         if not reached.any():
             return []
