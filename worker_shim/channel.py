@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import select
 import time
 
 import msgspec
@@ -36,6 +37,7 @@ log = logging.getLogger("vllm.omni_sidecar.shim.channel")
 FULL_RING_WAIT_S = 0.0002
 TSO_MACHINES = ("x86_64", "amd64")  # where the rings' store order holds without fences
 MARK_WAIT_MS = 50  # a MARK's frame is already on its way: wait for it in short steps
+MONITOR_ASK_S = 0.5  # ask ZeroMQ about the monitor at least this often, signal or not
 
 
 class SidecarError(RuntimeError):
@@ -60,6 +62,12 @@ class SidecarChannel:
         self._sock.setsockopt(zmq.RCVTIMEO, self.step_timeout_ms)
         set_heartbeats(self._sock)  # a sidecar that stops answering is gone even while vLLM idles
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # ZeroMQ's edge-triggered signal: the monitor's FD turns readable when news arrive after a
+        # read found nothing; that first read (the poll below) arms it.
+        self._monitor_news = select.poll()
+        self._monitor_news.register(self._monitor.getsockopt(zmq.FD), select.POLLIN)
+        self._monitor.poll(0)
+        self._monitor_asked_at = time.monotonic()
         if curve_keys:
             apply_curve_client(self._sock, curve_keys)
         self._sock.connect(endpoint)
@@ -250,7 +258,14 @@ class SidecarChannel:
 
     def peer_gone(self) -> bool:
         """True once the sidecar's end of the connection went away (crash, kill, stop)."""
-        # Called every step: poll(0) is a cheap "nothing new" (no exception on the common path).
+        # Called every step: a poll of the monitor's FD is the cheap "nothing new" (<1 us; ZeroMQ's
+        # own poll costs a few); only when it signals, ask ZeroMQ and drain every event.
+        if self._gone:
+            return True
+        now = time.monotonic()
+        if not self._monitor_news.poll(0) and now < self._monitor_asked_at + MONITOR_ASK_S:
+            return False
+        self._monitor_asked_at = now  # also asked now and then: a missed signal costs no more than that
         while self._monitor.poll(0):
             if recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED:
                 self._gone = True  # sticky: a ring wait may have seen it before the link asks
