@@ -3,7 +3,8 @@
 The runner mixin calls `begin_step` / `pre_forward` / `end_step` (or
 `abort_step` when upstream raised). A step sends a blocking StepBegin before
 the forward only when the sidecar's declared needs say so for this batch,
-and a StepEnd after it with what the sidecar has not seen yet. Who the
+and after it a StepEnd with what the sidecar has not seen yet, or the
+fixed-size StepTick (worker_shim/step_end.py). Who the
 sidecar is (loss, reconnect, hot-upgrade switch) is `Recovery`'s business;
 tensors cross in worker_shim/transfer.py; vLLM's batch is read in
 worker_shim/batch.py.
@@ -20,8 +21,7 @@ from typing import Any, Callable
 import msgspec
 import torch
 
-from omni_arena.tensor_tree import store_tree
-from proto.messages import HookNeeds, RequestError, StepBegin, StepEnd, StepPlan, StepTick
+from proto.messages import HookNeeds, RequestError, StepBegin, StepEnd, StepPlan
 from proto.settings import ERROR_TEXT_MAX, TIMINGS_KEPT
 from worker_shim.batch import PayloadTracker, batch_layout, new_request, payload_of
 from worker_shim.channel import SidecarError
@@ -32,9 +32,9 @@ from worker_shim.layers import LayerCapture
 from worker_shim.model_hooks import ModelBridge
 from worker_shim.recovery import Recovery
 from worker_shim.session import FailureReports, SessionRequests
+from worker_shim.step_end import ModelResults, StepEndRecords
 
 log = logging.getLogger("vllm.omni_sidecar.shim.link")
-ModelResults = tuple[dict[str, Any], dict[str, Any]]  # per request: state updates, outputs
 
 
 def record_timing(samples: list[float], value: float) -> None:
@@ -61,7 +61,7 @@ class StepCounters:
     model_hook_us: list[float] = field(default_factory=list)
 
 
-class SidecarLink:
+class SidecarLink(StepEndRecords):
     """The runner's side of the step protocol (rank 0, or the only rank)."""
 
     def __init__(self, connect: Callable[..., Any], first: Any, loss_policy: LossPolicy = "fail-all",
@@ -248,80 +248,7 @@ class SidecarLink:
             self._last_post_us = (time.perf_counter() - t0) * 1e6
             record_timing(self.counters.post_us, self._last_post_us)
 
-    def _brings_nothing_new(self, conn: Any, batch: Any, state: Any, model_results: ModelResults | None) -> bool:
-        """Does this step leave the sidecar with nothing to do but count it? Only when its hooks read
-        no per-step layout (HookNeeds.step_layouts, 1.5) and the step brings no request change, no
-        failure, no hidden states and no model results (docs/ARCHITECTURE.md, Step sequence)."""
-        needs = conn.needs
-        if needs.step_layouts or self.requests.has_notices() or self.failures.pending:
-            return False
-        if batch is not None and conn.sends_hidden and state.hidden_states is not None:
-            return False
-        return not (needs.model_states and model_results and (model_results[0] or model_results[1]))
-
-    def _send_step_tick(self, conn: Any, num_tokens: int) -> None:
-        """The fixed-size StepTick: counters and timings, nothing that grows with the batch. Only a
-        StepResult with `switch_to` answers it; a non-blocking look at the ring finds that one."""
-        conn.send_tick(StepTick(self.step, num_tokens, self._step_exchange_us, self._last_post_us))
-        self._step_exchange_us = 0.0
-        results = conn.poll_results()
-        if results:
-            self.recovery.note_results(results)
-
-    def _send_step_end(self, conn: Any, batch: Any, state: Any, num_tokens: int,
-                       model_results: ModelResults | None) -> None:
-        hidden_ref, layer_refs, hidden_event, slot = None, {}, -1, None
-        updates, outputs = model_results or ({}, {})
-        if not conn.needs.model_states:
-            updates, outputs = {}, {}
-        send_hidden = batch is not None and conn.sends_hidden and state.hidden_states is not None
-        if send_hidden or updates or outputs:
-            # One slot per step: hidden rows and captured layers first, then the model's updates and outputs.
-            slot = conn.claim_slot(self.step, self._wait_answered)
-            if send_hidden:
-                hidden_ref = slot.put(state.hidden_states[:num_tokens])
-                layer_refs = slot.put_layers(self._layer_rows(conn, num_tokens))
-            updates, outputs = store_tree(updates, slot.put), store_tree(outputs, slot.put)
-            hidden_event = slot.seal()
-        new, finished, preempted = self.requests.take_notices()
-        layout = None
-        if batch is not None and not self._layout_sent:
-            layout = batch_layout(batch, conn.peer_req_ids, conn.needs.input_ids)
-        msg = StepEnd(
-            step=self.step,
-            batch=layout,
-            new_requests=new,
-            finished=finished,
-            preempted=preempted,
-            hidden=hidden_ref,
-            hidden_layers=layer_refs,
-            hidden_event=hidden_event,
-            model_updates=updates,
-            model_outputs=outputs,
-            num_tokens=num_tokens,
-            shim_exchange_us=self._step_exchange_us,
-            shim_post_us=self._last_post_us,
-            failed=self.failures.take_pending(),
-        )
-        self._step_exchange_us = 0.0
-        conn.send(msg)
-        if slot is not None:
-            conn.slot_sent(self.step)
-        self.recovery.note_results(conn.take_results())
-
-    def _layer_rows(self, conn: Any, num_tokens: int) -> dict[int, torch.Tensor] | None:
-        """The captured layers this sidecar wants (those captured since load; a later sidecar
-        wanting others gets the ones there are, docs/ARCHITECTURE.md "Layer capture")."""
-        wanted = conn.needs.hidden_layers
-        if not wanted or self.layer_capture is None:
-            return None
-        return {n: rows for n, rows in self.layer_capture.rows(num_tokens).items() if n in wanted}
-
     # -- results and stats ---------------------------------------------------------
-
-    def _wait_answered(self, step: int) -> None:
-        """Block (up to the step timeout) until `step`'s result arrived."""
-        self.recovery.note_results(self.conn.take_results(until_step=step))
 
     def stats(self) -> dict[str, Any]:
         self.flush()
