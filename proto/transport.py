@@ -135,6 +135,13 @@ class RingTransport:
         if len(self._queue) > self._max_queued:
             raise RingOverflow(f"{len(self._queue)} replies wait for room in the peer's ring")
 
+    def send_quiet(self, frame: bytes) -> bool:
+        """A step message that wakes nobody (a StepStart wanting no answer, a StepTick) in one ring
+        write; False when it must take `send` (something queued first, too big, or no room)."""
+        if self._queue or len(frame) > self.duplex.tx.max_record:
+            return False
+        return self.duplex.tx.try_write(frame)
+
     def flush(self, wake: bool = True) -> None:
         """Send what the ring has room for now (RingError: the ring is broken); kick a sleeping
         reader unless `wake` is False."""

@@ -177,6 +177,8 @@ class SidecarChannel:
         rings = self.rings
         assert rings is not None
         try:
+            if not wakes(msg) and rings.send_quiet(frame):  # every step's StepStart, a pass-through step's StepTick
+                return
             rings.send(frame, route(msg), wake=wakes(msg))
             if not rings.queued:
                 return
