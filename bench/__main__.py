@@ -5,9 +5,11 @@
 (b) decode throughput of the tiny model: plain V2 vs shim + passthrough vs shim + omni
     hooks (ratios), configurations interleaved;
 (c) tensor handoff cost per MiB through the CPU shared-memory arena;
-(d) sidecar cold start to ready.
+(d) sidecar cold start to ready;
+(e) the shim's host cost per step: pass-through hooks (StepTick) vs hooks that read every step's
+    layout (a full StepEnd each step: the pre-1.5 traffic of every pass-through step).
 Writes BENCHMARKS.md and PNG latency histograms (into --out, default docs/bench/).
-`--only exchange` (or handoff, cold_start, throughput; comma-separated) runs just those parts
+`--only exchange` (or handoff, cold_start, throughput, step_cost; comma-separated) runs just those parts
 and prints them, without rewriting BENCHMARKS.md.
 """
 
@@ -58,6 +60,17 @@ def _start_sidecar(endpoint: str, hooks: str) -> subprocess.Popen:
     )
     wait_ready(endpoint, 60, proc)
     return proc
+
+
+def step_cost(steps: int) -> dict:
+    from bench.step_cost import measure
+
+    res = measure(steps, 64, 2.5)
+    for name, r in res.items():
+        print(f"(e) shim host cost per step, {name:>11}, 64 requests: CPU p50 {r['cpu']['p50']:.1f} us, "
+              f"p99 {r['cpu']['p99']:.1f} us (the sidecar saw {r['sidecar_steps']} of {r['shim_steps']} steps)",
+              flush=True)
+    return res
 
 
 def throughput(run_dir: Path, model: str, rounds: int) -> dict:
@@ -231,15 +244,35 @@ def write_markdown(path: Path, res: dict, plots: list[str], out: Path) -> None:
               "## (d) Sidecar cold start", "",
               f"`omni-sidecar serve --hooks omni` from process start to its first Pong: median "
               f"{c['median_s']:.2f} s, max {c['max_s']:.2f} s over {c['trials']} starts (vLLM keeps "
-              "serving meanwhile; compare vllm-omni's 238 s stage start).", "",
-              "## Reproduce", "", "```sh", "make bench            # writes BENCHMARKS.md and docs/bench/ (plots, results.json)", "```", ""]
+              "serving meanwhile; compare vllm-omni's 238 s stage start).", ""]
+    lines += step_cost_markdown(res["step_cost"])
+    lines += ["## Reproduce", "", "```sh", "make bench            # writes BENCHMARKS.md and docs/bench/ (plots, results.json)",
+              "```", ""]
     gpu = ROOT / "docs" / "bench" / "gpu" / "GPU.md"
     if gpu.exists():  # measured on a GPU host by `python -m bench.gpu`; kept across CPU runs
         lines += [gpu.read_text(), ""]
     path.write_text("\n".join(lines))
 
 
-PARTS = ("exchange", "handoff", "cold_start", "throughput")
+def step_cost_markdown(res: dict) -> list[str]:
+    p, o = res["passthrough"], res["observe"]
+    return [
+        "## (e) Shim host cost per step", "",
+        "`python -m bench.step_cost`: the worker thread's CPU time in the shim per decode step (64 requests, "
+        "one row each, a 2.5 ms forward spun through), through the shim's real link and rings against a real "
+        "sidecar. `passthrough` reads nothing per step, so a step that brings nothing new sends its StepStart "
+        "and a ~90-byte StepTick and wakes nobody (protocol 1.5); `observe` overrides `process_model_output`, "
+        "so every step sends the full StepEnd with its layout and kicks the sidecar awake: what every "
+        "pass-through step sent before 1.5.", "",
+        "| hook set | CPU p50 (us) | CPU p99 (us) | wall p50 (us) | steps the sidecar counted |",
+        "|---|---:|---:|---:|---:|",
+        *(f"| {name} | {r['cpu']['p50']:.1f} | {r['cpu']['p99']:.1f} | {r['wall']['p50']:.1f} | "
+          f"{r['sidecar_steps']} of {r['shim_steps']} |" for name, r in (("passthrough", p), ("observe", o))),
+        "",
+    ]
+
+
+PARTS = ("exchange", "handoff", "cold_start", "throughput", "step_cost")
 
 
 def main() -> None:
@@ -247,6 +280,7 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "docs" / "bench"))
     p.add_argument("--iters", type=int, default=3000, help="round trips per exchange measurement")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the throughput runs")
+    p.add_argument("--step-cost-steps", type=int, default=3000, help="steps per hook set in (e)")
     p.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"))
     p.add_argument("--only", default="", metavar="PART[,PART]",
                    help=f"run only these parts ({', '.join(PARTS)}) and print them; BENCHMARKS.md is "
@@ -267,6 +301,8 @@ def main() -> None:
         res["handoff"] = handoff()
     if "cold_start" in parts:
         res["cold_start"] = cold_start(run_dir)
+    if "step_cost" in parts:
+        res["step_cost"] = step_cost(args.step_cost_steps)
     if "throughput" in parts:
         from tiny_models import build_tiny_llama
 

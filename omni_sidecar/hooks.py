@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 
 from omni_sidecar.errors import OmniSidecarError
@@ -177,3 +178,13 @@ class OmniHooks:
 
     def on_finished(self, req_ids: list[str]) -> None:
         pass
+
+
+def wire_needs(hooks: OmniHooks) -> HookNeeds:
+    """The needs the Welcome tells the shim: the hook set's own, with `step_layouts` off when the
+    set does not override `process_model_output` (nothing of it reads a step's layout, so a step
+    that brings nothing new ends with a StepTick; docs/ARCHITECTURE.md, Step sequence)."""
+    needs = hooks.needs
+    if needs.step_layouts and type(hooks).process_model_output is OmniHooks.process_model_output:
+        return msgspec.structs.replace(needs, step_layouts=False)
+    return needs

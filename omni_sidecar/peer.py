@@ -15,7 +15,7 @@ from omni_sidecar.listener import Listener
 from omni_sidecar.session import Session
 from proto.codec import Codec
 from proto.errors import ProtoError
-from proto.messages import Message, StepBegin, StepEnd, StepStart, SwitchReady
+from proto.messages import Message, StepBegin, StepEnd, StepStart, StepTick, SwitchReady
 from proto.shmring import EMPTY
 from proto.transport import RingTransport, route
 
@@ -32,15 +32,15 @@ class ShimPeer:
         self._listener = listener
         self._codec = codec
         self.rings: RingTransport | None = None
-        self.in_step = False  # a StepStart or StepBegin came, its StepEnd not yet
+        self.in_step = False  # a StepStart or StepBegin came, its StepEnd (or StepTick) not yet
         self.last_step_at = time.monotonic()  # admission counts: a just-switched shim may step at once
         self.switch_ready = False  # sent SwitchReady: it waits for its SwitchAck, sending nothing
         # Shims of protocol 1.2 announce every step (StepStart), so "between steps" is known.
         self.announces_steps = session.hello.protocol_minor >= 2
         session.appends.to_shim = self.send  # MirrorUpdates (1.4), unsolicited
 
-    def note_step(self, msg: StepStart | StepBegin | StepEnd) -> None:
-        self.in_step = not isinstance(msg, StepEnd)
+    def note_step(self, msg: StepStart | StepBegin | StepEnd | StepTick) -> None:
+        self.in_step = not isinstance(msg, StepEnd | StepTick)
         self.last_step_at = time.monotonic()
         if isinstance(msg, StepStart) and self.session.appends.unacked:
             self.session.appends.mirror_applied(msg.mirror_seq, msg.step)

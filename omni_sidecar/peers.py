@@ -11,7 +11,7 @@ import time
 from typing import Any, Callable
 
 from omni_sidecar import __version__
-from omni_sidecar.hooks import OmniHooks
+from omni_sidecar.hooks import OmniHooks, wire_needs
 from omni_sidecar.listener import Listener
 from omni_sidecar.metrics import SidecarMetrics
 from omni_sidecar.peer import EndReason, ShimPeer
@@ -110,7 +110,7 @@ class PeerTable:
             protocol_minor=PROTOCOL_MINOR,
             sidecar_version=__version__,
             hook_set=self.hooks.name,
-            needs=self.hooks.needs,
+            needs=wire_needs(self.hooks),
             session=session.id,
             arenas=[out.arena.info()] if out is not None else [],
             consumer_events=session.arenas.consumer_events,

@@ -53,7 +53,9 @@ from proto.messages import (
     StatusQuery,
     StepBegin,
     StepEnd,
+    StepResult,
     StepStart,
+    StepTick,
     SwitchAck,
     SwitchReady,
     Takeover,
@@ -208,7 +210,7 @@ class SidecarServer:
             self.peers.send(ident, reply)
 
     def _handle(self, ident: bytes, msg: object):
-        if isinstance(msg, StepEnd | StepBegin | StepStart):
+        if isinstance(msg, StepEnd | StepBegin | StepStart | StepTick):
             peer = self.peers.get(ident)
             if peer is None:
                 return self.rejects.refuse("no_session", "send Hello before step messages", ident)
@@ -218,6 +220,9 @@ class SidecarServer:
                 return Pong(msg.step) if msg.answer else None
             if isinstance(msg, StepBegin):
                 return peer.session.step_begin(msg)
+            if isinstance(msg, StepTick):  # unanswered, unless the shim must learn of a successor
+                peer.session.step_tick(msg)
+                return StepResult(step=msg.step, switch_to=self.handover.switch_to) if self.handover.switch_to else None
             result = peer.session.step_end(msg)
             if self.handover.switch_to:
                 result = msgspec.structs.replace(result, switch_to=self.handover.switch_to)

@@ -31,6 +31,7 @@ from proto.messages import (
     StepEnd,
     StepPlan,
     StepResult,
+    StepTick,
 )
 from proto.settings import ERROR_TEXT_MAX
 
@@ -184,7 +185,19 @@ class Session:
         self.appends.step_ended(msg.step)
         return StepResult(step=msg.step, errors=result_errors, hook_us=hook_us)
 
-    def _observe(self, msg: StepEnd, hook_us: float) -> None:
+    def step_tick(self, msg: StepTick) -> None:
+        """A step that brought nothing new to hooks that read no per-step layout: no hook runs;
+        it counts as a StepEnd of the same step would (status, /metrics, appends' `after_step`)."""
+        hook_us, self._begin_us = self._begin_us, 0.0  # a StepBegin's hooks, if this step had one
+        self._last_layout = None
+        if msg.num_tokens:
+            self.steps += 1
+            self.scheduled_tokens += msg.num_tokens
+            self.latency.record(hook_us)
+            self._observe(msg, hook_us)
+        self.appends.step_ended(msg.step)
+
+    def _observe(self, msg: StepEnd | StepTick, hook_us: float) -> None:
         m = self.metrics
         m.steps.inc()
         m.tokens.inc(msg.num_tokens)
@@ -193,7 +206,7 @@ class Session:
             m.shim_exchange_seconds.observe(msg.shim_exchange_us * 1e-6)
         if msg.shim_post_us:
             m.shim_post_seconds.observe(msg.shim_post_us * 1e-6)
-        m.arena_used_bytes.labels("shim_to_sidecar").set(msg.hidden.nbytes if msg.hidden else 0)
+        m.arena_used_bytes.labels("shim_to_sidecar").set(msg.hidden.nbytes if isinstance(msg, StepEnd) and msg.hidden else 0)
         if self.arenas.out is not None:
             m.arena_used_bytes.labels("sidecar_to_shim").set(self.arenas.out.offset)
 

@@ -8,8 +8,10 @@ Conversation (see README "Protocol"):
   shim -> Hello, sidecar -> Welcome | Reject                    (once per connection)
   shim -> StepBegin, sidecar -> StepPlan    (only when the sidecar declared
                                               `needs.pre_forward` and the step has rows)
-  shim -> StepEnd,   sidecar -> StepResult  (every step; the shim does not wait for
-                                              the result before the next step)
+  shim -> StepEnd,   sidecar -> StepResult  (a step that brings the sidecar something; the shim
+                                              does not wait for the result before the next step)
+  shim -> StepTick                          (1.5: any other step, when the hooks read no per-step
+                                              layout; answered only by a StepResult with switch_to)
   any  -> Ping / StatusQuery / OutputsQuery / Drain   (control, any client)
   any  -> AppendPayload, sidecar -> AppendReply | ErrorReply  (1.3: entries into a running request)
   sidecar -> MirrorUpdate, unsolicited; acknowledged by StepStart.mirror_seq (1.4: appends to mirrored state)
@@ -194,6 +196,21 @@ class StepEnd(msgspec.Struct, tag="step_end", frozen=True):
     model_outputs: dict[ReqId, Any] = {}
 
 
+class StepTick(msgspec.Struct, tag="step_tick", frozen=True):
+    """1.5: ends a step that brought the sidecar nothing new (no request changes, tensors, model
+    results or failures) when its hooks read no per-step layout (`HookNeeds.step_layouts` False).
+
+    Scalars only, so its size does not grow with the batch (under 100 bytes): what the sidecar
+    counts per step (`status`, /metrics) and the shim's timings. Not answered, except by a
+    StepResult carrying `switch_to` while a hot upgrade waits (docs/ARCHITECTURE.md, Step sequence).
+    """
+
+    step: Count
+    num_tokens: Count = 0
+    shim_exchange_us: float = 0.0
+    shim_post_us: float = 0.0
+
+
 class StepResult(msgspec.Struct, tag="step_result", frozen=True):
     step: Count
     errors: Annotated[list[RequestError], msgspec.Meta(max_length=MAX_BATCH)] = []
@@ -366,4 +383,5 @@ Message = Union[
     AppendPayload,
     AppendReply,
     MirrorUpdate,
+    StepTick,
 ]

@@ -41,6 +41,7 @@ from proto.messages import (
     StepPlan,
     StepResult,
     StepStart,
+    StepTick,
     Welcome,
 )
 from proto.settings import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS, RING_SLEEP_MS, RING_SPIN_US
@@ -51,7 +52,7 @@ T = TypeVar("T")
 
 Route = Literal["ring", "marked", "socket"]
 # Per-step traffic (and the errors answering it) rides the ring.
-_RING_MESSAGES = (StepStart, StepBegin, StepEnd, StepPlan, StepResult, ErrorReply)
+_RING_MESSAGES = (StepStart, StepBegin, StepEnd, StepTick, StepPlan, StepResult, ErrorReply)
 # The answer to a Hello leaves before the shim reads any ring: socket, no MARK.
 _HANDSHAKE_REPLIES = (Welcome, Reject)
 # Replies waiting for room in one peer's ring before the connection counts as stuck.
@@ -68,9 +69,13 @@ def route(msg: object) -> Route:
 
 
 def wakes(msg: object) -> bool:
-    """Does sending `msg` wake a reader that sleeps? Not a StepStart that wants no answer: the
-    sidecar reads it with the step's next message, or when it looks before a hand-over."""
-    return not isinstance(msg, StepStart) or msg.answer
+    """Does sending `msg` wake a reader that sleeps? Not a StepStart that wants no answer, nor a
+    StepTick: nothing waits for them, and the sidecar reads them with the step's next message,
+    within its bounded sleep, or when it looks before a hand-over (a kick costs the shim a
+    syscall and, on a small host, the sidecar's wake-up on its own time)."""
+    if isinstance(msg, StepStart):
+        return msg.answer
+    return not isinstance(msg, StepTick)
 
 
 class RingOverflow(ProtoError):
@@ -117,10 +122,25 @@ class RingTransport:
         if how == "socket":
             self._send_socket(frame)
             return
+        if not self._queue:  # the usual case: nothing waits, no queue to go through
+            outcome = self.duplex.send(frame, how == "marked")
+            if outcome == "socket":
+                self._send_socket(frame)  # the peer wakes on this frame itself
+            elif outcome == "ring" and wake and self.duplex.peer_sleeping() and self._kick():
+                self.kicks_sent += 1
+            if outcome != "full":
+                return
         self._queue.append((frame, how == "marked"))
         self.flush(wake)
         if len(self._queue) > self._max_queued:
             raise RingOverflow(f"{len(self._queue)} replies wait for room in the peer's ring")
+
+    def send_quiet(self, frame: bytes) -> bool:
+        """A step message that wakes nobody (a StepStart wanting no answer, a StepTick) in one ring
+        write; False when it must take `send` (something queued first, too big, or no room)."""
+        if self._queue or len(frame) > self.duplex.tx.max_record:
+            return False
+        return self.duplex.tx.try_write(frame)
 
     def flush(self, wake: bool = True) -> None:
         """Send what the ring has room for now (RingError: the ring is broken); kick a sleeping

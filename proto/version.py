@@ -7,5 +7,7 @@ PROTOCOL_MAJOR = 1
 #      layer capture (HookNeeds.hidden_layers, StepEnd.hidden_layers)
 # 1.3: AppendPayload / AppendReply (streaming payloads into running requests)
 # 1.4: MirrorUpdate, StepStart.mirror_seq, SwitchReady.mirror_seq (appends reach the shim's state mirror)
-PROTOCOL_MINOR = 4
+# 1.5: StepTick, HookNeeds.step_layouts (a step that brings pass-through hooks nothing new sends a
+#      fixed-size record, not a StepEnd)
+PROTOCOL_MINOR = 5
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"

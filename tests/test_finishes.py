@@ -52,3 +52,19 @@ def test_length_detection_off_and_stop_tokens_at_shutdown():
     out = SimpleNamespace(req_ids=["a", "b", "c"], sampled_token_ids=[[2], [7], [2]])
     watch.note_sampled(out)
     assert watch.stopped_by_token() == {"a", "b"}
+
+
+def test_a_steady_decode_batch_finishes_each_request_in_its_own_step():
+    # The watch keeps the batch's last positions while its rows stay the same requests: each row
+    # still finishes in the step that samples its last token, also after the rows changed.
+    watch = FinishWatch()
+    watch.note_new(_req("a", 3), 2)
+    watch.note_new(_req("b", 5), 2)
+    ids = ["a", "b"]
+    assert watch.by_length(_batch(ids, [0, 0], [2, 2], [2, 2])) == []  # prompts: 1st outputs
+    assert watch.by_length(_batch(ids, [2, 2], [1, 1], [2, 2])) == []
+    assert watch.by_length(_batch(ids, [3, 3], [1, 1], [2, 2])) == ["a"]  # a's 3rd output
+    watch.already_told({"a"})
+    assert watch.by_length(_batch(["b"], [4], [1], [2])) == []
+    watch.note_new(_req("c", 1), 2)
+    assert watch.by_length(_batch(["b", "c"], [5, 0], [1, 2], [2, 2])) == ["b", "c"]

@@ -288,17 +288,20 @@ def _batch_state(req_id: str):
     return SimpleNamespace(input_batch=batch, hidden_states=None)
 
 
-def test_upgrades_at_random_moments_lose_no_step_of_a_real_shim_link(tmp_path):
+@pytest.mark.parametrize("hooks", ["passthrough", "tests.support.asking_hooks:AskEveryStepHooks"])
+def test_upgrades_at_random_moments_lose_no_step_of_a_real_shim_link(tmp_path, hooks):
     # The shim's own link, connections and rings (vLLM's batches faked) against real sidecars:
     # bursts of steps, now and then a long forward, idle spells around IDLE_HANDOVER_S, and
-    # upgrades at random moments. Every step reaches exactly one sidecar's hooks.
+    # upgrades at random moments. Every step reaches exactly one sidecar's hooks. Pass-through
+    # steps end with StepTicks; asking hooks take a plan every step, the answer a quiet spell's
+    # StepStart asks for riding its round trip (a hand-over found there switches mid-step).
     from omni_sidecar.client import SidecarClient
     from worker_shim.config import RingConfig
     from worker_shim.connection import SidecarConnection
     from worker_shim.link import SidecarLink
 
     endpoint = f"ipc://{tmp_path}/sc.sock"
-    first = SidecarProcess(endpoint, "passthrough", tmp_path / "first.log", extra_args=["--warm-spare"])
+    first = SidecarProcess(endpoint, hooks, tmp_path / "first.log", extra_args=["--warm-spare"])
     hello = Hello(PROTOCOL_MAJOR, PROTOCOL_MINOR, "test", "none", "cpu", 0, 1, "m", 8, "float32", 64, [],
                   pid=os.getpid())
 
@@ -316,7 +319,7 @@ def test_upgrades_at_random_moments_lose_no_step_of_a_real_shim_link(tmp_path):
             time.sleep(rng.uniform(0.0, 0.6))
             upgrades.append(subprocess.run(
                 [sys.executable, "-m", "omni_sidecar.cli", "upgrade", "--endpoint", endpoint, "--timeout", "60",
-                 "--", "--hooks", "passthrough"], capture_output=True, text=True, env=child_env()))
+                 "--", "--hooks", hooks], capture_output=True, text=True, env=child_env()))
 
     try:
         _wait_for((tmp_path / "sc.sock.spare").exists, 120)
@@ -328,9 +331,11 @@ def test_upgrades_at_random_moments_lose_no_step_of_a_real_shim_link(tmp_path):
             link.note_new([SimpleNamespace(req_id=req_id, prompt_token_ids=[1, 2, 3], prompt_len=3,
                                            sampling_params=SimpleNamespace(extra_args=None))])
             for _ in range(rng.randint(1, 20)):
+                state = _batch_state(req_id)
                 link.begin_step()
+                link.pre_forward(state.input_batch, None)
                 time.sleep(rng.choice([0.001, 0.003, 0.01, 1.5 * IDLE_HANDOVER_S]))  # the forward
-                link.end_step(_batch_state(req_id))
+                link.end_step(state)
                 steps += 1
             link.note_finished({req_id}, None)
             time.sleep(rng.uniform(0.0, 1.5 * IDLE_HANDOVER_S))
@@ -345,6 +350,8 @@ def test_upgrades_at_random_moments_lose_no_step_of_a_real_shim_link(tmp_path):
         assert stats["losses"] == 0 and stats["request_errors"] == {} and stats["steps"] == steps
         (session,) = status.sessions
         assert session.steps == steps and session.errors == 0
+        if hooks != "passthrough":  # every step got its plan, from exactly one sidecar
+            assert stats["blocking_exchanges"] == steps
     finally:
         link.close()
         _stop_sidecars(endpoint, first)

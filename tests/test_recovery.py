@@ -47,6 +47,9 @@ class FakeConnection:
         self.calls: list = []
         self.results: list[StepResult] = []
         self.last_sent_step = -1
+        self.last_answered_step = -1
+        self.syncs = 0
+        self.answer_due = False  # the real one defers a quiet spell's answer; announce_step answers here
         self.peer_req_ids = None
         self.sends_hidden = False
         self.announced: list[int] = []
@@ -75,8 +78,21 @@ class FakeConnection:
             raise self.fail_send
         self.sent.append(msg)
         if isinstance(msg, StepEnd):
-            self.last_sent_step = msg.step
+            self.last_sent_step = self.last_answered_step = msg.step
             self.step_open = False
+
+    def send_tick(self, tick) -> None:
+        if self.fail_send is not None:
+            raise self.fail_send
+        self.sent.append(tick)
+        self.last_sent_step = tick.step
+        self.step_open = False
+
+    def poll_results(self) -> list[StepResult]:
+        return self.take_results()
+
+    def sync(self) -> None:
+        self.syncs += 1
 
     def call(self, msg, want):
         if self.fail_call is not None:

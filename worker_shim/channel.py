@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import select
 import time
 
 import msgspec
@@ -27,7 +28,7 @@ from zmq.utils.monitor import recv_monitor_message
 from proto.arena import ArenaError
 from proto.codec import Codec, FrameError
 from proto.errors import ProtoError
-from proto.messages import ErrorReply, Hello, Message, MirrorUpdate, Reject, StepResult, SwitchAck, Welcome
+from proto.messages import ErrorReply, Hello, Message, MirrorUpdate, Ping, Pong, Reject, StepResult, SwitchAck, Welcome
 from proto.shmring import EMPTY, RingDuplex, RingError, ShmRing
 from proto.transport import RingTransport, WaitPolicy, apply_curve_client, reply_problem, route, set_heartbeats, wakes
 from worker_shim.config import RingConfig
@@ -36,6 +37,7 @@ log = logging.getLogger("vllm.omni_sidecar.shim.channel")
 FULL_RING_WAIT_S = 0.0002
 TSO_MACHINES = ("x86_64", "amd64")  # where the rings' store order holds without fences
 MARK_WAIT_MS = 50  # a MARK's frame is already on its way: wait for it in short steps
+MONITOR_ASK_S = 0.5  # ask ZeroMQ about the monitor at least this often, signal or not
 
 
 class SidecarError(RuntimeError):
@@ -60,6 +62,12 @@ class SidecarChannel:
         self._sock.setsockopt(zmq.RCVTIMEO, self.step_timeout_ms)
         set_heartbeats(self._sock)  # a sidecar that stops answering is gone even while vLLM idles
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # ZeroMQ's edge-triggered signal: the monitor's FD turns readable when news arrive after a
+        # read found nothing; that first read (the poll below) arms it.
+        self._monitor_news = select.poll()
+        self._monitor_news.register(self._monitor.getsockopt(zmq.FD), select.POLLIN)
+        self._monitor.poll(0)
+        self._monitor_asked_at = time.monotonic()
         if curve_keys:
             apply_curve_client(self._sock, curve_keys)
         self._sock.connect(endpoint)
@@ -68,6 +76,9 @@ class SidecarChannel:
         self.acked_step = -1  # highest step whose StepResult arrived
         self.switch_ack: SwitchAck | None = None  # sent unsolicited when the sidecar handed us over idle
         self.mirror_updates: list[MirrorUpdate] = []  # unsolicited; applied at the next step start
+        # StepStarts sent with `answer` whose Pong has not arrived: awaited later in the step, at its
+        # one wait (docs/ARCHITECTURE.md, Hot upgrade); a Pong read meanwhile settles one.
+        self.pongs_due = 0
 
     @property
     def kicks_sent(self) -> int:
@@ -166,7 +177,11 @@ class SidecarChannel:
         rings = self.rings
         assert rings is not None
         try:
+            if not wakes(msg) and rings.send_quiet(frame):  # every step's StepStart, a pass-through step's StepTick
+                return
             rings.send(frame, route(msg), wake=wakes(msg))
+            if not rings.queued:
+                return
             deadline = time.monotonic() + self.step_timeout_ms / 1000
             while rings.queued:  # the sidecar is behind on this connection
                 if time.monotonic() > deadline:
@@ -185,7 +200,7 @@ class SidecarChannel:
         self.send(msg)
         while True:
             reply = self._recv(self.step_timeout_ms / 1000)
-            if isinstance(reply, StepResult | MirrorUpdate):
+            if isinstance(reply, StepResult | MirrorUpdate) or self._answers_step_start(reply, msg):
                 self._stash(reply)
                 continue
             if isinstance(reply, SwitchAck) and want is not SwitchAck:
@@ -195,6 +210,19 @@ class SidecarChannel:
             if problem:
                 raise SidecarError(problem)
             return reply
+
+    def _answers_step_start(self, reply: Message, request: Message) -> bool:
+        """A Pong owed to a StepStart, not the answer to `request` (a Ping's Pong carries its nonce)."""
+        return (isinstance(reply, Pong) and self.pongs_due > 0
+                and not (isinstance(request, Ping) and reply.nonce == request.nonce))
+
+    def await_pongs(self) -> None:
+        """Wait for the Pongs owed to StepStarts; SidecarError (with `switch_ack` set) when the sidecar
+        handed this session over before it read them: they never come."""
+        while self.pongs_due > 0:
+            if self.switch_ack is not None:
+                raise SidecarError("the sidecar handed this session over to its successor")
+            self._stash(self._recv(self.step_timeout_ms / 1000))
 
     def take_results(self, until_step: int | None = None) -> list[StepResult]:
         """Results received so far; blocks (up to the step timeout) for `until_step`'s."""
@@ -218,9 +246,28 @@ class SidecarChannel:
         out, self._results = self._results, []
         return out
 
+    def poll_ring_results(self) -> list[StepResult]:
+        """Results waiting in the ring now, socket untouched (a frame behind a MARK waits for the
+        next `take_results`); without rings, `take_results`."""
+        if self.rings is None:
+            return self.take_results()
+        while (msg := self._ring_next()) is not None:
+            self._stash(msg)
+        if not self._results:
+            return []
+        out, self._results = self._results, []
+        return out
+
     def peer_gone(self) -> bool:
         """True once the sidecar's end of the connection went away (crash, kill, stop)."""
-        # Called every step: poll(0) is a cheap "nothing new" (no exception on the common path).
+        # Called every step: a poll of the monitor's FD is the cheap "nothing new" (<1 us; ZeroMQ's
+        # own poll costs a few); only when it signals, ask ZeroMQ and drain every event.
+        if self._gone:
+            return True
+        now = time.monotonic()
+        if not self._monitor_news.poll(0) and now < self._monitor_asked_at + MONITOR_ASK_S:
+            return False
+        self._monitor_asked_at = now  # also asked now and then: a missed signal costs no more than that
         while self._monitor.poll(0):
             if recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED:
                 self._gone = True  # sticky: a ring wait may have seen it before the link asks
@@ -234,6 +281,8 @@ class SidecarChannel:
             self.switch_ack = msg  # the sidecar handed this idle session over: switch at the next step
         elif isinstance(msg, MirrorUpdate):
             self.mirror_updates.append(msg)
+        elif isinstance(msg, Pong) and self.pongs_due > 0:
+            self.pongs_due -= 1  # the sidecar read that StepStart before it could hand the session over
         elif isinstance(msg, ErrorReply):
             if self.switch_ack is not None:
                 return  # the sidecar let this session go: what we sent since was not for it

@@ -16,8 +16,8 @@ import torch
 
 from proto.arena import ArenaError, ShmArena
 from proto.messages import (
-    ArenaInfo, ArenaKind, Hello, HookNeeds, Message, Pong, StepBegin, StepEnd, StepPlan, StepResult, StepStart,
-    SwitchAck, Welcome,
+    ArenaInfo, ArenaKind, Hello, HookNeeds, Message, Ping, Pong, StepBegin, StepEnd, StepPlan, StepResult, StepStart,
+    StepTick, SwitchAck, Welcome,
 )
 from omni_arena.tensor_tree import TreeError, load_inline_tree
 from proto.tensors import TensorRef
@@ -52,8 +52,10 @@ class SidecarConnection:
         self.welcome: Welcome | None = None
         self.needs = HookNeeds()
         self.hook_set = ""
-        # What this sidecar has seen: the last StepEnd sent and the request order it holds.
+        # What this sidecar has seen: the last step ended (StepEnd or StepTick), the last StepEnd
+        # (the last step a StepResult answers) and the request order it holds.
         self.last_sent_step = -1
+        self.last_answered_step = -1
         self.peer_req_ids: list[str] | None = None
         self.last_sent_at = self.started  # taken before each send: never later than the sidecar read it
         self.step_open = False  # a StepStart went out, its StepEnd not yet: the sidecar counts us as stepping
@@ -127,6 +129,18 @@ class SidecarConnection:
         self._channel.send(msg)
         self._note_sent(msg, sent_at)
 
+    def send_tick(self, tick: StepTick) -> None:
+        """`send` for the one message of a pass-through step, without its type tests."""
+        self.last_sent_at = time.monotonic()
+        self._channel.send(tick)
+        self.step_open = False
+        self.last_sent_step = tick.step
+
+    def sync(self) -> None:
+        """One round trip behind everything sent so far (a Ping: one order per connection): the
+        sidecar has read it all, StepTicks included."""
+        self.call(Ping(nonce=-1), Pong)  # -1: never a step, so never taken for a StepStart's answer
+
     def call(self, msg: Message, want: type) -> Any:
         self._note_sent(msg, time.monotonic())  # a step message's layout is the sidecar's even when no reply comes
         return self._channel.call(msg, want)
@@ -134,8 +148,8 @@ class SidecarConnection:
     def announce_step(self, step: int, answer_after_s: float) -> None:
         """StepStart, first thing in a step (sidecars of protocol 1.2 and later): the sidecar hands
         a session over on its own only between steps. After `answer_after_s` without sending, it
-        may be doing so right now: wait for its answer (SidecarError with `switch_ack` set: it did).
-        See docs/ARCHITECTURE.md, Hot upgrade."""
+        may be doing so right now: the StepStart asks for an answer, awaited at the step's one wait
+        (`answer_due`: the plan's round trip, else `await_answer`). See docs/ARCHITECTURE.md, Hot upgrade."""
         if self.welcome is None or self.welcome.protocol_minor < 2:
             return
         quiet_since = self.last_sent_at
@@ -144,7 +158,17 @@ class SidecarConnection:
             self.send(StepStart(step=step, mirror_seq=self.mirror_seq))
             if time.monotonic() - quiet_since < answer_after_s:
                 return  # written while the sidecar still counted this session as stepping
-        self.call(StepStart(step=step, answer=True, mirror_seq=self.mirror_seq), Pong)
+        self.send(StepStart(step=step, answer=True, mirror_seq=self.mirror_seq))
+        self._channel.pongs_due += 1
+
+    @property
+    def answer_due(self) -> bool:
+        """A StepStart of this step asked for an answer that has not come yet."""
+        return self._channel.pongs_due > 0
+
+    def await_answer(self) -> None:
+        """Wait for it; SidecarError with `switch_ack` set when the session was handed over first."""
+        self._channel.await_pongs()
 
     @property
     def mirror_updates_waiting(self) -> int:
@@ -176,11 +200,16 @@ class SidecarConnection:
         if isinstance(msg, (StepBegin, StepEnd)) and msg.batch is not None and msg.batch.req_ids is not None:
             self.peer_req_ids = msg.batch.req_ids
         if isinstance(msg, StepEnd):
-            self.last_sent_step = msg.step
+            self.last_sent_step = self.last_answered_step = msg.step
 
     def take_results(self, until_step: int | None = None) -> list[StepResult]:
         """Results received so far; blocks (up to the step timeout) for `until_step`'s."""
         return self._channel.take_results(until_step=until_step)
+
+    def poll_results(self) -> list[StepResult]:
+        """Results already in the ring, without touching the socket (what a StepTick step looks at:
+        a StepResult with `switch_to` rides the ring); `take_results` where there are no rings."""
+        return self._channel.poll_ring_results()
 
     @property
     def switch_ack(self) -> SwitchAck | None:

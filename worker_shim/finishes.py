@@ -37,6 +37,11 @@ class FinishWatch:
         self._last_position: dict[str, int] = {}
         self.told_early: set[str] = set()  # finishes the sidecar already has from us
         self._last_sampled: Any = None  # the last step's sampler output (ids read at shutdown)
+        # The batch's last positions in row order, kept while the batch's rows stay the same
+        # requests (steady decode): rebuilding them costs a dict look-up per row every step.
+        self._rows_ids: list[str] | None = None
+        self._rows_last: np.ndarray | None = None
+        self._rows_last_before: np.ndarray | None = None  # minus one: the position a last decode row starts at
 
     def note_new(self, req: Any, prompt_len: int) -> None:
         sp = getattr(req, "sampling_params", None)
@@ -51,6 +56,7 @@ class FinishWatch:
         if max_tokens is not None:
             # Computed tokens after the step that samples the last output: prompt + max_tokens - 1.
             self._last_position[req.req_id] = prompt_len + max_tokens - 1
+            self._rows_ids = None
 
     def by_length(self, batch: Any) -> list[str]:
         """Requests whose sample in this step is their last (`max_tokens` reached).
@@ -58,23 +64,36 @@ class FinishWatch:
         Runs every step: one vectorized comparison, Python only for the rows that finish."""
         if not self.length_detection or not self._last_position:
             return []
-        n = len(batch.req_ids)
-        ids = batch.req_ids[:n]
-        qsl = batch.query_start_loc_np[: n + 1]
-        upto = batch.num_computed_tokens_np[:n] + (qsl[1:] - qsl[:-1])  # computed after this step
-        last = np.fromiter((self._last_position.get(r, _NEVER) for r in ids), dtype=np.int64, count=n)
-        rows = np.flatnonzero((upto >= last) & (upto >= batch.prefill_len_np[:n]))
+        ids = batch.req_ids
+        n = len(ids)
+        if ids != self._rows_ids:  # the same strings in the same rows: a cheap comparison
+            self._rows_ids = list(ids)
+            self._rows_last = np.fromiter((self._last_position.get(r, _NEVER) for r in ids), dtype=np.int64, count=n)
+            self._rows_last_before = self._rows_last - 1
+        computed = batch.num_computed_tokens_np[:n]
+        qsl = batch.query_start_loc_np
+        if qsl[n] == n:  # one row each (decode): computed after this step = computed + 1
+            if not (computed >= self._rows_last_before).any():
+                return []
+        upto = computed + qsl[1:n + 1] - qsl[:n]  # computed after this step
+        reached = upto >= self._rows_last
+        if not reached.any():
+            return []
+        rows = np.flatnonzero(reached & (upto >= batch.prefill_len_np[:n]))
         done = [ids[i] for i in rows if ids[i] not in self.told_early]
         self.told_early.update(done)
         return done
 
     def already_told(self, finished: Iterable[str]) -> set[str]:
         """Of vLLM's finish notices, those the sidecar has from us already (then forgotten here)."""
+        if not finished:
+            return set()
         told = {r for r in finished if r in self.told_early}
         for req_id in finished:
             self._stop_ids.pop(req_id, None)
             self._last_position.pop(req_id, None)
             self.told_early.discard(req_id)
+        self._rows_ids = None
         return told
 
     def note_sampled(self, output: Any) -> None:

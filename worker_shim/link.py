@@ -3,7 +3,8 @@
 The runner mixin calls `begin_step` / `pre_forward` / `end_step` (or
 `abort_step` when upstream raised). A step sends a blocking StepBegin before
 the forward only when the sidecar's declared needs say so for this batch,
-and a StepEnd after it with what the sidecar has not seen yet. Who the
+and after it a StepEnd with what the sidecar has not seen yet, or the
+fixed-size StepTick (worker_shim/step_end.py). Who the
 sidecar is (loss, reconnect, hot-upgrade switch) is `Recovery`'s business;
 tensors cross in worker_shim/transfer.py; vLLM's batch is read in
 worker_shim/batch.py.
@@ -20,8 +21,7 @@ from typing import Any, Callable
 import msgspec
 import torch
 
-from omni_arena.tensor_tree import store_tree
-from proto.messages import HookNeeds, RequestError, StepBegin, StepEnd
+from proto.messages import HookNeeds, RequestError, StepBegin, StepEnd, StepPlan
 from proto.settings import ERROR_TEXT_MAX, TIMINGS_KEPT
 from worker_shim.batch import PayloadTracker, batch_layout, new_request, payload_of
 from worker_shim.channel import SidecarError
@@ -32,9 +32,9 @@ from worker_shim.layers import LayerCapture
 from worker_shim.model_hooks import ModelBridge
 from worker_shim.recovery import Recovery
 from worker_shim.session import FailureReports, SessionRequests
+from worker_shim.step_end import ModelResults, StepEndRecords
 
 log = logging.getLogger("vllm.omni_sidecar.shim.link")
-ModelResults = tuple[dict[str, Any], dict[str, Any]]  # per request: state updates, outputs
 
 
 def record_timing(samples: list[float], value: float) -> None:
@@ -61,7 +61,7 @@ class StepCounters:
     model_hook_us: list[float] = field(default_factory=list)
 
 
-class SidecarLink:
+class SidecarLink(StepEndRecords):
     """The runner's side of the step protocol (rank 0, or the only rank)."""
 
     def __init__(self, connect: Callable[..., Any], first: Any, loss_policy: LossPolicy = "fail-all",
@@ -103,6 +103,8 @@ class SidecarLink:
     # -- notes from upstream calls ----------------------------------------------
 
     def note_finished(self, finished: set[str], preempted: set[str] | None) -> None:
+        if not finished and not preempted:  # most steps: nothing to note
+            return
         news = set(finished) - self.finishes.already_told(finished)  # some the sidecar has from us
         self.counters.finished_requests += len(news)
         self.payloads.note_finished(finished)
@@ -173,17 +175,20 @@ class SidecarLink:
         conn = self.conn
         if conn is None:
             return {}
-        want = bridge.missing_states(input_batch.req_ids) if bridge is not None and conn.needs.model_states else []
-        if not want and not self.payloads.exchange_needed(conn.needs, input_batch, among=self.requests.live):
+        want, needed = self._plan_needed(conn, input_batch, bridge)
+        if not needed and conn.answer_due:  # the quiet spell's answer is this step's one wait
+            self.recovery.settle(self.step)
+            if self.conn is not conn:  # a successor (or none): its needs decide
+                return self.pre_forward(input_batch, model, embeds, bridge) if self.conn is not None else {}
+        if not needed:
             return {}
         t0 = time.perf_counter()
-        new, finished, preempted = self.requests.take_notices()
-        layout = batch_layout(input_batch, conn.peer_req_ids, conn.needs.input_ids)
-        msg = StepBegin(step=self.step, batch=layout, new_requests=new, finished=finished, preempted=preempted,
-                        want_states=want, model_hooks=bridge.wire if want and bridge is not None else None)
-        self._layout_sent = True
+        notices = self.requests.take_notices()
         try:
-            plan = conn.step_plan(msg)
+            plan = self._ask_plan(conn, input_batch, notices, want, bridge)
+            if plan is None:  # handed over before the sidecar read this step: the successor decides
+                self.requests.requeue(*notices)
+                return self.pre_forward(input_batch, model, embeds, bridge) if self.conn is not None else {}
             self.counters.blocking_exchanges += 1
             self.counters.states_asked += len(want)
             self.failures.record(plan.errors)
@@ -197,6 +202,29 @@ class SidecarLink:
         record_timing(self.counters.exchange_us, self._step_exchange_us)
         return extra
 
+    def _plan_needed(self, conn: Any, input_batch: Any, bridge: ModelBridge | None) -> tuple[list[str], bool]:
+        """(requests whose state the mirror lacks, whether this batch needs a plan before the forward)."""
+        want = bridge.missing_states(input_batch.req_ids) if bridge is not None and conn.needs.model_states else []
+        return want, bool(want) or self.payloads.exchange_needed(conn.needs, input_batch, among=self.requests.live)
+
+    def _ask_plan(self, conn: Any, input_batch: Any, notices: tuple[list, list, list], want: list[str],
+                  bridge: ModelBridge | None) -> StepPlan | None:
+        """The blocking StepBegin; it also takes the answer a quiet spell's StepStart asked for. None when
+        the sidecar handed the session over before it read this step (switched: the successor has it)."""
+        new, finished, preempted = notices
+        layout = batch_layout(input_batch, conn.peer_req_ids, conn.needs.input_ids)
+        msg = StepBegin(step=self.step, batch=layout, new_requests=new, finished=finished, preempted=preempted,
+                        want_states=want, model_hooks=bridge.wire if want and bridge is not None else None)
+        self._layout_sent = True
+        try:
+            return conn.step_plan(msg)
+        except SidecarError:
+            if conn.switch_ack is None or not conn.answer_due:
+                raise
+        self._layout_sent = False  # the successor has seen nothing of this step
+        self.recovery.settle(self.step)  # switches and announces the step to the successor
+        return None
+
     def end_step(self, state: Any, model_results: ModelResults | None = None) -> None:
         """After upstream execute_model: StepEnd with what the sidecar has not seen yet.
 
@@ -208,6 +236,8 @@ class SidecarLink:
         if batch is not None:
             self.counters.steps += 1
             self.counters.scheduled_tokens += num_tokens
+        if self.conn is not None and self.conn.answer_due:  # nothing of this step waited yet: now, once
+            self.recovery.settle(self.step)
         conn = self.conn
         # A step announced with StepStart ends with a StepEnd, even an empty one (docs/ARCHITECTURE.md, Hot upgrade).
         if conn is None or (batch is None and not (self.requests.has_notices() or self.failures.pending
@@ -220,7 +250,10 @@ class SidecarLink:
                 self.counters.finished_requests += len(ending)
                 self.requests.note_finished(ending, ())
         try:
-            self._send_step_end(conn, batch, state, num_tokens, model_results)
+            if self._brings_nothing_new(conn, batch, state, model_results):
+                self._send_step_tick(conn, num_tokens)
+            else:
+                self._send_step_end(conn, batch, state, num_tokens, model_results)
         except (SidecarError, ValueError) as exc:
             self.recovery.lose(f"step {self.step}: {exc}")
         self.step += 1
@@ -228,60 +261,7 @@ class SidecarLink:
             self._last_post_us = (time.perf_counter() - t0) * 1e6
             record_timing(self.counters.post_us, self._last_post_us)
 
-    def _send_step_end(self, conn: Any, batch: Any, state: Any, num_tokens: int,
-                       model_results: ModelResults | None) -> None:
-        hidden_ref, layer_refs, hidden_event, slot = None, {}, -1, None
-        updates, outputs = model_results or ({}, {})
-        if not conn.needs.model_states:
-            updates, outputs = {}, {}
-        send_hidden = batch is not None and conn.sends_hidden and state.hidden_states is not None
-        if send_hidden or updates or outputs:
-            # One slot per step: hidden rows and captured layers first, then the model's updates and outputs.
-            slot = conn.claim_slot(self.step, self._wait_answered)
-            if send_hidden:
-                hidden_ref = slot.put(state.hidden_states[:num_tokens])
-                layer_refs = slot.put_layers(self._layer_rows(conn, num_tokens))
-            updates, outputs = store_tree(updates, slot.put), store_tree(outputs, slot.put)
-            hidden_event = slot.seal()
-        new, finished, preempted = self.requests.take_notices()
-        layout = None
-        if batch is not None and not self._layout_sent:
-            layout = batch_layout(batch, conn.peer_req_ids, conn.needs.input_ids)
-        msg = StepEnd(
-            step=self.step,
-            batch=layout,
-            new_requests=new,
-            finished=finished,
-            preempted=preempted,
-            hidden=hidden_ref,
-            hidden_layers=layer_refs,
-            hidden_event=hidden_event,
-            model_updates=updates,
-            model_outputs=outputs,
-            num_tokens=num_tokens,
-            shim_exchange_us=self._step_exchange_us,
-            shim_post_us=self._last_post_us,
-            failed=self.failures.take_pending(),
-        )
-        self._step_exchange_us = 0.0
-        conn.send(msg)
-        if slot is not None:
-            conn.slot_sent(self.step)
-        self.recovery.note_results(conn.take_results())
-
-    def _layer_rows(self, conn: Any, num_tokens: int) -> dict[int, torch.Tensor] | None:
-        """The captured layers this sidecar wants (those captured since load; a later sidecar
-        wanting others gets the ones there are, docs/ARCHITECTURE.md "Layer capture")."""
-        wanted = conn.needs.hidden_layers
-        if not wanted or self.layer_capture is None:
-            return None
-        return {n: rows for n, rows in self.layer_capture.rows(num_tokens).items() if n in wanted}
-
     # -- results and stats ---------------------------------------------------------
-
-    def _wait_answered(self, step: int) -> None:
-        """Block (up to the step timeout) until `step`'s result arrived."""
-        self.recovery.note_results(self.conn.take_results(until_step=step))
 
     def stats(self) -> dict[str, Any]:
         self.flush()
@@ -300,14 +280,20 @@ class SidecarLink:
         }
 
     def flush(self) -> None:
-        """Wait for the results of every step sent so far (if a sidecar is connected)."""
+        """Wait until the sidecar handled every step sent so far (if a sidecar is connected): the
+        results of the StepEnds; StepTicks sent since are unanswered, so one Ping behind them
+        (docs/ARCHITECTURE.md, Step sequence)."""
         conn = self.conn
         if conn is None or conn.last_sent_step < 0:
             return
         try:
-            self.recovery.note_results(conn.take_results(until_step=conn.last_sent_step))
+            if conn.last_answered_step >= 0:
+                self.recovery.note_results(conn.take_results(until_step=conn.last_answered_step))
+            if conn.last_sent_step > conn.last_answered_step and conn.switch_ack is None:
+                conn.sync()
         except SidecarError as exc:
-            self.recovery.lose(f"flush: {exc}")
+            if conn.switch_ack is None:  # else handed over while idle: the next step switches
+                self.recovery.lose(f"flush: {exc}")
 
     def note_model_errors(self, errors: dict[str, str]) -> None:
         """Requests whose model hooks failed in this step: the sidecar's clients learn it."""

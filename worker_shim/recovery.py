@@ -77,13 +77,16 @@ class Recovery:
         to whichever sidecar serves it."""
         if self.state == "lost":
             self._try_reconnect()
-        elif self._handed_over():  # before peer_gone: the old sidecar may have exited since
+            self._announce(step)
+            return
+        gone = self.conn.switch_ack is None and self.conn.peer_gone()  # one look a step: a poll costs µs
+        if self._handed_over(gone):  # before a loss: the old sidecar may have exited since
             self._switch(step)
         elif self.conn is None:
             pass  # reading the old sidecar's last messages failed: lost just now
         elif self.state == "switching":  # also when the results just read asked for it
             self._switch(step)
-        elif self.conn.peer_gone():
+        elif gone:
             self.lose("the sidecar closed the connection (it crashed, was killed or stopped)")
         self._announce(step)
 
@@ -99,6 +102,21 @@ class Recovery:
                 return
             self._switch(step)  # handed over while we were quiet, before it read our StepStart
             if self.conn is not None:
+                self._announce(step)
+
+    def settle(self, step: int) -> None:
+        """The step's StepStart asked for an answer (a quiet spell) and nothing else of the step waited
+        for the sidecar yet: wait for it now. Handed over before the sidecar read it: switch now and
+        announce the step to the successor, before anything else of the step is sent (Hot upgrade)."""
+        while self.conn is not None and self.conn.answer_due:
+            conn = self.conn
+            try:
+                conn.await_answer()
+            except SidecarError as exc:
+                if conn.switch_ack is None:
+                    self.lose(f"step {step}: {exc}")
+                    return
+                self._switch(step)
                 self._announce(step)
 
     def note_results(self, results: list[Any]) -> None:
@@ -142,11 +160,11 @@ class Recovery:
         )
         conn.close()
 
-    def _handed_over(self) -> bool:
+    def _handed_over(self, gone: bool) -> bool:
         """Did the sidecar hand this session over unasked? Its SwitchAck is read with the step's
         StepStart answer (a hand-over needs a quiet spell, after which the shim waits for that
-        answer), or here when the old sidecar has exited since."""
-        if self.conn.switch_ack is None and self.conn.peer_gone():
+        answer), or here when the old sidecar has exited since (`gone`)."""
+        if gone:
             try:
                 self.note_results(self.conn.take_results())
             except SidecarError as exc:

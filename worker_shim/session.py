@@ -48,6 +48,10 @@ class SessionRequests:
         self.new, self.finished, self.preempted = [], [], []
         return notices
 
+    def requeue(self, new: list[NewRequest], finished: list[str], preempted: list[str]) -> None:
+        """Notices taken for a message the sidecar never read (it handed the session over first)."""
+        self.new[:0], self.finished[:0], self.preempted[:0] = new, finished, preempted
+
     def end_session(self, policy: LossPolicy) -> list[str]:
         """The sidecar is gone: forget what it knew; returns the requests its loss fails.
 

@@ -1,0 +1,190 @@
+"""The shim's host cost per step, measured through its real link and rings against a real sidecar.
+
+What a decode step costs the vLLM worker's thread in the shim: `note_finished` + `begin_step`
+(StepStart) + `pre_forward` (no exchange here) + `end_step` (whatever the step sends), with
+vLLM's batch faked (N requests, one decode row each, numpy arrays as V2 keeps them). The
+"forward" between steps (`--forward-ms`, default 2.5 ms: the tiny model's CUDA-graph step on an
+H200) spins on the worker thread (or sleeps, `--forward-sleep`); the sidecar spins out and sleeps
+as it would, and kicks are paid where they would be. Two figures per step: the worker thread's CPU time in those calls (the host cost;
+other processes on a small host do not inflate it: on a one-CPU VM the sidecar's spin shares the
+core) and their wall time. Timings only: nothing here passes or fails.
+
+Hook sets measured side by side, in alternating blocks:
+- `passthrough`: reads nothing per step (no hidden states, no process_model_output): a step that
+  brings nothing new sends only the fixed-size StepTick (docs/ARCHITECTURE.md, Step sequence).
+- `observe`: pass-through hooks that override `process_model_output` (so every step's layout must
+  reach them): the full StepEnd every step, i.e. what every pass-through step cost before 1.5.
+
+    python -m bench.step_cost [--steps 3000] [--requests 64] [--forward-ms 2.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import msgspec
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from proto.messages import Hello  # noqa: E402
+from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR  # noqa: E402
+
+HOOK_SETS = {"passthrough": "passthrough", "observe": "bench.step_cost_hooks:ObservingPassThrough"}
+BLOCK = 250  # steps per block; hook sets alternate block by block
+
+
+def _start_sidecar(endpoint: str, hooks: str) -> subprocess.Popen:
+    from omni_sidecar.client import wait_ready
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", endpoint, "--hooks",
+                             hooks, "--log-level", "WARNING"], cwd=ROOT, env=env)
+    wait_ready(endpoint, 60, proc)
+    return proc
+
+
+def _request(req_id: str) -> SimpleNamespace:
+    """A request as vLLM hands it over; the shim watches its length (max_tokens) every step."""
+    return SimpleNamespace(req_id=req_id, prompt_token_ids=[1, 2, 3], prompt_len=3,
+                           sampling_params=SimpleNamespace(extra_args=None, stop_token_ids=[], eos_token_id=2,
+                                                           max_tokens=1 << 20))
+
+
+def _decode_state(req_ids: list[str], step: int) -> SimpleNamespace:
+    """A steady decode step as V2's InputBatch holds it: one row per request."""
+    n = len(req_ids)
+    batch = SimpleNamespace(req_ids=req_ids, num_tokens=n, query_start_loc_np=np.arange(n + 1, dtype=np.int32),
+                            num_computed_tokens_np=np.full(n, 3 + step, dtype=np.int32),
+                            prefill_len_np=np.full(n, 3, dtype=np.int32))
+    return SimpleNamespace(input_batch=batch, hidden_states=None)
+
+
+def _forward(seconds: float, spin: bool) -> None:
+    """The forward's time on the worker thread: spinning, as a thread that waits for the device with
+    CUDA's default (spin) synchronisation keeps its CPU; or sleeping (`--forward-sleep`), where a
+    VM's CPU goes idle and the next step starts with cold caches."""
+    if not spin:
+        time.sleep(seconds)
+        return
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+class ShimUnderTest:
+    """One link + connection (rings on) to its own sidecar process."""
+
+    def __init__(self, run_dir: Path, name: str, hooks: str, num_reqs: int) -> None:
+        from worker_shim.config import RingConfig
+        from worker_shim.connection import SidecarConnection
+        from worker_shim.link import SidecarLink
+
+        endpoint = f"ipc://{run_dir}/{name}.sock"
+        self.sidecar = _start_sidecar(endpoint, hooks)
+        hello = Hello(PROTOCOL_MAJOR, PROTOCOL_MINOR, "bench", "none", "cpu", 0, 1, "m", 8, "float32", 1024, [],
+                      pid=os.getpid())
+
+        def connect(endpoint: str = endpoint, resume_token: str = "") -> SidecarConnection:
+            return SidecarConnection(endpoint, 10.0, msgspec.structs.replace(hello, resume_token=resume_token),
+                                     1 << 16, 2, arena_prefix=f"omni-bench-{name}", ring=RingConfig())
+
+        conn = connect()
+        conn.connect(10.0)
+        self.link = SidecarLink(connect, conn)  # length finishes watched, as in the worker
+        self.req_ids = [f"cmpl-{i:06d}-0-abcdef12" for i in range(num_reqs)]
+        self.link.note_new([_request(r) for r in self.req_ids])
+        self.step = 0
+        self.samples: list[float] = []  # wall time in the shim's calls
+        self.cpu_samples: list[float] = []  # CPU time of this thread in them (what other processes do not inflate)
+
+    def run(self, steps: int, forward_s: float, spin: bool = True) -> None:
+        link, no_finishes = self.link, set()
+        wall, cpu = time.perf_counter, time.thread_time
+        for _ in range(steps):
+            state = _decode_state(self.req_ids, self.step)
+            c0, t0 = cpu(), wall()
+            link.note_finished(no_finishes, None)
+            link.begin_step()
+            link.pre_forward(state.input_batch, None)
+            t1, c1 = wall(), cpu()
+            _forward(forward_s, spin)  # not the shim's cost
+            c2, t2 = cpu(), wall()
+            link.end_step(state)
+            t3, c3 = wall(), cpu()
+            self.samples.append((t1 - t0) + (t3 - t2))
+            self.cpu_samples.append((c1 - c0) + (c3 - c2))
+            self.step += 1
+
+    def close(self) -> dict:
+        self.link.note_finished(set(self.req_ids), None)
+        self.link.begin_step()
+        self.link.end_step(None)
+        stats = self.link.stats()
+        from omni_sidecar.client import SidecarClient
+
+        with SidecarClient(self.link.conn.endpoint) as client:
+            session = client.status().sessions[0]
+        self.link.close()
+        self.sidecar.terminate()
+        self.sidecar.wait(10)
+        return {"shim_steps": stats["steps"], "sidecar_steps": session.steps,
+                "sidecar_tokens": session.scheduled_tokens, "losses": stats["losses"]}
+
+
+def percentiles(samples_s: list[float]) -> dict[str, float]:
+    us = sorted(x * 1e6 for x in samples_s)
+    return {"p50": statistics.median(us), "p90": us[round(0.9 * (len(us) - 1))],
+            "p99": us[round(0.99 * (len(us) - 1))], "n": len(us)}
+
+
+def measure(steps: int, num_reqs: int, forward_ms: float, hook_sets: dict[str, str] = HOOK_SETS,
+            spin: bool = True) -> dict:
+    run_dir = Path(tempfile.mkdtemp(prefix="omni-stepcost-"))
+    shims = {name: ShimUnderTest(run_dir, name, hooks, num_reqs) for name, hooks in hook_sets.items()}
+    try:
+        for shim in shims.values():
+            shim.run(20, forward_ms / 1000, spin)  # warm-up: the first step admits the requests
+            shim.samples.clear()
+            shim.cpu_samples.clear()
+        done = 0
+        while done < steps:
+            block = min(BLOCK, steps - done)
+            for shim in shims.values():
+                shim.run(block, forward_ms / 1000, spin)
+            done += block
+    finally:
+        checks = {name: shim.close() for name, shim in shims.items()}
+    return {name: {"wall": percentiles(shim.samples), "cpu": percentiles(shim.cpu_samples), **checks[name]}
+            for name, shim in shims.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--forward-ms", type=float, default=2.5)
+    p.add_argument("--forward-sleep", action="store_true", help="sleep through the forward instead of spinning")
+    p.add_argument("--only", default="", help="comma-separated hook sets (passthrough, observe)")
+    args = p.parse_args()
+    names = [n for n in args.only.split(",") if n] or list(HOOK_SETS)
+    res = measure(args.steps, args.requests, args.forward_ms, {n: HOOK_SETS[n] for n in names}, not args.forward_sleep)
+    for name, r in res.items():
+        cpu, wall = r["cpu"], r["wall"]
+        print(f"shim host cost per step, {name:>11}, {args.requests} requests: CPU p50 {cpu['p50']:.1f} us "
+              f"p99 {cpu['p99']:.1f} us | wall p50 {wall['p50']:.1f} us p99 {wall['p99']:.1f} us | {wall['n']} "
+              f"steps (the sidecar saw {r['sidecar_steps']} of {r['shim_steps']}, {r['sidecar_tokens']} tokens)",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""What a step puts on the wire and how often it waits: structure, never timing.
+
+The shim's real link, connection and rings against a real sidecar process (vLLM's batch faked):
+- a pass-through step (hooks that read nothing per step) sends its StepStart and one fixed-size
+  record, the same bytes for 1 request as for 256, and kicks nobody awake;
+- no step waits for the sidecar more than once: not a steady step, not the first step after a
+  quiet spell (whose StepStart asks for an answer), not one that also asks for a plan.
+See docs/ARCHITECTURE.md, Step sequence.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from types import SimpleNamespace
+
+import msgspec
+import numpy as np
+import pytest
+
+from proto.codec import Codec
+from proto.messages import Hello, StepStart
+from proto.settings import STEP_START_ANSWER_S
+from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
+from tests.support.procs import SidecarProcess
+
+MINIMAL_RECORD_BYTES = 128  # a step-end record with scalars only; a layout of 256 rows is ~1 KiB
+
+
+def _request(req_id: str) -> SimpleNamespace:
+    return SimpleNamespace(req_id=req_id, prompt_token_ids=[1, 2, 3], prompt_len=3,
+                           sampling_params=SimpleNamespace(extra_args=None))
+
+
+def _decode_state(req_ids: list[str], step: int) -> SimpleNamespace:
+    n = len(req_ids)
+    batch = SimpleNamespace(req_ids=req_ids, num_tokens=n, query_start_loc_np=np.arange(n + 1, dtype=np.int32),
+                            num_computed_tokens_np=np.full(n, 3 + step, dtype=np.int32),
+                            prefill_len_np=np.full(n, 3, dtype=np.int32))
+    return SimpleNamespace(input_batch=batch, hidden_states=None)
+
+
+class RecordedLink:
+    """A SidecarLink whose channel records, per step, each frame it sends, each kick and each wait."""
+
+    def __init__(self, endpoint: str) -> None:
+        from worker_shim.config import RingConfig
+        from worker_shim.connection import SidecarConnection
+        from worker_shim.link import SidecarLink
+
+        hello = Hello(PROTOCOL_MAJOR, PROTOCOL_MINOR, "test", "none", "cpu", 0, 1, "m", 8, "float32", 1024, [],
+                      pid=os.getpid())
+
+        def connect(endpoint: str = endpoint, resume_token: str = "") -> SidecarConnection:
+            return SidecarConnection(endpoint, 10.0, msgspec.structs.replace(hello, resume_token=resume_token),
+                                     1 << 16, 2, arena_prefix="omni-test-traffic", ring=RingConfig())
+
+        conn = connect()
+        conn.connect(10.0)
+        self.link = SidecarLink(connect, conn, length_finishes=False)
+        self.frames: list[bytes] = []
+        self.waits = 0
+        channel = conn._channel
+        assert channel.rings is not None, "the sidecar did not accept the rings"
+        encode = channel.codec.encode
+
+        def recording_encode(msg):
+            frame = encode(msg)
+            self.frames.append(frame)
+            return frame
+
+        def counting(method, must_wait):
+            """One of the channel's ways to wait for a reply: counts once when it has to wait."""
+            def wrapped(*args, **kwargs):
+                self.waits += must_wait(*args, **kwargs)
+                return method(*args, **kwargs)
+            return wrapped
+
+        channel.codec.encode = recording_encode
+        channel.call = counting(channel.call, lambda msg, want: True)
+        channel.take_results = counting(
+            channel.take_results, lambda until_step=None: until_step is not None and channel.acked_step < until_step)
+        if hasattr(channel, "await_pongs"):  # 1.5: a quiet spell's StepStart answer, awaited later in the step
+            channel.await_pongs = counting(channel.await_pongs, lambda: channel.pongs_due > 0)
+        self.kicks = lambda: channel.kicks_sent
+
+    def step(self, state, pre_forward: bool = True) -> tuple[list[bytes], int, int]:
+        """One step as the runner drives it: (frames sent, kicks, waits)."""
+        self.frames.clear()
+        self.waits = 0
+        kicks = self.kicks()
+        self.link.note_finished(set(), None)
+        self.link.begin_step()
+        if pre_forward:
+            self.link.pre_forward(state.input_batch, None)
+        self.link.end_step(state)
+        return list(self.frames), self.kicks() - kicks, self.waits
+
+
+@pytest.fixture
+def sidecar(tmp_path, request):
+    proc = SidecarProcess(f"ipc://{tmp_path}/sc.sock", request.param, tmp_path / "sidecar.log")
+    yield proc
+    proc.stop()
+
+
+@pytest.mark.parametrize("sidecar", ["passthrough"], indirect=True)
+def test_a_pass_through_step_sends_one_fixed_size_record_and_wakes_nobody(sidecar, monkeypatch):
+    from worker_shim import recovery
+
+    monkeypatch.setattr(recovery, "STEP_START_ANSWER_S", 3600.0)  # a stalled test host asks no answers here
+    shim = RecordedLink(sidecar.endpoint)
+    codec = Codec()
+    try:
+        records: dict[int, set[bytes]] = {}
+        step = 0
+        for n in (1, 256):
+            req_ids = [f"cmpl-{n}-{i:04d}-abcdef12" for i in range(n)]
+            shim.link.note_new([_request(r) for r in req_ids])
+            shim.step(_decode_state(req_ids, step))  # this step brings requests: a full StepEnd
+            step += 1
+            for _ in range(5):
+                frames, kicks, waits = shim.step(_decode_state(req_ids, step))
+                step += 1
+                assert len(frames) == 2, [codec.decode(f) for f in frames]
+                start, end = frames
+                assert isinstance(codec.decode(start), StepStart)
+                assert len(end) <= MINIMAL_RECORD_BYTES, (len(end), codec.decode(end))
+                assert kicks == 0 and waits == 0
+                # Scalars only: everything but the step number and timings is the same for every step.
+                ended = msgspec.structs.asdict(codec.decode(end))
+                records.setdefault(n, set()).add(msgspec.json.encode({k: v for k, v in ended.items()
+                                                                      if k not in ("step", "num_tokens")
+                                                                      and not k.endswith("_us")}))
+            shim.link.note_finished(set(req_ids), None)
+        assert records[1] == records[256], records  # the record does not grow with the batch
+        shim.link.begin_step()
+        shim.link.end_step(None)
+        stats = shim.link.stats()  # waits until the sidecar read every step
+        session = sidecar.status().sessions[0]
+        assert session.steps == stats["steps"] == 12
+        assert session.scheduled_tokens == stats["scheduled_tokens"] == 6 * 1 + 6 * 256
+        assert session.new_requests == 257 and session.finished_requests == 257
+    finally:
+        shim.link.close()
+
+
+@pytest.mark.parametrize("sidecar", ["passthrough", "tests.support.asking_hooks:AskEveryStepHooks"],
+                         indirect=True)
+def test_no_step_waits_for_the_sidecar_more_than_once(sidecar):
+    shim = RecordedLink(sidecar.endpoint)
+    asks = shim.link.needs.pre_forward == "always"
+    try:
+        req_ids = [f"cmpl-{i:04d}-abcdef12" for i in range(8)]
+        shim.link.note_new([_request(r) for r in req_ids])
+        waits = []
+        for step in range(40):
+            if step % 10 == 9:
+                time.sleep(2 * STEP_START_ANSWER_S)  # a quiet spell: this StepStart asks for an answer
+            frames, _, wait = shim.step(_decode_state(req_ids, step))
+            waits.append(wait)
+        assert max(waits) <= 1, waits
+        if asks:  # every step asks for its plan: one wait each, the quiet spell's answer included
+            assert waits == [1] * 40, waits
+        else:  # the quiet spells' answers (a step after a stall of the test host may ask one too)
+            assert [waits[s] for s in range(9, 40, 10)] == [1] * 4, waits
+        assert shim.link.stats()["losses"] == 0
+    finally:
+        shim.link.close()
