@@ -121,10 +121,14 @@ class TalkerHeads(nn.Module):
     def predict_codes(
         self, code0: torch.Tensor, code0_embeds: torch.Tensor, last_hidden: torch.Tensor, text_step: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residual codes (greedy, one codebook after the other) -> (next inputs_embeds [B,H], codes [B,Q])."""
+        """Residual codes (greedy, one codebook after the other) -> (next inputs_embeds [B,H], codes [B,Q]).
+
+        A code 0 outside codebook 0 (EOS, BOS, PAD) is written as 0 in the frame, as vllm-omni's
+        talker does: every code a frame carries is one a codec can decode."""
         state = last_hidden.reshape(code0_embeds.shape) + code0_embeds
         frame_embeds = code0_embeds
-        codes = [code0.reshape(-1).to(torch.long)]
+        code0 = code0.reshape(-1).to(torch.long)
+        codes = [torch.where(code0 < self.codebook_size, code0, torch.zeros_like(code0))]
         for head, embed in zip(self.predictor_heads, self.residual_embeds):
             code = head(nn.functional.silu(self.predictor_in(state))).argmax(dim=-1)
             code_embeds = embed(code)

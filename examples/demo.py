@@ -58,7 +58,10 @@ class Sidecars:
         sockets.mkdir(mode=0o700, exist_ok=True)
         sockets.chmod(0o700)
         self.endpoints = {s: f"ipc://{sockets}/{s}.sock" for s in STAGES}
-        options = {"code2wav": [f"chunk_frames={chunk_frames}", f"left_context={left_context}"]}
+        from tiny_code2wav import CODE2WAV_CONFIG
+
+        options = {"code2wav": [f"chunk_frames={chunk_frames}", f"left_context={left_context}",
+                                f"codebook_size={CODE2WAV_CONFIG['codebook_size']}"]}
         self.procs = []
         for stage in STAGES:
             cmd = [sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", self.endpoints[stage],
@@ -199,6 +202,9 @@ def main() -> None:
     parser.add_argument("--by-hand", action="store_true", help="also run the stages one after another and compare")
     parser.add_argument("--out", type=Path, help="keep WAVs, results and logs here (default: a temporary directory)")
     parser.add_argument("--cuda", action="store_true", help="run on the GPU with CUDA graphs")
+    parser.add_argument("--thinker-delay-ms", type=float, default=0.0,
+                        help="sleep before each thinker step: a thinker much slower than its talker, as real "
+                             "ones are (the talker then waits for its rows)")
     args = parser.parse_args()
     run_dir = args.out or Path(tempfile.mkdtemp(prefix="omni-demo-"))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -209,7 +215,7 @@ def main() -> None:
     sidecars = Sidecars(run_dir, SIZES["chunk_frames"], SIZES["left_context"])
     try:
         config = {"run_dir": str(run_dir), "mode": "stream", "models": models, "endpoints": sidecars.endpoints,
-                  "requests": requests, "cuda": args.cuda, **SIZES}
+                  "requests": requests, "cuda": args.cuda, "thinker_delay_s": args.thinker_delay_ms / 1e3, **SIZES}
         print("== starting the three stages (one vLLM V2 engine + shim each), then streaming")
         streamed = run_stages(config, STAGES)
         report(config, streamed)

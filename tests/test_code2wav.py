@@ -215,3 +215,16 @@ def test_a_request_without_a_payload_is_not_a_code2wav_request_and_no_error(deco
     assert hooks.model_states(["_warmup_0_", "a"]) == {"a": {}}
     infos = run_step(hooks, decoder, 0, layout([("_warmup_0_", 0, 1), ("a", 0, 1)]))
     assert infos[0] == {} and infos[1]["meta"]["left_context_size"] == 0
+
+
+def test_codes_outside_the_codebook_fail_their_request_not_the_step(decoder):
+    hooks = Code2WavHooks(chunk_frames="4", left_context="0", codebook_size=str(CODE2WAV_CONFIG["codebook_size"]))
+    bad = codes(4, 10)
+    bad[2, 1] = CODE2WAV_CONFIG["codebook_size"]  # e.g. a talker's EOS written into a frame
+    with pytest.raises(HookErrors) as err:
+        hooks.on_new_requests([request("bad", {"codes": {"audio": bad}}), request("ok", {"codes": {"audio": codes(4, 11)}}),
+                               request("s", {"codes": {"audio": codes(4, 12)}, "meta": {"codec_streaming": True}})])
+    assert set(err.value.errors) == {"bad"} and "outside the codebook" in err.value.errors["bad"]
+    with pytest.raises(HookErrors, match="outside the codebook"):
+        append(hooks, "s", {"codes": {"audio": torch.cat([codes(4, 12), -bad[:1]])}})
+    assert hooks.model_states(["bad", "ok", "s"]) == {"ok": {}, "s": {}}

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import threading
 
 import numpy as np
@@ -14,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import EMBEDS_LENS
-from tests.support.procs import ROOT, SidecarProcess, child_env, run_engine
+from tests.support.procs import SidecarProcess, run_engine
 
 pytestmark = pytest.mark.e2e
 
@@ -131,17 +129,3 @@ def test_omni_payload_overlay(tiny_model, e2e_dir, embeds_case, tmp_path):
     assert res["ok"], res.get("traceback")
     assert res["shim_stats"][0]["request_errors"] == {}
     assert res["tokens"] == embeds_case["tokens"]  # overlay through the omni payload path
-
-
-def test_two_stage_demo(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "demo.py")], capture_output=True, text=True,
-        env=child_env(), timeout=600, cwd=ROOT,
-    )
-    out = proc.stdout
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "== stage 1: thinker" in out and "== stage 2: talker" in out and "== done" in out
-    assert out.count("thinker hidden states [") == 4
-    assert out.count("codes.audio [15, 4]") == 4  # one row per decode step
-    assert "streamed request 0 in 15 chunks, 15 code rows" in out
-    assert "per-step hook latency" in out

@@ -5,7 +5,8 @@ processes, each with its own upstream vLLM V2 engine and the shim: a tiny Qwen2-
 an image, M-RoPE, prefill chunked across the image) -> the tiny Qwen3-TTS-shaped talker (its own
 model hooks, code predictor) -> the tiny code2wav. With --by-hand it then runs the talker and
 code2wav stages again one after the other, each given the previous stage's whole output up front. The test reads what both runs wrote and checks:
-- the stages overlapped: each talker request started before its thinker request finished and
+- the stages overlapped (the thinker made slower than the talker, as real ones are, so the talker
+  has to wait for rows): each talker request started before its thinker request finished and
   was fed rows by appends; each code2wav request started before its talker request finished
   and was fed frames by appends;
 - the streamed run's codes equal the run by hand, and its audio equals the run by hand's;
@@ -28,13 +29,15 @@ from tests.support.procs import ROOT
 pytestmark = pytest.mark.e2e
 REQUESTS = 2
 ATOL = 1e-5  # the codec decodes each chunk in a different batch streamed and by hand
+# The thinker slower than the talker (as real ones are): the talker must wait for its rows.
+THINKER_DELAY_MS = 150
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "demo.py"), "--requests", str(REQUESTS),
-                           "--by-hand", "--out", str(out)],
+                           "--by-hand", "--out", str(out), "--thinker-delay-ms", str(THINKER_DELAY_MS)],
                           cwd=ROOT, capture_output=True, text=True, timeout=1500,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(out.glob("*.log")))

@@ -162,3 +162,24 @@ class Appends:
             if not self.stream.answers(wait_s=10.0):
                 raise TimeoutError(f"{len(self.stream.in_flight)} append(s) never answered")
         self.stream.close()
+
+
+def gated_step(engine: Any, feeds: dict[str, Any], ready: Any, times: StepTimes, appends: Appends,
+               progress: Progress, finished_line: Any) -> list[str] | None:
+    """One engine step if every running request has what its next step reads (`ready(feed)`),
+    its appends in first; else a short wait (the stall watchdog watching). The ids that finished
+    in the step (None: it waited)."""
+    from examples.pipeline.feeds import describe, note_outputs
+
+    live = [f for f in feeds.values() if f.live]
+    if not live or not all(ready(f) for f in live):
+        progress.check(lambda: describe(list(feeds.values())))
+        time.sleep(INPUT_POLL_S)
+        return None
+    appends.wait_in()
+    done = note_outputs(feeds, times.step(engine))
+    for req_id in done:
+        progress.note(finished_line(req_id))
+    progress.note()
+    appends.stepped()
+    return done

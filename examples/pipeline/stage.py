@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from examples.pipeline.common import (INPUT_POLL_S, Appends, Progress, StepTimes, finish, make_engine,
+from examples.pipeline.common import (INPUT_POLL_S, Appends, Progress, StepTimes, finish, gated_step, make_engine,
                                       set_environment, shim_figures, wait_for_go, write_result)
-from examples.pipeline.feeds import Feed, describe, note_outputs, pull_all, wait_ended
+from examples.pipeline.feeds import Feed, pull_all, wait_ended
 
 
 def run_thinker(config: dict[str, Any]) -> None:
@@ -36,7 +36,10 @@ def run_thinker(config: dict[str, Any]) -> None:
         engine.add_request(req["id"], {"prompt": vl_prompt(req["text"]),
                                        "multi_modal_data": {"image": tiny_image(req["image_seed"])}}, params)
     done: dict[str, Any] = {}
+    delay = float(config.get("thinker_delay_s", 0.0))
     while engine.has_unfinished_requests():
+        if delay:  # a thinker as much slower than its talker as a real one is
+            time.sleep(delay)
         for out in times.step(engine):
             if out.finished:
                 print(f"[thinker +{time.time() - go:7.3f}s] {out.request_id} finished", flush=True)
@@ -115,18 +118,9 @@ def run_talker(config: dict[str, Any]) -> None:
                 for feed in feeds.values():
                     if not feed.added:
                         add(feed)
-            live = [f for f in feeds.values() if f.live]
-            if live and all(ready(f) for f in live):
-                appends.wait_in()
-                for req_id in note_outputs(feeds, times.step(engine)):
-                    ended[req_id] = time.time() - go
-                    progress.note(f"{req_id} finished: {feeds[req_id].generated} tokens, "
-                                  f"{appended.get(req_id, 0)} appends of thinker rows")
-                progress.note()
-                appends.stepped()
-            else:
-                progress.check(lambda: describe(list(feeds.values())))
-                time.sleep(INPUT_POLL_S)
+            done = gated_step(engine, feeds, ready, times, appends, progress, lambda r: (
+                f"{r} finished: {feeds[r].generated} tokens, {appended.get(r, 0)} appends of thinker rows"))
+            ended.update({req_id: time.time() - go for req_id in done or []})
         appends.close()
         codes = {r: own.outputs(r)["codes.audio"].tolist() for r in feeds}
     write_result(config, "talker", {"steps": times.summary(), "shim": shim_figures(llm), "codes": codes,
@@ -202,23 +196,16 @@ def run_code2wav(config: dict[str, Any]) -> None:
                     feed_frames(feed)
                 elif feed.ended and not feed.count:
                     feed.finished = True  # the talker made no frames: nothing to decode
-            live = [f for f in feeds.values() if f.live]
-            if live and all(ready(f) for f in live):
-                appends.wait_in()
-                for req_id in note_outputs(feeds, times.step(engine)):
-                    ended[req_id] = time.time() - go
-                    progress.note(f"{req_id} finished: {feeds[req_id].count} frames decoded in "
-                                  f"{feeds[req_id].generated} steps")
-                progress.note()
-                appends.stepped()
-                for req_id in [f.req_id for f in feeds.values() if f.added and f.req_id not in first_audio]:
-                    audio[req_id].pull(own)
-                    if audio[req_id].count:
-                        first_audio[req_id] = time.time() - go
-                        progress.note(f"{req_id} first audio")
-            else:
-                progress.check(lambda: describe(list(feeds.values())))
-                time.sleep(INPUT_POLL_S)
+            done = gated_step(engine, feeds, ready, times, appends, progress, lambda r: (
+                f"{r} finished: {feeds[r].count} frames decoded in {feeds[r].generated} steps"))
+            if done is None:
+                continue
+            ended.update({req_id: time.time() - go for req_id in done})
+            for req_id in [f.req_id for f in feeds.values() if f.added and f.req_id not in first_audio]:
+                audio[req_id].pull(own)
+                if audio[req_id].count:
+                    first_audio[req_id] = time.time() - go
+                    progress.note(f"{req_id} first audio")
         appends.close()
         waves = {}
         for req_id in feeds:

@@ -85,10 +85,14 @@ class Code2WavHooks(OmniStateHooks):
     name = "omni-code2wav"
 
     def __init__(self, chunk_frames: str = str(CODE2WAV_CHUNK_FRAMES),
-                 left_context: str = str(CODE2WAV_LEFT_CONTEXT_FRAMES), state_cap_mib: str = "256") -> None:
+                 left_context: str = str(CODE2WAV_LEFT_CONTEXT_FRAMES), state_cap_mib: str = "256",
+                 codebook_size: str = "0") -> None:
         super().__init__(state_cap_mib=state_cap_mib)
         self.chunk_frames = int(chunk_frames)
         self.left_context = int(left_context)
+        # The codec's codebook size (0: unchecked): a code outside it fails its request here,
+        # not the codec's forward (which would fail the whole step).
+        self.codebook_size = int(codebook_size)
         if self.chunk_frames < 1 or self.left_context < 0:
             raise ValueError(f"chunk_frames must be >= 1 and left_context >= 0, got {chunk_frames}, {left_context}")
         # The chunk must reach the forward: one exchange per step that runs a request with a payload.
@@ -210,6 +214,10 @@ def _check(state: dict[str, Any], hooks: Code2WavHooks) -> str | None:
         return f"code2wav: the payload needs codes.audio [frames, codebooks], got {_describe(codes)}"
     if codes.dtype.is_floating_point or codes.dtype == torch.bool:
         return f"code2wav: codes.audio must hold integer codes, got {codes.dtype}"
+    size = hooks.codebook_size
+    if size and codes.numel() and not 0 <= int(codes.min()) <= int(codes.max()) < size:
+        return (f"code2wav: codes.audio holds codes outside the codebook [0, {size}): "
+                f"{int(codes.min())} .. {int(codes.max())}")
     try:
         _, chunk, left = hooks.plan(state)
     except (TypeError, ValueError) as exc:
