@@ -34,7 +34,6 @@ from typing import Any, Callable
 import torch
 
 from omni_sidecar.hooks import OmniHooks, wire_needs
-from omni_sidecar.metrics import SidecarMetrics
 from omni_sidecar.session import Session
 from omni_sidecar.store import FinishedOutputs
 from proto.messages import (
@@ -96,6 +95,18 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return value
 
 
+class NoMetrics:
+    """`SidecarMetrics` that records nothing: Prometheus series exist for a daemon that serves
+    scrapes, not for hooks called in the worker (each observe costs µs a step). Any metric, any
+    labels, any update: a no-op."""
+
+    def __getattr__(self, name: str) -> "NoMetrics":
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "NoMetrics":
+        return self
+
+
 class InProcessArenas:
     """The session's tensor moves (`SessionArenas`' interface) with no arena: tensors pass by reference."""
 
@@ -148,7 +159,7 @@ class InProcessConnection:
         self.finished = finished
         self.needs = wire_needs(hooks)
         self.hook_set = hooks.name
-        self.session = Session(1, hello, hooks, finished, SidecarMetrics())
+        self.session = Session(1, hello, hooks, finished, NoMetrics())  # type: ignore[arg-type]
         self.session.arenas = InProcessArenas(list(self.needs.hidden_layers))  # type: ignore[assignment]
         self.welcome = Welcome(protocol_major=PROTOCOL_MAJOR, protocol_minor=PROTOCOL_MINOR,
                                sidecar_version="inproc", hook_set=hooks.name, needs=self.needs, session=1)
