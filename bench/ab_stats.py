@@ -49,11 +49,11 @@ def block_ratios(rounds: list[dict], num: str = "shim", den: str = "plain") -> l
     return [statistics.fmean(a) / statistics.fmean(b) for a, b in _per_block(rounds, "tok_s", num, den)]
 
 
-def step_price(rounds: list[dict], num: str, den: str, steps_per_round: int) -> dict:
+def step_price(rounds: list[dict], num: str, den: str, steps_per_round: float) -> dict:
     """What `num` adds to each engine step over `den`, in µs of wall time: per block, the mean
     round time difference over the round's steps; median, bootstrap interval and halves as for
-    the ratio. Both engines run the same schedule (same scheduler, same requests), so one
-    step count serves both."""
+    the ratio. The engines run the same schedule (same scheduler, same requests), so one step
+    count (a mean over rounds; a plain engine counts none) serves both."""
     diffs = [(statistics.fmean(a) - statistics.fmean(b)) / steps_per_round * 1e6
              for a, b in _per_block(rounds, "s", num, den)] if steps_per_round > 0 else []
     if not diffs:
@@ -61,7 +61,7 @@ def step_price(rounds: list[dict], num: str, den: str, steps_per_round: int) -> 
     lo, hi = bootstrap_median(diffs)
     half = len(diffs) // 2
     halves = [statistics.median(diffs[:half]), statistics.median(diffs[half:])] if half else [diffs[0]] * 2
-    return {"blocks": len(diffs), "steps_per_round": steps_per_round, "us_median": round(statistics.median(diffs), 1),
+    return {"blocks": len(diffs), "steps_per_round": round(steps_per_round, 2), "us_median": round(statistics.median(diffs), 1),
             "us_ci95": [round(lo, 1), round(hi, 1)], "halves_us": [round(h, 1) for h in halves]}
 
 

@@ -152,7 +152,8 @@ def _summaries(res: dict, names: tuple[str, ...]) -> None:
         return
     res["summary_inproc"] = summarize(rounds, "inproc", "plain")
     res["summary_boundary"] = summarize(rounds, "shim", "inproc")
-    steps = (res.get("steps_per_round") or {}).get("shim", 0)
+    counted = list((res.get("steps_per_round") or {}).values())
+    steps = sum(counted) / len(counted) if counted else 0  # none yet while measuring
     res["step_price"] = {f"{a}_vs_{b}": step_price(rounds, a, b, steps)
                          for a, b in (("shim", "inproc"), ("shim", "plain"), ("inproc", "plain"))}
 
@@ -205,15 +206,17 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
                   flush=True)
         prompts, params = _prompts(sizes, SHAPES[shape]["hidden_size"], hooks == "omni", sizes.max_tokens[model],
                                    kwargs["dtype"])
-        for engine in sizes.engines:  # warm-up: graphs, allocator, sidecar paths
+        for engine in sizes.engines + sizes.engines:  # warm-up: graphs, allocator, sidecar paths
             _round(engines[engine], prompts, params)
-        for engine in sizes.engines:  # again; the hooked engines' shims count this round's steps
-            before = _steps(engines[engine]) if engine != "plain" else 0
-            _round(engines[engine], prompts, params)
-            if engine != "plain":
-                res.setdefault("steps_per_round", {})[engine] = _steps(engines[engine]) - before
+        hooked = [e for e in sizes.engines if e != "plain"]
+        steps_before = {e: _steps(engines[e]) for e in hooked}  # the shims count the timed rounds' steps
         res["status"] = "measuring"
         _measure(res, engines, prompts, params, sizes, budget, sink)
+        # A round's step count varies by one (the engine core may start a step before the driver
+        # added every request), so per engine: the mean over its timed rounds.
+        res["steps_per_round"] = {e: round((_steps(engines[e]) - steps_before[e]) /
+                                           max(1, sum(r["engine"] == e for r in res["rounds"])), 2) for e in hooked}
+        _summaries(res, sizes.engines)
         for engine in sizes.engines:
             if engine != "plain":
                 (stats,) = engines[engine].collective_rpc("omni_sidecar_stats")
@@ -222,7 +225,6 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
                 mark = marks[engine]
                 res["kwargs_reached_model" if engine == "shim" else f"kwargs_reached_model_{engine}"] = (
                     json.loads(mark.read_text()) if mark.exists() else None)
-        _summaries(res, sizes.engines)
         res["status"] = "done"
         for label, s in _pairs(res):
             print(f"[{name}] {s.get('blocks')} blocks: {label} median {s.get('ratio_median')} "
