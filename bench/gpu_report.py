@@ -103,6 +103,9 @@ def render(res: dict) -> str:
                 got = c.get("kwargs_reached_model")
                 start += (f"; extra kwargs reached the model's forward ({got['rows']} rows on its first such step)"
                           if got else "; extra kwargs did NOT reach the model's forward")
+                if "kwargs_reached_model_inproc" in c:
+                    start += (", in-process too" if c["kwargs_reached_model_inproc"] else
+                              "; in-process, extra kwargs did NOT reach the model's forward")
             lines.append(f"- {c['config']}: {s['verdict']} ({start}).")
     lines += _boundary(res)
     ref = res.get("refusal")
