@@ -94,3 +94,15 @@ def test_the_section_shows_the_boundary_when_the_baseline_ran(tmp_path):
                            "inproc_vs_plain": step_price(rs, "inproc", "plain", 100)}}
     text = render({"smoke": True, "machine": {}, "configs": [conf]})
     assert "| tiny-omni | 900.0 | 818.2 | **0.909**" in text and "**1000.0**" in text
+
+
+def test_step_cost_drives_the_same_hooks_in_process():
+    """bench.step_cost's in-process variants: the shim's link over the session in this process
+    (no sidecar started); every step reaches the hooks, each request's finish too (counts only)."""
+    from bench.step_cost import measure
+
+    res = measure(40, 4, 0.0, {"passthrough-inproc": "passthrough",
+                               "observe-inproc": "bench.step_cost_hooks:ObservingPassThrough"})
+    for r in res.values():
+        assert r["sidecar_steps"] == r["shim_steps"] and r["losses"] == 0
+        assert r["sidecar_tokens"] == 4 * r["shim_steps"]
