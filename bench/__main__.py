@@ -7,7 +7,8 @@
 (c) tensor handoff cost per MiB through the CPU shared-memory arena;
 (d) sidecar cold start to ready;
 (e) the shim's host cost per step: pass-through hooks (StepTick) vs hooks that read every step's
-    layout (a full StepEnd each step: the pre-1.5 traffic of every pass-through step).
+    layout (a full StepEnd each step: the pre-1.5 traffic of every pass-through step), and both
+    hook sets called in-process (bench/inproc.py): the process boundary's price per step.
 Writes BENCHMARKS.md and PNG latency histograms (into --out, default docs/bench/).
 `--only exchange` (or handoff, cold_start, throughput, step_cost; comma-separated) runs just those parts
 and prints them, without rewriting BENCHMARKS.md.
@@ -67,7 +68,7 @@ def step_cost(steps: int) -> dict:
 
     res = measure(steps, 64, 2.5)
     for name, r in res.items():
-        print(f"(e) shim host cost per step, {name:>11}, 64 requests: CPU p50 {r['cpu']['p50']:.1f} us, "
+        print(f"(e) shim host cost per step, {name:>18}, 64 requests: CPU p50 {r['cpu']['p50']:.1f} us, "
               f"p99 {r['cpu']['p99']:.1f} us (the sidecar saw {r['sidecar_steps']} of {r['shim_steps']} steps)",
               flush=True)
     return res
@@ -255,7 +256,6 @@ def write_markdown(path: Path, res: dict, plots: list[str], out: Path) -> None:
 
 
 def step_cost_markdown(res: dict) -> list[str]:
-    p, o = res["passthrough"], res["observe"]
     return [
         "## (e) Shim host cost per step", "",
         "`python -m bench.step_cost`: the worker thread's CPU time in the shim per decode step (64 requests, "
@@ -263,11 +263,13 @@ def step_cost_markdown(res: dict) -> list[str]:
         "sidecar. `passthrough` reads nothing per step, so a step that brings nothing new sends its StepStart "
         "and a ~90-byte StepTick and wakes nobody (protocol 1.5); `observe` overrides `process_model_output`, "
         "so every step sends the full StepEnd with its layout and kicks the sidecar awake: what every "
-        "pass-through step sent before 1.5.", "",
+        "pass-through step sent before 1.5. `-inproc`: the same link and hook sets with the sidecar's session "
+        "called in this process (bench/inproc.py; no socket, ring or kick), the hooks' and the session's own "
+        "work then on the worker's thread: the process boundary's price per step is the difference.", "",
         "| hook set | CPU p50 (us) | CPU p99 (us) | wall p50 (us) | steps the sidecar counted |",
         "|---|---:|---:|---:|---:|",
         *(f"| {name} | {r['cpu']['p50']:.1f} | {r['cpu']['p99']:.1f} | {r['wall']['p50']:.1f} | "
-          f"{r['sidecar_steps']} of {r['shim_steps']} |" for name, r in (("passthrough", p), ("observe", o))),
+          f"{r['sidecar_steps']} of {r['shim_steps']} |" for name, r in res.items()),
         "",
     ]
 

@@ -4,6 +4,10 @@ A block is four rounds, two per engine, in ABBA or BAAB order (blocks alternate)
 linear drift of the machine over a block hits both engines alike. Per block, the ratio
 is mean(shim rounds) / mean(plain rounds); the figure is the median of the block ratios,
 with a bootstrap 95 % interval over blocks (resampled with replacement, seeded).
+With three engines (plain, shim and the in-process baseline, bench/inproc.py) a block is
+a palindrome of six rounds (ABCCBA, then BCAACB, CABBAC): each engine's two rounds sit
+symmetrically about the block's middle, so a linear drift still hits every pair alike,
+and any pair of engines is compared as above (`summarize(rounds, num, den)`).
 
 The spread reported next to it, so an effect can be told from noise:
 - `block_ratio_p10_p90`: where the middle 80 % of block ratios lie;
@@ -20,22 +24,45 @@ import random
 import statistics
 
 
-def block_order(index: int) -> list[str]:
-    """Engines of block `index`, in order: ABBA, then BAAB, alternating (A = plain, B = shim)."""
-    return ["plain", "shim", "shim", "plain"] if index % 2 == 0 else ["shim", "plain", "plain", "shim"]
+ENGINES = ("plain", "shim")
 
 
-def block_ratios(rounds: list[dict]) -> list[float]:
-    """Per complete block: mean shim tokens/s over mean plain tokens/s."""
+def block_order(index: int, engines: tuple[str, ...] | list[str] = ENGINES) -> list[str]:
+    """Engines of block `index`, in order: the engines rotated by the block index, then back
+    (two engines: ABBA, then BAAB, alternating; A = plain, B = shim)."""
+    k = index % len(engines)
+    ahead = list(engines[k:]) + list(engines[:k])
+    return ahead + ahead[::-1]
+
+
+def _per_block(rounds: list[dict], key: str, num: str, den: str) -> list[tuple[list[float], list[float]]]:
+    """(num's values, den's values) of `key` per block where both engines ran both rounds."""
     blocks: dict[int, dict[str, list[float]]] = {}
     for r in rounds:
-        blocks.setdefault(r["block"], {"plain": [], "shim": []})[r["engine"]].append(r["tok_s"])
-    out = []
-    for b in sorted(blocks):
-        plain, shim = blocks[b]["plain"], blocks[b]["shim"]
-        if len(plain) == 2 and len(shim) == 2:
-            out.append(statistics.fmean(shim) / statistics.fmean(plain))
-    return out
+        blocks.setdefault(r["block"], {}).setdefault(r["engine"], []).append(r[key])
+    return [(blocks[b].get(num, []), blocks[b].get(den, [])) for b in sorted(blocks)
+            if len(blocks[b].get(num, [])) == 2 and len(blocks[b].get(den, [])) == 2]
+
+
+def block_ratios(rounds: list[dict], num: str = "shim", den: str = "plain") -> list[float]:
+    """Per complete block: mean `num` tokens/s over mean `den` tokens/s."""
+    return [statistics.fmean(a) / statistics.fmean(b) for a, b in _per_block(rounds, "tok_s", num, den)]
+
+
+def step_price(rounds: list[dict], num: str, den: str, steps_per_round: float) -> dict:
+    """What `num` adds to each engine step over `den`, in µs of wall time: per block, the mean
+    round time difference over the round's steps; median, bootstrap interval and halves as for
+    the ratio. The engines run the same schedule (same scheduler, same requests), so one step
+    count (a mean over rounds; a plain engine counts none) serves both."""
+    diffs = [(statistics.fmean(a) - statistics.fmean(b)) / steps_per_round * 1e6
+             for a, b in _per_block(rounds, "s", num, den)] if steps_per_round > 0 else []
+    if not diffs:
+        return {"blocks": 0}
+    lo, hi = bootstrap_median(diffs)
+    half = len(diffs) // 2
+    halves = [statistics.median(diffs[:half]), statistics.median(diffs[half:])] if half else [diffs[0]] * 2
+    return {"blocks": len(diffs), "steps_per_round": round(steps_per_round, 2), "us_median": round(statistics.median(diffs), 1),
+            "us_ci95": [round(lo, 1), round(hi, 1)], "halves_us": [round(h, 1) for h in halves]}
 
 
 def bootstrap_median(values: list[float], iters: int = 4000, seed: int = 15) -> tuple[float, float]:
@@ -63,11 +90,12 @@ def _cv(values: list[float]) -> float:
     return statistics.stdev(values) / statistics.fmean(values) if len(values) > 1 else 0.0
 
 
-def summarize(rounds: list[dict]) -> dict:
-    """The figures of one configuration from its timed rounds (warm-up rounds excluded)."""
-    ratios = block_ratios(rounds)
-    plain = [r["tok_s"] for r in rounds if r["engine"] == "plain"]
-    shim = [r["tok_s"] for r in rounds if r["engine"] == "shim"]
+def summarize(rounds: list[dict], num: str = "shim", den: str = "plain") -> dict:
+    """The figures of one pair of engines (`num` / `den`) from its timed rounds (warm-up rounds
+    excluded); the keys name the engines (`plain_tok_s_median`, `cv_shim`, ...)."""
+    ratios = block_ratios(rounds, num, den)
+    plain = [r["tok_s"] for r in rounds if r["engine"] == den]
+    shim = [r["tok_s"] for r in rounds if r["engine"] == num]
     if not ratios:
         return {"blocks": 0, "rounds": len(rounds)}
     lo, hi = bootstrap_median(ratios)
@@ -83,19 +111,20 @@ def summarize(rounds: list[dict]) -> dict:
         "block_ratio_p10_p90": [round(_quantile(ratios, 0.1), 4), round(_quantile(ratios, 0.9), 4)],
         "halves": [round(h, 4) for h in halves],
         "run_to_run": round(abs(halves[0] - halves[1]), 4),
-        "plain_tok_s_median": round(statistics.median(plain), 1),
-        "shim_tok_s_median": round(statistics.median(shim), 1),
-        "cv_plain": round(_cv(plain), 4),
-        "cv_shim": round(_cv(shim), 4),
+        f"{den}_tok_s_median": round(statistics.median(plain), 1),
+        f"{num}_tok_s_median": round(statistics.median(shim), 1),
+        f"cv_{den}": round(_cv(plain), 4),
+        f"cv_{num}": round(_cv(shim), 4),
         "block_ratios": [round(x, 4) for x in ratios],
-        "verdict": verdict(med, lo, hi, abs(halves[0] - halves[1]), len(ratios)),
+        "verdict": verdict(med, lo, hi, abs(halves[0] - halves[1]), len(ratios), num, den),
     }
 
 
 MIN_BLOCKS_TO_RESOLVE = 6  # fewer: the bootstrap has too few values to mean anything
 
 
-def verdict(med: float, lo: float, hi: float, run_to_run: float, blocks: int) -> str:
+def verdict(med: float, lo: float, hi: float, run_to_run: float, blocks: int, num: str = "shim",
+            den: str = "plain") -> str:
     """One line: the effect, and whether this run resolves it."""
     effect = (1.0 - med) * 100
     half_width = (hi - lo) / 2 * 100
@@ -107,5 +136,5 @@ def verdict(med: float, lo: float, hi: float, run_to_run: float, blocks: int) ->
         resolved = "effect within the spread: not resolved"
     else:
         resolved = "resolved: the interval excludes 1.0 and the halves agree within the effect"
-    return (f"shim costs {effect:+.2f} % of plain throughput (95 % CI {(1 - hi) * 100:+.2f} .. "
+    return (f"{num} costs {effect:+.2f} % of {den} throughput (95 % CI {(1 - hi) * 100:+.2f} .. "
             f"{(1 - lo) * 100:+.2f} %, halves differ by {run_to_run * 100:.2f} points): {resolved}")

@@ -1,8 +1,10 @@
 """GPU benchmark on ONE device (issue #15), plus issue #3's exchange and handoff parts.
 
-Default (`--parts throughput`): decode throughput shim / plain V2 with both engines
-resident in this one driver process, many short ABBA / BAAB rounds, median block ratio,
-bootstrap 95 % interval and the spread (bench/gpu_ab.py, bench/ab_stats.py), for
+Default (`--parts throughput`): decode throughput shim / plain V2 and shim / in-process
+baseline (the same hooks called in the worker, no sidecar: bench/inproc.py; the price of the
+process boundary, in throughput and in µs per step) with all engines resident in this one
+driver process (`--engines`), many short alternating rounds, median block ratios,
+bootstrap 95 % intervals and the spread (bench/gpu_ab.py, bench/ab_stats.py), for
 tiny-passthrough, tiny-omni, 1b-passthrough, 1b-omni (bench/gpu_models.py), in that
 order, inside `--budget-s` (configurations that no longer fit are skipped, rounds stop at
 the deadline, a watchdog ends the run GRACE_S past it). After every block it rewrites
@@ -112,6 +114,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU code-path check: tiny sizes, float32, eager, 2 blocks")
     ap.add_argument("--budget-s", type=float, default=400.0, help="bound on the whole run (partial results stay)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"in order, from {', '.join(CONFIGS)}")
+    ap.add_argument("--engines", default="plain,shim,inproc",
+                    help="engines per configuration, plain first: plain,shim[,inproc] (inproc: the in-process baseline)")
     ap.add_argument("--measure-s", type=float, help="seconds of timed rounds per configuration (default 22; smoke: 2 blocks)")
     ap.add_argument("--parts", default="throughput,refusal", help="throughput[,refusal][,exchange][,handoff]")
     ap.add_argument("--iters", type=int, default=500, help="exchange round trips per block (--parts exchange)")
@@ -138,6 +142,10 @@ def main() -> None:
     sizes = Sizes.smoke_sizes() if args.smoke else Sizes()
     if args.measure_s is not None:
         sizes.measure_s = args.measure_s
+    engines = tuple(e for e in args.engines.split(",") if e)
+    if engines not in (("plain", "shim"), ("plain", "shim", "inproc")):
+        raise SystemExit(f"--engines {args.engines!r}: plain,shim or plain,shim,inproc")
+    sizes.engines = engines
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / ("gpu_ab-smoke.json" if args.smoke else "gpu_ab.json")

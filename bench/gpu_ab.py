@@ -1,18 +1,21 @@
-"""Decode throughput shim / plain V2 on ONE device: both engines resident in this process.
+"""Decode throughput shim / plain V2 on ONE device: all engines resident in this process.
 
-For each configuration (model x hook set) this driver process holds two vLLM engines at
+For each configuration (model x hook set) this driver process holds three vLLM engines at
 once, each in its own engine-core process (`VLLM_ENABLE_V1_MULTIPROCESSING=1`) with a
-share of the GPU's memory: plain V2, and V2 with the shim talking to a sidecar. It then
-runs many short rounds (N requests x T tokens, greedy, `ignore_eos`) alternating
-between them in ABBA / BAAB blocks and records each round's tokens/s; bench/ab_stats.py
-turns the rounds into the median block ratio, its bootstrap interval and the spread.
+share of the GPU's memory: plain V2; V2 with the shim talking to a sidecar; and the
+in-process baseline (bench/inproc.py: the same shim, the same hook set called in the
+worker, no sidecar), whose comparison with the shim prices the process boundary (issue #15).
+It then runs many short rounds (N requests x T tokens, greedy, `ignore_eos`) alternating
+between them in palindromic blocks (ABCCBA, BCAACB, ...; with two engines ABBA / BAAB) and
+records each round's tokens/s; bench/ab_stats.py turns the rounds into median block ratios
+per pair of engines, their bootstrap intervals and spread, and what an engine adds per step.
 
 Configurations: `passthrough` (the sidecar does nothing; default CUDA graphs) and `omni`
 (the omni hook set working every step: extra kwargs through a blocking plan each step,
 last-layer and two captured layers' hidden states each token, prefill overlays from each
 request's `prompt_embeds`). The shim refuses extra kwargs under FULL CUDA graphs
-(docs/ARCHITECTURE.md, "Extra kwargs and CUDA graphs"), so both engines of an `omni`
-pair run PIECEWISE graphs: like with like.
+(docs/ARCHITECTURE.md, "Extra kwargs and CUDA graphs"), so all engines of an `omni`
+configuration run PIECEWISE graphs: like with like.
 
 Everything is bounded by a `Budget`: a configuration starts only if its engines' start
 (estimated from the starts seen so far) and its shortest measurement fit, rounds stop at
@@ -29,8 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from bench.ab_stats import block_order, summarize
+from bench.ab_stats import block_order, step_price, summarize
 from bench.gpu_models import KWARGS_MARK_ENV, SHAPES, build_model_dir, engine_kwargs, omni_hook_options, param_count
+
+# Engines a configuration holds besides plain V2: the shim with a sidecar, and the bench's
+# in-process baseline (the same hooks called in the worker, bench/inproc.py).
+WORKERS = {"shim": "worker_shim.Worker", "inproc": "bench.inproc_worker.Worker"}
 
 CONFIGS: dict[str, tuple[str, str]] = {  # name -> (model, hook set); run in this order
     "tiny-passthrough": ("tiny", "passthrough"),
@@ -50,6 +57,7 @@ class Sizes:
     max_blocks: int = 200
     start_guess_s: float = 60.0  # one engine's start before any was seen
     smoke: bool = False
+    engines: tuple[str, ...] = ("plain", "shim", "inproc")  # plain first: the others compare to it
 
     @classmethod
     def smoke_sizes(cls) -> "Sizes":
@@ -71,7 +79,7 @@ class Budget:
 
 def _prompts(sizes: Sizes, hidden: int, payloads: bool, max_tokens: int, dtype: str) -> tuple[list, list]:
     """Token-id prompts (fixed seed) and their params; with `payloads`, each carries prompt_embeds
-    (in the model's dtype; both engines get the same params, so both pay for the bytes)."""
+    (in the model's dtype; every engine gets the same params, so all pay for the bytes)."""
     import numpy as np
     import torch
     from vllm import SamplingParams
@@ -109,11 +117,59 @@ def _scalar_stats(stats: dict) -> dict:
             if isinstance(v, (int, float, str, bool))}
 
 
+def _steps(llm) -> int:
+    """The engine's step count so far as its shim counts it (shim and in-process engines only)."""
+    (stats,) = llm.collective_rpc("omni_sidecar_stats")
+    return int(stats["steps"])
+
+
+def _measure(res: dict, engines: dict, prompts, params, sizes: Sizes, budget: Budget, sink) -> None:
+    """Timed blocks (bench/ab_stats.py's order) until the measuring time or the budget is spent."""
+    names = sizes.engines
+    t_measure = time.monotonic()
+    block = 0
+    while block < sizes.max_blocks:
+        if block >= sizes.min_blocks and time.monotonic() - t_measure >= sizes.measure_s:
+            break
+        if block >= 1 and budget.left() < 2 * len(names) * (res["rounds"][-1]["s"] + 0.5) + 10:
+            res["cut_by_budget"] = True
+            break
+        for engine in block_order(block, names):
+            tokens, dt = _round(engines[engine], prompts, params)
+            res["rounds"].append({"block": block, "engine": engine, "tokens": tokens, "s": round(dt, 4),
+                                  "tok_s": round(tokens / dt, 2)})
+        block += 1
+        _summaries(res, names)
+        sink(res)
+
+
+def _summaries(res: dict, names: tuple[str, ...]) -> None:
+    """shim / plain (`summary`), and with the in-process baseline: inproc / plain and shim / inproc
+    (the process boundary's price in throughput), and what each adds per engine step in µs."""
+    rounds = res["rounds"]
+    res["summary"] = summarize(rounds)
+    if "inproc" not in names:
+        return
+    res["summary_inproc"] = summarize(rounds, "inproc", "plain")
+    res["summary_boundary"] = summarize(rounds, "shim", "inproc")
+    counted = list((res.get("steps_per_round") or {}).values())
+    steps = sum(counted) / len(counted) if counted else 0  # none yet while measuring
+    res["step_price"] = {f"{a}_vs_{b}": step_price(rounds, a, b, steps)
+                         for a, b in (("shim", "inproc"), ("shim", "plain"), ("inproc", "plain"))}
+
+
+def _pairs(res: dict) -> list[tuple[str, dict]]:
+    return [(label, res[key]) for key, label in (("summary", "shim/plain"), ("summary_inproc", "inproc/plain"),
+                                                 ("summary_boundary", "shim/inproc")) if res.get(key)]
+
+
 def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list[float],
                sink: Callable[[dict], None]) -> dict:
-    """One configuration: sidecar, the two engines, warm-up, ABBA blocks; `sink` after each block."""
+    """One configuration: sidecar, the engines (plain, shim, in-process baseline), warm-up,
+    alternating blocks; `sink` after each block."""
     from vllm import LLM
 
+    from bench.inproc_worker import inproc_config
     from tests.support.procs import SidecarProcess
 
     model, hooks = CONFIGS[name]
@@ -128,20 +184,21 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
     sink(res)
     endpoint = f"ipc://{work}/{name}.sock"
     engines: dict = {}
-    mark = work / f"{name}-kwargs.json"
+    marks = {e: work / f"{name}-kwargs{'' if e == 'shim' else '-' + e}.json" for e in ("shim", "inproc")}
     sidecar = None
     try:
         sidecar = SidecarProcess(endpoint, hooks, work / f"{name}-sidecar.log", options=res["hook_options"],
                                  extra_args=["--keep-finished", "256", "--log-level", "WARNING"])
-        for engine in ("plain", "shim"):
+        # All get the same additional_config (plain ignores both keys, the shim the in-process one):
+        # it enters vLLM's compile-cache key and worker_cls does not, so a later engine reuses an
+        # earlier one's compiled graphs where the shim adds none of its own (pass-through).
+        config = {"omni_sidecar": {"endpoint": endpoint}, **inproc_config(hooks, res["hook_options"])}
+        for engine in sizes.engines:
             t0 = time.monotonic()
-            # Both get the same additional_config (plain ignores it): it enters vLLM's compile-cache
-            # key and worker_cls does not, so the second engine reuses the first one's compiled graphs
-            # where the shim adds none of its own (pass-through).
-            extra = {"additional_config": {"omni_sidecar": {"endpoint": endpoint}}}
-            if engine == "shim":
-                extra["worker_cls"] = "worker_shim.Worker"
-                os.environ[KWARGS_MARK_ENV] = str(mark)  # its engine core inherits it (fork or spawn)
+            extra: dict = {"additional_config": config}
+            if engine != "plain":
+                extra["worker_cls"] = WORKERS[engine]
+                os.environ[KWARGS_MARK_ENV] = str(marks[engine])  # its engine core inherits it (fork or spawn)
             engines[engine] = LLM(**kwargs, **extra)
             starts.append(time.monotonic() - t0)
             res[f"{engine}_start_s"] = round(starts[-1], 1)
@@ -149,33 +206,31 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
                   flush=True)
         prompts, params = _prompts(sizes, SHAPES[shape]["hidden_size"], hooks == "omni", sizes.max_tokens[model],
                                    kwargs["dtype"])
-        for engine in ("plain", "shim", "plain", "shim"):  # warm-up: graphs, allocator, sidecar paths
+        for engine in sizes.engines + sizes.engines:  # warm-up: graphs, allocator, sidecar paths
             _round(engines[engine], prompts, params)
+        hooked = [e for e in sizes.engines if e != "plain"]
+        steps_before = {e: _steps(engines[e]) for e in hooked}  # the shims count the timed rounds' steps
         res["status"] = "measuring"
-        t_measure = time.monotonic()
-        block = 0
-        while block < sizes.max_blocks:
-            if block >= sizes.min_blocks and time.monotonic() - t_measure >= sizes.measure_s:
-                break
-            if block >= 1 and budget.left() < 4 * (res["rounds"][-1]["s"] + 0.5) + 10:
-                res["cut_by_budget"] = True
-                break
-            for engine in block_order(block):
-                tokens, dt = _round(engines[engine], prompts, params)
-                res["rounds"].append({"block": block, "engine": engine, "tokens": tokens, "s": round(dt, 4),
-                                      "tok_s": round(tokens / dt, 2)})
-            block += 1
-            res["summary"] = summarize(res["rounds"])
-            sink(res)
-        (stats,) = engines["shim"].collective_rpc("omni_sidecar_stats")
-        res["shim_stats"] = _scalar_stats(stats)
-        # Did the hooks' extra kwargs reach the model's forward (omni)?
-        res["kwargs_reached_model"] = json.loads(mark.read_text()) if mark.exists() else None
-        res["summary"] = summarize(res["rounds"])
+        _measure(res, engines, prompts, params, sizes, budget, sink)
+        # A round's step count varies by one (the engine core may start a step before the driver
+        # added every request), so per engine: the mean over its timed rounds.
+        res["steps_per_round"] = {e: round((_steps(engines[e]) - steps_before[e]) /
+                                           max(1, sum(r["engine"] == e for r in res["rounds"])), 2) for e in hooked}
+        _summaries(res, sizes.engines)
+        for engine in sizes.engines:
+            if engine != "plain":
+                (stats,) = engines[engine].collective_rpc("omni_sidecar_stats")
+                res[f"{engine}_stats"] = _scalar_stats(stats)
+                # Did the hooks' extra kwargs reach the model's forward (omni)?
+                mark = marks[engine]
+                res["kwargs_reached_model" if engine == "shim" else f"kwargs_reached_model_{engine}"] = (
+                    json.loads(mark.read_text()) if mark.exists() else None)
         res["status"] = "done"
-        s = res["summary"]
-        print(f"[{name}] {s.get('blocks')} blocks: shim/plain median {s.get('ratio_median')} "
-              f"CI95 {s.get('ratio_ci95')} halves {s.get('halves')} | {s.get('verdict')}", flush=True)
+        for label, s in _pairs(res):
+            print(f"[{name}] {s.get('blocks')} blocks: {label} median {s.get('ratio_median')} "
+                  f"CI95 {s.get('ratio_ci95')} halves {s.get('halves')} | {s.get('verdict')}", flush=True)
+        if res.get("step_price"):
+            print(f"[{name}] per step: {json.dumps(res['step_price'])}", flush=True)
     except Exception as exc:  # a configuration that fails leaves the others' figures standing
         res["status"] = "failed"
         res["error"] = f"{type(exc).__name__}: {exc}"[:2000]
@@ -248,7 +303,7 @@ def run_all(names: list[str], work: Path, sizes: Sizes, budget: Budget, sink: Ca
         start_est = max(starts[-2:]) if starts else sizes.start_guess_s
         if name.startswith("1b") and not sizes.smoke and not any(r["config"].startswith("1b") for r in results):
             start_est *= 1.5  # a larger model's first compile
-        need = 2 * start_est + 12 + (0 if sizes.smoke else min(sizes.measure_s, 15.0))
+        need = len(sizes.engines) * start_est + 12 + (0 if sizes.smoke else min(sizes.measure_s, 15.0))
         if budget.left() < need:
             results.append({"config": name, "status": "skipped", "rounds": [],
                             "error": f"budget: {budget.left():.0f} s left, ~{need:.0f} s needed"})

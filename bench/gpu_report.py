@@ -97,12 +97,17 @@ def render(res: dict) -> str:
     for c in res.get("configs", []):
         s = c.get("summary") or {}
         if s.get("verdict"):
-            start = f"engine starts {c.get('plain_start_s')} s / {c.get('shim_start_s')} s"
+            start = "engine starts " + " / ".join(f"{c[k]} s" for k in ("plain_start_s", "shim_start_s",
+                                                                          "inproc_start_s") if k in c)
             if c.get("hooks") == "omni":
                 got = c.get("kwargs_reached_model")
                 start += (f"; extra kwargs reached the model's forward ({got['rows']} rows on its first such step)"
                           if got else "; extra kwargs did NOT reach the model's forward")
+                if "kwargs_reached_model_inproc" in c:
+                    start += (", in-process too" if c["kwargs_reached_model_inproc"] else
+                              "; in-process, extra kwargs did NOT reach the model's forward")
             lines.append(f"- {c['config']}: {s['verdict']} ({start}).")
+    lines += _boundary(res)
     ref = res.get("refusal")
     if ref:
         lines.append(f"- Extra kwargs under FULL CUDA graphs (the shim with `--hooks omni --hook-option extra_kwargs=1`, "
@@ -119,6 +124,39 @@ def render(res: dict) -> str:
     lines += ["", "Reproduce (one GPU): see `bench/gpu.py`'s docstring; the CPU smoke: "
               "`python -m bench.gpu --smoke`.", "", END]
     return "\n".join(lines)
+
+
+def _boundary(res: dict) -> list[str]:
+    """The price of the process boundary: the shim + sidecar against the same hook set called in
+    the worker (bench/inproc.py), from the same alternating rounds as the table above."""
+    rows = [c for c in res.get("configs", []) if (c.get("summary_boundary") or {}).get("blocks")]
+    if not rows:
+        return []
+    lines = ["", "The process boundary: shim + sidecar vs the same hooks in-process (bench/inproc.py: the sidecar's "
+             "session and hooks called in the vLLM worker, no socket, ring or arena copy). Per step: what an engine "
+             "adds to each engine step's wall time over another (mean round time difference per step, median over "
+             "blocks, bootstrap 95 % CI, the two halves); worker link time: the shim's `post_us` / `exchange_us` "
+             "p50, i.e. the worker thread's time in end_step / the plan (in-process: the hooks themselves run "
+             "there).", "",
+             "| configuration | inproc tok/s | shim tok/s | **shim / inproc** (95 % CI) | block ratios p10..p90 | "
+             "halves | inproc / plain (95 % CI) | **boundary µs / step** (95 % CI; halves) | inproc µs / step over "
+             "plain | worker link p50 µs, inproc vs shim (end / plan) |", "|---|---:|---:|---|---|---|---|---|---|---|"]
+    for c in rows:
+        b, i = c["summary_boundary"], c.get("summary_inproc") or {}
+        price = c.get("step_price") or {}
+        sb, ip = price.get("shim_vs_inproc") or {}, price.get("inproc_vs_plain") or {}
+        st_i, st_s = c.get("inproc_stats") or {}, c.get("shim_stats") or {}
+        link = (f"{st_i.get('post_us_p50', 0):.0f} / {st_i.get('exchange_us_p50', 0):.0f} vs "
+                f"{st_s.get('post_us_p50', 0):.0f} / {st_s.get('exchange_us_p50', 0):.0f}")
+        lines.append(
+            f"| {c['config']} | {b.get('inproc_tok_s_median', '-')} | {b.get('shim_tok_s_median', '-')} | "
+            f"**{b['ratio_median']:.3f}** ({_fmt_ci(b.get('ratio_ci95'))}) | {_fmt_ci(b.get('block_ratio_p10_p90'))} "
+            f"| {b.get('halves')} | {i.get('ratio_median', float('nan')):.3f} ({_fmt_ci(i.get('ratio_ci95'))}) | "
+            f"**{sb.get('us_median', '-')}** ({sb.get('us_ci95')}; {sb.get('halves_us')}) | "
+            f"{ip.get('us_median', '-')} ({ip.get('us_ci95')}) | {link} |")
+    lines.append("")
+    lines += [f"- {c['config']}: {c['summary_boundary']['verdict']}." for c in rows]
+    return lines
 
 
 def write_section(path: Path, section: str) -> None:

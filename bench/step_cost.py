@@ -14,6 +14,10 @@ Hook sets measured side by side, in alternating blocks:
   brings nothing new sends only the fixed-size StepTick (docs/ARCHITECTURE.md, Step sequence).
 - `observe`: pass-through hooks that override `process_model_output` (so every step's layout must
   reach them): the full StepEnd every step, i.e. what every pass-through step cost before 1.5.
+- `passthrough-inproc`, `observe-inproc`: the same link driving the same hook sets in this process
+  (bench/inproc.py: the sidecar's session called directly, no socket or ring): what a step costs
+  the worker's thread without the process boundary (the hooks' own work included, which the
+  sidecar does in its own process).
 
     python -m bench.step_cost [--steps 3000] [--requests 64] [--forward-ms 2.5]
 """
@@ -39,8 +43,11 @@ sys.path.insert(0, str(ROOT))
 from proto.messages import Hello  # noqa: E402
 from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR  # noqa: E402
 
-HOOK_SETS = {"passthrough": "passthrough", "observe": "bench.step_cost_hooks:ObservingPassThrough"}
+HOOK_SETS = {"passthrough": "passthrough", "observe": "bench.step_cost_hooks:ObservingPassThrough",
+             "passthrough-inproc": "passthrough", "observe-inproc": "bench.step_cost_hooks:ObservingPassThrough"}
+INPROC = "-inproc"  # a name ending so runs its hook set in this process
 BLOCK = 250  # steps per block; hook sets alternate block by block
+HELLO = Hello(PROTOCOL_MAJOR, PROTOCOL_MINOR, "bench", "none", "cpu", 0, 1, "m", 8, "float32", 1024, [], pid=os.getpid())
 
 
 def _start_sidecar(endpoint: str, hooks: str) -> subprocess.Popen:
@@ -85,27 +92,29 @@ class ShimUnderTest:
     """One link + connection (rings on) to its own sidecar process."""
 
     def __init__(self, run_dir: Path, name: str, hooks: str, num_reqs: int) -> None:
+        self.sidecar: subprocess.Popen | None = None
+        self.link = self._link(run_dir, name, hooks)  # length finishes watched, as in the worker
+        self.req_ids = [f"cmpl-{i:06d}-0-abcdef12" for i in range(num_reqs)]
+        self.link.note_new([_request(r) for r in self.req_ids])
+        self.step = 0
+        self.samples: list[float] = []  # wall time in the shim's calls
+        self.cpu_samples: list[float] = []  # CPU time of this thread in them (what other processes do not inflate)
+
+    def _link(self, run_dir: Path, name: str, hooks: str):
         from worker_shim.config import RingConfig
         from worker_shim.connection import SidecarConnection
         from worker_shim.link import SidecarLink
 
         endpoint = f"ipc://{run_dir}/{name}.sock"
         self.sidecar = _start_sidecar(endpoint, hooks)
-        hello = Hello(PROTOCOL_MAJOR, PROTOCOL_MINOR, "bench", "none", "cpu", 0, 1, "m", 8, "float32", 1024, [],
-                      pid=os.getpid())
 
         def connect(endpoint: str = endpoint, resume_token: str = "") -> SidecarConnection:
-            return SidecarConnection(endpoint, 10.0, msgspec.structs.replace(hello, resume_token=resume_token),
+            return SidecarConnection(endpoint, 10.0, msgspec.structs.replace(HELLO, resume_token=resume_token),
                                      1 << 16, 2, arena_prefix=f"omni-bench-{name}", ring=RingConfig())
 
         conn = connect()
         conn.connect(10.0)
-        self.link = SidecarLink(connect, conn)  # length finishes watched, as in the worker
-        self.req_ids = [f"cmpl-{i:06d}-0-abcdef12" for i in range(num_reqs)]
-        self.link.note_new([_request(r) for r in self.req_ids])
-        self.step = 0
-        self.samples: list[float] = []  # wall time in the shim's calls
-        self.cpu_samples: list[float] = []  # CPU time of this thread in them (what other processes do not inflate)
+        return SidecarLink(connect, conn)
 
     def run(self, steps: int, forward_s: float, spin: bool = True) -> None:
         link, no_finishes = self.link, set()
@@ -130,15 +139,37 @@ class ShimUnderTest:
         self.link.begin_step()
         self.link.end_step(None)
         stats = self.link.stats()
+        session = self._session_status()
+        self.link.close()
+        if self.sidecar is not None:
+            self.sidecar.terminate()
+            self.sidecar.wait(10)
+        return {"shim_steps": stats["steps"], "sidecar_steps": session.steps,
+                "sidecar_tokens": session.scheduled_tokens, "losses": stats["losses"]}
+
+    def _session_status(self):
         from omni_sidecar.client import SidecarClient
 
         with SidecarClient(self.link.conn.endpoint) as client:
-            session = client.status().sessions[0]
-        self.link.close()
-        self.sidecar.terminate()
-        self.sidecar.wait(10)
-        return {"shim_steps": stats["steps"], "sidecar_steps": session.steps,
-                "sidecar_tokens": session.scheduled_tokens, "losses": stats["losses"]}
+            return client.status().sessions[0]
+
+
+class InProcessUnderTest(ShimUnderTest):
+    """The same link driving the same hook set in this process: no sidecar, no socket, no ring."""
+
+    def _link(self, run_dir: Path, name: str, hooks: str):
+        from bench.inproc import InProcessConnection
+        from omni_sidecar.loader import load_hooks
+        from omni_sidecar.store import FinishedOutputs
+        from worker_shim.link import SidecarLink
+
+        def no_reconnect(**_: object) -> None:
+            raise RuntimeError("nothing to reconnect to")
+
+        return SidecarLink(no_reconnect, InProcessConnection(HELLO, load_hooks(hooks), FinishedOutputs(16)))
+
+    def _session_status(self):
+        return self.link.conn.session.status()
 
 
 def percentiles(samples_s: list[float]) -> dict[str, float]:
@@ -150,7 +181,8 @@ def percentiles(samples_s: list[float]) -> dict[str, float]:
 def measure(steps: int, num_reqs: int, forward_ms: float, hook_sets: dict[str, str] = HOOK_SETS,
             spin: bool = True) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="omni-stepcost-"))
-    shims = {name: ShimUnderTest(run_dir, name, hooks, num_reqs) for name, hooks in hook_sets.items()}
+    shims = {name: (InProcessUnderTest if name.endswith(INPROC) else ShimUnderTest)(run_dir, name, hooks, num_reqs)
+             for name, hooks in hook_sets.items()}
     try:
         for shim in shims.values():
             shim.run(20, forward_ms / 1000, spin)  # warm-up: the first step admits the requests
@@ -174,13 +206,13 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--forward-ms", type=float, default=2.5)
     p.add_argument("--forward-sleep", action="store_true", help="sleep through the forward instead of spinning")
-    p.add_argument("--only", default="", help="comma-separated hook sets (passthrough, observe)")
+    p.add_argument("--only", default="", help=f"comma-separated hook sets ({', '.join(HOOK_SETS)})")
     args = p.parse_args()
     names = [n for n in args.only.split(",") if n] or list(HOOK_SETS)
     res = measure(args.steps, args.requests, args.forward_ms, {n: HOOK_SETS[n] for n in names}, not args.forward_sleep)
     for name, r in res.items():
         cpu, wall = r["cpu"], r["wall"]
-        print(f"shim host cost per step, {name:>11}, {args.requests} requests: CPU p50 {cpu['p50']:.1f} us "
+        print(f"shim host cost per step, {name:>18}, {args.requests} requests: CPU p50 {cpu['p50']:.1f} us "
               f"p99 {cpu['p99']:.1f} us | wall p50 {wall['p50']:.1f} us p99 {wall['p99']:.1f} us | {wall['n']} "
               f"steps (the sidecar saw {r['sidecar_steps']} of {r['shim_steps']}, {r['sidecar_tokens']} tokens)",
               flush=True)

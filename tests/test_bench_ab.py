@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.ab_stats import block_order, block_ratios, bootstrap_median, summarize
+from bench.ab_stats import block_order, block_ratios, bootstrap_median, step_price, summarize
 from bench.gpu_report import BEGIN, END, render, write_section
 
 
@@ -58,3 +58,51 @@ def test_the_section_is_replaced_not_appended(tmp_path):
     assert text.count(BEGIN) == 1 and text.count(END) == 1
     assert text.startswith("# Benchmarks\n\nkept above\n") and text.rstrip().endswith("kept below")
     assert "**0.900**" in text and "1b-omni | - | - | - | 0 | - | - | skipped: budget" in text
+
+
+def test_three_engines_run_in_palindromes_so_every_pair_is_balanced():
+    engines = ("plain", "shim", "inproc")
+    assert block_order(0, engines) == ["plain", "shim", "inproc", "inproc", "shim", "plain"]
+    assert block_order(1, engines) == ["shim", "inproc", "plain", "plain", "inproc", "shim"]
+    assert block_order(2, engines) == ["inproc", "plain", "shim", "shim", "plain", "inproc"]
+    for b in range(3):  # each engine's two rounds sit symmetrically about the block's middle
+        order = block_order(b, engines)
+        assert all(sum(i for i, e in enumerate(order) if e == name) == 5 for name in engines)
+
+
+def test_pairs_and_the_price_per_step():
+    """Three engines; shim rounds take 1.1 s, in-process 1.0 s, plain 0.9 s, 100 steps a round."""
+    secs = {"plain": 0.9, "shim": 1.1, "inproc": 1.0}
+    rs = [{"block": b, "engine": e, "tokens": 900, "s": secs[e], "tok_s": 900 / secs[e]}
+          for b in range(6) for e in block_order(b, tuple(secs))]
+    boundary = summarize(rs, "shim", "inproc")
+    assert abs(boundary["ratio_median"] - 1.0 / 1.1) < 1e-3 and boundary["blocks"] == 6
+    assert "inproc_tok_s_median" in boundary and boundary["verdict"].startswith("shim costs")
+    price = step_price(rs, "shim", "inproc", 100)
+    assert price["us_median"] == 1000.0 and price["us_ci95"] == [1000.0, 1000.0]
+    assert step_price(rs, "shim", "inproc", 0) == {"blocks": 0}
+
+
+def test_the_section_shows_the_boundary_when_the_baseline_ran(tmp_path):
+    secs = {"plain": 0.9, "shim": 1.1, "inproc": 1.0}
+    rs = [{"block": b, "engine": e, "tokens": 900, "s": secs[e], "tok_s": 900 / secs[e]}
+          for b in range(6) for e in block_order(b, tuple(secs))]
+    conf = {"config": "tiny-omni", "model": "tiny", "params_m": 0.39, "graphs": "eager", "dtype": "float32",
+            "requests": 4, "max_tokens": 8, "status": "done", "summary": summarize(rs),
+            "summary_inproc": summarize(rs, "inproc", "plain"), "summary_boundary": summarize(rs, "shim", "inproc"),
+            "step_price": {"shim_vs_inproc": step_price(rs, "shim", "inproc", 100),
+                           "inproc_vs_plain": step_price(rs, "inproc", "plain", 100)}}
+    text = render({"smoke": True, "machine": {}, "configs": [conf]})
+    assert "| tiny-omni | 900.0 | 818.2 | **0.909**" in text and "**1000.0**" in text
+
+
+def test_step_cost_drives_the_same_hooks_in_process():
+    """bench.step_cost's in-process variants: the shim's link over the session in this process
+    (no sidecar started); every step reaches the hooks, each request's finish too (counts only)."""
+    from bench.step_cost import measure
+
+    res = measure(40, 4, 0.0, {"passthrough-inproc": "passthrough",
+                               "observe-inproc": "bench.step_cost_hooks:ObservingPassThrough"})
+    for r in res.values():
+        assert r["sidecar_steps"] == r["shim_steps"] and r["losses"] == 0
+        assert r["sidecar_tokens"] == 4 * r["shim_steps"]

