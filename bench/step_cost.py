@@ -67,8 +67,8 @@ def _request(req_id: str) -> SimpleNamespace:
                                                            max_tokens=1 << 20))
 
 
-def _decode_state(req_ids: list[str], step: int) -> SimpleNamespace:
-    """A steady decode step as V2's InputBatch holds it: one row per request."""
+def decode_state(req_ids: list[str], step: int) -> SimpleNamespace:
+    """A steady decode step as V2's InputBatch holds it: one row per request (also the structural tests' step)."""
     n = len(req_ids)
     batch = SimpleNamespace(req_ids=req_ids, num_tokens=n, query_start_loc_np=np.arange(n + 1, dtype=np.int32),
                             num_computed_tokens_np=np.full(n, 3 + step, dtype=np.int32),
@@ -120,7 +120,7 @@ class ShimUnderTest:
         link, no_finishes = self.link, set()
         wall, cpu = time.perf_counter, time.thread_time
         for _ in range(steps):
-            state = _decode_state(self.req_ids, self.step)
+            state = decode_state(self.req_ids, self.step)
             c0, t0 = cpu(), wall()
             link.note_finished(no_finishes, None)
             link.begin_step()

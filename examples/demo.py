@@ -11,8 +11,10 @@ the audio are noise; the plumbing is real.
 
 Options: --by-hand then runs the talker and code2wav stages again one after the other (each
 takes the previous stage's whole output) and checks the codes and audio equal the streamed run's; --out DIR keeps
-the WAVs and logs there; --requests N; --cuda runs on a GPU, bf16, thinker and talker with CUDA
-graphs (code2wav eager: its forward decodes per request in Python, which a graph replay skips).
+the WAVs and logs there; --requests N; --thinker-delay-ms makes the thinker slower than its talker
+(as real ones are: the talker then waits for its rows); --cuda runs on a GPU, bf16, thinker and
+talker with CUDA graphs (code2wav eager: its forward decodes per request in Python, which a graph
+replay skips).
 """
 
 from __future__ import annotations
@@ -198,7 +200,7 @@ def compare(streamed: dict[str, dict], hand: dict[str, dict], atol: float = 1e-5
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=3, help="requests (1-4)")
+    parser.add_argument("--requests", type=int, default=3, help="how many requests (each an image + a text)")
     parser.add_argument("--by-hand", action="store_true", help="also run the stages one after another and compare")
     parser.add_argument("--out", type=Path, help="keep WAVs, results and logs here (default: a temporary directory)")
     parser.add_argument("--cuda", action="store_true", help="run on the GPU with CUDA graphs")
@@ -206,6 +208,8 @@ def main() -> None:
                         help="sleep before each thinker step: a thinker much slower than its talker, as real "
                              "ones are (the talker then waits for its rows)")
     args = parser.parse_args()
+    if args.requests < 1:
+        parser.error("--requests must be at least 1")
     run_dir = args.out or Path(tempfile.mkdtemp(prefix="omni-demo-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     run_dir = run_dir.resolve()

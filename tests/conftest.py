@@ -61,6 +61,24 @@ def e2e_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def kwargs_model(tiny_model, e2e_dir) -> str:
+    """The tiny model's weights under tests/support/kwargs_model.py's architecture, whose forward
+    takes the extra kwargs and logs what it got for each batch row."""
+    import json
+    import shutil
+
+    path = e2e_dir / "kwargs-model"
+    path.mkdir(exist_ok=True)
+    for f in os.listdir(tiny_model):
+        if f != "config.json":
+            shutil.copy(os.path.join(tiny_model, f), path / f)
+    config = json.loads(open(os.path.join(tiny_model, "config.json")).read())
+    config["architectures"] = ["OmniKwargsLlamaForCausalLM"]
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def embeds_case(tiny_model, e2e_dir):
     """Prompt embeddings E and the tokens plain vLLM V2 gives for `prompt_embeds=E`."""
     from tests.support.procs import run_engine, write_embeds

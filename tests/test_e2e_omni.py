@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import threading
 
 import numpy as np
@@ -15,20 +13,6 @@ from tests.conftest import EMBEDS_LENS
 from tests.support.procs import SidecarProcess, run_engine
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def kwargs_model(tiny_model, e2e_dir):
-    """The tiny model's weights under the registered extra-kwargs architecture."""
-    path = e2e_dir / "kwargs-model"
-    path.mkdir(exist_ok=True)
-    for f in os.listdir(tiny_model):
-        if f != "config.json":
-            shutil.copy(os.path.join(tiny_model, f), path / f)
-    config = json.loads(open(os.path.join(tiny_model, "config.json")).read())
-    config["architectures"] = ["OmniKwargsLlamaForCausalLM"]
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
 
 
 def test_extra_kwargs_state_and_assembled_outputs(kwargs_model, tiny_model, e2e_dir, tmp_path):

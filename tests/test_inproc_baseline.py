@@ -13,8 +13,6 @@ outputs bit for bit, and the shim's step counts. No timings here (bench/gpu_ab.p
 from __future__ import annotations
 
 import json
-import os
-import shutil
 
 import numpy as np
 import pytest
@@ -25,21 +23,6 @@ pytestmark = pytest.mark.e2e
 
 HOOKS, OPTIONS = "omni", ["extra_kwargs=1", "hidden_layers=0,1"]
 LENS = [4, 9, 100]  # the 100-token prompt prefills in chunks (64 tokens a step) next to decodes
-
-
-@pytest.fixture(scope="module")
-def kwargs_model(tiny_model, e2e_dir):
-    """The tiny model's weights under tests/support/kwargs_model.py's architecture, whose forward
-    takes the extra kwargs and logs what it got for each batch row."""
-    path = e2e_dir / "kwargs-model-inproc"
-    path.mkdir(exist_ok=True)
-    for f in os.listdir(tiny_model):
-        if f != "config.json":
-            shutil.copy(os.path.join(tiny_model, f), path / f)
-    config = json.loads(open(os.path.join(tiny_model, "config.json")).read())
-    config["architectures"] = ["OmniKwargsLlamaForCausalLM"]
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
 
 
 def _prompts(tmp_path) -> list[dict]:

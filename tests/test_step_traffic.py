@@ -15,13 +15,13 @@ import time
 from types import SimpleNamespace
 
 import msgspec
-import numpy as np
 import pytest
 
 from proto.codec import Codec
 from proto.messages import Hello, StepStart
 from proto.settings import STEP_START_ANSWER_S
 from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
+from bench.step_cost import decode_state
 from tests.support.procs import SidecarProcess
 
 MINIMAL_RECORD_BYTES = 128  # a step-end record with scalars only; a layout of 256 rows is ~1 KiB
@@ -31,13 +31,6 @@ def _request(req_id: str) -> SimpleNamespace:
     return SimpleNamespace(req_id=req_id, prompt_token_ids=[1, 2, 3], prompt_len=3,
                            sampling_params=SimpleNamespace(extra_args=None))
 
-
-def _decode_state(req_ids: list[str], step: int) -> SimpleNamespace:
-    n = len(req_ids)
-    batch = SimpleNamespace(req_ids=req_ids, num_tokens=n, query_start_loc_np=np.arange(n + 1, dtype=np.int32),
-                            num_computed_tokens_np=np.full(n, 3 + step, dtype=np.int32),
-                            prefill_len_np=np.full(n, 3, dtype=np.int32))
-    return SimpleNamespace(input_batch=batch, hidden_states=None)
 
 
 class RecordedLink:
@@ -117,10 +110,10 @@ def test_a_pass_through_step_sends_one_fixed_size_record_and_wakes_nobody(sideca
         for n in (1, 256):
             req_ids = [f"cmpl-{n}-{i:04d}-abcdef12" for i in range(n)]
             shim.link.note_new([_request(r) for r in req_ids])
-            shim.step(_decode_state(req_ids, step))  # this step brings requests: a full StepEnd
+            shim.step(decode_state(req_ids, step))  # this step brings requests: a full StepEnd
             step += 1
             for _ in range(5):
-                frames, kicks, waits = shim.step(_decode_state(req_ids, step))
+                frames, kicks, waits = shim.step(decode_state(req_ids, step))
                 step += 1
                 assert len(frames) == 2, [codec.decode(f) for f in frames]
                 start, end = frames
@@ -157,7 +150,7 @@ def test_no_step_waits_for_the_sidecar_more_than_once(sidecar):
         for step in range(40):
             if step % 10 == 9:
                 time.sleep(2 * STEP_START_ANSWER_S)  # a quiet spell: this StepStart asks for an answer
-            frames, _, wait = shim.step(_decode_state(req_ids, step))
+            frames, _, wait = shim.step(decode_state(req_ids, step))
             waits.append(wait)
         assert max(waits) <= 1, waits
         if asks:  # every step asks for its plan: one wait each, the quiet spell's answer included
