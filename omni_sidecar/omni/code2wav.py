@@ -141,13 +141,12 @@ class Code2WavHooks(OmniStateHooks):
                 start, end = batch.rows(i)
                 step = lay.num_computed_tokens[i] + end - start - int(state["meta"]["prompt_len"])
                 codes, chunk, left = self.plan(state)
-                k = self._chunk_of_step(req_id, state, step, codes, chunk)
+                k = self._chunk_of_step(state, step, codes, chunk)
                 info = chunk_input(codes, k, chunk, left) if k is not None else None
             infos.append(info or {})
         return {"runtime_additional_information": infos}
 
-    def _chunk_of_step(self, req_id: str, state: dict[str, Any], step: int, codes: torch.Tensor,
-                       chunk: int) -> int | None:
+    def _chunk_of_step(self, state: dict[str, Any], step: int, codes: torch.Tensor, chunk: int) -> int | None:
         """The chunk step `step` decodes (None: none), decided once per step and kept in the state."""
         meta = state["meta"]
         if step == meta.get(STEP_SEEN, -1):
@@ -155,8 +154,9 @@ class Code2WavHooks(OmniStateHooks):
         k = int(meta.get(NEXT_CHUNK, 0))
         final = not meta.get("codec_streaming", False) or bool(meta.get("codec_final", False))
         decided = k if chunk_ready(codes, k, chunk, final) else None
-        self.state.merge(req_id, {"meta": {STEP_SEEN: step, STEP_CHUNK: decided,
-                                           NEXT_CHUNK: k + (decided is not None)}})
+        # Three ints into the state's own meta: not a merge, which re-sizes the whole state (its codes
+        # included) against the cap and snapshots it for all-or-nothing, on every step.
+        meta.update({STEP_SEEN: step, STEP_CHUNK: decided, NEXT_CHUNK: k + (decided is not None)})
         return decided
 
     def stage_mirrored_append(self, req_id: str, payload: bytes, earlier: list[dict[str, Any]]) -> dict[str, Any]:
