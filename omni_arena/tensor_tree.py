@@ -25,8 +25,13 @@ class TreeError(ValueError):
     """A tree nests too deep or holds a malformed tensor marker."""
 
 
+_SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
+
+
 def store_tree(value: Any, put: Callable[[torch.Tensor], TensorRef], depth: int = 0) -> Any:
     """Tensors become markers holding the ref `put` returns (the tensor copied into an arena)."""
+    if type(value) in _SCALARS:  # most leaves (per-request state every step): skip the checks below
+        return value
     if depth > MAX_TREE_DEPTH:
         raise TreeError(f"value nests deeper than {MAX_TREE_DEPTH} levels")
     if isinstance(value, torch.Tensor):

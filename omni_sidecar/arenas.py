@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from omni_arena.tensor_tree import load_tree, store_tree
-from omni_arena.views import arena_tensor, torch_dtype
+from omni_arena.views import arena_tensor, dtype_name, torch_dtype
 from omni_sidecar.metrics import SidecarMetrics
 from omni_sidecar.tensors import write_tensor
 from proto.arena import ArenaError, ShmArena, align_up
@@ -36,11 +36,17 @@ class OutArena:
         self.arena = arena
         self.offset = 0
         self.device = arena.kind != "shm"
+        # Host tensors bound for a device arena wait here and go up together (`_flush`): a
+        # pageable host->device copy per tensor made the sidecar wait on the device each time,
+        # once per request every step when per-request state rides in the extra kwargs.
+        self._staging: torch.Tensor | None = None
+        self._run_start = -1  # first staged byte not yet copied up; -1: none
 
     def reset(self) -> None:
         if self.device and self.offset:
             self.arena.wait_done(0)
         self.offset = 0
+        self._run_start = -1
 
     def put(self, tensor: torch.Tensor) -> TensorRef:
         nbytes = tensor.numel() * tensor.element_size()
@@ -49,10 +55,13 @@ class OutArena:
                 f"step needs more than the {self.arena.size}-byte sidecar arena "
                 "(raise it with --arena-mib)"
             )
-        if self.device:
-            ref = self.arena.write(self.offset, tensor.detach().to(self.arena.device))
-        else:
+        if not self.device:
             ref = write_tensor(self.arena, self.offset, tensor.detach().cpu().contiguous(), arena_id=0)
+        elif tensor.device.type == "cpu":
+            ref = self._stage(tensor.detach(), nbytes)
+        else:
+            self._flush()  # staged bytes first: the runs must not cover what this copy writes
+            ref = self.arena.write(self.offset, tensor.detach().to(self.arena.device))
         self.offset = align_up(self.offset + max(nbytes, 1))
         return ref
 
@@ -60,7 +69,32 @@ class OutArena:
         """The event index the shim waits on (-1: nothing written, or host memory)."""
         if not self.device or not self.offset:
             return -1
+        self._flush()
         return self.arena.mark_ready(0)
+
+    def _stage(self, tensor: torch.Tensor, nbytes: int) -> TensorRef:
+        end = self.offset + nbytes
+        if self._staging is None or self._staging.numel() < end:
+            size = min(self.arena.size, max(end, 2 * (0 if self._staging is None else self._staging.numel())))
+            grown = torch.empty(size, dtype=torch.uint8)
+            if self._run_start >= 0 and self._staging is not None:
+                kept = min(self.offset, self._staging.numel())  # past it: alignment padding only
+                grown[self._run_start : kept] = self._staging[self._run_start : kept]
+            self._staging = grown
+        if nbytes:
+            self._staging[self.offset : end] = tensor.contiguous().reshape(-1).view(torch.uint8)
+        if self._run_start < 0:
+            self._run_start = self.offset
+        return TensorRef(0, self.offset, nbytes, list(tensor.shape), dtype_name(tensor.dtype))
+
+    def _flush(self) -> None:
+        """One copy of the staged run (alignment gaps included) into the device arena, on our stream."""
+        if self._run_start < 0 or self._staging is None:
+            return
+        start, end = self._run_start, min(self.offset, self._staging.numel())
+        self._run_start = -1
+        if end > start:
+            self.arena.buf[start:end].copy_(self._staging[start:end])
 
 
 class SessionArenas:

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from omni_arena.tensor_tree import load_tree
-from omni_arena.views import arena_tensor, dtype_name
+from omni_arena.views import arena_tensor, dtype_name, torch_dtype
 from proto.arena import SlotRing, align_up
 from proto.messages import StepPlan
 from proto.tensors import TensorRef
@@ -123,7 +123,7 @@ def read_states(arena: Any, plan: StepPlan) -> dict[str, Any]:
     if arena is not None and arena.kind != "shm" and plan.event >= 0:
         arena.wait_ready(plan.event)
     cpu = torch.device("cpu")
-    states = {r: load_tree(v, lambda ref: _copy_out(arena, ref, cpu)) for r, v in plan.model_states.items()}
+    states = {r: _copy_out_tree(arena, v, cpu) for r, v in plan.model_states.items()}
     bad = [r for r, v in states.items() if not isinstance(v, dict)]
     if bad:
         raise SidecarError(f"sidecar sent model states that are not dicts for {bad[:4]}")
@@ -146,7 +146,7 @@ def read_plan(arena: Any, plan: StepPlan, input_batch: Any, model: Any,
     extra: dict[str, Any] = {}
     if plan.extra_kwargs:
         device = model_device(model)
-        extra = load_tree(plan.extra_kwargs, lambda ref: _copy_out(arena, ref, device))
+        extra = _copy_out_tree(arena, plan.extra_kwargs, device)
     if plan.overlays:
         extra["inputs_embeds"] = _overlay(arena, plan, input_batch, model, embeds)
     if on_device:
@@ -176,10 +176,60 @@ def _overlay(arena: Any, plan: StepPlan, input_batch: Any, model: Any,
     return embeds
 
 
-def _copy_out(arena: Any, ref: TensorRef, device: torch.device) -> torch.Tensor:
+class _Picked:
+    """Where the i-th tensor of a tree goes once the bytes are copied out."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _copy_out_tree(arena: Any, tree: Any, device: torch.device) -> Any:
+    """A received tree's tensors, copied out of the arena in ONE copy of the bytes their refs span,
+    then views of that copy: a copy per tensor was a launch each, once per request every step when
+    per-request state rides in the extra kwargs. Every ref is checked against the arena first."""
     if arena is None:
-        raise SidecarError("sidecar sent tensors but offered no arena")
-    return arena_tensor(arena, ref).to(device, copy=True)
+        def refuse(ref: TensorRef) -> torch.Tensor:
+            raise SidecarError("sidecar sent tensors but offered no arena")
+        return load_tree(tree, refuse)
+    refs: list[TensorRef] = []
+
+    def pick(ref: TensorRef) -> _Picked:
+        arena_tensor(arena, ref)  # bounds, dtype and alignment checks
+        refs.append(ref)
+        return _Picked(len(refs) - 1)
+
+    skeleton = load_tree(tree, pick)
+    if not refs:
+        return skeleton
+    sized = [r for r in refs if r.nbytes]
+    lo = min((r.offset for r in sized), default=0)
+    hi = max((r.offset + r.nbytes for r in sized), default=0)
+    region = None
+    if sized:
+        region = arena_tensor(arena, TensorRef(sized[0].arena, lo, hi - lo, [hi - lo], "uint8")).to(device, copy=True)
+    tensors = []
+    for ref in refs:
+        dtype = torch_dtype(ref.dtype)
+        if not ref.nbytes or region is None:
+            tensors.append(torch.empty(ref.shape, dtype=dtype, device=device))
+            continue
+        try:
+            tensors.append(region[ref.offset - lo : ref.offset - lo + ref.nbytes].view(dtype).view(ref.shape))
+        except RuntimeError as exc:
+            raise SidecarError(f"sidecar sent a tensor ref that cannot be read: {exc}") from None
+    return _fill(skeleton, tensors)
+
+
+def _fill(value: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(value, _Picked):
+        return tensors[value.index]
+    if isinstance(value, dict):
+        return {k: _fill(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fill(v, tensors) for v in value]
+    return value
 
 
 def model_device(model: Any) -> torch.device:

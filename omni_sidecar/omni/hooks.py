@@ -25,7 +25,7 @@ import torch
 from omni_sidecar.builtin_hooks import check_prompt_embeds, overlay_rows
 from omni_sidecar.hooks import HookErrors, OmniHooks, RequestHookError, RequestInfo, StepBatch
 from omni_sidecar.omni.keys import layer_key
-from omni_sidecar.omni.outputs import OutputLog, accumulate, dotted_outputs, slice_per_request
+from omni_sidecar.omni.outputs import OutputLog, _own, accumulate, dotted_outputs, slice_per_request
 from omni_sidecar.omni.state import IntermediateBuffer, StateError
 from omni_sidecar.omni.wire import (
     PayloadError,
@@ -130,23 +130,48 @@ class OmniStateHooks(OmniHooks):
         layout = batch.layout
         n = len(layout.req_ids)
         layers = {layer_key(index): rows for index, rows in batch.hidden_layers.items()}
-        per_req = slice_per_request(
-            {**self.multimodal_outputs(batch, hidden_states), **layers}, layout.query_start_loc, n
-        )
+        # One copy per batch-level output, then per-request views of it: the rows sit in memory the
+        # shim reuses, and a copy per request and output was a kernel each on GPU, every step.
+        # A step's requests share its copy, as vllm-omni's share the step's host copy.
+        owned = {name: _own(value) for name, value in {**self.multimodal_outputs(batch, hidden_states), **layers}.items()}
+        per_req = slice_per_request(owned, layout.query_start_loc, n)
+        results = self._postprocess_batch(batch, hidden_states)
         errors = {}
         for i, req_id in enumerate(layout.req_ids):
             state = self.state.get(req_id)
             if state is None:
                 continue  # a request whose payload failed: already reported
-            start, end = batch.rows(i)
             try:
-                update, outputs = self.postprocess(req_id, hidden_states[start:end], state)
+                update, outputs = results[i] if results is not None else self.postprocess(
+                    req_id, hidden_states[slice(*batch.rows(i))], state)
                 self.state.merge(req_id, update)
-                self.log.add(req_id, {**per_req[i], **(outputs or {})})
+                chunk = per_req[i]
+                if outputs:  # the default's are fresh tensors; an override's may alias the shim's rows
+                    chunk.update(outputs if results is not None else {k: _own(v) for k, v in outputs.items()})
+                self.log.add(req_id, chunk, owned=True)
             except (StateError, PayloadError, ValueError) as exc:
                 errors[req_id] = f"postprocess: {exc}"
         if errors:
             raise HookErrors(errors)
+
+    def _postprocess_batch(self, batch: StepBatch, hidden: torch.Tensor) -> list[tuple[dict, dict]] | None:
+        """The default `postprocess` for all requests at once (one gather and one host copy a step,
+        not a copy per request); None when a subclass overrides `postprocess` (it is then called
+        per request) or a request has no rows this step."""
+        if type(self).postprocess is not OmniStateHooks.postprocess:
+            return None
+        qsl = batch.layout.query_start_loc
+        n = len(batch.layout.req_ids)
+        if any(qsl[i + 1] <= qsl[i] for i in range(n)):
+            return None
+        last = hidden.index_select(0, torch.tensor([qsl[i + 1] - 1 for i in range(n)], device=hidden.device))
+        last = self.state.place("hidden_states", "last", last)
+        before = [int((self.state.get(r) or {}).get("meta", {}).get("num_processed_tokens", 0))
+                  for r in batch.layout.req_ids]
+        trace = torch.tensor([[b, qsl[i + 1] - qsl[i]] for i, b in enumerate(before)], dtype=torch.int64)
+        return [({"meta": {"num_processed_tokens": before[i] + qsl[i + 1] - qsl[i]},
+                  "hidden_states": {"last": last[i:i + 1]}},
+                 {"processed_trace": trace[i:i + 1]}) for i in range(n)]
 
     def model_states(self, req_ids: list[str]) -> dict[str, dict[str, Any]]:
         """The decoded payload state of each request (those whose payload failed are already reported)."""

@@ -19,10 +19,11 @@ def slice_per_request(
 ) -> list[dict[str, Any]]:
     total = query_start_loc[num_reqs]
     per_req: list[dict[str, Any]] = [{} for _ in range(num_reqs)]
+    lengths = [query_start_loc[i + 1] - query_start_loc[i] for i in range(num_reqs)]
     for name, value in outputs.items():
         if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == total:
-            for i in range(num_reqs):
-                per_req[i][name] = value[query_start_loc[i] : query_start_loc[i + 1]]
+            for i, part in enumerate(value.split(lengths)):  # one call for all views, not one slice each
+                per_req[i][name] = part
         elif isinstance(value, (list, tuple)) and len(value) == num_reqs:
             for i in range(num_reqs):
                 if value[i] is not None:
@@ -67,9 +68,11 @@ class OutputLog:
     def start(self, req_id: str) -> None:
         self._chunks.setdefault(req_id, [])
 
-    def add(self, req_id: str, chunk: dict[str, Any]) -> None:
+    def add(self, req_id: str, chunk: dict[str, Any], owned: bool = False) -> None:
+        """`chunk` joins the request's step outputs; its tensors are copied unless `owned` (the
+        caller copied them already, e.g. once for the whole step)."""
         if chunk and req_id in self._chunks:
-            self._chunks[req_id].append({k: _own(v) for k, v in chunk.items()})
+            self._chunks[req_id].append(chunk if owned else {k: _own(v) for k, v in chunk.items()})
 
     def chunks(self, req_id: str) -> list[dict[str, Any]] | None:
         return self._chunks.get(req_id)

@@ -53,6 +53,9 @@ class IntermediateBuffer:
         self.host_device = torch.device(host_device)
         self.max_bytes = max_bytes_per_request
         self._states: dict[str, dict[str, Any]] = {}
+        # Bytes each state holds, kept up to date by every merge: sizing the whole state on each
+        # merge (every step of every request) walked all of it, the bulk of a step's hook time.
+        self._sizes: dict[str, int] = {}
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._states
@@ -70,11 +73,12 @@ class IntermediateBuffer:
                 self.merge(req_id, initial)
             return
         self._states[req_id] = {}
+        self._sizes[req_id] = 0
         if initial:
             try:
                 self.merge(req_id, initial)
             except StateError:
-                del self._states[req_id]
+                del self._states[req_id], self._sizes[req_id]
                 raise
 
     def req_ids(self) -> list[str]:
@@ -83,12 +87,14 @@ class IntermediateBuffer:
     def restore(self, req_id: str, state: dict[str, Any]) -> None:
         """A request's state handed over by a predecessor sidecar (hot upgrade)."""
         self._states[req_id] = state
+        self._sizes[req_id] = _nbytes(state)
 
     def free(self, req_id: str) -> None:
         self._states.pop(req_id, None)
+        self._sizes.pop(req_id, None)
 
     def nbytes(self, req_id: str) -> int:
-        return _nbytes(self._states.get(req_id, {}))
+        return self._sizes.get(req_id, 0)
 
     def merge(self, req_id: str, update: dict[str, Any] | None, replace: bool = False) -> None:
         """All or nothing: an update that raises (a span gap, over the cap) leaves the state as it was."""
@@ -97,7 +103,7 @@ class IntermediateBuffer:
             return
         before = {k: (v, dict(v) if isinstance(v, dict) else None) for k, v in state.items()}
         try:
-            self._merge(state, update, replace)
+            self._sizes[req_id] = self._merge(state, update, replace, self._sizes[req_id])
         except BaseException:
             state.clear()
             for key, (value, items) in before.items():  # the same dict objects, as they were
@@ -115,8 +121,9 @@ class IntermediateBuffer:
         if state is None:
             raise StateError("the request has no state")
         trial = {k: dict(v) if isinstance(v, dict) else v for k, v in state.items()}
+        size = self._sizes[req_id]
         for entries in earlier:
-            self._merge(trial, entries, False)
+            size = self._merge(trial, entries, False, size)
         delta = dict(update or {})
         embed = delta.get("embed")
         if has_span("embed", embed):
@@ -125,35 +132,47 @@ class IntermediateBuffer:
             except SpanError as exc:
                 raise StateError(str(exc)) from None
             delta["embed"] = {**{k: v for k, v in embed.items() if k not in SPAN_KEYS}, **span}
-        self._merge(trial, delta, False)
+        self._merge(trial, delta, False, size)
         return delta
 
-    def _merge(self, state: dict[str, Any], update: dict[str, Any], replace: bool) -> None:
+    def _merge(self, state: dict[str, Any], update: dict[str, Any], replace: bool, size: int) -> int:
+        """`update` merged into `state` (`size` bytes before); returns the bytes after. Only the
+        values replaced are sized, not the whole state."""
         if replace:
             meta = state.get("meta", {})
             kept = {k: meta[k] for k in KEEP_ON_REPLACE if k in meta}
             state.clear()
+            size = 0
             if kept:
                 state["meta"] = kept
         for category, value in update.items():
             if isinstance(value, dict):
                 slot = state.setdefault(category, {})
                 if not isinstance(slot, dict):
+                    size -= _nbytes(slot)
                     slot = state[category] = {}
                 try:
                     value = merge_category(slot, category, value)
                 except SpanError as exc:
                     raise StateError(str(exc)) from None
                 for qualifier, v in value.items():
-                    slot[qualifier] = self._place(category, qualifier, v)
+                    placed = self._place(category, qualifier, v)
+                    size += _nbytes(placed) - _nbytes(slot.get(qualifier))
+                    slot[qualifier] = placed
             else:
-                state[category] = self._place(category, None, value)
-        size = _nbytes(state)
+                placed = self._place(category, None, value)
+                size += _nbytes(placed) - _nbytes(state.get(category))
+                state[category] = placed
         if size > self.max_bytes:
             raise StateError(
                 f"request state holds {size} bytes, over the cap of {self.max_bytes} "
                 "(raise it with --hook-option state_cap_mib=N)"
             )
+        return size
+
+    def place(self, category: str, qualifier: str | None, value: Any) -> Any:
+        """`value` where a merge would keep it (host memory unless the key is device-resident)."""
+        return self._place(category, qualifier, value)
 
     def _place(self, category: str, qualifier: str | None, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and (category, qualifier) not in self.resident_keys:
