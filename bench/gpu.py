@@ -109,6 +109,24 @@ def _watchdog(seconds: float) -> threading.Timer:
     return timer
 
 
+def merge_runs(runs: list[dict]) -> dict:
+    """Several runs' configurations in one result (the first run's machine and name); each run's date,
+    commit and command line kept under `runs`."""
+    if len(runs) == 1:
+        return runs[0]
+    res = dict(runs[0], configs=[], runs=[])
+    for run in runs:
+        res["configs"] += run.get("configs", [])
+        res["runs"].append({"date": run.get("date"), "commit": run.get("machine", {}).get("commit"),
+                            "argv": run.get("machine", {}).get("argv"), "elapsed_s": run.get("elapsed_s")})
+        for key in ("refusal", "exchange", "handoff"):
+            if run.get(key) and not res.get(key):
+                res[key] = run[key]
+    res["partial"] = any(r.get("partial") for r in runs)
+    res["elapsed_s"] = round(sum(r.get("elapsed_s") or 0 for r in runs), 1)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="CPU code-path check: tiny sizes, float32, eager, 2 blocks")
@@ -122,7 +140,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "gpu"), help="folder for the JSON")
     ap.add_argument("--benchmarks", default=str(ROOT / "BENCHMARKS.md"),
                     help="markdown file whose bench.gpu section is replaced ('' to leave it)")
-    ap.add_argument("--render-json", metavar="JSON", help="rebuild the BENCHMARKS.md section from a run's JSON, exit")
+    ap.add_argument("--render-json", nargs="+", metavar="JSON",
+                    help="rebuild the BENCHMARKS.md section from a run's JSON, exit; several runs (one device call "
+                         "each) are merged into --out/gpu_ab.json first")
     ap.add_argument("--render", nargs="+", metavar="JSON",
                     help="issue #3's two-GPU section (docs/bench/gpu/GPU.md) from its results, exit")
     ap.add_argument("--markdown", default=str(ROOT / "docs" / "bench" / "gpu" / "GPU.md"))
@@ -134,7 +154,11 @@ def main() -> None:
         print(f"written {args.markdown}")
         return
     if args.render_json:
-        write_section(Path(args.benchmarks), render_section(json.loads(Path(args.render_json).read_text())))
+        res = merge_runs([json.loads(Path(f).read_text()) for f in args.render_json])
+        if len(args.render_json) > 1:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            write_json(Path(args.out) / res["json_name"], res)
+        write_section(Path(args.benchmarks), render_section(res))
         print(f"written {args.benchmarks}")
         return
     budget = Budget(args.budget_s)

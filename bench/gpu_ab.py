@@ -275,6 +275,7 @@ def refusal_check(work: Path, sizes: Sizes) -> dict:
         return {"status": "not applicable", "why": "no CUDA graphs on CPU (tests/test_graph_kwargs.py covers it)"}
     kwargs = engine_kwargs(build_model_dir(work / "refusal", "tiny"), smoke=False, graphs="FULL_AND_PIECEWISE",
                            num_seqs=4)
+    kwargs["enforce_eager"] = False  # the job's default (eager, for CPU tests) would turn the graphs off
     endpoint = f"ipc://{work}/refusal.sock"
     sidecar = SidecarProcess(endpoint, "omni", work / "refusal-sidecar.log", options=["extra_kwargs=1"],
                              extra_args=["--log-level", "WARNING"])

@@ -64,6 +64,11 @@ def render(res: dict) -> str:
         f"{res.get('elapsed_s')} s{' (cut short)' if res.get('partial') else ''}. Raw rounds and machine: "
         f"`docs/bench/gpu/{res.get('json_name', 'gpu_ab.json')}`.",
         "",
+    ]
+    if res.get("runs"):  # several calls' runs rendered together (`--render-json A B`)
+        lines += ["Runs merged into this section (each its own device call, same machine kind): " + "; ".join(
+            f"{r['date']} commit {r['commit']} `{r['argv']}` ({r['elapsed_s']} s)" for r in res["runs"]) + ".", ""]
+    lines += [
         "Method: one driver process holds both engines at once (each its own engine-core process, its own share "
         "of the device), then runs short rounds (N requests x T tokens, greedy, ignore_eos) alternating in ABBA / "
         "BAAB blocks. Ratio = median over blocks of (mean shim tok/s / mean plain tok/s in the block), with a "
