@@ -100,6 +100,18 @@ def _prompts(sizes: Sizes, hidden: int, payloads: bool, max_tokens: int, dtype: 
     return prompts, params
 
 
+def _host_ticks() -> tuple[int, int]:
+    """(steal, busy) clock ticks of the whole host so far (/proc/stat; zeros where there is none): a
+    round that lost CPU to other tenants of a virtual machine shows it as steal."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return steal, user + nice + system + irq + softirq
+
+
 def _round(llm, prompts, params) -> tuple[int, float]:
     # The driver holds three engines' heaps: a full collection landing inside a round costs it
     # tens of ms at random (rounds of the same work ranged 0.37..0.72 s with the collector on).
@@ -144,9 +156,12 @@ def _measure(res: dict, engines: dict, prompts, params, sizes: Sizes, budget: Bu
             res["cut_by_budget"] = True
             break
         for engine in block_order(block, names):
+            steal0, busy0 = _host_ticks()
             tokens, dt = _round(engines[engine], prompts, params)
+            steal1, busy1 = _host_ticks()
             res["rounds"].append({"block": block, "engine": engine, "tokens": tokens, "s": round(dt, 4),
-                                  "tok_s": round(tokens / dt, 2)})
+                                  "tok_s": round(tokens / dt, 2), "host_steal_ticks": steal1 - steal0,
+                                  "host_busy_ticks": busy1 - busy0})
         block += 1
         _summaries(res, names)
         sink(res)
