@@ -27,6 +27,7 @@ from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
 
 log = logging.getLogger("omni_sidecar.peers")
 REAP_INTERVAL_S = 2.0
+DISCONNECT_CHECK_S = 0.002  # closed connections are looked for this often (each loop turn before)
 DRAIN_ROUNDS_MAX = 64  # reading what shims wrote before a hand-over decision: a busy one may not stop
 
 Dispatch = Callable[[bytes, object], None]
@@ -52,6 +53,7 @@ class PeerTable:
         self._peers: dict[bytes, ShimPeer] = {}
         self._next_session = 1
         self._next_reap = 0.0
+        self._next_disconnect_check = 0.0
 
     def __len__(self) -> int:
         return len(self._peers)
@@ -132,8 +134,10 @@ class PeerTable:
         """End sessions whose connection closed (any PID namespace: heartbeats close a vanished
         peer's connection), and, checked every REAP_INTERVAL_S, those whose vLLM worker process
         exited (our PID namespace only; usually noticed first)."""
-        self._end_disconnected()
         now = time.monotonic()
+        if now >= self._next_disconnect_check:  # asking the monitor costs more than a ring read
+            self._next_disconnect_check = now + DISCONNECT_CHECK_S
+            self._end_disconnected()
         if now < self._next_reap:
             return
         self._next_reap = now + REAP_INTERVAL_S

@@ -238,6 +238,10 @@ class ShmRing:
             self._view = self._data[start : start + length]
             return MSG, self._view
 
+    def has_data(self) -> bool:
+        """Anything published past what we consumed (one shared load; `poll` checks it)."""
+        return self._words[_WRITE] != self._read
+
     def consume(self) -> None:
         """Done with the record `poll` returned: the producer may reuse its bytes."""
         if self._view is not None:
