@@ -71,10 +71,13 @@ class ShimPeer:
     def send(self, msg: Message) -> None:
         """As the transport routes it; ProtoError when the rings broke or the shim stopped reading."""
         frame = self._codec.encode(msg)
-        if self.rings is None:
+        rings = self.rings
+        if rings is None:
             self._send_frame(frame)
-        else:
-            self.rings.send(frame, route(msg))
+            return
+        how = route(msg)
+        if how != "ring" or not rings.send_now(frame):  # send_now: a step reply's usual one write
+            rings.send(frame, how)
 
     def flush(self) -> None:
         if self.rings is not None and self.rings.queued:

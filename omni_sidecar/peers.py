@@ -172,6 +172,9 @@ class PeerTable:
         farewell = self.refuse(reason, f"{message}; session closed, reconnect", ident)
         self.end(ident, reason, message, farewell)
 
+    def ring_peers(self) -> list[ShimPeer]:
+        return [p for p in self._peers.values() if p.rings is not None and not p.rings.closed]
+
     def ring_transports(self) -> list[RingTransport]:
         return [p.rings for p in self._peers.values() if p.rings is not None and not p.rings.closed]
 
@@ -186,7 +189,7 @@ class PeerTable:
             except ProtoError as exc:
                 self._drop(ident, "bad_ring", str(exc))
                 continue
-            busy |= self._serve_one(peer, dispatch)
+            busy |= self.serve_one(peer, dispatch)
         return busy
 
     def drain(self, dispatch: Dispatch, serve_socket: Callable[[], bool]) -> bool:
@@ -211,14 +214,16 @@ class PeerTable:
             return True  # a kick: the loop reads the rings next
         # Everything the shim put in the ring before it is older: serve up to and including it.
         while not rings.closed and rings.socket_frames_waiting:
-            if not self._serve_one(peer, dispatch):
+            if not self.serve_one(peer, dispatch):
                 break
         return True
 
-    def _serve_one(self, peer: ShimPeer, dispatch: Dispatch) -> bool:
+    def serve_one(self, peer: ShimPeer, dispatch: Dispatch) -> bool:
+        """The peer's next ring message, dispatched; False when there is none (or a MARK waits)."""
         ident = peer.ident
         try:
-            msg = peer.next_message(self.codec.decode)
+            rings = peer.rings  # peer.next_message, inlined: this runs per step message
+            msg = rings.duplex.recv(self.codec.decode) if rings is not None and not rings.closed else EMPTY
         except FrameError as exc:
             self.send(ident, self.refuse(exc.code, str(exc), ident))
             return True

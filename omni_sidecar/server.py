@@ -68,9 +68,8 @@ from proto.version import PROTOCOL_MAJOR, PROTOCOL_VERSION
 log = logging.getLogger("omni_sidecar.server")
 DRAIN_IDLE_S = 1.0  # a draining sidecar exits once its sessions were quiet this long
 TAKEOVER_POLL_MS = 100
-# Inside the spin window the loop watches only the rings' write indices for this long between its
-# housekeeping turns (reaping, the socket: a few microseconds each), so a step message is seen
-# within one shared-memory load and a sched_yield instead of within a whole loop turn.
+# Inside the spin window the loop serves only the rings for this long between its housekeeping turns
+# (reaping, the socket: a few microseconds each; see `_serve_hot`).
 HOT_SPIN_S = 200e-6
 SOCKET_CHECK_S = 200e-6  # while the rings keep the loop busy, the socket is asked this often
 _STEP_MESSAGES = (StepBegin, StepEnd, StepStart, StepTick)  # a tuple: isinstance of a union is slower
@@ -284,7 +283,8 @@ class SidecarServer:
     # -- shared-memory rings ---------------------------------------------------------
 
     def _serve_rings_once(self) -> None:
-        """One loop turn while ring sessions exist: rings and socket, spin, then sleep."""
+        """One loop turn while ring sessions exist: rings and socket; then, inside the spin window,
+        the rings alone for up to HOT_SPIN_S (`_serve_hot`); past it, sleep."""
         busy = self.peers.pump(self._dispatch)
         now = time.monotonic()
         # The socket (kicks, control, frames behind a MARK: a MARK leaves pump idle) is asked every
@@ -297,9 +297,8 @@ class SidecarServer:
                 busy = True
         if busy:
             self._busy_at = now
-            return
-        if self.wait.spin(self._busy_at, now):
-            self._spin_rings(min(now + HOT_SPIN_S, self._busy_at + self.wait.spin_us / 1e6))
+        if busy or self.wait.spin(self._busy_at, now):
+            self._serve_hot(now + HOT_SPIN_S)
             return
         nap_ms = self.wait.nap_ms(self._busy_at, now)
         found = self.wait.sleep(self.peers.ring_transports(), lambda: self.peers.pump(self._dispatch) or None,
@@ -307,15 +306,38 @@ class SidecarServer:
         if found:  # written before the writer could see our flags
             self._busy_at = time.monotonic()
 
-    def _spin_rings(self, until: float) -> None:
-        """Until a ring has a record or `until` passes: one load per ring and a sched_yield per turn."""
-        rxs = [t.duplex.rx for t in self.peers.ring_transports()]
+    def _serve_hot(self, until: float) -> None:
+        """Serve ring messages as they land, with no loop turn in between, until `until` or the end
+        of the spin window: one shared-memory load per ring and a sched_yield per idle turn.
+
+        Why: a loop turn (reaping, the socket, hand-over checks) costs several microseconds, and the
+        shim's next step message lands while the loop is in one. They run when this returns, every
+        HOT_SPIN_S at most; it returns at once when something needs them: a MARK (its frame is on the
+        socket), replies queued for room, a session that ended, a stop or a hand-over.
+        """
+        peers = self.peers
+        count = len(peers)
+        rings = [(peer, peer.rings, peer.rings.duplex.rx) for peer in peers.ring_peers()]
         clock, give_way = time.monotonic, os.sched_yield
-        while clock() < until:
-            for rx in rxs:
-                if rx.has_data():
+        spin_s = self.wait.spin_us / 1e6
+        while True:
+            served = False
+            for peer, transport, rx in rings:
+                if transport.closed or transport.queued:
                     return
-            give_way()
+                if rx.has_data():
+                    if not peers.serve_one(peer, self._dispatch):
+                        return  # a MARK: its frame comes on the socket
+                    served = True
+                    if len(peers) != count or self._stop or self.handover.pending or self.takeover.waiting:
+                        return
+            now = clock()
+            if served:
+                self._busy_at = now
+            elif now >= until or now - self._busy_at >= spin_s:
+                return
+            else:
+                give_way()  # let vLLM's threads run first
 
     def _serve_socket(self, wait_ms: int) -> bool:
         if not self.listener.poll(wait_ms):

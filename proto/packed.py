@@ -67,21 +67,24 @@ class LazyLayout:
     msgspec struct is needed.
     """
 
-    __slots__ = ("req_ids", "_packed", "_qsl", "_computed", "_prefill", "_input_ids")
+    # Unpacked arrays, set on first access (class defaults: construction sets two attributes only;
+    # it runs for every StepBegin).
+    _qsl: list[int] | None = None
+    _computed: list[int] | None = None
+    _prefill: list[int] | None = None
+    _input_ids: list[int] | None = None
 
     def __init__(self, req_ids: list[str], packed: PackedLayout) -> None:
-        n = len(req_ids)
-        sizes = (len(packed.query_start_loc), len(packed.num_computed_tokens), len(packed.prefill_lens))
-        if sizes != ((n + 1) * U32_BYTES, n * U32_BYTES, n * U32_BYTES):
-            raise LayoutError(f"packed layout arrays of {sizes} bytes do not fit {n} requests")
+        size = len(req_ids) * U32_BYTES
+        if (len(packed.num_computed_tokens) != size or len(packed.prefill_lens) != size
+                or len(packed.query_start_loc) != size + U32_BYTES):
+            raise LayoutError(f"packed layout arrays of {len(packed.query_start_loc)}, "
+                              f"{len(packed.num_computed_tokens)}, {len(packed.prefill_lens)} bytes "
+                              f"do not fit {len(req_ids)} requests")
         if packed.input_ids is not None and len(packed.input_ids) % U32_BYTES:
             raise LayoutError(f"packed input_ids of {len(packed.input_ids)} bytes: not u32 entries")
         self.req_ids = req_ids
         self._packed = packed
-        self._qsl: list[int] | None = None
-        self._computed: list[int] | None = None
-        self._prefill: list[int] | None = None
-        self._input_ids: list[int] | None = None
 
     @property
     def query_start_loc(self) -> list[int]:

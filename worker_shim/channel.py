@@ -39,6 +39,7 @@ FULL_RING_WAIT_S = 0.0002
 TSO_MACHINES = ("x86_64", "amd64")  # where the rings' store order holds without fences
 MARK_WAIT_MS = 50  # a MARK's frame is already on its way: wait for it in short steps
 _STASHED = (StepResult, MirrorUpdate)  # a tuple: isinstance of a union is slower (checked per reply)
+_NOT_PLAIN_ANSWERS = (StepResult, MirrorUpdate, Pong, SwitchAck)  # `call` looks at these more closely
 MONITOR_ASK_S = 0.5  # ask ZeroMQ about the monitor at least this often, signal or not
 
 
@@ -179,10 +180,10 @@ class SidecarChannel:
         rings = self.rings
         assert rings is not None
         try:
-            wake = wakes(msg)
-            if not wake and rings.send_quiet(frame):  # every step's StepStart, a pass-through step's StepTick
+            wake, how = wakes(msg), route(msg)
+            if how == "ring" and rings.send_now(frame, wake):  # every step message, unless the ring is full
                 return
-            rings.send(frame, route(msg), wake=wake)
+            rings.send(frame, how, wake=wake)
             if not rings.queued:
                 return
             deadline = time.monotonic() + self.step_timeout_ms / 1000
@@ -203,6 +204,8 @@ class SidecarChannel:
         self.send(msg)
         while True:
             reply = self._recv(self.step_timeout_ms / 1000)
+            if type(reply) is want and not isinstance(reply, _NOT_PLAIN_ANSWERS):  # the usual answer
+                return reply
             if isinstance(reply, _STASHED) or self._answers_step_start(reply, msg):
                 self._stash(reply)
                 continue
@@ -334,14 +337,16 @@ class SidecarChannel:
         monitor end the wait early when the sidecar is late or gone."""
         rings = self.rings
         assert rings is not None
-        msg = self._ring_next()
-        if msg is not None:
-            return msg
+        rx = rings.duplex.rx
+        if rx.has_data():
+            msg = self._ring_next()
+            if msg is not None:
+                return msg
         busy_at = time.monotonic()
         deadline = busy_at + timeout_s
         # The reply usually comes within the spin window: until then watch only the ring's write
         # index (one shared-memory load and a sched_yield per turn, not the whole loop below).
-        rx, clock, give_way = rings.duplex.rx, time.monotonic, os.sched_yield
+        clock, give_way = time.monotonic, os.sched_yield
         spin_until = min(deadline, busy_at + self.wait.spin_us / 1e6)
         while not rx.has_data() and clock() < spin_until:
             give_way()
@@ -374,7 +379,7 @@ class SidecarChannel:
         """The next message in connection order, or None when there is none yet."""
         assert self.rings is not None
         try:
-            msg = self.rings.recv(self._decode)
+            msg = self.rings.duplex.recv(self._decode)  # RingTransport.recv, one layer less per poll
         except RingError as exc:
             raise SidecarError(f"bad shared-memory ring from the sidecar: {exc}") from None
         return None if msg is EMPTY else msg  # type: ignore[return-value]
