@@ -7,6 +7,7 @@ gone, and serving their rings fairly (one message per ring peer per turn).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Callable
 
@@ -191,6 +192,40 @@ class PeerTable:
                 continue
             busy |= self.serve_one(peer, dispatch)
         return busy
+
+    def serve_hot(self, dispatch: Dispatch, until: float, busy_at: float, spin_s: float,
+                  loop_wanted: Callable[[], bool]) -> float:
+        """Serve ring messages as they land, with no loop turn in between, until `until` or `spin_s`
+        past the last one: one shared-memory load per ring and a sched_yield per idle turn. Returns
+        when the last message was served (the new `busy_at`).
+
+        Why: the server loop's turn (reaping, the socket, hand-over checks) costs several
+        microseconds, and a shim's next step message lands while the loop is in one. It returns at
+        once when the loop must look: a MARK (its frame is on the socket), replies queued for room,
+        a session that ended, or `loop_wanted()` after a message (a stop, a hand-over).
+        """
+        count = len(self._peers)
+        rings = [(peer, peer.rings, peer.rings.duplex.rx) for peer in self._peers.values()
+                 if peer.rings is not None and not peer.rings.closed]
+        clock, give_way = time.monotonic, os.sched_yield
+        while True:
+            served = False
+            for peer, transport, rx in rings:
+                if transport.closed or transport.queued:
+                    return busy_at
+                if rx.has_data():
+                    if not self.serve_one(peer, dispatch):
+                        return busy_at  # a MARK: its frame comes on the socket
+                    served = True
+                    if len(self._peers) != count or loop_wanted():
+                        return clock()
+            now = clock()
+            if served:
+                busy_at = now
+            elif now >= until or now - busy_at >= spin_s:
+                return busy_at
+            else:
+                give_way()  # let vLLM's threads run first
 
     def drain(self, dispatch: Dispatch, serve_socket: Callable[[], bool]) -> bool:
         """Serve all the shims wrote before now, rings and socket; False if it kept coming."""

@@ -20,7 +20,6 @@ ring cannot be resynchronised) and other sessions are unaffected.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 from typing import Callable
@@ -69,7 +68,7 @@ log = logging.getLogger("omni_sidecar.server")
 DRAIN_IDLE_S = 1.0  # a draining sidecar exits once its sessions were quiet this long
 TAKEOVER_POLL_MS = 100
 # Inside the spin window the loop serves only the rings for this long between its housekeeping turns
-# (reaping, the socket: a few microseconds each; see `_serve_hot`).
+# (reaping, the socket: a few microseconds each; see PeerTable.serve_hot).
 HOT_SPIN_S = 200e-6
 SOCKET_CHECK_S = 200e-6  # while the rings keep the loop busy, the socket is asked this often
 _STEP_MESSAGES = (StepBegin, StepEnd, StepStart, StepTick)  # a tuple: isinstance of a union is slower
@@ -297,8 +296,9 @@ class SidecarServer:
                 busy = True
         if busy:
             self._busy_at = now
-        if busy or self.wait.spin(self._busy_at, now):
-            self._serve_hot(now + HOT_SPIN_S)
+        if busy or self.wait.spin(self._busy_at, now):  # the rings alone for a while (PeerTable.serve_hot)
+            self._busy_at = self.peers.serve_hot(self._dispatch, now + HOT_SPIN_S, self._busy_at,
+                                                 self.wait.spin_us / 1e6, self._loop_wanted)
             return
         nap_ms = self.wait.nap_ms(self._busy_at, now)
         found = self.wait.sleep(self.peers.ring_transports(), lambda: self.peers.pump(self._dispatch) or None,
@@ -306,38 +306,9 @@ class SidecarServer:
         if found:  # written before the writer could see our flags
             self._busy_at = time.monotonic()
 
-    def _serve_hot(self, until: float) -> None:
-        """Serve ring messages as they land, with no loop turn in between, until `until` or the end
-        of the spin window: one shared-memory load per ring and a sched_yield per idle turn.
-
-        Why: a loop turn (reaping, the socket, hand-over checks) costs several microseconds, and the
-        shim's next step message lands while the loop is in one. They run when this returns, every
-        HOT_SPIN_S at most; it returns at once when something needs them: a MARK (its frame is on the
-        socket), replies queued for room, a session that ended, a stop or a hand-over.
-        """
-        peers = self.peers
-        count = len(peers)
-        rings = [(peer, peer.rings, peer.rings.duplex.rx) for peer in peers.ring_peers()]
-        clock, give_way = time.monotonic, os.sched_yield
-        spin_s = self.wait.spin_us / 1e6
-        while True:
-            served = False
-            for peer, transport, rx in rings:
-                if transport.closed or transport.queued:
-                    return
-                if rx.has_data():
-                    if not peers.serve_one(peer, self._dispatch):
-                        return  # a MARK: its frame comes on the socket
-                    served = True
-                    if len(peers) != count or self._stop or self.handover.pending or self.takeover.waiting:
-                        return
-            now = clock()
-            if served:
-                self._busy_at = now
-            elif now >= until or now - self._busy_at >= spin_s:
-                return
-            else:
-                give_way()  # let vLLM's threads run first
+    def _loop_wanted(self) -> bool:
+        """Something the loop's turn must see now (ends a hot turn early)."""
+        return self._stop or self.handover.pending or self.takeover.waiting
 
     def _serve_socket(self, wait_ms: int) -> bool:
         if not self.listener.poll(wait_ms):
