@@ -195,6 +195,35 @@ def versions() -> dict:
     return info
 
 
+def exchange_section(rows: list[dict], plots: list[str], spread: str = "") -> list[str]:
+    """BENCHMARKS.md's section (a), through the blank line before (b) (`python -m bench.exchange`
+    rewrites just this section)."""
+    lines = [
+        "## (a) Per-step exchange (blocking StepBegin -> StepPlan round trip)", "",
+        "Shim's `SidecarChannel` to a real `omni-sidecar serve --hooks overlay` process, with the "
+        "shared-memory rings negotiated (default) and with rings off (`OMNI_SIDECAR_RING=0`: ZeroMQ "
+        "only), vs raw pyzmq REQ/REP of the same bytes (same client-side msgspec encode + decode; the "
+        "raw server only echoes pre-encoded bytes). Steady-state step: request ids omitted because "
+        "unchanged, the layout packed (protocol 1.6, as the shim sends it to a 1.6 sidecar). All three "
+        "servers run at once and are measured in alternating blocks of 250 round "
+        "trips. Back-to-back steps land inside the sidecar's spin window (`--ring-spin-us`, default "
+        "2 ms); steps further apart pay a kick and a wake-up, about what ZeroMQ pays. On this VM the "
+        "raw baseline is bimodal across runs (a ~35 us and a ~65 us mode), so compare ratios over "
+        "several runs.", "",
+        "| requests | sidecar ring p50 (us) | ring p99 (us) | sidecar ZeroMQ p50 (us) | ZeroMQ p99 (us) "
+        "| raw p50 (us) | raw p99 (us) | ring / raw p50 | ZeroMQ / raw p50 |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['requests']} | {r['ring_p50']:.1f} | {r['ring_p99']:.1f} | {r['zmq_p50']:.1f} "
+                     f"| {r['zmq_p99']:.1f} | {r['raw_p50']:.1f} | {r['raw_p99']:.1f} "
+                     f"| **{r['ratio_p50']:.2f}** | {r['zmq_ratio_p50']:.2f} |")
+    if spread:
+        lines += ["", spread]
+    lines += ["", *(f"![exchange latency]({p})" for p in plots), ""]
+    return lines
+
+
 def write_markdown(path: Path, res: dict, plots: list[str], out: Path) -> None:
     v = res["versions"]
     lines = [
@@ -204,29 +233,12 @@ def write_markdown(path: Path, res: dict, plots: list[str], out: Path) -> None:
         f"Model Runner V2, Triton kernels interpreted), torch {v['torch']}, pyzmq {v['pyzmq']} "
         f"(libzmq {v['libzmq']}), msgspec {v['msgspec']}. The VM's timings drift with host load; "
         "ratios are what to read.", "",
-        "## (a) Per-step exchange (blocking StepBegin -> StepPlan round trip)", "",
-        "Shim's `SidecarChannel` to a real `omni-sidecar serve --hooks overlay` process, with the "
-        "shared-memory rings negotiated (default) and with rings off (`OMNI_SIDECAR_RING=0`: ZeroMQ "
-        "only), vs raw pyzmq REQ/REP of the same bytes (same client-side msgspec encode + decode; the "
-        "raw server only echoes pre-encoded bytes). Steady-state step: request ids omitted because "
-        "unchanged. All three servers run at once and are measured in alternating blocks of 250 round "
-        "trips. Back-to-back steps land inside the sidecar's spin window (`--ring-spin-us`, default "
-        "2 ms); steps further apart pay a kick and a wake-up, about what ZeroMQ pays. On this VM the "
-        "raw baseline is bimodal across runs (a ~35 us and a ~65 us mode), so compare ratios over "
-        "several runs.", "",
-        "| requests | sidecar ring p50 (us) | ring p99 (us) | sidecar ZeroMQ p50 (us) | ZeroMQ p99 (us) "
-        "| raw p50 (us) | raw p99 (us) | ring / raw p50 | ZeroMQ / raw p50 |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in res["exchange"]:
-        lines.append(f"| {r['requests']} | {r['ring_p50']:.1f} | {r['ring_p99']:.1f} | {r['zmq_p50']:.1f} "
-                     f"| {r['zmq_p99']:.1f} | {r['raw_p50']:.1f} | {r['raw_p99']:.1f} "
-                     f"| **{r['ratio_p50']:.2f}** | {r['zmq_ratio_p50']:.2f} |")
+    rel = os.path.relpath(out, path.parent)
+    lines += exchange_section(res["exchange"], [f"{rel}/{p}" for p in plots])
     t = res["throughput"]
     m = t["median_tok_s"]
-    rel = os.path.relpath(out, path.parent)
-    lines += ["", *(f"![exchange latency]({rel}/{p})" for p in plots), "",
-              "## (b) Decode throughput, tiny Llama (16 prompts x 64 tokens, greedy, eager)", "",
+    lines += ["## (b) Decode throughput, tiny Llama (16 prompts x 64 tokens, greedy, eager)", "",
               "Configurations interleaved over rounds, each in a fresh process; medians of all rounds.", "",
               "| configuration | tokens/s | vs plain V2 |", "|---|---:|---:|",
               f"| plain V2 (no shim) | {m['plain']:.1f} | 1.00 |",

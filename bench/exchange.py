@@ -23,15 +23,20 @@ import zmq
 
 from proto.codec import Codec
 from proto.messages import BatchLayout, StepBegin, StepPlan
+from proto.packed import packed_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def step_message(num_reqs: int, step: int = 0, same_ids: bool = False) -> StepBegin:
-    """A steady decode step for num_reqs requests (ids omitted when unchanged, as the shim does)."""
+def step_message(num_reqs: int, step: int = 0, same_ids: bool = False, packed: bool = True) -> StepBegin:
+    """A steady decode step for num_reqs requests (ids omitted when unchanged, as the shim does);
+    `packed`: the layout as the shim sends it to a sidecar of protocol 1.6 or later."""
     ids = None if same_ids else [f"cmpl-{i:06d}-0-abcdef12" for i in range(num_reqs)]
     qsl = list(range(num_reqs + 1))
-    return StepBegin(step=step, batch=BatchLayout(ids, qsl, [100 + i for i in range(num_reqs)], [64] * num_reqs))
+    computed, prefill = [100 + i for i in range(num_reqs)], [64] * num_reqs
+    if packed:
+        return StepBegin(step=step, packed=packed_layout(ids, qsl, computed, prefill))
+    return StepBegin(step=step, batch=BatchLayout(ids, qsl, computed, prefill))
 
 
 def percentiles(samples_s: list[float]) -> dict[str, float]:
@@ -141,3 +146,62 @@ def interleaved(num_reqs: int, iters: int, run_dir: Path, block: int = 250) -> d
         for client in clients.values():
             client.close()
     return samples
+
+
+def _median_row(runs: list[dict]) -> dict:
+    """One table row from several runs' rows of the same request count: medians of each figure."""
+    keys = ("raw_p50", "raw_p99", "ring_p50", "ring_p99", "zmq_p50", "zmq_p99")
+    row = {k: statistics.median(r[k] for r in runs) for k in keys}
+    row.update(requests=runs[0]["requests"], iters=runs[0]["iters"], runs=len(runs),
+               ratio_p50=row["ring_p50"] / row["raw_p50"], zmq_ratio_p50=row["zmq_p50"] / row["raw_p50"])
+    return row
+
+
+def _spread(per_n: dict[int, list[dict]], date: str) -> str:
+    parts = []
+    for n, runs in per_n.items():
+        p50s, p99s = [r["ring_p50"] for r in runs], [r["ring_p99"] for r in runs]
+        parts.append(f"{n}: p50 {min(p50s):.1f}-{max(p50s):.1f}, p99 {min(p99s):.1f}-{max(p99s):.1f}")
+    return (f"Table: medians of {len(next(iter(per_n.values())))} runs of `python -m bench.exchange` ({date}); "
+            f"sidecar ring spread over the runs (us, min-max) by requests: " + "; ".join(parts) + ".")
+
+
+def main() -> None:
+    """Part (a) alone, several runs: prints each and rewrites BENCHMARKS.md's section (a) with the
+    medians and their spread (the rest of the file, and docs/bench's plots, stay as `make bench` left them)."""
+    import argparse
+    import re
+    import tempfile
+
+    from bench.__main__ import exchange, exchange_section
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=3000, help="round trips per path, request count and run")
+    ap.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"))
+    ap.add_argument("--no-write", action="store_true", help="print only")
+    args = ap.parse_args()
+    per_n: dict[int, list[dict]] = {}
+    for run in range(args.runs):
+        print(f"run {run + 1} of {args.runs}", flush=True)
+        rows, _ = exchange(Path(tempfile.mkdtemp(prefix="omni-bench-")), args.iters)
+        for row in rows:
+            per_n.setdefault(row["requests"], []).append(row)
+    rows = [_median_row(runs) for runs in per_n.values()]
+    spread = _spread(per_n, time.strftime("%Y-%m-%d"))
+    print(spread)
+    if args.no_write:
+        return
+    path = Path(args.markdown)
+    text = path.read_text()
+    old = re.search(r"^## \(a\).*?(?=^## \(b\))", text, flags=re.S | re.M)
+    if old is None:
+        raise SystemExit(f"{path} has no section (a) followed by (b): run `make bench`")
+    plots = re.findall(r"^!\[exchange latency\]\((.*?)\)$", old.group(0), flags=re.M)
+    text = text[: old.start()] + "\n".join(exchange_section(rows, plots, spread)) + "\n" + text[old.end():]
+    path.write_text(text)
+    print(f"rewrote section (a) of {path}")
+
+
+if __name__ == "__main__":
+    main()

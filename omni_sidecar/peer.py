@@ -21,6 +21,7 @@ from proto.transport import RingTransport, route
 
 log = logging.getLogger("omni_sidecar.peer")
 
+_STEP_ENDS = (StepEnd, StepTick)  # a tuple: isinstance of a union is slower, and this runs per message
 EndReason = Literal["worker_exited", "disconnected", "handed_over", "replaced", "sidecar_stopped", "bad_ring", "ring_overflow"]
 
 
@@ -40,7 +41,7 @@ class ShimPeer:
         session.appends.to_shim = self.send  # MirrorUpdates (1.4), unsolicited
 
     def note_step(self, msg: StepStart | StepBegin | StepEnd | StepTick) -> None:
-        self.in_step = not isinstance(msg, StepEnd | StepTick)
+        self.in_step = not isinstance(msg, _STEP_ENDS)
         self.last_step_at = time.monotonic()
         if isinstance(msg, StepStart) and self.session.appends.unacked:
             self.session.appends.mirror_applied(msg.mirror_seq, msg.step)
@@ -70,10 +71,13 @@ class ShimPeer:
     def send(self, msg: Message) -> None:
         """As the transport routes it; ProtoError when the rings broke or the shim stopped reading."""
         frame = self._codec.encode(msg)
-        if self.rings is None:
+        rings = self.rings
+        if rings is None:
             self._send_frame(frame)
-        else:
-            self.rings.send(frame, route(msg))
+            return
+        how = route(msg)
+        if how != "ring" or not rings.send_now(frame):  # send_now: a step reply's usual one write
+            rings.send(frame, how)
 
     def flush(self) -> None:
         if self.rings is not None and self.rings.queued:

@@ -7,6 +7,7 @@ gone, and serving their rings fairly (one message per ring peer per turn).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Callable
 
@@ -27,6 +28,7 @@ from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
 
 log = logging.getLogger("omni_sidecar.peers")
 REAP_INTERVAL_S = 2.0
+DISCONNECT_CHECK_S = 0.002  # closed connections are looked for this often (each loop turn before)
 DRAIN_ROUNDS_MAX = 64  # reading what shims wrote before a hand-over decision: a busy one may not stop
 
 Dispatch = Callable[[bytes, object], None]
@@ -52,6 +54,7 @@ class PeerTable:
         self._peers: dict[bytes, ShimPeer] = {}
         self._next_session = 1
         self._next_reap = 0.0
+        self._next_disconnect_check = 0.0
 
     def __len__(self) -> int:
         return len(self._peers)
@@ -132,8 +135,10 @@ class PeerTable:
         """End sessions whose connection closed (any PID namespace: heartbeats close a vanished
         peer's connection), and, checked every REAP_INTERVAL_S, those whose vLLM worker process
         exited (our PID namespace only; usually noticed first)."""
-        self._end_disconnected()
         now = time.monotonic()
+        if now >= self._next_disconnect_check:  # asking the monitor costs more than a ring read
+            self._next_disconnect_check = now + DISCONNECT_CHECK_S
+            self._end_disconnected()
         if now < self._next_reap:
             return
         self._next_reap = now + REAP_INTERVAL_S
@@ -168,6 +173,9 @@ class PeerTable:
         farewell = self.refuse(reason, f"{message}; session closed, reconnect", ident)
         self.end(ident, reason, message, farewell)
 
+    def ring_peers(self) -> list[ShimPeer]:
+        return [p for p in self._peers.values() if p.rings is not None and not p.rings.closed]
+
     def ring_transports(self) -> list[RingTransport]:
         return [p.rings for p in self._peers.values() if p.rings is not None and not p.rings.closed]
 
@@ -182,8 +190,42 @@ class PeerTable:
             except ProtoError as exc:
                 self._drop(ident, "bad_ring", str(exc))
                 continue
-            busy |= self._serve_one(peer, dispatch)
+            busy |= self.serve_one(peer, dispatch)
         return busy
+
+    def serve_hot(self, dispatch: Dispatch, until: float, busy_at: float, spin_s: float,
+                  loop_wanted: Callable[[], bool]) -> float:
+        """Serve ring messages as they land, with no loop turn in between, until `until` or `spin_s`
+        past the last one: one shared-memory load per ring and a sched_yield per idle turn. Returns
+        when the last message was served (the new `busy_at`).
+
+        Why: the server loop's turn (reaping, the socket, hand-over checks) costs several
+        microseconds, and a shim's next step message lands while the loop is in one. It returns at
+        once when the loop must look: a MARK (its frame is on the socket), replies queued for room,
+        a session that ended, or `loop_wanted()` after a message (a stop, a hand-over).
+        """
+        count = len(self._peers)
+        rings = [(peer, peer.rings, peer.rings.duplex.rx) for peer in self._peers.values()
+                 if peer.rings is not None and not peer.rings.closed]
+        clock, give_way = time.monotonic, os.sched_yield
+        while True:
+            served = False
+            for peer, transport, rx in rings:
+                if transport.closed or transport.queued:
+                    return busy_at
+                if rx.has_data():
+                    if not self.serve_one(peer, dispatch):
+                        return busy_at  # a MARK: its frame comes on the socket
+                    served = True
+                    if len(self._peers) != count or loop_wanted():
+                        return clock()
+            now = clock()
+            if served:
+                busy_at = now
+            elif now >= until or now - busy_at >= spin_s:
+                return busy_at
+            else:
+                give_way()  # let vLLM's threads run first
 
     def drain(self, dispatch: Dispatch, serve_socket: Callable[[], bool]) -> bool:
         """Serve all the shims wrote before now, rings and socket; False if it kept coming."""
@@ -207,14 +249,16 @@ class PeerTable:
             return True  # a kick: the loop reads the rings next
         # Everything the shim put in the ring before it is older: serve up to and including it.
         while not rings.closed and rings.socket_frames_waiting:
-            if not self._serve_one(peer, dispatch):
+            if not self.serve_one(peer, dispatch):
                 break
         return True
 
-    def _serve_one(self, peer: ShimPeer, dispatch: Dispatch) -> bool:
+    def serve_one(self, peer: ShimPeer, dispatch: Dispatch) -> bool:
+        """The peer's next ring message, dispatched; False when there is none (or a MARK waits)."""
         ident = peer.ident
         try:
-            msg = peer.next_message(self.codec.decode)
+            rings = peer.rings  # peer.next_message, inlined: this runs per step message
+            msg = rings.duplex.recv(self.codec.decode) if rings is not None and not rings.closed else EMPTY
         except FrameError as exc:
             self.send(ident, self.refuse(exc.code, str(exc), ident))
             return True

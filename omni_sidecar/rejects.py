@@ -57,6 +57,8 @@ class RejectLog:
 
     def flush(self) -> None:
         """Summarise and forget peers whose window has ended (called from the serving loop)."""
+        if not self._peers:  # every loop turn: nothing to look at, usually
+            return
         now = time.monotonic()
         for key, state in list(self._peers.items()):
             if now >= state.window_ends:

@@ -67,6 +67,11 @@ from proto.version import PROTOCOL_MAJOR, PROTOCOL_VERSION
 log = logging.getLogger("omni_sidecar.server")
 DRAIN_IDLE_S = 1.0  # a draining sidecar exits once its sessions were quiet this long
 TAKEOVER_POLL_MS = 100
+# Inside the spin window the loop serves only the rings for this long between its housekeeping turns
+# (reaping, the socket: a few microseconds each; see PeerTable.serve_hot).
+HOT_SPIN_S = 200e-6
+SOCKET_CHECK_S = 200e-6  # while the rings keep the loop busy, the socket is asked this often
+_STEP_MESSAGES = (StepBegin, StepEnd, StepStart, StepTick)  # a tuple: isinstance of a union is slower
 
 
 class SidecarServer:
@@ -97,6 +102,7 @@ class SidecarServer:
         self._drain_deadline = 0.0
         self._last_step = 0.0
         self._busy_at = 0.0  # last ring or socket traffic, for the wait policy
+        self._socket_due = 0.0  # a busy ring loop asks the socket again from then on
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -210,16 +216,16 @@ class SidecarServer:
             self.peers.send(ident, reply)
 
     def _handle(self, ident: bytes, msg: object):
-        if isinstance(msg, StepEnd | StepBegin | StepStart | StepTick):
+        if isinstance(msg, _STEP_MESSAGES):
             peer = self.peers.get(ident)
             if peer is None:
                 return self.rejects.refuse("no_session", "send Hello before step messages", ident)
             self._last_step = time.monotonic()
             peer.note_step(msg)  # also: MirrorUpdates the shim applied (StepStart)
+            if type(msg) is StepBegin:  # first: the shim blocks on its answer
+                return peer.session.step_begin(msg)
             if isinstance(msg, StepStart):
                 return Pong(msg.step) if msg.answer else None
-            if isinstance(msg, StepBegin):
-                return peer.session.step_begin(msg)
             if isinstance(msg, StepTick):  # unanswered, unless the shim must learn of a successor
                 peer.session.step_tick(msg)
                 return StepResult(step=msg.step, switch_to=self.handover.switch_to) if self.handover.switch_to else None
@@ -276,22 +282,33 @@ class SidecarServer:
     # -- shared-memory rings ---------------------------------------------------------
 
     def _serve_rings_once(self) -> None:
-        """One loop turn while ring sessions exist: rings and socket, spin, then sleep."""
+        """One loop turn while ring sessions exist: rings and socket; then, inside the spin window,
+        the rings alone for up to HOT_SPIN_S (`_serve_hot`); past it, sleep."""
         busy = self.peers.pump(self._dispatch)
-        if self.listener.readable():
-            self._serve(self.listener.recv_frames())
-            busy = True
         now = time.monotonic()
+        # The socket (kicks, control, frames behind a MARK: a MARK leaves pump idle) is asked every
+        # turn that served nothing; while the rings keep the loop busy, every SOCKET_CHECK_S: asking
+        # costs more than reading a ring, and the shim's next step message is on its way.
+        if not busy or now >= self._socket_due:
+            self._socket_due = now + SOCKET_CHECK_S
+            if self.listener.readable():
+                self._serve(self.listener.recv_frames())
+                busy = True
         if busy:
             self._busy_at = now
-            return
-        if self.wait.spin(self._busy_at, now):
+        if busy or self.wait.spin(self._busy_at, now):  # the rings alone for a while (PeerTable.serve_hot)
+            self._busy_at = self.peers.serve_hot(self._dispatch, now + HOT_SPIN_S, self._busy_at,
+                                                 self.wait.spin_us / 1e6, self._loop_wanted)
             return
         nap_ms = self.wait.nap_ms(self._busy_at, now)
         found = self.wait.sleep(self.peers.ring_transports(), lambda: self.peers.pump(self._dispatch) or None,
                                 lambda: self._serve_socket(nap_ms))
         if found:  # written before the writer could see our flags
             self._busy_at = time.monotonic()
+
+    def _loop_wanted(self) -> bool:
+        """Something the loop's turn must see now (ends a hot turn early)."""
+        return self._stop or self.handover.pending or self.takeover.waiting
 
     def _serve_socket(self, wait_ms: int) -> bool:
         if not self.listener.poll(wait_ms):

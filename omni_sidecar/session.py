@@ -33,6 +33,7 @@ from proto.messages import (
     StepResult,
     StepTick,
 )
+from proto.packed import LazyLayout
 from proto.settings import ERROR_TEXT_MAX
 
 log = logging.getLogger("omni_sidecar.session")
@@ -64,7 +65,7 @@ class Session:
         self.latency = LatencyWindow()
         self._client_ids: dict[str, str] = {}  # the client's id -> vLLM's, while they differ
         self._begin_us = 0.0
-        self._last_layout: BatchLayout | None = None
+        self._last_layout: BatchLayout | LazyLayout | None = None
         self.seen = SeenPositions()  # hooks see each position once, also across preemption
         self.model_hooks: ModelHooks | None = None  # what the served model carries (told with want_states)
         self._prev_req_ids: list[str] | None = None
@@ -127,12 +128,16 @@ class Session:
     # -- per step ------------------------------------------------------------
 
     def step_begin(self, msg: StepBegin) -> StepPlan:
+        # The one blocking exchange of a step: every layer here is on the shim's critical path,
+        # hence the guards that skip work a steady step does not have (no admissions, no
+        # states, hooks that return nothing).
         t0 = time.perf_counter()
         errors: dict[str, str] = {}
         self.appends.step_began()
-        self._admit(msg.new_requests, msg.finished, msg.preempted, errors)
-        layout = self._resolve_layout(msg.batch)
-        batch = self._batch(msg.step, layout)
+        if msg.new_requests or msg.finished or msg.preempted:
+            self._admit(msg.new_requests, msg.finished, msg.preempted, errors)
+        layout = self._begin_layout(msg)
+        batch = StepBatch(msg.step, layout, self.requests)
         self._last_layout = layout
         overlays: list[Overlay] = []
         extra: dict[str, Any] = {}
@@ -145,13 +150,35 @@ class Session:
         if msg.want_states:
             with _collect(errors, None, "model_states", list(msg.want_states)):
                 states = self.arenas.encode_tensors(self.hooks.model_states(list(msg.want_states)))
-        with _collect(errors, batch, "pre-forward hooks"):
+        try:
             overlays = self.arenas.write_overlays(self.hooks.prepare_prefill_embeds(batch))
-            extra = self.arenas.encode_tensors(self.hooks.build_extra_kwargs(batch))
+            extra = self.hooks.build_extra_kwargs(batch)
+            if extra:
+                extra = self.arenas.encode_tensors(extra)
+        except Exception as exc:  # a hook bug never escapes (what `_collect` does, without its frames)
+            absorb_hook_error(errors, exc, "pre-forward hooks", batch.req_ids)
         event = out.seal() if out is not None else -1
         self._begin_us = (time.perf_counter() - t0) * 1e6
-        return StepPlan(step=msg.step, overlays=overlays, extra_kwargs=extra, errors=self._report(errors),
-                        event=event, model_states=states)
+        return StepPlan(step=msg.step, overlays=overlays, extra_kwargs=extra,
+                        errors=self._report(errors) if errors else [], event=event, model_states=states)
+
+    def _begin_layout(self, msg: StepBegin) -> BatchLayout | LazyLayout:
+        """The StepBegin's layout, request ids filled in and list lengths checked (ValueError)."""
+        if msg.packed is not None:
+            if msg.batch is not None:
+                raise ValueError("StepBegin carries both a batch layout and a packed one")
+            packed = msg.packed
+            req_ids = packed.req_ids if packed.req_ids is not None else self._prev_req_ids
+            if req_ids is None:
+                raise ValueError("batch layout omits req_ids but no earlier layout named them")
+            layout = LazyLayout(req_ids, packed)  # LayoutError (a ValueError) on bad lengths
+            self._prev_req_ids = req_ids
+            return layout
+        if msg.batch is None:
+            raise ValueError("StepBegin carries no batch layout")
+        layout = self._resolve_layout(msg.batch)
+        self._batch(msg.step, layout)  # the length checks
+        return layout
 
     def step_end(self, msg: StepEnd) -> StepResult:
         t0 = time.perf_counter()
@@ -332,15 +359,18 @@ class _collect:
         return None
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is None:
+        if exc is None or not isinstance(exc, Exception):
             return False
-        if isinstance(exc, HookErrors):
-            for req_id, message in exc.errors.items():
-                self.errors.setdefault(req_id, message)
-            return True
-        if isinstance(exc, Exception):
-            log.error("%s raised %r", self.where, exc, exc_info=(exc_type, exc, tb))
-            for req_id in self.req_ids:
-                self.errors.setdefault(req_id, f"{self.where}: {exc!r}")
-            return True
-        return False
+        absorb_hook_error(self.errors, exc, self.where, self.req_ids)
+        return True
+
+
+def absorb_hook_error(errors: dict[str, str], exc: Exception, where: str, req_ids: list[str]) -> None:
+    """A hook's exception as per-request errors (HookErrors name theirs; anything else hits `req_ids`)."""
+    if isinstance(exc, HookErrors):
+        for req_id, message in exc.errors.items():
+            errors.setdefault(req_id, message)
+        return
+    log.error("%s raised %r", where, exc, exc_info=(type(exc), exc, exc.__traceback__))
+    for req_id in req_ids:
+        errors.setdefault(req_id, f"{where}: {exc!r}")

@@ -119,9 +119,30 @@ class BatchLayout(msgspec.Struct, frozen=True, array_like=True):
     input_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_STEP_TOKENS)] | None = None
 
 
+U32_BYTES = 4  # one entry of a PackedLayout array
+
+
+class PackedLayout(msgspec.Struct, frozen=True, array_like=True):
+    """1.6, StepBegin only: a BatchLayout whose per-request ints travel as packed arrays.
+
+    Each array is little-endian u32 (proto/packed.py packs, checks and unpacks them): the shim
+    writes vLLM's numpy arrays as they are, and the sidecar turns them into ints only when a
+    hook reads them (the pre-forward hooks of a steady decode step usually read none).
+    Decoding a msgpack list costs a Python int per entry: most of a 256-request StepBegin.
+    Lengths are checked against the request count before any hook sees the layout.
+    """
+
+    req_ids: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] | None
+    query_start_loc: Annotated[bytes, msgspec.Meta(max_length=U32_BYTES * (MAX_BATCH + 1))]
+    num_computed_tokens: Annotated[bytes, msgspec.Meta(max_length=U32_BYTES * MAX_BATCH)]
+    prefill_lens: Annotated[bytes, msgspec.Meta(max_length=U32_BYTES * MAX_BATCH)]
+    input_ids: Annotated[bytes, msgspec.Meta(max_length=U32_BYTES * MAX_STEP_TOKENS)] | None = None
+
+
 class StepBegin(msgspec.Struct, tag="step_begin", frozen=True):
     step: Count
-    batch: BatchLayout
+    # Exactly one of `batch` and `packed` (1.6: a shim sends `packed` to a sidecar of 1.6 or later).
+    batch: BatchLayout | None = None
     new_requests: Annotated[list[NewRequest], msgspec.Meta(max_length=MAX_BATCH)] = []
     finished: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] = []
     preempted: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] = []
@@ -130,6 +151,7 @@ class StepBegin(msgspec.Struct, tag="step_begin", frozen=True):
     # Hello goes out before vLLM loads the model (only then are its hooks known).
     want_states: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] = []
     model_hooks: ModelHooks | None = None
+    packed: PackedLayout | None = None
 
 
 class Overlay(msgspec.Struct, frozen=True, array_like=True):

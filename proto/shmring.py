@@ -67,10 +67,6 @@ class RingError(ProtoError, RuntimeError):
     """The shared ring holds something a correct peer never writes; the ring is unusable."""
 
 
-def _align8(n: int) -> int:
-    return (n + 7) & ~7
-
-
 class ShmRing:
     """One direction of a connection. The same object serves its producer or its consumer."""
 
@@ -143,7 +139,7 @@ class ShmRing:
         n = len(payload)
         if n > self.max_record:
             raise ValueError(f"{n}-byte record exceeds the ring's {self.max_record}-byte limit")
-        pos = self._reserve(REC_HEADER + _align8(n))
+        pos = self._reserve(REC_HEADER + ((n + 7) & ~7))
         if pos < 0:
             return False
         start = pos + REC_HEADER
@@ -188,7 +184,7 @@ class ShmRing:
         i = pos >> 2
         self._hdr[i] = length
         self._hdr[i + 1] = kind
-        self._write += REC_HEADER + _align8(length)
+        self._write += REC_HEADER + ((length + 7) & ~7)
         self._words[_WRITE] = self._write  # the publishing store: after payload and header
 
     def _peer_read_index(self) -> int:
@@ -207,17 +203,18 @@ class ShmRing:
         """
         if self.broken:
             raise RingError(self.broken)
+        capacity, hdr = self.capacity, self._hdr
         while True:
-            write = int(self._words[_WRITE])
+            write = self._words[_WRITE]  # a 'Q' view yields an int: no int() needed (per poll)
             read = self._read
             if write == read:
                 return None
-            if write < read or write - read > self.capacity or write % 8:
-                raise self.fail(f"producer's write index {write} is outside [{read}, {read + self.capacity}]")
-            pos = read % self.capacity
+            if write < read or write - read > capacity or write % 8:
+                raise self.fail(f"producer's write index {write} is outside [{read}, {read + capacity}]")
+            pos = read % capacity
             i = pos >> 2
-            length, kind = int(self._hdr[i]), int(self._hdr[i + 1])
-            tail = self.capacity - pos
+            length, kind = hdr[i], hdr[i + 1]
+            tail = capacity - pos
             if kind == PAD:
                 if length != tail - REC_HEADER or write - read < tail:
                     raise self.fail(f"pad record of {length} bytes at {pos} does not end the ring")
@@ -230,13 +227,17 @@ class ShmRing:
                 return MARK, None
             if kind != MSG:
                 raise self.fail(f"unknown record kind {kind} at {pos}")
-            total = REC_HEADER + _align8(length)
+            total = REC_HEADER + ((length + 7) & ~7)
             if length > self.max_record or total > tail or total > write - read:
                 raise self.fail(f"record of {length} bytes at {pos} exceeds the published data")
             start = pos + REC_HEADER
             self._polled = total
             self._view = self._data[start : start + length]
             return MSG, self._view
+
+    def has_data(self) -> bool:
+        """Anything published past what we consumed (one shared load; `poll` checks it)."""
+        return self._words[_WRITE] != self._read
 
     def consume(self) -> None:
         """Done with the record `poll` returned: the producer may reuse its bytes."""

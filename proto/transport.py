@@ -135,12 +135,21 @@ class RingTransport:
         if len(self._queue) > self._max_queued:
             raise RingOverflow(f"{len(self._queue)} replies wait for room in the peer's ring")
 
-    def send_quiet(self, frame: bytes) -> bool:
-        """A step message that wakes nobody (a StepStart wanting no answer, a StepTick) in one ring
-        write; False when it must take `send` (something queued first, too big, or no room)."""
-        if self._queue or len(frame) > self.duplex.tx.max_record:
+    def send_now(self, frame: bytes, wake: bool = True) -> bool:
+        """A ring-routed frame in one ring write, kicking a sleeping reader if `wake`; False when it
+        must take `send` (something queued first, too big, or no room). The per-step path: `send`'s
+        routing and queue layers cost more than the write itself."""
+        tx = self.duplex.tx
+        if self._queue or len(frame) > tx.max_record or not tx.try_write(frame):
             return False
-        return self.duplex.tx.try_write(frame)
+        if wake and tx.peer_sleeping() and self._kick():
+            self.kicks_sent += 1
+        return True
+
+    def send_quiet(self, frame: bytes) -> bool:
+        """A step message that wakes nobody (a StepStart wanting no answer, a StepTick): `send_now`
+        without the kick."""
+        return self.send_now(frame, wake=False)
 
     def flush(self, wake: bool = True) -> None:
         """Send what the ring has room for now (RingError: the ring is broken); kick a sleeping

@@ -35,6 +35,7 @@ from proto.messages import (
     Welcome,
 )
 from proto.messages import HookNeeds, Overlay
+from proto.packed import packed_layout
 from proto.tensors import TensorRef
 from tests.support.procs import SidecarProcess
 
@@ -46,6 +47,7 @@ SEEDS = [
         Hello(1, 0, "f", "v", "cpu", 0, 1, "m", 8, "float32", 16, [ArenaInfo("shm", "omni-nope", 4096)]),
         Hello(1, 0, "f", "v", "cpu", 0, 1, "m", 8, "float32", 16, []),
         StepBegin(1, BatchLayout(["a", "b"], [0, 2, 3], [0, 5], [2, 9]), [NewRequest("a", 2, [1, 2], {"x": b"y"})]),
+        StepBegin(2, packed=packed_layout(None, [0, 1, 3], [5, 0], [2, 9])),  # 1.6
         StepEnd(2, BatchLayout(None, [0, 1], [3], [3]), hidden=TensorRef(0, 0, 32, [1, 8], "float32"), num_tokens=1),
         StepEnd(3, finished=["a"], preempted=["b"]),
         Ping(9),

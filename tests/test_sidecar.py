@@ -25,6 +25,7 @@ from proto.messages import (
     Welcome,
 )
 from proto.tensors import TensorRef
+from proto.version import PROTOCOL_VERSION
 from tests.support.procs import SidecarProcess
 
 H = 8
@@ -61,7 +62,7 @@ def _hello(arenas, major=1, max_tokens=16):
 def test_status_and_ping(sidecar):
     status = sidecar.status()
     assert status.hook_set == "passthrough" and status.sessions == []
-    assert status.protocol == "1.5"
+    assert status.protocol == PROTOCOL_VERSION
 
 
 def test_refuses_another_protocol_major(sidecar):

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from proto.messages import BatchLayout, HookNeeds, NewRequest
+from proto.messages import BatchLayout, HookNeeds, NewRequest, PackedLayout
+from proto.packed import packed_layout
 from worker_shim.compat import client_request_id, prefill_flags, prompt_len_of
 
 PAYLOAD_KEY = "omni_sidecar"
@@ -49,6 +50,20 @@ def batch_layout(batch: Any, prev_ids: list[str] | None, with_input_ids: bool = 
         prefill_lens=batch.prefill_len_np[:n].tolist(),
         input_ids=batch.input_ids[: int(batch.num_tokens)].tolist() if with_input_ids else None,
     )
+
+
+def packed_batch_layout(batch: Any, prev_ids: list[str] | None, with_input_ids: bool = False) -> PackedLayout:
+    """`batch_layout` for a StepBegin to a sidecar of protocol 1.6 or later: vLLM's numpy arrays go
+    out as their bytes (u32), no Python int per request (proto/packed.py)."""
+    n = len(batch.req_ids)
+    ids = batch.req_ids
+    input_ids = None
+    if with_input_ids:
+        input_ids = batch.input_ids[: int(batch.num_tokens)]
+        if hasattr(input_ids, "cpu"):  # a torch tensor on the device: its host copy as numpy
+            input_ids = input_ids.cpu().numpy()
+    return packed_layout(None if ids == prev_ids else list(ids), batch.query_start_loc_np[: n + 1],
+                         batch.num_computed_tokens_np[:n], batch.prefill_len_np[:n], input_ids)
 
 
 class PayloadTracker:

@@ -17,6 +17,7 @@ everything on ZeroMQ. See docs/ARCHITECTURE.md (transport).
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import select
 import time
@@ -37,6 +38,8 @@ log = logging.getLogger("vllm.omni_sidecar.shim.channel")
 FULL_RING_WAIT_S = 0.0002
 TSO_MACHINES = ("x86_64", "amd64")  # where the rings' store order holds without fences
 MARK_WAIT_MS = 50  # a MARK's frame is already on its way: wait for it in short steps
+_STASHED = (StepResult, MirrorUpdate)  # a tuple: isinstance of a union is slower (checked per reply)
+_NOT_PLAIN_ANSWERS = (StepResult, MirrorUpdate, Pong, SwitchAck)  # `call` looks at these more closely
 MONITOR_ASK_S = 0.5  # ask ZeroMQ about the monitor at least this often, signal or not
 
 
@@ -177,9 +180,10 @@ class SidecarChannel:
         rings = self.rings
         assert rings is not None
         try:
-            if not wakes(msg) and rings.send_quiet(frame):  # every step's StepStart, a pass-through step's StepTick
+            wake, how = wakes(msg), route(msg)
+            if how == "ring" and rings.send_now(frame, wake):  # every step message, unless the ring is full
                 return
-            rings.send(frame, route(msg), wake=wakes(msg))
+            rings.send(frame, how, wake=wake)
             if not rings.queued:
                 return
             deadline = time.monotonic() + self.step_timeout_ms / 1000
@@ -200,7 +204,9 @@ class SidecarChannel:
         self.send(msg)
         while True:
             reply = self._recv(self.step_timeout_ms / 1000)
-            if isinstance(reply, StepResult | MirrorUpdate) or self._answers_step_start(reply, msg):
+            if type(reply) is want and not isinstance(reply, _NOT_PLAIN_ANSWERS):  # the usual answer
+                return reply
+            if isinstance(reply, _STASHED) or self._answers_step_start(reply, msg):
                 self._stash(reply)
                 continue
             if isinstance(reply, SwitchAck) and want is not SwitchAck:
@@ -331,11 +337,19 @@ class SidecarChannel:
         monitor end the wait early when the sidecar is late or gone."""
         rings = self.rings
         assert rings is not None
-        msg = self._ring_next()
-        if msg is not None:
-            return msg
+        rx = rings.duplex.rx
+        if rx.has_data():
+            msg = self._ring_next()
+            if msg is not None:
+                return msg
         busy_at = time.monotonic()
         deadline = busy_at + timeout_s
+        # The reply usually comes within the spin window: until then watch only the ring's write
+        # index (one shared-memory load and a sched_yield per turn, not the whole loop below).
+        clock, give_way = time.monotonic, os.sched_yield
+        spin_until = min(deadline, busy_at + self.wait.spin_us / 1e6)
+        while not rx.has_data() and clock() < spin_until:
+            give_way()
         while True:
             msg = self._ring_next()
             if msg is not None:
@@ -365,7 +379,7 @@ class SidecarChannel:
         """The next message in connection order, or None when there is none yet."""
         assert self.rings is not None
         try:
-            msg = self.rings.recv(self._decode)
+            msg = self.rings.duplex.recv(self._decode)  # RingTransport.recv, one layer less per poll
         except RingError as exc:
             raise SidecarError(f"bad shared-memory ring from the sidecar: {exc}") from None
         return None if msg is EMPTY else msg  # type: ignore[return-value]

@@ -21,6 +21,7 @@ from proto.messages import (
 )
 from omni_arena.tensor_tree import TreeError, load_inline_tree
 from proto.tensors import TensorRef
+from proto.version import PACKED_LAYOUT_MINOR
 from worker_shim.channel import SidecarChannel, SidecarError
 from worker_shim.config import RingConfig
 from worker_shim.transfer import HiddenSlots, StepSlot, read_plan, read_states
@@ -83,6 +84,11 @@ class SidecarConnection:
             return False
         self._accept(welcome)
         return True
+
+    @property
+    def packs_layouts(self) -> bool:
+        """The sidecar reads StepBegin.packed (protocol 1.6): the layout goes out as packed arrays."""
+        return self.welcome is not None and self.welcome.protocol_minor >= PACKED_LAYOUT_MINOR
 
     def _accept(self, welcome: Welcome) -> None:
         self.welcome = welcome
@@ -197,8 +203,10 @@ class SidecarConnection:
             self.last_sent_at = sent_at
         if isinstance(msg, StepEnd):
             self.step_open = False
-        if isinstance(msg, (StepBegin, StepEnd)) and msg.batch is not None and msg.batch.req_ids is not None:
-            self.peer_req_ids = msg.batch.req_ids
+        if isinstance(msg, (StepBegin, StepEnd)):
+            layout = msg.batch if msg.batch is not None or isinstance(msg, StepEnd) else msg.packed
+            if layout is not None and layout.req_ids is not None:
+                self.peer_req_ids = layout.req_ids
         if isinstance(msg, StepEnd):
             self.last_sent_step = self.last_answered_step = msg.step
 
