@@ -50,6 +50,8 @@ class SidecarConnection:
         self._overlay_arena: Any = None
         self.started = time.monotonic()
         self.welcome: Welcome | None = None
+        self._announces = False  # does the sidecar take StepStart (set from the Welcome)
+        self.packs_layouts = False  # does it take StepEnd's layout packed (set from the Welcome)
         self.needs = HookNeeds()
         self.hook_set = ""
         # What this sidecar has seen: the last step ended (StepEnd or StepTick), the last StepEnd
@@ -86,6 +88,8 @@ class SidecarConnection:
 
     def _accept(self, welcome: Welcome) -> None:
         self.welcome = welcome
+        self._announces = welcome.protocol_minor >= 2  # StepStart (1.2)
+        self.packs_layouts = welcome.protocol_minor >= 6  # StepEnd.packed (1.6)
         self.needs = welcome.needs
         self.hook_set = welcome.hook_set
         if welcome.arenas:
@@ -132,7 +136,7 @@ class SidecarConnection:
     def send_tick(self, tick: StepTick) -> None:
         """`send` for the one message of a pass-through step, without its type tests."""
         self.last_sent_at = time.monotonic()
-        self._channel.send(tick)
+        self._channel.send_quiet(tick)
         self.step_open = False
         self.last_sent_step = tick.step
 
@@ -150,12 +154,15 @@ class SidecarConnection:
         a session over on its own only between steps. After `answer_after_s` without sending, it
         may be doing so right now: the StepStart asks for an answer, awaited at the step's one wait
         (`answer_due`: the plan's round trip, else `await_answer`). See docs/ARCHITECTURE.md, Hot upgrade."""
-        if self.welcome is None or self.welcome.protocol_minor < 2:
+        if not self._announces:
             return
         quiet_since = self.last_sent_at
         self.step_open = True
-        if time.monotonic() - quiet_since < answer_after_s:
-            self.send(StepStart(step=step, mirror_seq=self.mirror_seq))
+        now = time.monotonic()
+        if now - quiet_since < answer_after_s:
+            # A StepStart that wants no answer wakes nobody: one ring write (no routing or type tests).
+            self._channel.send_quiet(StepStart(step=step, mirror_seq=self.mirror_seq))
+            self.last_sent_at = now
             if time.monotonic() - quiet_since < answer_after_s:
                 return  # written while the sidecar still counted this session as stepping
         self.send(StepStart(step=step, answer=True, mirror_seq=self.mirror_seq))

@@ -29,18 +29,19 @@ class StepEndRecords:
         no per-step layout (HookNeeds.step_layouts, 1.5) and the step brings no request change, no
         failure, no hidden states and no model results (docs/ARCHITECTURE.md, Step sequence)."""
         needs = conn.needs
-        if needs.step_layouts or self.requests.has_notices() or self.failures.pending:
+        requests = self.requests
+        if needs.step_layouts or requests.new or requests.finished or requests.preempted or self.failures.pending:
             return False
-        if batch is not None and conn.sends_hidden and state.hidden_states is not None:
+        if needs.hidden_states and batch is not None and conn.sends_hidden and state.hidden_states is not None:
             return False
-        return not (needs.model_states and model_results and (model_results[0] or model_results[1]))
+        return not (model_results and needs.model_states and (model_results[0] or model_results[1]))
 
     def _send_step_tick(self, conn: Any, num_tokens: int) -> None:
         """The fixed-size StepTick: counters and timings, nothing that grows with the batch. Only a
         StepResult with `switch_to` answers it; a non-blocking look at the ring finds that one."""
         conn.send_tick(StepTick(self.step, num_tokens, self._step_exchange_us, self._last_post_us))
         self._step_exchange_us = 0.0
-        results = conn.poll_results()
+        results = conn.poll_results()  # [] but when a hot upgrade asks: one look at the ring
         if results:
             self.recovery.note_results(results)
 
