@@ -33,6 +33,7 @@ from proto.messages import (
     StepResult,
     StepTick,
 )
+from proto.layouts import LayoutError, unpack_layout
 from proto.settings import ERROR_TEXT_MAX
 
 log = logging.getLogger("omni_sidecar.session")
@@ -161,7 +162,7 @@ class Session:
             if failure.client_req_id and failure.req_id not in self.requests:
                 self._client_ids.setdefault(failure.client_req_id, failure.req_id)
         self._admit(msg.new_requests, [], msg.preempted, errors)
-        layout = self._resolve_layout(msg.batch) if msg.batch is not None else self._last_layout
+        layout = self._step_end_layout(msg)
         if msg.model_updates or msg.model_outputs:
             with _collect(errors, None, "on_model_results", [*msg.model_updates, *msg.model_outputs]):
                 self.hooks.on_model_results(*self.arenas.model_results(msg))
@@ -275,6 +276,14 @@ class Session:
         for req_id, message in failed.items():
             self.finished_store.fail(req_id, message[:ERROR_TEXT_MAX], client_of.get(req_id, ""))
         self._count_errors(len(failed))
+
+    def _step_end_layout(self, msg: StepEnd) -> BatchLayout | None:
+        """The layout a StepEnd carries (lists, or packed from a shim of 1.6), else its StepBegin's."""
+        if msg.packed is not None:
+            if msg.batch is not None:
+                raise LayoutError("a StepEnd carries its layout twice (batch and packed)")
+            return self._resolve_layout(unpack_layout(msg.packed))
+        return self._resolve_layout(msg.batch) if msg.batch is not None else self._last_layout
 
     def _resolve_layout(self, layout: BatchLayout) -> BatchLayout:
         """Fill in `req_ids` omitted because they equal the previous layout's."""

@@ -119,6 +119,19 @@ class BatchLayout(msgspec.Struct, frozen=True, array_like=True):
     input_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_STEP_TOKENS)] | None = None
 
 
+class PackedLayout(msgspec.Struct, frozen=True, array_like=True):
+    """1.6, StepEnd only: a BatchLayout whose integer columns travel as packed little-endian int32
+    arrays (4 bytes a row), not msgpack lists: the shim writes vLLM's numpy arrays' bytes as they
+    are, the sidecar turns them back into lists in C (proto/layouts.py, which checks every length
+    and bound: a peer's bytes are untrusted). Same meaning, field by field, as BatchLayout."""
+
+    req_ids: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] | None
+    query_start_loc: Annotated[bytes, msgspec.Meta(max_length=4 * (MAX_BATCH + 1))]
+    num_computed_tokens: Annotated[bytes, msgspec.Meta(max_length=4 * MAX_BATCH)]
+    prefill_lens: Annotated[bytes, msgspec.Meta(max_length=4 * MAX_BATCH)]
+    input_ids: Annotated[bytes, msgspec.Meta(max_length=4 * MAX_STEP_TOKENS)] | None = None
+
+
 class StepBegin(msgspec.Struct, tag="step_begin", frozen=True):
     step: Count
     batch: BatchLayout
@@ -194,6 +207,9 @@ class StepEnd(msgspec.Struct, tag="step_end", frozen=True):
     # hidden slot, after the hidden rows. Typed `Any` for int keys (see StepPlan).
     model_updates: dict[ReqId, Any] = {}
     model_outputs: dict[ReqId, Any] = {}
+    # 1.6: the layout packed (PackedLayout), sent instead of `batch` to a sidecar of 1.6 or later;
+    # at most one of the two is set.
+    packed: PackedLayout | None = None
 
 
 class StepTick(msgspec.Struct, tag="step_tick", frozen=True):

@@ -9,5 +9,6 @@ PROTOCOL_MAJOR = 1
 # 1.4: MirrorUpdate, StepStart.mirror_seq, SwitchReady.mirror_seq (appends reach the shim's state mirror)
 # 1.5: StepTick, HookNeeds.step_layouts (a step that brings pass-through hooks nothing new sends a
 #      fixed-size record, not a StepEnd)
-PROTOCOL_MINOR = 5
+# 1.6: StepEnd.packed (PackedLayout: the layout's integer columns as packed int32 arrays, not lists)
+PROTOCOL_MINOR = 6
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from proto.messages import BatchLayout, HookNeeds, NewRequest
+from proto.layouts import pack_layout
+from proto.messages import BatchLayout, HookNeeds, NewRequest, PackedLayout
 from worker_shim.compat import client_request_id, prefill_flags, prompt_len_of
 
 PAYLOAD_KEY = "omni_sidecar"
@@ -49,6 +50,19 @@ def batch_layout(batch: Any, prev_ids: list[str] | None, with_input_ids: bool = 
         prefill_lens=batch.prefill_len_np[:n].tolist(),
         input_ids=batch.input_ids[: int(batch.num_tokens)].tolist() if with_input_ids else None,
     )
+
+
+def packed_batch_layout(batch: Any, prev_ids: list[str] | None, with_input_ids: bool = False) -> PackedLayout:
+    """`batch_layout` for a StepEnd to a sidecar of 1.6 or later: the integer columns as packed int32
+    (proto/layouts.py), vLLM's numpy bytes as they are: no Python int per row."""
+    n = len(batch.req_ids)
+    ids = batch.req_ids
+    input_ids = None
+    if with_input_ids:  # a device tensor: one copy to the host, as `batch_layout`'s tolist() makes
+        input_ids = batch.input_ids[: int(batch.num_tokens)]
+        input_ids = input_ids.cpu().numpy() if hasattr(input_ids, "cpu") else input_ids
+    return pack_layout(None if ids == prev_ids else list(ids), batch.query_start_loc_np[: n + 1],
+                       batch.num_computed_tokens_np[:n], batch.prefill_len_np[:n], input_ids)
 
 
 class PayloadTracker:

@@ -207,6 +207,8 @@ class SidecarConnection:
         if isinstance(msg, (StepBegin, StepEnd)) and msg.batch is not None and msg.batch.req_ids is not None:
             self.peer_req_ids = msg.batch.req_ids
         if isinstance(msg, StepEnd):
+            if msg.packed is not None and msg.packed.req_ids is not None:
+                self.peer_req_ids = msg.packed.req_ids
             self.last_sent_step = self.last_answered_step = msg.step
 
     def take_results(self, until_step: int | None = None) -> list[StepResult]:

@@ -15,7 +15,7 @@ import torch
 
 from omni_arena.tensor_tree import store_tree
 from proto.messages import StepEnd, StepTick
-from worker_shim.batch import batch_layout
+from worker_shim.batch import batch_layout, packed_batch_layout
 
 ModelResults = tuple[dict[str, Any], dict[str, Any]]  # per request: state updates, outputs
 
@@ -61,12 +61,16 @@ class StepEndRecords:
             updates, outputs = store_tree(updates, slot.put), store_tree(outputs, slot.put)
             hidden_event = slot.seal()
         new, finished, preempted = self.requests.take_notices()
-        layout = None
+        layout = packed = None
         if batch is not None and not self._layout_sent:
-            layout = batch_layout(batch, conn.peer_req_ids, conn.needs.input_ids)
+            if getattr(conn, "packs_layouts", False):  # 1.6: packed int32 columns, not lists
+                packed = packed_batch_layout(batch, conn.peer_req_ids, conn.needs.input_ids)
+            else:
+                layout = batch_layout(batch, conn.peer_req_ids, conn.needs.input_ids)
         msg = StepEnd(
             step=self.step,
             batch=layout,
+            packed=packed,
             new_requests=new,
             finished=finished,
             preempted=preempted,
