@@ -8,7 +8,7 @@ import pytest
 
 from proto.codec import Codec, FrameError
 from proto.layouts import LayoutError, pack_i32, pack_layout, unpack_layout
-from proto.messages import MAX_BATCH, BatchLayout, PackedLayout, StepEnd
+from proto.messages import MAX_BATCH, BatchLayout, HookNeeds, PackedLayout, StepEnd
 
 
 def _columns(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -77,3 +77,25 @@ def test_a_step_end_with_its_layout_twice_is_refused_by_the_session():
                    packed=_packed(req_ids=["a", "b"]))
     with pytest.raises(LayoutError, match="twice"):
         session.step_end(both)
+
+
+@pytest.mark.parametrize("packs", [True, False])
+def test_the_link_packs_the_layout_only_for_a_sidecar_that_reads_it_packed(packs):
+    """A sidecar of 1.6 (SidecarConnection.packs_layouts, from its Welcome) gets the packed layout;
+    an older one the lists it knows, the same values."""
+    from tests.test_recovery import FakeConnection, request, step_state
+    from worker_shim.link import SidecarLink
+
+    conn = FakeConnection(needs=HookNeeds(step_layouts=True))
+    conn.packs_layouts = packs
+    link = SidecarLink(lambda **kw: None, conn)
+    link.note_new([request("a", False), request("b", False)])
+    state = step_state(["a", "b"])
+    link.begin_step()
+    link.end_step(state)
+    end = conn.sent[-1]
+    assert isinstance(end, StepEnd) and (end.packed is not None) == packs and (end.batch is None) == packs
+    batch = state.input_batch
+    want = BatchLayout(["a", "b"], batch.query_start_loc_np[:3].tolist(), batch.num_computed_tokens_np[:2].tolist(),
+                       batch.prefill_len_np[:2].tolist())
+    assert (unpack_layout(end.packed) if packs else end.batch) == want

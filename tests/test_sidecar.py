@@ -61,7 +61,7 @@ def _hello(arenas, major=1, max_tokens=16):
 def test_status_and_ping(sidecar):
     status = sidecar.status()
     assert status.hook_set == "passthrough" and status.sessions == []
-    assert status.protocol == "1.5"
+    assert status.protocol == "1.6"
 
 
 def test_refuses_another_protocol_major(sidecar):

@@ -238,9 +238,7 @@ class SidecarChannel:
     def take_results(self, until_step: int | None = None) -> list[StepResult]:
         """Results received so far; blocks (up to the step timeout) for `until_step`'s."""
         if self.rings is not None:
-            self._pull_socket(0)
-            while (msg := self._ring_next()) is not None:
-                self._stash(msg)
+            self._drain_ring()
             while until_step is not None and self.acked_step < until_step:
                 self._stash(self._recv(self.step_timeout_ms / 1000))
             out, self._results = self._results, []
@@ -256,6 +254,23 @@ class SidecarChannel:
             self._stash(self._recv(self.step_timeout_ms / 1000))
         out, self._results = self._results, []
         return out
+
+    def _drain_ring(self) -> None:
+        """Stash every message that arrived, in connection order. The socket is read only when a
+        MARK says a message waits there: every other frame on it is a kick (asking ZeroMQ costs
+        a few µs, and a StepEnd step looks here each step)."""
+        rings = self.rings
+        assert rings is not None
+        while True:
+            msg = self._ring_next()
+            if msg is not None:
+                self._stash(msg)
+            elif not rings.waiting_for_socket:
+                return
+            else:
+                self._pull_socket(0)
+                if not rings.socket_frames_waiting:
+                    return  # the MARK's frame is not here yet: a later look takes it
 
     def poll_ring_results(self) -> list[StepResult]:
         """Results waiting in the ring now, socket untouched (a frame behind a MARK waits for the
