@@ -39,6 +39,7 @@ FULL_RING_WAIT_S = 0.0002
 TSO_MACHINES = ("x86_64", "amd64")  # where the rings' store order holds without fences
 MARK_WAIT_MS = 50  # a MARK's frame is already on its way: wait for it in short steps
 MONITOR_ASK_S = 0.5  # ask ZeroMQ about the monitor at least this often, signal or not
+SOCKET_LOOK_S = 0.05  # with rings: read the socket at least this often when taking results, MARK or not
 
 
 class SidecarError(RuntimeError):
@@ -69,6 +70,7 @@ class SidecarChannel:
         self._monitor_news.register(self._monitor.getsockopt(zmq.FD), select.POLLIN)
         self._monitor.poll(0)
         self._monitor_asked_at = time.monotonic()
+        self._socket_look_due = 0.0  # the next `take_results` that reads the socket without a MARK
         if curve_keys:
             apply_curve_client(self._sock, curve_keys)
         self._sock.connect(endpoint)
@@ -256,11 +258,16 @@ class SidecarChannel:
         return out
 
     def _drain_ring(self) -> None:
-        """Stash every message that arrived, in connection order. The socket is read only when a
-        MARK says a message waits there: every other frame on it is a kick (asking ZeroMQ costs
-        a few µs, and a StepEnd step looks here each step)."""
+        """Stash every message that arrived, in connection order. The socket is read when a MARK
+        says a message waits there, else at most every SOCKET_LOOK_S: every other frame on it is a
+        kick, or a frame a broken peer sent without its MARK (found then). Asking ZeroMQ costs a
+        few µs, and a StepEnd step looks here each step."""
         rings = self.rings
         assert rings is not None
+        now = time.monotonic()
+        if now >= self._socket_look_due:
+            self._socket_look_due = now + SOCKET_LOOK_S
+            self._pull_socket(0)
         while True:
             msg = self._ring_next()
             if msg is not None:
