@@ -274,8 +274,8 @@ def step_cost_markdown(res: dict) -> list[str]:
         "one row each, a 2.5 ms forward spun through), through the shim's real link and rings against a real "
         "sidecar. `passthrough` reads nothing per step, so a step that brings nothing new sends its StepStart "
         "and a ~90-byte StepTick and wakes nobody (protocol 1.5); `observe` overrides `process_model_output`, "
-        "so every step sends the full StepEnd with its layout and kicks the sidecar awake: what every "
-        "pass-through step sent before 1.5. `-inproc`: the same link and hook sets with the sidecar's session "
+        "so every step sends the full StepEnd with its layout (packed u32 columns, protocol 1.6) and kicks the "
+        "sidecar awake: what every pass-through step sent before 1.5. `-inproc`: the same link and hook sets with the sidecar's session "
         "called in this process (bench/inproc.py; no socket, ring or kick), the hooks' and the session's own "
         "work then on the worker's thread: the process boundary's price per step is the difference.", "",
         "| hook set | CPU p50 (us) | CPU p99 (us) | wall p50 (us) | steps the sidecar counted |",

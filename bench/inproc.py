@@ -148,6 +148,7 @@ class InProcessConnection:
     switch_ack = None
     answer_due = False
     step_open = False
+    packs_layouts = False  # the structs are handed over, never encoded: the layout's lists as they are
     mirror_seq = 0
     mirror_updates_waiting = 0
     endpoint = "inproc://"

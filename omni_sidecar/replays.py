@@ -10,6 +10,7 @@ outputs and state updates are the same with or without preemption
 
 from __future__ import annotations
 
+from operator import add, gt, sub
 from typing import Iterable
 
 import torch
@@ -18,10 +19,24 @@ from proto.messages import BatchLayout
 
 
 class SeenPositions:
-    """Per live request: how many of its positions the post-forward hooks have seen."""
+    """Per live request: how many of its positions the post-forward hooks have seen.
+
+    Most steps replay nothing, and the same requests fill the same rows as in the step before
+    (steady decode): for those the last step's per-row record (`_row_ends`) is compared with the
+    step's counts column against column (C-level `map`s, no Python per row) and replaced; it is
+    merged into `upto` only when the rows change, a request is forgotten, or the record is read.
+    """
 
     def __init__(self) -> None:
-        self.upto: dict[str, int] = {}
+        self._upto: dict[str, int] = {}
+        self._row_ids: list[str] | None = None  # the last layout's requests, in row order
+        self._row_ends: list[int] = []  # positions seen per row of `_row_ids` (newer than `_upto`)
+
+    @property
+    def upto(self) -> dict[str, int]:
+        """Positions seen per request (the merged record: export, tests)."""
+        self._merge_rows()
+        return self._upto
 
     def fresh_rows(self, layout: BatchLayout, hidden: torch.Tensor | None
                    ) -> tuple[BatchLayout, torch.Tensor | None]:
@@ -31,7 +46,24 @@ class SeenPositions:
 
     def fresh_layout(self, layout: BatchLayout) -> tuple[BatchLayout, list[tuple[int, int]] | None]:
         """The step's layout without rows seen before, and the row ranges kept (None: all)."""
+        ids = layout.req_ids or []
         qsl, computed = layout.query_start_loc, layout.num_computed_tokens
+        n = len(ids)
+        if n and (ids is self._row_ids or ids == self._row_ids):
+            # The same requests in the same rows: a row replays only if it saw past its count now.
+            if not any(map(gt, self._row_ends, computed)):
+                self._row_ends = list(map(add, computed, map(sub, qsl[1:n + 1], qsl[:n])))
+                return layout, None
+        self._merge_rows()
+        fresh, rows = self._fresh_by_row(layout)
+        upto = self._upto
+        self._row_ids, self._row_ends = ids, [upto[r] for r in ids]
+        return fresh, rows
+
+    def _fresh_by_row(self, layout: BatchLayout) -> tuple[BatchLayout, list[tuple[int, int]] | None]:
+        """Row by row: a step whose rows changed, or in which some request replays."""
+        qsl, computed = layout.query_start_loc, layout.num_computed_tokens
+        upto = self._upto
         req_ids: list[str] = []
         starts: list[int] = [0]
         fresh_computed: list[int] = []
@@ -40,9 +72,9 @@ class SeenPositions:
         replayed = False
         for i, req_id in enumerate(layout.req_ids or ()):
             start, end = qsl[i], qsl[i + 1]
-            seen = self.upto.get(req_id, 0)
+            seen = upto.get(req_id, 0)
             skip = min(max(0, seen - computed[i]), end - start)
-            self.upto[req_id] = max(seen, computed[i] + end - start)
+            upto[req_id] = max(seen, computed[i] + end - start)
             replayed |= skip > 0
             if skip and skip == end - start:
                 continue  # every row of this request is a replay
@@ -57,9 +89,15 @@ class SeenPositions:
         fresh_ids = [t for a, b in rows for t in ids[a:b]] if ids is not None else None
         return BatchLayout(req_ids, starts, fresh_computed, prefill_lens, fresh_ids), rows
 
+    def _merge_rows(self) -> None:
+        if self._row_ids is not None:
+            self._upto.update(zip(self._row_ids, self._row_ends))  # each at least what `_upto` had
+            self._row_ids, self._row_ends = None, []
+
     def forget(self, req_ids: Iterable[str]) -> None:
+        upto = self.upto
         for req_id in req_ids:
-            self.upto.pop(req_id, None)
+            upto.pop(req_id, None)
 
 
 def take_rows(tensor: torch.Tensor | None, rows: list[tuple[int, int]] | None) -> torch.Tensor | None:

@@ -25,6 +25,7 @@ from proto.messages import (
     ModelHooks,
     NewRequest,
     Overlay,
+    PackedLayout,
     RequestError,
     SessionStatus,
     StepBegin,
@@ -167,13 +168,7 @@ class Session:
         if msg.packed is not None:
             if msg.batch is not None:
                 raise ValueError("StepBegin carries both a batch layout and a packed one")
-            packed = msg.packed
-            req_ids = packed.req_ids if packed.req_ids is not None else self._prev_req_ids
-            if req_ids is None:
-                raise ValueError("batch layout omits req_ids but no earlier layout named them")
-            layout = LazyLayout(req_ids, packed)  # LayoutError (a ValueError) on bad lengths
-            self._prev_req_ids = req_ids
-            return layout
+            return self._lazy_layout(msg.packed)
         if msg.batch is None:
             raise ValueError("StepBegin carries no batch layout")
         layout = self._resolve_layout(msg.batch)
@@ -188,7 +183,7 @@ class Session:
             if failure.client_req_id and failure.req_id not in self.requests:
                 self._client_ids.setdefault(failure.client_req_id, failure.req_id)
         self._admit(msg.new_requests, [], msg.preempted, errors)
-        layout = self._resolve_layout(msg.batch) if msg.batch is not None else self._last_layout
+        layout = self._step_end_layout(msg)
         if msg.model_updates or msg.model_outputs:
             with _collect(errors, None, "on_model_results", [*msg.model_updates, *msg.model_outputs]):
                 self.hooks.on_model_results(*self.arenas.model_results(msg))
@@ -302,6 +297,24 @@ class Session:
         for req_id, message in failed.items():
             self.finished_store.fail(req_id, message[:ERROR_TEXT_MAX], client_of.get(req_id, ""))
         self._count_errors(len(failed))
+
+    def _step_end_layout(self, msg: StepEnd) -> BatchLayout | None:
+        """The layout a StepEnd carries (lists, or packed from a shim of 1.6), else its StepBegin's."""
+        if msg.packed is not None:
+            if msg.batch is not None:
+                raise ValueError("a StepEnd carries its layout twice (batch and packed)")
+            # Lists at once: the replay record and the hooks' row math read every column anyway.
+            return self._lazy_layout(msg.packed).materialize()
+        return self._resolve_layout(msg.batch) if msg.batch is not None else self._last_layout
+
+    def _lazy_layout(self, packed: PackedLayout) -> LazyLayout:
+        """A packed layout (1.6), request ids filled in, array lengths checked (LayoutError, a ValueError)."""
+        req_ids = packed.req_ids if packed.req_ids is not None else self._prev_req_ids
+        if req_ids is None:
+            raise ValueError("batch layout omits req_ids but no earlier layout named them")
+        layout = LazyLayout(req_ids, packed)
+        self._prev_req_ids = req_ids
+        return layout
 
     def _resolve_layout(self, layout: BatchLayout) -> BatchLayout:
         """Fill in `req_ids` omitted because they equal the previous layout's."""

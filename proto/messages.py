@@ -123,7 +123,7 @@ U32_BYTES = 4  # one entry of a PackedLayout array
 
 
 class PackedLayout(msgspec.Struct, frozen=True, array_like=True):
-    """1.6, StepBegin only: a BatchLayout whose per-request ints travel as packed arrays.
+    """1.6, StepBegin and StepEnd: a BatchLayout whose per-request ints travel as packed arrays.
 
     Each array is little-endian u32 (proto/packed.py packs, checks and unpacks them): the shim
     writes vLLM's numpy arrays as they are, and the sidecar turns them into ints only when a
@@ -216,6 +216,9 @@ class StepEnd(msgspec.Struct, tag="step_end", frozen=True):
     # hidden slot, after the hidden rows. Typed `Any` for int keys (see StepPlan).
     model_updates: dict[ReqId, Any] = {}
     model_outputs: dict[ReqId, Any] = {}
+    # 1.6: the layout packed (PackedLayout), sent instead of `batch` to a sidecar of 1.6 or later;
+    # at most one of the two is set.
+    packed: PackedLayout | None = None
 
 
 class StepTick(msgspec.Struct, tag="step_tick", frozen=True):

@@ -56,6 +56,7 @@ HEADER_BYTES = 256
 _MAGIC, _CAPACITY, _WRITE, _READ, _SLEEPING = 0, 1, 8, 16, 24  # u64 slots of the header
 REC_HEADER = 8
 MSG, MARK, PAD = 1, 2, 3
+_MSG_KIND_WORD = MSG << 32  # a MSG header as one u64: length in the low half, kind in the high one
 MIN_CAPACITY = 4 << 10
 MAX_CAPACITY = 256 << 20
 DEFAULT_CAPACITY = 1 << 20
@@ -79,6 +80,7 @@ class ShmRing:
         self._mv = arena.raw(0, HEADER_BYTES + capacity)
         self._words = self._mv[:HEADER_BYTES].cast("Q")
         self._hdr = self._mv[HEADER_BYTES:].cast("I")  # u32 view of the data area
+        self._hdr64 = self._mv[HEADER_BYTES:].cast("Q")  # u64 view: a record header in one store
         self._data = self._mv[HEADER_BYTES:]
         self._write = int(self._words[_WRITE])  # our copy when we produce
         self._read = int(self._words[_READ])  # our copy when we consume
@@ -126,7 +128,7 @@ class ShmRing:
         return self.arena.info()
 
     def close(self) -> None:
-        for mv in (self._view, self._words, self._hdr, self._data, self._mv):
+        for mv in (self._view, self._words, self._hdr, self._hdr64, self._data, self._mv):
             if mv is not None:
                 mv.release()
         self._view = None
@@ -139,12 +141,25 @@ class ShmRing:
         n = len(payload)
         if n > self.max_record:
             raise ValueError(f"{n}-byte record exceeds the ring's {self.max_record}-byte limit")
-        pos = self._reserve(REC_HEADER + ((n + 7) & ~7))
-        if pos < 0:
-            return False
+        total = REC_HEADER + ((n + 7) & ~7)
+        write, capacity = self._write, self.capacity
+        pos = write % capacity
+        # Every step writes two small records: when one fits before the end and in the room last
+        # seen, publish it inline (`_reserve` and `_publish` unrolled: a Python call costs more
+        # than the copy); otherwise the general path (PAD, a fresh look at the read index).
+        if total > capacity - pos or capacity - (write - self._peer_read) < total:
+            pos = self._reserve(total)
+            if pos < 0:
+                return False
+            start = pos + REC_HEADER
+            self._data[start : start + n] = payload
+            self._publish(pos, n, MSG)
+            return True
         start = pos + REC_HEADER
         self._data[start : start + n] = payload
-        self._publish(pos, n, MSG)
+        self._hdr64[pos >> 3] = n | _MSG_KIND_WORD  # length and kind in one store (x86-64: little-endian)
+        self._write = write = write + total
+        self._words[_WRITE] = write  # the publishing store: after payload and header
         return True
 
     def try_mark(self) -> bool:
@@ -250,6 +265,10 @@ class ShmRing:
         if self._polled:
             self._advance(self._polled)
             self._polled = 0
+
+    def empty(self) -> bool:
+        """Nothing published past our read index (consumer side; a cheap look, nothing checked)."""
+        return self._words[_WRITE] == self._read
 
     def set_sleeping(self, sleeping: bool) -> None:
         self._words[_SLEEPING] = 1 if sleeping else 0

@@ -151,6 +151,10 @@ class RingTransport:
         without the kick."""
         return self.send_now(frame, wake=False)
 
+    def nothing_to_read(self) -> bool:
+        """No record waits in the receiving ring (socket frames wait for their MARK in it)."""
+        return self.duplex.rx.empty()
+
     def flush(self, wake: bool = True) -> None:
         """Send what the ring has room for now (RingError: the ring is broken); kick a sleeping
         reader unless `wake` is False."""

@@ -9,7 +9,8 @@ PROTOCOL_MAJOR = 1
 # 1.4: MirrorUpdate, StepStart.mirror_seq, SwitchReady.mirror_seq (appends reach the shim's state mirror)
 # 1.5: StepTick, HookNeeds.step_layouts (a step that brings pass-through hooks nothing new sends a
 #      fixed-size record, not a StepEnd)
-# 1.6: StepBegin.packed (PackedLayout: the layout's ints as packed u32 arrays; StepBegin.batch optional)
+# 1.6: StepBegin.packed and StepEnd.packed (PackedLayout: the layout's ints as packed u32 arrays, not
+#      lists; StepBegin.batch optional)
 PROTOCOL_MINOR = 6
-PACKED_LAYOUT_MINOR = 6  # from this minor on, a sidecar reads StepBegin.packed
+PACKED_LAYOUT_MINOR = 6  # from this minor on, a sidecar reads StepBegin.packed and StepEnd.packed
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"

@@ -34,3 +34,24 @@ def test_a_chunk_of_only_replayed_rows_leaves_the_request_out():
     assert fresh == BatchLayout(["r2"], [0, 1], [0], [1]) and hidden.shape == (1, 2)
     seen.forget(["r1"])
     assert "r1" not in seen.upto
+
+
+def test_steady_steps_keep_the_record_and_a_replay_in_the_same_rows_is_still_caught():
+    """Steady decode takes the column-wise path (the same request list each step); its record
+    must be the one the row-by-row path would keep, and a count that falls back in the same rows
+    (a resume that recomputes) still drops what was seen."""
+    seen = SeenPositions()
+    ids = ["r1", "r2"]
+    for step in range(3):  # prefill, then two decode steps, the same list object as the session keeps it
+        layout = BatchLayout(ids, [0, 4, 8] if step == 0 else [0, 1, 2],
+                             [0, 0] if step == 0 else [3 + step, 3 + step], [4, 4])
+        assert seen.fresh_rows(layout, None) == (layout, None)
+    assert seen.upto == {"r1": 6, "r2": 6}
+    # r2 computed from position 4 again (2 rows: positions 4 and 5 were seen), r1 decodes on.
+    layout = BatchLayout(list(ids), [0, 1, 4], [6, 4], [4, 4])
+    fresh, hidden = seen.fresh_rows(layout, torch.arange(4.0).view(4, 1))
+    assert fresh == BatchLayout(["r1", "r2"], [0, 1, 2], [6, 6], [4, 4])
+    assert hidden.flatten().tolist() == [0.0, 3.0]
+    assert seen.upto == {"r1": 7, "r2": 7}
+    seen.forget(["r1"])
+    assert seen.upto == {"r2": 7}

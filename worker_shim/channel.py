@@ -29,7 +29,8 @@ from zmq.utils.monitor import recv_monitor_message
 from proto.arena import ArenaError
 from proto.codec import Codec, FrameError
 from proto.errors import ProtoError
-from proto.messages import ErrorReply, Hello, Message, MirrorUpdate, Ping, Pong, Reject, StepResult, SwitchAck, Welcome
+from proto.messages import (ErrorReply, Hello, Message, MirrorUpdate, Ping, Pong, Reject, StepResult, StepStart, StepTick,
+                            SwitchAck, Welcome)
 from proto.shmring import EMPTY, RingDuplex, RingError, ShmRing
 from proto.transport import RingTransport, WaitPolicy, apply_curve_client, reply_problem, route, set_heartbeats, wakes
 from worker_shim.config import RingConfig
@@ -41,6 +42,7 @@ MARK_WAIT_MS = 50  # a MARK's frame is already on its way: wait for it in short 
 _STASHED = (StepResult, MirrorUpdate)  # a tuple: isinstance of a union is slower (checked per reply)
 _NOT_PLAIN_ANSWERS = (StepResult, MirrorUpdate, Pong, SwitchAck)  # `call` looks at these more closely
 MONITOR_ASK_S = 0.5  # ask ZeroMQ about the monitor at least this often, signal or not
+SOCKET_LOOK_S = 0.05  # with rings: read the socket at least this often when taking results, MARK or not
 
 
 class SidecarError(RuntimeError):
@@ -71,6 +73,7 @@ class SidecarChannel:
         self._monitor_news.register(self._monitor.getsockopt(zmq.FD), select.POLLIN)
         self._monitor.poll(0)
         self._monitor_asked_at = time.monotonic()
+        self._socket_look_due = 0.0  # the next `take_results` that reads the socket without a MARK
         if curve_keys:
             apply_curve_client(self._sock, curve_keys)
         self._sock.connect(endpoint)
@@ -172,6 +175,16 @@ class SidecarChannel:
         else:
             self._ring_send(frame, msg)
 
+    def send_quiet(self, msg: StepStart | StepTick) -> None:
+        """`send` for a step message that wakes nobody (a StepStart wanting no answer, a StepTick):
+        one ring write when it fits, with none of `send`'s routing (the two every step sends)."""
+        frame = self.codec.encode(msg)
+        rings = self.rings
+        if rings is None:
+            self._send_frame(frame)
+        elif not rings.send_quiet(frame):
+            self._ring_send(frame, msg)
+
     def _send_frame(self, frame: bytes) -> None:
         self._sock.send(frame, copy=True)
 
@@ -233,9 +246,7 @@ class SidecarChannel:
     def take_results(self, until_step: int | None = None) -> list[StepResult]:
         """Results received so far; blocks (up to the step timeout) for `until_step`'s."""
         if self.rings is not None:
-            self._pull_socket(0)
-            while (msg := self._ring_next()) is not None:
-                self._stash(msg)
+            self._drain_ring()
             while until_step is not None and self.acked_step < until_step:
                 self._stash(self._recv(self.step_timeout_ms / 1000))
             out, self._results = self._results, []
@@ -252,11 +263,36 @@ class SidecarChannel:
         out, self._results = self._results, []
         return out
 
+    def _drain_ring(self) -> None:
+        """Stash every message that arrived, in connection order. The socket is read when a MARK
+        says a message waits there, else at most every SOCKET_LOOK_S: every other frame on it is a
+        kick, or a frame a broken peer sent without its MARK (found then). Asking ZeroMQ costs a
+        few µs, and a StepEnd step looks here each step."""
+        rings = self.rings
+        assert rings is not None
+        now = time.monotonic()
+        if now >= self._socket_look_due:
+            self._socket_look_due = now + SOCKET_LOOK_S
+            self._pull_socket(0)
+        while True:
+            msg = self._ring_next()
+            if msg is not None:
+                self._stash(msg)
+            elif not rings.waiting_for_socket:
+                return
+            else:
+                self._pull_socket(0)
+                if not rings.socket_frames_waiting:
+                    return  # the MARK's frame is not here yet: a later look takes it
+
     def poll_ring_results(self) -> list[StepResult]:
         """Results waiting in the ring now, socket untouched (a frame behind a MARK waits for the
         next `take_results`); without rings, `take_results`."""
-        if self.rings is None:
+        rings = self.rings
+        if rings is None:
             return self.take_results()
+        if not self._results and rings.nothing_to_read():  # most steps: one look at the ring's indices
+            return []
         while (msg := self._ring_next()) is not None:
             self._stash(msg)
         if not self._results:

@@ -51,6 +51,10 @@ class SidecarConnection:
         self._overlay_arena: Any = None
         self.started = time.monotonic()
         self.welcome: Welcome | None = None
+        self._announces = False  # does the sidecar take StepStart (set from the Welcome)
+        # Does it read StepBegin's and StepEnd's layout packed (1.6, set from the Welcome); an
+        # attribute, not a property: read on every step.
+        self.packs_layouts = False
         self.needs = HookNeeds()
         self.hook_set = ""
         # What this sidecar has seen: the last step ended (StepEnd or StepTick), the last StepEnd
@@ -85,13 +89,10 @@ class SidecarConnection:
         self._accept(welcome)
         return True
 
-    @property
-    def packs_layouts(self) -> bool:
-        """The sidecar reads StepBegin.packed (protocol 1.6): the layout goes out as packed arrays."""
-        return self.welcome is not None and self.welcome.protocol_minor >= PACKED_LAYOUT_MINOR
-
     def _accept(self, welcome: Welcome) -> None:
         self.welcome = welcome
+        self._announces = welcome.protocol_minor >= 2  # StepStart (1.2)
+        self.packs_layouts = welcome.protocol_minor >= PACKED_LAYOUT_MINOR
         self.needs = welcome.needs
         self.hook_set = welcome.hook_set
         if welcome.arenas:
@@ -138,7 +139,7 @@ class SidecarConnection:
     def send_tick(self, tick: StepTick) -> None:
         """`send` for the one message of a pass-through step, without its type tests."""
         self.last_sent_at = time.monotonic()
-        self._channel.send(tick)
+        self._channel.send_quiet(tick)
         self.step_open = False
         self.last_sent_step = tick.step
 
@@ -156,12 +157,15 @@ class SidecarConnection:
         a session over on its own only between steps. After `answer_after_s` without sending, it
         may be doing so right now: the StepStart asks for an answer, awaited at the step's one wait
         (`answer_due`: the plan's round trip, else `await_answer`). See docs/ARCHITECTURE.md, Hot upgrade."""
-        if self.welcome is None or self.welcome.protocol_minor < 2:
+        if not self._announces:
             return
         quiet_since = self.last_sent_at
         self.step_open = True
-        if time.monotonic() - quiet_since < answer_after_s:
-            self.send(StepStart(step=step, mirror_seq=self.mirror_seq))
+        now = time.monotonic()
+        if now - quiet_since < answer_after_s:
+            # A StepStart that wants no answer wakes nobody: one ring write (no routing or type tests).
+            self._channel.send_quiet(StepStart(step=step, mirror_seq=self.mirror_seq))
+            self.last_sent_at = now
             if time.monotonic() - quiet_since < answer_after_s:
                 return  # written while the sidecar still counted this session as stepping
         self.send(StepStart(step=step, answer=True, mirror_seq=self.mirror_seq))
@@ -208,6 +212,8 @@ class SidecarConnection:
             if layout is not None and layout.req_ids is not None:
                 self.peer_req_ids = layout.req_ids
         if isinstance(msg, StepEnd):
+            if msg.packed is not None and msg.packed.req_ids is not None:
+                self.peer_req_ids = msg.packed.req_ids
             self.last_sent_step = self.last_answered_step = msg.step
 
     def take_results(self, until_step: int | None = None) -> list[StepResult]:

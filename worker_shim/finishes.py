@@ -28,6 +28,7 @@ import numpy as np
 
 log = logging.getLogger("vllm.omni_sidecar.shim.finishes")
 _NEVER = np.iinfo(np.int64).max
+_TRUE = b"\x01"  # numpy's True, as a bool array's bytes hold it
 
 
 class FinishWatch:
@@ -66,14 +67,18 @@ class FinishWatch:
             return []
         ids = batch.req_ids
         n = len(ids)
+        computed = batch.num_computed_tokens_np[:n]
         if ids != self._rows_ids:  # the same strings in the same rows: a cheap comparison
             self._rows_ids = list(ids)
             self._rows_last = np.fromiter((self._last_position.get(r, _NEVER) for r in ids), dtype=np.int64, count=n)
-            self._rows_last_before = self._rows_last - 1
-        computed = batch.num_computed_tokens_np[:n]
+            # In the dtype of vLLM's counts (int32), clipped: a comparison of one dtype needs no cast.
+            top = np.iinfo(computed.dtype).max if computed.dtype.kind == "i" else _NEVER
+            self._rows_last_before = np.minimum(self._rows_last - 1, top).astype(computed.dtype)
         qsl = batch.query_start_loc_np
         if qsl[n] == n:  # one row each (decode): computed after this step = computed + 1
-            if not (computed >= self._rows_last_before).any():
+            # A byte search of the comparison's bools: half of what ndarray.any() costs (its
+            # Python-level wrapper), and this runs every step.
+            if _TRUE not in (computed >= self._rows_last_before).tobytes():
                 return []
         upto = computed + qsl[1:n + 1] - qsl[:n]  # computed after this step
         reached = upto >= self._rows_last

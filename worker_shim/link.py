@@ -128,7 +128,8 @@ class SidecarLink(StepEndRecords):
     def begin_step(self) -> None:
         self._in_step = True
         self._layout_sent = False
-        self._apply_mirror_updates()
+        if self.mirror_sink is not None:  # only a model with its own hooks mirrors state
+            self._apply_mirror_updates()
         self.recovery.at_step_start(self.step)
 
     def _apply_mirror_updates(self) -> None:
@@ -172,9 +173,11 @@ class SidecarLink(StepEndRecords):
         (the model carries its own hooks), requests whose state the shim's mirror
         lacks are asked for in the same exchange (docs/ARCHITECTURE.md, "Model hooks").
         """
-        conn = self.conn
+        conn = self.recovery.conn
         if conn is None:
             return {}
+        if bridge is None and conn.needs.pre_forward == "never" and not conn.answer_due:
+            return {}  # pass-through hooks: nothing to decide per batch
         want, needed = self._plan_needed(conn, input_batch, bridge)
         if not needed and conn.answer_due:  # the quiet spell's answer is this step's one wait
             self.recovery.settle(self.step)
@@ -237,13 +240,16 @@ class SidecarLink(StepEndRecords):
         self._in_step = False
         t0 = time.perf_counter()
         batch = state.input_batch if state is not None else None
-        num_tokens = int(batch.num_tokens) if batch is not None else 0
+        num_tokens = 0
         if batch is not None:
-            self.counters.steps += 1
-            self.counters.scheduled_tokens += num_tokens
-        if self.conn is not None and self.conn.answer_due:  # nothing of this step waited yet: now, once
+            num_tokens = int(batch.num_tokens)
+            counters = self.counters
+            counters.steps += 1
+            counters.scheduled_tokens += num_tokens
+        conn = self.recovery.conn
+        if conn is not None and conn.answer_due:  # nothing of this step waited yet: now, once
             self.recovery.settle(self.step)
-        conn = self.conn
+            conn = self.recovery.conn
         # A step announced with StepStart ends with a StepEnd, even an empty one (docs/ARCHITECTURE.md, Hot upgrade).
         if conn is None or (batch is None and not (self.requests.has_notices() or self.failures.pending
                                                    or conn.step_open)):
@@ -263,8 +269,11 @@ class SidecarLink(StepEndRecords):
             self.recovery.lose(f"step {self.step}: {exc}")
         self.step += 1
         if batch is not None:
-            self._last_post_us = (time.perf_counter() - t0) * 1e6
-            record_timing(self.counters.post_us, self._last_post_us)
+            self._last_post_us = post_us = (time.perf_counter() - t0) * 1e6
+            samples = counters.post_us
+            samples.append(post_us)  # record_timing, inline: once a step
+            if len(samples) > 2 * TIMINGS_KEPT:
+                del samples[:-TIMINGS_KEPT]
 
     # -- results and stats ---------------------------------------------------------
 

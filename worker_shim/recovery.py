@@ -75,11 +75,16 @@ class Recovery:
     def at_step_start(self, step: int) -> None:
         """The step boundary: the one place a connection is replaced. Then the step is announced
         to whichever sidecar serves it."""
-        if self.state == "lost":
+        conn = self.conn
+        if conn is None:
             self._try_reconnect()
             self._announce(step)
             return
-        gone = self.conn.switch_ack is None and self.conn.peer_gone()  # one look a step: a poll costs µs
+        ack = conn.switch_ack
+        gone = ack is None and conn.peer_gone()  # one look a step: a poll costs µs
+        if not gone and ack is None and not self._switch_to:
+            self._announce(step)  # the steady step: nothing to switch to and nothing lost
+            return
         if self._handed_over(gone):  # before a loss: the old sidecar may have exited since
             self._switch(step)
         elif self.conn is None:

@@ -15,7 +15,7 @@ import torch
 
 from omni_arena.tensor_tree import store_tree
 from proto.messages import StepEnd, StepTick
-from worker_shim.batch import batch_layout
+from worker_shim.batch import batch_layout, packed_batch_layout
 
 ModelResults = tuple[dict[str, Any], dict[str, Any]]  # per request: state updates, outputs
 
@@ -29,18 +29,19 @@ class StepEndRecords:
         no per-step layout (HookNeeds.step_layouts, 1.5) and the step brings no request change, no
         failure, no hidden states and no model results (docs/ARCHITECTURE.md, Step sequence)."""
         needs = conn.needs
-        if needs.step_layouts or self.requests.has_notices() or self.failures.pending:
+        requests = self.requests
+        if needs.step_layouts or requests.new or requests.finished or requests.preempted or self.failures.pending:
             return False
-        if batch is not None and conn.sends_hidden and state.hidden_states is not None:
+        if needs.hidden_states and batch is not None and conn.sends_hidden and state.hidden_states is not None:
             return False
-        return not (needs.model_states and model_results and (model_results[0] or model_results[1]))
+        return not (model_results and needs.model_states and (model_results[0] or model_results[1]))
 
     def _send_step_tick(self, conn: Any, num_tokens: int) -> None:
         """The fixed-size StepTick: counters and timings, nothing that grows with the batch. Only a
         StepResult with `switch_to` answers it; a non-blocking look at the ring finds that one."""
         conn.send_tick(StepTick(self.step, num_tokens, self._step_exchange_us, self._last_post_us))
         self._step_exchange_us = 0.0
-        results = conn.poll_results()
+        results = conn.poll_results()  # [] but when a hot upgrade asks: one look at the ring
         if results:
             self.recovery.note_results(results)
 
@@ -60,12 +61,16 @@ class StepEndRecords:
             updates, outputs = store_tree(updates, slot.put), store_tree(outputs, slot.put)
             hidden_event = slot.seal()
         new, finished, preempted = self.requests.take_notices()
-        layout = None
+        layout = packed = None
         if batch is not None and not self._layout_sent:
-            layout = batch_layout(batch, conn.peer_req_ids, conn.needs.input_ids)
+            if getattr(conn, "packs_layouts", False):  # 1.6: packed u32 columns, not lists
+                packed = packed_batch_layout(batch, conn.peer_req_ids, conn.needs.input_ids)
+            else:
+                layout = batch_layout(batch, conn.peer_req_ids, conn.needs.input_ids)
         msg = StepEnd(
             step=self.step,
             batch=layout,
+            packed=packed,
             new_requests=new,
             finished=finished,
             preempted=preempted,
