@@ -180,3 +180,45 @@ if __name__ == "__main__":  # the GPU host, without pytest
     test_cuda_ipc_plan_round_trip_with_host_and_device_tensors()
     test_host_tensors_bound_for_a_device_arena_go_up_in_one_copy_around_device_writes()
     print("plan transfer checks passed on", torch.cuda.get_device_name(0))
+
+
+def test_the_default_postprocess_batched_equals_it_called_per_request():
+    """The omni set's default postprocess runs for all requests at once; a subclass that overrides
+    postprocess (here: only calling the default) is called per request. Same states, same chunks,
+    a step with no rows (all replayed) included."""
+    from omni_sidecar.hooks import RequestInfo, StepBatch
+    from omni_sidecar.omni.hooks import OmniStateHooks
+    from proto.messages import BatchLayout
+
+    class PerRequest(OmniStateHooks):
+        def postprocess(self, req_id, hidden_rows, state):
+            return super().postprocess(req_id, hidden_rows, state)
+
+    gen = torch.Generator().manual_seed(0)
+    steps = [  # (req_ids, rows per request)
+        (["a", "b", "c"], [3, 1, 2]),
+        (["a", "b", "c"], [1, 1, 1]),
+        ([], []),
+        (["c", "a"], [1, 2]),
+    ]
+    runs = []
+    for cls in (OmniStateHooks, PerRequest):
+        hooks = cls(hidden_layers="0")
+        hooks.on_new_requests([RequestInfo(r, 3, [1, 2, 3], None) for r in "abc"])
+        runs.append(hooks)
+    for step, (ids, rows) in enumerate(steps):
+        qsl = [0]
+        for n in rows:
+            qsl.append(qsl[-1] + n)
+        hidden = torch.randn(qsl[-1], 4, generator=gen)
+        layer0 = torch.randn(qsl[-1], 4, generator=gen)
+        for hooks in runs:
+            batch = StepBatch(step, BatchLayout(ids, qsl, [0] * len(ids), [3] * len(ids)))
+            batch.hidden_layers = {0: layer0.clone()}
+            hooks.process_model_output(batch, hidden.clone())
+    batched, per_request = runs
+    for r in "abc":
+        _assert_same(batched.state.get(r), per_request.state.get(r))
+        assert batched.state.nbytes(r) == per_request.state.nbytes(r)
+        _assert_same(batched.output_chunks(r), per_request.output_chunks(r))
+        _assert_same(batched.get_outputs(r), per_request.get_outputs(r))

@@ -164,7 +164,10 @@ class OmniStateHooks(OmniHooks):
         n = len(batch.layout.req_ids)
         if any(qsl[i + 1] <= qsl[i] for i in range(n)):
             return None
-        last = hidden.index_select(0, torch.tensor([qsl[i + 1] - 1 for i in range(n)], device=hidden.device))
+        if not n:
+            return []  # every row of the step was seen before (a replay): nothing to process
+        last_rows = torch.tensor([qsl[i + 1] - 1 for i in range(n)], dtype=torch.long, device=hidden.device)
+        last = hidden.index_select(0, last_rows)
         last = self.state.place("hidden_states", "last", last)
         before = [int((self.state.get(r) or {}).get("meta", {}).get("num_processed_tokens", 0))
                   for r in batch.layout.req_ids]
