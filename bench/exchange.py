@@ -184,7 +184,8 @@ def main() -> None:
     per_n: dict[int, list[dict]] = {}
     for run in range(args.runs):
         print(f"run {run + 1} of {args.runs}", flush=True)
-        rows, _ = exchange(Path(tempfile.mkdtemp(prefix="omni-bench-")), args.iters)
+        with tempfile.TemporaryDirectory(prefix="omni-bench-") as run_dir:  # its sockets and logs
+            rows, _ = exchange(Path(run_dir), args.iters)
         for row in rows:
             per_n.setdefault(row["requests"], []).append(row)
     rows = [_median_row(runs) for runs in per_n.values()]

@@ -173,9 +173,6 @@ class PeerTable:
         farewell = self.refuse(reason, f"{message}; session closed, reconnect", ident)
         self.end(ident, reason, message, farewell)
 
-    def ring_peers(self) -> list[ShimPeer]:
-        return [p for p in self._peers.values() if p.rings is not None and not p.rings.closed]
-
     def ring_transports(self) -> list[RingTransport]:
         return [p.rings for p in self._peers.values() if p.rings is not None and not p.rings.closed]
 
@@ -222,6 +219,8 @@ class PeerTable:
             now = clock()
             if served:
                 busy_at = now
+                if now >= until:  # a ring that never runs dry must not hold the loop's housekeeping off
+                    return busy_at
             elif now >= until or now - busy_at >= spin_s:
                 return busy_at
             else:

@@ -283,7 +283,7 @@ class SidecarServer:
 
     def _serve_rings_once(self) -> None:
         """One loop turn while ring sessions exist: rings and socket; then, inside the spin window,
-        the rings alone for up to HOT_SPIN_S (`_serve_hot`); past it, sleep."""
+        the rings alone for up to HOT_SPIN_S (`PeerTable.serve_hot`); past it, sleep."""
         busy = self.peers.pump(self._dispatch)
         now = time.monotonic()
         # The socket (kicks, control, frames behind a MARK: a MARK leaves pump idle) is asked every

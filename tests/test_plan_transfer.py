@@ -222,3 +222,15 @@ def test_the_default_postprocess_batched_equals_it_called_per_request():
         assert batched.state.nbytes(r) == per_request.state.nbytes(r)
         _assert_same(batched.output_chunks(r), per_request.output_chunks(r))
         _assert_same(batched.get_outputs(r), per_request.get_outputs(r))
+
+
+def test_a_layout_naming_more_rows_than_the_hidden_states_fails_the_step_not_the_process():
+    from omni_sidecar.hooks import HookErrors, RequestInfo, StepBatch
+    from omni_sidecar.omni.hooks import OmniStateHooks
+    from proto.messages import BatchLayout
+
+    hooks = OmniStateHooks()
+    hooks.on_new_requests([RequestInfo("a", 3, [1, 2, 3], None)])
+    batch = StepBatch(0, BatchLayout(["a"], [0, 9], [0], [3]))
+    with pytest.raises((ValueError, HookErrors), match="names 9 rows"):
+        hooks.process_model_output(batch, torch.zeros(3, 4))

@@ -166,6 +166,8 @@ class OmniStateHooks(OmniHooks):
             return None
         if not n:
             return []  # every row of the step was seen before (a replay): nothing to process
+        if qsl[n] > hidden.shape[0]:  # the shim's layout is untrusted: an index past the rows is a device assert
+            raise ValueError(f"the step's layout names {qsl[n]} rows, its hidden states hold {hidden.shape[0]}")
         last_rows = torch.tensor([qsl[i + 1] - 1 for i in range(n)], dtype=torch.long, device=hidden.device)
         last = hidden.index_select(0, last_rows)
         last = self.state.place("hidden_states", "last", last)
@@ -173,7 +175,7 @@ class OmniStateHooks(OmniHooks):
                   for r in batch.layout.req_ids]
         trace = torch.tensor([[b, qsl[i + 1] - qsl[i]] for i, b in enumerate(before)], dtype=torch.int64)
         return [({"meta": {"num_processed_tokens": before[i] + qsl[i + 1] - qsl[i]},
-                  "hidden_states": {"last": last[i:i + 1]}},
+                  "hidden_states": {"last": last[i:i + 1].clone()}},  # own storage: the state cap counts it
                  {"processed_trace": trace[i:i + 1]}) for i in range(n)]
 
     def model_states(self, req_ids: list[str]) -> dict[str, dict[str, Any]]:
