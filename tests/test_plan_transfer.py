@@ -234,22 +234,3 @@ def test_a_layout_naming_more_rows_than_the_hidden_states_fails_the_step_not_the
     batch = StepBatch(0, BatchLayout(["a"], [0, 9], [0], [3]))
     with pytest.raises((ValueError, HookErrors), match="names 9 rows"):
         hooks.process_model_output(batch, torch.zeros(3, 4))
-
-
-def test_the_sidecars_hot_ring_loop_hands_back_at_its_deadline_when_the_ring_never_runs_dry():
-    """A shim that keeps its ring full must not hold off the server loop's housekeeping (the socket,
-    reaping, other sessions): `serve_hot` returns once `until` passes even when every turn serves."""
-    import time
-    from types import SimpleNamespace
-
-    from omni_sidecar.peers import PeerTable
-
-    table = PeerTable.__new__(PeerTable)
-    t0 = time.monotonic()
-    rx = SimpleNamespace(has_data=lambda: time.monotonic() < t0 + 1.0)  # one more message for a second
-    peer = SimpleNamespace(ident=b"p", rings=SimpleNamespace(closed=False, queued=False, duplex=SimpleNamespace(rx=rx)))
-    table._peers = {b"p": peer}
-    served = []
-    table.serve_one = lambda p, dispatch: served.append(1) or True
-    table.serve_hot(lambda *a: None, until=t0 + 0.02, busy_at=t0, spin_s=10.0, loop_wanted=lambda: False)
-    assert time.monotonic() - t0 < 0.5 and len(served) > 0

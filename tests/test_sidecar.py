@@ -238,3 +238,22 @@ def test_prometheus_metrics(tmp_path):
     assert metrics["omni_sidecar_sessions"] == 1
     assert metrics['omni_sidecar_arena_bytes{direction="shim_to_sidecar"}'] == 1 << 16
     assert metrics['omni_sidecar_arena_used_bytes{direction="shim_to_sidecar"}'] == H * 4
+
+
+def test_the_sidecars_hot_ring_loop_hands_back_at_its_deadline_when_the_ring_never_runs_dry():
+    """A shim that keeps its ring full must not hold off the server loop's housekeeping (the socket,
+    reaping, other sessions): `serve_hot` returns once `until` passes even when every turn serves."""
+    import time
+    from types import SimpleNamespace
+
+    from omni_sidecar.peers import PeerTable
+
+    table = PeerTable.__new__(PeerTable)
+    t0 = time.monotonic()
+    rx = SimpleNamespace(has_data=lambda: time.monotonic() < t0 + 1.0)  # one more message for a second
+    peer = SimpleNamespace(ident=b"p", rings=SimpleNamespace(closed=False, queued=False, duplex=SimpleNamespace(rx=rx)))
+    table._peers = {b"p": peer}
+    served = []
+    table.serve_one = lambda p, dispatch: served.append(1) or True
+    table.serve_hot(lambda *a: None, until=t0 + 0.02, busy_at=t0, spin_s=10.0, loop_wanted=lambda: False)
+    assert time.monotonic() - t0 < 0.5 and len(served) > 0
