@@ -135,8 +135,7 @@ class Session:
         t0 = time.perf_counter()
         errors: dict[str, str] = {}
         self.appends.step_began()
-        if msg.new_requests or msg.finished or msg.preempted:
-            self._admit(msg.new_requests, msg.finished, msg.preempted, errors)
+        self._admit(msg.new_requests, msg.finished, msg.preempted, errors)
         layout = self._begin_layout(msg)
         batch = StepBatch(msg.step, layout, self.requests)
         self._last_layout = layout
@@ -235,6 +234,8 @@ class Session:
     def _admit(
         self, new: list[NewRequest], finished: list[str], preempted: list[str], errors: dict[str, str]
     ) -> None:
+        if not (new or finished or preempted):  # most steps of both step messages: nothing to admit
+            return
         self._finish(finished)
         if preempted:
             self.metrics.requests.labels("preempted").inc(len(preempted))

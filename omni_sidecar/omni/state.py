@@ -156,11 +156,11 @@ class IntermediateBuffer:
                 except SpanError as exc:
                     raise StateError(str(exc)) from None
                 for qualifier, v in value.items():
-                    placed = self._place(category, qualifier, v)
+                    placed = self.place(category, qualifier, v)
                     size += _nbytes(placed) - _nbytes(slot.get(qualifier))
                     slot[qualifier] = placed
             else:
-                placed = self._place(category, None, value)
+                placed = self.place(category, None, value)
                 size += _nbytes(placed) - _nbytes(state.get(category))
                 state[category] = placed
         if size > self.max_bytes:
@@ -171,12 +171,9 @@ class IntermediateBuffer:
         return size
 
     def place(self, category: str, qualifier: str | None, value: Any) -> Any:
-        """`value` where a merge would keep it (host memory unless the key is device-resident)."""
-        return self._place(category, qualifier, value)
-
-    def _place(self, category: str, qualifier: str | None, value: Any) -> Any:
+        """`value` where a merge keeps it (host memory unless the key is device-resident)."""
         if isinstance(value, torch.Tensor) and (category, qualifier) not in self.resident_keys:
             return value.to(self.host_device)
         if isinstance(value, dict):
-            return {k: self._place(category, qualifier or k, v) for k, v in value.items()}
+            return {k: self.place(category, qualifier or k, v) for k, v in value.items()}
         return value
