@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from typing import Literal
 
 
 ENGINES = ("plain", "shim")
@@ -39,14 +40,33 @@ def _per_block(rounds: list[dict], key: str, num: str, den: str) -> list[tuple[l
     """(num's values, den's values) of `key` per block where both engines ran both rounds."""
     blocks: dict[int, dict[str, list[float]]] = {}
     for r in rounds:
-        blocks.setdefault(r["block"], {}).setdefault(r["engine"], []).append(r[key])
+        if r.get(key) is not None:  # rounds of older runs have no step periods
+            blocks.setdefault(r["block"], {}).setdefault(r["engine"], []).append(r[key])
     return [(blocks[b].get(num, []), blocks[b].get(den, [])) for b in sorted(blocks)
             if len(blocks[b].get(num, [])) == 2 and len(blocks[b].get(den, [])) == 2]
 
 
-def block_ratios(rounds: list[dict], num: str = "shim", den: str = "plain") -> list[float]:
-    """Per complete block: mean `num` tokens/s over mean `den` tokens/s."""
-    return [statistics.fmean(a) / statistics.fmean(b) for a, b in _per_block(rounds, "tok_s", num, den)]
+# What a round records that a ratio can be taken of: tokens/s (higher is faster), or the engine's
+# median step period in ms as its core stamped its outputs (lower is faster; see `step_pace`).
+RatioKey = Literal["tok_s", "step_ms"]
+
+
+def block_ratios(rounds: list[dict], num: str = "shim", den: str = "plain", key: RatioKey = "tok_s") -> list[float]:
+    """Per complete block: `num`'s speed over `den`'s: mean tokens/s over mean tokens/s, or for step
+    periods the inverse (mean `den` period over mean `num` period), so below 1 means `num` is slower."""
+    blocks = _per_block(rounds, key, num, den)
+    if key == "step_ms":
+        return [statistics.fmean(b) / statistics.fmean(a) for a, b in blocks]
+    return [statistics.fmean(a) / statistics.fmean(b) for a, b in blocks]
+
+
+def step_pace(stamps: list[float]) -> float | None:
+    """A round's median engine step period in ms, from the engine core's timestamps of the step
+    outputs it produced (one per step): a burst of host CPU steal lengthens a few steps, which a
+    median ignores, where it lengthens the whole round's time. None for fewer than 3 steps."""
+    if len(stamps) < 3:
+        return None
+    return statistics.median(b - a for a, b in zip(stamps, stamps[1:])) * 1e3
 
 
 def step_price(rounds: list[dict], num: str, den: str, steps_per_round: float) -> dict:
@@ -90,14 +110,16 @@ def _cv(values: list[float]) -> float:
     return statistics.stdev(values) / statistics.fmean(values) if len(values) > 1 else 0.0
 
 
-def summarize(rounds: list[dict], num: str = "shim", den: str = "plain") -> dict:
+def summarize(rounds: list[dict], num: str = "shim", den: str = "plain", key: RatioKey = "tok_s") -> dict:
     """The figures of one pair of engines (`num` / `den`) from its timed rounds (warm-up rounds
-    excluded); the keys name the engines (`plain_tok_s_median`, `cv_shim`, ...)."""
-    ratios = block_ratios(rounds, num, den)
-    plain = [r["tok_s"] for r in rounds if r["engine"] == den]
-    shim = [r["tok_s"] for r in rounds if r["engine"] == num]
+    excluded); the keys name the engines (`plain_tok_s_median`, `cv_shim`, ...). `key="step_ms"`:
+    the same from the rounds' median step periods (the ratio still reads as num's speed / den's)."""
+    ratios = block_ratios(rounds, num, den, key)
+    plain = [r[key] for r in rounds if r["engine"] == den and r.get(key) is not None]
+    shim = [r[key] for r in rounds if r["engine"] == num and r.get(key) is not None]
     if not ratios:
         return {"blocks": 0, "rounds": len(rounds)}
+    of_medians = statistics.median(shim) / statistics.median(plain)
     lo, hi = bootstrap_median(ratios)
     half = len(ratios) // 2
     halves = [statistics.median(ratios[:half]), statistics.median(ratios[half:])] if half else [ratios[0]] * 2
@@ -107,12 +129,12 @@ def summarize(rounds: list[dict], num: str = "shim", den: str = "plain") -> dict
         "rounds": len(rounds),
         "ratio_median": round(med, 4),
         "ratio_ci95": [round(lo, 4), round(hi, 4)],
-        "ratio_of_medians": round(statistics.median(shim) / statistics.median(plain), 4),
+        "ratio_of_medians": round(1 / of_medians if key == "step_ms" else of_medians, 4),
         "block_ratio_p10_p90": [round(_quantile(ratios, 0.1), 4), round(_quantile(ratios, 0.9), 4)],
         "halves": [round(h, 4) for h in halves],
         "run_to_run": round(abs(halves[0] - halves[1]), 4),
-        f"{den}_tok_s_median": round(statistics.median(plain), 1),
-        f"{num}_tok_s_median": round(statistics.median(shim), 1),
+        f"{den}_{key}_median": round(statistics.median(plain), 4 if key == "step_ms" else 1),
+        f"{num}_{key}_median": round(statistics.median(shim), 4 if key == "step_ms" else 1),
         f"cv_{den}": round(_cv(plain), 4),
         f"cv_{num}": round(_cv(shim), 4),
         "block_ratios": [round(x, 4) for x in ratios],

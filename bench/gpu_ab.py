@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from bench.ab_stats import block_order, step_price, summarize
+from bench.ab_stats import block_order, step_pace, step_price, summarize
 from bench.gpu_models import KWARGS_MARK_ENV, SHAPES, build_model_dir, engine_kwargs, omni_hook_options, param_count
 
 # Engines a configuration holds besides plain V2: the shim with a sidecar, and the bench's
@@ -112,19 +112,48 @@ def _host_ticks() -> tuple[int, int]:
     return steal, user + nice + system + irq + softirq
 
 
-def _round(llm, prompts, params) -> tuple[int, float]:
+class StepStamps:
+    """The engine core's timestamps of the step outputs the driver receives (vLLM stamps each
+    EngineCoreOutputs with time.monotonic() in the core process when the step produced it): one
+    per engine step that produced tokens, so their gaps are the engine's step periods, free of the
+    driver's own jitter. Wraps this engine's `engine_core.get_output` (the bench's instrument, the
+    same on every engine; vLLM unchanged)."""
+
+    def __init__(self, llm) -> None:
+        self.stamps: list[float] = []
+        core = llm.llm_engine.engine_core
+        fetch = core.get_output
+
+        def get_output(*args, **kwargs):
+            out = fetch(*args, **kwargs)
+            if getattr(out, "outputs", None):
+                self.stamps.append(out.timestamp)
+            return out
+
+        core.get_output = get_output
+
+    def take(self) -> list[float]:
+        stamps, self.stamps = self.stamps, []
+        return stamps
+
+
+def _round(llm, prompts, params, stamps: StepStamps | None = None) -> tuple[int, float, float | None]:
+    """(tokens, seconds, median step period in ms from the core's stamps, None without `stamps`)."""
     # The driver holds three engines' heaps: a full collection landing inside a round costs it
     # tens of ms at random (rounds of the same work ranged 0.37..0.72 s with the collector on).
     # Collect between rounds, never inside one, the same for every engine.
     gc.collect()
     gc.disable()
+    if stamps is not None:
+        stamps.take()
     try:
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t0
     finally:
         gc.enable()
-    return sum(len(o.outputs[0].token_ids) for o in outs), dt
+    pace = step_pace(stamps.take()) if stamps is not None else None
+    return sum(len(o.outputs[0].token_ids) for o in outs), dt, pace
 
 
 def _shutdown(llm) -> None:
@@ -147,6 +176,7 @@ def _steps(llm) -> int:
 def _measure(res: dict, engines: dict, prompts, params, sizes: Sizes, budget: Budget, sink) -> None:
     """Timed blocks (bench/ab_stats.py's order) until the measuring time or the budget is spent."""
     names = sizes.engines
+    stamps = {name: StepStamps(engines[name]) for name in names}
     t_measure = time.monotonic()
     block = 0
     while block < sizes.max_blocks:
@@ -157,10 +187,12 @@ def _measure(res: dict, engines: dict, prompts, params, sizes: Sizes, budget: Bu
             break
         for engine in block_order(block, names):
             steal0, busy0 = _host_ticks()
-            tokens, dt = _round(engines[engine], prompts, params)
+            tokens, dt, pace = _round(engines[engine], prompts, params, stamps[engine])
             steal1, busy1 = _host_ticks()
             res["rounds"].append({"block": block, "engine": engine, "tokens": tokens, "s": round(dt, 4),
-                                  "tok_s": round(tokens / dt, 2), "host_steal_ticks": steal1 - steal0,
+                                  "tok_s": round(tokens / dt, 2),
+                                  "step_ms": None if pace is None else round(pace, 5),
+                                  "host_steal_ticks": steal1 - steal0,
                                   "host_busy_ticks": busy1 - busy0})
         block += 1
         _summaries(res, names)
@@ -172,10 +204,13 @@ def _summaries(res: dict, names: tuple[str, ...]) -> None:
     (the process boundary's price in throughput), and what each adds per engine step in µs."""
     rounds = res["rounds"]
     res["summary"] = summarize(rounds)
+    res["pace"] = {"shim_vs_plain": summarize(rounds, key="step_ms")}
     if "inproc" not in names:
         return
     res["summary_inproc"] = summarize(rounds, "inproc", "plain")
     res["summary_boundary"] = summarize(rounds, "shim", "inproc")
+    res["pace"].update(inproc_vs_plain=summarize(rounds, "inproc", "plain", "step_ms"),
+                       shim_vs_inproc=summarize(rounds, "shim", "inproc", "step_ms"))
     counted = list((res.get("steps_per_round") or {}).values())
     steps = sum(counted) / len(counted) if counted else 0  # none yet while measuring
     res["step_price"] = {f"{a}_vs_{b}": step_price(rounds, a, b, steps)
@@ -253,6 +288,9 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
         for label, s in _pairs(res):
             print(f"[{name}] {s.get('blocks')} blocks: {label} median {s.get('ratio_median')} "
                   f"CI95 {s.get('ratio_ci95')} halves {s.get('halves')} | {s.get('verdict')}", flush=True)
+        for label, s in (res.get("pace") or {}).items():
+            print(f"[{name}] step pace {label}: median {s.get('ratio_median')} CI95 {s.get('ratio_ci95')} "
+                  f"halves {s.get('halves')} | {s.get('verdict')}", flush=True)
         if res.get("step_price"):
             print(f"[{name}] per step: {json.dumps(res['step_price'])}", flush=True)
     except Exception as exc:  # a configuration that fails leaves the others' figures standing

@@ -113,6 +113,7 @@ def render(res: dict) -> str:
                               "; in-process, extra kwargs did NOT reach the model's forward")
             lines.append(f"- {c['config']}: {s['verdict']} ({start}).")
     lines += _boundary(res)
+    lines += _pace(res)
     ref = res.get("refusal")
     if ref:
         lines.append(f"- Extra kwargs under FULL CUDA graphs (the shim with `--hooks omni --hook-option extra_kwargs=1`, "
@@ -161,6 +162,43 @@ def _boundary(res: dict) -> list[str]:
             f"{ip.get('us_median', '-')} ({ip.get('us_ci95')}) | {link} |")
     lines.append("")
     lines += [f"- {c['config']}: {c['summary_boundary']['verdict']}." for c in rows]
+    return lines
+
+
+PACE_PAIRS = (("shim_vs_plain", "shim / plain"), ("inproc_vs_plain", "inproc / plain"), ("shim_vs_inproc", "shim / inproc"))
+
+
+def _pace(res: dict) -> list[str]:
+    """The same rounds by their step pace: each round's median engine step period (the engine core's
+    own output timestamps), so a burst of host steal that lengthens a few steps does not move it."""
+    rows = [c for c in res.get("configs", []) if any((c.get("pace") or {}).get(k, {}).get("blocks")
+                                                     for k, _ in PACE_PAIRS)]
+    if not rows:
+        return []
+    lines = ["", "Step pace: the same rounds, each by its median engine step period (the gaps between the engine "
+             "core's timestamps of its step outputs, vLLM's own `EngineCoreOutputs.timestamp`), ratio = the "
+             "other engine's period / this one's per block (reads as throughput: below 1 is slower), median over "
+             "blocks with a bootstrap 95 % CI and the two halves.", "",
+             "| configuration | plain / shim / inproc step ms (median) | " +
+             " | ".join(f"**{label}** (95 % CI; halves)" for _, label in PACE_PAIRS) + " |",
+             "|---|---|" + "---|" * len(PACE_PAIRS)]
+    for c in rows:
+        pace = c["pace"]
+        sp, ip = pace.get("shim_vs_plain") or {}, pace.get("inproc_vs_plain") or {}
+        periods = " / ".join(str(x) for x in (sp.get("plain_step_ms_median", "-"), sp.get("shim_step_ms_median", "-"),
+                                             ip.get("inproc_step_ms_median", "-")))
+        cells = []
+        for key, _ in PACE_PAIRS:
+            s = pace.get(key) or {}
+            cells.append(f"**{s['ratio_median']:.4f}** ({_fmt_ci(s.get('ratio_ci95'))}; {s.get('halves')})"
+                         if s.get("blocks") else "-")
+        lines.append(f"| {c['config']} | {periods} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for c in rows:
+        for key, label in PACE_PAIRS:
+            s = (c["pace"].get(key) or {})
+            if s.get("verdict"):
+                lines.append(f"- {c['config']}, {label} by step pace: {s['verdict']}.")
     return lines
 
 

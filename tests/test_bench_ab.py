@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.ab_stats import block_order, block_ratios, bootstrap_median, step_price, summarize
+from bench.ab_stats import block_order, block_ratios, bootstrap_median, step_pace, step_price, summarize
 from bench.gpu_report import BEGIN, END, render, write_section
 
 
@@ -106,3 +106,24 @@ def test_step_cost_drives_the_same_hooks_in_process():
     for r in res.values():
         assert r["sidecar_steps"] == r["shim_steps"] and r["losses"] == 0
         assert r["sidecar_tokens"] == 4 * r["shim_steps"]
+
+
+def test_step_pace_is_the_median_step_period_and_reads_as_throughput(tmp_path):
+    """A round's pace is its median step period from the core's stamps (a stalled step does not move
+    it); pace ratios read like throughput ratios (shim 10 % slower per step: 0.909)."""
+    stamps = [0.0, 0.01, 0.02, 0.5, 0.51, 0.52]  # one step stalled by 0.47 s
+    assert abs(step_pace(stamps) - 10.0) < 1e-9 and step_pace([0.0, 1.0]) is None
+    period = {"plain": 10.0, "shim": 11.0, "inproc": 10.5}
+    rs = [{"block": b, "engine": e, "tokens": 900, "s": 1.0, "tok_s": 900.0, "step_ms": period[e]}
+          for b in range(6) for e in block_order(b, tuple(period))]
+    rs.append({"block": 6, "engine": "plain", "tokens": 900, "s": 1.0, "tok_s": 900.0, "step_ms": None})
+    pace = summarize(rs, key="step_ms")
+    assert abs(pace["ratio_median"] - 10 / 11) < 1e-4 and pace["blocks"] == 6
+    assert pace["plain_step_ms_median"] == 10.0 and pace["ratio_of_medians"] == round(10 / 11, 4)
+    assert pace["verdict"].endswith("agree within the effect")
+    conf = {"config": "tiny-omni", "model": "tiny", "params_m": 0.39, "graphs": "eager", "dtype": "float32",
+            "requests": 4, "max_tokens": 8, "status": "done", "summary": summarize(rs),
+            "pace": {"shim_vs_plain": pace, "inproc_vs_plain": summarize(rs, "inproc", "plain", "step_ms"),
+                     "shim_vs_inproc": summarize(rs, "shim", "inproc", "step_ms")}}
+    text = render({"smoke": True, "machine": {}, "configs": [conf]})
+    assert "| tiny-omni | 10.0 / 11.0 / 10.5 | **0.9091**" in text and "shim / inproc by step pace" in text

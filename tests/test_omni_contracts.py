@@ -191,6 +191,23 @@ def test_state_memory_is_capped_with_a_clear_error():
     assert "big" not in buf
 
 
+def test_a_refused_replace_leaves_the_state_and_an_empty_category_update_makes_the_category():
+    """Merges check everything before writing (no snapshot to restore): a replace that would go over
+    the cap leaves every category and the size as they were."""
+    buf = IntermediateBuffer(max_bytes_per_request=1024)
+    buf.create("r", {"meta": {"num_processed_tokens": 3, "x": 1}, "codes": {"audio": torch.zeros(100, dtype=torch.int8)}})
+    state, size = buf.get("r"), buf.nbytes("r")
+    codes = state["codes"]
+    with pytest.raises(StateError, match="over the cap"):
+        buf.merge("r", {"hidden_states": {"output": torch.zeros(300, dtype=torch.float32)}}, replace=True)
+    assert buf.get("r") is state and state["codes"] is codes and buf.nbytes("r") == size == 100
+    assert state == {"meta": {"num_processed_tokens": 3, "x": 1}, "codes": {"audio": codes["audio"]}}
+    buf.merge("r", {"ids": {}, "flat": 2})
+    assert state["ids"] == {} and state["flat"] == 2
+    buf.merge("r", {"flat": {"now": 1}})  # a plain value the category's dict replaces
+    assert state["flat"] == {"now": 1} and buf.nbytes("r") == 100
+
+
 # -- multimodal outputs ----------------------------------------------------------------
 
 

@@ -173,10 +173,13 @@ class OmniStateHooks(OmniHooks):
         last = self.state.place("hidden_states", "last", last)
         before = [int((self.state.get(r) or {}).get("meta", {}).get("num_processed_tokens", 0))
                   for r in batch.layout.req_ids]
-        trace = torch.tensor([[b, qsl[i + 1] - qsl[i]] for i, b in enumerate(before)], dtype=torch.int64)
-        return [({"meta": {"num_processed_tokens": before[i] + qsl[i + 1] - qsl[i]},
-                  "hidden_states": {"last": last[i:i + 1].clone()}},  # own storage: the state cap counts it
-                 {"processed_trace": trace[i:i + 1]}) for i in range(n)]
+        counts = [qsl[i + 1] - qsl[i] for i in range(n)]
+        traces = torch.tensor([[b, c] for b, c in zip(before, counts)], dtype=torch.int64).split(1)
+        # Each request's last row in storage of its own (the state cap counts what a state keeps
+        # alive); `split` makes all the per-request views in one call, not a slice op each.
+        lasts = last.split(1)
+        return [({"meta": {"num_processed_tokens": before[i] + counts[i]}, "hidden_states": {"last": lasts[i].clone()}},
+                 {"processed_trace": traces[i]}) for i in range(n)]
 
     def model_states(self, req_ids: list[str]) -> dict[str, dict[str, Any]]:
         """The decoded payload state of each request (those whose payload failed are already reported)."""

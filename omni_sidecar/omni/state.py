@@ -97,21 +97,12 @@ class IntermediateBuffer:
         return self._sizes.get(req_id, 0)
 
     def merge(self, req_id: str, update: dict[str, Any] | None, replace: bool = False) -> None:
-        """All or nothing: an update that raises (a span gap, over the cap) leaves the state as it was."""
+        """All or nothing: an update that raises (a span gap, over the cap) leaves the state as it was
+        (`_merge` checks everything before it writes)."""
         state = self._states.get(req_id)
         if state is None or not update:
             return
-        before = {k: (v, dict(v) if isinstance(v, dict) else None) for k, v in state.items()}
-        try:
-            self._sizes[req_id] = self._merge(state, update, replace, self._sizes[req_id])
-        except BaseException:
-            state.clear()
-            for key, (value, items) in before.items():  # the same dict objects, as they were
-                if items is not None:
-                    value.clear()
-                    value.update(items)
-                state[key] = value
-            raise
+        self._sizes[req_id] = self._merge(state, update, replace, self._sizes[req_id])
 
     def trial_merge(self, req_id: str, earlier: list[dict[str, Any]], update: dict[str, Any]) -> dict[str, Any]:
         """`update` checked (its rules, the cap) on a copy of the state with the `earlier` deltas
@@ -136,38 +127,53 @@ class IntermediateBuffer:
         return delta
 
     def _merge(self, state: dict[str, Any], update: dict[str, Any], replace: bool, size: int) -> int:
-        """`update` merged into `state` (`size` bytes before); returns the bytes after. Only the
-        values replaced are sized, not the whole state."""
+        """`update` merged into `state` (`size` bytes before); returns the bytes after. Every value is
+        placed and sized, and the cap checked, before anything is written: a merge that raises leaves
+        `state` as it was, with no snapshot to restore (a merge runs for every request every step).
+        Only the values replaced are sized, not the whole state."""
+        base = state
         if replace:
             meta = state.get("meta", {})
             kept = {k: meta[k] for k in KEEP_ON_REPLACE if k in meta}
-            state.clear()
+            base = {"meta": kept} if kept else {}
             size = 0
-            if kept:
-                state["meta"] = kept
+        writes: list[tuple[str, str | None, Any]] = []
+        slots: list[str] = []  # categories a dict update makes dicts (an empty update too, as setdefault did)
         for category, value in update.items():
+            current = base.get(category)
             if isinstance(value, dict):
-                slot = state.setdefault(category, {})
-                if not isinstance(slot, dict):
-                    size -= _nbytes(slot)
-                    slot = state[category] = {}
+                slots.append(category)
+                slot = current if isinstance(current, dict) else None
+                if current is not None and slot is None:
+                    size -= _nbytes(current)  # a plain value the category's dict replaces
                 try:
-                    value = merge_category(slot, category, value)
+                    value = merge_category(slot or {}, category, value)
                 except SpanError as exc:
                     raise StateError(str(exc)) from None
                 for qualifier, v in value.items():
                     placed = self.place(category, qualifier, v)
-                    size += _nbytes(placed) - _nbytes(slot.get(qualifier))
-                    slot[qualifier] = placed
+                    size += _nbytes(placed) - (_nbytes(slot.get(qualifier)) if slot else 0)
+                    writes.append((category, qualifier, placed))
             else:
                 placed = self.place(category, None, value)
-                size += _nbytes(placed) - _nbytes(state.get(category))
-                state[category] = placed
+                size += _nbytes(placed) - _nbytes(current)
+                writes.append((category, None, placed))
         if size > self.max_bytes:
             raise StateError(
                 f"request state holds {size} bytes, over the cap of {self.max_bytes} "
                 "(raise it with --hook-option state_cap_mib=N)"
             )
+        if replace:
+            state.clear()
+            state.update(base)
+        for category in slots:
+            if not isinstance(state.get(category), dict):
+                state[category] = {}
+        for category, qualifier, placed in writes:
+            if qualifier is None:
+                state[category] = placed
+            else:
+                state[category][qualifier] = placed
         return size
 
     def place(self, category: str, qualifier: str | None, value: Any) -> Any:
