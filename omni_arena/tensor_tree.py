@@ -36,10 +36,11 @@ def store_tree(value: Any, put: Callable[[torch.Tensor], TensorRef], depth: int 
         raise TreeError(f"value nests deeper than {MAX_TREE_DEPTH} levels")
     if isinstance(value, torch.Tensor):
         return {TENSOR_MARKER: put(value)}
+    # Scalar leaves are kept here, without a call each (per-request state, every step).
     if isinstance(value, dict):
-        return {k: store_tree(v, put, depth + 1) for k, v in value.items()}
+        return {k: v if type(v) in _SCALARS else store_tree(v, put, depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [store_tree(v, put, depth + 1) for v in value]
+        return [v if type(v) in _SCALARS else store_tree(v, put, depth + 1) for v in value]
     return value
 
 
@@ -59,6 +60,48 @@ def load_tree(value: Any, load: Callable[[Any], torch.Tensor], depth: int = 0, r
     if isinstance(value, list):
         return [load_tree(v, load, depth + 1, ref_type) for v in value]
     return value
+
+
+Place = tuple[Any, Any, TensorRef]  # (the dict or list holding a tensor, its key or index, its ref)
+
+
+def index_tree(value: Any) -> tuple[list[Any], list[Place]]:
+    """A received tree with its tensor markers left as None, and where each tensor goes, in tree
+    order: a caller that checks every ref before it makes any tensor (one copy for all of them)
+    then puts each in place, without a second walk. The tree comes back as the one item of a list
+    (a tree that is itself a tensor has a holder too). The same checks as `load_tree` (TreeError)."""
+    places: list[Place] = []
+    root = _index([value], places, -1)
+    return root, places
+
+
+def _marker_ref(marker: dict) -> TensorRef:
+    try:
+        return msgspec.convert(marker[TENSOR_MARKER], TensorRef)
+    except msgspec.ValidationError as exc:
+        raise TreeError(f"malformed tensor ref: {exc}") from None
+
+
+def _index(value: Any, places: list[Place], depth: int) -> Any:
+    if depth > MAX_TREE_DEPTH:
+        raise TreeError(f"value nests deeper than {MAX_TREE_DEPTH} levels")
+    if isinstance(value, dict):
+        out: dict = {}
+        items = value.items()
+    elif isinstance(value, list):
+        out = [None] * len(value)  # type: ignore[assignment]
+        items = enumerate(value)
+    else:
+        return value
+    for key, v in items:
+        if type(v) in _SCALARS:
+            out[key] = v
+        elif type(v) is dict and TENSOR_MARKER in v:
+            out[key] = None
+            places.append((out, key, _marker_ref(v)))
+        else:
+            out[key] = _index(v, places, depth + 1)
+    return out
 
 
 def inline_tree(value: Any) -> Any:

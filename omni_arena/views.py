@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from proto.arena import Arena, ShmArena
-from proto.tensors import DTYPE_ITEMSIZE, TensorRef
+from proto.tensors import DTYPE_ITEMSIZE, TensorRef, TensorRefError, check_ref
 
 if TYPE_CHECKING:
     from omni_arena.cuda_ipc import CudaIpcArena
@@ -29,6 +29,16 @@ def torch_dtype(name: str) -> torch.dtype:
         return TORCH_DTYPES[name]
     except KeyError:
         raise ValueError(f"unsupported dtype {name!r}") from None
+
+
+def check_arena_ref(arena: Arena, ref: TensorRef) -> torch.dtype:
+    """What `arena_tensor` checks (bounds, byte count, dtype; alignment to the dtype), without making
+    the view: the dtype. TensorRefError or ValueError (an unknown dtype): a peer's bad ref."""
+    check_ref(ref, arena.size)
+    dtype = torch_dtype(ref.dtype)
+    if ref.nbytes and ref.offset % DTYPE_ITEMSIZE[ref.dtype]:
+        raise TensorRefError(f"tensor ref offset {ref.offset} is not aligned for {ref.dtype}")
+    return dtype
 
 
 def arena_tensor(arena: Arena, ref: TensorRef) -> torch.Tensor:

@@ -8,6 +8,7 @@ may be reused.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
@@ -15,12 +16,21 @@ import torch
 from omni_arena.tensor_tree import load_tree, store_tree
 from omni_arena.views import arena_tensor, dtype_name, torch_dtype
 from omni_sidecar.metrics import SidecarMetrics
-from omni_sidecar.tensors import write_tensor
 from proto.arena import ArenaError, ShmArena, align_up
 from proto.messages import Hello, Overlay, StepEnd
 from proto.tensors import DTYPE_ITEMSIZE, TensorRef
 
 OUT_ARENA_SLACK = 1 << 20  # room for per-tensor alignment next to the overlay rows
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype_name(dtype)
+    return name
 
 
 class OutArena:
@@ -41,6 +51,10 @@ class OutArena:
         # once per request every step when per-request state rides in the extra kwargs.
         self._staging: torch.Tensor | None = None
         self._run_start = -1  # first staged byte not yet copied up; -1: none
+        # Host arena: its bytes as one tensor, held from the first put until `close`, so a tensor goes
+        # in with one memmove (a view and a copy_ per tensor cost ~7 µs, 128 tensors a step at 64
+        # requests when per-request state rides in the extra kwargs).
+        self._host: torch.Tensor | None = None
 
     def reset(self) -> None:
         if self.device and self.offset:
@@ -49,14 +63,14 @@ class OutArena:
         self._run_start = -1
 
     def put(self, tensor: torch.Tensor) -> TensorRef:
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes
         if self.offset + nbytes > self.arena.size:
             raise ArenaError(
                 f"step needs more than the {self.arena.size}-byte sidecar arena "
                 "(raise it with --arena-mib)"
             )
         if not self.device:
-            ref = write_tensor(self.arena, self.offset, tensor.detach().cpu().contiguous(), arena_id=0)
+            ref = self._copy_in(tensor, nbytes)
         elif tensor.device.type == "cpu":
             ref = self._stage(tensor.detach(), nbytes)
         else:
@@ -64,6 +78,23 @@ class OutArena:
             ref = self.arena.write(self.offset, tensor.detach().to(self.arena.device))
         self.offset = align_up(self.offset + max(nbytes, 1))
         return ref
+
+    def close(self) -> None:
+        """Let go of the arena (the bytes' tensor first: a mapping a tensor still views stays mapped)."""
+        self._host = None
+        self._staging = None
+        self.arena.close()
+
+    def _copy_in(self, tensor: torch.Tensor, nbytes: int) -> TensorRef:
+        """A tensor into the host arena at `offset` (bounds checked by `put`): one memmove."""
+        # The memmove reads the tensor's bytes as they lie: only a dense host tensor's bytes are its values.
+        if not (tensor.is_cpu and tensor.is_contiguous()) or tensor.is_conj() or tensor.is_neg():
+            tensor = tensor.detach().cpu().contiguous().resolve_conj().resolve_neg()
+        if nbytes:
+            if self._host is None:
+                self._host = torch.frombuffer(self.arena.raw(0, self.arena.size), dtype=torch.uint8)
+            ctypes.memmove(self._host.data_ptr() + self.offset, tensor.data_ptr(), nbytes)
+        return TensorRef(0, self.offset, nbytes, list(tensor.shape), _dtype_name(tensor.dtype))
 
     def seal(self) -> int:
         """The event index the shim waits on (-1: nothing written, or host memory)."""
@@ -153,7 +184,7 @@ class SessionArenas:
             arena.close()
         if self.out is not None:
             self.metrics.arena_bytes.labels("sidecar_to_shim").dec(self.out.arena.size)
-            self.out.arena.close()
+            self.out.close()
         self.inputs.clear()
         self.out = None
 

@@ -59,6 +59,8 @@ def _tree() -> dict:
         "empty": torch.zeros(0, 4),
         "scalar": torch.tensor(2.5),
         "spans": [[0, 1], [1, 2]],
+        "transposed": torch.arange(6.0).view(2, 3).t(),  # not contiguous: its values, not its bytes in order
+        "neg": torch.arange(3.0)._neg_view(),  # a lazy negation: the values, not the stored bytes
     }
 
 
@@ -88,7 +90,8 @@ def test_a_plans_tensors_come_out_of_the_shm_arena_in_one_copy_and_own_their_byt
         _assert_same(got, want)
         arena.view(TensorRef(0, 0, arena.size, [arena.size], "uint8"))[:] = b"\xff" * arena.size
     finally:
-        arena.close()
+        out.close()
+    assert arena._mm.closed  # the out-arena let go of its view of the bytes: the mapping is gone
     _assert_same(got, want)  # copies, not views of the arena (closed and rewritten)
 
 

@@ -13,11 +13,11 @@ from typing import Any, Callable
 
 import torch
 
-from omni_arena.tensor_tree import load_tree
-from omni_arena.views import arena_tensor, dtype_name, torch_dtype
+from omni_arena.tensor_tree import index_tree
+from omni_arena.views import arena_tensor, check_arena_ref, dtype_name
 from proto.arena import SlotRing, align_up
 from proto.messages import StepPlan
-from proto.tensors import TensorRef
+from proto.tensors import DTYPE_ITEMSIZE, TensorRef
 from worker_shim.channel import SidecarError
 
 
@@ -176,60 +176,39 @@ def _overlay(arena: Any, plan: StepPlan, input_batch: Any, model: Any,
     return embeds
 
 
-class _Picked:
-    """Where the i-th tensor of a tree goes once the bytes are copied out."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-
 def _copy_out_tree(arena: Any, tree: Any, device: torch.device) -> Any:
     """A received tree's tensors, copied out of the arena in ONE copy of the bytes their refs span,
     then views of that copy: a copy per tensor was a launch each, once per request every step when
     per-request state rides in the extra kwargs. Every ref is checked against the arena first."""
+    root, places = index_tree(tree)
+    if not places:
+        return root[0]
     if arena is None:
-        def refuse(ref: TensorRef) -> torch.Tensor:
-            raise SidecarError("sidecar sent tensors but offered no arena")
-        return load_tree(tree, refuse)
-    refs: list[TensorRef] = []
-
-    def pick(ref: TensorRef) -> _Picked:
-        arena_tensor(arena, ref)  # bounds, dtype and alignment checks
-        refs.append(ref)
-        return _Picked(len(refs) - 1)
-
-    skeleton = load_tree(tree, pick)
-    if not refs:
-        return skeleton
-    sized = [r for r in refs if r.nbytes]
+        raise SidecarError("sidecar sent tensors but offered no arena")
+    dtypes = [check_arena_ref(arena, ref) for _, _, ref in places]  # bounds, bytes, dtype, alignment
+    sized = [ref for _, _, ref in places if ref.nbytes]
     lo = min((r.offset for r in sized), default=0)
     hi = max((r.offset + r.nbytes for r in sized), default=0)
     region = None
     if sized:
         region = arena_tensor(arena, TensorRef(sized[0].arena, lo, hi - lo, [hi - lo], "uint8")).to(device, copy=True)
-    tensors = []
-    for ref in refs:
-        dtype = torch_dtype(ref.dtype)
+    typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}  # the region as each dtype, from its first aligned byte
+    for (holder, key, ref), dtype in zip(places, dtypes):
         if not ref.nbytes or region is None:
-            tensors.append(torch.empty(ref.shape, dtype=dtype, device=device))
+            holder[key] = torch.empty(ref.shape, dtype=dtype, device=device)
             continue
+        size = DTYPE_ITEMSIZE[ref.dtype]
+        view = typed.get(dtype)
+        if view is None:
+            skew = -lo % size  # refs are aligned to their dtype in the arena; the region starts at lo
+            usable = (region.numel() - skew) // size * size
+            view = typed[dtype] = (region[skew : skew + usable].view(dtype), skew)
+        start = (ref.offset - lo - view[1]) // size
         try:
-            tensors.append(region[ref.offset - lo : ref.offset - lo + ref.nbytes].view(dtype).view(ref.shape))
+            holder[key] = view[0][start : start + ref.nbytes // size].view(ref.shape)
         except RuntimeError as exc:
             raise SidecarError(f"sidecar sent a tensor ref that cannot be read: {exc}") from None
-    return _fill(skeleton, tensors)
-
-
-def _fill(value: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(value, _Picked):
-        return tensors[value.index]
-    if isinstance(value, dict):
-        return {k: _fill(v, tensors) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_fill(v, tensors) for v in value]
-    return value
+    return root[0]
 
 
 def model_device(model: Any) -> torch.device:
