@@ -32,9 +32,14 @@ class StateError(OmniSidecarError, ValueError):
     pass
 
 
+_SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
+
+
 def _nbytes(value: Any) -> int:
+    if type(value) in _SCALARS:  # most values a merge sizes (meta counters), every request every step
+        return 0
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+        return value.nbytes
     if isinstance(value, dict):
         return sum(_nbytes(v) for v in value.values())
     if isinstance(value, (list, tuple)):
@@ -51,6 +56,7 @@ class IntermediateBuffer:
     ) -> None:
         self.resident_keys = resident_keys or set()
         self.host_device = torch.device(host_device)
+        self._host_is_cpu = self.host_device.type == "cpu"  # `is_cpu` is a tenth of `.to`'s cost on a no-op
         self.max_bytes = max_bytes_per_request
         self._states: dict[str, dict[str, Any]] = {}
         # Bytes each state holds, kept up to date by every merge: sizing the whole state on each
@@ -179,7 +185,7 @@ class IntermediateBuffer:
     def place(self, category: str, qualifier: str | None, value: Any) -> Any:
         """`value` where a merge keeps it (host memory unless the key is device-resident)."""
         if isinstance(value, torch.Tensor) and (category, qualifier) not in self.resident_keys:
-            return value.to(self.host_device)
+            return value if self._host_is_cpu and value.is_cpu else value.to(self.host_device)
         if isinstance(value, dict):
             return {k: self.place(category, qualifier or k, v) for k, v in value.items()}
         return value
