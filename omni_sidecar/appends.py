@@ -129,6 +129,7 @@ class AppendQueue:
                 sent.answer(self._commit(sent, step))
 
     def _commit(self, sent: _Sent, step: int) -> Message:
+        self.session.drop_plan_ahead()  # built from the state this append changes
         try:
             self.session.hooks.commit_mirrored_append(sent.req_id, sent.entries)
         except Exception as exc:  # a hook bug: the model sees the append, the sidecar's state does not
@@ -172,6 +173,7 @@ class AppendQueue:
         req_id = session.resolve(asked_as)
         if req_id is None:  # finished while the append waited for the step to end
             return unknown(asked_as, session.finished_store)
+        session.drop_plan_ahead()  # built from the state this append changes
         try:
             session.hooks.on_payload_appended(req_id, payload)
         except HookErrors as exc:

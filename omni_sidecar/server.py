@@ -214,6 +214,10 @@ class SidecarServer:
             reply = self.rejects.refuse("internal", f"{type(msg).__name__}: {exc!r}", ident)
         if reply is not None:
             self.peers.send(ident, reply)
+        if type(msg) is StepEnd:  # answered: the next step's plan while the shim schedules it
+            peer = self.peers.get(ident)
+            if peer is not None:
+                peer.session.plan_ahead()
 
     def _handle(self, ident: bytes, msg: object):
         if isinstance(msg, _STEP_MESSAGES):

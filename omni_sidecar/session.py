@@ -16,6 +16,7 @@ from omni_sidecar.appends import AppendQueue
 from omni_sidecar.arenas import SessionArenas
 from omni_sidecar.hooks import HookErrors, OmniHooks, RequestInfo, StepBatch
 from omni_sidecar.metrics import SidecarMetrics
+from omni_sidecar.plan_ahead import PlansAhead
 from omni_sidecar.stats import LatencyWindow
 from omni_sidecar.replays import SeenPositions, take_rows
 from omni_sidecar.store import FinishedEntry, FinishedOutputs
@@ -71,6 +72,8 @@ class Session:
         self.model_hooks: ModelHooks | None = None  # what the served model carries (told with want_states)
         self._prev_req_ids: list[str] | None = None
         self.appends = AppendQueue(self)  # streamed payloads, applied between steps
+        # The next steady decode step's plan, built while the shim schedules it (hooks with pure plans).
+        self.ahead = PlansAhead(self._plan, self.arenas, self.requests) if getattr(hooks, "plans_ahead", False) else None
 
     # -- set-up --------------------------------------------------------------
 
@@ -95,6 +98,7 @@ class Session:
     # -- hot upgrade -------------------------------------------------------------
 
     def export(self) -> dict[str, Any]:
+        self.drop_plan_ahead()
         clients = {vllm_id: client_id for client_id, vllm_id in self._client_ids.items()}
         return {
             "requests": {r: [i.prompt_len, i.prompt_token_ids, i.payload, clients.get(r, "")]
@@ -137,10 +141,13 @@ class Session:
         self.appends.step_began()
         self._admit(msg.new_requests, msg.finished, msg.preempted, errors)
         layout = self._begin_layout(msg)
-        batch = StepBatch(msg.step, layout, self.requests)
         self._last_layout = layout
-        overlays: list[Overlay] = []
-        extra: dict[str, Any] = {}
+        ahead = self.ahead.take(msg, layout) if self.ahead is not None else None
+        if ahead is not None:  # built while the shim scheduled this step
+            self._begin_us = ahead.hook_us + (time.perf_counter() - t0) * 1e6
+            return StepPlan(step=msg.step, overlays=ahead.overlays, extra_kwargs=ahead.extra_kwargs,
+                            errors=self._report(ahead.errors) if ahead.errors else [], event=ahead.event)
+        batch = StepBatch(msg.step, layout, self.requests)
         states: dict[str, Any] = {}
         out = self.arenas.out
         if out is not None:
@@ -150,6 +157,16 @@ class Session:
         if msg.want_states:
             with _collect(errors, None, "model_states", list(msg.want_states)):
                 states = self.arenas.encode_tensors(self.hooks.model_states(list(msg.want_states)))
+        overlays, extra = self._plan(batch, errors)
+        event = out.seal() if out is not None else -1
+        self._begin_us = (time.perf_counter() - t0) * 1e6
+        return StepPlan(step=msg.step, overlays=overlays, extra_kwargs=extra,
+                        errors=self._report(errors) if errors else [], event=event, model_states=states)
+
+    def _plan(self, batch: StepBatch, errors: dict[str, str]) -> tuple[list[Overlay], dict[str, Any]]:
+        """The pre-forward hooks' overlays and extra kwargs, their tensors in the arena."""
+        overlays: list[Overlay] = []
+        extra: dict[str, Any] = {}
         try:
             overlays = self.arenas.write_overlays(self.hooks.prepare_prefill_embeds(batch))
             extra = self.hooks.build_extra_kwargs(batch)
@@ -157,10 +174,17 @@ class Session:
                 extra = self.arenas.encode_tensors(extra)
         except Exception as exc:  # a hook bug never escapes (what `_collect` does, without its frames)
             absorb_hook_error(errors, exc, "pre-forward hooks", batch.req_ids)
-        event = out.seal() if out is not None else -1
-        self._begin_us = (time.perf_counter() - t0) * 1e6
-        return StepPlan(step=msg.step, overlays=overlays, extra_kwargs=extra,
-                        errors=self._report(errors) if errors else [], event=event, model_states=states)
+        return overlays, extra
+
+    def plan_ahead(self) -> None:
+        """After a StepEnd is answered (the server calls it): omni_sidecar/plan_ahead.py."""
+        if self.ahead is not None:
+            self.ahead.build()
+
+    def drop_plan_ahead(self) -> None:
+        """The hooks' state changes (an append, a hand-over): a plan built before is stale."""
+        if self.ahead is not None:
+            self.ahead.drop()
 
     def _begin_layout(self, msg: StepBegin) -> BatchLayout | LazyLayout:
         """The StepBegin's layout, request ids filled in and list lengths checked (ValueError)."""
@@ -177,6 +201,7 @@ class Session:
     def step_end(self, msg: StepEnd) -> StepResult:
         t0 = time.perf_counter()
         errors: dict[str, str] = {}
+        self.drop_plan_ahead()
         for failure in msg.failed:  # failed by the shim while no sidecar served them
             self.errors_by_request.setdefault(failure.req_id, failure.message)
             if failure.client_req_id and failure.req_id not in self.requests:
@@ -196,6 +221,8 @@ class Session:
                 self.hooks.process_model_output(batch, take_rows(self.arenas.hidden(msg), rows))
         self.arenas.release_slot(msg)
         self._last_layout = None
+        if self.ahead is not None and msg.num_tokens and layout is not None and not errors:
+            self.ahead.note_ended(msg.step, layout)  # what the next step's plan is predicted from
         result_errors = self._report(errors)
         self._finish(msg.finished)
         hook_us = (time.perf_counter() - t0) * 1e6 + self._begin_us
@@ -236,6 +263,7 @@ class Session:
     ) -> None:
         if not (new or finished or preempted):  # most steps of both step messages: nothing to admit
             return
+        self.drop_plan_ahead()
         self._finish(finished)
         if preempted:
             self.metrics.requests.labels("preempted").inc(len(preempted))
@@ -357,6 +385,8 @@ class Session:
             step_latency_us_p99=p99,
             arena_opens=opens.mem if opens is not None else 0,
             event_opens=opens.events if opens is not None else 0,
+            plans_ahead_built=self.ahead.built if self.ahead is not None else 0,
+            plans_ahead_used=self.ahead.used if self.ahead is not None else 0,
         )
 
 

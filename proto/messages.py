@@ -289,6 +289,9 @@ class SessionStatus(msgspec.Struct, frozen=True):
     # CUDA IPC: device buffers and events this session opened (once per connection).
     arena_opens: Count = 0
     event_opens: Count = 0
+    # Steady decode steps whose plan the sidecar built before their StepBegin, and those it used.
+    plans_ahead_built: Count = 0
+    plans_ahead_used: Count = 0
 
 
 class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):

@@ -13,7 +13,8 @@ Subclass it for a model: override `postprocess`, `multimodal_outputs` or
 state_cap_mib=N, resident_keys=cat.qual,cat.qual, hidden_layers=0,24 (each
 request's outputs then hold those decoder layers' hidden states, token aligned,
 as `hidden_states.layer_N`: vllm-omni's `hidden_states["layers"][N]` once
-unflattened, omni/keys.py).
+unflattened, omni/keys.py), plan_ahead=0 (never build a steady decode step's plan
+before its StepBegin comes: omni_sidecar/plan_ahead.py).
 """
 
 from __future__ import annotations
@@ -45,9 +46,15 @@ class OmniStateHooks(OmniHooks):
 
     def __init__(
         self, extra_kwargs: str = "0", state_cap_mib: str = "256", resident_keys: str = "",
-        hidden_layers: str = "",
+        hidden_layers: str = "", plan_ahead: str = "1",
     ) -> None:
         self.send_extra_kwargs = str(extra_kwargs).lower() in _TRUE
+        # This set's plans are pure (they read the batch and the state); a subclass that overrides
+        # how they are built plans ahead only if it says so (`plans_ahead = True` on its class).
+        cls = type(self)
+        own = all(getattr(cls, m) is getattr(OmniStateHooks, m)
+                  for m in ("prepare_prefill_embeds", "build_extra_kwargs", "runtime_info"))
+        self.plans_ahead = str(plan_ahead).lower() in _TRUE and (own or cls.plans_ahead)
         resident = {tuple(k.split(".", 1)) for k in resident_keys.split(",") if "." in k}
         self.state = IntermediateBuffer(
             resident_keys=resident,  # type: ignore[arg-type]

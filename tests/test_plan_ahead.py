@@ -1,0 +1,125 @@
+"""Plans built ahead (omni_sidecar/plan_ahead.py) are the plans the StepBegin would have got.
+
+Two sessions with the omni set sending extra kwargs every step, one planning ahead and one not,
+take the same steps; after every StepEnd the first builds the next steady decode step's plan (as
+the server does once it answered the StepEnd). Every plan the shim would read (overlays, extra
+kwargs with each request's state, errors) must be equal, step by step, through a steady decode
+(used), a request finishing (the batch changes: planned afresh), an append between steps (the
+state changes: dropped) and a prefill next to decodes (not predicted). Unit level; the e2e
+equality through a real sidecar is tests/test_inproc_baseline.py (its sidecar plans ahead).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from omni_sidecar.metrics import SidecarMetrics
+from omni_sidecar.omni.hooks import OmniStateHooks
+from omni_sidecar.omni.wire import encode_additional_information
+from omni_sidecar.plan_ahead import next_decode_layout
+from omni_sidecar.session import Session
+from omni_sidecar.store import FinishedOutputs
+from proto.messages import AppendPayload, BatchLayout, Hello, NewRequest, StepBegin, StepEnd
+from worker_shim.transfer import _copy_out_tree
+
+
+def _session(plan_ahead: str) -> Session:
+    hello = Hello(1, 6, "test", "none", "cpu", 0, 1, "m", 4, "float32", 64, [])
+    session = Session(1, hello, OmniStateHooks(extra_kwargs="1", plan_ahead=plan_ahead), FinishedOutputs(10),
+                      SidecarMetrics())
+    session.open_arenas()
+    return session
+
+
+def _decode(step: int, req_ids: list[str]) -> BatchLayout:
+    n = len(req_ids)
+    return BatchLayout(list(req_ids), list(range(n + 1)), [3 + step] * n, [3] * n)
+
+
+def _payload(tag: str) -> bytes:
+    return msgspec.msgpack.encode(encode_additional_information({"meta": {"tags": [tag]},
+                                                                 "codes": {"c": torch.arange(3.0)}}))
+
+
+def _read(session: Session, plan) -> tuple:
+    """What the shim would read of the plan: its tensors out of the session's arena."""
+    extra = _copy_out_tree(session.arenas.out.arena, plan.extra_kwargs, torch.device("cpu"))
+    return plan.step, [(o.row_start, o.rows) for o in plan.overlays], extra, sorted(plan.errors)
+
+
+def _same(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b) and a.dtype == b.dtype
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    else:
+        assert a == b
+
+
+def test_plans_built_ahead_equal_plans_built_when_asked():
+    ahead, fresh = _session("1"), _session("0")
+    try:
+        _run_both(ahead, fresh)
+    finally:
+        ahead.close()
+        fresh.close()
+
+
+def _run_both(ahead: Session, fresh: Session) -> None:
+    assert ahead.hooks.plans_ahead and not fresh.hooks.plans_ahead
+    ids = ["a", "b", "c"]
+    new = [NewRequest(r, 3, [1, 2, 3]) for r in ids]
+    steps = [  # (StepBegin, StepEnd fields), what each session gets; "ahead": is a plan built after its StepEnd
+        (StepBegin(0, BatchLayout(ids, [0, 3, 6, 9], [0, 0, 0], [3, 3, 3]), new_requests=new), {}),  # prefill: no
+        (StepBegin(1, _decode(0, ids)), {}),  # built for step 2
+        (StepBegin(2, _decode(1, ids)), {}),  # used; built for step 3
+        (StepBegin(3, _decode(2, ids)), {"finished": ["b"]}),  # used; "b" ends with this step: none built
+        (StepBegin(4, _decode(3, ["a", "c"])), {}),  # built for step 5
+        (StepBegin(5, _decode(4, ["a", "c"])), {}),  # ... dropped by the append before it; built for step 6
+        (StepBegin(6, _decode(5, ["a", "c"])), {}),  # used; built for step 7
+        (StepBegin(7, BatchLayout(["a", "c", "d"], [0, 1, 2, 5], [8, 8, 0], [3, 3, 3]),
+                   new_requests=[NewRequest("d", 3, [4, 5, 6])]), {}),  # a new request: planned afresh
+    ]
+    for begin, end in steps:
+        if begin.step == 5:  # between steps 4 and 5: the state changes after the plan was built
+            for session in (ahead, fresh):
+                session.appends.receive(AppendPayload("a", _payload("late")), lambda reply: None)
+            assert ahead.ahead._plan is None and fresh.ahead is None
+        plans = [s.step_begin(begin) for s in (ahead, fresh)]
+        _same(_read(ahead, plans[0]), _read(fresh, plans[1]))
+        n = len(begin.batch.req_ids)
+        for session in (ahead, fresh):
+            session.step_end(StepEnd(begin.step, None, num_tokens=begin.batch.query_start_loc[n], **end))
+            session.plan_ahead()  # what the server does once it answered the StepEnd
+    status = ahead.status()
+    assert (status.plans_ahead_built, status.plans_ahead_used) == (5, 3)  # see the comments above
+    assert fresh.status().plans_ahead_built == 0
+    assert ahead.hooks.state.get("a")["meta"]["tags"] == ["late"]  # the append reached the state plans read
+
+
+def test_only_a_batch_of_single_decode_rows_is_predicted():
+    assert next_decode_layout(_decode(0, ["a", "b"])) == BatchLayout(["a", "b"], [0, 1, 2], [4, 4], [3, 3])
+    assert next_decode_layout(BatchLayout(["a", "b"], [0, 1, 3], [3, 3], [3, 3])) is None  # two rows
+    assert next_decode_layout(BatchLayout(["a"], [0, 1], [2], [3])) is None  # the last prefill row
+    assert next_decode_layout(BatchLayout(["a"], [0, 1], [5], [3], input_ids=[7])) is None  # ids unknown ahead
+    assert next_decode_layout(BatchLayout([], [0], [], [])) is None
+
+
+def test_a_subclass_that_builds_its_own_kwargs_plans_ahead_only_when_it_says_so():
+    class OwnKwargs(OmniStateHooks):
+        def runtime_info(self, req_id, state):
+            return {"n": 1}
+
+    class Pure(OwnKwargs):
+        plans_ahead = True
+
+    assert not OwnKwargs(extra_kwargs="1").plans_ahead
+    assert Pure(extra_kwargs="1").plans_ahead
+    assert not Pure(extra_kwargs="1", plan_ahead="0").plans_ahead
