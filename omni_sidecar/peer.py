@@ -97,10 +97,11 @@ class ShimPeer:
         failed: list[str] = []
         if reason in ("worker_exited", "disconnected"):
             failed = self.session.abandon(detail)
+            status = self.session.status()
             log.log(logging.WARNING if failed else logging.INFO,
-                    "session %d ended: its vLLM worker (pid %d) is gone (%s); %d live request(s) end "
-                    "with an error, arenas and rings released", self.session.id, self.session.hello.pid,
-                    detail, len(failed))
+                    "session %d ended: its vLLM worker (pid %d) is gone (%s) after %d steps (%d planned ahead); "
+                    "%d live request(s) end with an error, arenas and rings released", self.session.id,
+                    self.session.hello.pid, detail, status.steps, status.plans_ahead_used, len(failed))
         elif reason in ("bad_ring", "ring_overflow"):
             log.error("session %d dropped: %s", self.session.id, detail)
         if farewell is not None:

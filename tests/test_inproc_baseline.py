@@ -13,6 +13,7 @@ outputs bit for bit, and the shim's step counts. No timings here (bench/gpu_ab.p
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -60,6 +61,10 @@ def test_inproc_baseline_matches_the_sidecar(kwargs_model, e2e_dir, tmp_path):
     assert local["ok"], local.get("traceback")
 
     (s_via,), (s_local,) = via["shim_stats"], local["shim_stats"]
+    # The sidecar built some steady decode steps' plans ahead (omni_sidecar/plan_ahead.py), which
+    # the comparison below then checks forward by forward against the baseline's (never ahead).
+    ended = re.findall(r"after (\d+) steps \((\d+) planned ahead\)", (tmp_path / "sidecar.log").read_text())
+    assert ended and int(ended[-1][0]) == s_via["steps"] and int(ended[-1][1]) > 0, ended  # the engine's session
     assert s_via["request_errors"] == {} and s_local["request_errors"] == {}
     assert s_local["arena_kind"] == "inproc" and s_local["hook_set"] == HOOKS  # the baseline did run
     assert s_via["arena_kind"] == "shm"
