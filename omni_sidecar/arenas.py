@@ -113,7 +113,9 @@ class OutArena:
                 grown[self._run_start : kept] = self._staging[self._run_start : kept]
             self._staging = grown
         if nbytes:
-            self._staging[self.offset : end] = tensor.contiguous().reshape(-1).view(torch.uint8)
+            # A byte view reads the bytes as stored: a lazy negation or conjugation must be applied first.
+            dense = tensor.resolve_conj().resolve_neg().contiguous()
+            self._staging[self.offset : end] = dense.reshape(-1).view(torch.uint8)
         if self._run_start < 0:
             self._run_start = self.offset
         return TensorRef(0, self.offset, nbytes, list(tensor.shape), dtype_name(tensor.dtype))
