@@ -35,6 +35,7 @@ from typing import Callable
 
 from bench.ab_stats import block_order, step_pace, step_price, summarize
 from bench.gpu_models import KWARGS_MARK_ENV, SHAPES, build_model_dir, engine_kwargs, omni_hook_options, param_count
+from bench.pinning import child_pids, pin_all, plan
 
 # Engines a configuration holds besides plain V2: the shim with a sidecar, and the bench's
 # in-process baseline (the same hooks called in the worker, bench/inproc.py).
@@ -59,6 +60,7 @@ class Sizes:
     start_guess_s: float = 60.0  # one engine's start before any was seen
     smoke: bool = False
     engines: tuple[str, ...] = ("plain", "shim", "inproc")  # plain first: the others compare to it
+    pin: bool = True  # each engine (and the sidecar) on cores of its own, when the host has enough (bench/pinning.py)
 
     @classmethod
     def smoke_sizes(cls) -> "Sizes":
@@ -252,17 +254,24 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
         # it enters vLLM's compile-cache key and worker_cls does not, so a later engine reuses an
         # earlier one's compiled graphs where the shim adds none of its own (pass-through).
         config = {"omni_sidecar": {"endpoint": endpoint}, **inproc_config(hooks, res["hook_options"])}
+        processes: dict[str, set[int]] = {"driver": {os.getpid()}, "sidecar": {sidecar.proc.pid}}
         for engine in sizes.engines:
             t0 = time.monotonic()
             extra: dict = {"additional_config": config}
             if engine != "plain":
                 extra["worker_cls"] = WORKERS[engine]
                 os.environ[KWARGS_MARK_ENV] = str(marks[engine])  # its engine core inherits it (fork or spawn)
+            before = child_pids()
             engines[engine] = LLM(**kwargs, **extra)
+            processes[engine] = child_pids() - before - processes["sidecar"]
             starts.append(time.monotonic() - t0)
             res[f"{engine}_start_s"] = round(starts[-1], 1)
             print(f"[{name}] {engine} engine up in {starts[-1]:.1f} s ({budget.left():.0f} s of budget left)",
                   flush=True)
+        if sizes.pin and not sizes.smoke:
+            cores = plan({name: (1 if name == "sidecar" else 2) for name in processes})
+            res["pinning"] = pin_all(processes, cores) if cores else "not pinned: too few CPUs for a core set each"
+            print(f"[{name}] pinning: {res['pinning']}", flush=True)
         prompts, params = _prompts(sizes, SHAPES[shape]["hidden_size"], hooks == "omni", sizes.max_tokens[model],
                                    kwargs["dtype"])
         for engine in sizes.engines + sizes.engines:  # warm-up: graphs, allocator, sidecar paths

@@ -195,6 +195,12 @@ def _pace(res: dict) -> list[str]:
         lines.append(f"| {c['config']} | {periods} | " + " | ".join(cells) + " |")
     lines.append("")
     for c in rows:
+        pins = c.get("pinning")
+        if isinstance(pins, dict):
+            lines.append(f"- {c['config']}: pinned " + ", ".join(f"{k} to CPUs {v['cpus']}" for k, v in pins.items())
+                         + " (bench/pinning.py).")
+        elif pins:
+            lines.append(f"- {c['config']}: {pins}.")
         for key, label in PACE_PAIRS:
             s = (c["pace"].get(key) or {})
             if s.get("verdict"):

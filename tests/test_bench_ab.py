@@ -127,3 +127,24 @@ def test_step_pace_is_the_median_step_period_and_reads_as_throughput(tmp_path):
                      "shim_vs_inproc": summarize(rs, "shim", "inproc", "step_ms")}}
     text = render({"smoke": True, "machine": {}, "configs": [conf]})
     assert "| tiny-omni | 10.0 / 11.0 / 10.5 | **0.9091**" in text and "shim / inproc by step pace" in text
+
+
+def test_pinning_plans_a_core_set_per_group_or_none_and_pins_every_thread():
+    import os
+    import threading
+
+    from bench.pinning import pin_process, plan
+
+    allowed = sorted(os.sched_getaffinity(0))
+    assert plan({"a": len(allowed) + 1}) is None  # not enough for each to have its own
+    cores = plan({"a": 1, "b": len(allowed) - 1})
+    assert cores == {"a": allowed[:1], "b": allowed[1:]}
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait)
+    worker.start()
+    try:
+        assert pin_process(os.getpid(), allowed) >= 2  # this thread and the worker: every thread
+        assert os.sched_getaffinity(worker.native_id) == set(allowed)
+    finally:
+        stop.set()
+        worker.join()
