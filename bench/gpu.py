@@ -139,8 +139,8 @@ def main() -> None:
     ap.add_argument("--engines", default="plain,shim,inproc",
                     help="engines per configuration, plain first: plain,shim[,inproc] (inproc: the in-process baseline)")
     ap.add_argument("--measure-s", type=float, help="seconds of timed rounds per configuration (default 22; smoke: 2 blocks)")
-    ap.add_argument("--no-pin", action="store_true",
-                    help="leave engines unpinned (default: each engine and the sidecar on cores of its own)")
+    ap.add_argument("--pin", action="store_true",
+                    help="each engine and the sidecar on cores of their own (bench/pinning.py says why it is off)")
     ap.add_argument("--parts", default="throughput,refusal", help="throughput[,refusal][,exchange][,handoff]")
     ap.add_argument("--iters", type=int, default=500, help="exchange round trips per block (--parts exchange)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "gpu"), help="folder for the JSON")
@@ -176,7 +176,7 @@ def main() -> None:
     if engines not in (("plain", "shim"), ("plain", "shim", "inproc")):
         raise SystemExit(f"--engines {args.engines!r}: plain,shim or plain,shim,inproc")
     sizes.engines = engines
-    sizes.pin = not args.no_pin
+    sizes.pin = args.pin
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / ("gpu_ab-smoke.json" if args.smoke else "gpu_ab.json")

@@ -60,7 +60,7 @@ class Sizes:
     start_guess_s: float = 60.0  # one engine's start before any was seen
     smoke: bool = False
     engines: tuple[str, ...] = ("plain", "shim", "inproc")  # plain first: the others compare to it
-    pin: bool = True  # each engine (and the sidecar) on cores of its own, when the host has enough (bench/pinning.py)
+    pin: bool = False  # `--pin`: each engine and the sidecar on cores of their own (bench/pinning.py: it hurt)
 
     @classmethod
     def smoke_sizes(cls) -> "Sizes":

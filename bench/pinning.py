@@ -1,12 +1,16 @@
-"""CPU pinning for the one-GPU throughput bench (bench/gpu_ab.py): each engine on cores of its own.
+"""CPU pinning for the one-GPU throughput bench (bench/gpu_ab.py), off unless `--pin`.
 
-Why: on the GPU host lent for issue #15 the same engine's rounds of the same work ranged 2.6 to
-4.4 ms per step within seconds, with or without CPU steal; a tiny model's step is all host
-Python (scheduler, runner, sidecar), so where the scheduler puts the busy threads moves it. Each
-engine's processes (engine core with its worker, and for the shim its sidecar) get cores no other
-engine or the driver uses, so an engine's rounds do not depend on what the others left running.
-Linux pins threads, not processes: every thread of a process is pinned; threads started later
-inherit their creator's mask. `python -m bench.gpu --no-pin` runs unpinned, for comparison.
+The idea: on the GPU host lent for issue #15 the same engine's rounds of the same work ranged 2.6
+to 4.4 ms per step within seconds, with or without CPU steal; a tiny model's step is all host
+Python, so giving each engine's processes (engine core with its worker; the shim's sidecar) cores
+no other engine or the driver uses might steady it. Linux pins threads, not processes: every
+thread of a process is pinned; threads started later inherit their creator's mask.
+
+What it did on the H200 host (2026-12-01): no narrower spread (tiny pass-through, 12 pinned blocks:
+95 % CI 0.891..1.004 against 0.951..1.044 unpinned over 22), and on the 1B model with the omni
+hooks it made the shim ten times slower: torch's intra-op thread pool (one thread per host CPU)
+squeezed onto the sidecar's one core stalls each parallel op for a scheduler slice (plan waits p99
+249 ms against 18 ms unpinned). Hence off by default; kept to repeat the experiment.
 """
 
 from __future__ import annotations
