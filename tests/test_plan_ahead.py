@@ -21,6 +21,7 @@ from omni_sidecar.plan_ahead import next_decode_layout
 from omni_sidecar.session import Session
 from omni_sidecar.store import FinishedOutputs
 from proto.messages import AppendPayload, BatchLayout, Hello, NewRequest, StepBegin, StepEnd
+from tests.support.trees import assert_same_tree
 from worker_shim.transfer import _copy_out_tree
 
 
@@ -46,21 +47,6 @@ def _read(session: Session, plan) -> tuple:
     """What the shim would read of the plan: its tensors out of the session's arena."""
     extra = _copy_out_tree(session.arenas.out.arena, plan.extra_kwargs, torch.device("cpu"))
     return plan.step, [(o.row_start, o.rows) for o in plan.overlays], extra, sorted(plan.errors)
-
-
-def _same(a, b) -> None:
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b) and a.dtype == b.dtype
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            _same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _same(x, y)
-    else:
-        assert a == b
 
 
 def test_plans_built_ahead_equal_plans_built_when_asked():
@@ -93,7 +79,7 @@ def _run_both(ahead: Session, fresh: Session) -> None:
                 session.appends.receive(AppendPayload("a", _payload("late")), lambda reply: None)
             assert ahead.ahead._plan is None and fresh.ahead is None
         plans = [s.step_begin(begin) for s in (ahead, fresh)]
-        _same(_read(ahead, plans[0]), _read(fresh, plans[1]))
+        assert_same_tree(_read(ahead, plans[0]), _read(fresh, plans[1]))
         n = len(begin.batch.req_ids)
         for session in (ahead, fresh):
             session.step_end(StepEnd(begin.step, None, num_tokens=begin.batch.query_start_loc[n], **end))

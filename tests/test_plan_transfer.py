@@ -15,6 +15,7 @@ from omni_sidecar.omni.state import IntermediateBuffer, StateError, _nbytes
 from omni_arena.tensor_tree import store_tree
 from proto.arena import ShmArena
 from proto.tensors import TensorRef, TensorRefError
+from tests.support.trees import assert_same_tree
 from worker_shim.channel import SidecarError
 from worker_shim.transfer import _copy_out_tree
 
@@ -64,22 +65,6 @@ def _tree() -> dict:
     }
 
 
-def _assert_same(got, want) -> None:
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape
-        assert torch.equal(got.cpu(), want)
-    elif isinstance(want, dict):
-        assert set(got) == set(want)
-        for k in want:
-            _assert_same(got[k], want[k])
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want)
-        for g, w in zip(got, want):
-            _assert_same(g, w)
-    else:
-        assert got == want
-
-
 def test_a_plans_tensors_come_out_of_the_shm_arena_in_one_copy_and_own_their_bytes():
     arena = ShmArena.create(1 << 16, prefix="omni-test-plan")
     try:
@@ -87,12 +72,12 @@ def test_a_plans_tensors_come_out_of_the_shm_arena_in_one_copy_and_own_their_byt
         want = _tree()
         sent = store_tree(want, out.put)
         got = _copy_out_tree(arena, sent, torch.device("cpu"))
-        _assert_same(got, want)
+        assert_same_tree(got, want)
         arena.view(TensorRef(0, 0, arena.size, [arena.size], "uint8"))[:] = b"\xff" * arena.size
     finally:
         out.close()
     assert arena._mm.closed  # the out-arena let go of its view of the bytes: the mapping is gone
-    _assert_same(got, want)  # copies, not views of the arena (closed and rewritten)
+    assert_same_tree(got, want)  # copies, not views of the arena (closed and rewritten)
 
 
 def test_a_ref_outside_the_arena_is_refused_before_anything_is_copied():
@@ -173,7 +158,7 @@ def test_cuda_ipc_plan_round_trip_with_host_and_device_tensors():
             got = _copy_out_tree(arena, sent, dev)
             torch.cuda.synchronize(dev)
             assert got["on_device"].device == dev
-            _assert_same(got, {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in want.items()})
+            assert_same_tree(got, {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in want.items()})
             arena.mark_done(0)
     finally:
         arena.close()
@@ -221,10 +206,10 @@ def test_the_default_postprocess_batched_equals_it_called_per_request():
             hooks.process_model_output(batch, hidden.clone())
     batched, per_request = runs
     for r in "abc":
-        _assert_same(batched.state.get(r), per_request.state.get(r))
+        assert_same_tree(batched.state.get(r), per_request.state.get(r))
         assert batched.state.nbytes(r) == per_request.state.nbytes(r)
-        _assert_same(batched.output_chunks(r), per_request.output_chunks(r))
-        _assert_same(batched.get_outputs(r), per_request.get_outputs(r))
+        assert_same_tree(batched.output_chunks(r), per_request.output_chunks(r))
+        assert_same_tree(batched.get_outputs(r), per_request.get_outputs(r))
 
 
 def test_a_layout_naming_more_rows_than_the_hidden_states_fails_the_step_not_the_process():
