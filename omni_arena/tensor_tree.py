@@ -69,7 +69,8 @@ def index_tree(value: Any) -> tuple[list[Any], list[Place]]:
     """A received tree with its tensor markers left as None, and where each tensor goes, in tree
     order: a caller that checks every ref before it makes any tensor (one copy for all of them)
     then puts each in place, without a second walk. The tree comes back as the one item of a list
-    (a tree that is itself a tensor has a holder too). The same checks as `load_tree` (TreeError)."""
+    (a tree that is itself a tensor has a holder too). Nesting is bounded as in `load_tree` (a
+    marker or scalar may sit one level deeper than `load_tree` takes); TreeError on a bad one."""
     places: list[Place] = []
     root = _index([value], places, -1)
     return root, places

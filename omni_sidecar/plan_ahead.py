@@ -93,7 +93,7 @@ class PlansAhead:
         """The next step's plan, if the last StepEnd's batch predicts it (`next_decode_layout`) and
         every request of it is still live."""
         ended, self._ended = self._ended, None
-        if ended is None or self._plan is not None:
+        if ended is None:
             return
         step, ended_layout = ended
         layout = next_decode_layout(ended_layout)

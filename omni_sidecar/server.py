@@ -217,7 +217,12 @@ class SidecarServer:
         if type(msg) is StepEnd:  # answered: the next step's plan while the shim schedules it
             peer = self.peers.get(ident)
             if peer is not None:
-                peer.session.plan_ahead()
+                try:
+                    peer.session.plan_ahead()
+                except Exception:  # e.g. the device: the StepBegin is planned when it comes, as without
+                    log.exception("building session %d's next plan ahead failed; it is planned when asked",
+                                  peer.session.id)
+                    peer.session.drop_plan_ahead()
 
     def _handle(self, ident: bytes, msg: object):
         if isinstance(msg, _STEP_MESSAGES):

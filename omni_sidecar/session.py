@@ -72,8 +72,10 @@ class Session:
         self.model_hooks: ModelHooks | None = None  # what the served model carries (told with want_states)
         self._prev_req_ids: list[str] | None = None
         self.appends = AppendQueue(self)  # streamed payloads, applied between steps
-        # The next steady decode step's plan, built while the shim schedules it (hooks with pure plans).
-        self.ahead = PlansAhead(self._plan, self.arenas, self.requests) if getattr(hooks, "plans_ahead", False) else None
+        # The next steady decode step's plan, built while the shim schedules it: hooks with pure plans
+        # that the shim asks for every step (`pre_forward="always"`: else no StepBegin would take it).
+        plans_ahead = getattr(hooks, "plans_ahead", False) and hooks.needs.pre_forward == "always"
+        self.ahead = PlansAhead(self._plan, self.arenas, self.requests) if plans_ahead else None
 
     # -- set-up --------------------------------------------------------------
 
@@ -221,8 +223,6 @@ class Session:
                 self.hooks.process_model_output(batch, take_rows(self.arenas.hidden(msg), rows))
         self.arenas.release_slot(msg)
         self._last_layout = None
-        if self.ahead is not None and msg.num_tokens and layout is not None and not errors:
-            self.ahead.note_ended(msg.step, layout)  # what the next step's plan is predicted from
         result_errors = self._report(errors)
         self._finish(msg.finished)
         hook_us = (time.perf_counter() - t0) * 1e6 + self._begin_us
@@ -230,7 +230,9 @@ class Session:
         if msg.num_tokens:
             self.latency.record(hook_us)
             self._observe(msg, hook_us)
-        self.appends.step_ended(msg.step)
+        self.appends.step_ended(msg.step)  # appends that waited for the step apply now
+        if self.ahead is not None and msg.num_tokens and layout is not None and not errors:
+            self.ahead.note_ended(msg.step, layout)  # what the next step's plan is predicted from (after them)
         return StepResult(step=msg.step, errors=result_errors, hook_us=hook_us)
 
     def step_tick(self, msg: StepTick) -> None:

@@ -20,17 +20,33 @@ from omni_sidecar.omni.wire import encode_additional_information
 from omni_sidecar.plan_ahead import next_decode_layout
 from omni_sidecar.session import Session
 from omni_sidecar.store import FinishedOutputs
+from proto.arena import ShmArena
 from proto.messages import AppendPayload, BatchLayout, Hello, NewRequest, StepBegin, StepEnd
+from proto.tensors import TensorRef
 from tests.support.trees import assert_same_tree
 from worker_shim.transfer import _copy_out_tree
 
 
-def _session(plan_ahead: str) -> Session:
-    hello = Hello(1, 6, "test", "none", "cpu", 0, 1, "m", 4, "float32", 64, [])
+H = 4  # hidden size
+
+
+def _session(plan_ahead: str) -> tuple[Session, ShmArena]:
+    """A session with the omni set sending extra kwargs, and the shim's arena its StepEnds' hidden
+    rows come in (so each step's postprocess changes every request's state)."""
+    shim_arena = ShmArena.create(1 << 16, prefix="omni-test-ahead")
+    hello = Hello(1, 6, "test", "none", "cpu", 0, 1, "m", H, "float32", 64, [shim_arena.info()])
     session = Session(1, hello, OmniStateHooks(extra_kwargs="1", plan_ahead=plan_ahead), FinishedOutputs(10),
                       SidecarMetrics())
     session.open_arenas()
-    return session
+    return session, shim_arena
+
+
+def _hidden(arena: ShmArena, step: int, rows: int) -> TensorRef:
+    """This step's hidden rows in the shim's arena: values that differ by step and row."""
+    ref = TensorRef(0, 0, rows * H * 4, [rows, H], "float32")
+    values = torch.arange(rows * H, dtype=torch.float32).view(rows, H) + 100 * step
+    arena.view(ref)[:] = values.numpy().tobytes()
+    return ref
 
 
 def _decode(step: int, req_ids: list[str]) -> BatchLayout:
@@ -50,15 +66,16 @@ def _read(session: Session, plan) -> tuple:
 
 
 def test_plans_built_ahead_equal_plans_built_when_asked():
-    ahead, fresh = _session("1"), _session("0")
+    (ahead, ahead_arena), (fresh, fresh_arena) = _session("1"), _session("0")
     try:
-        _run_both(ahead, fresh)
+        _run_both(ahead, fresh, {id(ahead): ahead_arena, id(fresh): fresh_arena})
     finally:
-        ahead.close()
-        fresh.close()
+        for session, arena in ((ahead, ahead_arena), (fresh, fresh_arena)):
+            session.close()
+            arena.close()
 
 
-def _run_both(ahead: Session, fresh: Session) -> None:
+def _run_both(ahead: Session, fresh: Session, arenas: dict[int, ShmArena]) -> None:
     assert ahead.hooks.plans_ahead and not fresh.hooks.plans_ahead
     ids = ["a", "b", "c"]
     new = [NewRequest(r, 3, [1, 2, 3]) for r in ids]
@@ -70,7 +87,7 @@ def _run_both(ahead: Session, fresh: Session) -> None:
         (StepBegin(4, _decode(3, ["a", "c"])), {}),  # built for step 5
         (StepBegin(5, _decode(4, ["a", "c"])), {}),  # ... dropped by the append before it; built for step 6
         (StepBegin(6, _decode(5, ["a", "c"])), {}),  # used; built for step 7
-        (StepBegin(7, BatchLayout(["a", "c", "d"], [0, 1, 2, 5], [8, 8, 0], [3, 3, 3]),
+        (StepBegin(7, BatchLayout(["a", "c", "d"], [0, 1, 2, 5], [9, 9, 0], [3, 3, 3]),
                    new_requests=[NewRequest("d", 3, [4, 5, 6])]), {}),  # a new request: planned afresh
     ]
     for begin, end in steps:
@@ -80,14 +97,18 @@ def _run_both(ahead: Session, fresh: Session) -> None:
             assert ahead.ahead._plan is None and fresh.ahead is None
         plans = [s.step_begin(begin) for s in (ahead, fresh)]
         assert_same_tree(_read(ahead, plans[0]), _read(fresh, plans[1]))
-        n = len(begin.batch.req_ids)
+        rows = begin.batch.query_start_loc[len(begin.batch.req_ids)]
         for session in (ahead, fresh):
-            session.step_end(StepEnd(begin.step, None, num_tokens=begin.batch.query_start_loc[n], **end))
+            hidden = _hidden(arenas[id(session)], begin.step, rows)
+            session.step_end(StepEnd(begin.step, None, hidden=hidden, num_tokens=rows, **end))
             session.plan_ahead()  # what the server does once it answered the StepEnd
     status = ahead.status()
     assert (status.plans_ahead_built, status.plans_ahead_used) == (5, 3)  # see the comments above
     assert fresh.status().plans_ahead_built == 0
-    assert ahead.hooks.state.get("a")["meta"]["tags"] == ["late"]  # the append reached the state plans read
+    state = ahead.hooks.state.get("a")
+    assert state["meta"]["tags"] == ["late"]  # the append reached the state plans read
+    # ... and so did every step's postprocess (read by each plan built after its StepEnd):
+    assert state["meta"]["num_processed_tokens"] == 3 + 7 and state["hidden_states"]["last"][0, 0] == 700
 
 
 def test_only_a_batch_of_single_decode_rows_is_predicted():

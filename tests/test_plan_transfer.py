@@ -92,6 +92,31 @@ def test_a_ref_outside_the_arena_is_refused_before_anything_is_copied():
         arena.close()
 
 
+def test_refs_of_several_dtypes_off_the_arenas_alignment_read_right_and_bad_ones_are_step_errors():
+    """The sidecar's arena aligns every tensor to 64 bytes, but a peer's refs are untrusted: refs
+    aligned only to their own dtype (a byte at 1, int32 at 4) still read their bytes; a zero-byte
+    ref whose shape overflows, or extra kwargs that are one tensor, are the step's error, never an
+    exception the worker does not expect."""
+    from proto.messages import StepPlan
+    from worker_shim.transfer import read_plan
+
+    marker = "__omni_tensor_ref__"
+    arena = ShmArena.create(4096, prefix="omni-test-plan")
+    try:
+        arena.view(TensorRef(0, 0, 12, [12], "uint8"))[:] = bytes([9, 1, 2, 3, 7, 0, 0, 0, 8, 0, 0, 0])
+        tree = {"b": {marker: [0, 1, 3, [3], "uint8"]}, "i": {marker: [0, 4, 8, [2], "int32"]}}
+        got = _copy_out_tree(arena, tree, torch.device("cpu"))
+        assert got["b"].tolist() == [1, 2, 3] and got["i"].tolist() == [7, 8]
+        huge = {"x": {marker: [0, 0, 0, [0] + [1 << 40] * 7, "float32"]}}
+        with pytest.raises(SidecarError, match="cannot be read"):
+            _copy_out_tree(arena, huge, torch.device("cpu"))
+        one_tensor = StepPlan(step=0, extra_kwargs={marker: [0, 4, 8, [2], "int32"]})
+        with pytest.raises(SidecarError, match="not a dict"):
+            read_plan(arena, one_tensor, None, torch.nn.Linear(1, 1), None)
+    finally:
+        arena.close()
+
+
 class _DeviceLikeArena:
     """A device arena's interface over host bytes: staged host tensors go up in `_flush`; tensors
     already "on the device" (meta here) are written at once and marked, so a flush that covered

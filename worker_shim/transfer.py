@@ -15,7 +15,7 @@ import torch
 
 from omni_arena.tensor_tree import index_tree
 from omni_arena.views import arena_tensor, check_arena_ref, dtype_name
-from proto.arena import SlotRing, align_up
+from proto.arena import ALIGN, SlotRing, align_up
 from proto.messages import StepPlan
 from proto.tensors import DTYPE_ITEMSIZE, TensorRef
 from worker_shim.channel import SidecarError
@@ -147,6 +147,8 @@ def read_plan(arena: Any, plan: StepPlan, input_batch: Any, model: Any,
     if plan.extra_kwargs:
         device = model_device(model)
         extra = _copy_out_tree(arena, plan.extra_kwargs, device)
+        if not isinstance(extra, dict):  # a tree whose root is one tensor: not keyword arguments
+            raise SidecarError(f"sidecar sent extra kwargs that are a {type(extra).__name__}, not a dict")
     if plan.overlays:
         extra["inputs_embeds"] = _overlay(arena, plan, input_batch, model, embeds)
     if on_device:
@@ -187,27 +189,27 @@ def _copy_out_tree(arena: Any, tree: Any, device: torch.device) -> Any:
         raise SidecarError("sidecar sent tensors but offered no arena")
     dtypes = [check_arena_ref(arena, ref) for _, _, ref in places]  # bounds, bytes, dtype, alignment
     sized = [ref for _, _, ref in places if ref.nbytes]
-    lo = min((r.offset for r in sized), default=0)
+    # From an ALIGN boundary (still inside the arena), so the copy's byte k is the arena's lo + k for
+    # every dtype alike: a ref aligned to its dtype in the arena is aligned in the copy.
+    lo = min((r.offset for r in sized), default=0) // ALIGN * ALIGN
     hi = max((r.offset + r.nbytes for r in sized), default=0)
     region = None
     if sized:
         region = arena_tensor(arena, TensorRef(sized[0].arena, lo, hi - lo, [hi - lo], "uint8")).to(device, copy=True)
-    typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}  # the region as each dtype, from its first aligned byte
-    for (holder, key, ref), dtype in zip(places, dtypes):
-        if not ref.nbytes or region is None:
-            holder[key] = torch.empty(ref.shape, dtype=dtype, device=device)
-            continue
-        size = DTYPE_ITEMSIZE[ref.dtype]
-        view = typed.get(dtype)
-        if view is None:
-            skew = -lo % size  # refs are aligned to their dtype in the arena; the region starts at lo
-            usable = (region.numel() - skew) // size * size
-            view = typed[dtype] = (region[skew : skew + usable].view(dtype), skew)
-        start = (ref.offset - lo - view[1]) // size
-        try:
-            holder[key] = view[0][start : start + ref.nbytes // size].view(ref.shape)
-        except RuntimeError as exc:
-            raise SidecarError(f"sidecar sent a tensor ref that cannot be read: {exc}") from None
+    typed: dict[torch.dtype, torch.Tensor] = {}  # the region's whole items of each dtype
+    try:
+        for (holder, key, ref), dtype in zip(places, dtypes):
+            if not ref.nbytes or region is None:
+                holder[key] = torch.empty(ref.shape, dtype=dtype, device=device)
+                continue
+            size = DTYPE_ITEMSIZE[ref.dtype]
+            items = typed.get(dtype)
+            if items is None:
+                items = typed[dtype] = region[: region.numel() // size * size].view(dtype)
+            start = (ref.offset - lo) // size
+            holder[key] = items[start : start + ref.nbytes // size].view(ref.shape)
+    except RuntimeError as exc:  # e.g. a zero-byte ref whose shape overflows: the peer's bad ref
+        raise SidecarError(f"sidecar sent a tensor ref that cannot be read: {exc}") from None
     return root[0]
 
 
