@@ -130,3 +130,23 @@ def test_a_subclass_that_builds_its_own_kwargs_plans_ahead_only_when_it_says_so(
     assert not OwnKwargs(extra_kwargs="1").plans_ahead
     assert Pure(extra_kwargs="1").plans_ahead
     assert not Pure(extra_kwargs="1", plan_ahead="0").plans_ahead
+
+
+def test_a_hand_over_drops_the_plan_built_ahead():
+    """`export` (the hot-upgrade hand-over) drops a plan built ahead: the successor plans its own."""
+    session, arena = _session("1")
+    try:
+        ids = ["a", "b"]
+        begins = [StepBegin(0, _decode(0, ids), new_requests=[NewRequest(r, 3, [1, 2, 3]) for r in ids]),
+                  StepBegin(1, _decode(1, ids))]
+        for begin in begins[:1]:
+            session.step_begin(begin)
+            session.step_end(StepEnd(begin.step, None, hidden=_hidden(arena, begin.step, 2), num_tokens=2))
+            session.plan_ahead()
+        assert session.status().plans_ahead_built == 1
+        session.export()
+        session.step_begin(begins[1])
+        assert session.status().plans_ahead_used == 0  # planned afresh
+    finally:
+        session.close()
+        arena.close()
