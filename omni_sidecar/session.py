@@ -6,7 +6,6 @@ clients in omni_sidecar/store.py.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -14,7 +13,8 @@ import msgspec
 
 from omni_sidecar.appends import AppendQueue
 from omni_sidecar.arenas import SessionArenas
-from omni_sidecar.hooks import HookErrors, OmniHooks, RequestInfo, StepBatch
+from omni_sidecar.hook_guard import absorb_hook_error, collect_hook_errors
+from omni_sidecar.hooks import OmniHooks, RequestInfo, StepBatch
 from omni_sidecar.metrics import SidecarMetrics
 from omni_sidecar.plan_ahead import PlansAhead
 from omni_sidecar.stats import LatencyWindow
@@ -37,9 +37,6 @@ from proto.messages import (
 )
 from proto.packed import LazyLayout
 from proto.settings import ERROR_TEXT_MAX
-
-log = logging.getLogger("omni_sidecar.session")
-
 
 class Session:
     def __init__(
@@ -157,7 +154,7 @@ class Session:
         if msg.model_hooks is not None:
             self.model_hooks = msg.model_hooks
         if msg.want_states:
-            with _collect(errors, None, "model_states", list(msg.want_states)):
+            with collect_hook_errors(errors, None, "model_states", list(msg.want_states)):
                 states = self.arenas.encode_tensors(self.hooks.model_states(list(msg.want_states)))
         overlays, extra = self._plan(batch, errors)
         event = out.seal() if out is not None else -1
@@ -211,12 +208,12 @@ class Session:
         self._admit(msg.new_requests, [], msg.preempted, errors)
         layout = self._step_end_layout(msg)
         if msg.model_updates or msg.model_outputs:
-            with _collect(errors, None, "on_model_results", [*msg.model_updates, *msg.model_outputs]):
+            with collect_hook_errors(errors, None, "on_model_results", [*msg.model_updates, *msg.model_outputs]):
                 self.hooks.on_model_results(*self.arenas.model_results(msg))
         if msg.num_tokens and layout is not None:
             self.steps += 1
             self.scheduled_tokens += msg.num_tokens
-            with _collect(errors, self._batch(msg.step, layout), "process_model_output"):
+            with collect_hook_errors(errors, self._batch(msg.step, layout), "process_model_output"):
                 fresh, rows = self.seen.fresh_layout(layout)
                 batch = self._batch(msg.step, fresh)
                 batch.hidden_layers = {n: take_rows(t, rows) for n, t in self.arenas.hidden_layers(msg).items()}
@@ -269,7 +266,7 @@ class Session:
         self._finish(finished)
         if preempted:
             self.metrics.requests.labels("preempted").inc(len(preempted))
-            with _collect(errors, None, "on_preempted", preempted):
+            with collect_hook_errors(errors, None, "on_preempted", preempted):
                 self.hooks.on_preempted(list(preempted))
         if not new:
             return
@@ -282,7 +279,7 @@ class Session:
             infos.append(info)
         self.new_requests += len(new)
         self.metrics.requests.labels("new").inc(len(new))
-        with _collect(errors, None, "on_new_requests", [r.req_id for r in new]):
+        with collect_hook_errors(errors, None, "on_new_requests", [r.req_id for r in new]):
             self.hooks.on_new_requests(infos)
 
     def _report(self, errors: dict[str, str]) -> list[RequestError]:
@@ -323,7 +320,7 @@ class Session:
             if client_id:
                 del self._client_ids[client_id]
         failed: dict[str, str] = {}
-        with _collect(failed, None, "on_finished", list(req_ids)):
+        with collect_hook_errors(failed, None, "on_finished", list(req_ids)):
             self.hooks.on_finished(list(req_ids))
         for req_id, message in failed.items():
             self.finished_store.fail(req_id, message[:ERROR_TEXT_MAX], client_of.get(req_id, ""))
@@ -390,33 +387,3 @@ class Session:
             plans_ahead_built=self.ahead.built if self.ahead is not None else 0,
             plans_ahead_used=self.ahead.used if self.ahead is not None else 0,
         )
-
-
-class _collect:
-    """Turns hook exceptions into per-request errors; a hook bug never escapes."""
-
-    def __init__(self, errors: dict[str, str], batch: StepBatch | None, where: str,
-                 req_ids: list[str] | None = None) -> None:
-        self.errors = errors
-        self.where = where
-        self.req_ids = req_ids if req_ids is not None else (batch.req_ids if batch else [])
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is None or not isinstance(exc, Exception):
-            return False
-        absorb_hook_error(self.errors, exc, self.where, self.req_ids)
-        return True
-
-
-def absorb_hook_error(errors: dict[str, str], exc: Exception, where: str, req_ids: list[str]) -> None:
-    """A hook's exception as per-request errors (HookErrors name theirs; anything else hits `req_ids`)."""
-    if isinstance(exc, HookErrors):
-        for req_id, message in exc.errors.items():
-            errors.setdefault(req_id, message)
-        return
-    log.error("%s raised %r", where, exc, exc_info=(type(exc), exc, exc.__traceback__))
-    for req_id in req_ids:
-        errors.setdefault(req_id, f"{where}: {exc!r}")
