@@ -44,48 +44,31 @@ def store_tree(value: Any, put: Callable[[torch.Tensor], TensorRef], depth: int 
     return value
 
 
-def load_tree(value: Any, load: Callable[[Any], torch.Tensor], depth: int = 0, ref_type: type = TensorRef) -> Any:
+def load_tree(value: Any, load: Callable[[Any], torch.Tensor], ref_type: type = TensorRef) -> Any:
     """Markers become the tensors `load` makes of their refs (a copy out of the arena; `ref_type`
-    TensorBlob: a tensor sent inline, see `inline_tree`)."""
-    if depth > MAX_TREE_DEPTH:
-        raise TreeError(f"value nests deeper than {MAX_TREE_DEPTH} levels")
-    if isinstance(value, dict):
-        if TENSOR_MARKER in value:
-            try:
-                ref = msgspec.convert(value[TENSOR_MARKER], ref_type)
-            except msgspec.ValidationError as exc:
-                raise TreeError(f"malformed tensor ref: {exc}") from None
-            return load(ref)
-        return {k: load_tree(v, load, depth + 1, ref_type) for k, v in value.items()}
-    if isinstance(value, list):
-        return [load_tree(v, load, depth + 1, ref_type) for v in value]
-    return value
+    TensorBlob: a tensor sent inline, see `inline_tree`). The whole tree is checked before the
+    first `load`."""
+    root, places = index_tree(value, ref_type)
+    for holder, key, ref in places:
+        holder[key] = load(ref)
+    return root[0]
 
 
-Place = tuple[Any, Any, TensorRef]  # (the dict or list holding a tensor, its key or index, its ref)
+Place = tuple[Any, Any, Any]  # (the dict or list holding a tensor, its key or index, its ref)
 
 
-def index_tree(value: Any) -> tuple[list[Any], list[Place]]:
+def index_tree(value: Any, ref_type: type = TensorRef) -> tuple[list[Any], list[Place]]:
     """A received tree with its tensor markers left as None, and where each tensor goes, in tree
     order: a caller that checks every ref before it makes any tensor (one copy for all of them)
     then puts each in place, without a second walk. The tree comes back as the one item of a list
-    (a tree that is itself a tensor has a holder too). Nesting is bounded as in `load_tree` (a
-    marker or scalar may sit one level deeper than `load_tree` takes); TreeError on a bad one."""
+    (a tree that is itself a tensor has a holder too). TreeError when it nests deeper than
+    `MAX_TREE_DEPTH` or holds a malformed marker."""
     places: list[Place] = []
-    root = _index([value], places, -1)
+    root = _index([value], places, -1, ref_type)
     return root, places
 
 
-def _marker_ref(marker: dict) -> TensorRef:
-    try:
-        return msgspec.convert(marker[TENSOR_MARKER], TensorRef)
-    except msgspec.ValidationError as exc:
-        raise TreeError(f"malformed tensor ref: {exc}") from None
-
-
-def _index(value: Any, places: list[Place], depth: int) -> Any:
-    if depth > MAX_TREE_DEPTH:
-        raise TreeError(f"value nests deeper than {MAX_TREE_DEPTH} levels")
+def _index(value: Any, places: list[Place], depth: int, ref_type: type) -> Any:
     if isinstance(value, dict):
         out: dict = {}
         items = value.items()
@@ -94,14 +77,19 @@ def _index(value: Any, places: list[Place], depth: int) -> Any:
         items = enumerate(value)
     else:
         return value
+    if value and depth + 1 > MAX_TREE_DEPTH:
+        raise TreeError(f"value nests deeper than {MAX_TREE_DEPTH} levels")
     for key, v in items:
         if type(v) in _SCALARS:
             out[key] = v
         elif type(v) is dict and TENSOR_MARKER in v:
             out[key] = None
-            places.append((out, key, _marker_ref(v)))
+            try:
+                places.append((out, key, msgspec.convert(v[TENSOR_MARKER], ref_type)))
+            except msgspec.ValidationError as exc:
+                raise TreeError(f"malformed tensor ref: {exc}") from None
         else:
-            out[key] = _index(v, places, depth + 1)
+            out[key] = _index(v, places, depth + 1, ref_type)
     return out
 
 

@@ -23,16 +23,6 @@ from proto.tensors import DTYPE_ITEMSIZE, TensorRef
 OUT_ARENA_SLACK = 1 << 20  # room for per-tensor alignment next to the overlay rows
 
 
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = dtype_name(dtype)
-    return name
-
-
 class OutArena:
     """The sidecar->shim arena, filled from offset 0 for each plan.
 
@@ -94,7 +84,7 @@ class OutArena:
             if self._host is None:
                 self._host = torch.frombuffer(self.arena.raw(0, self.arena.size), dtype=torch.uint8)
             ctypes.memmove(self._host.data_ptr() + self.offset, tensor.data_ptr(), nbytes)
-        return TensorRef(0, self.offset, nbytes, list(tensor.shape), _dtype_name(tensor.dtype))
+        return TensorRef(0, self.offset, nbytes, list(tensor.shape), dtype_name(tensor.dtype))
 
     def seal(self) -> int:
         """The event index the shim waits on (-1: nothing written, or host memory)."""

@@ -26,7 +26,7 @@ import torch
 from omni_sidecar.builtin_hooks import check_prompt_embeds, overlay_rows
 from omni_sidecar.hooks import HookErrors, OmniHooks, RequestHookError, RequestInfo, StepBatch
 from omni_sidecar.omni.keys import layer_key
-from omni_sidecar.omni.outputs import OutputLog, _own, accumulate, dotted_outputs, slice_per_request
+from omni_sidecar.omni.outputs import OutputLog, accumulate, dotted_outputs, own_copy, slice_per_request
 from omni_sidecar.omni.state import IntermediateBuffer, StateError
 from omni_sidecar.omni.wire import (
     PayloadError,
@@ -140,7 +140,7 @@ class OmniStateHooks(OmniHooks):
         # One copy per batch-level output, then per-request views of it: the rows sit in memory the
         # shim reuses, and a copy per request and output was a kernel each on GPU, every step.
         # A step's requests share its copy, as vllm-omni's share the step's host copy.
-        owned = {name: _own(value) for name, value in {**self.multimodal_outputs(batch, hidden_states), **layers}.items()}
+        owned = {name: own_copy(value) for name, value in {**self.multimodal_outputs(batch, hidden_states), **layers}.items()}
         per_req = slice_per_request(owned, layout.query_start_loc, n)
         results = self._postprocess_batch(batch, hidden_states)
         errors = {}
@@ -154,7 +154,7 @@ class OmniStateHooks(OmniHooks):
                 self.state.merge(req_id, update)
                 chunk = per_req[i]
                 if outputs:  # the default's are fresh tensors; an override's may alias the shim's rows
-                    chunk.update(outputs if results is not None else {k: _own(v) for k, v in outputs.items()})
+                    chunk.update(outputs if results is not None else {k: own_copy(v) for k, v in outputs.items()})
                 self.log.add(req_id, chunk, owned=True)
             except (StateError, PayloadError, ValueError) as exc:
                 errors[req_id] = f"postprocess: {exc}"

@@ -72,7 +72,7 @@ class OutputLog:
         """`chunk` joins the request's step outputs; its tensors are copied unless `owned` (the
         caller copied them already, e.g. once for the whole step)."""
         if chunk and req_id in self._chunks:
-            self._chunks[req_id].append(chunk if owned else {k: _own(v) for k, v in chunk.items()})
+            self._chunks[req_id].append(chunk if owned else {k: own_copy(v) for k, v in chunk.items()})
 
     def chunks(self, req_id: str) -> list[dict[str, Any]] | None:
         return self._chunks.get(req_id)
@@ -87,6 +87,6 @@ class OutputLog:
         self._chunks.update(chunks)
 
 
-def _own(value: Any) -> Any:
+def own_copy(value: Any) -> Any:
     """Copy tensors that may alias shared memory the shim will overwrite."""
     return value.clone() if isinstance(value, torch.Tensor) else value
