@@ -219,11 +219,10 @@ class PeerTable:
             now = clock()
             if served:
                 busy_at = now
-                if now >= until:  # a ring that never runs dry must not hold the loop's housekeeping off
-                    return busy_at
-            elif now >= until or now - busy_at >= spin_s:
+            # At the deadline even when busy: a ring that never runs dry must not hold the loop's housekeeping off.
+            if now >= until or now - busy_at >= spin_s:
                 return busy_at
-            else:
+            if not served:
                 give_way()  # let vLLM's threads run first
 
     def drain(self, dispatch: Dispatch, serve_socket: Callable[[], bool]) -> bool:

@@ -213,9 +213,10 @@ class Session:
         if msg.num_tokens and layout is not None:
             self.steps += 1
             self.scheduled_tokens += msg.num_tokens
-            with collect_hook_errors(errors, self._batch(msg.step, layout), "process_model_output"):
+            whole = self._batch(msg.step, layout)
+            with collect_hook_errors(errors, whole, "process_model_output"):
                 fresh, rows = self.seen.fresh_layout(layout)
-                batch = self._batch(msg.step, fresh)
+                batch = whole if fresh is layout else self._batch(msg.step, fresh)  # steady: nothing seen before
                 batch.hidden_layers = {n: take_rows(t, rows) for n, t in self.arenas.hidden_layers(msg).items()}
                 self.hooks.process_model_output(batch, take_rows(self.arenas.hidden(msg), rows))
         self.arenas.release_slot(msg)

@@ -266,10 +266,6 @@ class ShmRing:
             self._advance(self._polled)
             self._polled = 0
 
-    def empty(self) -> bool:
-        """Nothing published past our read index (consumer side; a cheap look, nothing checked)."""
-        return self._words[_WRITE] == self._read
-
     def set_sleeping(self, sleeping: bool) -> None:
         self._words[_SLEEPING] = 1 if sleeping else 0
 

@@ -153,7 +153,7 @@ class RingTransport:
 
     def nothing_to_read(self) -> bool:
         """No record waits in the receiving ring (socket frames wait for their MARK in it)."""
-        return self.duplex.rx.empty()
+        return not self.duplex.rx.has_data()
 
     def flush(self, wake: bool = True) -> None:
         """Send what the ring has room for now (RingError: the ring is broken); kick a sleeping

@@ -197,22 +197,11 @@ def test_oversized_packed_columns_are_refused_by_the_decoder_before_any_unpackin
         codec.decode(codec.encode(StepEnd(step=1, packed=huge)))
 
 
-def _bare_session():
-    from omni_sidecar.hooks import OmniHooks
-    from omni_sidecar.metrics import SidecarMetrics
-    from omni_sidecar.session import Session
-    from omni_sidecar.store import FinishedOutputs
-    from proto.messages import Hello
-
-    hello = Hello(1, 6, "t", "none", "cpu", 0, 1, "m", 8, "float32", 64, [])
-    return Session(1, hello, OmniHooks(), FinishedOutputs(4), SidecarMetrics())
-
-
 def test_a_step_end_with_its_layout_twice_is_refused_by_the_session():
     both = StepEnd(step=0, num_tokens=2, batch=BatchLayout(["a", "b"], [0, 1, 2], [5, 6], [3, 3]),
                    packed=_step_end_packed(req_ids=["a", "b"]))
     with pytest.raises(ValueError, match="twice"):
-        _bare_session().step_end(both)
+        _session(OmniHooks()).step_end(both)
 
 
 @pytest.mark.parametrize("packs", [True, False])

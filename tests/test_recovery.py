@@ -36,6 +36,7 @@ class FakeConnection:
         self.ack = ack
         self.switch_ack: SwitchAck | None = None  # kept by the channel when sent unsolicited
         self.mirror_seq = 0
+        self.packs_layouts = False  # a sidecar before 1.6: layouts as lists
         self.gone = False
         self.closed = False
         self.hello_sent = False

@@ -106,3 +106,11 @@ class PayloadTracker:
             return any(counts(r) for r in ids)
         flags = prefill_flags(input_batch)
         return any(flags[i] and counts(r) for i, r in enumerate(ids))
+
+
+def wire_layout(batch: Any, conn: Any) -> tuple[BatchLayout | None, PackedLayout | None]:
+    """(lists, packed): the batch's layout as `conn`'s sidecar reads it, packed u32 columns from
+    protocol 1.6 on (`packs_layouts`, from its Welcome), lists before; the other None."""
+    if conn.packs_layouts:
+        return None, packed_batch_layout(batch, conn.peer_req_ids, conn.needs.input_ids)
+    return batch_layout(batch, conn.peer_req_ids, conn.needs.input_ids), None

@@ -207,13 +207,11 @@ class SidecarConnection:
             self.last_sent_at = sent_at
         if isinstance(msg, StepEnd):
             self.step_open = False
-        if isinstance(msg, (StepBegin, StepEnd)):
-            layout = msg.batch if msg.batch is not None or isinstance(msg, StepEnd) else msg.packed
+        if isinstance(msg, (StepBegin, StepEnd)):  # both carry a layout as lists or packed (1.6)
+            layout = msg.batch if msg.batch is not None else msg.packed
             if layout is not None and layout.req_ids is not None:
                 self.peer_req_ids = layout.req_ids
         if isinstance(msg, StepEnd):
-            if msg.packed is not None and msg.packed.req_ids is not None:
-                self.peer_req_ids = msg.packed.req_ids
             self.last_sent_step = self.last_answered_step = msg.step
 
     def take_results(self, until_step: int | None = None) -> list[StepResult]:

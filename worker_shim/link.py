@@ -23,7 +23,7 @@ import torch
 
 from proto.messages import HookNeeds, RequestError, StepBegin, StepEnd, StepPlan
 from proto.settings import ERROR_TEXT_MAX, TIMINGS_KEPT
-from worker_shim.batch import PayloadTracker, batch_layout, new_request, packed_batch_layout, payload_of
+from worker_shim.batch import PayloadTracker, new_request, payload_of, wire_layout
 from worker_shim.channel import SidecarError
 from worker_shim.compat import client_request_id, prompt_len_of
 from worker_shim.config import EmbedsSetting, LossPolicy
@@ -215,11 +215,7 @@ class SidecarLink(StepEndRecords):
         """The blocking StepBegin; it also takes the answer a quiet spell's StepStart asked for. None when
         the sidecar handed the session over before it read this step (switched: the successor has it)."""
         new, finished, preempted = notices
-        layout = packed = None
-        if getattr(conn, "packs_layouts", False):  # a sidecar of protocol 1.6 or later
-            packed = packed_batch_layout(input_batch, conn.peer_req_ids, conn.needs.input_ids)
-        else:
-            layout = batch_layout(input_batch, conn.peer_req_ids, conn.needs.input_ids)
+        layout, packed = wire_layout(input_batch, conn)
         msg = StepBegin(step=self.step, batch=layout, new_requests=new, finished=finished, preempted=preempted,
                         want_states=want, model_hooks=bridge.wire if want and bridge is not None else None,
                         packed=packed)

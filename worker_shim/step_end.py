@@ -15,7 +15,7 @@ import torch
 
 from omni_arena.tensor_tree import store_tree
 from proto.messages import StepEnd, StepTick
-from worker_shim.batch import batch_layout, packed_batch_layout
+from worker_shim.batch import wire_layout
 
 ModelResults = tuple[dict[str, Any], dict[str, Any]]  # per request: state updates, outputs
 
@@ -63,10 +63,7 @@ class StepEndRecords:
         new, finished, preempted = self.requests.take_notices()
         layout = packed = None
         if batch is not None and not self._layout_sent:
-            if getattr(conn, "packs_layouts", False):  # 1.6: packed u32 columns, not lists
-                packed = packed_batch_layout(batch, conn.peer_req_ids, conn.needs.input_ids)
-            else:
-                layout = batch_layout(batch, conn.peer_req_ids, conn.needs.input_ids)
+            layout, packed = wire_layout(batch, conn)
         msg = StepEnd(
             step=self.step,
             batch=layout,
