@@ -143,8 +143,11 @@ def test_pinning_plans_a_core_set_per_group_or_none_and_pins_every_thread():
     worker = threading.Thread(target=stop.wait)
     worker.start()
     try:
-        assert pin_process(os.getpid(), allowed) >= 2  # this thread and the worker: every thread
-        assert os.sched_getaffinity(worker.native_id) == set(allowed)
+        assert pin_process(os.getpid(), allowed[:1]) >= 2  # this thread and the worker: every thread
+        assert os.sched_getaffinity(worker.native_id) == {allowed[0]}  # a thread it did not start from
+        assert os.sched_getaffinity(0) == {allowed[0]}
     finally:
+        pin_process(os.getpid(), allowed)  # as it was
         stop.set()
         worker.join()
+    assert os.sched_getaffinity(0) == set(allowed)
