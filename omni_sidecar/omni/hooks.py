@@ -63,6 +63,7 @@ class OmniStateHooks(OmniHooks):
         self.prompt_embeds: dict[str, torch.Tensor] = {}
         self.log = OutputLog()
         self.preempted: set[str] = set()
+        self._row_views: set[str] = set()  # requests whose state rows view the last batched step's gather
         self.needs = HookNeeds(
             pre_forward="always" if self.send_extra_kwargs else "prefill",
             pre_forward_scope="all" if self.send_extra_kwargs else "payload",
@@ -142,51 +143,79 @@ class OmniStateHooks(OmniHooks):
         # A step's requests share its copy, as vllm-omni's share the step's host copy.
         owned = {name: own_copy(value) for name, value in {**self.multimodal_outputs(batch, hidden_states), **layers}.items()}
         per_req = slice_per_request(owned, layout.query_start_loc, n)
-        results = self._postprocess_batch(batch, hidden_states)
+        batched = self._postprocess_batch(batch, hidden_states)
+        if batched is not None:
+            errors = self._apply_batched(layout.req_ids, per_req, *batched)
+        else:
+            errors = self._postprocess_each(batch, hidden_states, per_req)
+        if errors:
+            raise HookErrors(errors)
+
+    def _postprocess_each(self, batch: StepBatch, hidden: torch.Tensor, per_req: list[dict[str, Any]]) -> dict[str, str]:
+        """A subclass's `postprocess`, called per request; its update merged, its outputs logged."""
         errors = {}
-        for i, req_id in enumerate(layout.req_ids):
+        for i, req_id in enumerate(batch.layout.req_ids):
             state = self.state.get(req_id)
             if state is None:
                 continue  # a request whose payload failed: already reported
             try:
-                update, outputs = results[i] if results is not None else self.postprocess(
-                    req_id, hidden_states[slice(*batch.rows(i))], state)
+                update, outputs = self.postprocess(req_id, hidden[slice(*batch.rows(i))], state)
                 self.state.merge(req_id, update)
                 chunk = per_req[i]
-                if outputs:  # the default's are fresh tensors; an override's may alias the shim's rows
-                    chunk.update(outputs if results is not None else {k: own_copy(v) for k, v in outputs.items()})
+                if outputs:  # an override's outputs may alias the shim's rows
+                    chunk.update({k: own_copy(v) for k, v in outputs.items()})
                 self.log.add(req_id, chunk, owned=True)
             except (StateError, PayloadError, ValueError) as exc:
                 errors[req_id] = f"postprocess: {exc}"
-        if errors:
-            raise HookErrors(errors)
+        return errors
 
-    def _postprocess_batch(self, batch: StepBatch, hidden: torch.Tensor) -> list[tuple[dict, dict]] | None:
-        """The default `postprocess` for all requests at once (one gather and one host copy a step,
-        not a copy per request); None when a subclass overrides `postprocess` (it is then called
-        per request) or a request has no rows this step."""
+    def _apply_batched(self, req_ids: list[str], per_req: list[dict[str, Any]],
+                       columns: dict[tuple[str, str], list[Any]], outputs: dict[str, list[Any]]) -> dict[str, str]:
+        """The default postprocess's columns merged (one pass, `merge_columns`) and its outputs logged."""
+        refused = self.state.merge_columns(req_ids, columns)
+        # The rows each state now keeps are views of this step's gather; a request that leaves the
+        # batch (preempted, finished, not scheduled) keeps its row in storage of its own, so no
+        # state holds a whole past step alive (the cap counts what a state keeps).
+        left = self._row_views.difference(req_ids)
+        for req_id in left:
+            self.state.own_storage(req_id)
+        self._row_views = set(req_ids).difference(refused)
+        for i, req_id in enumerate(req_ids):
+            if req_id in refused or req_id not in self.state:
+                continue
+            chunk = per_req[i]
+            for name, column in outputs.items():
+                chunk[name] = column[i]
+            self.log.add(req_id, chunk, owned=True)
+        return {r: f"postprocess: {m}" for r, m in refused.items()}
+
+    def _postprocess_batch(self, batch: StepBatch, hidden: torch.Tensor
+                           ) -> tuple[dict[tuple[str, str], list[Any]], dict[str, list[Any]]] | None:
+        """The default `postprocess` for all requests at once, as columns (one gather and one host
+        copy a step, not a copy per request): the state columns `merge_columns` takes and the output
+        columns. None when a subclass overrides `postprocess` (it is then called per request) or a
+        request has no rows this step."""
         if type(self).postprocess is not OmniStateHooks.postprocess:
             return None
         qsl = batch.layout.query_start_loc
-        n = len(batch.layout.req_ids)
+        req_ids = batch.layout.req_ids
+        n = len(req_ids)
         if any(qsl[i + 1] <= qsl[i] for i in range(n)):
             return None
         if not n:
-            return []  # every row of the step was seen before (a replay): nothing to process
+            return {}, {}  # every row of the step was seen before (a replay): nothing to process
         if qsl[n] > hidden.shape[0]:  # the shim's layout is untrusted: an index past the rows is a device assert
             raise ValueError(f"the step's layout names {qsl[n]} rows, its hidden states hold {hidden.shape[0]}")
         last_rows = torch.tensor([qsl[i + 1] - 1 for i in range(n)], dtype=torch.long, device=hidden.device)
-        last = hidden.index_select(0, last_rows)
-        last = self.state.place("hidden_states", "last", last)
-        before = [int((self.state.get(r) or {}).get("meta", {}).get("num_processed_tokens", 0))
-                  for r in batch.layout.req_ids]
+        last = self.state.place("hidden_states", "last", hidden.index_select(0, last_rows))
+        states = self.state.get
+        before = [int((states(r) or {}).get("meta", {}).get("num_processed_tokens", 0)) for r in req_ids]
         counts = [qsl[i + 1] - qsl[i] for i in range(n)]
-        traces = torch.tensor([[b, c] for b, c in zip(before, counts)], dtype=torch.int64).split(1)
-        # Each request's last row in storage of its own (the state cap counts what a state keeps
-        # alive); `split` makes all the per-request views in one call, not a slice op each.
-        lasts = last.split(1)
-        return [({"meta": {"num_processed_tokens": before[i] + counts[i]}, "hidden_states": {"last": lasts[i].clone()}},
-                 {"processed_trace": traces[i]}) for i in range(n)]
+        traces = torch.tensor([[b, c] for b, c in zip(before, counts)], dtype=torch.int64)
+        # `split` makes all the per-request views in one call, not a slice op each.
+        columns = {("meta", "num_processed_tokens"): [b + c for b, c in zip(before, counts)],
+                   ("hidden_states", "last"): list(last.split(1))}
+        return columns, {"processed_trace": list(traces.split(1))}
 
     def model_states(self, req_ids: list[str]) -> dict[str, dict[str, Any]]:
         """The decoded payload state of each request (those whose payload failed are already reported)."""

@@ -99,6 +99,15 @@ class IntermediateBuffer:
         self._states.pop(req_id, None)
         self._sizes.pop(req_id, None)
 
+    def own_storage(self, req_id: str) -> None:
+        """Tensors of the state that view a larger tensor (a batch's rows) copied into storage of
+        their own: what the state keeps alive is then what the cap counts."""
+        state = self._states.get(req_id)
+        for holder in [state or {}, *(v for v in (state or {}).values() if isinstance(v, dict))]:
+            for key, value in holder.items():
+                if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > value.nbytes:
+                    holder[key] = value.clone()
+
     def nbytes(self, req_id: str) -> int:
         return self._sizes.get(req_id, 0)
 
@@ -109,6 +118,48 @@ class IntermediateBuffer:
         if state is None or not update:
             return
         self._sizes[req_id] = self._merge(state, update, replace, self._sizes[req_id])
+
+    def merge_columns(self, req_ids: list[str], columns: dict[tuple[str, str], list[Any]]) -> dict[str, str]:
+        """`{category: {qualifier: columns[category, qualifier][i]}}` merged into request i's state, for
+        every request of `req_ids`: what one `merge` each would do (all or nothing per request,
+        the cap), in one pass over the batch; one update dict and one general merge per request and
+        step were most of a step's state work. Returns the requests refused (a message each)."""
+        keys = list(columns)
+        if any(c == "embed" and q in SPAN_KEYS for c, q in keys):  # span rules: the general merge
+            return self._merge_each(req_ids, keys, columns)
+        placed_columns = [[self.place(c, q, v) for v in columns[c, q]] for c, q in keys]
+        errors: dict[str, str] = {}
+        for i, req_id in enumerate(req_ids):
+            state = self._states.get(req_id)
+            if state is None:
+                continue
+            size = self._sizes[req_id]
+            slots = [state.get(c) for c, _ in keys]
+            if any(type(slot) is not dict for slot in slots):  # a category not yet a dict: the general merge
+                errors.update(self._merge_each([req_id], keys, {k: [columns[k][i]] for k in keys}))
+                continue
+            for (_, q), slot, column in zip(keys, slots, placed_columns):
+                size += _nbytes(column[i]) - _nbytes(slot.get(q))
+            if size > self.max_bytes:
+                errors[req_id] = self._over_cap(size)
+                continue
+            for (_, q), slot, column in zip(keys, slots, placed_columns):
+                slot[q] = column[i]
+            self._sizes[req_id] = size
+        return errors
+
+    def _merge_each(self, req_ids: list[str], keys: list[tuple[str, str]],
+                    columns: dict[tuple[str, str], list[Any]]) -> dict[str, str]:
+        errors = {}
+        for i, req_id in enumerate(req_ids):
+            update: dict[str, dict[str, Any]] = {}
+            for c, q in keys:
+                update.setdefault(c, {})[q] = columns[c, q][i]
+            try:
+                self.merge(req_id, update)
+            except StateError as exc:
+                errors[req_id] = str(exc)
+        return errors
 
     def trial_merge(self, req_id: str, earlier: list[dict[str, Any]], update: dict[str, Any]) -> dict[str, Any]:
         """`update` checked (its rules, the cap) on a copy of the state with the `earlier` deltas
@@ -165,10 +216,7 @@ class IntermediateBuffer:
                 size += _nbytes(placed) - _nbytes(current)
                 writes.append((category, None, placed))
         if size > self.max_bytes:
-            raise StateError(
-                f"request state holds {size} bytes, over the cap of {self.max_bytes} "
-                "(raise it with --hook-option state_cap_mib=N)"
-            )
+            raise StateError(self._over_cap(size))
         if replace:
             state.clear()
             state.update(base)
@@ -181,6 +229,10 @@ class IntermediateBuffer:
             else:
                 state[category][qualifier] = placed
         return size
+
+    def _over_cap(self, size: int) -> str:
+        return (f"request state holds {size} bytes, over the cap of {self.max_bytes} "
+                "(raise it with --hook-option state_cap_mib=N)")
 
     def place(self, category: str, qualifier: str | None, value: Any) -> Any:
         """`value` where a merge keeps it (host memory unless the key is device-resident)."""

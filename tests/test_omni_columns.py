@@ -1,0 +1,70 @@
+"""The omni set's state columns: `merge_columns` does what one `merge` per request does, and the
+rows a step's batched postprocess leaves in the states never keep a whole past step alive."""
+
+from __future__ import annotations
+
+import torch
+
+from omni_sidecar.hooks import RequestInfo, StepBatch
+from omni_sidecar.omni.hooks import OmniStateHooks
+from omni_sidecar.omni.state import IntermediateBuffer, StateError
+from proto.messages import BatchLayout
+from tests.support.trees import assert_same_tree
+
+
+def _buffers(cap: int) -> tuple[IntermediateBuffer, IntermediateBuffer]:
+    pair = IntermediateBuffer(max_bytes_per_request=cap), IntermediateBuffer(max_bytes_per_request=cap)
+    for buf in pair:
+        buf.create("a", {"meta": {"n": 1}, "hidden_states": {"last": torch.zeros(1, 4)}})
+        buf.create("b", {"meta": 7})  # a category that is not a dict: the general rules
+        buf.create("c", {"meta": {"n": 1}, "big": {"t": torch.zeros(30)}})  # near the cap
+    return pair
+
+
+def test_merge_columns_equals_one_merge_per_request():
+    columns = {("meta", "n"): [2, 3, 4, 5], ("hidden_states", "last"): [torch.full((1, 4), float(i)) for i in range(4)]}
+    req_ids = ["a", "b", "c", "gone"]
+    by_columns, by_merge = _buffers(cap=130)
+    refused = by_columns.merge_columns(req_ids, columns)
+    merge_errors = {}
+    for i, req_id in enumerate(req_ids):
+        try:
+            by_merge.merge(req_id, {"meta": {"n": columns["meta", "n"][i]},
+                                    "hidden_states": {"last": columns["hidden_states", "last"][i]}})
+        except StateError as exc:
+            merge_errors[req_id] = str(exc)
+    assert refused == merge_errors and set(refused) == {"c"}  # c's 120 + 16 bytes are over 130
+    for req_id in "abc":
+        assert_same_tree(by_columns.get(req_id), by_merge.get(req_id))
+        assert by_columns.nbytes(req_id) == by_merge.nbytes(req_id)
+    assert by_columns.get("c")["meta"] == {"n": 1}  # all or nothing: the refused request is as it was
+
+
+def test_merge_columns_keeps_the_span_rules():
+    buf = IntermediateBuffer()
+    buf.create("a", {"embed": {"decode": torch.ones(2, 3), "decode_token_start": 0, "decode_token_end": 2}})
+    refused = buf.merge_columns(["a"], {("embed", "decode"): [torch.zeros(2, 3)],
+                                        ("embed", "decode_token_start"): [1], ("embed", "decode_token_end"): [3]})
+    assert refused == {} and buf.get("a")["embed"]["decode"].shape == (3, 3)  # overlap trimmed, one row appended
+    refused = buf.merge_columns(["a"], {("embed", "decode"): [torch.zeros(1, 3)],
+                                        ("embed", "decode_token_start"): [9], ("embed", "decode_token_end"): [10]})
+    assert "gap" in refused["a"]
+
+
+def test_a_request_that_leaves_the_batch_keeps_its_rows_in_storage_of_its_own():
+    hooks = OmniStateHooks()
+    hooks.on_new_requests([RequestInfo(r, 2, [1, 2], None) for r in "abc"])
+
+    def step(n: int, ids: list[str]) -> None:
+        batch = StepBatch(n, BatchLayout(ids, list(range(len(ids) + 1)), [2 + n] * len(ids), [2] * len(ids)))
+        hooks.process_model_output(batch, torch.randn(len(ids), 4))
+
+    def storage(req_id: str) -> int:
+        return hooks.state.get(req_id)["hidden_states"]["last"].untyped_storage().nbytes()
+
+    step(0, ["a", "b", "c"])
+    assert storage("a") == 3 * 4 * 4  # rows of the step's one gather, not a copy each
+    step(1, ["a", "c"])  # b preempted, say
+    assert storage("b") == 4 * 4 == hooks.state.nbytes("b")  # its own row only
+    assert storage("a") == 2 * 4 * 4
+    assert hooks.state.get("b")["meta"]["num_processed_tokens"] == 1
