@@ -112,6 +112,7 @@ class InProcessArenas:
 
     out = None  # no out-arena: Session.step_begin skips reset/seal
     opens = None
+    stacks: list = []  # tensors pass by reference: nothing is stacked
     consumer_events: list[bytes] = []
 
     def __init__(self, wanted_layers: list[int]) -> None:

@@ -1,6 +1,7 @@
 """Nested JSON-like values with tensors inside, in both directions across an arena.
 
-A tensor travels as `{TENSOR_MARKER: TensorRef}`; dicts (any key type: vllm-omni keys
+A tensor travels as `{TENSOR_MARKER: TensorRef}` (or, in a plan, as a row of one of its
+stacked tensors: `{ROW_MARKER: [k, i]}`, omni_arena/row_stacks.py); dicts (any key type: vllm-omni keys
 `hidden_states.layers` by int), lists and tuples nest up to `MAX_TREE_DEPTH` levels.
 Both sides use these two walkers (extra kwargs, model states, model updates and
 outputs), so the encoding is written once. A received tree is untrusted: its refs
@@ -16,7 +17,7 @@ import torch
 
 from omni_arena.views import tensor_from_bytes, tensor_to_bytes
 from proto.messages import TensorBlob
-from proto.tensors import TENSOR_MARKER, TensorRef
+from proto.tensors import ROW_MARKER, TENSOR_MARKER, TensorRef
 
 MAX_TREE_DEPTH = 8
 
@@ -28,19 +29,30 @@ class TreeError(ValueError):
 _SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
 
 
-def store_tree(value: Any, put: Callable[[torch.Tensor], TensorRef], depth: int = 0) -> Any:
+def store_tree(value: Any, put: Callable[[torch.Tensor], TensorRef]) -> Any:
     """Tensors become markers holding the ref `put` returns (the tensor copied into an arena)."""
-    if type(value) in _SCALARS:  # most leaves (per-request state every step): skip the checks below
+    return mark_tree(value, lambda tensor: {TENSOR_MARKER: put(tensor)})
+
+
+def mark_tree(value: Any, mark: Callable[[torch.Tensor], dict], depth: int = 0) -> Any:
+    """Tensors become the marker dicts `mark` makes (`store_tree`'s, or a stacker's to fill later)."""
+    # Exact types first: per-request state every step is mostly plain dicts, lists and scalars, and
+    # `isinstance(x, torch.Tensor)` costs ten times `type(x) is dict` for a value that is not one.
+    kind = type(value)
+    if kind is dict or kind is list or kind is tuple:
+        if depth > MAX_TREE_DEPTH:
+            raise TreeError(f"value nests deeper than {MAX_TREE_DEPTH} levels")
+        if kind is dict:
+            return {k: v if type(v) in _SCALARS else mark_tree(v, mark, depth + 1) for k, v in value.items()}
+        return [v if type(v) in _SCALARS else mark_tree(v, mark, depth + 1) for v in value]
+    if kind in _SCALARS:
         return value
-    if depth > MAX_TREE_DEPTH:
-        raise TreeError(f"value nests deeper than {MAX_TREE_DEPTH} levels")
     if isinstance(value, torch.Tensor):
-        return {TENSOR_MARKER: put(value)}
-    # Scalar leaves are kept here, without a call each (per-request state, every step).
-    if isinstance(value, dict):
-        return {k: v if type(v) in _SCALARS else store_tree(v, put, depth + 1) for k, v in value.items()}
+        return mark(value)
+    if isinstance(value, dict):  # subclasses (OrderedDict, defaultdict): as a dict
+        return mark_tree(dict(value), mark, depth)
     if isinstance(value, (list, tuple)):
-        return [v if type(v) in _SCALARS else store_tree(v, put, depth + 1) for v in value]
+        return mark_tree(list(value), mark, depth)
     return value
 
 
@@ -55,42 +67,52 @@ def load_tree(value: Any, load: Callable[[Any], torch.Tensor], ref_type: type = 
 
 
 Place = tuple[Any, Any, Any]  # (the dict or list holding a tensor, its key or index, its ref)
+RowPlace = tuple[Any, Any, int, int]  # (holder, key, stack index, row): not yet checked against the plan
 
 
 def index_tree(value: Any, ref_type: type = TensorRef) -> tuple[list[Any], list[Place]]:
-    """A received tree with its tensor markers left as None, and where each tensor goes, in tree
-    order: a caller that checks every ref before it makes any tensor (one copy for all of them)
-    then puts each in place, without a second walk. The tree comes back as the one item of a list
-    (a tree that is itself a tensor has a holder too). TreeError when it nests deeper than
-    `MAX_TREE_DEPTH` or holds a malformed marker."""
+    """Where each tensor of a received tree goes, in tree order: a caller that checks every ref
+    before it makes any tensor (one copy for all of them) then puts each in place, without a second
+    walk. The tree is the received message's own: its containers are filled in place, never
+    copied (a copy of every dict and list was most of the walk's time; a decoded message shares no
+    container with anything). It comes back as the one item of a list (a tree that is itself a
+    tensor has a holder too). TreeError when it nests deeper than `MAX_TREE_DEPTH` or holds a
+    malformed marker (a row marker included: only plans carry stacks)."""
+    return index_trees([value], ref_type)
+
+
+def index_trees(values: list[Any], ref_type: type = TensorRef,
+                rows: list[RowPlace] | None = None) -> tuple[list[Any], list[Place]]:
+    """`index_tree` of several trees at once (each at depth 0, as if alone): the list of them. With
+    `rows`, a plan's row markers (omni_arena/row_stacks.py) are gathered there; without, one is an error."""
     places: list[Place] = []
-    root = _index([value], places, -1, ref_type)
-    return root, places
+    _index(values, places, rows, -1, ref_type)
+    return values, places
 
 
-def _index(value: Any, places: list[Place], depth: int, ref_type: type) -> Any:
-    if isinstance(value, dict):
-        out: dict = {}
-        items = value.items()
-    elif isinstance(value, list):
-        out = [None] * len(value)  # type: ignore[assignment]
-        items = enumerate(value)
-    else:
-        return value
+def _index(value: dict | list, places: list[Place], rows: list[RowPlace] | None, depth: int, ref_type: type) -> None:
     if value and depth + 1 > MAX_TREE_DEPTH:
         raise TreeError(f"value nests deeper than {MAX_TREE_DEPTH} levels")
-    for key, v in items:
-        if type(v) in _SCALARS:
-            out[key] = v
-        elif type(v) is dict and TENSOR_MARKER in v:
-            out[key] = None
-            try:
-                places.append((out, key, msgspec.convert(v[TENSOR_MARKER], ref_type)))
-            except msgspec.ValidationError as exc:
-                raise TreeError(f"malformed tensor ref: {exc}") from None
-        else:
-            out[key] = _index(v, places, depth + 1, ref_type)
-    return out
+    for key, v in value.items() if type(value) is dict else enumerate(value):
+        kind = type(v)
+        if kind is dict:
+            if TENSOR_MARKER in v:
+                try:
+                    places.append((value, key, msgspec.convert(v[TENSOR_MARKER], ref_type)))
+                except msgspec.ValidationError as exc:
+                    raise TreeError(f"malformed tensor ref: {exc}") from None
+            elif ROW_MARKER in v:
+                row = v[ROW_MARKER]
+                if rows is None:
+                    raise TreeError("a row marker where only tensor refs may be")
+                if not (type(row) is list and len(row) == 2 and type(row[0]) is int and type(row[1]) is int
+                        and row[0] >= 0 and row[1] >= 0):
+                    raise TreeError(f"malformed row marker {row!r:.80}: want [stack index, row]")
+                rows.append((value, key, row[0], row[1]))
+            else:
+                _index(v, places, rows, depth + 1, ref_type)
+        elif kind is list:
+            _index(v, places, rows, depth + 1, ref_type)
 
 
 def inline_tree(value: Any) -> Any:

@@ -13,12 +13,14 @@ from typing import Any
 
 import torch
 
+from omni_arena.row_stacks import RowStacker
 from omni_arena.tensor_tree import load_tree, store_tree
 from omni_arena.views import arena_tensor, dtype_name, torch_dtype
 from omni_sidecar.metrics import SidecarMetrics
 from proto.arena import ArenaError, ShmArena, align_up
 from proto.messages import Hello, Overlay, StepEnd
 from proto.tensors import DTYPE_ITEMSIZE, TensorRef
+from proto.version import STACKED_ROWS_MINOR
 
 OUT_ARENA_SLACK = 1 << 20  # room for per-tensor alignment next to the overlay rows
 
@@ -45,12 +47,14 @@ class OutArena:
         # in with one memmove (a view and a copy_ per tensor cost ~7 µs, 128 tensors a step at 64
         # requests when per-request state rides in the extra kwargs).
         self._host: torch.Tensor | None = None
+        self.stacks: list[TensorRef] = []  # this plan's stacked tensors (StepPlan.stacks)
 
     def reset(self) -> None:
         if self.device and self.offset:
             self.arena.wait_done(0)
         self.offset = 0
         self._run_start = -1
+        self.stacks = []  # a new list: a plan already made keeps its own
 
     def put(self, tensor: torch.Tensor) -> TensorRef:
         nbytes = tensor.nbytes
@@ -68,6 +72,43 @@ class OutArena:
             ref = self.arena.write(self.offset, tensor.detach().to(self.arena.device))
         self.offset = align_up(self.offset + max(nbytes, 1))
         return ref
+
+    def put_stack(self, tensors: list[torch.Tensor]) -> int:
+        """Same-shaped tensors (one dtype and device) stacked into the arena as one tensor, written in
+        place by one `torch.stack`; its index in this plan's `stacks` (omni_arena/row_stacks.py)."""
+        first = tensors[0]
+        shape = [len(tensors), *first.shape]
+        nbytes = first.nbytes * len(tensors)
+        end = self.offset + nbytes
+        if end > self.arena.size:
+            raise ArenaError(
+                f"step needs more than the {self.arena.size}-byte sidecar arena "
+                "(raise it with --arena-mib)"
+            )
+        if not self.device:
+            if self._host is None:
+                self._host = torch.frombuffer(self.arena.raw(0, self.arena.size), dtype=torch.uint8)
+            self._stack_into(self._host[self.offset : end], tensors, shape)
+        elif first.device.type == "cpu":
+            self._stack_into(self._staging_to(end)[self.offset : end], tensors, shape)
+            if self._run_start < 0:
+                self._run_start = self.offset
+        else:
+            self._flush()  # staged bytes first: the runs must not cover what this write makes
+            self._stack_into(self.arena.buf[self.offset : end], tensors, shape)
+        self.stacks.append(TensorRef(0, self.offset, nbytes, shape, dtype_name(first.dtype)))
+        self.offset = align_up(end)
+        return len(self.stacks) - 1
+
+    @staticmethod
+    def _stack_into(region: torch.Tensor, tensors: list[torch.Tensor], shape: list[int]) -> None:
+        """`torch.stack(tensors)` written into `region`'s bytes (offsets are ALIGN-aligned: any dtype fits)."""
+        dst = region.view(tensors[0].dtype).view(shape)
+        with torch.no_grad():  # out= refuses tensors that require grad otherwise; `put` detaches alike
+            if dst.device == tensors[0].device:
+                torch.stack(tensors, out=dst)  # resolves lazy neg/conj as it writes
+            else:
+                dst.copy_(torch.stack(tensors))
 
     def close(self) -> None:
         """Let go of the arena (the bytes' tensor first: a mapping a tensor still views stays mapped)."""
@@ -93,8 +134,8 @@ class OutArena:
         self._flush()
         return self.arena.mark_ready(0)
 
-    def _stage(self, tensor: torch.Tensor, nbytes: int) -> TensorRef:
-        end = self.offset + nbytes
+    def _staging_to(self, end: int) -> torch.Tensor:
+        """The host staging buffer, grown to hold `end` bytes (the staged run kept)."""
         if self._staging is None or self._staging.numel() < end:
             size = min(self.arena.size, max(end, 2 * (0 if self._staging is None else self._staging.numel())))
             grown = torch.empty(size, dtype=torch.uint8)
@@ -102,10 +143,15 @@ class OutArena:
                 kept = min(self.offset, self._staging.numel())  # past it: alignment padding only
                 grown[self._run_start : kept] = self._staging[self._run_start : kept]
             self._staging = grown
+        return self._staging
+
+    def _stage(self, tensor: torch.Tensor, nbytes: int) -> TensorRef:
+        end = self.offset + nbytes
+        staging = self._staging_to(end)
         if nbytes:
             # A byte view reads the bytes as stored: a lazy negation or conjugation must be applied first.
             dense = tensor.resolve_conj().resolve_neg().contiguous()
-            self._staging[self.offset : end] = dense.reshape(-1).view(torch.uint8)
+            staging[self.offset : end] = dense.reshape(-1).view(torch.uint8)
         if self._run_start < 0:
             self._run_start = self.offset
         return TensorRef(0, self.offset, nbytes, list(tensor.shape), dtype_name(tensor.dtype))
@@ -132,6 +178,8 @@ class SessionArenas:
         self.opens: Any = None  # CUDA IPC OpenCounts
         self.consumer_events: list[bytes] = []
         self.wanted_layers: list[int] = []  # the hooks' HookNeeds.hidden_layers
+        # Shims of 1.7 read stacked rows: a plan's same-shaped tensors go as one stack each.
+        self._stacker = RowStacker() if hello.protocol_minor >= STACKED_ROWS_MINOR else None
 
     def open(self, wants_out: bool, min_out_bytes: int) -> None:
         """Map the shim's arenas; create ours for overlay rows / kwargs if the hooks need one.
@@ -225,8 +273,16 @@ class SessionArenas:
         return [Overlay(row_start, self.out.put(rows.to(want))) for row_start, rows in pairs]
 
     def encode_tensors(self, value: Any) -> Any:
-        """Tensors in extra kwargs and model states go into the arena; the message carries their refs."""
-        return store_tree(value, self._put)
+        """Tensors in extra kwargs and model states go into the arena; the message carries their refs
+        (or rows of the plan's stacks: `stacks`)."""
+        if self._stacker is None or self.out is None:
+            return store_tree(value, self._put)
+        return self._stacker.store(value, self.out.put, self.out.put_stack, len(self.out.stacks))
+
+    @property
+    def stacks(self) -> list[TensorRef]:
+        """This plan's stacked tensors (the list a plan made keeps: `reset` starts a new one)."""
+        return self.out.stacks if self.out is not None else []
 
     def _put(self, tensor: torch.Tensor) -> TensorRef:
         if self.out is None:

@@ -143,6 +143,11 @@ class OmniHooks:
     def process_model_output(self, batch: StepBatch, hidden_states: torch.Tensor | None) -> None:
         """`hidden_states` aliases shared memory valid only during this call: copy to keep."""
 
+    def between_steps(self) -> None:
+        """Called once a step is answered and the next step's plan, if built ahead, is out: work
+        `process_model_output` may put off (the omni set cuts its outputs per request here), off
+        the path the shim waits on. Reads of outputs must not depend on it having run."""
+
     def get_outputs(self, req_id: str) -> dict[str, Any] | None:
         """The request's assembled outputs so far (None: not a request these hooks know)."""
         return None

@@ -23,6 +23,7 @@ from typing import Any, Callable
 from omni_sidecar.hooks import StepBatch
 from proto.messages import BatchLayout, Overlay, StepBegin
 from proto.packed import LazyLayout
+from proto.tensors import TensorRef
 
 # The session's plan builder: (batch, errors to fill) -> (overlays, extra kwargs), tensors in its arena.
 BuildPlan = Callable[[StepBatch, dict[str, str]], tuple[list[Overlay], dict[str, Any]]]
@@ -39,6 +40,7 @@ class PlanAhead:
     errors: dict[str, str]
     event: int
     hook_us: float
+    stacks: list[TensorRef]
 
     def answers(self, msg: StepBegin, layout: BatchLayout | LazyLayout) -> bool:
         """Is `msg` (its `layout` resolved) the step this plan was built for, bringing nothing else?"""
@@ -106,7 +108,8 @@ class PlansAhead:
             out.reset()
         overlays, extra = self._build(StepBatch(step + 1, layout, self._requests), errors)
         event = out.seal() if out is not None else -1
-        self._plan = PlanAhead(step + 1, layout, overlays, extra, errors, event, (time.perf_counter() - t0) * 1e6)
+        stacks = out.stacks if out is not None else []
+        self._plan = PlanAhead(step + 1, layout, overlays, extra, errors, event, (time.perf_counter() - t0) * 1e6, stacks)
         self.built += 1
 
     def take(self, msg: StepBegin, layout: BatchLayout | LazyLayout) -> PlanAhead | None:

@@ -145,7 +145,8 @@ class Session:
         if ahead is not None:  # built while the shim scheduled this step
             self._begin_us = ahead.hook_us + (time.perf_counter() - t0) * 1e6
             return StepPlan(step=msg.step, overlays=ahead.overlays, extra_kwargs=ahead.extra_kwargs,
-                            errors=self._report(ahead.errors) if ahead.errors else [], event=ahead.event)
+                            errors=self._report(ahead.errors) if ahead.errors else [], event=ahead.event,
+                            stacks=ahead.stacks)
         batch = StepBatch(msg.step, layout, self.requests)
         states: dict[str, Any] = {}
         out = self.arenas.out
@@ -160,7 +161,8 @@ class Session:
         event = out.seal() if out is not None else -1
         self._begin_us = (time.perf_counter() - t0) * 1e6
         return StepPlan(step=msg.step, overlays=overlays, extra_kwargs=extra,
-                        errors=self._report(errors) if errors else [], event=event, model_states=states)
+                        errors=self._report(errors) if errors else [], event=event, model_states=states,
+                        stacks=self.arenas.stacks)
 
     def _plan(self, batch: StepBatch, errors: dict[str, str]) -> tuple[list[Overlay], dict[str, Any]]:
         """The pre-forward hooks' overlays and extra kwargs, their tensors in the arena."""
@@ -176,9 +178,15 @@ class Session:
         return overlays, extra
 
     def plan_ahead(self) -> None:
-        """After a StepEnd is answered (the server calls it): omni_sidecar/plan_ahead.py."""
+        """After a StepEnd is answered (the server calls it): omni_sidecar/plan_ahead.py; then the
+        work the hooks put off until the next plan is out (`OmniHooks.between_steps`)."""
         if self.ahead is not None:
             self.ahead.build()
+        failed: dict[str, str] = {}
+        with collect_hook_errors(failed, None, "between_steps", list(self.requests)):
+            self.hooks.between_steps()
+        if failed:
+            self._report(failed)
 
     def drop_plan_ahead(self) -> None:
         """The hooks' state changes (an append, a hand-over): a plan built before is stale."""

@@ -30,6 +30,7 @@ from proto.tensors import TensorRef
 from proto.upgrade import SwitchAck, SwitchReady, Takeover, TakeoverState
 
 MAX_BATCH = 1 << 16
+MAX_STACKS = 1024  # stacked tensors in one plan (StepPlan.stacks)
 MAX_STEP_TOKENS = 1 << 20
 MAX_ID_LEN = 256
 ReqId = Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)]
@@ -173,8 +174,9 @@ class StepPlan(msgspec.Struct, tag="step_plan", frozen=True):
     """Overlay rows, extra forward kwargs and initial model states for this step.
 
     In `extra_kwargs` and `model_states`, a tensor is `{TENSOR_MARKER: TensorRef}`
-    pointing into the sidecar's arena; everything else is JSON-like. A state is typed
-    `Any`, not `dict[str, Any]`: vllm-omni's `hidden_states.layers` is keyed by int.
+    pointing into the sidecar's arena, or (1.7) `{ROW_MARKER: [k, i]}`: row i of `stacks[k]`;
+    everything else is JSON-like. A state is typed `Any`, not `dict[str, Any]`: vllm-omni's
+    `hidden_states.layers` is keyed by int.
     """
 
     step: Count
@@ -185,6 +187,8 @@ class StepPlan(msgspec.Struct, tag="step_plan", frozen=True):
     event: Annotated[int, msgspec.Meta(ge=-1, le=63)] = -1
     # 1.2: the state of each request named in `want_states` (the sidecar's decoded payload).
     model_states: dict[ReqId, Any] = {}
+    # 1.7: same-shaped tensors of this plan, each set stacked into one (omni_arena/row_stacks.py).
+    stacks: Annotated[list[TensorRef], msgspec.Meta(max_length=MAX_STACKS)] = []
 
 
 class StepEnd(msgspec.Struct, tag="step_end", frozen=True):

@@ -11,6 +11,9 @@ PROTOCOL_MAJOR = 1
 #      fixed-size record, not a StepEnd)
 # 1.6: StepBegin.packed and StepEnd.packed (PackedLayout: the layout's ints as packed u32 arrays, not
 #      lists; StepBegin.batch optional)
-PROTOCOL_MINOR = 6
+# 1.7: StepPlan.stacks and row markers (ROW_MARKER): same-shaped tensors of a plan in one stacked
+#      tensor each, their places in the trees naming a row of it
+PROTOCOL_MINOR = 7
 PACKED_LAYOUT_MINOR = 6  # from this minor on, a sidecar reads StepBegin.packed and StepEnd.packed
+STACKED_ROWS_MINOR = 7  # from this minor on, a shim reads StepPlan.stacks and row markers
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"

@@ -23,8 +23,9 @@ from omni_sidecar.store import FinishedOutputs
 from proto.arena import ShmArena
 from proto.messages import AppendPayload, BatchLayout, Hello, NewRequest, StepBegin, StepEnd
 from proto.tensors import TensorRef
+from proto.version import PROTOCOL_MINOR
 from tests.support.trees import assert_same_tree
-from worker_shim.transfer import _copy_out_tree
+from worker_shim.transfer import _copy_out_trees
 
 
 H = 4  # hidden size
@@ -34,7 +35,7 @@ def _session(plan_ahead: str) -> tuple[Session, ShmArena]:
     """A session with the omni set sending extra kwargs, and the shim's arena its StepEnds' hidden
     rows come in (so each step's postprocess changes every request's state)."""
     shim_arena = ShmArena.create(1 << 16, prefix="omni-test-ahead")
-    hello = Hello(1, 6, "test", "none", "cpu", 0, 1, "m", H, "float32", 64, [shim_arena.info()])
+    hello = Hello(1, PROTOCOL_MINOR, "test", "none", "cpu", 0, 1, "m", H, "float32", 64, [shim_arena.info()])
     session = Session(1, hello, OmniStateHooks(extra_kwargs="1", plan_ahead=plan_ahead), FinishedOutputs(10),
                       SidecarMetrics())
     session.open_arenas()
@@ -61,7 +62,7 @@ def _payload(tag: str) -> bytes:
 
 def _read(session: Session, plan) -> tuple:
     """What the shim would read of the plan: its tensors out of the session's arena."""
-    extra = _copy_out_tree(session.arenas.out.arena, plan.extra_kwargs, torch.device("cpu"))
+    extra, = _copy_out_trees(session.arenas.out.arena, [plan.extra_kwargs], torch.device("cpu"), plan.stacks)
     return plan.step, [(o.row_start, o.rows) for o in plan.overlays], extra, sorted(plan.errors)
 
 

@@ -17,7 +17,17 @@ from proto.arena import ShmArena
 from proto.tensors import TensorRef, TensorRefError
 from tests.support.trees import assert_same_tree
 from worker_shim.channel import SidecarError
-from worker_shim.transfer import _copy_out_tree
+from omni_arena.row_stacks import RowStacker
+from worker_shim.transfer import _copy_out_trees
+
+
+def _copy_out_tree(arena, tree, device, stacks=()):
+    return _copy_out_trees(arena, [tree], device, list(stacks))[0]
+
+
+def _store(tree: dict, out: OutArena, stacked: bool) -> dict:
+    """`tree` into the out-arena as a sidecar stores it for a shim of 1.6 (a ref each) or 1.7 (stacks)."""
+    return RowStacker().store(tree, out.put, out.put_stack, 0) if stacked else store_tree(tree, out.put)
 
 
 def test_the_state_size_kept_by_merges_equals_sizing_it_afresh():
@@ -65,13 +75,15 @@ def _tree() -> dict:
     }
 
 
-def test_a_plans_tensors_come_out_of_the_shm_arena_in_one_copy_and_own_their_bytes():
+@pytest.mark.parametrize("stacked", [False, True], ids=["a-ref-each", "stacked-rows"])
+def test_a_plans_tensors_come_out_of_the_shm_arena_in_one_copy_and_own_their_bytes(stacked):
     arena = ShmArena.create(1 << 16, prefix="omni-test-plan")
     try:
         out = OutArena(arena)
         want = _tree()
-        sent = store_tree(want, out.put)
-        got = _copy_out_tree(arena, sent, torch.device("cpu"))
+        sent = _store(want, out, stacked)
+        assert len(out.stacks) == (1 if stacked else 0)  # the five [1, 3] rows; every other tensor is alone of its kind
+        got = _copy_out_tree(arena, sent, torch.device("cpu"), out.stacks)
         assert_same_tree(got, want)
         arena.view(TensorRef(0, 0, arena.size, [arena.size], "uint8"))[:] = b"\xff" * arena.size
     finally:
@@ -164,6 +176,16 @@ def test_host_tensors_bound_for_a_device_arena_go_up_in_one_copy_around_device_w
     assert arena.buf[0:4].view(torch.float32).item() == 7.0
 
 
+def _on_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_on_cpu(v) for v in value]
+    return value
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)")
 def test_cuda_ipc_plan_round_trip_with_host_and_device_tensors():
     from omni_arena.cuda_ipc import CudaIpcArena
@@ -175,15 +197,16 @@ def test_cuda_ipc_plan_round_trip_with_host_and_device_tensors():
         want = _tree()
         want["on_device"] = torch.arange(10, dtype=torch.float32, device=dev)
         want["more_host"] = torch.full((4, 4), 3.0)
-        for step in range(3):  # reuse across steps: reset waits, staging is rewritten
+        for step in range(4):  # reuse across steps: reset waits, staging is rewritten
             out.reset()
             want["codes"] = torch.arange(7, dtype=torch.int64) + step
-            sent = store_tree(want, out.put)
+            want["rows_on_device"] = [torch.full((2,), float(i), device=dev) for i in range(3)]
+            sent = _store(want, out, stacked=step % 2 == 1)
             out.seal()
-            got = _copy_out_tree(arena, sent, dev)
+            got = _copy_out_tree(arena, sent, dev, out.stacks)
             torch.cuda.synchronize(dev)
             assert got["on_device"].device == dev
-            assert_same_tree(got, {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in want.items()})
+            assert_same_tree(got, _on_cpu(want))
             arena.mark_done(0)
     finally:
         arena.close()
@@ -247,3 +270,52 @@ def test_a_layout_naming_more_rows_than_the_hidden_states_fails_the_step_not_the
     batch = StepBatch(0, BatchLayout(["a"], [0, 9], [0], [3]))
     with pytest.raises((ValueError, HookErrors), match="names 9 rows"):
         hooks.process_model_output(batch, torch.zeros(3, 4))
+
+
+def test_bad_rows_and_stacks_from_the_sidecar_are_step_errors_before_anything_is_read():
+    """Row markers and stacks are a peer's: each is checked (index, row, ref, a row dimension) and
+    a bad one is the step's SidecarError; a row marker outside a plan (no stacks) is a TreeError."""
+    from omni_arena.tensor_tree import TreeError, load_tree
+
+    arena = ShmArena.create(4096, prefix="omni-test-plan")
+    try:
+        out = OutArena(arena)
+        sent = _store({"rows": [torch.full((2,), float(i)) for i in range(3)]}, out, stacked=True)
+        stacks = out.stacks
+        assert sent["rows"][2] == {"__omni_tensor_row__": [0, 2]} and stacks[0].shape == [3, 2]
+        assert [r.tolist() for r in _copy_out_tree(arena, sent, torch.device("cpu"), stacks)["rows"]] == [[0, 0], [1, 1], [2, 2]]
+        row = "__omni_tensor_row__"
+        cases = {
+            "stack 1 of a plan with 1": ({"x": {row: [1, 0]}}, stacks),
+            "row 3 of stack 0": ({"x": {row: [0, 3]}}, stacks),
+            "malformed row marker": ({"x": {row: [0, -1]}}, stacks),
+            "malformed tree": ({"x": {row: [0, "a"]}}, stacks),
+            "outside": ({"x": {row: [0, 0]}}, [TensorRef(0, 4000, 400, [100], "float32")]),
+            "without a row dimension": ({"x": {row: [0, 0]}}, [TensorRef(0, 0, 4, [], "float32")]),
+        }
+        for message, (tree, plan_stacks) in cases.items():
+            with pytest.raises((SidecarError, TensorRefError), match=message):
+                _copy_out_tree(arena, tree, torch.device("cpu"), plan_stacks)
+        with pytest.raises(TreeError, match="row marker"):
+            load_tree({"x": {row: [0, 0]}}, lambda ref: torch.zeros(1))
+    finally:
+        out.close()
+
+
+@pytest.mark.parametrize("minor", [6, 7])
+def test_a_sidecar_stacks_rows_only_for_a_shim_that_reads_them(minor):
+    from omni_sidecar.arenas import SessionArenas
+    from omni_sidecar.metrics import SidecarMetrics
+    from proto.messages import Hello
+
+    hello = Hello(1, minor, "test", "none", "cpu", 0, 1, "m", 4, "float32", 8, [])
+    arenas = SessionArenas(1, hello, SidecarMetrics())
+    arenas.open(True, 0)
+    try:
+        arenas.out.reset()
+        sent = arenas.encode_tensors({"info": [{"last": torch.zeros(1, 4)} for _ in range(4)]})
+        markers = {next(iter(d["last"])) for d in sent["info"]}
+        assert markers == ({"__omni_tensor_row__"} if minor >= 7 else {"__omni_tensor_ref__"})
+        assert len(arenas.stacks) == (1 if minor >= 7 else 0)
+    finally:
+        arenas.close()

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from omni_arena.tensor_tree import index_tree
+from omni_arena.tensor_tree import RowPlace, TreeError, index_trees
 from omni_arena.views import arena_tensor, check_arena_ref, dtype_name
 from proto.arena import ALIGN, SlotRing, align_up
 from proto.messages import StepPlan
@@ -122,8 +122,8 @@ def read_states(arena: Any, plan: StepPlan) -> dict[str, Any]:
         return {}
     if arena is not None and arena.kind != "shm" and plan.event >= 0:
         arena.wait_ready(plan.event)
-    cpu = torch.device("cpu")
-    states = {r: _copy_out_tree(arena, v, cpu) for r, v in plan.model_states.items()}
+    states = dict(zip(plan.model_states, _copy_out_trees(arena, list(plan.model_states.values()),
+                                                         torch.device("cpu"), plan.stacks)))
     bad = [r for r, v in states.items() if not isinstance(v, dict)]
     if bad:
         raise SidecarError(f"sidecar sent model states that are not dicts for {bad[:4]}")
@@ -146,7 +146,7 @@ def read_plan(arena: Any, plan: StepPlan, input_batch: Any, model: Any,
     extra: dict[str, Any] = {}
     if plan.extra_kwargs:
         device = model_device(model)
-        extra = _copy_out_tree(arena, plan.extra_kwargs, device)
+        extra = _copy_out_trees(arena, [plan.extra_kwargs], device, plan.stacks)[0]
         if not isinstance(extra, dict):  # a tree whose root is one tensor: not keyword arguments
             raise SidecarError(f"sidecar sent extra kwargs that are a {type(extra).__name__}, not a dict")
     if plan.overlays:
@@ -178,17 +178,26 @@ def _overlay(arena: Any, plan: StepPlan, input_batch: Any, model: Any,
     return embeds
 
 
-def _copy_out_tree(arena: Any, tree: Any, device: torch.device) -> Any:
-    """A received tree's tensors, copied out of the arena in ONE copy of the bytes their refs span,
+def _copy_out_trees(arena: Any, trees: list[Any], device: torch.device, stacks: list[TensorRef]) -> list[Any]:
+    """Received trees' tensors, copied out of the arena in ONE copy of the bytes their refs span,
     then views of that copy: a copy per tensor was a launch each, once per request every step when
-    per-request state rides in the extra kwargs. Every ref is checked against the arena first."""
-    root, places = index_tree(tree)
-    if not places:
-        return root[0]
+    per-request state rides in the extra kwargs. Rows of the plan's `stacks` (1.7) are made per
+    stack in one call (omni_arena/row_stacks.py). Every ref and row is checked first."""
+    row_places: list[RowPlace] = []
+    try:
+        root, places = index_trees(trees, rows=row_places)
+    except TreeError as exc:
+        raise SidecarError(f"sidecar sent a malformed tree: {exc}") from None
+    if not places and not row_places:
+        return root
     if arena is None:
         raise SidecarError("sidecar sent tensors but offered no arena")
-    dtypes = [check_arena_ref(arena, ref) for _, _, ref in places]  # bounds, bytes, dtype, alignment
-    sized = [ref for _, _, ref in places if ref.nbytes]
+    used = sorted({k for _, _, k, _ in row_places})
+    if used and used[-1] >= len(stacks):
+        raise SidecarError(f"sidecar named stack {used[-1]} of a plan with {len(stacks)}")
+    refs = [ref for _, _, ref in places] + [stacks[k] for k in used]
+    dtypes = {id(ref): check_arena_ref(arena, ref) for ref in refs}  # bounds, bytes, dtype, alignment
+    sized = [ref for ref in refs if ref.nbytes]
     # From an ALIGN boundary (still inside the arena), so the copy's byte k is the arena's lo + k for
     # every dtype alike: a ref aligned to its dtype in the arena is aligned in the copy.
     lo = min((r.offset for r in sized), default=0) // ALIGN * ALIGN
@@ -197,20 +206,35 @@ def _copy_out_tree(arena: Any, tree: Any, device: torch.device) -> Any:
     if sized:
         region = arena_tensor(arena, TensorRef(sized[0].arena, lo, hi - lo, [hi - lo], "uint8")).to(device, copy=True)
     typed: dict[torch.dtype, torch.Tensor] = {}  # the region's whole items of each dtype
+
+    def view(ref: TensorRef) -> torch.Tensor:
+        dtype = dtypes[id(ref)]
+        if not ref.nbytes or region is None:
+            return torch.empty(ref.shape, dtype=dtype, device=device)
+        size = DTYPE_ITEMSIZE[ref.dtype]
+        items = typed.get(dtype)
+        if items is None:
+            items = typed[dtype] = region[: region.numel() // size * size].view(dtype)
+        start = (ref.offset - lo) // size
+        return items[start : start + ref.nbytes // size].view(ref.shape)
+
     try:
-        for (holder, key, ref), dtype in zip(places, dtypes):
-            if not ref.nbytes or region is None:
-                holder[key] = torch.empty(ref.shape, dtype=dtype, device=device)
-                continue
-            size = DTYPE_ITEMSIZE[ref.dtype]
-            items = typed.get(dtype)
-            if items is None:
-                items = typed[dtype] = region[: region.numel() // size * size].view(dtype)
-            start = (ref.offset - lo) // size
-            holder[key] = items[start : start + ref.nbytes // size].view(ref.shape)
+        rows = {}
+        for k in used:
+            stack = stacks[k]
+            if not stack.shape:
+                raise SidecarError(f"sidecar sent stack {k} without a row dimension")
+            rows[k] = view(stack).unbind(0)  # every row's view in one call
+        for holder, key, k, i in row_places:
+            stack_rows = rows[k]
+            if i >= len(stack_rows):
+                raise SidecarError(f"sidecar named row {i} of stack {k}, which has {len(stack_rows)}")
+            holder[key] = stack_rows[i]
+        for holder, key, ref in places:
+            holder[key] = view(ref)
     except RuntimeError as exc:  # e.g. a zero-byte ref whose shape overflows: the peer's bad ref
         raise SidecarError(f"sidecar sent a tensor ref that cannot be read: {exc}") from None
-    return root[0]
+    return root
 
 
 def model_device(model: Any) -> torch.device:

@@ -19,7 +19,7 @@ before its StepBegin comes: omni_sidecar/plan_ahead.py).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -142,12 +142,11 @@ class OmniStateHooks(OmniHooks):
         # shim reuses, and a copy per request and output was a kernel each on GPU, every step.
         # A step's requests share its copy, as vllm-omni's share the step's host copy.
         owned = {name: own_copy(value) for name, value in {**self.multimodal_outputs(batch, hidden_states), **layers}.items()}
-        per_req = slice_per_request(owned, layout.query_start_loc, n)
         batched = self._postprocess_batch(batch, hidden_states)
         if batched is not None:
-            errors = self._apply_batched(layout.req_ids, per_req, *batched)
+            errors = self._apply_batched(batch, owned, *batched)
         else:
-            errors = self._postprocess_each(batch, hidden_states, per_req)
+            errors = self._postprocess_each(batch, hidden_states, slice_per_request(owned, layout.query_start_loc, n))
         if errors:
             raise HookErrors(errors)
 
@@ -169,31 +168,30 @@ class OmniStateHooks(OmniHooks):
                 errors[req_id] = f"postprocess: {exc}"
         return errors
 
-    def _apply_batched(self, req_ids: list[str], per_req: list[dict[str, Any]],
-                       columns: dict[tuple[str, str], list[Any]], outputs: dict[str, list[Any]]) -> dict[str, str]:
-        """The default postprocess's columns merged (one pass, `merge_columns`) and its outputs logged."""
+    def _apply_batched(self, batch: StepBatch, owned: dict[str, Any],
+                       columns: dict[tuple[str, str], list[Any]],
+                       rows: dict[str, Callable[[], torch.Tensor]]) -> dict[str, str]:
+        """The default postprocess's columns merged (one pass, `merge_columns`); its outputs logged
+        whole, cut per request in `between_steps` (after the next plan is out)."""
+        req_ids = batch.layout.req_ids
         refused = self.state.merge_columns(req_ids, columns)
         # The rows each state now keeps are views of this step's gather; a request that leaves the
         # batch (preempted, finished, not scheduled) keeps its row in storage of its own, so no
         # state holds a whole past step alive (the cap counts what a state keeps).
-        left = self._row_views.difference(req_ids)
-        for req_id in left:
+        for req_id in self._row_views.difference(req_ids):
             self.state.own_storage(req_id)
         self._row_views = set(req_ids).difference(refused)
-        for i, req_id in enumerate(req_ids):
-            if req_id in refused or req_id not in self.state:
-                continue
-            chunk = per_req[i]
-            for name, column in outputs.items():
-                chunk[name] = column[i]
-            self.log.add(req_id, chunk, owned=True)
+        self.log.add_step(req_ids, owned, batch.layout.query_start_loc, rows, set(refused))
         return {r: f"postprocess: {m}" for r, m in refused.items()}
 
+    def between_steps(self) -> None:
+        self.log.settle()
+
     def _postprocess_batch(self, batch: StepBatch, hidden: torch.Tensor
-                           ) -> tuple[dict[tuple[str, str], list[Any]], dict[str, list[Any]]] | None:
+                           ) -> tuple[dict[tuple[str, str], list[Any]], dict[str, Callable[[], torch.Tensor]]] | None:
         """The default `postprocess` for all requests at once, as columns (one gather and one host
-        copy a step, not a copy per request): the state columns `merge_columns` takes and the output
-        columns. None when a subclass overrides `postprocess` (it is then called per request) or a
+        copy a step, not a copy per request): the state columns `merge_columns` takes and the
+        outputs, one row per request. None when a subclass overrides `postprocess` (it is then called per request) or a
         request has no rows this step."""
         if type(self).postprocess is not OmniStateHooks.postprocess:
             return None
@@ -206,16 +204,18 @@ class OmniStateHooks(OmniHooks):
             return {}, {}  # every row of the step was seen before (a replay): nothing to process
         if qsl[n] > hidden.shape[0]:  # the shim's layout is untrusted: an index past the rows is a device assert
             raise ValueError(f"the step's layout names {qsl[n]} rows, its hidden states hold {hidden.shape[0]}")
-        last_rows = torch.tensor([qsl[i + 1] - 1 for i in range(n)], dtype=torch.long, device=hidden.device)
-        last = self.state.place("hidden_states", "last", hidden.index_select(0, last_rows))
+        if qsl[n] == n:  # one row each (a decode step): the last rows are the first n, in order
+            last = hidden[:n].clone()
+        else:
+            last = hidden.index_select(0, torch.tensor([qsl[i + 1] - 1 for i in range(n)], device=hidden.device))
+        last = self.state.place("hidden_states", "last", last)
         states = self.state.get
         before = [int((states(r) or {}).get("meta", {}).get("num_processed_tokens", 0)) for r in req_ids]
         counts = [qsl[i + 1] - qsl[i] for i in range(n)]
-        traces = torch.tensor([[b, c] for b, c in zip(before, counts)], dtype=torch.int64)
         # `split` makes all the per-request views in one call, not a slice op each.
         columns = {("meta", "num_processed_tokens"): [b + c for b, c in zip(before, counts)],
                    ("hidden_states", "last"): list(last.split(1))}
-        return columns, {"processed_trace": list(traces.split(1))}
+        return columns, {"processed_trace": lambda: torch.tensor(list(zip(before, counts)), dtype=torch.int64)}
 
     def model_states(self, req_ids: list[str]) -> dict[str, dict[str, Any]]:
         """The decoded payload state of each request (those whose payload failed are already reported)."""

@@ -9,7 +9,7 @@ on dim 0, 0/1-dim values (and non-tensors) are replaced by the latest.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -60,10 +60,16 @@ def accumulate(chunks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class OutputLog:
-    """Per-request chunks in step order; `since(cursor)` serves streaming clients."""
+    """Per-request chunks in step order; `since(cursor)` serves streaming clients.
+
+    A step's chunks may be logged whole (`add_step`) and cut per request later (`settle`): the
+    sidecar cuts them once the next step's plan is out, off the path the shim waits on. Every
+    read and every other write settles first, so the order and the contents are those of cutting
+    them at once."""
 
     def __init__(self) -> None:
         self._chunks: dict[str, list[dict[str, Any]]] = {}
+        self._steps: list[tuple[list[str], dict[str, Any], list[int], dict[str, Callable[[], torch.Tensor]], set[str]]] = []
 
     def start(self, req_id: str) -> None:
         self._chunks.setdefault(req_id, [])
@@ -71,19 +77,53 @@ class OutputLog:
     def add(self, req_id: str, chunk: dict[str, Any], owned: bool = False) -> None:
         """`chunk` joins the request's step outputs; its tensors are copied unless `owned` (the
         caller copied them already, e.g. once for the whole step)."""
+        if self._steps:
+            self.settle()
         if chunk and req_id in self._chunks:
             self._chunks[req_id].append(chunk if owned else {k: own_copy(v) for k, v in chunk.items()})
 
+    def add_step(self, req_ids: list[str], outputs: dict[str, Any], query_start_loc: list[int],
+                 rows: dict[str, Callable[[], torch.Tensor]], skip: set[str]) -> None:
+        """A step's outputs for every request of `req_ids` but `skip`, cut when settled: the
+        batch-level `outputs` (owned; `slice_per_request`'s rules) and `rows`, each made when
+        settled (its row i, kept 2-d, is request i's). At most one step waits: one whose settling
+        never came is settled now."""
+        if self._steps:
+            self.settle()
+        self._steps.append((req_ids, outputs, query_start_loc, rows, skip))
+
+    def settle(self) -> None:
+        """Steps logged whole, cut per request now."""
+        steps, self._steps = self._steps, []
+        for req_ids, outputs, qsl, rows, skip in steps:
+            n = len(req_ids)
+            per_req = slice_per_request(outputs, qsl, n)
+            parts = {name: make().split(1) for name, make in rows.items()}  # all views in one call each
+            for i, req_id in enumerate(req_ids):
+                log = self._chunks.get(req_id)
+                if log is None or req_id in skip:
+                    continue
+                chunk = per_req[i]
+                for name, views in parts.items():
+                    chunk[name] = views[i]
+                log.append(chunk)
+
     def chunks(self, req_id: str) -> list[dict[str, Any]] | None:
+        if self._steps:
+            self.settle()
         return self._chunks.get(req_id)
 
     def pop(self, req_id: str) -> list[dict[str, Any]] | None:
+        if self._steps:
+            self.settle()
         return self._chunks.pop(req_id, None)
 
     def export(self) -> dict[str, list[dict[str, Any]]]:
+        self.settle()
         return dict(self._chunks)
 
     def restore(self, chunks: dict[str, list[dict[str, Any]]]) -> None:
+        self.settle()
         self._chunks.update(chunks)
 
 

@@ -36,8 +36,11 @@ _SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
 
 
 def _nbytes(value: Any) -> int:
-    if type(value) in _SCALARS:  # most values a merge sizes (meta counters), every request every step
+    kind = type(value)
+    if kind in _SCALARS:  # most values a merge sizes (meta counters), every request every step
         return 0
+    if kind is dict:  # before the tensor check: isinstance(x, torch.Tensor) is slow for a non-tensor
+        return sum(_nbytes(v) for v in value.values())
     if isinstance(value, torch.Tensor):
         return value.nbytes
     if isinstance(value, dict):
