@@ -8,7 +8,8 @@
 (d) sidecar cold start to ready;
 (e) the shim's host cost per step: pass-through hooks (StepTick) vs hooks that read every step's
     layout (a full StepEnd each step: the pre-1.5 traffic of every pass-through step), and both
-    hook sets called in-process (bench/inproc.py): the process boundary's price per step.
+    hook sets called in-process (bench/inproc.py): the process boundary's price per step;
+(f) the omni set's host work per decode step, phase by phase on both sides (bench/omni_step.py).
 Writes BENCHMARKS.md and PNG latency histograms (into --out, default docs/bench/).
 `--only exchange` (or handoff, cold_start, throughput, step_cost; comma-separated) runs just those parts
 and prints them, without rewriting BENCHMARKS.md.
@@ -259,6 +260,9 @@ def write_markdown(path: Path, res: dict, plots: list[str], out: Path) -> None:
               f"{c['median_s']:.2f} s, max {c['max_s']:.2f} s over {c['trials']} starts (vLLM keeps "
               "serving meanwhile; compare vllm-omni's 238 s stage start).", ""]
     lines += step_cost_markdown(res["step_cost"])
+    from bench.omni_step import markdown as omni_step_markdown
+
+    lines += omni_step_markdown(res["omni_step"])
     lines += ["## Reproduce", "", "```sh", "make bench            # writes BENCHMARKS.md and docs/bench/ (plots, results.json)",
               "```", ""]
     gpu = ROOT / "docs" / "bench" / "gpu" / "GPU.md"
@@ -286,7 +290,7 @@ def step_cost_markdown(res: dict) -> list[str]:
     ]
 
 
-PARTS = ("exchange", "handoff", "cold_start", "throughput", "step_cost")
+PARTS = ("exchange", "handoff", "cold_start", "throughput", "step_cost", "omni_step")
 
 
 def main() -> None:
@@ -317,6 +321,12 @@ def main() -> None:
         res["cold_start"] = cold_start(run_dir)
     if "step_cost" in parts:
         res["step_cost"] = step_cost(args.step_cost_steps)
+    if "omni_step" in parts:
+        from bench.omni_step import markdown as omni_step_markdown
+        from bench.omni_step import measure as omni_step
+
+        res["omni_step"] = omni_step([64, 256], 2048, 600, [0, 8])
+        print("\n".join(omni_step_markdown(res["omni_step"])), flush=True)
     if "throughput" in parts:
         from tiny_models import build_tiny_llama
 

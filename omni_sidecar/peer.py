@@ -39,6 +39,28 @@ class ShimPeer:
         # Shims of protocol 1.2 announce every step (StepStart), so "between steps" is known.
         self.announces_steps = session.hello.protocol_minor >= 2
         session.appends.to_shim = self.send  # MirrorUpdates (1.4), unsolicited
+        self.between_steps_due = False  # the hooks' between-steps work waits for the message in the ring
+
+    def after_step_end(self) -> None:
+        """A StepEnd answered: the next step's plan, built ahead; then the hooks' work put off to
+        between steps, unless the shim's next message already waits in the ring (it is answered
+        first, then `between_steps`)."""
+        session = self.session
+        try:
+            session.plan_ahead()
+        except Exception:  # e.g. the device: the StepBegin is planned when it comes, as without
+            log.exception("building session %d's next plan ahead failed; it is planned when asked", session.id)
+            session.drop_plan_ahead()
+        rings = self.rings
+        if rings is not None and not rings.closed and rings.duplex.rx.has_data():
+            self.between_steps_due = True
+        else:
+            session.between_steps()
+
+    def between_steps(self) -> None:
+        if self.between_steps_due:
+            self.between_steps_due = False
+            self.session.between_steps()
 
     def note_step(self, msg: StepStart | StepBegin | StepEnd | StepTick) -> None:
         self.in_step = not isinstance(msg, _STEP_ENDS)

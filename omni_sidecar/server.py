@@ -214,15 +214,12 @@ class SidecarServer:
             reply = self.rejects.refuse("internal", f"{type(msg).__name__}: {exc!r}", ident)
         if reply is not None:
             self.peers.send(ident, reply)
-        if type(msg) is StepEnd:  # answered: the next step's plan while the shim schedules it
-            peer = self.peers.get(ident)
-            if peer is not None:
-                try:
-                    peer.session.plan_ahead()
-                except Exception:  # e.g. the device: the StepBegin is planned when it comes, as without
-                    log.exception("building session %d's next plan ahead failed; it is planned when asked",
-                                  peer.session.id)
-                    peer.session.drop_plan_ahead()
+        peer = self.peers.get(ident)
+        if peer is not None:
+            if type(msg) is StepEnd:  # answered: the next step's plan while the shim schedules it
+                peer.after_step_end()
+            elif peer.between_steps_due:
+                peer.between_steps()
 
     def _handle(self, ident: bytes, msg: object):
         if isinstance(msg, _STEP_MESSAGES):

@@ -178,15 +178,17 @@ class Session:
         return overlays, extra
 
     def plan_ahead(self) -> None:
-        """After a StepEnd is answered (the server calls it): omni_sidecar/plan_ahead.py; then the
-        work the hooks put off until the next plan is out (`OmniHooks.between_steps`)."""
+        """After a StepEnd is answered (the server calls it): omni_sidecar/plan_ahead.py."""
         if self.ahead is not None:
             self.ahead.build()
+
+    def between_steps(self) -> None:
+        """The work the hooks put off until the next plan is out (`OmniHooks.between_steps`): after
+        `plan_ahead`, or after the StepBegin already waiting then (omni_sidecar/peer.py)."""
         failed: dict[str, str] = {}
         with collect_hook_errors(failed, None, "between_steps", list(self.requests)):
             self.hooks.between_steps()
-        if failed:
-            self._report(failed)
+        self._report(failed)
 
     def drop_plan_ahead(self) -> None:
         """The hooks' state changes (an append, a hand-over): a plan built before is stale."""

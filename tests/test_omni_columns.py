@@ -68,3 +68,38 @@ def test_a_request_that_leaves_the_batch_keeps_its_rows_in_storage_of_its_own():
     assert storage("b") == 4 * 4 == hooks.state.nbytes("b")  # its own row only
     assert storage("a") == 2 * 4 * 4
     assert hooks.state.get("b")["meta"]["num_processed_tokens"] == 1
+
+
+def test_between_steps_work_waits_for_the_message_already_in_the_ring():
+    """Once a StepEnd is answered the sidecar builds the next plan ahead, then cuts the outputs
+    (`between_steps`), unless the shim's next message already waits in the ring: that one is
+    answered first."""
+    from types import SimpleNamespace
+
+    from omni_sidecar.hooks import OmniHooks
+    from omni_sidecar.metrics import SidecarMetrics
+    from omni_sidecar.peer import ShimPeer
+    from omni_sidecar.session import Session
+    from omni_sidecar.store import FinishedOutputs
+    from proto.messages import Hello
+
+    class Counting(OmniHooks):
+        calls = 0
+
+        def between_steps(self):
+            self.calls += 1
+
+    hooks = Counting()
+    session = Session(1, Hello(1, 7, "t", "none", "cpu", 0, 1, "m", 4, "float32", 8, []), hooks,
+                      FinishedOutputs(4), SidecarMetrics())
+    peer = ShimPeer(b"shim", session, listener=None, codec=None)  # type: ignore[arg-type]
+    waiting = [True]
+    peer.rings = SimpleNamespace(closed=False, duplex=SimpleNamespace(rx=SimpleNamespace(has_data=lambda: waiting[0])))
+    peer.after_step_end()
+    assert hooks.calls == 0 and peer.between_steps_due  # the StepBegin in the ring goes first
+    peer.between_steps()  # what the server does once it answered that message
+    peer.between_steps()
+    assert hooks.calls == 1 and not peer.between_steps_due
+    waiting[0] = False
+    peer.after_step_end()
+    assert hooks.calls == 2  # nothing waits: at once

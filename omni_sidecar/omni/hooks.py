@@ -191,8 +191,8 @@ class OmniStateHooks(OmniHooks):
                            ) -> tuple[dict[tuple[str, str], list[Any]], dict[str, Callable[[], torch.Tensor]]] | None:
         """The default `postprocess` for all requests at once, as columns (one gather and one host
         copy a step, not a copy per request): the state columns `merge_columns` takes and the
-        outputs, one row per request. None when a subclass overrides `postprocess` (it is then called per request) or a
-        request has no rows this step."""
+        outputs, one row per request. None when a subclass overrides `postprocess` (it is then
+        called per request) or a request has no rows this step."""
         if type(self).postprocess is not OmniStateHooks.postprocess:
             return None
         qsl = batch.layout.query_start_loc
@@ -205,10 +205,12 @@ class OmniStateHooks(OmniHooks):
         if qsl[n] > hidden.shape[0]:  # the shim's layout is untrusted: an index past the rows is a device assert
             raise ValueError(f"the step's layout names {qsl[n]} rows, its hidden states hold {hidden.shape[0]}")
         if qsl[n] == n:  # one row each (a decode step): the last rows are the first n, in order
-            last = hidden[:n].clone()
+            last = self.state.place("hidden_states", "last", hidden[:n])
+            if last.data_ptr() == hidden.data_ptr():  # still the shim's memory (not moved to the host): copy
+                last = last.clone()
         else:
-            last = hidden.index_select(0, torch.tensor([qsl[i + 1] - 1 for i in range(n)], device=hidden.device))
-        last = self.state.place("hidden_states", "last", last)
+            rows = torch.tensor([qsl[i + 1] - 1 for i in range(n)], device=hidden.device)
+            last = self.state.place("hidden_states", "last", hidden.index_select(0, rows))
         states = self.state.get
         before = [int((states(r) or {}).get("meta", {}).get("num_processed_tokens", 0)) for r in req_ids]
         counts = [qsl[i + 1] - qsl[i] for i in range(n)]

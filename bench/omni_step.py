@@ -1,0 +1,225 @@
+"""The omni set's host work per decode step, both sides of the boundary, phase by phase (issue #15).
+
+With the omni set sending extra kwargs every step (each request's state as vllm-omni's
+`runtime_additional_information`), a decode step costs the sidecar its StepEnd (postprocess: the
+state merge, the step's rows kept) and the next step's plan (built ahead, while the shim samples
+and schedules), and costs the shim the plan's read (decode the StepPlan, copy its tensors out of the
+sidecar's arena). What the shim waits on is the StepEnd plus the plan; the output chunks are cut
+between steps (`settle`, after the plan is out). Measured on the sidecar's real `Session` and the
+shim's real decode and copy-out, in this process (no socket or ring: bench.step_cost and bench.gpu
+measure those), steady decode of N requests with hidden size H, hook sets side by side in
+alternating blocks:
+- `1.6`: the plan for a shim of protocol 1.6 (a ref per tensor);
+- `1.7`: the plan for a shim of 1.7 (a plan's same-shaped tensors stacked, a row marker each);
+- `1.7-per-request`: 1.7 with `postprocess` overridden (the default's body, called per request and
+  merged one request at a time): what a model's subclass pays.
+Timings only: nothing here passes or fails.
+
+    python -m bench.omni_step [--requests 64,256] [--hidden 2048] [--steps 600] [--write]
+
+`make bench` runs it as part (f); `--write` rewrites just that section of BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from omni_sidecar.metrics import SidecarMetrics  # noqa: E402
+from omni_sidecar.omni.hooks import OmniStateHooks  # noqa: E402
+from omni_sidecar.session import Session  # noqa: E402
+from omni_sidecar.store import FinishedOutputs  # noqa: E402
+from proto.arena import ShmArena  # noqa: E402
+from proto.messages import BatchLayout, Hello, NewRequest, StepBegin, StepEnd, StepPlan  # noqa: E402
+from proto.tensors import TensorRef  # noqa: E402
+from worker_shim.transfer import _copy_out_trees  # noqa: E402
+
+PHASES = ("end", "plan", "settle", "shim_read")
+BLOCK = 100  # steps per block; hook sets alternate block by block
+PROMPT = 8
+
+
+class PerRequestPostprocess(OmniStateHooks):
+    """The default postprocess, as a model's subclass has it: called per request."""
+
+    def postprocess(self, req_id, hidden_rows, state):
+        return super().postprocess(req_id, hidden_rows, state)
+
+
+CONFIGS = {"1.6": (6, OmniStateHooks), "1.7": (7, OmniStateHooks), "1.7-per-request": (7, PerRequestPostprocess)}
+
+
+class Run:
+    """One hook set's session, its shim-side arena and a steady decode of `n` requests."""
+
+    def __init__(self, minor: int, hooks_cls: type, n: int, hidden: int, layers: list[int]) -> None:
+        self.n = n
+        rows_bytes = PROMPT * n * hidden * 4
+        # The step's hidden rows, then each captured layer's, as the shim writes a slot.
+        self.shim_arena = ShmArena.create(rows_bytes * (1 + len(layers)) + (1 << 20), prefix="omni-bench-step")
+        hello = Hello(1, minor, "bench", "none", "cpu", 0, 1, "m", hidden, "float32", PROMPT * n,
+                      [self.shim_arena.info()])
+        hooks = hooks_cls(extra_kwargs="1", hidden_layers=",".join(map(str, layers)))
+        self.session = Session(1, hello, hooks, FinishedOutputs(10), SidecarMetrics())
+        self.session.open_arenas()
+        self.req_ids = [f"req-{i}" for i in range(n)]
+        self.decoder = msgspec.msgpack.Decoder(StepPlan)
+        gen = torch.Generator().manual_seed(0)
+        for k in range(1 + len(layers)):
+            self.shim_arena.view(TensorRef(0, k * rows_bytes, rows_bytes, [rows_bytes], "uint8"))[:] = (
+                torch.randn(PROMPT * n, hidden, generator=gen).numpy().tobytes())
+
+        def refs(rows: int) -> tuple[TensorRef, dict[int, TensorRef]]:
+            at = [TensorRef(0, k * rows_bytes, rows * hidden * 4, [rows, hidden], "float32") for k in range(1 + len(layers))]
+            return at[0], dict(zip(layers, at[1:]))
+
+        self.rows, self.layer_rows = refs(n)
+        self.step = 0
+        ids = self.req_ids
+        self.session.step_begin(StepBegin(0, BatchLayout(ids, list(range(0, PROMPT * n + 1, PROMPT)), [0] * n, [PROMPT] * n),
+                                          new_requests=[NewRequest(r, PROMPT, list(range(PROMPT))) for r in ids]))
+        prefill, prefill_layers = refs(PROMPT * n)
+        self.session.step_end(StepEnd(0, None, hidden=prefill, hidden_layers=prefill_layers, num_tokens=PROMPT * n))
+        self.session.plan_ahead()
+        self.plan_bytes = 0
+
+    def decode_step(self, times: dict[str, list[float]]) -> None:
+        self.step += 1
+        k, n, s = self.step, self.n, self.session
+        plan = s.step_begin(StepBegin(k, BatchLayout(self.req_ids, list(range(n + 1)), [PROMPT + k - 1] * n, [PROMPT] * n)))
+        wire = msgspec.msgpack.encode(plan)  # the sidecar's encode: not timed (the ring's)
+        t0 = time.perf_counter()
+        got = self.decoder.decode(wire)
+        _copy_out_trees(s.arenas.out.arena, [got.extra_kwargs], torch.device("cpu"), got.stacks)
+        t1 = time.perf_counter()
+        s.step_end(StepEnd(k, None, hidden=self.rows, hidden_layers=self.layer_rows, num_tokens=n))
+        t2 = time.perf_counter()
+        if s.ahead is not None:
+            s.ahead.build()
+        t3 = time.perf_counter()
+        s.hooks.between_steps()
+        t4 = time.perf_counter()
+        for name, dt in zip(PHASES, (t2 - t1, t3 - t2, t4 - t3, t1 - t0)):
+            times[name].append(dt * 1e6)
+        self.plan_bytes = len(wire)
+
+    def close(self) -> None:
+        self.session.close()
+        self.shim_arena.close()
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    q = statistics.quantiles(values, n=100)
+    return {"p50": statistics.median(values), "p10": q[9], "p90": q[89]}
+
+
+def measure(requests: list[int], hidden: int, steps: int, layers: list[int]) -> dict[str, dict]:
+    torch.set_num_threads(1)  # the sidecar's host ops at these sizes: threads cost more than they give
+    out: dict[str, dict] = {}
+    for n in requests:
+        runs = {name: Run(minor, cls, n, hidden, layers) for name, (minor, cls) in CONFIGS.items()}
+        times = {name: {p: [] for p in PHASES} for name in runs}
+        plans_used = {}
+        try:
+            for _ in range(20):  # warm-up, not recorded
+                for run in runs.values():
+                    run.decode_step({p: [] for p in PHASES})
+            for _ in range(max(1, steps // BLOCK)):
+                for name, run in runs.items():
+                    for _ in range(BLOCK):
+                        run.decode_step(times[name])
+            for name, run in runs.items():
+                status = run.session.status()
+                plans_used[name] = (status.plans_ahead_used, status.steps)
+        finally:
+            for run in runs.values():
+                run.close()
+        for name, phases in times.items():
+            stats = {p: _stats(v) for p, v in phases.items()}
+            critical = [e + p for e, p in zip(phases["end"], phases["plan"])]
+            out[f"{name} x{n}"] = {"requests": n, "hidden": hidden, "layers": layers, "config": name, "phases": stats,
+                                   "waited_on": _stats(critical), "plan_bytes": runs[name].plan_bytes,
+                                   "plans_ahead_used": plans_used[name][0], "steps": plans_used[name][1]}
+    return out
+
+
+def markdown(res: dict[str, dict]) -> list[str]:
+    lines = [
+        "## (f) The omni set's host work per decode step", "",
+        "`python -m bench.omni_step`: the omni set sending each request's state as extra kwargs every step "
+        "(hidden size 2048, fp32 host memory, two decoder layers captured with the hidden states, as in "
+        "bench.gpu's omni runs), steady decode, the sidecar's real `Session` and the shim's real "
+        "plan decode and copy-out in one process, hook sets in alternating blocks of 100 steps. `end`: the "
+        "sidecar's StepEnd (postprocess, state merge); `plan`: the next plan, built ahead; `settle`: output "
+        "chunks cut per request, after the plan is out; `shim read`: decode the StepPlan and copy its tensors "
+        "out. The shim waits on `end + plan` when they outlast its own sampling and scheduling. `1.6`: a ref "
+        "per tensor; `1.7`: the plan's same-shaped tensors stacked; `1.7-per-request`: `postprocess` "
+        "overridden (a model's subclass). p50 (p10-p90) in us.", "",
+        "| requests | plan for | end | plan | end + plan | settle | shim read | plan bytes |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def cell(s: dict) -> str:
+        return f"{s['p50']:.0f} ({s['p10']:.0f}-{s['p90']:.0f})"
+
+    for r in res.values():
+        ph = r["phases"]
+        lines.append(f"| {r['requests']} | {r['config']} | {cell(ph['end'])} | {cell(ph['plan'])} | "
+                     f"**{cell(r['waited_on'])}** | {cell(ph['settle'])} | **{cell(ph['shim_read'])}** | "
+                     f"{r['plan_bytes']} |")
+    by = {(r["requests"], r["config"]): r for r in res.values()}
+    ratios = []
+    for n in sorted({r["requests"] for r in res.values()}):
+        old, new = by.get((n, "1.6")), by.get((n, "1.7"))
+        if old and new:
+            ratios.append(f"{n} requests: shim read 1.7 / 1.6 **{new['phases']['shim_read']['p50'] / old['phases']['shim_read']['p50']:.2f}**, "
+                          f"plan {new['phases']['plan']['p50'] / old['phases']['plan']['p50']:.2f}")
+    lines += ["", "Ratios of p50s measured side by side: " + "; ".join(ratios) + ".", ""]
+    return lines
+
+
+def write_section(path: Path, lines: list[str]) -> None:
+    """Section (f) of BENCHMARKS.md replaced (or put before "## Reproduce"), the rest as it was."""
+    text = path.read_text()
+    section = "\n".join(lines) + "\n"
+    old = re.search(r"^## \(f\).*?(?=^## )", text, flags=re.S | re.M)
+    if old is not None:
+        text = text[: old.start()] + section + text[old.end():]
+    else:
+        at = re.search(r"^## Reproduce", text, flags=re.M)
+        if at is None:
+            raise SystemExit(f"{path} has no '## Reproduce' section: run `make bench`")
+        text = text[: at.start()] + section + text[at.start():]
+    path.write_text(text)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", default="64,256", help="batch sizes, comma-separated")
+    p.add_argument("--hidden", type=int, default=2048, help="hidden size (2048: a ~1B model)")
+    p.add_argument("--steps", type=int, default=600, help="measured steps per hook set and batch size")
+    p.add_argument("--layers", default="0,8", help="captured decoder layers (bench.gpu's omni runs capture two)")
+    p.add_argument("--write", action="store_true", help="rewrite section (f) of --markdown with the figures")
+    p.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"))
+    args = p.parse_args()
+    res = measure([int(n) for n in args.requests.split(",")], args.hidden, args.steps,
+                  [int(x) for x in args.layers.split(",") if x.strip()])
+    lines = markdown(res)
+    print("\n".join(lines))
+    if args.write:
+        write_section(Path(args.markdown), lines)
+        print(f"rewrote section (f) of {args.markdown}")
+
+
+if __name__ == "__main__":
+    main()
