@@ -7,7 +7,7 @@ each, on both sides, once per request every step. Instead the sidecar stacks eac
 of one dtype, shape and device into one tensor of the arena (`StepPlan.stacks`), and each place in
 the trees names its row: `{ROW_MARKER: [k, i]}` is row i of stack k. The shim checks each stack's
 ref once and makes all its rows in one call (worker_shim/transfer.py). A tensor alone of its kind
-still travels as `{TENSOR_MARKER: ref}`. Only for shims that read rows (1.7, STACKED_ROWS_MINOR).
+still travels as `{TENSOR_MARKER: ref}`, as do fewer than `MIN_ROWS` of a kind. Only for shims that read rows (1.7, STACKED_ROWS_MINOR).
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from omni_arena.tensor_tree import mark_tree
 from proto.messages import MAX_STACKS
 from proto.tensors import ROW_MARKER, TENSOR_MARKER, TensorRef
 
-MIN_ROWS = 2  # a tensor alone of its kind goes as itself
+# Fewer of a kind go one by one: a stack's fixed cost (~20 µs on the 2-core VM: the stack, its
+# view, the grouping) outweighs what it saves below ~8 rows (bench/omni_step.py, 2 to 16 requests).
+MIN_ROWS = 8
 
 
 class RowStacker:

@@ -48,6 +48,7 @@ class OutArena:
         # requests when per-request state rides in the extra kwargs).
         self._host: torch.Tensor | None = None
         self.stacks: list[TensorRef] = []  # this plan's stacked tensors (StepPlan.stacks)
+        self.stacked_rows = 0  # tensors sent as rows of stacks, all plans (status)
 
     def reset(self) -> None:
         if self.device and self.offset:
@@ -97,6 +98,7 @@ class OutArena:
             self._flush()  # staged bytes first: the runs must not cover what this write makes
             self._stack_into(self.arena.buf[self.offset : end], tensors, shape)
         self.stacks.append(TensorRef(0, self.offset, nbytes, shape, dtype_name(first.dtype)))
+        self.stacked_rows += len(tensors)
         self.offset = align_up(end)
         return len(self.stacks) - 1
 

@@ -121,9 +121,10 @@ class ShimPeer:
             failed = self.session.abandon(detail)
             status = self.session.status()
             log.log(logging.WARNING if failed else logging.INFO,
-                    "session %d ended: its vLLM worker (pid %d) is gone (%s) after %d steps (%d planned ahead); "
-                    "%d live request(s) end with an error, arenas and rings released", self.session.id,
-                    self.session.hello.pid, detail, status.steps, status.plans_ahead_used, len(failed))
+                    "session %d ended: its vLLM worker (pid %d) is gone (%s) after %d steps (%d planned ahead, "
+                    "%d tensors sent as stacked rows); %d live request(s) end with an error, arenas and rings "
+                    "released", self.session.id, self.session.hello.pid, detail, status.steps,
+                    status.plans_ahead_used, status.stacked_rows, len(failed))
         elif reason in ("bad_ring", "ring_overflow"):
             log.error("session %d dropped: %s", self.session.id, detail)
         if farewell is not None:

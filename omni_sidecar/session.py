@@ -397,4 +397,5 @@ class Session:
             event_opens=opens.events if opens is not None else 0,
             plans_ahead_built=self.ahead.built if self.ahead is not None else 0,
             plans_ahead_used=self.ahead.used if self.ahead is not None else 0,
+            stacked_rows=self.arenas.out.stacked_rows if self.arenas.out is not None else 0,
         )

@@ -296,6 +296,7 @@ class SessionStatus(msgspec.Struct, frozen=True):
     # Steady decode steps whose plan the sidecar built before their StepBegin, and those it used.
     plans_ahead_built: Count = 0
     plans_ahead_used: Count = 0
+    stacked_rows: Count = 0  # tensors its plans sent as rows of stacks (1.7)
 
 
 class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):

@@ -17,7 +17,7 @@ from proto.arena import ShmArena
 from proto.tensors import TensorRef, TensorRefError
 from tests.support.trees import assert_same_tree
 from worker_shim.channel import SidecarError
-from omni_arena.row_stacks import RowStacker
+from omni_arena.row_stacks import MIN_ROWS, RowStacker
 from worker_shim.transfer import _copy_out_trees
 
 
@@ -62,7 +62,7 @@ def test_the_state_size_kept_by_merges_equals_sizing_it_afresh():
 def _tree() -> dict:
     return {
         "runtime_additional_information": [
-            {"meta": {"n": i}, "hidden_states": {"last": torch.full((1, 3), float(i))}} for i in range(5)
+            {"meta": {"n": i}, "hidden_states": {"last": torch.full((1, 3), float(i))}} for i in range(MIN_ROWS + 1)
         ],
         "codes": torch.arange(7, dtype=torch.int64),
         "mask": torch.tensor([True, False, True]),
@@ -82,7 +82,7 @@ def test_a_plans_tensors_come_out_of_the_shm_arena_in_one_copy_and_own_their_byt
         out = OutArena(arena)
         want = _tree()
         sent = _store(want, out, stacked)
-        assert len(out.stacks) == (1 if stacked else 0)  # the five [1, 3] rows; every other tensor is alone of its kind
+        assert len(out.stacks) == (1 if stacked else 0)  # the [1, 3] rows; every other tensor is alone of its kind
         got = _copy_out_tree(arena, sent, torch.device("cpu"), out.stacks)
         assert_same_tree(got, want)
         arena.view(TensorRef(0, 0, arena.size, [arena.size], "uint8"))[:] = b"\xff" * arena.size
@@ -200,7 +200,7 @@ def test_cuda_ipc_plan_round_trip_with_host_and_device_tensors():
         for step in range(4):  # reuse across steps: reset waits, staging is rewritten
             out.reset()
             want["codes"] = torch.arange(7, dtype=torch.int64) + step
-            want["rows_on_device"] = [torch.full((2,), float(i), device=dev) for i in range(3)]
+            want["rows_on_device"] = [torch.full((2,), float(i), device=dev) for i in range(MIN_ROWS)]
             sent = _store(want, out, stacked=step % 2 == 1)
             out.seal()
             got = _copy_out_tree(arena, sent, dev, out.stacks)
@@ -280,14 +280,15 @@ def test_bad_rows_and_stacks_from_the_sidecar_are_step_errors_before_anything_is
     arena = ShmArena.create(4096, prefix="omni-test-plan")
     try:
         out = OutArena(arena)
-        sent = _store({"rows": [torch.full((2,), float(i)) for i in range(3)]}, out, stacked=True)
+        sent = _store({"rows": [torch.full((2,), float(i)) for i in range(MIN_ROWS)]}, out, stacked=True)
         stacks = out.stacks
-        assert sent["rows"][2] == {"__omni_tensor_row__": [0, 2]} and stacks[0].shape == [3, 2]
-        assert [r.tolist() for r in _copy_out_tree(arena, sent, torch.device("cpu"), stacks)["rows"]] == [[0, 0], [1, 1], [2, 2]]
+        assert sent["rows"][2] == {"__omni_tensor_row__": [0, 2]} and stacks[0].shape == [MIN_ROWS, 2]
+        got = _copy_out_tree(arena, sent, torch.device("cpu"), stacks)["rows"]
+        assert [r.tolist() for r in got] == [[float(i)] * 2 for i in range(MIN_ROWS)]
         row = "__omni_tensor_row__"
         cases = {
             "stack 1 of a plan with 1": ({"x": {row: [1, 0]}}, stacks),
-            "row 3 of stack 0": ({"x": {row: [0, 3]}}, stacks),
+            f"row {MIN_ROWS} of stack 0": ({"x": {row: [0, MIN_ROWS]}}, stacks),
             "malformed row marker": ({"x": {row: [0, -1]}}, stacks),
             "malformed tree": ({"x": {row: [0, "a"]}}, stacks),
             "outside": ({"x": {row: [0, 0]}}, [TensorRef(0, 4000, 400, [100], "float32")]),
@@ -313,9 +314,11 @@ def test_a_sidecar_stacks_rows_only_for_a_shim_that_reads_them(minor):
     arenas.open(True, 0)
     try:
         arenas.out.reset()
-        sent = arenas.encode_tensors({"info": [{"last": torch.zeros(1, 4)} for _ in range(4)]})
+        sent = arenas.encode_tensors({"info": [{"last": torch.zeros(1, 4)} for _ in range(MIN_ROWS)],
+                                      "fewer": [torch.zeros(3) for _ in range(MIN_ROWS - 1)]})
         markers = {next(iter(d["last"])) for d in sent["info"]}
         assert markers == ({"__omni_tensor_row__"} if minor >= 7 else {"__omni_tensor_ref__"})
+        assert {next(iter(v)) for v in sent["fewer"]} == {"__omni_tensor_ref__"}  # fewer than MIN_ROWS of a kind: one by one
         assert len(arenas.stacks) == (1 if minor >= 7 else 0)
     finally:
         arenas.close()
