@@ -72,7 +72,6 @@ class Run:
         hooks = hooks_cls(extra_kwargs="1", hidden_layers=",".join(map(str, layers)))
         self.session = Session(1, hello, hooks, FinishedOutputs(10), SidecarMetrics())
         self.session.open_arenas()
-        self.req_ids = [f"req-{i}" for i in range(n)]
         self.decoder = msgspec.msgpack.Decoder(StepPlan)
         gen = torch.Generator().manual_seed(0)
         for k in range(1 + len(layers)):
@@ -84,19 +83,36 @@ class Run:
             return at[0], dict(zip(layers, at[1:]))
 
         self.rows, self.layer_rows = refs(n)
+        self.prefill_rows = refs(PROMPT * n)
         self.step = 0
-        ids = self.req_ids
-        self.session.step_begin(StepBegin(0, BatchLayout(ids, list(range(0, PROMPT * n + 1, PROMPT)), [0] * n, [PROMPT] * n),
-                                          new_requests=[NewRequest(r, PROMPT, list(range(PROMPT))) for r in ids]))
-        prefill, prefill_layers = refs(PROMPT * n)
-        self.session.step_end(StepEnd(0, None, hidden=prefill, hidden_layers=prefill_layers, num_tokens=PROMPT * n))
-        self.session.plan_ahead()
+        self.batches = 0
+        self.req_ids: list[str] = []
         self.plan_bytes = 0
+
+    def start_batch(self) -> None:
+        """The live requests finish (their outputs go to the finished store) and n new ones prefill:
+        each block decodes requests of its own, so outputs kept per token stay bounded, as requests
+        that finish keep them."""
+        s, n = self.session, self.n
+        self.step += 1
+        if self.req_ids:
+            s.step_end(StepEnd(self.step, None, finished=list(self.req_ids)))
+            self.step += 1
+        self.batches += 1
+        ids = self.req_ids = [f"b{self.batches}-{i}" for i in range(n)]
+        self.first_decode = self.step + 1
+        s.step_begin(StepBegin(self.step, BatchLayout(ids, list(range(0, PROMPT * n + 1, PROMPT)), [0] * n, [PROMPT] * n),
+                               new_requests=[NewRequest(r, PROMPT, list(range(PROMPT))) for r in ids]))
+        rows, layers = self.prefill_rows
+        s.step_end(StepEnd(self.step, None, hidden=rows, hidden_layers=layers, num_tokens=PROMPT * n))
+        s.plan_ahead()
+        s.between_steps()
 
     def decode_step(self, times: dict[str, list[float]]) -> None:
         self.step += 1
         k, n, s = self.step, self.n, self.session
-        plan = s.step_begin(StepBegin(k, BatchLayout(self.req_ids, list(range(n + 1)), [PROMPT + k - 1] * n, [PROMPT] * n)))
+        position = PROMPT + k - self.first_decode
+        plan = s.step_begin(StepBegin(k, BatchLayout(self.req_ids, list(range(n + 1)), [position] * n, [PROMPT] * n)))
         wire = msgspec.msgpack.encode(plan)  # the sidecar's encode: not timed (the ring's)
         t0 = time.perf_counter()
         got = self.decoder.decode(wire)
@@ -131,11 +147,13 @@ def measure(requests: list[int], hidden: int, steps: int, layers: list[int]) -> 
         times = {name: {p: [] for p in PHASES} for name in runs}
         plans_used = {}
         try:
-            for _ in range(20):  # warm-up, not recorded
-                for run in runs.values():
+            for run in runs.values():  # warm-up, not recorded
+                run.start_batch()
+                for _ in range(20):
                     run.decode_step({p: [] for p in PHASES})
             for _ in range(max(1, steps // BLOCK)):
                 for name, run in runs.items():
+                    run.start_batch()
                     for _ in range(BLOCK):
                         run.decode_step(times[name])
             for name, run in runs.items():
@@ -164,7 +182,7 @@ def markdown(res: dict[str, dict]) -> list[str]:
         "chunks cut per request, after the plan is out; `shim read`: decode the StepPlan and copy its tensors "
         "out. The shim waits on `end + plan` when they outlast its own sampling and scheduling. `1.6`: a ref "
         "per tensor; `1.7`: the plan's same-shaped tensors stacked; `1.7-per-request`: `postprocess` "
-        "overridden (a model's subclass). p50 (p10-p90) in us.", "",
+        "overridden (a model's subclass). p50 (p10-p90) in us. " + _measured_on(), "",
         "| requests | plan for | end | plan | end + plan | settle | shim read | plan bytes |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
@@ -186,6 +204,14 @@ def markdown(res: dict[str, dict]) -> list[str]:
                           f"plan {new['phases']['plan']['p50'] / old['phases']['plan']['p50']:.2f}")
     lines += ["", "Ratios of p50s measured side by side: " + "; ".join(ratios) + ".", ""]
     return lines
+
+
+def _measured_on() -> str:
+    from bench.__main__ import versions
+
+    v = versions()
+    return (f"Measured {time.strftime('%Y-%m-%d')} on a {v['cores']}-core {v['cpu']} machine, Python {v['python']}, "
+            f"torch {v['torch']}, msgspec {v['msgspec']}.")
 
 
 def write_section(path: Path, lines: list[str]) -> None:
