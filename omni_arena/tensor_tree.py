@@ -1,7 +1,7 @@
 """Nested JSON-like values with tensors inside, in both directions across an arena.
 
 A tensor travels as `{TENSOR_MARKER: TensorRef}` (or, in a plan, as a row of one of its
-stacked tensors: `{ROW_MARKER: [k, i]}`, omni_arena/row_stacks.py); dicts (any key type: vllm-omni keys
+stacked tensors: `{ROW_MARKER: [k, i]}`, `RowStacker` below); dicts (any key type: vllm-omni keys
 `hidden_states.layers` by int), lists and tuples nest up to `MAX_TREE_DEPTH` levels.
 Both sides use these two walkers (extra kwargs, model states, model updates and
 outputs), so the encoding is written once. A received tree is untrusted: its refs
@@ -16,8 +16,8 @@ import msgspec
 import torch
 
 from omni_arena.views import tensor_from_bytes, tensor_to_bytes
-from proto.messages import TensorBlob
-from proto.tensors import ROW_MARKER, TENSOR_MARKER, TensorRef
+from proto.messages import MAX_STACKS, TensorBlob
+from proto.tensors import MAX_TENSOR_DIMS, ROW_MARKER, TENSOR_MARKER, TensorRef
 
 MAX_TREE_DEPTH = 8
 
@@ -40,7 +40,7 @@ def mark_tree(value: Any, mark: Callable[[torch.Tensor], dict], depth: int = 0) 
     # `isinstance(x, torch.Tensor)` costs ten times `type(x) is dict` for a value that is not one.
     kind = type(value)
     if kind is dict or kind is list or kind is tuple:
-        if depth > MAX_TREE_DEPTH:
+        if value and depth + 1 > MAX_TREE_DEPTH:  # its items would be deeper: the receiver's rule (`_index`)
             raise TreeError(f"value nests deeper than {MAX_TREE_DEPTH} levels")
         if kind is dict:
             return {k: v if type(v) in _SCALARS else mark_tree(v, mark, depth + 1) for k, v in value.items()}
@@ -84,7 +84,7 @@ def index_tree(value: Any, ref_type: type = TensorRef) -> tuple[list[Any], list[
 def index_trees(values: list[Any], ref_type: type = TensorRef,
                 rows: list[RowPlace] | None = None) -> tuple[list[Any], list[Place]]:
     """`index_tree` of several trees at once (each at depth 0, as if alone): the list of them. With
-    `rows`, a plan's row markers (omni_arena/row_stacks.py) are gathered there; without, one is an error."""
+    `rows`, a plan's row markers (`RowStacker`) are gathered there; without, one is an error."""
     places: list[Place] = []
     _index(values, places, rows, -1, ref_type)
     return values, places
@@ -133,3 +133,59 @@ def load_inline_tree(value: Any) -> Any:
             raise TreeError(f"bad inline tensor: {exc}") from None
 
     return load_tree(value, tensor, ref_type=TensorBlob)
+
+
+# -- a plan's same-shaped tensors as one stack each (protocol 1.7, issue #15) ---------------------
+# With per-request state in the extra kwargs (vllm-omni's `runtime_additional_information`: one dict
+# per request, every step) a plan holds the same tensors for every request: each one's last hidden
+# row, codes, counters. A ref each was a store, a ref, a check and a view, on both sides, per request
+# every step. So the sidecar stacks each set of one dtype, shape and device into one tensor of the
+# arena (`StepPlan.stacks`), and each place names its row: `{ROW_MARKER: [k, i]}` is row i of stack
+# k; the shim checks each stack once and makes its rows in one call (worker_shim/transfer.py). Only
+# for shims of 1.7 (STACKED_ROWS_MINOR).
+
+# Fewer of a kind go one by one: a stack's fixed cost (~20 µs on the 2-core VM: the stack, its
+# view, the grouping) outweighs what it saves below ~8 rows (bench/omni_step.py, 2 to 16 requests).
+MIN_ROWS = 8
+
+
+class RowStacker:
+    """One tree's tensors, grouped by (dtype, shape, device) while it is marked, then placed."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[dict, torch.Tensor]] = []
+
+    def store(self, value: Any, put: Callable[[torch.Tensor], TensorRef],
+              put_stack: Callable[[list[torch.Tensor]], int], stacks_used: int) -> Any:
+        """`value` with its tensors in the arena: `put` for a tensor alone of its kind, `put_stack`
+        (returns the stack's index in the plan) for each group; markers filled before it returns,
+        so a tree that raises half way is never sent with markers left empty. `stacks_used`: the
+        plan's stacks so far (the message holds at most MAX_STACKS; past it, tensors go alone)."""
+        pending = self._pending
+        try:
+            tree = mark_tree(value, self._mark)
+            groups: dict[tuple, list[tuple[dict, torch.Tensor]]] = {}
+            for marker, tensor in pending:  # `is_cpu` before `device`: a device object costs more to make
+                key = (tensor.dtype, tensor.shape, None if tensor.is_cpu else tensor.device)
+                groups.setdefault(key, []).append((marker, tensor))
+            for members in groups.values():
+                first = members[0][1]
+                # Alone: few of a kind, empty ones, ones a stack's extra dimension would take past the
+                # wire's MAX_TENSOR_DIMS, and any past the message's MAX_STACKS.
+                if (len(members) < MIN_ROWS or not first.numel() or first.dim() >= MAX_TENSOR_DIMS
+                        or stacks_used >= MAX_STACKS):
+                    for marker, tensor in members:
+                        marker[TENSOR_MARKER] = put(tensor)
+                    continue
+                k = put_stack([tensor for _, tensor in members])
+                stacks_used += 1
+                for i, (marker, _) in enumerate(members):
+                    marker[ROW_MARKER] = [k, i]
+            return tree
+        finally:
+            pending.clear()
+
+    def _mark(self, tensor: torch.Tensor) -> dict:
+        marker: dict = {}
+        self._pending.append((marker, tensor))
+        return marker

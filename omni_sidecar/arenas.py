@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from omni_arena.row_stacks import RowStacker
+from omni_arena.tensor_tree import RowStacker
 from omni_arena.tensor_tree import load_tree, store_tree
 from omni_arena.views import arena_tensor, dtype_name, torch_dtype
 from omni_sidecar.metrics import SidecarMetrics
@@ -48,7 +48,6 @@ class OutArena:
         # requests when per-request state rides in the extra kwargs).
         self._host: torch.Tensor | None = None
         self.stacks: list[TensorRef] = []  # this plan's stacked tensors (StepPlan.stacks)
-        self.stacked_rows = 0  # tensors sent as rows of stacks, all plans (status)
 
     def reset(self) -> None:
         if self.device and self.offset:
@@ -57,13 +56,16 @@ class OutArena:
         self._run_start = -1
         self.stacks = []  # a new list: a plan already made keeps its own
 
-    def put(self, tensor: torch.Tensor) -> TensorRef:
-        nbytes = tensor.nbytes
+    def _check_room(self, nbytes: int) -> None:
         if self.offset + nbytes > self.arena.size:
             raise ArenaError(
                 f"step needs more than the {self.arena.size}-byte sidecar arena "
                 "(raise it with --arena-mib)"
             )
+
+    def put(self, tensor: torch.Tensor) -> TensorRef:
+        nbytes = tensor.nbytes
+        self._check_room(nbytes)
         if not self.device:
             ref = self._copy_in(tensor, nbytes)
         elif tensor.device.type == "cpu":
@@ -76,16 +78,12 @@ class OutArena:
 
     def put_stack(self, tensors: list[torch.Tensor]) -> int:
         """Same-shaped tensors (one dtype and device) stacked into the arena as one tensor, written in
-        place by one `torch.stack`; its index in this plan's `stacks` (omni_arena/row_stacks.py)."""
+        place by one `torch.stack`; its index in this plan's `stacks` (omni_arena/tensor_tree.py, RowStacker)."""
         first = tensors[0]
         shape = [len(tensors), *first.shape]
         nbytes = first.nbytes * len(tensors)
+        self._check_room(nbytes)
         end = self.offset + nbytes
-        if end > self.arena.size:
-            raise ArenaError(
-                f"step needs more than the {self.arena.size}-byte sidecar arena "
-                "(raise it with --arena-mib)"
-            )
         if not self.device:
             if self._host is None:
                 self._host = torch.frombuffer(self.arena.raw(0, self.arena.size), dtype=torch.uint8)
@@ -98,7 +96,7 @@ class OutArena:
             self._flush()  # staged bytes first: the runs must not cover what this write makes
             self._stack_into(self.arena.buf[self.offset : end], tensors, shape)
         self.stacks.append(TensorRef(0, self.offset, nbytes, shape, dtype_name(first.dtype)))
-        self.stacked_rows += len(tensors)
+
         self.offset = align_up(end)
         return len(self.stacks) - 1
 

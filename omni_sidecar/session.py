@@ -69,6 +69,8 @@ class Session:
         self.model_hooks: ModelHooks | None = None  # what the served model carries (told with want_states)
         self._prev_req_ids: list[str] | None = None
         self.appends = AppendQueue(self)  # streamed payloads, applied between steps
+        self._late_errors: dict[str, str] = {}  # from work between steps: sent with the next answer
+        self.stacked_rows = 0  # tensors the plans sent as rows of stacks (1.7)
         # The next steady decode step's plan, built while the shim schedules it: hooks with pure plans
         # that the shim asks for every step (`pre_forward="always"`: else no StepBegin would take it).
         plans_ahead = getattr(hooks, "plans_ahead", False) and hooks.needs.pre_forward == "always"
@@ -144,9 +146,10 @@ class Session:
         ahead = self.ahead.take(msg, layout) if self.ahead is not None else None
         if ahead is not None:  # built while the shim scheduled this step
             self._begin_us = ahead.hook_us + (time.perf_counter() - t0) * 1e6
+            errors = self._with_late(ahead.errors)
+            self.stacked_rows += sum(stack.shape[0] for stack in ahead.stacks)
             return StepPlan(step=msg.step, overlays=ahead.overlays, extra_kwargs=ahead.extra_kwargs,
-                            errors=self._report(ahead.errors) if ahead.errors else [], event=ahead.event,
-                            stacks=ahead.stacks)
+                            errors=self._report(errors) if errors else [], event=ahead.event, stacks=ahead.stacks)
         batch = StepBatch(msg.step, layout, self.requests)
         states: dict[str, Any] = {}
         out = self.arenas.out
@@ -160,9 +163,10 @@ class Session:
         overlays, extra = self._plan(batch, errors)
         event = out.seal() if out is not None else -1
         self._begin_us = (time.perf_counter() - t0) * 1e6
+        errors, stacks = self._with_late(errors), self.arenas.stacks
+        self.stacked_rows += sum(stack.shape[0] for stack in stacks)
         return StepPlan(step=msg.step, overlays=overlays, extra_kwargs=extra,
-                        errors=self._report(errors) if errors else [], event=event, model_states=states,
-                        stacks=self.arenas.stacks)
+                        errors=self._report(errors) if errors else [], event=event, model_states=states, stacks=stacks)
 
     def _plan(self, batch: StepBatch, errors: dict[str, str]) -> tuple[list[Overlay], dict[str, Any]]:
         """The pre-forward hooks' overlays and extra kwargs, their tensors in the arena."""
@@ -185,10 +189,15 @@ class Session:
     def between_steps(self) -> None:
         """The work the hooks put off until the next plan is out (`OmniHooks.between_steps`): after
         `plan_ahead`, or after the StepBegin already waiting then (omni_sidecar/peer.py)."""
-        failed: dict[str, str] = {}
-        with collect_hook_errors(failed, None, "between_steps", list(self.requests)):
+        with collect_hook_errors(self._late_errors, None, "between_steps", list(self.requests)):
             self.hooks.between_steps()
-        self._report(failed)
+
+    def _with_late(self, errors: dict[str, str]) -> dict[str, str]:
+        """`errors` and those of the work between steps, which go out with the next answer."""
+        if not self._late_errors:
+            return errors
+        errors, self._late_errors = {**self._late_errors, **errors}, {}
+        return errors
 
     def drop_plan_ahead(self) -> None:
         """The hooks' state changes (an append, a hand-over): a plan built before is stale."""
@@ -231,7 +240,7 @@ class Session:
                 self.hooks.process_model_output(batch, take_rows(self.arenas.hidden(msg), rows))
         self.arenas.release_slot(msg)
         self._last_layout = None
-        result_errors = self._report(errors)
+        result_errors = self._report(self._with_late(errors))
         self._finish(msg.finished)
         hook_us = (time.perf_counter() - t0) * 1e6 + self._begin_us
         self._begin_us = 0.0
@@ -366,36 +375,22 @@ class Session:
 
     def _batch(self, step: int, layout: BatchLayout) -> StepBatch:
         n = len(layout.req_ids)
-        if not (
-            len(layout.query_start_loc) == n + 1
-            and len(layout.num_computed_tokens) == n
-            and len(layout.prefill_lens) == n
-        ):
+        if not (len(layout.query_start_loc) == n + 1 and len(layout.num_computed_tokens) == n == len(layout.prefill_lens)):
             raise ValueError("batch layout lists have inconsistent lengths")
         return StepBatch(step, layout, self.requests)
 
     def status(self) -> SessionStatus:
         p50, p99 = self.latency.summary()
-        h = self.hello
-        opens = self.arenas.opens
+        h, opens, ahead = self.hello, self.arenas.opens, self.ahead
         return SessionStatus(
-            session=self.id,
-            rank=h.rank,
-            world_size=h.world_size,
-            vllm_version=h.vllm_version,
-            platform=h.platform,
-            model=h.model,
-            connected_s=time.monotonic() - self.connected_at,
-            steps=self.steps,
-            new_requests=self.new_requests,
-            finished_requests=self.finished_requests,
-            scheduled_tokens=self.scheduled_tokens,
-            errors=self.errors,
-            step_latency_us_p50=p50,
-            step_latency_us_p99=p99,
+            session=self.id, rank=h.rank, world_size=h.world_size, vllm_version=h.vllm_version,
+            platform=h.platform, model=h.model, connected_s=time.monotonic() - self.connected_at,
+            steps=self.steps, new_requests=self.new_requests, finished_requests=self.finished_requests,
+            scheduled_tokens=self.scheduled_tokens, errors=self.errors,
+            step_latency_us_p50=p50, step_latency_us_p99=p99,
             arena_opens=opens.mem if opens is not None else 0,
             event_opens=opens.events if opens is not None else 0,
-            plans_ahead_built=self.ahead.built if self.ahead is not None else 0,
-            plans_ahead_used=self.ahead.used if self.ahead is not None else 0,
-            stacked_rows=self.arenas.out.stacked_rows if self.arenas.out is not None else 0,
+            plans_ahead_built=ahead.built if ahead is not None else 0,
+            plans_ahead_used=ahead.used if ahead is not None else 0,
+            stacked_rows=self.stacked_rows,
         )

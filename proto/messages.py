@@ -187,7 +187,7 @@ class StepPlan(msgspec.Struct, tag="step_plan", frozen=True):
     event: Annotated[int, msgspec.Meta(ge=-1, le=63)] = -1
     # 1.2: the state of each request named in `want_states` (the sidecar's decoded payload).
     model_states: dict[ReqId, Any] = {}
-    # 1.7: same-shaped tensors of this plan, each set stacked into one (omni_arena/row_stacks.py).
+    # 1.7: same-shaped tensors of this plan, each set stacked into one (omni_arena/tensor_tree.py, RowStacker).
     stacks: Annotated[list[TensorRef], msgspec.Meta(max_length=MAX_STACKS)] = []
 
 

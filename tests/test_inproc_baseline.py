@@ -18,14 +18,14 @@ import re
 import numpy as np
 import pytest
 
-from omni_arena.row_stacks import MIN_ROWS
+from omni_arena.tensor_tree import MIN_ROWS
 from tests.support.procs import SidecarProcess, run_engine, write_embeds
 
 pytestmark = pytest.mark.e2e
 
 HOOKS, OPTIONS = "omni", ["extra_kwargs=1", "hidden_layers=0,1"]
 # The 100-token prompt prefills in chunks (64 tokens a step) next to decodes; nine requests, so each
-# decode step's plan holds more than MIN_ROWS last rows: stacked (omni_arena/row_stacks.py, 1.7).
+# decode step's plan holds more than MIN_ROWS last rows: stacked (omni_arena/tensor_tree.py RowStacker, 1.7).
 LENS = [4, 9, 100, 3, 5, 6, 7, 8, 5]
 
 

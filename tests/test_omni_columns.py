@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from omni_sidecar.hooks import RequestInfo, StepBatch
+from omni_sidecar.hooks import HookErrors, RequestInfo, StepBatch
 from omni_sidecar.omni.hooks import OmniStateHooks
 from omni_sidecar.omni.state import IntermediateBuffer, StateError
 from proto.messages import BatchLayout
@@ -103,3 +103,52 @@ def test_between_steps_work_waits_for_the_message_already_in_the_ring():
     waiting[0] = False
     peer.after_step_end()
     assert hooks.calls == 2  # nothing waits: at once
+
+
+def test_a_refused_request_and_one_without_state_keep_nothing_of_the_step():
+    """A request the cap refuses keeps its earlier row in storage of its own (not a view of a past
+    step's gather); a request whose state is gone gets no output chunk (as when postprocess ran
+    per request)."""
+    hooks = OmniStateHooks()
+    ids = ["a", "b", "c"]
+    hooks.on_new_requests([RequestInfo(r, 2, [1, 2], None) for r in ids])
+
+    def step(n: int) -> None:
+        batch = StepBatch(n, BatchLayout(ids, [0, 1, 2, 3], [2 + n] * 3, [2] * 3))
+        try:
+            hooks.process_model_output(batch, torch.randn(3, 4))
+        except HookErrors as exc:
+            assert set(exc.errors) == {"a"} and "over the cap" in exc.errors["a"]
+
+    step(0)
+    hooks.state.free("c")
+    chunks_c = len(hooks.output_chunks("c"))
+    hooks.state.max_bytes = hooks.state.nbytes("a")  # the next row would not fit... for anyone
+    hooks.state._sizes["a"] += 1  # ... and a is one byte over: refused
+    step(1)
+    last_a = hooks.state.get("a")["hidden_states"]["last"]
+    assert last_a.untyped_storage().nbytes() == last_a.nbytes == 16  # owned, not step 0's 48-byte gather
+    assert len(hooks.output_chunks("c")) == chunks_c  # no state: no chunk
+    assert len(hooks.output_chunks("a")) == 1 and len(hooks.output_chunks("b")) == 2
+
+
+def test_errors_of_the_work_between_steps_go_out_with_the_next_answer():
+    from omni_sidecar.hooks import HookErrors, OmniHooks
+    from omni_sidecar.metrics import SidecarMetrics
+    from omni_sidecar.session import Session
+    from omni_sidecar.store import FinishedOutputs
+    from proto.messages import Hello, NewRequest, StepBegin, StepEnd
+
+    class Failing(OmniHooks):
+        def between_steps(self):
+            raise HookErrors({"r": "cutting outputs failed"})
+
+    session = Session(1, Hello(1, 7, "t", "none", "cpu", 0, 1, "m", 4, "float32", 8, []), Failing(),
+                      FinishedOutputs(4), SidecarMetrics())
+    layout = BatchLayout(["r"], [0, 2], [0], [2])
+    session.step_begin(StepBegin(0, layout, new_requests=[NewRequest("r", 2, [1, 2])]))
+    assert session.step_end(StepEnd(0, None, num_tokens=2)).errors == []
+    session.between_steps()
+    result = session.step_end(StepEnd(1, None, num_tokens=0))
+    assert [(e.req_id, e.message) for e in result.errors] == [("r", "cutting outputs failed")]
+    assert session.step_end(StepEnd(2, None, num_tokens=0)).errors == []  # sent once

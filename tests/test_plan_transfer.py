@@ -12,12 +12,11 @@ import torch
 
 from omni_sidecar.arenas import OutArena
 from omni_sidecar.omni.state import IntermediateBuffer, StateError, _nbytes
-from omni_arena.tensor_tree import store_tree
 from proto.arena import ShmArena
 from proto.tensors import TensorRef, TensorRefError
 from tests.support.trees import assert_same_tree
 from worker_shim.channel import SidecarError
-from omni_arena.row_stacks import MIN_ROWS, RowStacker
+from omni_arena.tensor_tree import MIN_ROWS, RowStacker, store_tree
 from worker_shim.transfer import _copy_out_trees
 
 
@@ -292,13 +291,21 @@ def test_bad_rows_and_stacks_from_the_sidecar_are_step_errors_before_anything_is
             "malformed row marker": ({"x": {row: [0, -1]}}, stacks),
             "malformed tree": ({"x": {row: [0, "a"]}}, stacks),
             "outside": ({"x": {row: [0, 0]}}, [TensorRef(0, 4000, 400, [100], "float32")]),
-            "without a row dimension": ({"x": {row: [0, 0]}}, [TensorRef(0, 0, 4, [], "float32")]),
+            "without rows or bytes": ({"x": {row: [0, 0]}}, [TensorRef(0, 0, 4, [], "float32")]),
+            # A zero-byte stack of a million (or 2**40) rows would be a view per row: refused unread.
+            "without rows or bytes ": ({"x": {row: [0, 0]}}, [TensorRef(0, 0, 0, [10**6, 0], "float32")]),
+            "without rows or bytes  ": ({"x": {row: [0, 0]}}, [TensorRef(0, 0, 0, [1 << 40, 0], "float32")]),
         }
         for message, (tree, plan_stacks) in cases.items():
-            with pytest.raises((SidecarError, TensorRefError), match=message):
+            with pytest.raises((SidecarError, TensorRefError), match=message.strip()):
                 _copy_out_tree(arena, tree, torch.device("cpu"), plan_stacks)
         with pytest.raises(TreeError, match="row marker"):
             load_tree({"x": {row: [0, 0]}}, lambda ref: torch.zeros(1))
+        # A stack with more rows than the markers name (the sidecar names each once): indexed row by
+        # row, never a view per row of the whole stack; the rows named read right.
+        big = TensorRef(0, stacks[0].offset, stacks[0].nbytes, stacks[0].shape, "float32")
+        got = _copy_out_tree(arena, {"a": {row: [0, 3]}, "b": {row: [0, 1]}}, torch.device("cpu"), [big])
+        assert got["a"].tolist() == [3.0, 3.0] and got["b"].tolist() == [1.0, 1.0]
     finally:
         out.close()
 
@@ -320,5 +327,28 @@ def test_a_sidecar_stacks_rows_only_for_a_shim_that_reads_them(minor):
         assert markers == ({"__omni_tensor_row__"} if minor >= 7 else {"__omni_tensor_ref__"})
         assert {next(iter(v)) for v in sent["fewer"]} == {"__omni_tensor_ref__"}  # fewer than MIN_ROWS of a kind: one by one
         assert len(arenas.stacks) == (1 if minor >= 7 else 0)
+        arenas.out.reset()
+        deep = arenas.encode_tensors([torch.zeros([1] * 8) for _ in range(MIN_ROWS)])  # a stack would have 9 dims
+        assert {next(iter(v)) for v in deep} == {"__omni_tensor_ref__"} and arenas.stacks == []
     finally:
         arenas.close()
+
+
+def test_the_sender_refuses_the_depth_the_receiver_refuses():
+    """A tree deeper than MAX_TREE_DEPTH fails where it is built (the requests' error), never at the
+    shim (which would lose the session); one at the limit passes both."""
+    from omni_arena.tensor_tree import MAX_TREE_DEPTH, TreeError, index_tree
+
+    def nested(levels: int, leaf):
+        value = leaf
+        for _ in range(levels):
+            value = [value]
+        return value
+
+    for leaf in (1, torch.zeros(1)):
+        ok = store_tree(nested(MAX_TREE_DEPTH, leaf), lambda t: TensorRef(0, 0, 4, [1], "float32"))
+        index_tree(ok)  # the receiver takes it
+        with pytest.raises(TreeError, match="deeper"):
+            store_tree(nested(MAX_TREE_DEPTH + 1, leaf), lambda t: TensorRef(0, 0, 4, [1], "float32"))
+        with pytest.raises(TreeError, match="deeper"):
+            index_tree(nested(MAX_TREE_DEPTH + 1, 1))

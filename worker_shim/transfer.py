@@ -122,8 +122,9 @@ def read_states(arena: Any, plan: StepPlan) -> dict[str, Any]:
         return {}
     if arena is not None and arena.kind != "shm" and plan.event >= 0:
         arena.wait_ready(plan.event)
+    # Each state is kept for its request's lifetime (the model's state mirror): tensors of their own.
     states = dict(zip(plan.model_states, _copy_out_trees(arena, list(plan.model_states.values()),
-                                                         torch.device("cpu"), plan.stacks)))
+                                                         torch.device("cpu"), plan.stacks, own=True)))
     bad = [r for r, v in states.items() if not isinstance(v, dict)]
     if bad:
         raise SidecarError(f"sidecar sent model states that are not dicts for {bad[:4]}")
@@ -178,11 +179,14 @@ def _overlay(arena: Any, plan: StepPlan, input_batch: Any, model: Any,
     return embeds
 
 
-def _copy_out_trees(arena: Any, trees: list[Any], device: torch.device, stacks: list[TensorRef]) -> list[Any]:
+def _copy_out_trees(arena: Any, trees: list[Any], device: torch.device, stacks: list[TensorRef],
+                    own: bool = False) -> list[Any]:
     """Received trees' tensors, copied out of the arena in ONE copy of the bytes their refs span,
     then views of that copy: a copy per tensor was a launch each, once per request every step when
     per-request state rides in the extra kwargs. Rows of the plan's `stacks` (1.7) are made per
-    stack in one call (omni_arena/row_stacks.py). Every ref and row is checked first."""
+    stack in one call (omni_arena/tensor_tree.py, RowStacker). Every ref, stack and row is checked
+    before anything is copied. `own`: each tensor in storage of its own (trees kept past the step,
+    e.g. per-request states, must not keep the others' bytes alive)."""
     row_places: list[RowPlace] = []
     try:
         root, places = index_trees(trees, rows=row_places)
@@ -192,10 +196,8 @@ def _copy_out_trees(arena: Any, trees: list[Any], device: torch.device, stacks: 
         return root
     if arena is None:
         raise SidecarError("sidecar sent tensors but offered no arena")
-    used = sorted({k for _, _, k, _ in row_places})
-    if used and used[-1] >= len(stacks):
-        raise SidecarError(f"sidecar named stack {used[-1]} of a plan with {len(stacks)}")
-    refs = [ref for _, _, ref in places] + [stacks[k] for k in used]
+    named = _check_rows(row_places, stacks)
+    refs = [ref for _, _, ref in places] + [stacks[k] for k in named]
     dtypes = {id(ref): check_arena_ref(arena, ref) for ref in refs}  # bounds, bytes, dtype, alignment
     sized = [ref for ref in refs if ref.nbytes]
     # From an ALIGN boundary (still inside the arena), so the copy's byte k is the arena's lo + k for
@@ -219,22 +221,36 @@ def _copy_out_trees(arena: Any, trees: list[Any], device: torch.device, stacks: 
         return items[start : start + ref.nbytes // size].view(ref.shape)
 
     try:
-        rows = {}
-        for k in used:
-            stack = stacks[k]
-            if not stack.shape:
-                raise SidecarError(f"sidecar sent stack {k} without a row dimension")
-            rows[k] = view(stack).unbind(0)  # every row's view in one call
+        rows: dict[int, Any] = {}
+        for k, count in named.items():
+            whole = view(stacks[k])
+            # Every row's view in one call, when the rows named are all of them (the sidecar names
+            # each row once); a stack with more rows than named is indexed row by row instead.
+            rows[k] = whole.unbind(0) if whole.shape[0] <= count else whole
         for holder, key, k, i in row_places:
-            stack_rows = rows[k]
-            if i >= len(stack_rows):
-                raise SidecarError(f"sidecar named row {i} of stack {k}, which has {len(stack_rows)}")
-            holder[key] = stack_rows[i]
+            holder[key] = rows[k][i].clone() if own else rows[k][i]
         for holder, key, ref in places:
-            holder[key] = view(ref)
+            holder[key] = view(ref).clone() if own else view(ref)
     except RuntimeError as exc:  # e.g. a zero-byte ref whose shape overflows: the peer's bad ref
         raise SidecarError(f"sidecar sent a tensor ref that cannot be read: {exc}") from None
     return root
+
+
+def _check_rows(row_places: list[RowPlace], stacks: list[TensorRef]) -> dict[int, int]:
+    """The stacks the row markers name, with how many markers name each; SidecarError for a stack
+    the plan lacks, one with no rows or no bytes (a sidecar never stacks empty tensors), or a row
+    past a stack's end."""
+    named: dict[int, int] = {}
+    for _, _, k, i in row_places:
+        if k >= len(stacks):
+            raise SidecarError(f"sidecar named stack {k} of a plan with {len(stacks)}")
+        shape = stacks[k].shape
+        if not shape or not stacks[k].nbytes:
+            raise SidecarError(f"sidecar sent stack {k} without rows or bytes (shape {shape})")
+        if i >= shape[0]:
+            raise SidecarError(f"sidecar named row {i} of stack {k}, which has {shape[0]}")
+        named[k] = named.get(k, 0) + 1
+    return named
 
 
 def model_device(model: Any) -> torch.device:

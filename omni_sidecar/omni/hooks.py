@@ -176,12 +176,13 @@ class OmniStateHooks(OmniHooks):
         req_ids = batch.layout.req_ids
         refused = self.state.merge_columns(req_ids, columns)
         # The rows each state now keeps are views of this step's gather; a request that leaves the
-        # batch (preempted, finished, not scheduled) keeps its row in storage of its own, so no
-        # state holds a whole past step alive (the cap counts what a state keeps).
-        for req_id in self._row_views.difference(req_ids):
+        # batch (preempted, finished, not scheduled) or was refused keeps its row in storage of its
+        # own, so no state holds a whole past step alive (the cap counts what a state keeps).
+        for req_id in self._row_views.difference(req_ids).union(refused):
             self.state.own_storage(req_id)
         self._row_views = set(req_ids).difference(refused)
-        self.log.add_step(req_ids, owned, batch.layout.query_start_loc, rows, set(refused))
+        stateless = {r for r in req_ids if r not in self.state}  # their payload failed: no outputs, as ever
+        self.log.add_step(req_ids, owned, batch.layout.query_start_loc, rows, stateless.union(refused))
         return {r: f"postprocess: {m}" for r, m in refused.items()}
 
     def between_steps(self) -> None:

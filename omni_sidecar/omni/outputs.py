@@ -93,9 +93,10 @@ class OutputLog:
         self._steps.append((req_ids, outputs, query_start_loc, rows, skip))
 
     def settle(self) -> None:
-        """Steps logged whole, cut per request now."""
-        steps, self._steps = self._steps, []
-        for req_ids, outputs, qsl, rows, skip in steps:
+        """Steps logged whole, cut per request now (a step that raises is dropped: its error fails
+        the requests of the call, as any hook error does)."""
+        while self._steps:
+            req_ids, outputs, qsl, rows, skip = self._steps.pop(0)
             n = len(req_ids)
             per_req = slice_per_request(outputs, qsl, n)
             parts = {name: make().split(1) for name, make in rows.items()}  # all views in one call each
