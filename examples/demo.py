@@ -113,7 +113,9 @@ def run_stages(config: dict, stages: tuple[str, ...]) -> dict[str, dict]:
             if time.monotonic() > deadline:
                 raise SystemExit(f"the stages did not start within {STAGE_TIMEOUT_S}s (logs in {run_dir})")
             time.sleep(0.05)
-        (run_dir / "go").write_text(repr(time.time()))
+        # Written aside and renamed: a stage polling for "go" must never read it half written.
+        (run_dir / "go.tmp").write_text(repr(time.time()))
+        (run_dir / "go.tmp").replace(run_dir / "go")
         while any(proc.poll() is None for proc in procs.values()):
             failed = [s for s, proc in procs.items() if proc.poll() not in (None, 0)]
             if failed:  # the others would wait for its outputs for ever

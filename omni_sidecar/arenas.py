@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-from omni_arena.tensor_tree import RowStacker
-from omni_arena.tensor_tree import load_tree, store_tree
+from omni_arena.tensor_tree import RowStacker, load_tree, store_tree
 from omni_arena.views import arena_tensor, dtype_name, torch_dtype
 from omni_sidecar.metrics import SidecarMetrics
 from proto.arena import ArenaError, ShmArena, align_up
