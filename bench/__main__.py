@@ -18,9 +18,11 @@ and prints them, without rewriting BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -311,6 +313,7 @@ def main() -> None:
     parts = only or list(PARTS)
     out = Path(args.out)
     run_dir = Path(tempfile.mkdtemp(prefix="omni-bench-"))
+    atexit.register(shutil.rmtree, run_dir, True)  # its sockets: nothing left behind
     res = {"date": time.strftime("%Y-%m-%d"), "versions": versions()}
     samples: dict = {}
     if "exchange" in parts:

@@ -20,7 +20,9 @@ Usage: python -m bench.gpu_handoff [--mib 16] [--steps 300]
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -102,6 +104,7 @@ def run(kind: str, mib: int, steps: int) -> dict:
     slot = (nbytes + 4095) // 4096 * 4096
     arena = CudaIpcArena.create(2 * slot, device, 2) if kind == "cuda_ipc" else ShmArena.create(2 * slot)
     run_dir = Path(tempfile.mkdtemp(prefix="omni-handoff-"))
+    atexit.register(shutil.rmtree, run_dir, True)  # its socket: nothing left behind
     endpoint = f"ipc://{run_dir}/h.sock"
     sock = zmq.Context.instance().socket(zmq.PAIR)
     sock.bind(endpoint)

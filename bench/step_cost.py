@@ -25,7 +25,9 @@ Hook sets measured side by side, in alternating blocks:
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -181,6 +183,7 @@ def percentiles(samples_s: list[float]) -> dict[str, float]:
 def measure(steps: int, num_reqs: int, forward_ms: float, hook_sets: dict[str, str] = HOOK_SETS,
             spin: bool = True) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="omni-stepcost-"))
+    atexit.register(shutil.rmtree, run_dir, True)  # its sockets: nothing left behind
     shims = {name: (InProcessUnderTest if name.endswith(INPROC) else ShimUnderTest)(run_dir, name, hooks, num_reqs)
              for name, hooks in hook_sets.items()}
     try:

@@ -29,9 +29,11 @@ pre_forward) called as entry(input_batch, model, embeds).
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -230,6 +232,7 @@ def measure(rounds: int, ring: bool, link_factory: Callable | None, entry: str) 
     import torch
 
     workdir = tempfile.mkdtemp(prefix="omni-step-walk-")
+    atexit.register(shutil.rmtree, workdir, True)  # its socket: nothing left behind
     endpoint = f"ipc://{workdir}/sidecar.sock"
     recorder = Recorder()
     threading.setprofile(recorder.profile)  # the server thread starts after this
