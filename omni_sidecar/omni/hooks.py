@@ -128,8 +128,9 @@ class OmniStateHooks(OmniHooks):
     def build_extra_kwargs(self, batch: StepBatch) -> dict[str, Any]:
         if not self.send_extra_kwargs:
             return {}
-        infos = [self.runtime_info(r, self.state.get(r) or {}) for r in batch.req_ids]
-        spans = [list(batch.rows(i)) for i in range(len(batch.req_ids))]
+        req_ids, qsl, states, info = batch.req_ids, batch.layout.query_start_loc, self.state.get, self.runtime_info
+        infos = [info(r, states(r) or {}) for r in req_ids]
+        spans = [[qsl[i], qsl[i + 1]] for i in range(len(req_ids))]  # batch.rows(i), without a call each
         return {"runtime_additional_information": infos, "request_token_spans": spans}
 
     def process_model_output(self, batch: StepBatch, hidden_states: torch.Tensor | None) -> None:
