@@ -51,6 +51,8 @@ class ShimPeer:
         except Exception:  # e.g. the device: the StepBegin is planned when it comes, as without
             log.exception("building session %d's next plan ahead failed; it is planned when asked", session.id)
             session.drop_plan_ahead()
+        if not session.works_between_steps:
+            return
         rings = self.rings
         if rings is not None and not rings.closed and rings.duplex.rx.has_data():
             self.between_steps_due = True

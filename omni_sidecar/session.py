@@ -75,6 +75,8 @@ class Session:
         # that the shim asks for every step (`pre_forward="always"`: else no StepBegin would take it).
         plans_ahead = getattr(hooks, "plans_ahead", False) and hooks.needs.pre_forward == "always"
         self.ahead = PlansAhead(self._plan, self.arenas, self.requests) if plans_ahead else None
+        # Hooks that put nothing off (the base's no-op) cost no call, ring check or list after a StepEnd.
+        self.works_between_steps = type(hooks).between_steps is not OmniHooks.between_steps
 
     # -- set-up --------------------------------------------------------------
 
@@ -189,8 +191,9 @@ class Session:
     def between_steps(self) -> None:
         """The work the hooks put off until the next plan is out (`OmniHooks.between_steps`): after
         `plan_ahead`, or after the StepBegin already waiting then (omni_sidecar/peer.py)."""
-        with collect_hook_errors(self._late_errors, None, "between_steps", list(self.requests)):
-            self.hooks.between_steps()
+        if self.works_between_steps:
+            with collect_hook_errors(self._late_errors, None, "between_steps", list(self.requests)):
+                self.hooks.between_steps()
 
     def _with_late(self, errors: dict[str, str]) -> dict[str, str]:
         """`errors` and those of the work between steps, which go out with the next answer."""

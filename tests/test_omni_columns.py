@@ -103,6 +103,12 @@ def test_between_steps_work_waits_for_the_message_already_in_the_ring():
     waiting[0] = False
     peer.after_step_end()
     assert hooks.calls == 2  # nothing waits: at once
+    # Hooks that put nothing off (the base's no-op): nothing deferred, nothing to run later.
+    idle = ShimPeer(b"shim2", Session(2, session.hello, OmniHooks(), FinishedOutputs(4), SidecarMetrics()),
+                    listener=None, codec=None)  # type: ignore[arg-type]
+    idle.rings, waiting[0] = peer.rings, True
+    idle.after_step_end()
+    assert not idle.session.works_between_steps and not idle.between_steps_due
 
 
 def test_a_refused_request_and_one_without_state_keep_nothing_of_the_step():
