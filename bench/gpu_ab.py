@@ -293,6 +293,7 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
                 mark = marks[engine]
                 res["kwargs_reached_model" if engine == "shim" else f"kwargs_reached_model_{engine}"] = (
                     json.loads(mark.read_text()) if mark.exists() else None)
+        res["sidecar_sessions"] = _sidecar_sessions(endpoint)
         res["status"] = "done"
         for label, s in _pairs(res):
             print(f"[{name}] {s.get('blocks')} blocks: {label} median {s.get('ratio_median')} "
@@ -321,6 +322,21 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
         gc.collect()
         sink(res)
     return res
+
+
+def _sidecar_sessions(endpoint: str) -> list[dict]:
+    """What the sidecar counted per session (the shim's and the in-process engine's are not its):
+    steps, plans built ahead and used (a steady decode step whose plan was ready when its StepBegin
+    came), stacked rows, its own step latency."""
+    from omni_sidecar.client import SidecarClient
+
+    keep = ("steps", "plans_ahead_built", "plans_ahead_used", "stacked_rows", "step_latency_us_p50",
+            "step_latency_us_p99")
+    try:
+        with SidecarClient(endpoint) as client:
+            return [{k: getattr(s, k) for k in keep} for s in client.status().sessions]
+    except Exception as exc:  # a figure less, not a failed configuration
+        return [{"error": f"{type(exc).__name__}: {exc}"[:300]}]
 
 
 REFUSAL = "FULL CUDA graph replay would drop"

@@ -158,3 +158,73 @@ def test_errors_of_the_work_between_steps_go_out_with_the_next_answer():
     result = session.step_end(StepEnd(1, None, num_tokens=0))
     assert [(e.req_id, e.message) for e in result.errors] == [("r", "cutting outputs failed")]
     assert session.step_end(StepEnd(2, None, num_tokens=0)).errors == []  # sent once
+
+
+def _step(hooks: OmniStateHooks, n: int, ids: list[str], rows: list[int], device: torch.device) -> None:
+    qsl = [0]
+    for k in rows:
+        qsl.append(qsl[-1] + k)
+    batch = StepBatch(n, BatchLayout(ids, qsl, [2 + n] * len(ids), [2] * len(ids)))
+    batch.hidden_layers = {0: torch.randn(qsl[-1], 4, device=device)}
+    hooks.process_model_output(batch, torch.randn(qsl[-1], 4, device=device))
+
+
+def test_the_last_hidden_row_stays_where_the_rows_are_unless_told_otherwise():
+    """By default `hidden_states.last` is device-resident (vllm-omni's talkers declare it so): the
+    next plan sends it back to the device. `resident_keys=` (none) moves it to host memory, as
+    vllm-omni does with keys a model does not declare. Here the "device" is the CPU and the host
+    `meta`, so that where each row went is seen on a machine without a GPU."""
+    kept = {}
+    for option in (None, ""):
+        hooks = OmniStateHooks() if option is None else OmniStateHooks(resident_keys=option)
+        hooks.state.host_device, hooks.state._host_is_cpu = torch.device("meta"), False
+        hooks.on_new_requests([RequestInfo(r, 2, [1, 2], None) for r in "ab"])
+        _step(hooks, 1, ["a", "b"], [1, 1], torch.device("cpu"))
+        kept[option] = {r: hooks.state.get(r)["hidden_states"]["last"].device.type for r in "ab"}
+    assert kept == {None: {"a": "cpu", "b": "cpu"}, "": {"a": "meta", "b": "meta"}}
+
+
+def test_the_omni_step_never_waits_for_the_device():
+    """On a GPU: the sidecar's StepEnd (prefill and decode), its next plan (extra kwargs stacked into
+    a CUDA IPC arena) and the work between steps, then the shim's copy of the plan out, enqueue their
+    device work without one host synchronize (a synchronize there waits for the step's forward, and
+    the shim then waits for it too). Skipped without a CUDA device: run on the GPU host."""
+    import pytest
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (run on the GPU host)")
+    from omni_arena.cuda_ipc import CudaIpcArena
+    from omni_arena.tensor_tree import MIN_ROWS, RowStacker
+    from omni_sidecar.arenas import OutArena
+    from worker_shim.transfer import _copy_out_trees
+
+    dev = torch.device("cuda", 0)
+    ids = [f"r{i}" for i in range(MIN_ROWS + 2)]
+    hooks = OmniStateHooks(extra_kwargs="1", hidden_layers="0")
+    hooks.on_new_requests([RequestInfo(r, 2, [1, 2], None) for r in ids])
+    arena = CudaIpcArena.create(1 << 20, dev, 1, name="omni-test-nosync")
+    try:
+        out = OutArena(arena)
+        _step(hooks, 0, ids, [2] * len(ids), dev)  # warm-up: the pinned pool, the allocator
+        torch.cuda.synchronize(dev)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for n, rows in enumerate([[2] * len(ids), [1] * len(ids), [1] * len(ids)], start=1):
+                _step(hooks, n, ids, rows, dev)
+                batch = StepBatch(n + 1, BatchLayout(ids, list(range(len(ids) + 1)), [3 + n] * len(ids), [2] * len(ids)))
+                out.reset()
+                sent = RowStacker().store(hooks.build_extra_kwargs(batch), out.put, out.put_stack, 0)
+                out.seal()
+                hooks.between_steps()
+                got = _copy_out_trees(arena, [sent], dev, out.stacks)[0]
+                arena.mark_done(0)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize(dev)
+        last = [info["hidden_states"]["last"] for info in got["runtime_additional_information"]]
+        assert {t.device for t in last} == {dev} and len(last) == len(ids)
+        for r, t in zip(ids, last):
+            assert torch.equal(t, hooks.state.get(r)["hidden_states"]["last"])
+        assert out.stacks, "the rows went as one stack"
+    finally:
+        arena.close()

@@ -10,7 +10,8 @@ outputs per request for clients (streamed per step, complete at finish).
 
 Subclass it for a model: override `postprocess`, `multimodal_outputs` or
 `runtime_info`. Options (`--hook-option key=value`): extra_kwargs=1,
-state_cap_mib=N, resident_keys=cat.qual,cat.qual, hidden_layers=0,24 (each
+state_cap_mib=N, resident_keys=cat.qual,cat.qual (state entries kept on the device; default
+hidden_states.last, as vllm-omni's talkers declare it; `resident_keys=` for none), hidden_layers=0,24 (each
 request's outputs then hold those decoder layers' hidden states, token aligned,
 as `hidden_states.layer_N`: vllm-omni's `hidden_states["layers"][N]` once
 unflattened, omni/keys.py), plan_ahead=0 (never build a steady decode step's plan
@@ -37,6 +38,11 @@ from omni_sidecar.omni.wire import (
 from proto.messages import HookNeeds
 
 _TRUE = {"1", "true", "yes", "on"}
+# The default postprocess writes each request's last hidden row every step, and the next plan sends
+# it back to the model's device: kept on the host, it was a device-to-host copy a step, and that copy
+# waits for the step's forward (a synchronize the sidecar paid before every plan, which also kept
+# the shim from running ahead of the GPU). vllm-omni's talkers declare this key GPU-resident alike.
+DEFAULT_RESIDENT_KEYS = "hidden_states.last"
 
 
 class OmniStateHooks(OmniHooks):
@@ -45,7 +51,7 @@ class OmniStateHooks(OmniHooks):
     accepts_state = ("omni/1",)
 
     def __init__(
-        self, extra_kwargs: str = "0", state_cap_mib: str = "256", resident_keys: str = "",
+        self, extra_kwargs: str = "0", state_cap_mib: str = "256", resident_keys: str = DEFAULT_RESIDENT_KEYS,
         hidden_layers: str = "", plan_ahead: str = "1",
     ) -> None:
         self.send_extra_kwargs = str(extra_kwargs).lower() in _TRUE
@@ -55,7 +61,7 @@ class OmniStateHooks(OmniHooks):
         own = all(getattr(cls, m) is getattr(OmniStateHooks, m)
                   for m in ("prepare_prefill_embeds", "build_extra_kwargs", "runtime_info"))
         self.plans_ahead = str(plan_ahead).lower() in _TRUE and (own or cls.plans_ahead)
-        resident = {tuple(k.split(".", 1)) for k in resident_keys.split(",") if "." in k}
+        resident = {tuple(k.strip().split(".", 1)) for k in resident_keys.split(",") if "." in k}
         self.state = IntermediateBuffer(
             resident_keys=resident,  # type: ignore[arg-type]
             max_bytes_per_request=int(float(state_cap_mib) * (1 << 20)),
@@ -211,7 +217,10 @@ class OmniStateHooks(OmniHooks):
             if last.data_ptr() == hidden.data_ptr():  # still the shim's memory (not moved to the host): copy
                 last = last.clone()
         else:
-            rows = torch.tensor([qsl[i + 1] - 1 for i in range(n)], device=hidden.device)
+            rows = torch.tensor([qsl[i + 1] - 1 for i in range(n)])
+            # Up from pinned memory without waiting: a pageable copy to the device waits for the stream,
+            # i.e. for the step's forward.
+            rows = rows.pin_memory().to(hidden.device, non_blocking=True) if hidden.is_cuda else rows
             last = self.state.place("hidden_states", "last", hidden.index_select(0, rows))
         states = self.state.get
         before = [int((states(r) or {}).get("meta", {}).get("num_processed_tokens", 0)) for r in req_ids]
