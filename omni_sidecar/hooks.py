@@ -19,7 +19,7 @@ get RequestFailed. Nothing is swallowed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import torch
@@ -154,6 +154,13 @@ class OmniHooks:
 
     def output_chunks(self, req_id: str) -> list[dict[str, Any]] | None:
         """Per-step outputs in step order, for streaming clients (None: not kept)."""
+        return None
+
+    def deferred_outputs(self, req_id: str) -> Callable[[], tuple[dict[str, Any] | None, list[dict[str, Any]] | None]] | None:
+        """A finishing request's (outputs, chunks), made by the returned call when a client first
+        asks, not in the step it finished; the call runs after `on_finished`, so it must not read
+        the hooks' per-request state. None (the default): `get_outputs` and `output_chunks` are
+        called as the request finishes."""
         return None
 
     def model_states(self, req_ids: list[str]) -> dict[str, dict[str, Any]]:

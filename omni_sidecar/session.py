@@ -327,12 +327,13 @@ class Session:
         client_of = {vllm_id: client_id for client_id, vllm_id in self._client_ids.items()}
         for req_id in req_ids:
             client_id = client_of.get(req_id, "")
-            entry = FinishedEntry(
-                outputs=self.hooks.get_outputs(req_id),
-                chunks=self.hooks.output_chunks(req_id),
-                error=self.errors_by_request.pop(req_id, ""),
-            )
-            if entry.outputs is not None or entry.chunks is not None or entry.error:
+            error = self.errors_by_request.pop(req_id, "")
+            deferred = None if error else self.hooks.deferred_outputs(req_id)  # made when a client asks
+            if deferred is not None:
+                entry = FinishedEntry(None, None, error, deferred=deferred)
+            else:
+                entry = FinishedEntry(self.hooks.get_outputs(req_id), self.hooks.output_chunks(req_id), error)
+            if entry.holds_anything:
                 if entry.error:
                     entry.outputs = entry.chunks = None  # never hand out partial outputs as complete
                 self.finished_store.put(req_id, entry, client_id)

@@ -228,3 +228,83 @@ def test_the_omni_step_never_waits_for_the_device():
         assert out.stacks, "the rows went as one stack"
     finally:
         arena.close()
+
+
+def test_finished_outputs_are_assembled_when_first_read_and_are_the_live_ones(monkeypatch):
+    """A batch that finishes in one step does not assemble every request's outputs in that step (a
+    client may never ask): the omni set's outputs are its chunks put together when first read."""
+    import omni_sidecar.omni.hooks as omni_hooks
+    from omni_sidecar.metrics import SidecarMetrics
+    from omni_sidecar.session import Session
+    from omni_sidecar.store import FinishedOutputs
+    from proto.arena import ShmArena
+    from proto.messages import Hello, NewRequest, StepEnd
+    from proto.tensors import TensorRef
+
+    assembled = []
+    monkeypatch.setattr(omni_hooks, "accumulate", lambda chunks: assembled.append(1) or _accumulate(chunks))
+    arena = ShmArena.create(1 << 16, prefix="omni-test-lazy")
+    hello = Hello(1, 7, "test", "none", "cpu", 0, 1, "m", 4, "float32", 8, [arena.info()])
+    store = FinishedOutputs(10)
+    session = Session(1, hello, OmniStateHooks(), store, SidecarMetrics())
+    try:
+        session.open_arenas()
+        arena.view(TensorRef(0, 0, 64, [64], "uint8"))[:] = torch.arange(16, dtype=torch.float32).numpy().tobytes()
+        rows = TensorRef(0, 0, 32, [2, 4], "float32")
+        ids = ["a", "b"]
+        session.step_end(StepEnd(0, BatchLayout(ids, [0, 1, 2], [0, 0], [1, 1]), [NewRequest(r, 1, [1]) for r in ids],
+                                 hidden=rows, num_tokens=2))
+        session.step_end(StepEnd(1, BatchLayout(ids, [0, 1, 2], [1, 1], [1, 1]), hidden=rows, num_tokens=2))
+        live = {r: session.hooks.get_outputs(r) for r in ids}
+        assembled.clear()
+        session.step_end(StepEnd(2, None, finished=ids))
+        assert assembled == [], "outputs assembled in the step the requests finished"
+        for r in ids:
+            assert_same_tree(store.get(r).outputs, live[r])
+            assert store.get(r).outputs["hidden_states"].shape == (2, 4)
+        assert len(assembled) == 2  # once each, kept
+    finally:
+        session.close()
+        arena.close()
+
+
+def _accumulate(chunks):
+    from omni_sidecar.omni.outputs import accumulate
+
+    return accumulate(chunks)
+
+
+def test_a_requests_chunks_are_cut_when_read_once():
+    """Steps' outputs are logged whole; a request's chunk of a step is cut when something reads
+    it, once (the same chunk objects on the next read), and equal what cutting at once gives."""
+    from omni_sidecar.omni import outputs as outputs_mod
+
+    cuts = []
+    real = outputs_mod._LoggedStep.chunk
+
+    def counted(self, i):
+        cuts.append(i)
+        return real(self, i)
+
+    hooks = OmniStateHooks(hidden_layers="0")
+    hooks.on_new_requests([RequestInfo(r, 2, [1, 2], None) for r in "ab"])
+    gen = torch.Generator().manual_seed(1)
+    steps = []
+    try:
+        outputs_mod._LoggedStep.chunk = counted
+        for n in range(3):
+            hidden = torch.randn(2, 4, generator=gen)
+            steps.append(hidden)
+            batch = StepBatch(n, BatchLayout(["a", "b"], [0, 1, 2], [2 + n] * 2, [2] * 2))
+            batch.hidden_layers = {0: hidden * 2}
+            hooks.process_model_output(batch, hidden.clone())
+            hooks.between_steps()
+        assert cuts == []
+        first = hooks.output_chunks("a")
+        assert cuts == [0, 0, 0] and hooks.output_chunks("a") is first and cuts == [0, 0, 0]
+        assert [torch.equal(c["hidden_states"], h[0:1]) for c, h in zip(first, steps)] == [True] * 3
+        assert [c["processed_trace"].tolist() for c in first] == [[[0, 1]], [[1, 1]], [[2, 1]]]
+        hooks.on_finished(["b"])
+        assert cuts == [0, 0, 0]  # a finished request nobody reads is never cut
+    finally:
+        outputs_mod._LoggedStep.chunk = real

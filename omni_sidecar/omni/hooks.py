@@ -285,6 +285,22 @@ class OmniStateHooks(OmniHooks):
     def output_chunks(self, req_id: str) -> list[dict[str, Any]] | None:
         return self.log.chunks(req_id)
 
+    def deferred_outputs(self, req_id: str) -> Callable[[], tuple[dict[str, Any] | None, list[dict[str, Any]] | None]] | None:
+        """The request's chunks, cut when read, and their accumulation: only where `get_outputs` and
+        `output_chunks` are this set's own."""
+        cls = type(self)
+        if cls.get_outputs is not OmniStateHooks.get_outputs or cls.output_chunks is not OmniStateHooks.output_chunks:
+            return None
+        cut = self.log.detach(req_id)
+        if cut is None:
+            return None
+
+        def made() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+            chunks = cut()
+            return accumulate(chunks), chunks
+
+        return made
+
     def on_preempted(self, req_ids: list[str]) -> None:
         self.preempted.update(req_ids)
 
@@ -292,7 +308,7 @@ class OmniStateHooks(OmniHooks):
         for req_id in req_ids:
             self.state.free(req_id)
             self.prompt_embeds.pop(req_id, None)
-            self.log.pop(req_id)
+            self.log.forget(req_id)
             self.preempted.discard(req_id)
 
     # -- hot upgrade ----------------------------------------------------------------

@@ -59,17 +59,63 @@ def accumulate(chunks: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+class _LoggedStep:
+    """One step's outputs, logged whole; request i's chunk of it is cut when first read
+    (`slice_per_request`'s rules, then row i of each of `rows`, kept 2-d)."""
+
+    __slots__ = ("outputs", "query_start_loc", "num_reqs", "rows", "_parts")
+
+    def __init__(self, outputs: dict[str, Any], query_start_loc: list[int], num_reqs: int,
+                 rows: dict[str, Callable[[], torch.Tensor]]) -> None:
+        self.outputs = outputs
+        self.query_start_loc = query_start_loc
+        self.num_reqs = num_reqs
+        self.rows = rows
+        self._parts: dict[str, tuple[torch.Tensor, ...]] | None = None
+
+    def chunk(self, i: int) -> dict[str, Any]:
+        qsl, n = self.query_start_loc, self.num_reqs
+        total = qsl[n]
+        chunk: dict[str, Any] = {}
+        for name, value in self.outputs.items():
+            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == total:
+                chunk[name] = value[qsl[i] : qsl[i + 1]]
+            elif isinstance(value, (list, tuple)) and len(value) == n and value[i] is not None:
+                chunk[name] = value[i]
+        if self.rows:
+            if self._parts is None:  # all of a step's rows in one call each, the first time one is read
+                self._parts = {name: make().split(1) for name, make in self.rows.items()}
+            for name, views in self._parts.items():
+                chunk[name] = views[i]
+        return chunk
+
+
+Logged = dict[str, Any] | tuple[_LoggedStep, int]  # a chunk, or request i's part of a logged step
+
+
+def _cut(log: list[Logged], start: int) -> int:
+    """The log's entries from `start` on made chunks (in place); returns the log's length."""
+    for k in range(start, len(log)):
+        entry = log[k]
+        if type(entry) is tuple:
+            log[k] = entry[0].chunk(entry[1])
+    return len(log)
+
+
 class OutputLog:
     """Per-request chunks in step order; `since(cursor)` serves streaming clients.
 
-    A step's chunks may be logged whole (`add_step`) and cut per request later (`settle`): the
-    sidecar cuts them once the next step's plan is out, off the path the shim waits on. Every
-    read and every other write settles first, so the order and the contents are those of cutting
-    them at once."""
+    A step's outputs are logged whole (`add_step`) and each request's chunk of them is cut when
+    something reads it (a streaming client, the finished outputs, a hand-over): cutting every
+    request's chunk every step (a view per request and output) was most of the sidecar's work
+    between two steps on a GPU host, and a client may never read them. `settle`, between steps,
+    only notes which requests a logged step belongs to; every read and write settles first, so
+    order and contents are those of cutting at once."""
 
     def __init__(self) -> None:
-        self._chunks: dict[str, list[dict[str, Any]]] = {}
-        self._steps: list[tuple[list[str], dict[str, Any], list[int], dict[str, Callable[[], torch.Tensor]], set[str]]] = []
+        self._chunks: dict[str, list[Logged]] = {}
+        self._cut_upto: dict[str, int] = {}  # entries before this index are chunks already
+        self._steps: list[tuple[list[str], _LoggedStep, set[str]]] = []
 
     def start(self, req_id: str) -> None:
         self._chunks.setdefault(req_id, [])
@@ -84,48 +130,62 @@ class OutputLog:
 
     def add_step(self, req_ids: list[str], outputs: dict[str, Any], query_start_loc: list[int],
                  rows: dict[str, Callable[[], torch.Tensor]], skip: set[str]) -> None:
-        """A step's outputs for every request of `req_ids` but `skip`, cut when settled: the
-        batch-level `outputs` (owned; `slice_per_request`'s rules) and `rows`, each made when
-        settled (its row i, kept 2-d, is request i's). At most one step waits: one whose settling
-        never came is settled now."""
+        """A step's outputs for every request of `req_ids` but `skip`: the batch-level `outputs`
+        (owned; `slice_per_request`'s rules) and `rows`, each made when first read (its row i,
+        kept 2-d, is request i's). At most one step waits to be settled."""
         if self._steps:
             self.settle()
-        self._steps.append((req_ids, outputs, query_start_loc, rows, skip))
+        self._steps.append((req_ids, _LoggedStep(outputs, query_start_loc, len(req_ids), rows), skip))
 
     def settle(self) -> None:
-        """Steps logged whole, cut per request now (a step that raises is dropped: its error fails
-        the requests of the call, as any hook error does)."""
+        """Steps logged whole, noted in each request's log (a step that raises is dropped: its
+        error fails the requests of the call, as any hook error does)."""
         while self._steps:
-            req_ids, outputs, qsl, rows, skip = self._steps.pop(0)
-            n = len(req_ids)
-            per_req = slice_per_request(outputs, qsl, n)
-            parts = {name: make().split(1) for name, make in rows.items()}  # all views in one call each
+            req_ids, step, skip = self._steps.pop(0)
+            logs = self._chunks
             for i, req_id in enumerate(req_ids):
-                log = self._chunks.get(req_id)
-                if log is None or req_id in skip:
-                    continue
-                chunk = per_req[i]
-                for name, views in parts.items():
-                    chunk[name] = views[i]
-                log.append(chunk)
+                log = logs.get(req_id)
+                if log is not None and req_id not in skip:
+                    log.append((step, i))
 
     def chunks(self, req_id: str) -> list[dict[str, Any]] | None:
         if self._steps:
             self.settle()
-        return self._chunks.get(req_id)
+        log = self._chunks.get(req_id)
+        if log is not None and self._cut_upto.get(req_id, 0) < len(log):
+            self._cut_upto[req_id] = _cut(log, self._cut_upto.get(req_id, 0))
+        return log  # type: ignore[return-value]  # all chunks now
 
-    def pop(self, req_id: str) -> list[dict[str, Any]] | None:
+    def detach(self, req_id: str) -> Callable[[], list[dict[str, Any]]] | None:
+        """The request's log, taken out (a finished request): a call that cuts its chunks, for
+        whoever reads them later. None: not a request the log knows."""
         if self._steps:
             self.settle()
-        return self._chunks.pop(req_id, None)
+        log = self._chunks.pop(req_id, None)
+        start = self._cut_upto.pop(req_id, 0)
+        if log is None:
+            return None
+
+        def cut() -> list[dict[str, Any]]:
+            _cut(log, start)
+            return log  # type: ignore[return-value]
+
+        return cut
+
+    def forget(self, req_id: str) -> None:
+        if self._steps:
+            self.settle()
+        self._chunks.pop(req_id, None)
+        self._cut_upto.pop(req_id, None)
 
     def export(self) -> dict[str, list[dict[str, Any]]]:
-        self.settle()
-        return dict(self._chunks)
+        return {r: self.chunks(r) for r in list(self._chunks)}  # type: ignore[misc]
 
     def restore(self, chunks: dict[str, list[dict[str, Any]]]) -> None:
         self.settle()
-        self._chunks.update(chunks)
+        for req_id, log in chunks.items():
+            self._chunks[req_id] = log
+            self._cut_upto.pop(req_id, None)
 
 
 def own_copy(value: Any) -> Any:
