@@ -222,11 +222,12 @@ class OmniStateHooks(OmniHooks):
             # i.e. for the step's forward.
             rows = rows.pin_memory().to(hidden.device, non_blocking=True) if hidden.is_cuda else rows
             last = self.state.place("hidden_states", "last", hidden.index_select(0, rows))
-        states = self.state.get
-        before = [int((states(r) or {}).get("meta", {}).get("num_processed_tokens", 0)) for r in req_ids]
-        counts = [qsl[i + 1] - qsl[i] for i in range(n)]
+        before = list(map(int, self.state.column(req_ids, "meta", "num_processed_tokens", 0)))
+        decode = qsl[n] == n
+        counts = [1] * n if decode else [qsl[i + 1] - qsl[i] for i in range(n)]
         # `split` makes all the per-request views in one call, not a slice op each.
-        columns = {("meta", "num_processed_tokens"): [b + c for b, c in zip(before, counts)],
+        columns = {("meta", "num_processed_tokens"): [b + 1 for b in before] if decode else
+                   [b + c for b, c in zip(before, counts)],
                    ("hidden_states", "last"): list(last.split(1))}
         return columns, {"processed_trace": lambda: torch.tensor(list(zip(before, counts)), dtype=torch.int64)}
 
