@@ -335,7 +335,7 @@ class Session:
                 entry = FinishedEntry(self.hooks.get_outputs(req_id), self.hooks.output_chunks(req_id), error)
             if entry.holds_anything:
                 if entry.error:
-                    entry.outputs = entry.chunks = None  # never hand out partial outputs as complete
+                    entry.drop_outputs()  # never hand out partial outputs as complete
                 self.finished_store.put(req_id, entry, client_id)
             self.seen.forget((req_id,))
             if self.requests.pop(req_id, None) is not None:

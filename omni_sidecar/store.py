@@ -36,20 +36,14 @@ class FinishedEntry:
         self._resolve()
         return self._outputs
 
-    @outputs.setter
-    def outputs(self, value: dict[str, Any] | None) -> None:
-        self._resolve()
-        self._outputs = value
-
     @property
     def chunks(self) -> list[dict[str, Any]] | None:
         self._resolve()
         return self._chunks
 
-    @chunks.setter
-    def chunks(self, value: list[dict[str, Any]] | None) -> None:
-        self._resolve()
-        self._chunks = value
+    def drop_outputs(self) -> None:
+        """Outputs and chunks gone (the request failed): never made, never handed out."""
+        self._outputs = self._chunks = self._deferred = None
 
     @property
     def holds_anything(self) -> bool:
@@ -85,7 +79,7 @@ class FinishedOutputs:
         if entry is None:
             self.put(req_id, FinishedEntry(None, None, message), client_id)
         elif not entry.error:
-            entry.outputs = entry.chunks = None
+            entry.drop_outputs()
             entry.error = message
 
     def export(self) -> dict[str, list]:
