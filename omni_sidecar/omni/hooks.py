@@ -179,7 +179,7 @@ class OmniStateHooks(OmniHooks):
                        columns: dict[tuple[str, str], list[Any]],
                        rows: dict[str, Callable[[], torch.Tensor]]) -> dict[str, str]:
         """The default postprocess's columns merged (one pass, `merge_columns`); its outputs logged
-        whole, cut per request in `between_steps` (after the next plan is out)."""
+        whole, cut per request when read (omni/outputs.py, `OutputLog`)."""
         req_ids = batch.layout.req_ids
         refused = self.state.merge_columns(req_ids, columns)
         # The rows each state now keeps are views of this step's gather; a request that leaves the
@@ -188,7 +188,7 @@ class OmniStateHooks(OmniHooks):
         for req_id in self._row_views.difference(req_ids).union(refused):
             self.state.own_storage(req_id)
         self._row_views = set(req_ids).difference(refused)
-        stateless = {r for r in req_ids if r not in self.state}  # their payload failed: no outputs, as ever
+        stateless = self.state.missing(req_ids)  # their payload failed: no outputs, as ever
         self.log.add_step(req_ids, owned, batch.layout.query_start_loc, rows, stateless.union(refused))
         return {r: f"postprocess: {m}" for r, m in refused.items()}
 
@@ -206,13 +206,14 @@ class OmniStateHooks(OmniHooks):
         qsl = batch.layout.query_start_loc
         req_ids = batch.layout.req_ids
         n = len(req_ids)
-        if any(qsl[i + 1] <= qsl[i] for i in range(n)):
+        decode = qsl == list(range(n + 1))  # one row each, in order: one compare, not a check per request
+        if not decode and any(qsl[i + 1] <= qsl[i] for i in range(n)):
             return None
         if not n:
             return {}, {}  # every row of the step was seen before (a replay): nothing to process
         if qsl[n] > hidden.shape[0]:  # the shim's layout is untrusted: an index past the rows is a device assert
             raise ValueError(f"the step's layout names {qsl[n]} rows, its hidden states hold {hidden.shape[0]}")
-        if qsl[n] == n:  # one row each (a decode step): the last rows are the first n, in order
+        if decode:  # the last rows are the first n, in order
             last = self.state.place("hidden_states", "last", hidden[:n])
             if last.data_ptr() == hidden.data_ptr():  # still the shim's memory (not moved to the host): copy
                 last = last.clone()
@@ -223,7 +224,6 @@ class OmniStateHooks(OmniHooks):
             rows = rows.pin_memory().to(hidden.device, non_blocking=True) if hidden.is_cuda else rows
             last = self.state.place("hidden_states", "last", hidden.index_select(0, rows))
         before = list(map(int, self.state.column(req_ids, "meta", "num_processed_tokens", 0)))
-        decode = qsl[n] == n
         counts = [1] * n if decode else [qsl[i + 1] - qsl[i] for i in range(n)]
         # `split` makes all the per-request views in one call, not a slice op each.
         columns = {("meta", "num_processed_tokens"): [b + 1 for b in before] if decode else

@@ -86,6 +86,10 @@ class IntermediateBuffer:
             values.append(slot.get(qualifier, default) if type(slot) is dict else default)
         return values
 
+    def missing(self, req_ids: list[str]) -> set[str]:
+        """Those of `req_ids` without a state (one set operation, not a look-up call each)."""
+        return set(req_ids).difference(self._states)
+
     def create(self, req_id: str, initial: dict[str, Any] | None = None) -> None:
         """A new request; a resumed one (same id, state kept) keeps its state."""
         if req_id in self._states:
