@@ -4,8 +4,9 @@ With the omni set sending extra kwargs every step (each request's state as vllm-
 `runtime_additional_information`), a decode step costs the sidecar its StepEnd (postprocess: the
 state merge, the step's rows kept) and the next step's plan (built ahead, while the shim samples
 and schedules), and costs the shim the plan's read (decode the StepPlan, copy its tensors out of the
-sidecar's arena). What the shim waits on is the StepEnd plus the plan; the output chunks are cut
-between steps (`settle`, after the plan is out). Measured on the sidecar's real `Session` and the
+sidecar's arena). What the shim waits on is the StepEnd plus the plan; between steps (`settle`,
+after the plan is out) the logged step is noted in each request's log (its chunks are cut when
+read). Measured on the sidecar's real `Session` and the
 shim's real decode and copy-out, in this process (no socket or ring: bench.step_cost and bench.gpu
 measure those), steady decode of N requests with hidden size H, hook sets side by side in
 alternating blocks:
@@ -178,8 +179,8 @@ def markdown(res: dict[str, dict]) -> list[str]:
         "(hidden size 2048, fp32 host memory, two decoder layers captured with the hidden states, as in "
         "bench.gpu's omni runs), steady decode, the sidecar's real `Session` and the shim's real "
         "plan decode and copy-out in one process, hook sets in alternating blocks of 100 steps. `end`: the "
-        "sidecar's StepEnd (postprocess, state merge); `plan`: the next plan, built ahead; `settle`: output "
-        "chunks cut per request, after the plan is out; `shim read`: decode the StepPlan and copy its tensors "
+        "sidecar's StepEnd (postprocess, state merge); `plan`: the next plan, built ahead; `settle`: the "
+        "step's outputs noted per request after the plan is out (cut when a client reads them); `shim read`: decode the StepPlan and copy its tensors "
         "out. The shim waits on `end + plan` when they outlast its own sampling and scheduling. `1.6`: a ref "
         "per tensor; `1.7`: the plan's same-shaped tensors stacked; `1.7-per-request`: `postprocess` "
         "overridden (a model's subclass). p50 (p10-p90) in us. " + _measured_on(), "",
