@@ -328,14 +328,13 @@ class Session:
         for req_id in req_ids:
             client_id = client_of.get(req_id, "")
             error = self.errors_by_request.pop(req_id, "")
-            deferred = None if error else self.hooks.deferred_outputs(req_id)  # made when a client asks
-            if deferred is not None:
-                entry = FinishedEntry(None, None, error, deferred=deferred)
+            if error:  # never hand out partial outputs as complete, nor make them
+                entry = FinishedEntry(None, None, error)
+            elif (deferred := self.hooks.deferred_outputs(req_id)) is not None:  # made when a client asks
+                entry = FinishedEntry(None, None, deferred=deferred)
             else:
-                entry = FinishedEntry(self.hooks.get_outputs(req_id), self.hooks.output_chunks(req_id), error)
+                entry = FinishedEntry(self.hooks.get_outputs(req_id), self.hooks.output_chunks(req_id))
             if entry.holds_anything:
-                if entry.error:
-                    entry.drop_outputs()  # never hand out partial outputs as complete
                 self.finished_store.put(req_id, entry, client_id)
             self.seen.forget((req_id,))
             if self.requests.pop(req_id, None) is not None:

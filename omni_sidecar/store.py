@@ -6,6 +6,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from proto.settings import ERROR_TEXT_MAX
+
 
 Deferred = Callable[[], tuple[dict[str, Any] | None, list[dict[str, Any]] | None]]
 
@@ -28,8 +30,15 @@ class FinishedEntry:
         self._deferred = deferred
 
     def _resolve(self) -> None:
-        if self._deferred is not None:
-            (self._outputs, self._chunks), self._deferred = self._deferred(), None
+        deferred = self._deferred
+        if deferred is None:
+            return
+        self._deferred = None
+        try:
+            self._outputs, self._chunks = deferred()
+        except Exception as exc:  # e.g. chunks that do not concatenate: the request's error, not the reader's
+            self._outputs = self._chunks = None
+            self.error = self.error or f"outputs: {type(exc).__name__}: {exc}"[:ERROR_TEXT_MAX]
 
     @property
     def outputs(self) -> dict[str, Any] | None:

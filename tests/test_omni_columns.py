@@ -308,3 +308,43 @@ def test_a_requests_chunks_are_cut_when_read_once():
         assert cuts == [0, 0, 0]  # a finished request nobody reads is never cut
     finally:
         outputs_mod._LoggedStep.chunk = real
+
+
+def test_outputs_that_fail_to_assemble_become_the_requests_error_when_read():
+    from omni_sidecar.store import FinishedEntry, FinishedOutputs
+
+    def bad():
+        raise RuntimeError("Sizes of tensors must match")
+
+    store = FinishedOutputs(4)
+    store.put("a", FinishedEntry(None, None, deferred=bad))
+    entry = store.get("a", pop=True)
+    assert entry.outputs is None and entry.chunks is None
+    assert entry.error == "outputs: RuntimeError: Sizes of tensors must match"
+
+
+def test_an_overrides_state_row_never_views_the_shims_hidden_rows():
+    """A subclass's postprocess may return a view of its rows (the default clones); with the key
+    resident it would keep viewing the shim's slot, which the next steps rewrite."""
+
+    class Viewing(OmniStateHooks):
+        def postprocess(self, req_id, hidden_rows, state):
+            return {"hidden_states": {"last": hidden_rows[-1:]}}, None
+
+    hooks = Viewing()
+    hooks.on_new_requests([RequestInfo("a", 3, [1, 2, 3], None)])
+    slot = torch.ones(8, 4)  # the shim's slot holds more than the step's rows
+    hooks.process_model_output(StepBatch(0, BatchLayout(["a"], [0, 3], [0], [3])), slot[:3])
+    slot.fill_(7.0)  # the shim reuses its slot
+    assert torch.equal(hooks.state.get("a")["hidden_states"]["last"], torch.ones(1, 4))
+
+
+def test_a_logged_step_keeps_only_what_its_chunks_take():
+    from omni_sidecar.omni.outputs import _LoggedStep
+
+    per_request = ["x", "y"]
+    step = _LoggedStep({"rows": torch.zeros(3, 2), "other": torch.zeros(5, 2), "per_request": per_request,
+                        "scalar": 4}, [0, 2, 3], 2, {})
+    per_request[0] = "changed by the hook later"
+    assert sorted(step.outputs) == ["per_request", "rows"]
+    assert step.chunk(0)["per_request"] == "x" and step.chunk(1)["rows"].shape == (1, 2)

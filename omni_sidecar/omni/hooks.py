@@ -167,6 +167,9 @@ class OmniStateHooks(OmniHooks):
             try:
                 update, outputs = self.postprocess(req_id, hidden[slice(*batch.rows(i))], state)
                 self.state.merge(req_id, update)
+                # A resident key keeps what the override returned; a view of `hidden` (the shim's slot,
+                # rewritten later) gets storage of its own, as a host copy gave it before.
+                self.state.own_storage(req_id)
                 chunk = per_req[i]
                 if outputs:  # an override's outputs may alias the shim's rows
                     chunk.update({k: own_copy(v) for k, v in outputs.items()})
@@ -288,7 +291,8 @@ class OmniStateHooks(OmniHooks):
 
     def deferred_outputs(self, req_id: str) -> Callable[[], tuple[dict[str, Any] | None, list[dict[str, Any]] | None]] | None:
         """The request's chunks, cut when read, and their accumulation: only where `get_outputs` and
-        `output_chunks` are this set's own."""
+        `output_chunks` are this set's own. The log is taken out here, before `on_finished`: a chunk
+        an override's `on_finished` adds is not among them."""
         cls = type(self)
         if cls.get_outputs is not OmniStateHooks.get_outputs or cls.output_chunks is not OmniStateHooks.output_chunks:
             return None

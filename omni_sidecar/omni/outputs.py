@@ -67,7 +67,13 @@ class _LoggedStep:
 
     def __init__(self, outputs: dict[str, Any], query_start_loc: list[int], num_reqs: int,
                  rows: dict[str, Callable[[], torch.Tensor]]) -> None:
-        self.outputs = outputs
+        # Only what a request's chunk takes (token-aligned tensors, per-request lists, the latter
+        # copied: a hook may reuse its list next step); the rest would only be kept alive.
+        total = query_start_loc[num_reqs]
+        self.outputs = {name: list(value) if isinstance(value, (list, tuple)) else value
+                        for name, value in outputs.items()
+                        if (isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == total)
+                        or (isinstance(value, (list, tuple)) and len(value) == num_reqs)}
         self.query_start_loc = query_start_loc
         self.num_reqs = num_reqs
         self.rows = rows

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from omni_sidecar.omni.hooks import OmniStateHooks
+from omni_sidecar.omni.hooks import DEFAULT_RESIDENT_KEYS, OmniStateHooks
 from proto.messages import HookNeeds
 
 PROMPT_LEN = "prompt_len"  # output value: the request's prompt rows, in its first chunk
@@ -44,7 +44,7 @@ class ThinkerHooks(OmniStateHooks):
 class TalkerHooks(OmniStateHooks):
     name = "omni-talker"
 
-    def __init__(self, state_cap_mib: str = "256", resident_keys: str = "") -> None:
+    def __init__(self, state_cap_mib: str = "256", resident_keys: str = DEFAULT_RESIDENT_KEYS) -> None:
         super().__init__(state_cap_mib=state_cap_mib, resident_keys=resident_keys)
         self.needs = HookNeeds(pre_forward="never", hidden_states=False, prefix_cache_safe=False,
                                model_states=True)
