@@ -229,8 +229,7 @@ class OmniStateHooks(OmniHooks):
         before = list(map(int, self.state.column(req_ids, "meta", "num_processed_tokens", 0)))
         counts = [1] * n if decode else [qsl[i + 1] - qsl[i] for i in range(n)]
         # `split` makes all the per-request views in one call, not a slice op each.
-        columns = {("meta", "num_processed_tokens"): [b + 1 for b in before] if decode else
-                   [b + c for b, c in zip(before, counts)],
+        columns = {("meta", "num_processed_tokens"): [b + c for b, c in zip(before, counts)],
                    ("hidden_states", "last"): list(last.split(1))}
         return columns, {"processed_trace": lambda: torch.tensor(list(zip(before, counts)), dtype=torch.int64)}
 

@@ -14,20 +14,31 @@ from typing import Any, Callable
 import torch
 
 
+def per_request_outputs(outputs: dict[str, Any], num_tokens: int, num_reqs: int) -> dict[str, Any]:
+    """The batch-level outputs a request's chunk takes a part of (the module's rule): token-aligned
+    tensors (sliced by rows) and lists with an item per request (copied: a hook may reuse its list)."""
+    kept: dict[str, Any] = {}
+    for name, value in outputs.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == num_tokens:
+            kept[name] = value
+        elif isinstance(value, (list, tuple)) and len(value) == num_reqs:
+            kept[name] = list(value)
+    return kept
+
+
 def slice_per_request(
     outputs: dict[str, Any], query_start_loc: list[int], num_reqs: int
 ) -> list[dict[str, Any]]:
-    total = query_start_loc[num_reqs]
     per_req: list[dict[str, Any]] = [{} for _ in range(num_reqs)]
     lengths = [query_start_loc[i + 1] - query_start_loc[i] for i in range(num_reqs)]
-    for name, value in outputs.items():
-        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == total:
-            for i, part in enumerate(value.split(lengths)):  # one call for all views, not one slice each
-                per_req[i][name] = part
-        elif isinstance(value, (list, tuple)) and len(value) == num_reqs:
+    for name, value in per_request_outputs(outputs, query_start_loc[num_reqs], num_reqs).items():
+        if type(value) is list:
             for i in range(num_reqs):
                 if value[i] is not None:
                     per_req[i][name] = value[i]
+        else:
+            for i, part in enumerate(value.split(lengths)):  # one call for all views, not one slice each
+                per_req[i][name] = part
     return per_req
 
 
@@ -67,26 +78,20 @@ class _LoggedStep:
 
     def __init__(self, outputs: dict[str, Any], query_start_loc: list[int], num_reqs: int,
                  rows: dict[str, Callable[[], torch.Tensor]]) -> None:
-        # Only what a request's chunk takes (token-aligned tensors, per-request lists, the latter
-        # copied: a hook may reuse its list next step); the rest would only be kept alive.
-        total = query_start_loc[num_reqs]
-        self.outputs = {name: list(value) if isinstance(value, (list, tuple)) else value
-                        for name, value in outputs.items()
-                        if (isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == total)
-                        or (isinstance(value, (list, tuple)) and len(value) == num_reqs)}
+        # Only what a request's chunk takes: the rest would only be kept alive.
+        self.outputs = per_request_outputs(outputs, query_start_loc[num_reqs], num_reqs)
         self.query_start_loc = query_start_loc
         self.num_reqs = num_reqs
         self.rows = rows
         self._parts: dict[str, tuple[torch.Tensor, ...]] | None = None
 
     def chunk(self, i: int) -> dict[str, Any]:
-        qsl, n = self.query_start_loc, self.num_reqs
-        total = qsl[n]
+        qsl = self.query_start_loc
         chunk: dict[str, Any] = {}
         for name, value in self.outputs.items():
-            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == total:
+            if type(value) is not list:
                 chunk[name] = value[qsl[i] : qsl[i + 1]]
-            elif isinstance(value, (list, tuple)) and len(value) == n and value[i] is not None:
+            elif value[i] is not None:
                 chunk[name] = value[i]
         if self.rows:
             if self._parts is None:  # all of a step's rows in one call each, the first time one is read
@@ -158,8 +163,8 @@ class OutputLog:
         if self._steps:
             self.settle()
         log = self._chunks.get(req_id)
-        if log is not None and self._cut_upto.get(req_id, 0) < len(log):
-            self._cut_upto[req_id] = _cut(log, self._cut_upto.get(req_id, 0))
+        if log is not None and (start := self._cut_upto.get(req_id, 0)) < len(log):
+            self._cut_upto[req_id] = _cut(log, start)
         return log  # type: ignore[return-value]  # all chunks now
 
     def detach(self, req_id: str) -> Callable[[], list[dict[str, Any]]] | None:
