@@ -242,7 +242,8 @@ def test_finished_outputs_are_assembled_when_first_read_and_are_the_live_ones(mo
     from proto.tensors import TensorRef
 
     assembled = []
-    monkeypatch.setattr(omni_hooks, "accumulate", lambda chunks: assembled.append(1) or _accumulate(chunks))
+    real = omni_hooks.accumulate
+    monkeypatch.setattr(omni_hooks, "accumulate", lambda chunks: assembled.append(1) or real(chunks))
     arena = ShmArena.create(1 << 16, prefix="omni-test-lazy")
     hello = Hello(1, 7, "test", "none", "cpu", 0, 1, "m", 4, "float32", 8, [arena.info()])
     store = FinishedOutputs(10)
@@ -268,47 +269,33 @@ def test_finished_outputs_are_assembled_when_first_read_and_are_the_live_ones(mo
         arena.close()
 
 
-def _accumulate(chunks):
-    from omni_sidecar.omni.outputs import accumulate
 
-    return accumulate(chunks)
-
-
-def test_a_requests_chunks_are_cut_when_read_once():
+def test_a_requests_chunks_are_cut_when_read_once(monkeypatch):
     """Steps' outputs are logged whole; a request's chunk of a step is cut when something reads
     it, once (the same chunk objects on the next read), and equal what cutting at once gives."""
-    from omni_sidecar.omni import outputs as outputs_mod
+    from omni_sidecar.omni.outputs import _LoggedStep
 
     cuts = []
-    real = outputs_mod._LoggedStep.chunk
-
-    def counted(self, i):
-        cuts.append(i)
-        return real(self, i)
-
+    real = _LoggedStep.chunk
+    monkeypatch.setattr(_LoggedStep, "chunk", lambda self, i: cuts.append(i) or real(self, i))
     hooks = OmniStateHooks(hidden_layers="0")
     hooks.on_new_requests([RequestInfo(r, 2, [1, 2], None) for r in "ab"])
     gen = torch.Generator().manual_seed(1)
     steps = []
-    try:
-        outputs_mod._LoggedStep.chunk = counted
-        for n in range(3):
-            hidden = torch.randn(2, 4, generator=gen)
-            steps.append(hidden)
-            batch = StepBatch(n, BatchLayout(["a", "b"], [0, 1, 2], [2 + n] * 2, [2] * 2))
-            batch.hidden_layers = {0: hidden * 2}
-            hooks.process_model_output(batch, hidden.clone())
-            hooks.between_steps()
-        assert cuts == []
-        first = hooks.output_chunks("a")
-        assert cuts == [0, 0, 0] and hooks.output_chunks("a") is first and cuts == [0, 0, 0]
-        assert [torch.equal(c["hidden_states"], h[0:1]) for c, h in zip(first, steps)] == [True] * 3
-        assert [c["processed_trace"].tolist() for c in first] == [[[0, 1]], [[1, 1]], [[2, 1]]]
-        hooks.on_finished(["b"])
-        assert cuts == [0, 0, 0]  # a finished request nobody reads is never cut
-    finally:
-        outputs_mod._LoggedStep.chunk = real
-
+    for n in range(3):
+        hidden = torch.randn(2, 4, generator=gen)
+        steps.append(hidden)
+        batch = StepBatch(n, BatchLayout(["a", "b"], [0, 1, 2], [2 + n] * 2, [2] * 2))
+        batch.hidden_layers = {0: hidden * 2}
+        hooks.process_model_output(batch, hidden.clone())
+        hooks.between_steps()
+    assert cuts == []
+    first = hooks.output_chunks("a")
+    assert cuts == [0, 0, 0] and hooks.output_chunks("a") is first and cuts == [0, 0, 0]
+    assert [torch.equal(c["hidden_states"], h[0:1]) for c, h in zip(first, steps)] == [True] * 3
+    assert [c["processed_trace"].tolist() for c in first] == [[[0, 1]], [[1, 1]], [[2, 1]]]
+    hooks.on_finished(["b"])
+    assert cuts == [0, 0, 0]  # a finished request nobody reads is never cut
 
 def test_outputs_that_fail_to_assemble_become_the_requests_error_when_read():
     from omni_sidecar.store import FinishedEntry, FinishedOutputs
