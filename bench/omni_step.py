@@ -13,7 +13,9 @@ alternating blocks:
 - `1.6`: the plan for a shim of protocol 1.6 (a ref per tensor);
 - `1.7`: the plan for a shim of 1.7 (a plan's same-shaped tensors stacked, a row marker each);
 - `1.7-per-request`: 1.7 with `postprocess` overridden (the default's body, called per request and
-  merged one request at a time): what a model's subclass pays.
+  merged one request at a time): what a model's subclass pays;
+- `1.8`: the plan for a shim of 1.8 (its trees as msgpack bytes, each tensor an extension value
+  naming a stack: the shim's decoder places the tensors, no walk; proto/plan_trees.py).
 Timings only: nothing here passes or fails.
 
     python -m bench.omni_step [--requests 64,256] [--hidden 2048] [--steps 600] [--write]
@@ -43,9 +45,10 @@ from omni_sidecar.store import FinishedOutputs  # noqa: E402
 from proto.arena import ShmArena  # noqa: E402
 from proto.messages import BatchLayout, Hello, NewRequest, StepBegin, StepEnd, StepPlan  # noqa: E402
 from proto.tensors import TensorRef  # noqa: E402
-from worker_shim.transfer import _copy_out_trees  # noqa: E402
+from worker_shim.transfer import read_plan  # noqa: E402
 
 PHASES = ("end", "plan", "settle", "shim_read")
+MODEL = torch.nn.Linear(1, 1)  # what the shim reads the plan for: its device (the host)
 BLOCK = 100  # steps per block; hook sets alternate block by block
 PROMPT = 8
 
@@ -57,7 +60,8 @@ class PerRequestPostprocess(OmniStateHooks):
         return super().postprocess(req_id, hidden_rows, state)
 
 
-CONFIGS = {"1.6": (6, OmniStateHooks), "1.7": (7, OmniStateHooks), "1.7-per-request": (7, PerRequestPostprocess)}
+CONFIGS = {"1.6": (6, OmniStateHooks), "1.7": (7, OmniStateHooks), "1.7-per-request": (7, PerRequestPostprocess),
+           "1.8": (8, OmniStateHooks)}
 
 
 class Run:
@@ -117,7 +121,7 @@ class Run:
         wire = msgspec.msgpack.encode(plan)  # the sidecar's encode: not timed (the ring's)
         t0 = time.perf_counter()
         got = self.decoder.decode(wire)
-        _copy_out_trees(s.arenas.out.arena, [got.extra_kwargs], torch.device("cpu"), got.stacks)
+        read_plan(s.arenas.out.arena, got, None, MODEL, None)
         t1 = time.perf_counter()
         s.step_end(StepEnd(k, None, hidden=self.rows, hidden_layers=self.layer_rows, num_tokens=n))
         t2 = time.perf_counter()
@@ -183,7 +187,8 @@ def markdown(res: dict[str, dict]) -> list[str]:
         "step's outputs noted per request after the plan is out (cut when a client reads them); `shim read`: decode the StepPlan and copy its tensors "
         "out. The shim waits on `end + plan` when they outlast its own sampling and scheduling. `1.6`: a ref "
         "per tensor; `1.7`: the plan's same-shaped tensors stacked; `1.7-per-request`: `postprocess` "
-        "overridden (a model's subclass). p50 (p10-p90) in us. " + _measured_on(), "",
+        "overridden (a model's subclass); `1.8`: stacked, the trees as bytes whose tensors are extension values "
+        "(the shim's decoder places them, no walk). p50 (p10-p90) in us. " + _measured_on(), "",
         "| requests | plan for | end | plan | end + plan | settle | shim read | plan bytes |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
@@ -199,12 +204,14 @@ def markdown(res: dict[str, dict]) -> list[str]:
     by = {(r["requests"], r["config"]): r for r in res.values()}
     ratios = []
     for n in sorted({r["requests"] for r in res.values()}):
-        old, new = by.get((n, "1.6")), by.get((n, "1.7"))
-        if old and new:
-            ratios.append(f"{n} requests: shim read 1.7 / 1.6 **{new['phases']['shim_read']['p50'] / old['phases']['shim_read']['p50']:.2f}**, "
-                          f"plan {new['phases']['plan']['p50'] / old['phases']['plan']['p50']:.2f}")
+        for a, b in (("1.6", "1.7"), ("1.7", "1.8")):
+            old, new = by.get((n, a)), by.get((n, b))
+            if old and new:
+                ratios.append(f"{n} requests: shim read {b} / {a} "
+                              f"**{new['phases']['shim_read']['p50'] / old['phases']['shim_read']['p50']:.2f}**, "
+                              f"plan {new['phases']['plan']['p50'] / old['phases']['plan']['p50']:.2f}")
     lines += ["", "Ratios of p50s measured side by side: " + "; ".join(ratios) + ". `end` runs the same code "
-              "for 1.6 and 1.7 (only the plan and the shim's read differ): a difference there is the machine. "
+              "for 1.6, 1.7 and 1.8 (only the plan and the shim's read differ): a difference there is the machine. "
               "On a CPU host its spread at 256 requests is the allocator (three fresh 2 MiB output copies a "
               "step); on a GPU those copies are the device's.", ""]
     return lines

@@ -17,6 +17,7 @@ import torch
 
 from omni_arena.views import tensor_from_bytes, tensor_to_bytes
 from proto.messages import MAX_STACKS, TensorBlob
+from proto.plan_trees import StackMark
 from proto.tensors import MAX_TENSOR_DIMS, ROW_MARKER, TENSOR_MARKER, TensorRef
 
 MAX_TREE_DEPTH = 8
@@ -162,10 +163,11 @@ MIN_ROWS = 8
 
 
 class RowStacker:
-    """One tree's tensors, grouped by (dtype, shape, device) while it is marked, then placed."""
+    """One tree's tensors, grouped by (dtype, shape, device) while it is marked, then placed:
+    `{TENSOR_MARKER: ref}` for a tensor alone, `{ROW_MARKER: [k, i]}` for a row of a stack (1.7)."""
 
     def __init__(self) -> None:
-        self._pending: list[tuple[dict, torch.Tensor]] = []
+        self._pending: list[tuple[Any, torch.Tensor]] = []
 
     def store(self, value: Any, put: Callable[[torch.Tensor], TensorRef],
               put_stack: Callable[[list[torch.Tensor]], int], stacks_used: int) -> Any:
@@ -173,19 +175,10 @@ class RowStacker:
         (returns the stack's index in the plan) for each group; markers filled before it returns,
         so a tree that raises half way is never sent with markers left empty. `stacks_used`: the
         plan's stacks so far (the message holds at most MAX_STACKS; past it, tensors go alone)."""
-        pending = self._pending
         try:
             tree = mark_tree(value, self._mark)
-            groups: dict[tuple, list[tuple[dict, torch.Tensor]]] = {}
-            for marker, tensor in pending:  # `is_cpu` before `device`: a device object costs more to make
-                key = (tensor.dtype, tensor.shape, None if tensor.is_cpu else tensor.device)
-                groups.setdefault(key, []).append((marker, tensor))
-            for members in groups.values():
-                first = members[0][1]
-                # Alone: few of a kind, empty ones, ones a stack's extra dimension would take past the
-                # wire's MAX_TENSOR_DIMS, and any past the message's MAX_STACKS.
-                if (len(members) < MIN_ROWS or not first.numel() or first.dim() >= MAX_TENSOR_DIMS
-                        or stacks_used >= MAX_STACKS):
+            for members in self._groups():
+                if _alone(members) or stacks_used >= MAX_STACKS:
                     for marker, tensor in members:
                         marker[TENSOR_MARKER] = put(tensor)
                     continue
@@ -195,9 +188,50 @@ class RowStacker:
                     marker[ROW_MARKER] = [k, i]
             return tree
         finally:
-            pending.clear()
+            self._pending.clear()
 
-    def _mark(self, tensor: torch.Tensor) -> dict:
+    def _groups(self) -> Any:
+        groups: dict[tuple, list[tuple[Any, torch.Tensor]]] = {}
+        for marker, tensor in self._pending:  # `is_cpu` before `device`: a device object costs more to make
+            key = (tensor.dtype, tensor.shape, None if tensor.is_cpu else tensor.device)
+            groups.setdefault(key, []).append((marker, tensor))
+        return groups.values()
+
+    def _mark(self, tensor: torch.Tensor) -> Any:
         marker: dict = {}
         self._pending.append((marker, tensor))
         return marker
+
+
+class ExtStacker(RowStacker):
+    """1.8 (proto/plan_trees.py): every tensor of the plan is one of its `stacks` (a tensor alone is
+    a stack used whole) and its place in the tree a `StackMark`, encoded as an extension value."""
+
+    def store(self, value: Any, put: Callable[[torch.Tensor], TensorRef],
+              put_stack: Callable[[list[torch.Tensor]], int], stacks_used: int) -> Any:
+        """`put` here stores a tensor as a whole stack and returns its index, as `put_stack` does."""
+        try:
+            tree = mark_tree(value, self._mark)
+            for members in self._groups():
+                if _alone(members):
+                    for mark, tensor in members:
+                        mark.stack = put(tensor)
+                    continue
+                k = put_stack([tensor for _, tensor in members])
+                for i, (mark, _) in enumerate(members):
+                    mark.stack, mark.row = k, i
+            return tree
+        finally:
+            self._pending.clear()
+
+    def _mark(self, tensor: torch.Tensor) -> Any:
+        mark = StackMark()
+        self._pending.append((mark, tensor))
+        return mark
+
+
+def _alone(members: list[tuple[Any, torch.Tensor]]) -> bool:
+    """Few of a kind, empty ones, and ones a stack's extra dimension would take past the wire's
+    MAX_TENSOR_DIMS go alone."""
+    first = members[0][1]
+    return len(members) < MIN_ROWS or not first.numel() or first.dim() >= MAX_TENSOR_DIMS

@@ -13,13 +13,14 @@ from typing import Any
 
 import torch
 
-from omni_arena.tensor_tree import RowStacker, load_tree, store_tree
+from omni_arena.tensor_tree import ExtStacker, RowStacker, load_tree, store_tree
 from omni_arena.views import arena_tensor, dtype_name, torch_dtype
 from omni_sidecar.metrics import SidecarMetrics
 from proto.arena import ArenaError, ShmArena, align_up
-from proto.messages import Hello, Overlay, StepEnd
+from proto.messages import MAX_PLAN_TENSORS, Hello, Overlay, StepEnd
+from proto.plan_trees import encode_tree
 from proto.tensors import DTYPE_ITEMSIZE, TensorRef
-from proto.version import STACKED_ROWS_MINOR
+from proto.version import EXT_TREES_MINOR, STACKED_ROWS_MINOR
 
 OUT_ARENA_SLACK = 1 << 20  # room for per-tensor alignment next to the overlay rows
 
@@ -75,9 +76,20 @@ class OutArena:
         self.offset = align_up(self.offset + max(nbytes, 1))
         return ref
 
+    def put_whole(self, tensor: torch.Tensor) -> int:
+        """A tensor alone of its kind as a stack of the plan used whole (1.8): its index in `stacks`."""
+        self._check_count()
+        self.stacks.append(self.put(tensor))
+        return len(self.stacks) - 1
+
+    def _check_count(self) -> None:
+        if len(self.stacks) >= MAX_PLAN_TENSORS:
+            raise ArenaError(f"a plan holds more than {MAX_PLAN_TENSORS} tensors")
+
     def put_stack(self, tensors: list[torch.Tensor]) -> int:
         """Same-shaped tensors (one dtype and device) stacked into the arena as one tensor, written in
         place by one `torch.stack`; its index in this plan's `stacks` (omni_arena/tensor_tree.py, RowStacker)."""
+        self._check_count()
         first = tensors[0]
         shape = [len(tensors), *first.shape]
         nbytes = first.nbytes * len(tensors)
@@ -177,8 +189,11 @@ class SessionArenas:
         self.opens: Any = None  # CUDA IPC OpenCounts
         self.consumer_events: list[bytes] = []
         self.wanted_layers: list[int] = []  # the hooks' HookNeeds.hidden_layers
-        # Shims of 1.7 read stacked rows: a plan's same-shaped tensors go as one stack each.
-        self._stacker = RowStacker() if hello.protocol_minor >= STACKED_ROWS_MINOR else None
+        # Shims of 1.7 read stacked rows: a plan's same-shaped tensors go as one stack each; shims of
+        # 1.8 read a plan's trees as bytes, every tensor an extension value naming a stack.
+        minor = hello.protocol_minor
+        self._ext_trees = minor >= EXT_TREES_MINOR
+        self._stacker = ExtStacker() if self._ext_trees else RowStacker() if minor >= STACKED_ROWS_MINOR else None
 
     def open(self, wants_out: bool, min_out_bytes: int) -> None:
         """Map the shim's arenas; create ours for overlay rows / kwargs if the hooks need one.
@@ -273,7 +288,12 @@ class SessionArenas:
 
     def encode_tensors(self, value: Any) -> Any:
         """Tensors in extra kwargs and model states go into the arena; the message carries their refs
-        (or rows of the plan's stacks: `stacks`)."""
+        (or rows of the plan's stacks: `stacks`); for a shim of 1.8, the tree's msgpack bytes, its
+        tensors extension values naming the stacks (proto/plan_trees.py)."""
+        if self._ext_trees:
+            if self.out is None:
+                return encode_tree(store_tree(value, self._put))  # raises for a tensor: no arena
+            return encode_tree(self._stacker.store(value, self.out.put_whole, self.out.put_stack, 0))
         if self._stacker is None or self.out is None:
             return store_tree(value, self._put)
         return self._stacker.store(value, self.out.put, self.out.put_stack, len(self.out.stacks))

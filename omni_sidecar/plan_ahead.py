@@ -36,7 +36,7 @@ class PlanAhead:
     step: int
     layout: BatchLayout
     overlays: list[Overlay]
-    extra_kwargs: dict[str, Any]
+    extra_kwargs: dict[str, Any] | bytes  # bytes for a shim of 1.8 (proto/plan_trees.py)
     errors: dict[str, str]
     event: int
     hook_us: float

@@ -30,7 +30,8 @@ from proto.tensors import TensorRef
 from proto.upgrade import SwitchAck, SwitchReady, Takeover, TakeoverState
 
 MAX_BATCH = 1 << 16
-MAX_STACKS = 1024  # stacked tensors in one plan (StepPlan.stacks)
+MAX_STACKS = 1024  # stacked tensors in one plan for a shim of 1.7 (its StepPlan.stacks' bound)
+MAX_PLAN_TENSORS = 1 << 16  # tensors in one plan (1.8: every one is in StepPlan.stacks)
 MAX_STEP_TOKENS = 1 << 20
 MAX_ID_LEN = 256
 ReqId = Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)]
@@ -176,19 +177,22 @@ class StepPlan(msgspec.Struct, tag="step_plan", frozen=True):
     In `extra_kwargs` and `model_states`, a tensor is `{TENSOR_MARKER: TensorRef}`
     pointing into the sidecar's arena, or (1.7) `{ROW_MARKER: [k, i]}`: row i of `stacks[k]`;
     everything else is JSON-like. A state is typed `Any`, not `dict[str, Any]`: vllm-omni's
-    `hidden_states.layers` is keyed by int.
+    `hidden_states.layers` is keyed by int. (1.8) For a shim that announced it, each of the two is
+    instead the msgpack bytes of that dict, its tensors extension values naming `stacks`
+    (proto/plan_trees.py): decoded by the shim once the stacks are copied, no walk.
     """
 
     step: Count
     overlays: Annotated[list[Overlay], msgspec.Meta(max_length=MAX_BATCH)] = []
-    extra_kwargs: dict[str, Any] = {}
+    extra_kwargs: dict[str, Any] | bytes = {}
     errors: Annotated[list[RequestError], msgspec.Meta(max_length=MAX_BATCH)] = []
     # CUDA IPC: the ready event the shim's stream waits on before reading this plan's tensors.
     event: Annotated[int, msgspec.Meta(ge=-1, le=63)] = -1
     # 1.2: the state of each request named in `want_states` (the sidecar's decoded payload).
-    model_states: dict[ReqId, Any] = {}
-    # 1.7: same-shaped tensors of this plan, each set stacked into one (omni_arena/tensor_tree.py, RowStacker).
-    stacks: Annotated[list[TensorRef], msgspec.Meta(max_length=MAX_STACKS)] = []
+    model_states: dict[ReqId, Any] | bytes = {}
+    # 1.7: same-shaped tensors of this plan, each set stacked into one (omni_arena/tensor_tree.py, RowStacker);
+    # 1.8: every tensor of the plan (one alone is a stack used whole).
+    stacks: Annotated[list[TensorRef], msgspec.Meta(max_length=MAX_PLAN_TENSORS)] = []
 
 
 class StepEnd(msgspec.Struct, tag="step_end", frozen=True):

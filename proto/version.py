@@ -13,7 +13,10 @@ PROTOCOL_MAJOR = 1
 #      lists; StepBegin.batch optional)
 # 1.7: StepPlan.stacks and row markers (ROW_MARKER): same-shaped tensors of a plan in one stacked
 #      tensor each, their places in the trees naming a row of it
-PROTOCOL_MINOR = 7
+# 1.8: StepPlan.extra_kwargs / model_states as msgpack bytes whose tensors are extension values naming
+#      StepPlan.stacks (proto/plan_trees.py): the shim's decoder places them, no tree walk
+PROTOCOL_MINOR = 8
 PACKED_LAYOUT_MINOR = 6  # from this minor on, a sidecar reads StepBegin.packed and StepEnd.packed
 STACKED_ROWS_MINOR = 7  # from this minor on, a shim reads StepPlan.stacks and row markers
+EXT_TREES_MINOR = 8  # from this minor on, a shim reads a plan's trees as bytes with tensor extensions
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"

@@ -16,16 +16,23 @@ from proto.arena import ShmArena
 from proto.tensors import TensorRef, TensorRefError
 from tests.support.trees import assert_same_tree
 from worker_shim.channel import SidecarError
-from omni_arena.tensor_tree import MIN_ROWS, RowStacker, store_tree
-from worker_shim.transfer import _copy_out_trees
+from omni_arena.tensor_tree import MIN_ROWS, ExtStacker, RowStacker, store_tree
+from proto.plan_trees import encode_tree
+from worker_shim.transfer import _copy_out_trees, _StackReader
 
 
 def _copy_out_tree(arena, tree, device, stacks=()):
+    """The shim's copy-out of a tree as a plan of 1.6 / 1.7 (marker dicts) or 1.8 (bytes) carries it."""
+    if type(tree) is bytes:
+        return _StackReader(arena, list(stacks), device, own=False).decode(tree, dict)
     return _copy_out_trees(arena, [tree], device, list(stacks))[0]
 
 
-def _store(tree: dict, out: OutArena, stacked: bool) -> dict:
-    """`tree` into the out-arena as a sidecar stores it for a shim of 1.6 (a ref each) or 1.7 (stacks)."""
+def _store(tree: dict, out: OutArena, stacked: bool | str) -> dict | bytes:
+    """`tree` into the out-arena as a sidecar stores it for a shim of 1.6 (a ref each), 1.7 (stacks)
+    or, `stacked="ext"`, 1.8 (bytes, every tensor an extension value naming a stack)."""
+    if stacked == "ext":
+        return encode_tree(ExtStacker().store(tree, out.put_whole, out.put_stack, 0))
     return RowStacker().store(tree, out.put, out.put_stack, 0) if stacked else store_tree(tree, out.put)
 
 
@@ -74,14 +81,15 @@ def _tree() -> dict:
     }
 
 
-@pytest.mark.parametrize("stacked", [False, True], ids=["a-ref-each", "stacked-rows"])
+@pytest.mark.parametrize("stacked", [False, True, "ext"], ids=["a-ref-each", "stacked-rows", "ext-marks"])
 def test_a_plans_tensors_come_out_of_the_shm_arena_in_one_copy_and_own_their_bytes(stacked):
     arena = ShmArena.create(1 << 16, prefix="omni-test-plan")
     try:
         out = OutArena(arena)
         want = _tree()
         sent = _store(want, out, stacked)
-        assert len(out.stacks) == (1 if stacked else 0)  # the [1, 3] rows; every other tensor is alone of its kind
+        # The [1, 3] rows are one stack; every other tensor is alone of its kind (1.8: a stack used whole).
+        assert len(out.stacks) == {False: 0, True: 1, "ext": 8}[stacked]
         got = _copy_out_tree(arena, sent, torch.device("cpu"), out.stacks)
         assert_same_tree(got, want)
         arena.view(TensorRef(0, 0, arena.size, [arena.size], "uint8"))[:] = b"\xff" * arena.size
@@ -200,7 +208,7 @@ def test_cuda_ipc_plan_round_trip_with_host_and_device_tensors():
             out.reset()
             want["codes"] = torch.arange(7, dtype=torch.int64) + step
             want["rows_on_device"] = [torch.full((2,), float(i), device=dev) for i in range(MIN_ROWS)]
-            sent = _store(want, out, stacked=step % 2 == 1)
+            sent = _store(want, out, stacked=[False, True, "ext", "ext"][step])
             out.seal()
             got = _copy_out_tree(arena, sent, dev, out.stacks)
             torch.cuda.synchronize(dev)

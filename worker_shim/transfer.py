@@ -9,15 +9,18 @@ only after its ready event (docs/ARCHITECTURE.md, "Arena slots").
 
 from __future__ import annotations
 
+import struct
 import weakref
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
 
+import msgspec
 import torch
 
 from omni_arena.tensor_tree import RowPlace, TreeError, index_trees
 from omni_arena.views import arena_tensor, check_arena_ref, dtype_name
 from proto.arena import ALIGN, SlotRing, align_up
-from proto.messages import StepPlan
+from proto.messages import MAX_ID_LEN, StepPlan
+from proto.plan_trees import STACK_ROW, PlanTreeError, read_mark
 from proto.tensors import DTYPE_ITEMSIZE, TensorRef
 from worker_shim.channel import SidecarError
 
@@ -124,8 +127,12 @@ def read_states(arena: Any, plan: StepPlan) -> dict[str, Any]:
     if arena is not None and arena.kind != "shm" and plan.event >= 0:
         arena.wait_ready(plan.event)
     # Each state is kept for its request's lifetime (the model's state mirror): tensors of their own.
-    states = dict(zip(plan.model_states, _copy_out_trees(arena, list(plan.model_states.values()),
-                                                         torch.device("cpu"), plan.stacks, own=True)))
+    cpu = torch.device("cpu")
+    if type(plan.model_states) is bytes:
+        states = _StackReader(arena, plan.stacks, cpu, own=True).decode(plan.model_states, _STATES)
+    else:
+        states = dict(zip(plan.model_states, _copy_out_trees(arena, list(plan.model_states.values()), cpu,
+                                                             plan.stacks, own=True)))
     bad = [r for r, v in states.items() if not isinstance(v, dict)]
     if bad:
         raise SidecarError(f"sidecar sent model states that are not dicts for {bad[:4]}")
@@ -146,7 +153,9 @@ def read_plan(arena: Any, plan: StepPlan, input_batch: Any, model: Any,
     if on_device and plan.event >= 0:
         arena.wait_ready(plan.event)  # the sidecar's writes, ordered on our stream
     extra: dict[str, Any] = {}
-    if plan.extra_kwargs:
+    if type(plan.extra_kwargs) is bytes:
+        extra = _StackReader(arena, plan.stacks, model_device(model), own=False).decode(plan.extra_kwargs, _KWARGS)
+    elif plan.extra_kwargs:
         device = model_device(model)
         extra = _copy_out_trees(arena, [plan.extra_kwargs], device, plan.stacks)[0]
         if not isinstance(extra, dict):  # a tree whose root is one tensor: not keyword arguments
@@ -180,14 +189,102 @@ def _overlay(arena: Any, plan: StepPlan, input_batch: Any, model: Any,
     return embeds
 
 
+class _Region:
+    """The bytes a set of refs spans, copied out of the arena in ONE copy; each ref a view of it (a
+    copy per tensor was a launch each, once per request every step when per-request state rides in
+    the extra kwargs). Every ref is checked (bounds, bytes, dtype, alignment) before the copy."""
+
+    def __init__(self, arena: Any, refs: list[TensorRef], device: torch.device) -> None:
+        self.device = device
+        self.dtypes = {id(ref): check_arena_ref(arena, ref) for ref in refs}
+        sized = [ref for ref in refs if ref.nbytes]
+        # From an ALIGN boundary (still inside the arena), so the copy's byte k is the arena's lo + k for
+        # every dtype alike: a ref aligned to its dtype in the arena is aligned in the copy.
+        self.lo = lo = min((r.offset for r in sized), default=0) // ALIGN * ALIGN
+        hi = max((r.offset + r.nbytes for r in sized), default=0)
+        self.bytes = None
+        if sized:
+            self.bytes = arena_tensor(arena, TensorRef(sized[0].arena, lo, hi - lo, [hi - lo], "uint8")).to(
+                device, copy=True)
+        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the region's whole items of each dtype
+
+    def view(self, ref: TensorRef) -> torch.Tensor:
+        dtype = self.dtypes[id(ref)]
+        region = self.bytes
+        if not ref.nbytes or region is None:
+            return torch.empty(ref.shape, dtype=dtype, device=self.device)
+        size = DTYPE_ITEMSIZE[ref.dtype]
+        items = self._typed.get(dtype)
+        if items is None:
+            items = self._typed[dtype] = region[: region.numel() // size * size].view(dtype)
+        start = (ref.offset - self.lo) // size
+        return items[start : start + ref.nbytes // size].view(ref.shape)
+
+
+_ROW_MARK = struct.Struct("<II")  # STACK_ROW's data (proto/plan_trees.py)
+_ROW_MARK_BYTES = 10  # a row mark on the wire: a fixext8 (type, code, 8 bytes)
+_KWARGS = dict[str, Any]  # what a 1.8 plan's extra kwargs decode as: keyword arguments
+_STATES = dict[Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)], Any]  # its model states, by request
+
+
+class _StackReader:
+    """A 1.8 plan's stacks, copied out once; `decode` turns a tree's bytes into the tree with each
+    tensor mark (proto/plan_trees.py) already its tensor: msgspec's decoder calls `tensor` for every
+    mark and places what it returns, so no Python walks the tree."""
+
+    def __init__(self, arena: Any, stacks: list[TensorRef], device: torch.device, own: bool) -> None:
+        if stacks and arena is None:
+            raise SidecarError("sidecar sent tensors but offered no arena")
+        self.stacks = stacks
+        self.own = own  # each tensor in storage of its own (trees kept past the step)
+        self.region = _Region(arena, stacks, device) if stacks else None
+        self.rows: dict[int, Any] = {}  # a stack's rows (a tuple of views, or the stack to index)
+        self.max_marks = 0  # how many row marks the tree being decoded can hold at most
+
+    def tensor(self, code: int, data: memoryview) -> torch.Tensor:
+        if code == STACK_ROW and len(data) == 8:  # the every-request case first: one unpack, one look-up
+            k, i = _ROW_MARK.unpack(data)
+            rows = self.rows.get(k)
+            if rows is None:
+                rows = self._rows_of(k)
+            if i >= len(rows):
+                raise PlanTreeError(f"a tree names row {i} of stack {k}, which has {len(rows)}")
+            return rows[i].clone() if self.own else rows[i]
+        k, i = read_mark(code, data)  # a whole stack, or an extension value that is none of ours
+        if k >= len(self.stacks) or self.region is None:
+            raise PlanTreeError(f"a tree names stack {k} of a plan with {len(self.stacks)}")
+        tensor = self.region.view(self.stacks[k])
+        return tensor.clone() if self.own else tensor
+
+    def _rows_of(self, k: int) -> tuple[torch.Tensor, ...]:
+        if k >= len(self.stacks) or self.region is None:
+            raise PlanTreeError(f"a tree names stack {k} of a plan with {len(self.stacks)}")
+        ref = self.stacks[k]
+        if not ref.shape or not ref.nbytes:  # a sidecar never stacks empty tensors
+            raise PlanTreeError(f"a tree names a row of stack {k}, which has no rows or bytes")
+        whole = self.region.view(ref)
+        # Every row's view in one call when the tree can name them all (the sidecar names each row
+        # once); a stack with more rows than the tree has room for marks is indexed row by row.
+        rows = self.rows[k] = whole.unbind(0) if ref.shape[0] <= self.max_marks else whole
+        return rows
+
+    def decode(self, data: bytes, kind: Any) -> Any:
+        self.max_marks = len(data) // _ROW_MARK_BYTES
+        try:
+            return msgspec.msgpack.Decoder(kind, ext_hook=self.tensor).decode(data)
+        except (msgspec.DecodeError, PlanTreeError) as exc:
+            raise SidecarError(f"sidecar sent a malformed tree: {exc}") from None
+        except RuntimeError as exc:  # a recursion past msgspec's guard; a ref whose shape cannot be viewed
+            raise SidecarError(f"sidecar sent a tree that cannot be read: {exc}") from None
+
+
 def _copy_out_trees(arena: Any, trees: list[Any], device: torch.device, stacks: list[TensorRef],
                     own: bool = False) -> list[Any]:
-    """Received trees' tensors, copied out of the arena in ONE copy of the bytes their refs span,
-    then views of that copy: a copy per tensor was a launch each, once per request every step when
-    per-request state rides in the extra kwargs. Rows of the plan's `stacks` (1.7) are made per
-    stack in one call (omni_arena/tensor_tree.py, RowStacker). Every ref, stack and row is checked
-    before anything is copied. `own`: each tensor in storage of its own (trees kept past the step,
-    e.g. per-request states, must not keep the others' bytes alive)."""
+    """Received trees' tensors (1.7 and before: marker dicts found by a walk), copied out of the
+    arena in one copy (`_Region`), then views of that copy. Rows of the plan's `stacks` (1.7) are
+    made per stack in one call (omni_arena/tensor_tree.py, RowStacker). Every ref, stack and row is
+    checked before anything is copied. `own`: each tensor in storage of its own (trees kept past the
+    step, e.g. per-request states, must not keep the others' bytes alive)."""
     row_places: list[RowPlace] = []
     try:
         root, places = index_trees(trees, rows=row_places)
@@ -198,29 +295,8 @@ def _copy_out_trees(arena: Any, trees: list[Any], device: torch.device, stacks: 
     if arena is None:
         raise SidecarError("sidecar sent tensors but offered no arena")
     named = _check_rows(row_places, stacks)
-    refs = [ref for _, _, ref in places] + [stacks[k] for k in named]
-    dtypes = {id(ref): check_arena_ref(arena, ref) for ref in refs}  # bounds, bytes, dtype, alignment
-    sized = [ref for ref in refs if ref.nbytes]
-    # From an ALIGN boundary (still inside the arena), so the copy's byte k is the arena's lo + k for
-    # every dtype alike: a ref aligned to its dtype in the arena is aligned in the copy.
-    lo = min((r.offset for r in sized), default=0) // ALIGN * ALIGN
-    hi = max((r.offset + r.nbytes for r in sized), default=0)
-    region = None
-    if sized:
-        region = arena_tensor(arena, TensorRef(sized[0].arena, lo, hi - lo, [hi - lo], "uint8")).to(device, copy=True)
-    typed: dict[torch.dtype, torch.Tensor] = {}  # the region's whole items of each dtype
-
-    def view(ref: TensorRef) -> torch.Tensor:
-        dtype = dtypes[id(ref)]
-        if not ref.nbytes or region is None:
-            return torch.empty(ref.shape, dtype=dtype, device=device)
-        size = DTYPE_ITEMSIZE[ref.dtype]
-        items = typed.get(dtype)
-        if items is None:
-            items = typed[dtype] = region[: region.numel() // size * size].view(dtype)
-        start = (ref.offset - lo) // size
-        return items[start : start + ref.nbytes // size].view(ref.shape)
-
+    region = _Region(arena, [ref for _, _, ref in places] + [stacks[k] for k in named], device)
+    view = region.view
     try:
         rows: dict[int, Any] = {}
         for k, count in named.items():

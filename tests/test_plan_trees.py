@@ -1,0 +1,165 @@
+"""A plan's trees as bytes whose tensors are msgpack extension values (protocol 1.8, issue #15):
+the sidecar's session sends them to a shim of 1.8, the shim's decoder places every tensor without a
+walk, and every mark a peer sends is checked (proto/plan_trees.py, worker_shim/transfer.py)."""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+import pytest
+import torch
+
+from omni_arena.tensor_tree import MIN_ROWS
+from omni_sidecar.arenas import OutArena, SessionArenas
+from omni_sidecar.metrics import SidecarMetrics
+from proto.arena import ShmArena
+from proto.codec import Codec
+from proto.messages import Hello, StepPlan
+from proto.plan_trees import STACK_ROW, STACK_WHOLE, decode_tree, encode_tree
+from proto.tensors import TensorRef
+from proto.version import EXT_TREES_MINOR
+from tests.support.trees import assert_same_tree
+from worker_shim import transfer
+from worker_shim.channel import SidecarError
+from worker_shim.transfer import read_plan, read_states
+
+MODEL = torch.nn.Linear(1, 1)  # read_plan reads the model for its device: the host
+
+
+def _hello(minor: int) -> Hello:
+    return Hello(1, minor, "test", "none", "cpu", 0, 1, "m", 4, "float32", 8, [])
+
+
+def _wire(plan: StepPlan) -> StepPlan:
+    """The plan as the shim gets it: encoded and decoded by the protocol's codec."""
+    codec = Codec()
+    return codec.decode(codec.encode(plan))
+
+
+def _kwargs() -> dict:
+    return {
+        "runtime_additional_information": [
+            {"meta": {"prompt_len": 8, "n": i}, "hidden_states": {"last": torch.full((1, 4), float(i))}}
+            for i in range(MIN_ROWS + 3)
+        ],
+        "layers": {0: torch.arange(3.0), 7: torch.ones(2, dtype=torch.int32)},  # int keys below the top
+        "few": [torch.full((2,), 5.0) for _ in range(MIN_ROWS - 1)],  # fewer than MIN_ROWS: each alone
+        "empty": torch.zeros(0, 4),
+        "spans": [[0, 1], [1, 2]],
+        "flag": True,
+    }
+
+
+@pytest.fixture
+def arenas():
+    a = SessionArenas(1, _hello(EXT_TREES_MINOR), SidecarMetrics())
+    a.open(True, 0)
+    yield a
+    a.close()
+
+
+def test_a_plan_for_a_shim_of_18_carries_its_trees_as_bytes_and_reads_back_without_a_walk(arenas, monkeypatch):
+    want = _kwargs()
+    arenas.out.reset()
+    sent = arenas.encode_tensors(want)
+    assert type(sent) is bytes
+    # One stack for the rows, each other tensor a stack used whole; the tree names them all.
+    assert len(arenas.stacks) == 1 + 2 + (MIN_ROWS - 1) + 1 and arenas.stacks[0].shape == [MIN_ROWS + 3, 1, 4]
+    marks = decode_tree(sent)
+    assert [d["hidden_states"]["last"] for d in marks["runtime_additional_information"]] == [
+        (0, i) for i in range(MIN_ROWS + 3)]
+    plan = _wire(StepPlan(step=3, extra_kwargs=sent, stacks=arenas.stacks))
+    assert plan.extra_kwargs == sent
+
+    def walked(*args, **kwargs):
+        raise AssertionError("a 1.8 plan's tree was walked in Python")
+
+    monkeypatch.setattr(transfer, "index_trees", walked)
+    got = read_plan(arenas.out.arena, plan, None, MODEL, None)
+    assert_same_tree(got, want)
+    arenas.out.arena.view(TensorRef(0, 0, 4096, [4096], "uint8"))[:] = b"\xff" * 4096
+    assert_same_tree(got, want)  # copies out of the arena, not views of it
+
+
+def test_model_states_for_a_shim_of_18_are_host_tensors_of_their_own(arenas):
+    arenas.out.reset()
+    states = {f"r{i}": {"codes": torch.full((2,), i), "meta": {"i": i}} for i in range(MIN_ROWS)}
+    sent = arenas.encode_tensors(states)
+    plan = _wire(StepPlan(step=0, model_states=sent, stacks=arenas.stacks))
+    got = read_states(arenas.out.arena, plan)
+    assert_same_tree(got, states)
+    assert len({got[r]["codes"].untyped_storage().data_ptr() for r in got}) == MIN_ROWS  # each its own storage
+    not_dicts = arenas.encode_tensors({"r0": [1, 2]})
+    with pytest.raises(SidecarError, match="not dicts"):
+        read_states(arenas.out.arena, _wire(StepPlan(step=0, model_states=not_dicts, stacks=arenas.stacks)))
+
+
+@pytest.mark.parametrize("minor", [7, 8])
+def test_the_session_sends_bytes_only_to_a_shim_that_reads_them(minor):
+    a = SessionArenas(1, _hello(minor), SidecarMetrics())
+    a.open(True, 0)
+    try:
+        a.out.reset()
+        sent = a.encode_tensors(_kwargs())
+        assert (type(sent) is bytes) == (minor >= EXT_TREES_MINOR)
+    finally:
+        a.close()
+
+
+def _ext(code: int, data: bytes) -> msgspec.msgpack.Ext:
+    return msgspec.msgpack.Ext(code, data)
+
+
+def test_every_mark_a_sidecar_sends_is_checked_and_a_bad_one_is_the_steps_error():
+    arena = ShmArena.create(4096, prefix="omni-test-trees")
+    try:
+        out = OutArena(arena)
+        rows = out.put_stack([torch.full((2,), float(i)) for i in range(MIN_ROWS)])
+        whole = out.put_whole(torch.arange(3.0))
+        stacks = out.stacks
+        row = struct.Struct("<II").pack
+
+        def plan(tree, plan_stacks=stacks, raw=None):
+            return _wire(StepPlan(step=0, extra_kwargs=raw if raw is not None else msgspec.msgpack.encode(tree),
+                                  stacks=plan_stacks))
+
+        good = read_plan(arena, plan({"r": _ext(STACK_ROW, row(rows, 2)), "w": _ext(STACK_WHOLE, struct.pack("<I", whole))}),
+                         None, MODEL, None)
+        assert good["r"].tolist() == [2.0, 2.0] and good["w"].tolist() == [0.0, 1.0, 2.0]
+        cases = {
+            "unknown extension value": plan({"x": _ext(9, b"\0" * 8)}),
+            "unknown extension value ": plan({"x": _ext(STACK_ROW, b"\0" * 4)}),  # a row mark of the wrong length
+            "stack 5 of a plan with 2": plan({"x": _ext(STACK_ROW, row(5, 0))}),
+            "stack 7 of a plan with 2": plan({"x": _ext(STACK_WHOLE, struct.pack("<I", 7))}),
+            f"row {MIN_ROWS} of stack 0": plan({"x": _ext(STACK_ROW, row(0, MIN_ROWS))}),
+            "no rows or bytes": plan({"x": _ext(STACK_ROW, row(0, 0))}, [TensorRef(0, 0, 4, [], "float32")]),
+            "no rows or bytes ": plan({"x": _ext(STACK_ROW, row(0, 0))}, [TensorRef(0, 0, 0, [1 << 40, 0], "float32")]),
+            "malformed tree": plan(None, raw=b"\xc1"),  # not msgpack
+            "malformed tree ": plan({1: 2}),  # keyword arguments are named by strings
+            "outside": plan({"x": _ext(STACK_ROW, row(0, 0))}, [TensorRef(0, 4000, 400, [100], "float32")]),
+            "no arena": None,
+        }
+        for message, bad in cases.items():
+            with pytest.raises(Exception, match=message.strip()) as info:
+                if bad is None:
+                    read_plan(None, plan({"x": _ext(STACK_ROW, row(0, 0))}), None, MODEL, None)
+                else:
+                    read_plan(arena, bad, None, MODEL, None)
+            assert "\n" not in str(info.value)
+            assert info.type.__name__ in ("SidecarError", "TensorRefError")
+        # A stack with more rows than the tree has room to name: indexed row by row (no view per row
+        # of a stack a hostile peer made huge); the rows named read right.
+        big = TensorRef(0, stacks[rows].offset, stacks[rows].nbytes, stacks[rows].shape, "float32")
+        got = read_plan(arena, plan({"a": _ext(STACK_ROW, row(0, 3))}, [big]), None, MODEL, None)
+        assert got["a"].tolist() == [3.0, 3.0]
+        assert type(transfer._StackReader(arena, [big], torch.device("cpu"), False)._rows_of(0)) is torch.Tensor
+    finally:
+        out.close()
+
+
+def test_a_tree_the_sender_cannot_encode_fails_where_it_is_built():
+    """A hook's value msgpack cannot carry fails the plan's encode in the sidecar (the requests'
+    error), never a frame the shim would have to refuse."""
+    with pytest.raises(TypeError, match="cannot hold a object"):
+        encode_tree({"x": object()})
