@@ -255,6 +255,9 @@ class InProcessConnection:
     def open_counts(self) -> dict[str, int]:
         return {}
 
+    def ring_counts(self) -> dict[str, int]:
+        return {}
+
     # -- outputs, as a control client would read them (omni_sidecar/queries.py) ---------
 
     def outputs(self, req_id: str) -> dict[str, Any] | None:

@@ -18,8 +18,11 @@ Hook sets measured side by side, in alternating blocks:
   (bench/inproc.py: the sidecar's session called directly, no socket or ring): what a step costs
   the worker's thread without the process boundary (the hooks' own work included, which the
   sidecar does in its own process).
+- `omni`, `omni-inproc` (only with `--only`): the omni set working every step (extra kwargs: each
+  request's state as `runtime_additional_information`, a plan awaited and read every step; the
+  step's hidden rows sent at its end), with the link's plan read and StepEnd on the worker's thread.
 
-    python -m bench.step_cost [--steps 3000] [--requests 64] [--forward-ms 2.5]
+    python -m bench.step_cost [--steps 3000] [--requests 64] [--forward-ms 2.5] [--between-ms 0]
 """
 
 from __future__ import annotations
@@ -35,9 +38,11 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import msgspec
 import numpy as np
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -47,6 +52,8 @@ from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR  # noqa: E402
 
 HOOK_SETS = {"passthrough": "passthrough", "observe": "bench.step_cost_hooks:ObservingPassThrough",
              "passthrough-inproc": "passthrough", "observe-inproc": "bench.step_cost_hooks:ObservingPassThrough"}
+OMNI_SETS = {"omni": "omni", "omni-inproc": "omni"}  # measured when named in --only
+HOOK_OPTIONS = {"omni": {"extra_kwargs": "1"}}  # by hook set spec
 INPROC = "-inproc"  # a name ending so runs its hook set in this process
 BLOCK = 250  # steps per block; hook sets alternate block by block
 HELLO = Hello(PROTOCOL_MAJOR, PROTOCOL_MINOR, "bench", "none", "cpu", 0, 1, "m", 8, "float32", 1024, [], pid=os.getpid())
@@ -56,8 +63,9 @@ def _start_sidecar(endpoint: str, hooks: str) -> subprocess.Popen:
     from omni_sidecar.client import wait_ready
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    options = [arg for k, v in HOOK_OPTIONS.get(hooks, {}).items() for arg in ("--hook-option", f"{k}={v}")]
     proc = subprocess.Popen([sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", endpoint, "--hooks",
-                             hooks, "--log-level", "WARNING"], cwd=ROOT, env=env)
+                             hooks, *options, "--log-level", "WARNING"], cwd=ROOT, env=env)
     wait_ready(endpoint, 60, proc)
     return proc
 
@@ -69,13 +77,14 @@ def _request(req_id: str) -> SimpleNamespace:
                                                            max_tokens=1 << 20))
 
 
-def decode_state(req_ids: list[str], step: int) -> SimpleNamespace:
-    """A steady decode step as V2's InputBatch holds it: one row per request (also the structural tests' step)."""
+def decode_state(req_ids: list[str], step: int, hidden: Any = None) -> SimpleNamespace:
+    """A steady decode step as V2's InputBatch holds it: one row per request (also the structural
+    tests' step); `hidden`: the forward's hidden rows, for hooks that read them."""
     n = len(req_ids)
     batch = SimpleNamespace(req_ids=req_ids, num_tokens=n, query_start_loc_np=np.arange(n + 1, dtype=np.int32),
                             num_computed_tokens_np=np.full(n, 3 + step, dtype=np.int32),
-                            prefill_len_np=np.full(n, 3, dtype=np.int32))
-    return SimpleNamespace(input_batch=batch, hidden_states=None)
+                            prefill_len_np=np.full(n, 3, dtype=np.int32), num_tokens_after_padding=n)
+    return SimpleNamespace(input_batch=batch, hidden_states=hidden)
 
 
 def _forward(seconds: float, spin: bool) -> None:
@@ -99,6 +108,9 @@ class ShimUnderTest:
         self.req_ids = [f"cmpl-{i:06d}-0-abcdef12" for i in range(num_reqs)]
         self.link.note_new([_request(r) for r in self.req_ids])
         self.step = 0
+        # Hooks that read hidden states get the forward's rows; a plan's tensors go to the model's device.
+        self.hidden = torch.randn(num_reqs, HELLO.hidden_size) if self.link.needs.hidden_states else None
+        self.model = torch.nn.Linear(1, 1)
         self.samples: list[float] = []  # wall time in the shim's calls
         self.cpu_samples: list[float] = []  # CPU time of this thread in them (what other processes do not inflate)
 
@@ -118,15 +130,15 @@ class ShimUnderTest:
         conn.connect(10.0)
         return SidecarLink(connect, conn)
 
-    def run(self, steps: int, forward_s: float, spin: bool = True) -> None:
+    def run(self, steps: int, forward_s: float, spin: bool = True, between_s: float = 0.0) -> None:
         link, no_finishes = self.link, set()
         wall, cpu = time.perf_counter, time.thread_time
         for _ in range(steps):
-            state = decode_state(self.req_ids, self.step)
+            state = decode_state(self.req_ids, self.step, self.hidden)
             c0, t0 = cpu(), wall()
             link.note_finished(no_finishes, None)
             link.begin_step()
-            link.pre_forward(state.input_batch, None)
+            link.pre_forward(state.input_batch, self.model)
             t1, c1 = wall(), cpu()
             _forward(forward_s, spin)  # not the shim's cost
             c2, t2 = cpu(), wall()
@@ -135,6 +147,8 @@ class ShimUnderTest:
             self.samples.append((t1 - t0) + (t3 - t2))
             self.cpu_samples.append((c1 - c0) + (c3 - c2))
             self.step += 1
+            if between_s:
+                _forward(between_s, spin)  # sampling and scheduling: not the shim's cost either
 
     def close(self) -> dict:
         self.link.note_finished(set(self.req_ids), None)
@@ -147,7 +161,7 @@ class ShimUnderTest:
             self.sidecar.terminate()
             self.sidecar.wait(10)
         return {"shim_steps": stats["steps"], "sidecar_steps": session.steps,
-                "sidecar_tokens": session.scheduled_tokens, "losses": stats["losses"]}
+                "sidecar_tokens": session.scheduled_tokens, "losses": stats["losses"], "ring": stats["ring_counts"]}
 
     def _session_status(self):
         from omni_sidecar.client import SidecarClient
@@ -168,7 +182,8 @@ class InProcessUnderTest(ShimUnderTest):
         def no_reconnect(**_: object) -> None:
             raise RuntimeError("nothing to reconnect to")
 
-        return SidecarLink(no_reconnect, InProcessConnection(HELLO, load_hooks(hooks), FinishedOutputs(16)))
+        return SidecarLink(no_reconnect, InProcessConnection(HELLO, load_hooks(hooks, HOOK_OPTIONS.get(hooks)),
+                                                             FinishedOutputs(16)))
 
     def _session_status(self):
         return self.link.conn.session.status()
@@ -181,21 +196,21 @@ def percentiles(samples_s: list[float]) -> dict[str, float]:
 
 
 def measure(steps: int, num_reqs: int, forward_ms: float, hook_sets: dict[str, str] = HOOK_SETS,
-            spin: bool = True) -> dict:
+            spin: bool = True, between_ms: float = 0.0) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="omni-stepcost-"))
     atexit.register(shutil.rmtree, run_dir, True)  # its sockets: nothing left behind
     shims = {name: (InProcessUnderTest if name.endswith(INPROC) else ShimUnderTest)(run_dir, name, hooks, num_reqs)
              for name, hooks in hook_sets.items()}
     try:
         for shim in shims.values():
-            shim.run(20, forward_ms / 1000, spin)  # warm-up: the first step admits the requests
+            shim.run(20, forward_ms / 1000, spin, between_ms / 1000)  # warm-up: the first step admits the requests
             shim.samples.clear()
             shim.cpu_samples.clear()
         done = 0
         while done < steps:
             block = min(BLOCK, steps - done)
             for shim in shims.values():
-                shim.run(block, forward_ms / 1000, spin)
+                shim.run(block, forward_ms / 1000, spin, between_ms / 1000)
             done += block
     finally:
         checks = {name: shim.close() for name, shim in shims.items()}
@@ -209,15 +224,24 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--forward-ms", type=float, default=2.5)
     p.add_argument("--forward-sleep", action="store_true", help="sleep through the forward instead of spinning")
-    p.add_argument("--only", default="", help=f"comma-separated hook sets ({', '.join(HOOK_SETS)})")
+    p.add_argument("--between-ms", type=float, default=0.0,
+                   help="the engine's sampling and scheduling after a step's end, before the next (spun or slept "
+                        "as the forward); with a plan every step, the sidecar's StepEnd and next plan overlap it")
+    p.add_argument("--only", default="", help=f"comma-separated hook sets ({', '.join({**HOOK_SETS, **OMNI_SETS})})")
     args = p.parse_args()
+    known = {**HOOK_SETS, **OMNI_SETS}
     names = [n for n in args.only.split(",") if n] or list(HOOK_SETS)
-    res = measure(args.steps, args.requests, args.forward_ms, {n: HOOK_SETS[n] for n in names}, not args.forward_sleep)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        p.error(f"unknown hook set(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    res = measure(args.steps, args.requests, args.forward_ms, {n: known[n] for n in names}, not args.forward_sleep,
+                  args.between_ms)
     for name, r in res.items():
         cpu, wall = r["cpu"], r["wall"]
         print(f"shim host cost per step, {name:>18}, {args.requests} requests: CPU p50 {cpu['p50']:.1f} us "
               f"p99 {cpu['p99']:.1f} us | wall p50 {wall['p50']:.1f} us p99 {wall['p99']:.1f} us | {wall['n']} "
-              f"steps (the sidecar saw {r['sidecar_steps']} of {r['shim_steps']}, {r['sidecar_tokens']} tokens)",
+              f"steps (the sidecar saw {r['sidecar_steps']} of {r['shim_steps']}, {r['sidecar_tokens']} tokens)"
+              + (f", kicks {r['ring']['kicks']}, shim sleeps {r['ring']['sleeps']}" if r["ring"] else ""),
               flush=True)
 
 

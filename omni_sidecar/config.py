@@ -69,13 +69,19 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "the CPU each time, before it sleeps until a shim's kick. Longer keeps the "
         "next step's exchange at a few us when steps come further apart, at the price of a CPU "
         "that polls; keep it short on small hosts where vLLM needs the cores")] = RING_SPIN_US
+    ring_spin_max_us: Annotated[int, _help(
+        "while a shim steps regularly, keep polling through the quiet spell between its steps (the "
+        "longest of the last few, plus a quarter) up to this long: a sleeping sidecar costs each "
+        "step a kick and a kernel wake-up on the shim's critical path. -1 (auto): 20000 on hosts "
+        "with 8 or more CPUs, else ring_spin_us (no stretching)")] = -1
     ring_sleep_ms: Annotated[int, _help(
         "a sleeping sidecar re-checks the rings at least this often: bounds the "
         "cost of a missed kick (Python has no store-load fence)")] = RING_SLEEP_MS
 
     def __post_init__(self) -> None:
-        if self.ring_spin_us < 0 or not 1 <= self.ring_sleep_ms <= RING_SLEEP_MS_MAX:
-            raise ValueError(f"ring_spin_us must be >= 0 and ring_sleep_ms in [1, {RING_SLEEP_MS_MAX}]")
+        if self.ring_spin_us < 0 or self.ring_spin_max_us < -1 or not 1 <= self.ring_sleep_ms <= RING_SLEEP_MS_MAX:
+            raise ValueError(f"ring_spin_us must be >= 0, ring_spin_max_us >= -1 (auto) and ring_sleep_ms in "
+                             f"[1, {RING_SLEEP_MS_MAX}]")
         if self.keep_finished < 0 or self.max_frame_mib <= 0 or self.arena_mib < 0:
             raise ValueError("keep_finished, arena_mib must be >= 0 and max_frame_mib > 0")
 

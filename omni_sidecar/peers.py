@@ -15,6 +15,7 @@ from omni_sidecar import __version__
 from omni_sidecar.hooks import OmniHooks, wire_needs
 from omni_sidecar.listener import Listener
 from omni_sidecar.metrics import SidecarMetrics
+from omni_sidecar.spin import SpinWindow
 from omni_sidecar.peer import EndReason, ShimPeer
 from omni_sidecar.session import Session
 from omni_sidecar.store import FinishedOutputs
@@ -190,11 +191,12 @@ class PeerTable:
             busy |= self.serve_one(peer, dispatch)
         return busy
 
-    def serve_hot(self, dispatch: Dispatch, until: float, busy_at: float, spin_s: float,
+    def serve_hot(self, dispatch: Dispatch, until: float, busy_at: float, spin: SpinWindow,
                   loop_wanted: Callable[[], bool]) -> float:
-        """Serve ring messages as they land, with no loop turn in between, until `until` or `spin_s`
-        past the last one: one shared-memory load per ring and a sched_yield per idle turn. Returns
-        when the last message was served (the new `busy_at`).
+        """Serve ring messages as they land, with no loop turn in between, until `until` or the spin
+        window (`spin.seconds`) past the last one: one shared-memory load per ring and a sched_yield
+        per idle turn; each quiet spell that ends in a message is noted in `spin`. Returns when the
+        last message was served (the new `busy_at`).
 
         Why: the server loop's turn (reaping, the socket, hand-over checks) costs several
         microseconds, and a shim's next step message lands while the loop is in one. It returns at
@@ -205,12 +207,16 @@ class PeerTable:
         rings = [(peer, peer.rings, peer.rings.duplex.rx) for peer in self._peers.values()
                  if peer.rings is not None and not peer.rings.closed]
         clock, give_way = time.monotonic, os.sched_yield
+        idle_at = 0.0  # the last turn that found nothing (0: the last one served)
         while True:
             served = False
             for peer, transport, rx in rings:
                 if transport.closed or transport.queued:
                     return busy_at
                 if rx.has_data():
+                    if idle_at:
+                        spin.note_quiet(idle_at - busy_at)
+                        idle_at = 0.0
                     if not self.serve_one(peer, dispatch):
                         return busy_at  # a MARK: its frame comes on the socket
                     served = True
@@ -219,8 +225,10 @@ class PeerTable:
             now = clock()
             if served:
                 busy_at = now
+            else:
+                idle_at = now
             # At the deadline even when busy: a ring that never runs dry must not hold the loop's housekeeping off.
-            if now >= until or now - busy_at >= spin_s:
+            if now >= until or now - busy_at >= spin.seconds:
                 return busy_at
             if not served:
                 give_way()  # let vLLM's threads run first

@@ -20,6 +20,7 @@ ring cannot be resynchronised) and other sessions are unaffected.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from typing import Callable
@@ -36,6 +37,7 @@ from omni_sidecar.rejects import RejectLog
 from omni_sidecar.peers import PeerTable
 from omni_sidecar.queries import Queries
 from omni_sidecar.security import SecurityError
+from omni_sidecar.spin import SpinWindow, auto_max_us
 from omni_sidecar.store import FinishedOutputs
 from omni_sidecar.upgrade import HandOver, TakeOver
 from proto.arena import sweep_stale
@@ -83,6 +85,8 @@ class SidecarServer:
         self.drain_timeout_s = config.drain_timeout_s
         self.wait = WaitPolicy(spin_us=config.ring_spin_us, sleep_ms=max(1, config.ring_sleep_ms),
                                idle_s=RING_IDLE_S, idle_sleep_ms=RING_IDLE_SLEEP_MS)
+        max_us = config.ring_spin_max_us if config.ring_spin_max_us >= 0 else auto_max_us(config.ring_spin_us)
+        self.spin = SpinWindow(config.ring_spin_us, max_us)
         self.metrics = SidecarMetrics()
         self.rejects = RejectLog(self.metrics)
         self.codec = Codec(config.max_frame_bytes)
@@ -290,6 +294,7 @@ class SidecarServer:
     def _serve_rings_once(self) -> None:
         """One loop turn while ring sessions exist: rings and socket; then, inside the spin window,
         the rings alone for up to HOT_SPIN_S (`PeerTable.serve_hot`); past it, sleep."""
+        started = time.monotonic()
         busy = self.peers.pump(self._dispatch)
         now = time.monotonic()
         # The socket (kicks, control, frames behind a MARK: a MARK leaves pump idle) is asked every
@@ -301,15 +306,19 @@ class SidecarServer:
                 self._serve(self.listener.recv_frames())
                 busy = True
         if busy:
+            self.spin.note_quiet(started - self._busy_at)
             self._busy_at = now
-        if busy or self.wait.spin(self._busy_at, now):  # the rings alone for a while (PeerTable.serve_hot)
+        if busy or now - self._busy_at < self.spin.seconds:  # the rings alone for a while (PeerTable.serve_hot)
+            if not busy:
+                os.sched_yield()  # let vLLM's threads run first
             self._busy_at = self.peers.serve_hot(self._dispatch, now + HOT_SPIN_S, self._busy_at,
-                                                 self.wait.spin_us / 1e6, self._loop_wanted)
+                                                 self.spin, self._loop_wanted)
             return
         nap_ms = self.wait.nap_ms(self._busy_at, now)
         found = self.wait.sleep(self.peers.ring_transports(), lambda: self.peers.pump(self._dispatch) or None,
                                 lambda: self._serve_socket(nap_ms))
         if found:  # written before the writer could see our flags
+            self.spin.note_quiet(now - self._busy_at)
             self._busy_at = time.monotonic()
 
     def _loop_wanted(self) -> bool:

@@ -247,6 +247,7 @@ def test_the_sidecars_hot_ring_loop_hands_back_at_its_deadline_when_the_ring_nev
     from types import SimpleNamespace
 
     from omni_sidecar.peers import PeerTable
+    from omni_sidecar.spin import SpinWindow
 
     table = PeerTable.__new__(PeerTable)
     t0 = time.monotonic()
@@ -255,5 +256,6 @@ def test_the_sidecars_hot_ring_loop_hands_back_at_its_deadline_when_the_ring_nev
     table._peers = {b"p": peer}
     served = []
     table.serve_one = lambda p, dispatch: served.append(1) or True
-    table.serve_hot(lambda *a: None, until=t0 + 0.02, busy_at=t0, spin_s=10.0, loop_wanted=lambda: False)
+    table.serve_hot(lambda *a: None, until=t0 + 0.02, busy_at=t0, spin=SpinWindow(10_000_000, 0),
+                    loop_wanted=lambda: False)
     assert time.monotonic() - t0 < 0.5 and len(served) > 0

@@ -255,6 +255,12 @@ class SidecarConnection:
     def open_counts(self) -> dict[str, int]:
         return {"mem": self.opens.mem, "events": self.opens.events} if self.opens is not None else {}
 
+    def ring_counts(self) -> dict[str, int]:
+        """Kicks sent to a sleeping sidecar and our own sleeps waiting for one (each a step's
+        kernel round trip on the critical path); {} without rings."""
+        channel = self._channel
+        return {"kicks": channel.kicks_sent, "sleeps": channel.sleeps} if channel.ring_active else {}
+
     def close(self) -> None:
         self._channel.close()
         for arena in (self._hidden_arena, self._overlay_arena):

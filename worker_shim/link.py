@@ -287,6 +287,7 @@ class SidecarLink(StepEndRecords):
             "request_errors": dict(self.failures.request_errors),
             "arena_kind": conn.arena_kind if conn is not None else "",
             "arena_opens": conn.open_counts() if conn is not None else {},
+            "ring_counts": conn.ring_counts() if conn is not None else {},
         }
 
     def flush(self) -> None:

@@ -1,0 +1,63 @@
+"""The sidecar's polling window stretches over regular steps' quiet spells and shrinks back when
+the engine stops stepping (omni_sidecar/spin.py, issue #15); a hot ring loop notes the spells."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from omni_sidecar.config import ServeConfig
+from omni_sidecar.peers import PeerTable
+from omni_sidecar.spin import AUTO_MAX_US, KEEP, STRETCH, SpinWindow, auto_max_us
+
+
+def test_the_window_covers_regular_quiet_spells_and_falls_back_after_a_long_one():
+    spin = SpinWindow(base_us=2000, max_us=20_000)
+    assert spin.seconds == pytest.approx(0.002)
+    for quiet in (0.0031, 0.00002, 0.0009) * 3:  # a step: after the StepEnd, StepStart -> StepBegin, the forward
+        spin.note_quiet(quiet)
+    assert spin.seconds == pytest.approx(0.0031 * STRETCH)
+    spin.note_quiet(5.0)  # the engine went idle: its first message after that
+    assert spin.seconds == pytest.approx(0.002)
+    for _ in range(KEEP - 1):
+        spin.note_quiet(0.004)
+    assert spin.seconds == pytest.approx(0.002)  # the long spell is still remembered
+    spin.note_quiet(0.004)
+    assert spin.seconds == pytest.approx(0.004 * STRETCH)
+    for _ in range(KEEP):
+        spin.note_quiet(0.019)
+    assert spin.seconds == pytest.approx(0.020)  # never past max_us
+    spin.note_quiet(0.0001)
+    assert spin.seconds == pytest.approx(0.020)
+
+
+def test_without_room_to_stretch_the_window_stays_the_configured_one():
+    spin = SpinWindow(base_us=2000, max_us=2000)
+    for _ in range(KEEP):
+        spin.note_quiet(0.003)
+    assert not spin.stretches and spin.seconds == pytest.approx(0.002)
+    assert auto_max_us(2000, cpus=2) == 2000 and auto_max_us(2000, cpus=16) == AUTO_MAX_US
+    assert auto_max_us(50_000, cpus=16) == 50_000  # never below the configured window
+    assert ServeConfig(ring_spin_max_us=-1).ring_spin_max_us == -1
+    with pytest.raises(ValueError, match="ring_spin_max_us"):
+        ServeConfig(ring_spin_max_us=-2)
+
+
+def test_the_hot_ring_loop_notes_each_quiet_spell_that_ends_in_a_message():
+    table = PeerTable.__new__(PeerTable)
+    t0 = time.monotonic()
+    arrivals = [t0 + 0.003, t0 + 0.006]  # two messages, 3 ms apart, then nothing
+
+    def has_data() -> bool:
+        return bool(arrivals) and time.monotonic() >= arrivals[0]
+
+    rx = SimpleNamespace(has_data=has_data)
+    table._peers = {b"p": SimpleNamespace(rings=SimpleNamespace(closed=False, queued=False, duplex=SimpleNamespace(rx=rx)))}
+    table.serve_one = lambda peer, dispatch: arrivals.pop(0) is not None
+    spin = SpinWindow(base_us=10_000, max_us=40_000)
+    table.serve_hot(lambda *a: None, until=t0 + 0.05, busy_at=t0, spin=spin, loop_wanted=lambda: False)
+    assert not arrivals
+    assert list(spin._quiet) == [pytest.approx(0.003, abs=0.001)] * 2
+    assert spin.seconds == pytest.approx(max(0.010, max(spin._quiet) * STRETCH))
