@@ -165,7 +165,14 @@ def _shutdown(llm) -> None:
 
 
 def _scalar_stats(stats: dict) -> dict:
-    return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in stats.items()
+    """The stats' scalars, and small dicts of scalars flattened (`ring_counts_kicks`, ...)."""
+    flat: dict = {}
+    for k, v in stats.items():
+        if isinstance(v, dict) and len(v) <= 8:
+            flat.update({f"{k}_{sub}": x for sub, x in v.items()})
+        else:
+            flat[k] = v
+    return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in flat.items()
             if isinstance(v, (int, float, str, bool))}
 
 
