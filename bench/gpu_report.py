@@ -79,7 +79,8 @@ def render(res: dict) -> str:
         "engines because the shim refuses extra kwargs under FULL graphs.",
         "",
         "| configuration | model | graphs | N x T | blocks | plain tok/s | shim tok/s | **shim / plain** (95 % CI) "
-        "| block ratios p10..p90 | halves | CV plain / shim | shim steps, blocking | shim StepEnd p50 / exchange p50 µs |",
+        "| block ratios p10..p90 | halves | CV plain / shim | shim steps, blocking | shim StepEnd p50 / exchange p50 "
+        "(of which plan read) µs; kicks, shim sleeps |",
         "|---|---|---|---|---:|---:|---:|---|---|---|---|---|---|",
     ]
     for c in res.get("configs", []):
@@ -90,7 +91,9 @@ def render(res: dict) -> str:
                          f"{c.get('error', '')[:160]} | | | | | |")
             continue
         steps = f"{st.get('steps', '-')}, {st.get('blocking_exchanges', '-')}" if st else "-"
-        host = (f"{st.get('post_us_p50', 0):.0f} / {st.get('exchange_us_p50', 0):.0f}" if st else "-")
+        host = (f"{st.get('post_us_p50', 0):.0f} / {st.get('exchange_us_p50', 0):.0f} "
+                f"({st.get('plan_read_us_p50', 0):.0f}); {st.get('ring_counts_kicks', '-')}, "
+                f"{st.get('ring_counts_sleeps', '-')}" if st else "-")
         status = "" if c.get("status") == "done" else f" ({c.get('status')})"
         lines.append(
             f"| {c['config']}{status} | {c['model']} ({c['params_m']} M) | {c['graphs']}, {c['dtype']} | "

@@ -20,7 +20,9 @@ Hook sets measured side by side, in alternating blocks:
   sidecar does in its own process).
 - `omni`, `omni-inproc` (only with `--only`): the omni set working every step (extra kwargs: each
   request's state as `runtime_additional_information`, a plan awaited and read every step; the
-  step's hidden rows sent at its end), with the link's plan read and StepEnd on the worker's thread.
+  step's hidden rows sent at its end), with the link's plan read and StepEnd on the worker's thread;
+  `omni-nostretch`: the same with the sidecar's polling window kept fixed (omni_sidecar/spin.py).
+  Give `--between-ms` (sampling and scheduling) so the sidecar's work can overlap it as in vLLM.
 
     python -m bench.step_cost [--steps 3000] [--requests 64] [--forward-ms 2.5] [--between-ms 0]
 """
@@ -52,20 +54,23 @@ from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR  # noqa: E402
 
 HOOK_SETS = {"passthrough": "passthrough", "observe": "bench.step_cost_hooks:ObservingPassThrough",
              "passthrough-inproc": "passthrough", "observe-inproc": "bench.step_cost_hooks:ObservingPassThrough"}
-OMNI_SETS = {"omni": "omni", "omni-inproc": "omni"}  # measured when named in --only
+OMNI_SETS = {"omni": "omni", "omni-inproc": "omni", "omni-nostretch": "omni"}  # measured when named in --only
 HOOK_OPTIONS = {"omni": {"extra_kwargs": "1"}}  # by hook set spec
+# By name: `omni-nostretch`'s sidecar keeps its polling window fixed (omni_sidecar/spin.py), so it
+# sleeps through every quiet spell longer than --ring-spin-us: the shim's kicks and wake-ups, side by side.
+SIDECAR_ARGS = {"omni-nostretch": ["--ring-spin-max-us", "0"]}
 INPROC = "-inproc"  # a name ending so runs its hook set in this process
 BLOCK = 250  # steps per block; hook sets alternate block by block
 HELLO = Hello(PROTOCOL_MAJOR, PROTOCOL_MINOR, "bench", "none", "cpu", 0, 1, "m", 8, "float32", 1024, [], pid=os.getpid())
 
 
-def _start_sidecar(endpoint: str, hooks: str) -> subprocess.Popen:
+def _start_sidecar(endpoint: str, hooks: str, args: list[str] | None = None) -> subprocess.Popen:
     from omni_sidecar.client import wait_ready
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     options = [arg for k, v in HOOK_OPTIONS.get(hooks, {}).items() for arg in ("--hook-option", f"{k}={v}")]
     proc = subprocess.Popen([sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", endpoint, "--hooks",
-                             hooks, *options, "--log-level", "WARNING"], cwd=ROOT, env=env)
+                             hooks, *options, *(args or []), "--log-level", "WARNING"], cwd=ROOT, env=env)
     wait_ready(endpoint, 60, proc)
     return proc
 
@@ -120,7 +125,7 @@ class ShimUnderTest:
         from worker_shim.link import SidecarLink
 
         endpoint = f"ipc://{run_dir}/{name}.sock"
-        self.sidecar = _start_sidecar(endpoint, hooks)
+        self.sidecar = _start_sidecar(endpoint, hooks, SIDECAR_ARGS.get(name))
 
         def connect(endpoint: str = endpoint, resume_token: str = "") -> SidecarConnection:
             return SidecarConnection(endpoint, 10.0, msgspec.structs.replace(HELLO, resume_token=resume_token),

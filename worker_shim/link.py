@@ -55,6 +55,7 @@ class StepCounters:
     blocking_exchanges: int = 0
     states_asked: int = 0  # requests whose state the model's hooks asked the sidecar for
     exchange_us: list[float] = field(default_factory=list)  # blocking StepBegin round trips
+    plan_read_us: list[float] = field(default_factory=list)  # of which reading the plan (its tensors copied out)
     post_us: list[float] = field(default_factory=list)  # shim-side cost of each StepEnd (copy + send)
     # Host time in the model's own hooks per step (preprocess, talker_mtp, postprocess, state mirror):
     # work vllm-omni's runner does too, told apart from the shim's own cost.
@@ -195,9 +196,11 @@ class SidecarLink(StepEndRecords):
             self.counters.blocking_exchanges += 1
             self.counters.states_asked += len(want)
             self.failures.record(plan.errors)
+            t1 = time.perf_counter()
             if want and bridge is not None:
                 bridge.fill_states(conn.read_states(plan), failed={e.req_id for e in plan.errors})
             extra = conn.read_plan(plan, input_batch, model, embeds)
+            record_timing(self.counters.plan_read_us, (time.perf_counter() - t1) * 1e6)
         except (SidecarError, ValueError, msgspec.ValidationError) as exc:
             self.recovery.lose(f"step {self.step}: {exc}")
             return {}
