@@ -94,6 +94,41 @@ def test_hidden_slots_wait_for_the_previous_reader_before_reuse():
         arena.close()
 
 
+def test_steady_steps_reuse_their_slot_views_and_the_bytes_still_land_where_the_refs_say(monkeypatch):
+    """A steady step puts the same shapes at the same offsets of its slot: the typed views of the
+    slot's bytes are made once per slot and shape (then reused), the cache stays bounded, and
+    every step's bytes are the step's own."""
+    from omni_arena.views import arena_tensor
+    from worker_shim import transfer
+
+    made: list[int] = []
+
+    def counting(arena, ref):
+        made.append(ref.offset)
+        return arena_tensor(arena, ref)
+
+    monkeypatch.setattr(transfer, "arena_tensor", counting)
+    arena = ShmArena.create(1 << 16, prefix="omni-test-hidden")
+    try:
+        slots = HiddenSlots(arena, 2)
+        for step in range(6):
+            hidden = torch.full((3, 4), float(step))
+            layers = {1: torch.full((3, 4), 100.0 + step), 2: torch.full((3, 4), 200.0 + step)}
+            ref, layer_refs, _ = slots.write(step, hidden, lambda s: None, layers)
+            slots.sent(step)
+            for want, r in ((hidden, ref), (layers[1], layer_refs[1]), (layers[2], layer_refs[2])):
+                assert torch.equal(arena_tensor(arena, r), want)
+        assert len(made) == 2 * 3  # one view per slot and tensor, made on the first two steps
+        for step in range(6, 6 + transfer.VIEWS_KEPT):  # prefill-like: a new shape each step
+            slots.write(step, torch.zeros(1, step % 50 + 1), lambda s: None)
+            slots.sent(step)
+        assert len(slots._views) <= transfer.VIEWS_KEPT
+    finally:
+        slots = None
+        arena.close()
+    assert arena._mm.closed  # no cached view kept the mapping
+
+
 def test_plan_tensors_are_read_out_of_the_sidecar_arena():
     arena = ShmArena.create(4096, prefix="omni-test-plan")
     try:

@@ -263,11 +263,11 @@ class SidecarConnection:
 
     def close(self) -> None:
         self._channel.close()
+        self._hidden = None  # first: its slot views keep the mapping exported
         for arena in (self._hidden_arena, self._overlay_arena):
             if arena is not None:
                 arena.close()
         self._hidden_arena = self._overlay_arena = None
-        self._hidden = None
 
 
 __all__ = ["SidecarConnection", "SidecarError"]

@@ -33,6 +33,9 @@ def hidden_arena_size(max_num_tokens: int, hidden_size: int, itemsize: int, slot
     return (rows + align_up(model_io_bytes) + 64) * slots
 
 
+VIEWS_KEPT = 64  # slot views kept (HiddenSlots._views)
+
+
 class HiddenSlots:
     """The hidden-state arena cut into slots written round-robin, one per step.
 
@@ -44,6 +47,10 @@ class HiddenSlots:
     def __init__(self, arena: Any, num_slots: int) -> None:
         self.arena = arena
         self._slots = SlotRing(arena.size, num_slots)
+        # Typed views of slot bytes by (offset, dtype, shape): a steady step puts the same shapes at the
+        # same offsets of each slot, and making the view (a check, a slice, two views) cost as much as
+        # the copy's launch, three tensors a step on the H200 host (hidden rows and two captured layers).
+        self._views: dict[tuple, torch.Tensor] = {}
 
     def claim(self, step: int, wait_answered: Callable[[int], None]) -> "StepSlot":
         """`step`'s slot, once its previous reader is done; `wait_answered(s)` blocks until
@@ -56,7 +63,7 @@ class HiddenSlots:
             slots.owner_step[slot] = None
         if self.arena.kind != "shm":
             self.arena.wait_done(slot)  # the sidecar's reads of this slot's previous use
-        return StepSlot(self.arena, slot, slots.offset(slot), slots.slot_size)
+        return StepSlot(self.arena, slot, slots.offset(slot), slots.slot_size, self._views)
 
     def write(self, step: int, hidden: torch.Tensor, wait_answered: Callable[[int], None],
               layers: dict[int, torch.Tensor] | None = None) -> tuple[TensorRef, dict[int, TensorRef], int]:
@@ -76,7 +83,8 @@ class HiddenSlots:
 class StepSlot:
     """One step's slot, filled front to back; `seal` once everything is in."""
 
-    def __init__(self, arena: Any, slot: int, start: int, size: int) -> None:
+    def __init__(self, arena: Any, slot: int, start: int, size: int,
+                 views: dict[tuple, torch.Tensor] | None = None) -> None:
         self.arena = arena
         self.slot = slot
         self.start = start
@@ -84,6 +92,7 @@ class StepSlot:
         self.offset = start
         # A tensor put twice (state and output) is stored once; kept alive so its id stays its own.
         self._refs: dict[int, tuple[torch.Tensor, TensorRef]] = {}
+        self._views = {} if views is None else views  # HiddenSlots': kept across steps
 
     def put(self, tensor: torch.Tensor) -> TensorRef:
         known = self._refs.get(id(tensor))
@@ -95,12 +104,19 @@ class StepSlot:
                 f"step data of {self.offset - self.start + nbytes} bytes exceed the arena slot of "
                 f"{self.end - self.start} (raise omni_sidecar model_io_mib)"
             )
-        ref = TensorRef(0, self.offset, nbytes, list(tensor.shape), dtype_name(tensor.dtype))
+        shape = tensor.shape
+        ref = TensorRef(0, self.offset, nbytes, list(shape), dtype_name(tensor.dtype))
         if nbytes:
+            views, key = self._views, (self.offset, tensor.dtype, shape)
+            dst = views.get(key)
+            if dst is None:
+                if len(views) >= VIEWS_KEPT:  # prefill shapes vary: bounded, steady decode refills it
+                    views.clear()
+                dst = views[key] = arena_tensor(self.arena, ref)  # bounds-checked, typed, shaped
             if self.arena.kind == "shm":
-                arena_tensor(self.arena, ref).copy_(tensor.detach().reshape(ref.shape))  # host staging
+                dst.copy_(tensor.detach())  # host staging
             else:
-                self.arena.tensor(ref).copy_(tensor.detach(), non_blocking=True)
+                dst.copy_(tensor.detach(), non_blocking=True)
         self.offset = align_up(self.offset + max(nbytes, 1))
         self._refs[id(tensor)] = (tensor, ref)
         return ref
@@ -229,7 +245,7 @@ _STATES = dict[Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)], Any]  # its 
 
 class _StackReader:
     """A 1.8 plan's stacks, copied out once; `decode` turns a tree's bytes into the tree with each
-    tensor mark (proto/plan_trees.py) already its tensor: msgspec's decoder calls `tensor` for every
+    tensor mark (proto/plan_trees.py) already its tensor: msgspec's decoder calls the hook for every
     mark and places what it returns, so no Python walks the tree."""
 
     def __init__(self, arena: Any, stacks: list[TensorRef], device: torch.device, own: bool) -> None:
@@ -241,16 +257,27 @@ class _StackReader:
         self.rows: dict[int, Any] = {}  # a stack's rows (a tuple of views, or the stack to index)
         self.max_marks = 0  # how many row marks the tree being decoded can hold at most
 
-    def tensor(self, code: int, data: memoryview) -> torch.Tensor:
-        if code == STACK_ROW and len(data) == 8:  # the every-request case first: one unpack, one look-up
-            k, i = _ROW_MARK.unpack(data)
-            rows = self.rows.get(k)
-            if rows is None:
-                rows = self._rows_of(k)
-            if i >= len(rows):
-                raise PlanTreeError(f"a tree names row {i} of stack {k}, which has {len(rows)}")
-            return rows[i].clone() if self.own else rows[i]
-        k, i = read_mark(code, data)  # a whole stack, or an extension value that is none of ours
+    def _hook(self) -> Callable[[int, memoryview], torch.Tensor]:
+        """The decoder's `ext_hook`: a closure over locals, called once per tensor of the tree (per
+        request, every step), so its every-request path is a few local look-ups."""
+        rows, rows_of, unpack, own, other = self.rows, self._rows_of, _ROW_MARK.unpack, self.own, self._other
+
+        def tensor(code: int, data: memoryview) -> torch.Tensor:
+            if code == STACK_ROW and len(data) == 8:  # a row of a stack: one unpack, one look-up
+                k, i = unpack(data)
+                got = rows.get(k)
+                if got is None:
+                    got = rows_of(k)
+                if i < len(got):
+                    return got[i].clone() if own else got[i]
+                raise PlanTreeError(f"a tree names row {i} of stack {k}, which has {len(got)}")
+            return other(code, data)
+
+        return tensor
+
+    def _other(self, code: int, data: memoryview) -> torch.Tensor:
+        """A whole stack, or an extension value that is none of ours (PlanTreeError)."""
+        k, _ = read_mark(code, data)
         if k >= len(self.stacks) or self.region is None:
             raise PlanTreeError(f"a tree names stack {k} of a plan with {len(self.stacks)}")
         tensor = self.region.view(self.stacks[k])
@@ -271,7 +298,7 @@ class _StackReader:
     def decode(self, data: bytes, kind: Any) -> Any:
         self.max_marks = len(data) // _ROW_MARK_BYTES
         try:
-            return msgspec.msgpack.Decoder(kind, ext_hook=self.tensor).decode(data)
+            return msgspec.msgpack.Decoder(kind, ext_hook=self._hook()).decode(data)
         except (msgspec.DecodeError, PlanTreeError) as exc:
             raise SidecarError(f"sidecar sent a malformed tree: {exc}") from None
         except RuntimeError as exc:  # a recursion past msgspec's guard; a ref whose shape cannot be viewed
