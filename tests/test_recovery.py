@@ -117,6 +117,9 @@ class FakeConnection:
     def open_counts(self) -> dict:
         return {}
 
+    def ring_counts(self) -> dict:
+        return {}
+
     def close(self) -> None:
         self.closed = True
 
