@@ -165,10 +165,10 @@ def _shutdown(llm) -> None:
 
 
 def _scalar_stats(stats: dict) -> dict:
-    """The stats' scalars, and small dicts of scalars flattened (`ring_counts_kicks`, ...)."""
+    """The stats' scalars, and the counters kept as dicts flattened (`ring_counts_kicks`, ...)."""
     flat: dict = {}
     for k, v in stats.items():
-        if isinstance(v, dict) and len(v) <= 8:
+        if k in ("ring_counts", "arena_opens") and isinstance(v, dict):
             flat.update({f"{k}_{sub}": x for sub, x in v.items()})
         else:
             flat[k] = v

@@ -62,7 +62,7 @@ class HeldRef:
 class HeldSlot:
     """A step's "hidden slot" without memory of its own: `put` hands out the tensor itself."""
 
-    def put(self, tensor: torch.Tensor) -> HeldRef:
+    def put(self, tensor: torch.Tensor, steady: bool = False) -> HeldRef:
         return HeldRef(tensor.detach())
 
     def put_layers(self, layers: dict[int, torch.Tensor] | None) -> dict[int, HeldRef]:
@@ -113,6 +113,7 @@ class InProcessArenas:
     out = None  # no out-arena: Session.step_begin skips reset/seal
     opens = None
     stacks: list = []  # tensors pass by reference: nothing is stacked
+    stacked_rows = 0
     consumer_events: list[bytes] = []
 
     def __init__(self, wanted_layers: list[int]) -> None:

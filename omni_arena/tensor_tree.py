@@ -162,12 +162,23 @@ def load_inline_tree(value: Any) -> Any:
 MIN_ROWS = 8
 
 
-class RowStacker:
-    """One tree's tensors, grouped by (dtype, shape, device) while it is marked, then placed:
-    `{TENSOR_MARKER: ref}` for a tensor alone, `{ROW_MARKER: [k, i]}` for a row of a stack (1.7)."""
+class _Grouping:
+    """A tree's tensors, marked as it is walked, then grouped by (dtype, shape, device)."""
 
     def __init__(self) -> None:
         self._pending: list[tuple[Any, torch.Tensor]] = []
+
+    def _groups(self) -> Any:
+        groups: dict[tuple, list[tuple[Any, torch.Tensor]]] = {}
+        for marker, tensor in self._pending:  # `is_cpu` before `device`: a device object costs more to make
+            key = (tensor.dtype, tensor.shape, None if tensor.is_cpu else tensor.device)
+            groups.setdefault(key, []).append((marker, tensor))
+        return groups.values()
+
+
+class RowStacker(_Grouping):
+    """1.7: `{TENSOR_MARKER: ref}` for a tensor alone of its kind, `{ROW_MARKER: [k, i]}` for a row
+    of a stack."""
 
     def store(self, value: Any, put: Callable[[torch.Tensor], TensorRef],
               put_stack: Callable[[list[torch.Tensor]], int], stacks_used: int) -> Any:
@@ -190,32 +201,26 @@ class RowStacker:
         finally:
             self._pending.clear()
 
-    def _groups(self) -> Any:
-        groups: dict[tuple, list[tuple[Any, torch.Tensor]]] = {}
-        for marker, tensor in self._pending:  # `is_cpu` before `device`: a device object costs more to make
-            key = (tensor.dtype, tensor.shape, None if tensor.is_cpu else tensor.device)
-            groups.setdefault(key, []).append((marker, tensor))
-        return groups.values()
-
-    def _mark(self, tensor: torch.Tensor) -> Any:
+    def _mark(self, tensor: torch.Tensor) -> dict:
         marker: dict = {}
         self._pending.append((marker, tensor))
         return marker
 
 
-class ExtStacker(RowStacker):
+class ExtStacker(_Grouping):
     """1.8 (proto/plan_trees.py): every tensor of the plan is one of its `stacks` (a tensor alone is
     a stack used whole) and its place in the tree a `StackMark`, encoded as an extension value."""
 
-    def store(self, value: Any, put: Callable[[torch.Tensor], TensorRef],
-              put_stack: Callable[[list[torch.Tensor]], int], stacks_used: int) -> Any:
-        """`put` here stores a tensor as a whole stack and returns its index, as `put_stack` does."""
+    def store(self, value: Any, put_whole: Callable[[torch.Tensor], int],
+              put_stack: Callable[[list[torch.Tensor]], int]) -> Any:
+        """`value` with its tensors in the arena, each mark filled before it returns: `put_whole` for
+        a tensor alone of its kind, `put_stack` for each group (both return the stack's index)."""
         try:
             tree = mark_tree(value, self._mark)
             for members in self._groups():
                 if _alone(members):
                     for mark, tensor in members:
-                        mark.stack = put(tensor)
+                        mark.stack = put_whole(tensor)
                     continue
                 k = put_stack([tensor for _, tensor in members])
                 for i, (mark, _) in enumerate(members):
@@ -224,7 +229,7 @@ class ExtStacker(RowStacker):
         finally:
             self._pending.clear()
 
-    def _mark(self, tensor: torch.Tensor) -> Any:
+    def _mark(self, tensor: torch.Tensor) -> StackMark:
         mark = StackMark()
         self._pending.append((mark, tensor))
         return mark

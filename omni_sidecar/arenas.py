@@ -47,7 +47,8 @@ class OutArena:
         # in with one memmove (a view and a copy_ per tensor cost ~7 µs, 128 tensors a step at 64
         # requests when per-request state rides in the extra kwargs).
         self._host: torch.Tensor | None = None
-        self.stacks: list[TensorRef] = []  # this plan's stacked tensors (StepPlan.stacks)
+        self.stacks: list[TensorRef] = []  # this plan's stacked tensors (StepPlan.stacks; 1.8: every tensor)
+        self.stacked_rows = 0  # tensors this plan sends as rows of a stack (not those used whole)
 
     def reset(self) -> None:
         if self.device and self.offset:
@@ -55,6 +56,7 @@ class OutArena:
         self.offset = 0
         self._run_start = -1
         self.stacks = []  # a new list: a plan already made keeps its own
+        self.stacked_rows = 0
 
     def _check_room(self, nbytes: int) -> None:
         if self.offset + nbytes > self.arena.size:
@@ -107,6 +109,7 @@ class OutArena:
             self._flush()  # staged bytes first: the runs must not cover what this write makes
             self._stack_into(self.arena.buf[self.offset : end], tensors, shape)
         self.stacks.append(TensorRef(0, self.offset, nbytes, shape, dtype_name(first.dtype)))
+        self.stacked_rows += len(tensors)
 
         self.offset = align_up(end)
         return len(self.stacks) - 1
@@ -293,15 +296,21 @@ class SessionArenas:
         if self._ext_trees:
             if self.out is None:
                 return encode_tree(store_tree(value, self._put))  # raises for a tensor: no arena
-            return encode_tree(self._stacker.store(value, self.out.put_whole, self.out.put_stack, 0))
+            return encode_tree(self._stacker.store(value, self.out.put_whole, self.out.put_stack))
         if self._stacker is None or self.out is None:
             return store_tree(value, self._put)
         return self._stacker.store(value, self.out.put, self.out.put_stack, len(self.out.stacks))
 
     @property
     def stacks(self) -> list[TensorRef]:
-        """This plan's stacked tensors (the list a plan made keeps: `reset` starts a new one)."""
+        """This plan's stacked tensors, and for a shim of 1.8 its tensors used whole (the list a plan
+        made keeps: `reset` starts a new one)."""
         return self.out.stacks if self.out is not None else []
+
+    @property
+    def stacked_rows(self) -> int:
+        """Tensors this plan sends as rows of a stack."""
+        return self.out.stacked_rows if self.out is not None else 0
 
     def _put(self, tensor: torch.Tensor) -> TensorRef:
         if self.out is None:

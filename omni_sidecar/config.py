@@ -72,8 +72,9 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ring_spin_max_us: Annotated[int, _help(
         "while a shim steps regularly, keep polling through the quiet spell between its steps (the "
         "longest of the last few, plus a quarter) up to this long: a sleeping sidecar costs each "
-        "step a kick and a kernel wake-up on the shim's critical path. -1 (auto): 20000 on hosts "
-        "with 8 or more CPUs, else ring_spin_us (no stretching)")] = -1
+        "step a kick and a kernel wake-up on the shim's critical path. -1 (auto): 20000 with 8 or "
+        "more CPUs to run on (affinity, capped by a cgroup quota), else ring_spin_us (no stretching); "
+        "never when ring_spin_us is 0")] = -1
     ring_sleep_ms: Annotated[int, _help(
         "a sleeping sidecar re-checks the rings at least this often: bounds the "
         "cost of a missed kick (Python has no store-load fence)")] = RING_SLEEP_MS

@@ -192,11 +192,12 @@ class PeerTable:
         return busy
 
     def serve_hot(self, dispatch: Dispatch, until: float, busy_at: float, spin: SpinWindow,
-                  loop_wanted: Callable[[], bool]) -> float:
+                  loop_wanted: Callable[[], bool], idle: bool = False) -> float:
         """Serve ring messages as they land, with no loop turn in between, until `until` or the spin
         window (`spin.seconds`) past the last one: one shared-memory load per ring and a sched_yield
-        per idle turn; each quiet spell that ends in a message is noted in `spin`. Returns when the
-        last message was served (the new `busy_at`).
+        per idle turn; each quiet spell that ends in a message is noted in `spin` (`idle`: the
+        caller's turn found nothing, so the first message found ends one). Returns when the last
+        message was served (the new `busy_at`).
 
         Why: the server loop's turn (reaping, the socket, hand-over checks) costs several
         microseconds, and a shim's next step message lands while the loop is in one. It returns at
@@ -207,16 +208,15 @@ class PeerTable:
         rings = [(peer, peer.rings, peer.rings.duplex.rx) for peer in self._peers.values()
                  if peer.rings is not None and not peer.rings.closed]
         clock, give_way = time.monotonic, os.sched_yield
-        idle_at = 0.0  # the last turn that found nothing (0: the last one served)
         while True:
             served = False
             for peer, transport, rx in rings:
                 if transport.closed or transport.queued:
                     return busy_at
                 if rx.has_data():
-                    if idle_at:
-                        spin.note_quiet(idle_at - busy_at)
-                        idle_at = 0.0
+                    if idle:  # a quiet spell ends here: one clock read per spell, none per message
+                        spin.note_quiet(clock() - busy_at)
+                        idle = False
                     if not self.serve_one(peer, dispatch):
                         return busy_at  # a MARK: its frame comes on the socket
                     served = True
@@ -226,7 +226,7 @@ class PeerTable:
             if served:
                 busy_at = now
             else:
-                idle_at = now
+                idle = True
             # At the deadline even when busy: a ring that never runs dry must not hold the loop's housekeeping off.
             if now >= until or now - busy_at >= spin.seconds:
                 return busy_at

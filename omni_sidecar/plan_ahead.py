@@ -41,6 +41,7 @@ class PlanAhead:
     event: int
     hook_us: float
     stacks: list[TensorRef]
+    stacked_rows: int  # of its tensors, those sent as rows of a stack
 
     def answers(self, msg: StepBegin, layout: BatchLayout | LazyLayout) -> bool:
         """Is `msg` (its `layout` resolved) the step this plan was built for, bringing nothing else?"""
@@ -108,8 +109,9 @@ class PlansAhead:
             out.reset()
         overlays, extra = self._build(StepBatch(step + 1, layout, self._requests), errors)
         event = out.seal() if out is not None else -1
-        stacks = out.stacks if out is not None else []
-        self._plan = PlanAhead(step + 1, layout, overlays, extra, errors, event, (time.perf_counter() - t0) * 1e6, stacks)
+        stacks, rows = (out.stacks, out.stacked_rows) if out is not None else ([], 0)
+        self._plan = PlanAhead(step + 1, layout, overlays, extra, errors, event, (time.perf_counter() - t0) * 1e6,
+                               stacks, rows)
         self.built += 1
 
     def take(self, msg: StepBegin, layout: BatchLayout | LazyLayout) -> PlanAhead | None:

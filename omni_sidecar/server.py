@@ -105,7 +105,7 @@ class SidecarServer:
         self._draining = False
         self._drain_deadline = 0.0
         self._last_step = 0.0
-        self._busy_at = 0.0  # last ring or socket traffic, for the wait policy
+        self._busy_at = time.monotonic()  # last ring or socket traffic, for the wait policy
         self._socket_due = 0.0  # a busy ring loop asks the socket again from then on
 
     # -- lifecycle -----------------------------------------------------------
@@ -295,7 +295,7 @@ class SidecarServer:
         """One loop turn while ring sessions exist: rings and socket; then, inside the spin window,
         the rings alone for up to HOT_SPIN_S (`PeerTable.serve_hot`); past it, sleep."""
         started = time.monotonic()
-        busy = self.peers.pump(self._dispatch)
+        busy = ring_busy = self.peers.pump(self._dispatch)
         now = time.monotonic()
         # The socket (kicks, control, frames behind a MARK: a MARK leaves pump idle) is asked every
         # turn that served nothing; while the rings keep the loop busy, every SOCKET_CHECK_S: asking
@@ -305,14 +305,15 @@ class SidecarServer:
             if self.listener.readable():
                 self._serve(self.listener.recv_frames())
                 busy = True
-        if busy:
+        if ring_busy:  # only step traffic stretches the window: a client polling status must not
             self.spin.note_quiet(started - self._busy_at)
+        if busy:
             self._busy_at = now
         if busy or now - self._busy_at < self.spin.seconds:  # the rings alone for a while (PeerTable.serve_hot)
             if not busy:
                 os.sched_yield()  # let vLLM's threads run first
             self._busy_at = self.peers.serve_hot(self._dispatch, now + HOT_SPIN_S, self._busy_at,
-                                                 self.spin, self._loop_wanted)
+                                                 self.spin, self._loop_wanted, idle=not busy)
             return
         nap_ms = self.wait.nap_ms(self._busy_at, now)
         found = self.wait.sleep(self.peers.ring_transports(), lambda: self.peers.pump(self._dispatch) or None,

@@ -70,7 +70,7 @@ class Session:
         self._prev_req_ids: list[str] | None = None
         self.appends = AppendQueue(self)  # streamed payloads, applied between steps
         self._late_errors: dict[str, str] = {}  # from work between steps: sent with the next answer
-        self.stacked_rows = 0  # tensors the plans sent as rows of stacks (1.7)
+        self.stacked_rows = 0  # tensors the plans sent as rows of stacks (1.7; not those used whole, 1.8)
         # The next steady decode step's plan, built while the shim schedules it: hooks with pure plans
         # that the shim asks for every step (`pre_forward="always"`: else no StepBegin would take it).
         plans_ahead = getattr(hooks, "plans_ahead", False) and hooks.needs.pre_forward == "always"
@@ -149,7 +149,7 @@ class Session:
         if ahead is not None:  # built while the shim scheduled this step
             self._begin_us = ahead.hook_us + (time.perf_counter() - t0) * 1e6
             errors = self._with_late(ahead.errors)
-            self.stacked_rows += sum(stack.shape[0] for stack in ahead.stacks)
+            self.stacked_rows += ahead.stacked_rows
             return StepPlan(step=msg.step, overlays=ahead.overlays, extra_kwargs=ahead.extra_kwargs,
                             errors=self._report(errors) if errors else [], event=ahead.event, stacks=ahead.stacks)
         batch = StepBatch(msg.step, layout, self.requests)
@@ -166,7 +166,7 @@ class Session:
         event = out.seal() if out is not None else -1
         self._begin_us = (time.perf_counter() - t0) * 1e6
         errors, stacks = self._with_late(errors), self.arenas.stacks
-        self.stacked_rows += sum(stack.shape[0] for stack in stacks)
+        self.stacked_rows += self.arenas.stacked_rows
         return StepPlan(step=msg.step, overlays=overlays, extra_kwargs=extra,
                         errors=self._report(errors) if errors else [], event=event, model_states=states, stacks=stacks)
 

@@ -23,11 +23,26 @@ SPARE_CPUS = 8  # hosts with this many CPUs or more stretch by default
 AUTO_MAX_US = 20_000
 
 
-def auto_max_us(base_us: int, cpus: int | None = None) -> int:
-    """The default stretch limit: AUTO_MAX_US with SPARE_CPUS or more CPUs to run on, else none."""
+def auto_max_us(base_us: int, cpus: float | None = None) -> int:
+    """The default stretch limit: AUTO_MAX_US with SPARE_CPUS or more CPUs to run on, else none;
+    none either when polling is off (`base_us` 0: the operator asked for no polling)."""
     if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(base_us, AUTO_MAX_US) if cpus >= SPARE_CPUS else base_us
+        cpus = cpus_to_run_on()
+    return max(base_us, AUTO_MAX_US) if base_us and cpus >= SPARE_CPUS else base_us
+
+
+def cpus_to_run_on(cgroup_cpu_max: str = "/sys/fs/cgroup/cpu.max") -> float:
+    """CPUs this process may use: its affinity, capped by a cgroup (v2) quota (a container limited
+    to 2 CPUs on a 64-core host has 2 to spare, not 64)."""
+    cpus: float = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open(cgroup_cpu_max) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, int(quota) / int(period))
+    except (OSError, ValueError):
+        pass
+    return cpus
 
 
 class SpinWindow:
@@ -45,7 +60,7 @@ class SpinWindow:
 
     def note_quiet(self, quiet_s: float) -> None:
         """A message came `quiet_s` after the last one was handled."""
-        if self.max_s <= self.base_s:
+        if not self.stretches:
             return
         quiet = self._quiet
         quiet.append(quiet_s)

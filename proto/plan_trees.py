@@ -27,7 +27,8 @@ from proto.errors import ProtoError
 
 STACK_ROW = 1
 STACK_WHOLE = 2
-_ROW = struct.Struct("<II")
+ROW_MARK = struct.Struct("<II")  # STACK_ROW's data: stack, row
+ROW_MARK_WIRE_BYTES = 2 + ROW_MARK.size  # on the wire a fixext8: type byte, code, data
 _WHOLE = struct.Struct("<I")
 WHOLE = -1  # a StackMark's row for a tensor that is its stack
 
@@ -54,7 +55,7 @@ def _mark_ext(obj: Any) -> msgspec.msgpack.Ext:
         raise PlanTreeError("a tensor's mark was never given its stack")
     if obj.row == WHOLE:
         return msgspec.msgpack.Ext(STACK_WHOLE, _WHOLE.pack(obj.stack))
-    return msgspec.msgpack.Ext(STACK_ROW, _ROW.pack(obj.stack, obj.row))
+    return msgspec.msgpack.Ext(STACK_ROW, ROW_MARK.pack(obj.stack, obj.row))
 
 
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=_mark_ext)
@@ -68,8 +69,8 @@ def encode_tree(tree: Any) -> bytes:
 def read_mark(code: int, data: memoryview) -> tuple[int, int]:
     """(stack, row) of an extension value; row `WHOLE` for a whole stack. PlanTreeError for any
     other extension (untrusted bytes: the code and the length are checked)."""
-    if code == STACK_ROW and len(data) == _ROW.size:
-        return _ROW.unpack(data)
+    if code == STACK_ROW and len(data) == ROW_MARK.size:
+        return ROW_MARK.unpack(data)
     if code == STACK_WHOLE and len(data) == _WHOLE.size:
         return _WHOLE.unpack(data)[0], WHOLE
     raise PlanTreeError(f"unknown extension value in a plan's tree (code {code}, {len(data)} bytes)")

@@ -32,7 +32,7 @@ def _store(tree: dict, out: OutArena, stacked: bool | str) -> dict | bytes:
     """`tree` into the out-arena as a sidecar stores it for a shim of 1.6 (a ref each), 1.7 (stacks)
     or, `stacked="ext"`, 1.8 (bytes, every tensor an extension value naming a stack)."""
     if stacked == "ext":
-        return encode_tree(ExtStacker().store(tree, out.put_whole, out.put_stack, 0))
+        return encode_tree(ExtStacker().store(tree, out.put_whole, out.put_stack))
     return RowStacker().store(tree, out.put, out.put_stack, 0) if stacked else store_tree(tree, out.put)
 
 

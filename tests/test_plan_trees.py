@@ -163,3 +163,57 @@ def test_a_tree_the_sender_cannot_encode_fails_where_it_is_built():
     error), never a frame the shim would have to refuse."""
     with pytest.raises(TypeError, match="cannot hold a object"):
         encode_tree({"x": object()})
+
+
+def test_aliased_stacks_cannot_multiply_the_rows_a_small_tree_makes():
+    """Stacks may overlap in the arena: a hostile plan naming row 0 of many stacks that alias the
+    same large bytes must not make a view per row of each (one budget of rows for the whole tree,
+    from its size); and copies a tree asks for (model states) are bounded by the stacks' bytes."""
+    arena = ShmArena.create(1 << 16, prefix="omni-test-trees")
+    try:
+        rows = 4096
+        alias = [TensorRef(0, 0, rows * 4, [rows, 4], "uint8") for _ in range(16)]
+        tree = {f"s{k}": _ext(STACK_ROW, struct.pack("<II", k, 0)) for k in range(16)}
+        tree["pad"] = "x" * (rows * 12)  # room, by size, to name every row of one stack, not of 16
+        reader = transfer._StackReader(arena, alias, torch.device("cpu"), own=False)
+        got = reader.decode(msgspec.msgpack.encode(tree), dict)
+        assert sum(type(r) is tuple for r in reader.rows.values()) == 1  # one unbound, the rest indexed
+        assert all(got[f"s{k}"].shape == (4,) for k in range(16))
+        small = [TensorRef(0, 0, 8 * 4 * 4, [8, 4], "float32")]
+        twice = {"a": _ext(STACK_WHOLE, struct.pack("<I", 0)), "b": _ext(STACK_WHOLE, struct.pack("<I", 0))}
+        with pytest.raises(SidecarError, match="more bytes than"):
+            transfer._StackReader(arena, small, torch.device("cpu"), own=True).decode(
+                msgspec.msgpack.encode({"r": twice}), dict)
+        once = transfer._StackReader(arena, small, torch.device("cpu"), own=True).decode(
+            msgspec.msgpack.encode({"r": {"a": twice["a"]}}), dict)
+        assert once["r"]["a"].shape == (8, 4)
+    finally:
+        arena.close()
+
+
+def test_a_zero_dim_tensor_in_a_18_plan_is_sent_whole_and_the_session_counts_only_stacked_rows():
+    """vLLM-omni kwargs may hold scalars as 0-d tensors (a temperature): for a shim of 1.8 such a
+    tensor is a stack of its own used whole; the session's stacked-rows count is the rows of stacks."""
+    from bench.omni_step import PHASES, Run
+    from omni_sidecar.omni.hooks import OmniStateHooks
+    from proto.messages import BatchLayout, StepBegin
+
+    class WithTemperature(OmniStateHooks):
+        def build_extra_kwargs(self, batch):
+            return {**super().build_extra_kwargs(batch), "temperature": torch.tensor(0.7)}
+
+    n = MIN_ROWS
+    run = Run(EXT_TREES_MINOR, WithTemperature, n, 4, [0])
+    try:
+        run.start_batch()
+        for _ in range(3):
+            run.decode_step({p: [] for p in PHASES})
+        s, step = run.session, run.step + 1
+        before = s.status().stacked_rows
+        plan = s.step_begin(StepBegin(step, BatchLayout(run.req_ids, list(range(n + 1)), [11] * n, [8] * n)))
+        assert s.status().stacked_rows - before == n  # the hidden rows; the temperature is whole
+        got = read_plan(s.arenas.out.arena, _wire(plan), None, MODEL, None)
+        assert got["temperature"].shape == () and got["temperature"].item() == pytest.approx(0.7)
+        assert len(got["runtime_additional_information"]) == n
+    finally:
+        run.close()

@@ -10,7 +10,7 @@ import pytest
 
 from omni_sidecar.config import ServeConfig
 from omni_sidecar.peers import PeerTable
-from omni_sidecar.spin import AUTO_MAX_US, KEEP, STRETCH, SpinWindow, auto_max_us
+from omni_sidecar.spin import AUTO_MAX_US, KEEP, STRETCH, SpinWindow, auto_max_us, cpus_to_run_on
 
 
 def test_the_window_covers_regular_quiet_spells_and_falls_back_after_a_long_one():
@@ -40,9 +40,45 @@ def test_without_room_to_stretch_the_window_stays_the_configured_one():
     assert not spin.stretches and spin.seconds == pytest.approx(0.002)
     assert auto_max_us(2000, cpus=2) == 2000 and auto_max_us(2000, cpus=16) == AUTO_MAX_US
     assert auto_max_us(50_000, cpus=16) == 50_000  # never below the configured window
-    assert ServeConfig(ring_spin_max_us=-1).ring_spin_max_us == -1
+    assert auto_max_us(0, cpus=16) == 0  # polling off: the operator's word
     with pytest.raises(ValueError, match="ring_spin_max_us"):
         ServeConfig(ring_spin_max_us=-2)
+
+
+def test_a_cgroup_quota_caps_the_cpus_counted_as_spare(tmp_path):
+    limited = tmp_path / "cpu.max"
+    limited.write_text("200000 100000\n")  # 2 CPUs' worth
+    assert cpus_to_run_on(str(limited)) <= 2.0
+    unlimited = tmp_path / "unlimited"
+    unlimited.write_text("max 100000\n")
+    assert cpus_to_run_on(str(unlimited)) == cpus_to_run_on(str(tmp_path / "absent")) >= 1
+
+
+def test_only_step_traffic_stretches_the_window_not_a_client_polling_status():
+    """A connected shim that does not step and a client asking for status every few ms: the control
+    frames keep the loop busy but must not stretch the window (the sidecar would never sleep)."""
+    from omni_sidecar.server import SidecarServer
+
+    server = SidecarServer.__new__(SidecarServer)
+    server.spin = SpinWindow(base_us=2000, max_us=20_000)
+    server._busy_at = time.monotonic()
+    server._socket_due = 0.0
+    served = {"ring": 0}
+    server.peers = SimpleNamespace(pump=lambda dispatch: False,
+                                   serve_hot=lambda *a, **k: time.monotonic(), ring_transports=lambda: [])
+    server.listener = SimpleNamespace(readable=lambda: True, recv_frames=lambda: [])
+    server._serve = lambda frames: None
+    server._dispatch = None
+    server._loop_wanted = lambda: False
+    for _ in range(2 * KEEP):
+        time.sleep(0.003)
+        server._serve_rings_once()
+    assert not server.spin._quiet and server.spin.seconds == pytest.approx(0.002)
+    server.peers.pump = lambda dispatch: served.__setitem__("ring", served["ring"] + 1) or True
+    for _ in range(KEEP):
+        time.sleep(0.003)
+        server._serve_rings_once()
+    assert served["ring"] == KEEP and server.spin.seconds > 0.003  # step traffic does
 
 
 def test_the_hot_ring_loop_notes_each_quiet_spell_that_ends_in_a_message():

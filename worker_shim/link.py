@@ -197,10 +197,11 @@ class SidecarLink(StepEndRecords):
             self.counters.states_asked += len(want)
             self.failures.record(plan.errors)
             t1 = time.perf_counter()
-            if want and bridge is not None:
-                bridge.fill_states(conn.read_states(plan), failed={e.req_id for e in plan.errors})
+            states = conn.read_states(plan) if want and bridge is not None else None  # before the plan's reuse
             extra = conn.read_plan(plan, input_batch, model, embeds)
             record_timing(self.counters.plan_read_us, (time.perf_counter() - t1) * 1e6)
+            if states is not None:
+                bridge.fill_states(states, failed={e.req_id for e in plan.errors})
         except (SidecarError, ValueError, msgspec.ValidationError) as exc:
             self.recovery.lose(f"step {self.step}: {exc}")
             return {}

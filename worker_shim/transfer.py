@@ -9,9 +9,8 @@ only after its ready event (docs/ARCHITECTURE.md, "Arena slots").
 
 from __future__ import annotations
 
-import struct
 import weakref
-from typing import Annotated, Any, Callable
+from typing import Any, Callable
 
 import msgspec
 import torch
@@ -19,8 +18,8 @@ import torch
 from omni_arena.tensor_tree import RowPlace, TreeError, index_trees
 from omni_arena.views import arena_tensor, check_arena_ref, dtype_name
 from proto.arena import ALIGN, SlotRing, align_up
-from proto.messages import MAX_ID_LEN, StepPlan
-from proto.plan_trees import STACK_ROW, PlanTreeError, read_mark
+from proto.messages import ReqId, StepPlan
+from proto.plan_trees import ROW_MARK, ROW_MARK_WIRE_BYTES, STACK_ROW, PlanTreeError, read_mark
 from proto.tensors import DTYPE_ITEMSIZE, TensorRef
 from worker_shim.channel import SidecarError
 
@@ -33,7 +32,9 @@ def hidden_arena_size(max_num_tokens: int, hidden_size: int, itemsize: int, slot
     return (rows + align_up(model_io_bytes) + 64) * slots
 
 
-VIEWS_KEPT = 64  # slot views kept (HiddenSlots._views)
+# Slot views kept (HiddenSlots._views): a steady decode needs slots x (1 + captured layers); the
+# bound only keeps prefill steps (a new row count each) from growing it without end.
+VIEWS_KEPT = 64
 
 
 class HiddenSlots:
@@ -70,7 +71,7 @@ class HiddenSlots:
         """`hidden` (then each captured layer's rows) alone into `step`'s slot: their refs and
         the slot's ready event."""
         slot = self.claim(step, wait_answered)
-        ref = slot.put(hidden)
+        ref = slot.put(hidden, steady=True)
         layer_refs = slot.put_layers(layers)
         return ref, layer_refs, slot.seal()
 
@@ -94,7 +95,10 @@ class StepSlot:
         self._refs: dict[int, tuple[torch.Tensor, TensorRef]] = {}
         self._views = {} if views is None else views  # HiddenSlots': kept across steps
 
-    def put(self, tensor: torch.Tensor) -> TensorRef:
+    def put(self, tensor: torch.Tensor, steady: bool = False) -> TensorRef:
+        """`tensor` into the slot; `steady`: one of the tensors every step puts at the same place
+        (hidden rows, captured layers), whose slot view is kept for the next steps (model results
+        vary in number and shape: theirs are made each time)."""
         known = self._refs.get(id(tensor))
         if known is not None:
             return known[1]
@@ -108,11 +112,13 @@ class StepSlot:
         ref = TensorRef(0, self.offset, nbytes, list(shape), dtype_name(tensor.dtype))
         if nbytes:
             views, key = self._views, (self.offset, tensor.dtype, shape)
-            dst = views.get(key)
+            dst = views.get(key) if steady else None
             if dst is None:
-                if len(views) >= VIEWS_KEPT:  # prefill shapes vary: bounded, steady decode refills it
-                    views.clear()
-                dst = views[key] = arena_tensor(self.arena, ref)  # bounds-checked, typed, shaped
+                dst = arena_tensor(self.arena, ref)  # bounds-checked, typed, shaped
+                if steady:
+                    if len(views) >= VIEWS_KEPT:  # prefill shapes vary: bounded, steady decode refills it
+                        views.clear()
+                    views[key] = dst
             if self.arena.kind == "shm":
                 dst.copy_(tensor.detach())  # host staging
             else:
@@ -123,7 +129,7 @@ class StepSlot:
 
     def put_layers(self, layers: dict[int, torch.Tensor] | None) -> dict[int, TensorRef]:
         """Captured layers' rows (HookNeeds.hidden_layers), after the hidden rows."""
-        return {n: self.put(rows) for n, rows in (layers or {}).items()}
+        return {n: self.put(rows, steady=True) for n, rows in (layers or {}).items()}
 
     @property
     def used(self) -> bool:
@@ -218,15 +224,15 @@ class _Region:
         # every dtype alike: a ref aligned to its dtype in the arena is aligned in the copy.
         self.lo = lo = min((r.offset for r in sized), default=0) // ALIGN * ALIGN
         hi = max((r.offset + r.nbytes for r in sized), default=0)
-        self.bytes = None
+        self.copy = None
         if sized:
-            self.bytes = arena_tensor(arena, TensorRef(sized[0].arena, lo, hi - lo, [hi - lo], "uint8")).to(
+            self.copy = arena_tensor(arena, TensorRef(sized[0].arena, lo, hi - lo, [hi - lo], "uint8")).to(
                 device, copy=True)
         self._typed: dict[torch.dtype, torch.Tensor] = {}  # the region's whole items of each dtype
 
     def view(self, ref: TensorRef) -> torch.Tensor:
         dtype = self.dtypes[id(ref)]
-        region = self.bytes
+        region = self.copy
         if not ref.nbytes or region is None:
             return torch.empty(ref.shape, dtype=dtype, device=self.device)
         size = DTYPE_ITEMSIZE[ref.dtype]
@@ -237,72 +243,91 @@ class _Region:
         return items[start : start + ref.nbytes // size].view(ref.shape)
 
 
-_ROW_MARK = struct.Struct("<II")  # STACK_ROW's data (proto/plan_trees.py)
-_ROW_MARK_BYTES = 10  # a row mark on the wire: a fixext8 (type, code, 8 bytes)
 _KWARGS = dict[str, Any]  # what a 1.8 plan's extra kwargs decode as: keyword arguments
-_STATES = dict[Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)], Any]  # its model states, by request
+_STATES = dict[ReqId, Any]  # its model states, by request
 
 
 class _StackReader:
-    """A 1.8 plan's stacks, copied out once; `decode` turns a tree's bytes into the tree with each
-    tensor mark (proto/plan_trees.py) already its tensor: msgspec's decoder calls the hook for every
-    mark and places what it returns, so no Python walks the tree."""
+    """A 1.8 plan's stacks out of the arena and a decoder hook that turns each tensor mark of a tree
+    (proto/plan_trees.py) into its tensor: msgspec's decoder calls the hook for every mark and places
+    what it returns, so no Python walks the tree.
+
+    Extra kwargs (views, on the model's device, every step): the span of all stacks in one copy.
+    Model states (`own`: host tensors of their own, kept for a request's lifetime; only when a
+    model's hooks ask): each stack copied when first named, so the kwargs' bytes are not.
+
+    A peer's tree is untrusted, and a mark is a few bytes: what a tree makes is bounded by its size.
+    A stack's rows are made in one call only while the tree still has room to name them all (a
+    budget shared by all its stacks: aliased stacks cannot multiply it), else indexed per mark;
+    copies (`own`) are bounded by the bytes of the plan's stacks, each of which a sidecar names once."""
 
     def __init__(self, arena: Any, stacks: list[TensorRef], device: torch.device, own: bool) -> None:
         if stacks and arena is None:
             raise SidecarError("sidecar sent tensors but offered no arena")
-        self.stacks = stacks
-        self.own = own  # each tensor in storage of its own (trees kept past the step)
-        self.region = _Region(arena, stacks, device) if stacks else None
+        self.arena, self.stacks, self.device, self.own = arena, stacks, device, own
+        self.region = _Region(arena, stacks, device) if stacks and not own else None
+        self.copies: dict[int, torch.Tensor] = {}  # own: stack k, copied out when first named
         self.rows: dict[int, Any] = {}  # a stack's rows (a tuple of views, or the stack to index)
-        self.max_marks = 0  # how many row marks the tree being decoded can hold at most
-
-    def _hook(self) -> Callable[[int, memoryview], torch.Tensor]:
-        """The decoder's `ext_hook`: a closure over locals, called once per tensor of the tree (per
-        request, every step), so its every-request path is a few local look-ups."""
-        rows, rows_of, unpack, own, other = self.rows, self._rows_of, _ROW_MARK.unpack, self.own, self._other
-
-        def tensor(code: int, data: memoryview) -> torch.Tensor:
-            if code == STACK_ROW and len(data) == 8:  # a row of a stack: one unpack, one look-up
-                k, i = unpack(data)
-                got = rows.get(k)
-                if got is None:
-                    got = rows_of(k)
-                if i < len(got):
-                    return got[i].clone() if own else got[i]
-                raise PlanTreeError(f"a tree names row {i} of stack {k}, which has {len(got)}")
-            return other(code, data)
-
-        return tensor
-
-    def _other(self, code: int, data: memoryview) -> torch.Tensor:
-        """A whole stack, or an extension value that is none of ours (PlanTreeError)."""
-        k, _ = read_mark(code, data)
-        if k >= len(self.stacks) or self.region is None:
-            raise PlanTreeError(f"a tree names stack {k} of a plan with {len(self.stacks)}")
-        tensor = self.region.view(self.stacks[k])
-        return tensor.clone() if self.own else tensor
-
-    def _rows_of(self, k: int) -> tuple[torch.Tensor, ...]:
-        if k >= len(self.stacks) or self.region is None:
-            raise PlanTreeError(f"a tree names stack {k} of a plan with {len(self.stacks)}")
-        ref = self.stacks[k]
-        if not ref.shape or not ref.nbytes:  # a sidecar never stacks empty tensors
-            raise PlanTreeError(f"a tree names a row of stack {k}, which has no rows or bytes")
-        whole = self.region.view(ref)
-        # Every row's view in one call when the tree can name them all (the sidecar names each row
-        # once); a stack with more rows than the tree has room for marks is indexed row by row.
-        rows = self.rows[k] = whole.unbind(0) if ref.shape[0] <= self.max_marks else whole
-        return rows
+        self.rows_left = 0  # rows the tree being decoded can still name (ROW_MARK_WIRE_BYTES each)
+        self.copy_bytes_left = sum(ref.nbytes for ref in stacks) if own else 0
 
     def decode(self, data: bytes, kind: Any) -> Any:
-        self.max_marks = len(data) // _ROW_MARK_BYTES
+        self.rows_left = len(data) // ROW_MARK_WIRE_BYTES
         try:
             return msgspec.msgpack.Decoder(kind, ext_hook=self._hook()).decode(data)
         except (msgspec.DecodeError, PlanTreeError) as exc:
             raise SidecarError(f"sidecar sent a malformed tree: {exc}") from None
         except RuntimeError as exc:  # a recursion past msgspec's guard; a ref whose shape cannot be viewed
             raise SidecarError(f"sidecar sent a tree that cannot be read: {exc}") from None
+
+    def _hook(self) -> Callable[[int, memoryview], torch.Tensor]:
+        """The decoder's `ext_hook`: a closure over locals, called once per tensor of the tree (per
+        request, every step), so its every-request path is a few local look-ups."""
+        rows_made, rows_of, unpack, own, mark_size = self.rows, self._rows_of, ROW_MARK.unpack, self.own, ROW_MARK.size
+        whole_of, owned = self._whole_of, self._owned
+
+        def tensor(code: int, data: memoryview) -> torch.Tensor:
+            if code == STACK_ROW and len(data) == mark_size:  # the every-request case first
+                k, i = unpack(data)
+                rows = rows_made.get(k)
+                if rows is None:
+                    rows = rows_of(k)
+                if i >= len(rows):
+                    raise PlanTreeError(f"a tree names row {i} of stack {k}, which has {len(rows)}")
+                return owned(rows[i]) if own else rows[i]
+            k, _ = read_mark(code, data)  # a whole stack, or an extension value that is none of ours
+            return owned(whole_of(k)) if own else whole_of(k)
+
+        return tensor
+
+    def _whole_of(self, k: int) -> torch.Tensor:
+        if k >= len(self.stacks):
+            raise PlanTreeError(f"a tree names stack {k} of a plan with {len(self.stacks)}")
+        if self.region is not None:
+            return self.region.view(self.stacks[k])
+        copy = self.copies.get(k)
+        if copy is None:
+            copy = self.copies[k] = _Region(self.arena, [self.stacks[k]], self.device).view(self.stacks[k])
+        return copy
+
+    def _rows_of(self, k: int) -> Any:
+        whole = self._whole_of(k)
+        ref = self.stacks[k]
+        if not ref.shape or not ref.nbytes:  # a sidecar never stacks empty tensors
+            raise PlanTreeError(f"a tree names a row of stack {k}, which has no rows or bytes")
+        count = ref.shape[0]
+        if count <= self.rows_left:  # every row's view in one call
+            self.rows_left -= count
+            rows = self.rows[k] = whole.unbind(0)
+        else:
+            rows = self.rows[k] = whole
+        return rows
+
+    def _owned(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.copy_bytes_left -= tensor.nbytes
+        if self.copy_bytes_left < 0:
+            raise PlanTreeError("a tree names more bytes than the plan's stacks hold")
+        return tensor.clone()
 
 
 def _copy_out_trees(arena: Any, trees: list[Any], device: torch.device, stacks: list[TensorRef],
