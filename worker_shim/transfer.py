@@ -311,11 +311,10 @@ class _StackReader:
         return copy
 
     def _rows_of(self, k: int) -> Any:
-        whole = self._whole_of(k)
-        ref = self.stacks[k]
-        if not ref.shape or not ref.nbytes:  # a sidecar never stacks empty tensors
-            raise PlanTreeError(f"a tree names a row of stack {k}, which has no rows or bytes")
-        count = ref.shape[0]
+        if k < len(self.stacks) and not (self.stacks[k].shape and self.stacks[k].nbytes):
+            raise PlanTreeError(f"a tree names a row of stack {k}, which has no rows or bytes")  # none stacked empty
+        whole = self._whole_of(k)  # checks k, copies an `own` stack out
+        count = self.stacks[k].shape[0]
         if count <= self.rows_left:  # every row's view in one call
             self.rows_left -= count
             rows = self.rows[k] = whole.unbind(0)
