@@ -20,7 +20,7 @@ import os
 KEEP = 16  # quiet spells remembered (a step brings 2-4: StepStart, StepBegin, StepEnd)
 STRETCH = 1.25  # the window covers the longest spell remembered by this much
 SPARE_CPUS = 8  # hosts with this many CPUs or more stretch by default
-AUTO_MAX_US = 20_000
+AUTO_MAX_US = 20_000  # a 1B-sized GPU step with room to spare; a longer spell is an engine gone idle
 
 
 def auto_max_us(base_us: int, cpus: float | None = None) -> int:
