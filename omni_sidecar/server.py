@@ -20,7 +20,6 @@ ring cannot be resynchronised) and other sessions are unaffected.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 from typing import Callable
@@ -309,9 +308,7 @@ class SidecarServer:
             self.spin.note_quiet(started - self._busy_at)
         if busy:
             self._busy_at = now
-        if busy or now - self._busy_at < self.spin.seconds:  # the rings alone for a while (PeerTable.serve_hot)
-            if not busy:
-                os.sched_yield()  # let vLLM's threads run first
+        if busy or self.wait.spin(self._busy_at, now, self.spin.seconds):  # the rings alone for a while (serve_hot)
             self._busy_at = self.peers.serve_hot(self._dispatch, now + HOT_SPIN_S, self._busy_at,
                                                  self.spin, self._loop_wanted, idle=not busy)
             return

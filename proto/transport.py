@@ -225,9 +225,10 @@ class WaitPolicy:
     idle_s: float = float("inf")
     idle_sleep_ms: int = 0
 
-    def spin(self, busy_at: float, now: float) -> bool:
-        """Inside the spin window: give the CPU away once and say so (poll again soon)."""
-        if now - busy_at < self.spin_us / 1e6:
+    def spin(self, busy_at: float, now: float, window_s: float | None = None) -> bool:
+        """Inside the spin window (`spin_us`, or `window_s`: the sidecar's stretched one,
+        omni_sidecar/spin.py): give the CPU away once and say so (poll again soon)."""
+        if now - busy_at < (self.spin_us / 1e6 if window_s is None else window_s):
             os.sched_yield()  # let vLLM's threads run first
             return True
         return False

@@ -58,9 +58,11 @@ def test_only_step_traffic_stretches_the_window_not_a_client_polling_status():
     """A connected shim that does not step and a client asking for status every few ms: the control
     frames keep the loop busy but must not stretch the window (the sidecar would never sleep)."""
     from omni_sidecar.server import SidecarServer
+    from proto.transport import WaitPolicy
 
     server = SidecarServer.__new__(SidecarServer)
     server.spin = SpinWindow(base_us=2000, max_us=20_000)
+    server.wait = WaitPolicy(spin_us=2000, sleep_ms=2)
     server._busy_at = time.monotonic()
     server._socket_due = 0.0
     served = {"ring": 0}
