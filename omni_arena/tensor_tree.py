@@ -17,7 +17,7 @@ import torch
 
 from omni_arena.views import tensor_from_bytes, tensor_to_bytes
 from proto.messages import MAX_STACKS, TensorBlob
-from proto.plan_trees import StackMark
+from proto.plan_trees import row_mark, whole_mark
 from proto.tensors import MAX_TENSOR_DIMS, ROW_MARKER, TENSOR_MARKER, TensorRef
 
 MAX_TREE_DEPTH = 8
@@ -157,13 +157,14 @@ def load_inline_tree(value: Any) -> Any:
 # k; the shim checks each stack once and makes its rows in one call (worker_shim/transfer.py). Only
 # for shims of 1.7 (STACKED_ROWS_MINOR).
 
-# Fewer of a kind go one by one: a stack's fixed cost (~20 µs on the 2-core VM: the stack, its
+# 1.7: fewer of a kind go one by one: a stack's fixed cost (~20 µs on the 2-core VM: the stack, its
 # view, the grouping) outweighs what it saves below ~8 rows (bench/omni_step.py, 2 to 16 requests).
 MIN_ROWS = 8
 
 
-class _Grouping:
-    """A tree's tensors, marked as it is walked, then grouped by (dtype, shape, device)."""
+class RowStacker:
+    """1.7: `{TENSOR_MARKER: ref}` for a tensor alone of its kind, `{ROW_MARKER: [k, i]}` for a row
+    of a stack: the tree's tensors marked as it is walked, then grouped by (dtype, shape, device)."""
 
     def __init__(self) -> None:
         self._pending: list[tuple[Any, torch.Tensor]] = []
@@ -174,11 +175,6 @@ class _Grouping:
             key = (tensor.dtype, tensor.shape, None if tensor.is_cpu else tensor.device)
             groups.setdefault(key, []).append((marker, tensor))
         return groups.values()
-
-
-class RowStacker(_Grouping):
-    """1.7: `{TENSOR_MARKER: ref}` for a tensor alone of its kind, `{ROW_MARKER: [k, i]}` for a row
-    of a stack."""
 
     def store(self, value: Any, put: Callable[[torch.Tensor], TensorRef],
               put_stack: Callable[[list[torch.Tensor]], int], stacks_used: int) -> Any:
@@ -207,32 +203,55 @@ class RowStacker(_Grouping):
         return marker
 
 
-class ExtStacker(_Grouping):
-    """1.8 (proto/plan_trees.py): every tensor of the plan is one of its `stacks` (a tensor alone is
-    a stack used whole) and its place in the tree a `StackMark`, encoded as an extension value."""
+class ExtStacker:
+    """1.8 (proto/plan_trees.py): every tensor of the plan is a row of one of its `stacks` (or, when
+    a stack cannot hold it, a stack used whole), its place in the tree an extension value.
+
+    msgspec's encoder walks the tree (no Python walk on this side either: the walk and the grouping
+    after it were half of a plan's build at 64 requests) and calls `_mark` for each tensor it meets.
+    A tensor's kind (dtype, shape, device) takes the next stack index the first time it is met, so
+    each mark is final when written; the stacks are made after the walk, in index order. A kind
+    met once is a stack of one row (its put costs what a put of the tensor would)."""
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=self._mark)
+        self._kinds: dict[tuple, tuple[int, list[torch.Tensor]]] = {}  # (its stack's index, its rows)
+        self._stacks: list[list[torch.Tensor] | torch.Tensor] = []  # a kind's rows, or a tensor used whole
+        self._first = 0
 
     def store(self, value: Any, put_whole: Callable[[torch.Tensor], int],
-              put_stack: Callable[[list[torch.Tensor]], int]) -> Any:
-        """`value` with its tensors in the arena, each mark filled before it returns: `put_whole` for
-        a tensor alone of its kind, `put_stack` for each group (both return the stack's index)."""
+              put_stack: Callable[[list[torch.Tensor]], int], first: int) -> bytes:
+        """`value` as a 1.8 tree's bytes, its tensors in the arena: `put_stack` for each kind's rows,
+        `put_whole` for a tensor no stack can hold (empty, or a stack would pass MAX_TENSOR_DIMS);
+        both return the stack's index in the plan, `first` for this tree's first. A value msgpack
+        cannot carry raises TypeError; an arena too small, ArenaError."""
+        self._first = first
         try:
-            tree = mark_tree(value, self._mark)
-            for members in self._groups():
-                if _alone(members):
-                    for mark, tensor in members:
-                        mark.stack = put_whole(tensor)
-                    continue
-                k = put_stack([tensor for _, tensor in members])
-                for i, (mark, _) in enumerate(members):
-                    mark.stack, mark.row = k, i
-            return tree
+            data = self._encoder.encode(value)
+            for k, stack in enumerate(self._stacks, first):
+                placed = put_stack(stack) if type(stack) is list else put_whole(stack)
+                if placed != k:  # the marks name k: a put elsewhere would send every tensor wrong
+                    raise RuntimeError(f"stack {k} of a plan was put at {placed}")
+            return data
         finally:
-            self._pending.clear()
+            self._kinds.clear()
+            self._stacks.clear()
 
-    def _mark(self, tensor: torch.Tensor) -> StackMark:
-        mark = StackMark()
-        self._pending.append((mark, tensor))
-        return mark
+    def _mark(self, tensor: Any) -> msgspec.msgpack.Ext:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"a plan's tree cannot hold a {type(tensor).__name__}")
+        key = (tensor.dtype, tensor.shape, None if tensor.is_cpu else tensor.device)  # `is_cpu` first: cheaper
+        kind = self._kinds.get(key)
+        if kind is None:
+            stack = self._first + len(self._stacks)
+            if not tensor.numel() or tensor.dim() >= MAX_TENSOR_DIMS:
+                self._stacks.append(tensor)
+                return whole_mark(stack)
+            kind = self._kinds[key] = (stack, [])
+            self._stacks.append(kind[1])
+        stack, rows = kind
+        rows.append(tensor)
+        return row_mark(stack, len(rows) - 1)
 
 
 def _alone(members: list[tuple[Any, torch.Tensor]]) -> bool:

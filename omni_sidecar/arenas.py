@@ -296,7 +296,7 @@ class SessionArenas:
         if self._ext_trees:
             if self.out is None:
                 return encode_tree(store_tree(value, self._put))  # raises for a tensor: no arena
-            return encode_tree(self._stacker.store(value, self.out.put_whole, self.out.put_stack))
+            return self._stacker.store(value, self.out.put_whole, self.out.put_stack, len(self.out.stacks))
         if self._stacker is None or self.out is None:
             return store_tree(value, self._put)
         return self._stacker.store(value, self.out.put, self.out.put_stack, len(self.out.stacks))

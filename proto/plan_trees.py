@@ -12,8 +12,9 @@ tensor in them an extension value naming a tensor of `StepPlan.stacks`:
 
 The shim copies the stacks out first, then decodes each tree with an `ext_hook` that returns the
 tensor itself (worker_shim/transfer.py): msgspec's decoder puts every tensor in place as it builds
-the containers, and no Python walks the tree. Nesting is the sender's rule (omni_arena/tensor_tree.py,
-MAX_TREE_DEPTH); the receiver relies on msgspec's own recursion guard and the frame cap.
+the containers, and no Python walks the tree. The sender marks each tensor as its encoder meets it,
+no walk either (omni_arena/tensor_tree.py, ExtStacker). Nesting is bounded by msgspec's own recursion
+guard on both sides and by the frame cap (MAX_TREE_DEPTH is the marker trees' rule: a Python walk).
 """
 
 from __future__ import annotations
@@ -30,39 +31,33 @@ STACK_WHOLE = 2
 ROW_MARK = struct.Struct("<II")  # STACK_ROW's data: stack, row
 ROW_MARK_WIRE_BYTES = 2 + ROW_MARK.size  # on the wire a fixext8: type byte, code, data
 _WHOLE = struct.Struct("<I")
-WHOLE = -1  # a StackMark's row for a tensor that is its stack
+WHOLE = -1  # `read_mark`'s row for a tensor that is its stack
+
+
+def row_mark(stack: int, row: int) -> msgspec.msgpack.Ext:
+    """Row `row` of stack `stack`, as the tree carries it (`read_mark` reads it back)."""
+    return msgspec.msgpack.Ext(STACK_ROW, ROW_MARK.pack(stack, row))
+
+
+def whole_mark(stack: int) -> msgspec.msgpack.Ext:
+    """The whole of stack `stack`."""
+    return msgspec.msgpack.Ext(STACK_WHOLE, _WHOLE.pack(stack))
 
 
 class PlanTreeError(ProtoError, ValueError):
     """A tree's extension value that is not a tensor mark of this protocol."""
 
 
-class StackMark:
-    """Where a tensor goes in a tree being encoded; `stack` and `row` are filled once the plan's
-    stacks are made (the tree is marked before the tensors are grouped)."""
-
-    __slots__ = ("stack", "row")
-
-    def __init__(self) -> None:
-        self.stack = -1
-        self.row = WHOLE
+def _refuse(obj: Any) -> Any:
+    raise TypeError(f"a plan's tree cannot hold a {type(obj).__name__}")
 
 
-def _mark_ext(obj: Any) -> msgspec.msgpack.Ext:
-    if type(obj) is not StackMark:
-        raise TypeError(f"a plan's tree cannot hold a {type(obj).__name__}")
-    if obj.stack < 0:
-        raise PlanTreeError("a tensor's mark was never given its stack")
-    if obj.row == WHOLE:
-        return msgspec.msgpack.Ext(STACK_WHOLE, _WHOLE.pack(obj.stack))
-    return msgspec.msgpack.Ext(STACK_ROW, ROW_MARK.pack(obj.stack, obj.row))
-
-
-_ENCODER = msgspec.msgpack.Encoder(enc_hook=_mark_ext)
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_refuse)
 
 
 def encode_tree(tree: Any) -> bytes:
-    """A marked tree (its tensors `StackMark`s) as the bytes a 1.8 plan carries."""
+    """A tree without tensors as the bytes a 1.8 plan carries (the sidecar's stacker encodes one
+    with tensors, marking each as the encoder meets it: omni_arena/tensor_tree.py, ExtStacker)."""
     return _ENCODER.encode(tree)
 
 

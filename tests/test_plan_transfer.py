@@ -17,7 +17,6 @@ from proto.tensors import TensorRef, TensorRefError
 from tests.support.trees import assert_same_tree
 from worker_shim.channel import SidecarError
 from omni_arena.tensor_tree import MIN_ROWS, ExtStacker, RowStacker, store_tree
-from proto.plan_trees import encode_tree
 from worker_shim.transfer import _copy_out_trees, _StackReader
 
 
@@ -32,7 +31,7 @@ def _store(tree: dict, out: OutArena, stacked: bool | str) -> dict | bytes:
     """`tree` into the out-arena as a sidecar stores it for a shim of 1.6 (a ref each), 1.7 (stacks)
     or, `stacked="ext"`, 1.8 (bytes, every tensor an extension value naming a stack)."""
     if stacked == "ext":
-        return encode_tree(ExtStacker().store(tree, out.put_whole, out.put_stack))
+        return ExtStacker().store(tree, out.put_whole, out.put_stack, len(out.stacks))
     return RowStacker().store(tree, out.put, out.put_stack, 0) if stacked else store_tree(tree, out.put)
 
 

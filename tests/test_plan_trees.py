@@ -44,7 +44,7 @@ def _kwargs() -> dict:
             for i in range(MIN_ROWS + 3)
         ],
         "layers": {0: torch.arange(3.0), 7: torch.ones(2, dtype=torch.int32)},  # int keys below the top
-        "few": [torch.full((2,), 5.0) for _ in range(MIN_ROWS - 1)],  # fewer than MIN_ROWS: each alone
+        "few": [torch.full((2,), 5.0) for _ in range(MIN_ROWS - 1)],  # 1.7 sends fewer than MIN_ROWS alone
         "empty": torch.zeros(0, 4),
         "spans": [[0, 1], [1, 2]],
         "flag": True,
@@ -64,8 +64,9 @@ def test_a_plan_for_a_shim_of_18_carries_its_trees_as_bytes_and_reads_back_witho
     arenas.out.reset()
     sent = arenas.encode_tensors(want)
     assert type(sent) is bytes
-    # One stack for the rows, each other tensor a stack used whole; the tree names them all.
-    assert len(arenas.stacks) == 1 + 2 + (MIN_ROWS - 1) + 1 and arenas.stacks[0].shape == [MIN_ROWS + 3, 1, 4]
+    # A stack per kind, in the order the tree meets them (a kind met once: a stack of one row); the
+    # empty tensor, which no stack can hold, a stack used whole; the tree names them all.
+    assert [s.shape for s in arenas.stacks] == [[MIN_ROWS + 3, 1, 4], [1, 3], [1, 2], [MIN_ROWS - 1, 2], [0, 4]]
     marks = decode_tree(sent)
     assert [d["hidden_states"]["last"] for d in marks["runtime_additional_information"]] == [
         (0, i) for i in range(MIN_ROWS + 3)]
@@ -158,11 +159,29 @@ def test_every_mark_a_sidecar_sends_is_checked_and_a_bad_one_is_the_steps_error(
         out.close()
 
 
-def test_a_tree_the_sender_cannot_encode_fails_where_it_is_built():
+def test_a_tree_the_sender_cannot_encode_fails_where_it_is_built(arenas):
     """A hook's value msgpack cannot carry fails the plan's encode in the sidecar (the requests'
     error), never a frame the shim would have to refuse."""
     with pytest.raises(TypeError, match="cannot hold a object"):
         encode_tree({"x": object()})
+    arenas.out.reset()
+    with pytest.raises(TypeError, match="cannot hold a object"):
+        arenas.encode_tensors({"x": [torch.zeros(2), object()]})
+
+
+def test_two_trees_of_one_plan_name_their_own_stacks(arenas):
+    """Model states and extra kwargs go into one plan's stacks: the second tree's marks start after
+    the first's stacks, and each reads back as it was sent."""
+    arenas.out.reset()
+    states = {f"r{i}": {"codes": torch.full((3,), i), "meta": {"i": i}} for i in range(4)}
+    sent_states = arenas.encode_tensors(states)
+    kwargs = {"info": [{"last": torch.full((1, 2), -float(i))} for i in range(5)], "codes": torch.arange(3)}
+    sent_kwargs = arenas.encode_tensors(kwargs)
+    assert [s.shape for s in arenas.stacks] == [[4, 3], [5, 1, 2], [1, 3]]
+    assert decode_tree(sent_kwargs)["codes"] == (2, 0)  # its own kind's stack, after the states' one
+    plan = _wire(StepPlan(step=0, extra_kwargs=sent_kwargs, model_states=sent_states, stacks=arenas.stacks))
+    assert_same_tree(read_states(arenas.out.arena, plan), states)
+    assert_same_tree(read_plan(arenas.out.arena, plan, None, MODEL, None), kwargs)
 
 
 def test_aliased_stacks_cannot_multiply_the_rows_a_small_tree_makes():
@@ -191,9 +210,9 @@ def test_aliased_stacks_cannot_multiply_the_rows_a_small_tree_makes():
         arena.close()
 
 
-def test_a_zero_dim_tensor_in_a_18_plan_is_sent_whole_and_the_session_counts_only_stacked_rows():
+def test_a_zero_dim_tensor_in_a_18_plan_is_a_row_and_the_session_counts_the_rows_it_stacks():
     """vLLM-omni kwargs may hold scalars as 0-d tensors (a temperature): for a shim of 1.8 such a
-    tensor is a stack of its own used whole; the session's stacked-rows count is the rows of stacks."""
+    tensor is a row of a stack of 0-d tensors (a 1-d stack); the session counts the rows it stacks."""
     from bench.omni_step import PHASES, Run
     from omni_sidecar.omni.hooks import OmniStateHooks
     from proto.messages import BatchLayout, StepBegin
@@ -211,7 +230,7 @@ def test_a_zero_dim_tensor_in_a_18_plan_is_sent_whole_and_the_session_counts_onl
         s, step = run.session, run.step + 1
         before = s.status().stacked_rows
         plan = s.step_begin(StepBegin(step, BatchLayout(run.req_ids, list(range(n + 1)), [11] * n, [8] * n)))
-        assert s.status().stacked_rows - before == n  # the hidden rows; the temperature is whole
+        assert s.status().stacked_rows - before == n + 1  # the hidden rows, and the temperature's
         got = read_plan(s.arenas.out.arena, _wire(plan), None, MODEL, None)
         assert got["temperature"].shape == () and got["temperature"].item() == pytest.approx(0.7)
         assert len(got["runtime_additional_information"]) == n
