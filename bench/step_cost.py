@@ -21,7 +21,9 @@ Hook sets measured side by side, in alternating blocks:
 - `omni`, `omni-inproc` (only with `--only`): the omni set working every step (extra kwargs: each
   request's state as `runtime_additional_information`, a plan awaited and read every step; the
   step's hidden rows sent at its end), with the link's plan read and StepEnd on the worker's thread;
-  `omni-nostretch`: the same with the sidecar's polling window kept fixed (omni_sidecar/spin.py).
+  `omni-nostretch`: the same with the sidecar's polling window kept fixed (omni_sidecar/spin.py);
+  `omni-gc-anywhere`: the same with the sidecar's cycle collector left to the interpreter
+  (omni_sidecar/collector.py: by default it runs between steps).
   Give `--between-ms` (sampling and scheduling) so the sidecar's work can overlap it as in vLLM.
 
     python -m bench.step_cost [--steps 3000] [--requests 64] [--forward-ms 2.5] [--between-ms 0]
@@ -54,11 +56,13 @@ from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR  # noqa: E402
 
 HOOK_SETS = {"passthrough": "passthrough", "observe": "bench.step_cost_hooks:ObservingPassThrough",
              "passthrough-inproc": "passthrough", "observe-inproc": "bench.step_cost_hooks:ObservingPassThrough"}
-OMNI_SETS = {"omni": "omni", "omni-inproc": "omni", "omni-nostretch": "omni"}  # measured when named in --only
+OMNI_SETS = {"omni": "omni", "omni-inproc": "omni", "omni-nostretch": "omni", "omni-gc-anywhere": "omni"}  # measured when named in --only
 HOOK_OPTIONS = {"omni": {"extra_kwargs": "1"}}  # by hook set spec
 # By name: `omni-nostretch`'s sidecar keeps its polling window fixed (omni_sidecar/spin.py), so it
 # sleeps through every quiet spell longer than --ring-spin-us: the shim's kicks and wake-ups, side by side.
-SIDECAR_ARGS = {"omni-nostretch": ["--ring-spin-max-us", "0"]}
+# `omni-gc-anywhere`'s sidecar leaves Python's cycle collector to run wherever an allocation trips it,
+# inside a step too (omni_sidecar/collector.py): the shim's waits on those pauses, side by side.
+SIDECAR_ARGS = {"omni-nostretch": ["--ring-spin-max-us", "0"], "omni-gc-anywhere": ["--no-gc-between-steps"]}
 INPROC = "-inproc"  # a name ending so runs its hook set in this process
 BLOCK = 250  # steps per block; hook sets alternate block by block
 HELLO = Hello(PROTOCOL_MAJOR, PROTOCOL_MINOR, "bench", "none", "cpu", 0, 1, "m", 8, "float32", 1024, [], pid=os.getpid())

@@ -75,6 +75,11 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "step a kick and a kernel wake-up on the shim's critical path. -1 (auto): 20000 with 8 or "
         "more CPUs to run on (affinity, capped by a cgroup quota), else ring_spin_us (no stretching); "
         "never when ring_spin_us is 0")] = -1
+    gc_between_steps: Annotated[bool, _help(
+        "run Python's cycle collector where no shim waits (after a StepEnd is answered and the "
+        "next plan built), with start-up's objects frozen out of its walks, instead of inside "
+        "whichever step an allocation trips it (a pause of up to tens of ms on the shim's critical "
+        "path); --no-gc-between-steps leaves the interpreter's default")] = True
     ring_sleep_ms: Annotated[int, _help(
         "a sleeping sidecar re-checks the rings at least this often: bounds the "
         "cost of a missed kick (Python has no store-load fence)")] = RING_SLEEP_MS

@@ -21,7 +21,7 @@ from proto.transport import RingTransport, route
 
 log = logging.getLogger("omni_sidecar.peer")
 
-_STEP_ENDS = (StepEnd, StepTick)  # a tuple: isinstance of a union is slower, and this runs per message
+STEP_ENDS = (StepEnd, StepTick)  # a tuple: isinstance of a union is slower, and this runs per message
 EndReason = Literal["worker_exited", "disconnected", "handed_over", "replaced", "sidecar_stopped", "bad_ring", "ring_overflow"]
 
 
@@ -65,7 +65,7 @@ class ShimPeer:
             self.session.between_steps()
 
     def note_step(self, msg: StepStart | StepBegin | StepEnd | StepTick) -> None:
-        self.in_step = not isinstance(msg, _STEP_ENDS)
+        self.in_step = not isinstance(msg, STEP_ENDS)
         self.last_step_at = time.monotonic()
         if isinstance(msg, StepStart) and self.session.appends.unacked:
             self.session.appends.mirror_applied(msg.mirror_seq, msg.step)

@@ -17,6 +17,7 @@ from omni_sidecar import __version__
 from omni_sidecar.appends import unknown
 from omni_sidecar.hooks import OmniHooks
 from omni_sidecar.peers import PeerTable
+from omni_sidecar.collector import CollectorPacer
 from omni_sidecar.store import FinishedOutputs
 from omni_sidecar.tensors import tensor_to_bytes
 from proto.messages import AppendPayload, Message, OutputChunk, OutputsQuery, OutputsReply, StatusReply, TensorBlob
@@ -24,10 +25,12 @@ from proto.version import PROTOCOL_VERSION
 
 
 class Queries:
-    def __init__(self, hooks: OmniHooks, peers: PeerTable, finished: FinishedOutputs) -> None:
+    def __init__(self, hooks: OmniHooks, peers: PeerTable, finished: FinishedOutputs,
+                 collector: CollectorPacer | None = None) -> None:
         self.hooks = hooks
         self.peers = peers
         self.finished = finished
+        self.collector = collector or CollectorPacer(paced=False)
         self.started = time.monotonic()
 
     def status(self, draining: bool, rejected_frames: int) -> StatusReply:
@@ -41,6 +44,9 @@ class Queries:
             rejected_frames=rejected_frames,
             sessions=[s.status() for s in self.peers.sessions()],
             pid=os.getpid(),
+            collections_between_steps=self.collector.between_steps,
+            collections_elsewhere=self.collector.elsewhere,
+            collection_pause_us_max=self.collector.pause_us_max,
         )
 
     def answer(self, ident: bytes, msg: OutputsQuery | AppendPayload) -> Message | None:

@@ -28,11 +28,13 @@ import msgspec
 import zmq
 
 from omni_sidecar import __version__
+from omni_sidecar.collector import CollectorPacer
 from omni_sidecar.config import ServeConfig
 from omni_sidecar.hooks import OmniHooks
 from omni_sidecar.listener import RECV_TIMEOUT_MS, Listener
 from omni_sidecar.metrics import SidecarMetrics
 from omni_sidecar.rejects import RejectLog
+from omni_sidecar.peer import STEP_ENDS
 from omni_sidecar.peers import PeerTable
 from omni_sidecar.queries import Queries
 from omni_sidecar.security import SecurityError
@@ -93,7 +95,8 @@ class SidecarServer:
         self.listener = Listener(config.max_frame_bytes, config.allow_uids, config.curve_keys or None)
         self.peers = PeerTable(hooks, self.finished, self.metrics, self.listener, self.codec, self.rejects.refuse,
                                config.arena_bytes, config.ring)
-        self.queries = Queries(hooks, self.peers, self.finished)
+        self.collector = CollectorPacer(config.gc_between_steps)
+        self.queries = Queries(hooks, self.peers, self.finished, self.collector)
         self.handover = HandOver(hooks, self.finished)
         self.takeover = TakeOver(hooks, self.finished, self.codec)
         self.takeover_failed = ""
@@ -161,8 +164,10 @@ class SidecarServer:
             signal.signal(signal.SIGTERM, self.begin_drain)
             signal.signal(signal.SIGINT, self.request_stop)
             signal.signal(signal.SIGHUP, self._request_reload)
+        self.collector.start()
         try:
             while not self._stop:
+                self.collector.collect_if_overdue()
                 self.peers.reap()
                 self.rejects.flush()
                 if self._reload_requested:
@@ -187,6 +192,7 @@ class SidecarServer:
             self.close()
 
     def close(self) -> None:
+        self.collector.stop()
         self.peers.end_all()
         self.listener.close()
         self.takeover.close()
@@ -223,6 +229,8 @@ class SidecarServer:
                 peer.after_step_end()
             elif peer.between_steps_due:
                 peer.between_steps()
+            if type(msg) in STEP_ENDS and self.peers.all_between_steps():  # nobody waits on us now
+                self.collector.collect_due()
 
     def _handle(self, ident: bytes, msg: object):
         if isinstance(msg, _STEP_MESSAGES):

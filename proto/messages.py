@@ -313,6 +313,11 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     rejected_frames: Count
     sessions: list[SessionStatus] = []
     pid: int = 0
+    # Python's cycle collections in the sidecar: run between steps (where no shim waited), run
+    # anywhere else (inside a step), and the longest pause of either (omni_sidecar/collector.py).
+    collections_between_steps: Count = 0
+    collections_elsewhere: Count = 0
+    collection_pause_us_max: float = 0.0
 
 
 class TensorBlob(msgspec.Struct, frozen=True, array_like=True):

@@ -1,0 +1,90 @@
+"""Python's cycle collector in the sidecar runs between steps, never inside one (omni_sidecar/collector.py)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+
+from omni_sidecar.collector import OVERDUE, CollectorPacer
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def _garbage(n: int) -> weakref.ref:
+    """`n` cycles only the collector frees; a weak reference to one of them."""
+    first = _Cycle()
+    ref = weakref.ref(first)
+    del first
+    for _ in range(n):
+        _Cycle()
+    return ref
+
+
+@pytest.fixture
+def pacer():
+    was_enabled = gc.isenabled()
+    pacer = CollectorPacer(paced=True)
+    pacer.start()
+    yield pacer
+    pacer.stop()
+    gc.unfreeze()
+    assert gc.isenabled() == was_enabled
+
+
+def test_a_paced_collector_runs_only_where_it_is_called(pacer):
+    assert not gc.isenabled() and gc.get_freeze_count() > 0  # start-up's objects frozen out of the walks
+    threshold = gc.get_threshold()[0]
+    gc.collect()  # anyone's gc.collect() (a hook's) counts as elsewhere
+    assert pacer.elsewhere == 1
+    left = _garbage(3 * threshold)
+    assert left() is not None  # past the threshold, and nothing ran by itself
+    pacer.collect_if_overdue()
+    assert left() is not None  # not yet overdue
+    pacer.collect_due()
+    assert left() is None
+    assert pacer.between_steps == 1 and pacer.elsewhere == 1 and pacer.pause_us_max > 0
+    overdue = _garbage(OVERDUE * threshold + threshold)
+    pacer.collect_if_overdue()  # no step offered a place: the loop collects
+    assert overdue() is None
+
+
+def test_an_unpaced_collector_is_the_interpreters_and_is_counted():
+    was_enabled = gc.isenabled()
+    pacer = CollectorPacer(paced=False)
+    pacer.start()
+    try:
+        gc.enable()
+        pacer.collect_due()  # does nothing: the interpreter collects
+        _garbage(3 * gc.get_threshold()[0])
+        assert pacer.elsewhere >= 1 and pacer.between_steps == 0
+    finally:
+        pacer.stop()
+        if not was_enabled:
+            gc.disable()
+
+
+@pytest.mark.parametrize("paced", [True, False])
+def test_a_sidecar_stepping_a_shim_collects_only_between_its_steps(tmp_path, paced):
+    """A real sidecar process serving the omni set's steps (a plan and hidden rows every step) through
+    the shim's real link: with pacing (the default) every collection ran between steps; without
+    (`--no-gc-between-steps`), the interpreter's ran wherever they fell."""
+    from bench.step_cost import ShimUnderTest
+    from omni_sidecar.client import SidecarClient
+
+    name = "omni" if paced else "omni-gc-anywhere"
+    shim = ShimUnderTest(tmp_path, name, "omni", 16)
+    try:
+        shim.run(400, 0.0002)
+        with SidecarClient(shim.link.conn.endpoint) as client:
+            status = client.status()
+    finally:
+        shim.close()
+    if paced:
+        assert status.collections_between_steps >= 1 and status.collections_elsewhere == 0
+    else:
+        assert status.collections_elsewhere >= 1 and status.collections_between_steps == 0
