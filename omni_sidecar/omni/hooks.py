@@ -184,7 +184,7 @@ class OmniStateHooks(OmniHooks):
         """The default postprocess's columns merged (one pass, `merge_columns`); its outputs logged
         whole, cut per request when read (omni/outputs.py, `OutputLog`)."""
         req_ids = batch.layout.req_ids
-        refused = self.state.merge_columns(req_ids, columns)
+        refused = self.state.merge_columns(req_ids, columns, placed=True)  # `_postprocess_batch` placed them
         # The rows each state now keeps are views of this step's gather; a request that leaves the
         # batch (preempted, finished, not scheduled) or was refused keeps its row in storage of its
         # own, so no state holds a whole past step alive (the cap counts what a state keeps).

@@ -33,12 +33,15 @@ class StateError(OmniSidecarError, ValueError):
 
 
 _SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
+_TENSOR = torch.Tensor  # exactly: a subclass takes the `isinstance` below
 
 
 def _nbytes(value: Any) -> int:
     kind = type(value)
     if kind in _SCALARS:  # most values a merge sizes (meta counters), every request every step
         return 0
+    if kind is _TENSOR:  # the rest: each request's rows
+        return value.nbytes
     if kind is dict:  # before the tensor check: isinstance(x, torch.Tensor) is slow for a non-tensor
         return sum(_nbytes(v) for v in value.values())
     if isinstance(value, torch.Tensor):
@@ -137,15 +140,19 @@ class IntermediateBuffer:
             return
         self._sizes[req_id] = self._merge(state, update, replace, self._sizes[req_id])
 
-    def merge_columns(self, req_ids: list[str], columns: dict[tuple[str, str], list[Any]]) -> dict[str, str]:
+    def merge_columns(self, req_ids: list[str], columns: dict[tuple[str, str], list[Any]],
+                      placed: bool = False) -> dict[str, str]:
         """`{category: {qualifier: columns[category, qualifier][i]}}` merged into request i's state, for
         every request of `req_ids`: what one `merge` each would do (all or nothing per request,
         the cap), in one pass over the batch; one update dict and one general merge per request and
-        step were most of a step's state work. Returns the requests refused (a message each)."""
+        step were most of a step's state work. `placed`: the caller put every value where `place`
+        would (a column's rows are views of one placed tensor: a `place` per row was a fifth of the
+        pass). Returns the requests refused (a message each)."""
         keys = list(columns)
         if any(c == "embed" and q in SPAN_KEYS for c, q in keys):  # span rules: the general merge
             return self._merge_each(req_ids, keys, columns)
-        placed_columns = [[self.place(c, q, v) for v in columns[c, q]] for c, q in keys]
+        placed_columns = ([columns[k] for k in keys] if placed
+                          else [[self.place(c, q, v) for v in columns[c, q]] for c, q in keys])
         # Explicit loops and scalars sized inline: a comprehension or generator per request (each a
         # call in CPython 3.11) and four `_nbytes` calls were most of this pass.
         cells = [(c, q, column) for (c, q), column in zip(keys, placed_columns)]
