@@ -331,17 +331,23 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
     return res
 
 
+COLLECTOR_KEYS = ("collections_between_steps", "collections_elsewhere", "collection_pause_us_max")
+
+
 def _sidecar_sessions(endpoint: str) -> list[dict]:
     """What the sidecar counted per session (the shim's and the in-process engine's are not its):
     steps, plans built ahead and used (a steady decode step whose plan was ready when its StepBegin
-    came), stacked rows, its own step latency."""
+    came), stacked rows, its own step latency; and the sidecar's cycle collections (between steps,
+    elsewhere, the longest pause: omni_sidecar/collector.py)."""
     from omni_sidecar.client import SidecarClient
 
     keep = ("steps", "plans_ahead_built", "plans_ahead_used", "stacked_rows", "step_latency_us_p50",
             "step_latency_us_p99")
     try:
         with SidecarClient(endpoint) as client:
-            return [{k: getattr(s, k) for k in keep} for s in client.status().sessions]
+            status = client.status()
+        collector = {k: getattr(status, k) for k in COLLECTOR_KEYS}
+        return [{**{k: getattr(s, k) for k in keep}, **collector} for s in status.sessions]
     except Exception as exc:  # a figure less, not a failed configuration
         return [{"error": f"{type(exc).__name__}: {exc}"[:300]}]
 
