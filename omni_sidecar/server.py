@@ -186,6 +186,7 @@ class SidecarServer:
                     try:
                         frames = self.listener.recv_frames()
                     except zmq.Again:
+                        self.collector.collect_idle()
                         continue
                     self._serve(frames)
         finally:
@@ -321,6 +322,8 @@ class SidecarServer:
                                                  self.spin, self._loop_wanted, idle=not busy)
             return
         nap_ms = self.wait.nap_ms(self._busy_at, now)
+        if self.peers.all_between_steps():
+            self.collector.collect_idle()
         found = self.wait.sleep(self.peers.ring_transports(), lambda: self.peers.pump(self._dispatch) or None,
                                 lambda: self._serve_socket(nap_ms))
         if found:  # written before the writer could see our flags

@@ -88,3 +88,27 @@ def test_a_sidecar_stepping_a_shim_collects_only_between_its_steps(tmp_path, pac
         assert status.collections_between_steps >= 1 and status.collections_elsewhere == 0
     else:
         assert status.collections_elsewhere >= 1 and status.collections_between_steps == 0
+
+
+def test_a_full_collection_waits_for_an_idle_loop_unless_far_overdue(pacer):
+    """Between steps the young generations are collected as due; a full collection (every live
+    request's state and outputs) waits for the loop to idle, or until FULL_DEFERRED times overdue."""
+    from omni_sidecar.collector import FULL_DEFERRED
+
+    t0, _, t2 = gc.get_threshold()
+    full = lambda: gc.get_stats()[2]["collections"]  # noqa: E731
+    before = full()
+    while gc.get_count()[2] <= t2:  # enough middle collections to make a full one due
+        _garbage(t0 + 1)
+        pacer.collect_due()
+    _garbage(t0 + 1)
+    pacer.collect_due()
+    assert full() == before  # due, put off
+    pacer.collect_idle()
+    assert full() == before + 1 and gc.get_count()[2] == 0
+    while gc.get_count()[2] <= FULL_DEFERRED * t2:  # a loop that never idles
+        _garbage(t0 + 1)
+        pacer.collect_due()
+    _garbage(t0 + 1)
+    pacer.collect_due()
+    assert full() == before + 2
