@@ -40,8 +40,13 @@ class OutArena:
         self.device = arena.kind != "shm"
         # Host tensors bound for a device arena wait here and go up together (`_flush`): a
         # pageable host->device copy per tensor made the sidecar wait on the device each time,
-        # once per request every step when per-request state rides in the extra kwargs.
+        # once per request every step when per-request state rides in the extra kwargs. And one
+        # pageable copy still may wait (the driver stages it behind our stream, which waits on the
+        # step's forward): so the staging is pinned and copied up without waiting, a fresh buffer
+        # from torch's caching host allocator after each copy (which reuses a block only once the
+        # copy that read it ran: a host write must never race the copy still queued).
         self._staging: torch.Tensor | None = None
+        self._pinned = self.device and torch.cuda.is_available()
         self._run_start = -1  # first staged byte not yet copied up; -1: none
         # Host arena: its bytes as one tensor, held from the first put until `close`, so a tensor goes
         # in with one memmove (a view and a copy_ per tensor cost ~7 µs, 128 tensors a step at 64
@@ -152,7 +157,7 @@ class OutArena:
         """The host staging buffer, grown to hold `end` bytes (the staged run kept)."""
         if self._staging is None or self._staging.numel() < end:
             size = min(self.arena.size, max(end, 2 * (0 if self._staging is None else self._staging.numel())))
-            grown = torch.empty(size, dtype=torch.uint8)
+            grown = torch.empty(size, dtype=torch.uint8, pin_memory=self._pinned)
             if self._run_start >= 0 and self._staging is not None:
                 kept = min(self.offset, self._staging.numel())  # past it: alignment padding only
                 grown[self._run_start : kept] = self._staging[self._run_start : kept]
@@ -177,7 +182,9 @@ class OutArena:
         start, end = self._run_start, min(self.offset, self._staging.numel())
         self._run_start = -1
         if end > start:
-            self.arena.buf[start:end].copy_(self._staging[start:end])
+            self.arena.buf[start:end].copy_(self._staging[start:end], non_blocking=self._pinned)
+        if self._pinned:
+            self._staging = None  # its block goes back to the allocator, reused once this copy ran
 
 
 class SessionArenas:

@@ -186,9 +186,10 @@ def test_the_last_hidden_row_stays_where_the_rows_are_unless_told_otherwise():
 
 def test_the_omni_step_never_waits_for_the_device():
     """On a GPU: the sidecar's StepEnd (prefill and decode), its next plan (extra kwargs stacked into
-    a CUDA IPC arena) and the work between steps, then the shim's copy of the plan out, enqueue their
-    device work without one host synchronize (a synchronize there waits for the step's forward, and
-    the shim then waits for it too). Skipped without a CUDA device: run on the GPU host."""
+    a CUDA IPC arena, and a host tensor staged and copied up: a decoded payload's overlay rows, a
+    state kept on the host) and the work between steps, then the shim's copy of the plan out, enqueue
+    their device work without one host synchronize (a synchronize there waits for the step's forward,
+    and the shim then waits for it too). Skipped without a CUDA device: run on the GPU host."""
     import pytest
 
     if not torch.cuda.is_available():
@@ -196,6 +197,7 @@ def test_the_omni_step_never_waits_for_the_device():
     from omni_arena.cuda_ipc import CudaIpcArena
     from omni_arena.tensor_tree import MIN_ROWS, RowStacker
     from omni_sidecar.arenas import OutArena
+    from proto.tensors import TENSOR_MARKER
     from worker_shim.transfer import _copy_out_trees
 
     dev = torch.device("cuda", 0)
@@ -214,9 +216,10 @@ def test_the_omni_step_never_waits_for_the_device():
                 batch = StepBatch(n + 1, BatchLayout(ids, list(range(len(ids) + 1)), [3 + n] * len(ids), [2] * len(ids)))
                 out.reset()
                 sent = RowStacker().store(hooks.build_extra_kwargs(batch), out.put, out.put_stack, 0)
+                staged = out.put(torch.full((4,), float(n)))
                 out.seal()
                 hooks.between_steps()
-                got = _copy_out_trees(arena, [sent], dev, out.stacks)[0]
+                got, host = _copy_out_trees(arena, [sent, {TENSOR_MARKER: staged}], dev, out.stacks)
                 arena.mark_done(0)
         finally:
             torch.cuda.set_sync_debug_mode("default")
@@ -226,6 +229,7 @@ def test_the_omni_step_never_waits_for_the_device():
         for r, t in zip(ids, last):
             assert torch.equal(t, hooks.state.get(r)["hidden_states"]["last"])
         assert out.stacks, "the rows went as one stack"
+        assert host.device == dev and host.tolist() == [3.0] * 4  # the last plan's staged tensor
     finally:
         arena.close()
 
