@@ -331,7 +331,8 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
     return res
 
 
-COLLECTOR_KEYS = ("collections_between_steps", "collections_elsewhere", "collection_pause_us_max")
+COLLECTOR_KEYS = ("collections_between_steps", "collections_idle", "collections_overdue", "collections_elsewhere",
+                  "collection_pause_us_max")
 
 
 def _sidecar_sessions(endpoint: str) -> list[dict]:

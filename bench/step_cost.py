@@ -135,8 +135,13 @@ class ShimUnderTest:
             return SidecarConnection(endpoint, 10.0, msgspec.structs.replace(HELLO, resume_token=resume_token),
                                      1 << 16, 2, arena_prefix=f"omni-bench-{name}", ring=RingConfig())
 
-        conn = connect()
-        conn.connect(10.0)
+        try:
+            conn = connect()
+            conn.connect(10.0)
+        except BaseException:
+            self.sidecar.terminate()
+            self.sidecar.wait(10)
+            raise
         return SidecarLink(connect, conn)
 
     def run(self, steps: int, forward_s: float, spin: bool = True, between_s: float = 0.0) -> None:
@@ -160,15 +165,17 @@ class ShimUnderTest:
                 _forward(between_s, spin)  # sampling and scheduling: not the shim's cost either
 
     def close(self) -> dict:
-        self.link.note_finished(set(self.req_ids), None)
-        self.link.begin_step()
-        self.link.end_step(None)
-        stats = self.link.stats()
-        session = self._session_status()
-        self.link.close()
-        if self.sidecar is not None:
-            self.sidecar.terminate()
-            self.sidecar.wait(10)
+        try:
+            self.link.note_finished(set(self.req_ids), None)
+            self.link.begin_step()
+            self.link.end_step(None)
+            stats = self.link.stats()
+            session = self._session_status()
+        finally:  # the sidecar and the arenas go whatever failed
+            self.link.close()
+            if self.sidecar is not None:
+                self.sidecar.terminate()
+                self.sidecar.wait(10)
         return {"shim_steps": stats["steps"], "sidecar_steps": session.steps,
                 "sidecar_tokens": session.scheduled_tokens, "losses": stats["losses"], "ring": stats["ring_counts"]}
 

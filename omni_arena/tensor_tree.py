@@ -2,7 +2,9 @@
 
 A tensor travels as `{TENSOR_MARKER: TensorRef}` (or, in a plan, as a row of one of its
 stacked tensors: `{ROW_MARKER: [k, i]}`, `RowStacker` below); dicts (any key type: vllm-omni keys
-`hidden_states.layers` by int), lists and tuples nest up to `MAX_TREE_DEPTH` levels.
+`hidden_states.layers` by int), lists and tuples nest up to `MAX_TREE_DEPTH` levels. A 1.8 plan's
+trees (`ExtStacker`) are msgpack bytes with extension values instead, walked by msgspec on both
+sides: their nesting is bounded by its recursion guard, not checked against `MAX_TREE_DEPTH`.
 Both sides use these two walkers (extra kwargs, model states, model updates and
 outputs), so the encoding is written once. A received tree is untrusted: its refs
 are converted by the caller's `load`, which bounds-checks them against its arena.
@@ -244,7 +246,9 @@ class ExtStacker:
         kind = self._kinds.get(key)
         if kind is None:
             stack = self._first + len(self._stacks)
-            if not tensor.numel() or tensor.dim() >= MAX_TENSOR_DIMS:
+            if tensor.dim() > MAX_TENSOR_DIMS:  # the shim would refuse the whole plan: this request's error
+                raise TypeError(f"a plan's tensor has {tensor.dim()} dimensions, more than {MAX_TENSOR_DIMS}")
+            if not tensor.numel() or tensor.dim() == MAX_TENSOR_DIMS:
                 self._stacks.append(tensor)
                 return whole_mark(stack)
             kind = self._kinds[key] = (stack, [])

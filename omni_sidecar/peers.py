@@ -175,14 +175,15 @@ class PeerTable:
         self.end(ident, reason, message, farewell)
 
     def all_between_steps(self) -> bool:
-        """No shim is inside a step and none has a message waiting in its ring: nobody waits on us."""
+        """No shim is inside a step, and nothing waits to be read (a ring, the socket) or sent (a
+        reply queued for ring space): nobody waits on us."""
         for peer in self._peers.values():
             if peer.in_step or peer.between_steps_due:
                 return False
             rings = peer.rings
-            if rings is not None and not rings.closed and rings.duplex.rx.has_data():
+            if rings is not None and not rings.closed and (rings.duplex.rx.has_data() or rings.queued):
                 return False
-        return True
+        return not self.listener.readable()
 
     def ring_transports(self) -> list[RingTransport]:
         return [p.rings for p in self._peers.values() if p.rings is not None and not p.rings.closed]

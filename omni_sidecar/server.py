@@ -185,8 +185,9 @@ class SidecarServer:
                 else:
                     try:
                         frames = self.listener.recv_frames()
-                    except zmq.Again:
-                        self.collector.collect_idle()
+                    except zmq.Again:  # RECV_TIMEOUT_MS without a frame: idle
+                        if self.peers.all_between_steps():
+                            self.collector.collect_idle()
                         continue
                     self._serve(frames)
         finally:
@@ -230,8 +231,8 @@ class SidecarServer:
                 peer.after_step_end()
             elif peer.between_steps_due:
                 peer.between_steps()
-            if type(msg) in STEP_ENDS and self.peers.all_between_steps():  # nobody waits on us now
-                self.collector.collect_due()
+            if type(msg) in STEP_ENDS:  # answered, the next plan built: a place nobody waits on us
+                self.collector.collect_due(self.peers.all_between_steps)
 
     def _handle(self, ident: bytes, msg: object):
         if isinstance(msg, _STEP_MESSAGES):
@@ -322,7 +323,7 @@ class SidecarServer:
                                                  self.spin, self._loop_wanted, idle=not busy)
             return
         nap_ms = self.wait.nap_ms(self._busy_at, now)
-        if self.peers.all_between_steps():
+        if now - self._busy_at >= RING_IDLE_S and self.peers.all_between_steps():
             self.collector.collect_idle()
         found = self.wait.sleep(self.peers.ring_transports(), lambda: self.peers.pump(self._dispatch) or None,
                                 lambda: self._serve_socket(nap_ms))

@@ -313,9 +313,12 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     rejected_frames: Count
     sessions: list[SessionStatus] = []
     pid: int = 0
-    # Python's cycle collections in the sidecar: run between steps (where no shim waited), run
-    # anywhere else (inside a step), and the longest pause of either (omni_sidecar/collector.py).
+    # Python's cycle collections in the sidecar (omni_sidecar/collector.py): run between steps (no
+    # shim waiting), while idle, where the loop was once far overdue, by the interpreter or a hook
+    # elsewhere; and the longest pause of any.
     collections_between_steps: Count = 0
+    collections_idle: Count = 0
+    collections_overdue: Count = 0
     collections_elsewhere: Count = 0
     collection_pause_us_max: float = 0.0
 

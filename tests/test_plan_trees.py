@@ -167,6 +167,9 @@ def test_a_tree_the_sender_cannot_encode_fails_where_it_is_built(arenas):
     arenas.out.reset()
     with pytest.raises(TypeError, match="cannot hold a object"):
         arenas.encode_tensors({"x": [torch.zeros(2), object()]})
+    assert arenas.stacks == []  # nothing of it went into the arena
+    with pytest.raises(TypeError, match="9 dimensions"):  # a stack of it could not be sent either
+        arenas.encode_tensors({"x": torch.zeros([1] * 9)})
 
 
 def test_two_trees_of_one_plan_name_their_own_stacks(arenas):
