@@ -107,9 +107,7 @@ class OutArena:
                 self._host = torch.frombuffer(self.arena.raw(0, self.arena.size), dtype=torch.uint8)
             self._stack_into(self._host[self.offset : end], tensors, shape)
         elif first.device.type == "cpu":
-            self._stack_into(self._staging_to(end)[self.offset : end], tensors, shape)
-            if self._run_start < 0:
-                self._run_start = self.offset
+            self._stack_into(self._staged(end), tensors, shape)
         else:
             self._flush()  # staged bytes first: the runs must not cover what this write makes
             self._stack_into(self.arena.buf[self.offset : end], tensors, shape)
@@ -153,36 +151,38 @@ class OutArena:
         self._flush()
         return self.arena.mark_ready(0)
 
-    def _staging_to(self, end: int) -> torch.Tensor:
-        """The host staging buffer, grown to hold `end` bytes (the staged run kept)."""
-        if self._staging is None or self._staging.numel() < end:
-            size = min(self.arena.size, max(end, 2 * (0 if self._staging is None else self._staging.numel())))
+    def _staged(self, end: int) -> torch.Tensor:
+        """The staging bytes for the arena's [offset, end): the run (from its first staged byte, not
+        from the arena's start: a pinned block the size of what is staged) grown to hold them, what
+        it holds kept."""
+        if self._run_start < 0:
+            self._run_start = self.offset
+        base, staging = self._run_start, self._staging
+        if staging is None or staging.numel() < end - base:
+            size = min(self.arena.size, max(end - base, 2 * (0 if staging is None else staging.numel())))
             grown = torch.empty(size, dtype=torch.uint8, pin_memory=self._pinned)
-            if self._run_start >= 0 and self._staging is not None:
-                kept = min(self.offset, self._staging.numel())  # past it: alignment padding only
-                grown[self._run_start : kept] = self._staging[self._run_start : kept]
-            self._staging = grown
-        return self._staging
+            if staging is not None:
+                kept = min(self.offset - base, staging.numel())  # past it: alignment padding only
+                grown[:kept] = staging[:kept]
+            self._staging = staging = grown
+        return staging[self.offset - base : end - base]
 
     def _stage(self, tensor: torch.Tensor, nbytes: int) -> TensorRef:
-        end = self.offset + nbytes
-        staging = self._staging_to(end)
+        staged = self._staged(self.offset + nbytes)
         if nbytes:
             # A byte view reads the bytes as stored: a lazy negation or conjugation must be applied first.
             dense = tensor.resolve_conj().resolve_neg().contiguous()
-            staging[self.offset : end] = dense.reshape(-1).view(torch.uint8)
-        if self._run_start < 0:
-            self._run_start = self.offset
+            staged[:] = dense.reshape(-1).view(torch.uint8)
         return TensorRef(0, self.offset, nbytes, list(tensor.shape), dtype_name(tensor.dtype))
 
     def _flush(self) -> None:
         """One copy of the staged run (alignment gaps included) into the device arena, on our stream."""
         if self._run_start < 0 or self._staging is None:
             return
-        start, end = self._run_start, min(self.offset, self._staging.numel())
+        start, size = self._run_start, min(self.offset - self._run_start, self._staging.numel())
         self._run_start = -1
-        if end > start:
-            self.arena.buf[start:end].copy_(self._staging[start:end], non_blocking=self._pinned)
+        if size > 0:
+            self.arena.buf[start : start + size].copy_(self._staging[:size], non_blocking=self._pinned)
         if self._pinned:
             self._staging = None  # its block goes back to the allocator, reused once this copy ran
 

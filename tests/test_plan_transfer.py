@@ -168,7 +168,10 @@ def test_host_tensors_bound_for_a_device_arena_go_up_in_one_copy_around_device_w
     out = OutArena(arena)
     host = [torch.full((3, 5), float(i)) for i in range(4)] + [torch.arange(3000, dtype=torch.int64)]  # grows staging
     refs = [out.put(host[0]), out.put(host[1]), out.put(torch.empty(64, device="meta")),
-            out.put(host[2]), out.put(host[3]), out.put(host[4])]
+            out.put(host[2]), out.put(host[3])]
+    rows = [torch.full((2,), float(i)) for i in range(5)]
+    stack = out.stacks[out.put_stack(rows)]  # host rows stacked into the staged run
+    refs.append(out.put(host[4]))
     assert out.seal() == 0 and arena.ready_marks == 1
     (dev_off, dev_n), = arena.device_writes
     assert bool((arena.buf[dev_off : dev_off + dev_n] == 0xAB).all()), "a flush overwrote a device write"
@@ -176,6 +179,8 @@ def test_host_tensors_bound_for_a_device_arena_go_up_in_one_copy_around_device_w
         raw = arena.buf[ref.offset : ref.offset + ref.nbytes]
         assert torch.equal(raw.view(t.dtype).view(t.shape), t)
         assert ref.shape == list(t.shape)
+    assert torch.equal(arena.buf[stack.offset : stack.offset + stack.nbytes].view(torch.float32).view(stack.shape),
+                       torch.stack(rows))
     out.reset()
     ref = out.put(torch.tensor([7.0]))
     assert ref.offset == 0 and out.seal() == 0
@@ -359,3 +364,4 @@ def test_the_sender_refuses_the_depth_the_receiver_refuses():
             store_tree(nested(MAX_TREE_DEPTH + 1, leaf), lambda t: TensorRef(0, 0, 4, [1], "float32"))
         with pytest.raises(TreeError, match="deeper"):
             index_tree(nested(MAX_TREE_DEPTH + 1, 1))
+
