@@ -146,7 +146,7 @@ class IntermediateBuffer:
         every request of `req_ids`: what one `merge` each would do (all or nothing per request,
         the cap), in one pass over the batch; one update dict and one general merge per request and
         step were most of a step's state work. `placed`: the caller put every value where `place`
-        would (a column's rows are views of one placed tensor: a `place` per row was a fifth of the
+        would (a column's rows are views of one placed tensor: a `place` per row was a third to half of the
         pass). Returns the requests refused (a message each)."""
         keys = list(columns)
         if any(c == "embed" and q in SPAN_KEYS for c, q in keys):  # span rules: the general merge
