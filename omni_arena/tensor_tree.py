@@ -156,7 +156,7 @@ def load_inline_tree(value: Any) -> Any:
 # row, codes, counters. A ref each was a store, a ref, a check and a view, on both sides, per request
 # every step. So the sidecar stacks each set of one dtype, shape and device into one tensor of the
 # arena (`StepPlan.stacks`), and each place names its row: `{ROW_MARKER: [k, i]}` is row i of stack
-# k; the shim checks each stack once and makes its rows in one call (worker_shim/transfer.py). Only
+# k; the shim checks each stack once and makes its rows in one call (worker_shim/plan_read.py). Only
 # for shims of 1.7 (STACKED_ROWS_MINOR).
 
 # 1.7: fewer of a kind go one by one: a stack's fixed cost (~20 µs on the 2-core VM: the stack, its

@@ -11,7 +11,7 @@ tensor in them an extension value naming a tensor of `StepPlan.stacks`:
 - `STACK_WHOLE` (4 bytes: u32 stack): the whole of stack `stack` (a tensor alone of its kind).
 
 The shim copies the stacks out first, then decodes each tree with an `ext_hook` that returns the
-tensor itself (worker_shim/transfer.py): msgspec's decoder puts every tensor in place as it builds
+tensor itself (worker_shim/plan_read.py): msgspec's decoder puts every tensor in place as it builds
 the containers, and no Python walks the tree. The sender marks each tensor as its encoder meets it,
 no walk either (omni_arena/tensor_tree.py, ExtStacker). Nesting is bounded by msgspec's own recursion
 guard on both sides and by the frame cap (MAX_TREE_DEPTH is the marker trees' rule: a Python walk).

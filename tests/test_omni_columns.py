@@ -198,7 +198,7 @@ def test_the_omni_step_never_waits_for_the_device():
     from omni_arena.tensor_tree import MIN_ROWS, RowStacker
     from omni_sidecar.arenas import OutArena
     from proto.tensors import TENSOR_MARKER
-    from worker_shim.transfer import _copy_out_trees
+    from worker_shim.plan_read import copy_out_trees
 
     dev = torch.device("cuda", 0)
     ids = [f"r{i}" for i in range(MIN_ROWS + 2)]
@@ -219,7 +219,7 @@ def test_the_omni_step_never_waits_for_the_device():
                 staged = out.put(torch.full((4,), float(n)))
                 out.seal()
                 hooks.between_steps()
-                got, host = _copy_out_trees(arena, [sent, {TENSOR_MARKER: staged}], dev, out.stacks)
+                got, host = copy_out_trees(arena, [sent, {TENSOR_MARKER: staged}], dev, out.stacks)
                 arena.mark_done(0)
         finally:
             torch.cuda.set_sync_debug_mode("default")

@@ -25,7 +25,7 @@ from proto.messages import AppendPayload, BatchLayout, Hello, NewRequest, StepBe
 from proto.tensors import TensorRef
 from proto.version import PROTOCOL_MINOR
 from tests.support.trees import assert_same_tree
-from worker_shim.transfer import _copy_out_trees
+from worker_shim.plan_read import copy_out_trees
 
 
 H = 4  # hidden size
@@ -62,7 +62,7 @@ def _payload(tag: str) -> bytes:
 
 def _read(session: Session, plan) -> tuple:
     """What the shim would read of the plan: its tensors out of the session's arena."""
-    extra, = _copy_out_trees(session.arenas.out.arena, [plan.extra_kwargs], torch.device("cpu"), plan.stacks)
+    extra, = copy_out_trees(session.arenas.out.arena, [plan.extra_kwargs], torch.device("cpu"), plan.stacks)
     return plan.step, [(o.row_start, o.rows) for o in plan.overlays], extra, sorted(plan.errors)
 
 

@@ -17,14 +17,14 @@ from proto.tensors import TensorRef, TensorRefError
 from tests.support.trees import assert_same_tree
 from worker_shim.channel import SidecarError
 from omni_arena.tensor_tree import MIN_ROWS, ExtStacker, RowStacker, store_tree
-from worker_shim.transfer import _copy_out_trees, _StackReader
+from worker_shim.plan_read import StackReader, copy_out_trees
 
 
 def _copy_out_tree(arena, tree, device, stacks=()):
     """The shim's copy-out of a tree as a plan of 1.6 / 1.7 (marker dicts) or 1.8 (bytes) carries it."""
     if type(tree) is bytes:
-        return _StackReader(arena, list(stacks), device, own=False).decode(tree, dict)
-    return _copy_out_trees(arena, [tree], device, list(stacks))[0]
+        return StackReader(arena, list(stacks), device, own=False).decode(tree, dict)
+    return copy_out_trees(arena, [tree], device, list(stacks))[0]
 
 
 def _store(tree: dict, out: OutArena, stacked: bool | str) -> dict | bytes:
@@ -223,9 +223,42 @@ def test_cuda_ipc_plan_round_trip_with_host_and_device_tensors():
         arena.close()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)")
+def test_cuda_ipc_plans_land_in_the_shims_device_buffers_in_turn():
+    """1.8 plans read through a PlanLanding on the device: each step's values are its plan's, the
+    step before keeps its values (a buffer each, in turn), and a steady step reuses its views."""
+    from omni_arena.cuda_ipc import CudaIpcArena
+    from worker_shim.plan_read import PlanLanding
+
+    dev = torch.device("cuda", 0)
+    arena = CudaIpcArena.create(1 << 20, dev, 1, name="omni-test-landing")
+    landing = PlanLanding()
+    try:
+        out, kept = OutArena(arena), []
+        for step in range(5):
+            out.reset()
+            want = {"rows": [torch.full((1, 8), float(step * 10 + i), device=dev) for i in range(MIN_ROWS)],
+                    "host": torch.full((3,), float(step))}
+            sent = _store(want, out, "ext")
+            out.seal()
+            got = StackReader(arena, list(out.stacks), dev, False, landing).decode(sent, dict)
+            arena.mark_done(0)
+            torch.cuda.synchronize(dev)
+            assert_same_tree(_on_cpu(got), _on_cpu(want))
+            if kept:
+                assert_same_tree(_on_cpu(kept[-1][0]), kept[-1][1])
+            if step >= 2:
+                assert all(a is b for a, b in zip(got["rows"], kept[-2][0]["rows"]))
+            kept.append((got, _on_cpu(want)))
+    finally:
+        landing.close()
+        arena.close()
+
+
 if __name__ == "__main__":  # the GPU host, without pytest
     test_cuda_ipc_plan_round_trip_with_host_and_device_tensors()
     test_host_tensors_bound_for_a_device_arena_go_up_in_one_copy_around_device_writes()
+    test_cuda_ipc_plans_land_in_the_shims_device_buffers_in_turn()
     print("plan transfer checks passed on", torch.cuda.get_device_name(0))
 
 

@@ -1,6 +1,6 @@
 """A plan's trees as bytes whose tensors are msgpack extension values (protocol 1.8, issue #15):
 the sidecar's session sends them to a shim of 1.8, the shim's decoder places every tensor without a
-walk, and every mark a peer sends is checked (proto/plan_trees.py, worker_shim/transfer.py)."""
+walk, and every mark a peer sends is checked (proto/plan_trees.py, worker_shim/plan_read.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from proto.plan_trees import STACK_ROW, STACK_WHOLE, decode_tree, encode_tree
 from proto.tensors import TensorRef
 from proto.version import EXT_TREES_MINOR
 from tests.support.trees import assert_same_tree
-from worker_shim import transfer
+from worker_shim import plan_read
 from worker_shim.channel import SidecarError
 from worker_shim.transfer import read_plan, read_states
 
@@ -76,7 +76,7 @@ def test_a_plan_for_a_shim_of_18_carries_its_trees_as_bytes_and_reads_back_witho
     def walked(*args, **kwargs):
         raise AssertionError("a 1.8 plan's tree was walked in Python")
 
-    monkeypatch.setattr(transfer, "index_trees", walked)
+    monkeypatch.setattr(plan_read, "index_trees", walked)
     got = read_plan(arenas.out.arena, plan, None, MODEL, None)
     assert_same_tree(got, want)
     arenas.out.arena.view(TensorRef(0, 0, 4096, [4096], "uint8"))[:] = b"\xff" * 4096
@@ -154,7 +154,7 @@ def test_every_mark_a_sidecar_sends_is_checked_and_a_bad_one_is_the_steps_error(
         big = TensorRef(0, stacks[rows].offset, stacks[rows].nbytes, stacks[rows].shape, "float32")
         got = read_plan(arena, plan({"a": _ext(STACK_ROW, row(0, 3))}, [big]), None, MODEL, None)
         assert got["a"].tolist() == [3.0, 3.0]
-        assert type(transfer._StackReader(arena, [big], torch.device("cpu"), False)._rows_of(0)) is torch.Tensor
+        assert type(plan_read.StackReader(arena, [big], torch.device("cpu"), False)._rows_of(0)) is torch.Tensor
     finally:
         out.close()
 
@@ -197,16 +197,16 @@ def test_aliased_stacks_cannot_multiply_the_rows_a_small_tree_makes():
         alias = [TensorRef(0, 0, rows * 4, [rows, 4], "uint8") for _ in range(16)]
         tree = {f"s{k}": _ext(STACK_ROW, struct.pack("<II", k, 0)) for k in range(16)}
         tree["pad"] = "x" * (rows * 12)  # room, by size, to name every row of one stack, not of 16
-        reader = transfer._StackReader(arena, alias, torch.device("cpu"), own=False)
+        reader = plan_read.StackReader(arena, alias, torch.device("cpu"), own=False)
         got = reader.decode(msgspec.msgpack.encode(tree), dict)
         assert sum(type(r) is tuple for r in reader.rows.values()) == 1  # one unbound, the rest indexed
         assert all(got[f"s{k}"].shape == (4,) for k in range(16))
         small = [TensorRef(0, 0, 8 * 4 * 4, [8, 4], "float32")]
         twice = {"a": _ext(STACK_WHOLE, struct.pack("<I", 0)), "b": _ext(STACK_WHOLE, struct.pack("<I", 0))}
         with pytest.raises(SidecarError, match="more bytes than"):
-            transfer._StackReader(arena, small, torch.device("cpu"), own=True).decode(
+            plan_read.StackReader(arena, small, torch.device("cpu"), own=True).decode(
                 msgspec.msgpack.encode({"r": twice}), dict)
-        once = transfer._StackReader(arena, small, torch.device("cpu"), own=True).decode(
+        once = plan_read.StackReader(arena, small, torch.device("cpu"), own=True).decode(
             msgspec.msgpack.encode({"r": {"a": twice["a"]}}), dict)
         assert once["r"]["a"].shape == (8, 4)
     finally:
@@ -239,3 +239,63 @@ def test_a_zero_dim_tensor_in_a_18_plan_is_a_row_and_the_session_counts_the_rows
         assert len(got["runtime_additional_information"]) == n
     finally:
         run.close()
+
+
+def test_steady_plans_land_in_the_shims_buffers_and_a_steady_step_makes_no_view():
+    """A 1.8 plan's extra kwargs land in the connection's buffers (worker_shim/plan_read.py,
+    PlanLanding): each step reads what a copy of its own reads; a step's tensors keep their values
+    through the next step's read; once each buffer was used, a steady decode step makes no view:
+    its tensors are those of two plans before, holding the new values."""
+    from bench.omni_step import PROMPT, Run
+    from omni_sidecar.omni.hooks import OmniStateHooks
+    from proto.messages import BatchLayout, StepBegin, StepEnd
+
+    n, hidden = MIN_ROWS + 2, 4
+    run = Run(EXT_TREES_MINOR, OmniStateHooks, n, hidden, [])
+    landing = plan_read.PlanLanding()
+    try:
+        run.start_batch()
+        s, arena = run.session, run.session.arenas.out.arena
+        landed: list[tuple[list, list]] = []  # each step's tensors, and a copy of their values then
+        for k in range(6):
+            run.step += 1
+            plan = _wire(s.step_begin(StepBegin(run.step, BatchLayout(
+                run.req_ids, list(range(n + 1)), [PROMPT + k] * n, [PROMPT] * n))))
+            got = read_plan(arena, plan, None, MODEL, None, landing)
+            assert_same_tree(got, read_plan(arena, plan, None, MODEL, None))  # what a copy of its own reads
+            if landed:
+                assert_same_tree(*landed[-1])  # the step before still holds its values
+            lasts = [info["hidden_states"]["last"] for info in got["runtime_additional_information"]]
+            if k == 1:
+                made = landing.views_made  # both buffers used once
+            if k >= 2:
+                assert landing.views_made == made
+                assert all(a is b for a, b in zip(lasts, landed[-2][0]))
+            landed.append((lasts, [t.clone() for t in lasts]))
+            # This step's hidden rows: new values each step, so the next plan's rows differ.
+            run.shim_arena.view(run.rows)[:] = torch.full((n, hidden), float(k)).numpy().tobytes()
+            s.step_end(StepEnd(run.step, None, hidden=run.rows, num_tokens=n))
+            if s.ahead is not None:
+                s.ahead.build()
+            s.hooks.between_steps()
+        assert landing.landed == 6
+        assert float(landed[-1][0][0][0, 0]) == 4.0  # step 5 reads what step 4's rows left
+    finally:
+        landing.close()
+        run.close()
+
+
+def test_a_plan_that_outgrows_its_landing_buffer_gets_a_larger_one_and_views_of_it(arenas):
+    landing = plan_read.PlanLanding()
+    try:
+        for step, rows in enumerate([MIN_ROWS, MIN_ROWS, 5 * MIN_ROWS, 5 * MIN_ROWS, MIN_ROWS, MIN_ROWS, MIN_ROWS, MIN_ROWS]):
+            want = {"rows": [torch.full((3,), float(step * 100 + i)) for i in range(rows)], "whole": torch.zeros(0, 2)}
+            arenas.out.reset()
+            plan = _wire(StepPlan(step=step, extra_kwargs=arenas.encode_tensors(want), stacks=arenas.stacks))
+            made = landing.views_made
+            assert_same_tree(read_plan(arenas.out.arena, plan, None, MODEL, None, landing), want)
+            # A buffer's first plan, a plan that outgrew it (its views go with it) and the first plan of
+            # a shape in the larger one make views; a plan placed as the one two before, none.
+            assert (landing.views_made > made) == (step < 6)
+    finally:
+        landing.close()

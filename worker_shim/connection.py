@@ -24,6 +24,7 @@ from proto.tensors import TensorRef
 from proto.version import PACKED_LAYOUT_MINOR
 from worker_shim.channel import SidecarChannel, SidecarError
 from worker_shim.config import RingConfig
+from worker_shim.plan_read import PlanLanding
 from worker_shim.transfer import HiddenSlots, StepSlot, read_plan, read_states
 
 
@@ -49,6 +50,7 @@ class SidecarConnection:
         self._num_hidden_slots = hidden_slots
         self._hidden: HiddenSlots | None = None
         self._overlay_arena: Any = None
+        self._landing = PlanLanding()  # where this sidecar's plans' kwargs land (worker_shim/plan_read.py)
         self.started = time.monotonic()
         self.welcome: Welcome | None = None
         self._announces = False  # does the sidecar take StepStart (set from the Welcome)
@@ -250,7 +252,7 @@ class SidecarConnection:
         return read_states(self._overlay_arena, plan)
 
     def read_plan(self, plan: StepPlan, input_batch: Any, model: Any, embeds: torch.Tensor | None) -> dict[str, Any]:
-        return read_plan(self._overlay_arena, plan, input_batch, model, embeds)
+        return read_plan(self._overlay_arena, plan, input_batch, model, embeds, self._landing)
 
     def open_counts(self) -> dict[str, int]:
         return {"mem": self.opens.mem, "events": self.opens.events} if self.opens is not None else {}
@@ -264,6 +266,7 @@ class SidecarConnection:
     def close(self) -> None:
         self._channel.close()
         self._hidden = None  # first: its slot views keep the mapping exported
+        self._landing.close()
         for arena in (self._hidden_arena, self._overlay_arena):
             if arena is not None:
                 arena.close()

@@ -1,5 +1,5 @@
 """Tensors across the arenas: a step's hidden states and model results into our hidden slots,
-the plan's tensors out of the sidecar's arena.
+the plan's tensors out of the sidecar's arena (read by worker_shim/plan_read.py).
 
 Host arenas (`kind == "shm"`) are plain memory; device arenas (`"cuda_ipc"`)
 order their reads and writes with events: a slot is rewritten only after the
@@ -12,16 +12,14 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable
 
-import msgspec
 import torch
 
-from omni_arena.tensor_tree import RowPlace, TreeError, index_trees
-from omni_arena.views import arena_tensor, check_arena_ref, dtype_name
-from proto.arena import ALIGN, SlotRing, align_up
-from proto.messages import ReqId, StepPlan
-from proto.plan_trees import ROW_MARK, ROW_MARK_WIRE_BYTES, STACK_ROW, PlanTreeError, read_mark
-from proto.tensors import DTYPE_ITEMSIZE, TensorRef
+from omni_arena.views import arena_tensor, dtype_name
+from proto.arena import SlotRing, align_up
+from proto.messages import StepPlan
+from proto.tensors import TensorRef
 from worker_shim.channel import SidecarError
+from worker_shim.plan_read import KWARGS, STATES, PlanLanding, StackReader, copy_out_trees
 
 
 def hidden_arena_size(max_num_tokens: int, hidden_size: int, itemsize: int, slots: int,
@@ -151,10 +149,10 @@ def read_states(arena: Any, plan: StepPlan) -> dict[str, Any]:
     # Each state is kept for its request's lifetime (the model's state mirror): tensors of their own.
     cpu = torch.device("cpu")
     if type(plan.model_states) is bytes:
-        states = _StackReader(arena, plan.stacks, cpu, own=True).decode(plan.model_states, _STATES)
+        states = StackReader(arena, plan.stacks, cpu, own=True).decode(plan.model_states, STATES)
     else:
-        states = dict(zip(plan.model_states, _copy_out_trees(arena, list(plan.model_states.values()), cpu,
-                                                             plan.stacks, own=True)))
+        states = dict(zip(plan.model_states, copy_out_trees(arena, list(plan.model_states.values()), cpu,
+                                                            plan.stacks, own=True)))
     bad = [r for r, v in states.items() if not isinstance(v, dict)]
     if bad:
         raise SidecarError(f"sidecar sent model states that are not dicts for {bad[:4]}")
@@ -162,12 +160,14 @@ def read_states(arena: Any, plan: StepPlan) -> dict[str, Any]:
 
 
 def read_plan(arena: Any, plan: StepPlan, input_batch: Any, model: Any,
-              embeds: torch.Tensor | None) -> dict[str, Any]:
+              embeds: torch.Tensor | None, landing: PlanLanding | None = None) -> dict[str, Any]:
     """The plan's extra model inputs, copied out of the sidecar's arena.
 
     `embeds` is the persistent inputs_embeds buffer (already holding this
     step's token embeddings) when the runner feeds the model from one: overlay
-    rows are written into it in place, so CUDA graphs see them.
+    rows are written into it in place, so CUDA graphs see them. `landing`: a 1.8
+    plan's kwargs land in its buffers, their views kept from step to step
+    (worker_shim/plan_read.py); without it, in a copy of their own.
     """
     if not (plan.extra_kwargs or plan.overlays or plan.model_states):
         return {}
@@ -176,10 +176,10 @@ def read_plan(arena: Any, plan: StepPlan, input_batch: Any, model: Any,
         arena.wait_ready(plan.event)  # the sidecar's writes, ordered on our stream
     extra: dict[str, Any] = {}
     if type(plan.extra_kwargs) is bytes:
-        extra = _StackReader(arena, plan.stacks, model_device(model), own=False).decode(plan.extra_kwargs, _KWARGS)
+        extra = StackReader(arena, plan.stacks, model_device(model), False, landing).decode(plan.extra_kwargs, KWARGS)
     elif plan.extra_kwargs:
         device = model_device(model)
-        extra = _copy_out_trees(arena, [plan.extra_kwargs], device, plan.stacks)[0]
+        extra = copy_out_trees(arena, [plan.extra_kwargs], device, plan.stacks)[0]
         if not isinstance(extra, dict):  # a tree whose root is one tensor: not keyword arguments
             raise SidecarError(f"sidecar sent extra kwargs that are a {type(extra).__name__}, not a dict")
     if plan.overlays:
@@ -209,176 +209,6 @@ def _overlay(arena: Any, plan: StepPlan, input_batch: Any, model: Any,
     for start, end, rows in checked:
         embeds[start:end].copy_(rows.to(device=embeds.device, dtype=embeds.dtype))
     return embeds
-
-
-class _Region:
-    """The bytes a set of refs spans, copied out of the arena in ONE copy; each ref a view of it (a
-    copy per tensor was a launch each, once per request every step when per-request state rides in
-    the extra kwargs). Every ref is checked (bounds, bytes, dtype, alignment) before the copy."""
-
-    def __init__(self, arena: Any, refs: list[TensorRef], device: torch.device) -> None:
-        self.device = device
-        self.dtypes = {id(ref): check_arena_ref(arena, ref) for ref in refs}
-        sized = [ref for ref in refs if ref.nbytes]
-        # From an ALIGN boundary (still inside the arena), so the copy's byte k is the arena's lo + k for
-        # every dtype alike: a ref aligned to its dtype in the arena is aligned in the copy.
-        self.lo = lo = min((r.offset for r in sized), default=0) // ALIGN * ALIGN
-        hi = max((r.offset + r.nbytes for r in sized), default=0)
-        self.copy = None
-        if sized:
-            self.copy = arena_tensor(arena, TensorRef(sized[0].arena, lo, hi - lo, [hi - lo], "uint8")).to(
-                device, copy=True)
-        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the region's whole items of each dtype
-
-    def view(self, ref: TensorRef) -> torch.Tensor:
-        dtype = self.dtypes[id(ref)]
-        region = self.copy
-        if not ref.nbytes or region is None:
-            return torch.empty(ref.shape, dtype=dtype, device=self.device)
-        size = DTYPE_ITEMSIZE[ref.dtype]
-        items = self._typed.get(dtype)
-        if items is None:
-            items = self._typed[dtype] = region[: region.numel() // size * size].view(dtype)
-        start = (ref.offset - self.lo) // size
-        return items[start : start + ref.nbytes // size].view(ref.shape)
-
-
-_KWARGS = dict[str, Any]  # what a 1.8 plan's extra kwargs decode as: keyword arguments
-_STATES = dict[ReqId, Any]  # its model states, by request
-
-
-class _StackReader:
-    """A 1.8 plan's stacks out of the arena and a decoder hook that turns each tensor mark of a tree
-    (proto/plan_trees.py) into its tensor: msgspec's decoder calls the hook for every mark and places
-    what it returns, so no Python walks the tree.
-
-    Extra kwargs (views, on the model's device, every step): the span of all stacks in one copy.
-    Model states (`own`: host tensors of their own, kept for a request's lifetime; only when a
-    model's hooks ask): each stack copied when first named, so the kwargs' bytes are not.
-
-    A peer's tree is untrusted, and a mark is a few bytes: what a tree makes is bounded by its size.
-    A stack's rows are made in one call only while the tree still has room to name them all (a
-    budget shared by all its stacks: aliased stacks cannot multiply it), else indexed per mark;
-    copies (`own`) are bounded by the bytes of the plan's stacks, each of which a sidecar names once."""
-
-    def __init__(self, arena: Any, stacks: list[TensorRef], device: torch.device, own: bool) -> None:
-        if stacks and arena is None:
-            raise SidecarError("sidecar sent tensors but offered no arena")
-        self.arena, self.stacks, self.device, self.own = arena, stacks, device, own
-        self.region = _Region(arena, stacks, device) if stacks and not own else None
-        self.copies: dict[int, torch.Tensor] = {}  # own: stack k, copied out when first named
-        self.rows: dict[int, Any] = {}  # a stack's rows (a tuple of views, or the stack to index)
-        self.rows_left = 0  # rows the tree being decoded can still name (ROW_MARK_WIRE_BYTES each)
-        self.copy_bytes_left = sum(ref.nbytes for ref in stacks) if own else 0
-
-    def decode(self, data: bytes, kind: Any) -> Any:
-        self.rows_left = len(data) // ROW_MARK_WIRE_BYTES
-        try:
-            return msgspec.msgpack.Decoder(kind, ext_hook=self._hook()).decode(data)
-        except (msgspec.DecodeError, PlanTreeError) as exc:
-            raise SidecarError(f"sidecar sent a malformed tree: {exc}") from None
-        except RuntimeError as exc:  # a recursion past msgspec's guard; a ref whose shape cannot be viewed
-            raise SidecarError(f"sidecar sent a tree that cannot be read: {exc}") from None
-
-    def _hook(self) -> Callable[[int, memoryview], torch.Tensor]:
-        """The decoder's `ext_hook`: a closure over locals, called once per tensor of the tree (per
-        request, every step), so its every-request path is a few local look-ups."""
-        rows_made, rows_of, unpack, own, mark_size = self.rows, self._rows_of, ROW_MARK.unpack, self.own, ROW_MARK.size
-        whole_of, owned = self._whole_of, self._owned
-
-        def tensor(code: int, data: memoryview) -> torch.Tensor:
-            if code == STACK_ROW and len(data) == mark_size:  # the every-request case first
-                k, i = unpack(data)
-                rows = rows_made.get(k)
-                if rows is None:
-                    rows = rows_of(k)
-                if i >= len(rows):
-                    raise PlanTreeError(f"a tree names row {i} of stack {k}, which has {len(rows)}")
-                return owned(rows[i]) if own else rows[i]
-            k, _ = read_mark(code, data)  # a whole stack, or an extension value that is none of ours
-            return owned(whole_of(k)) if own else whole_of(k)
-
-        return tensor
-
-    def _whole_of(self, k: int) -> torch.Tensor:
-        if k >= len(self.stacks):
-            raise PlanTreeError(f"a tree names stack {k} of a plan with {len(self.stacks)}")
-        if self.region is not None:
-            return self.region.view(self.stacks[k])
-        copy = self.copies.get(k)
-        if copy is None:
-            copy = self.copies[k] = _Region(self.arena, [self.stacks[k]], self.device).view(self.stacks[k])
-        return copy
-
-    def _rows_of(self, k: int) -> Any:
-        if k < len(self.stacks) and not (self.stacks[k].shape and self.stacks[k].nbytes):
-            raise PlanTreeError(f"a tree names a row of stack {k}, which has no rows or bytes")  # none stacked empty
-        whole = self._whole_of(k)  # checks k, copies an `own` stack out
-        count = self.stacks[k].shape[0]
-        if count <= self.rows_left:  # every row's view in one call
-            self.rows_left -= count
-            rows = self.rows[k] = whole.unbind(0)
-        else:
-            rows = self.rows[k] = whole
-        return rows
-
-    def _owned(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.copy_bytes_left -= tensor.nbytes
-        if self.copy_bytes_left < 0:
-            raise PlanTreeError("a tree names more bytes than the plan's stacks hold")
-        return tensor.clone()
-
-
-def _copy_out_trees(arena: Any, trees: list[Any], device: torch.device, stacks: list[TensorRef],
-                    own: bool = False) -> list[Any]:
-    """Received trees' tensors (1.7 and before: marker dicts found by a walk), copied out of the
-    arena in one copy (`_Region`), then views of that copy. Rows of the plan's `stacks` (1.7) are
-    made per stack in one call (omni_arena/tensor_tree.py, RowStacker). Every ref, stack and row is
-    checked before anything is copied. `own`: each tensor in storage of its own (trees kept past the
-    step, e.g. per-request states, must not keep the others' bytes alive)."""
-    row_places: list[RowPlace] = []
-    try:
-        root, places = index_trees(trees, rows=row_places)
-    except TreeError as exc:
-        raise SidecarError(f"sidecar sent a malformed tree: {exc}") from None
-    if not places and not row_places:
-        return root
-    if arena is None:
-        raise SidecarError("sidecar sent tensors but offered no arena")
-    named = _check_rows(row_places, stacks)
-    region = _Region(arena, [ref for _, _, ref in places] + [stacks[k] for k in named], device)
-    view = region.view
-    try:
-        rows: dict[int, Any] = {}
-        for k, count in named.items():
-            whole = view(stacks[k])
-            # Every row's view in one call, when the rows named are all of them (the sidecar names
-            # each row once); a stack with more rows than named is indexed row by row instead.
-            rows[k] = whole.unbind(0) if whole.shape[0] <= count else whole
-        for holder, key, k, i in row_places:
-            holder[key] = rows[k][i].clone() if own else rows[k][i]
-        for holder, key, ref in places:
-            holder[key] = view(ref).clone() if own else view(ref)
-    except RuntimeError as exc:  # e.g. a zero-byte ref whose shape overflows: the peer's bad ref
-        raise SidecarError(f"sidecar sent a tensor ref that cannot be read: {exc}") from None
-    return root
-
-
-def _check_rows(row_places: list[RowPlace], stacks: list[TensorRef]) -> dict[int, int]:
-    """The stacks the row markers name, with how many markers name each; SidecarError for a stack
-    the plan lacks, one with no rows or no bytes (a sidecar never stacks empty tensors), or a row
-    past a stack's end."""
-    named: dict[int, int] = {}
-    for _, _, k, i in row_places:
-        if k >= len(stacks):
-            raise SidecarError(f"sidecar named stack {k} of a plan with {len(stacks)}")
-        shape = stacks[k].shape
-        if not shape or not stacks[k].nbytes:
-            raise SidecarError(f"sidecar sent stack {k} without rows or bytes (shape {shape})")
-        if i >= shape[0]:
-            raise SidecarError(f"sidecar named row {i} of stack {k}, which has {shape[0]}")
-        named[k] = named.get(k, 0) + 1
-    return named
 
 
 _DEVICES: "weakref.WeakKeyDictionary[Any, torch.device]" = weakref.WeakKeyDictionary()

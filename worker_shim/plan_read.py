@@ -1,0 +1,269 @@
+"""A plan's tensors read out of the sidecar's arena: in one copy (`Region`), a 1.8 plan's trees decoded
+with their tensors placed by msgspec (`StackReader`), a 1.7 plan's walked (`copy_out_trees`), and
+the buffers where a plan's extra kwargs land, their views kept from step to step (`PlanLanding`).
+
+Why the landing: the extra kwargs of a steady decode step (each request's state as vllm-omni's
+`runtime_additional_information`) are the same stacks at the same places every step, only their
+bytes change. Copying them into a fresh tensor each step made every view anew: the region's
+allocation, a typed view per stack and a view per row (`unbind`: ~1 µs a row, 64 µs of a 212 µs
+plan read at 64 requests on the H200 host, BENCHMARKS.md "The sidecar's step off the shim's path").
+Landed in a buffer of ours, a stack placed as before has the views made then: a steady step makes
+no tensor.
+
+Lifetime (docs/ARCHITECTURE.md, "Extra kwargs"): the tensors a step's kwargs hold are views of
+buffer `n % BUFFERS` of plan n, rewritten by plan n + BUFFERS's read: they hold this step's values
+through the next step, as vLLM's own model inputs (input_ids, positions) are views of buffers it
+rewrites each step; a model that keeps one longer keeps a copy. On a device the rewrite is
+enqueued on the shim's stream after the forwards that read them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import msgspec
+import torch
+
+from omni_arena.tensor_tree import RowPlace, TreeError, index_trees
+from omni_arena.views import arena_tensor, check_arena_ref
+from proto.arena import ALIGN, align_up
+from proto.messages import ReqId
+from proto.plan_trees import ROW_MARK, ROW_MARK_WIRE_BYTES, STACK_ROW, PlanTreeError, read_mark
+from proto.tensors import DTYPE_ITEMSIZE, TensorRef
+from worker_shim.channel import SidecarError
+
+BUFFERS = 2  # a step's kwargs stay as they were through the next step (see Lifetime)
+VIEWS_KEPT = 256  # views of stacks and their rows; a steady step names the same few, prefills vary
+
+ViewKey = tuple[int, int, torch.dtype, tuple[int, ...], bool]  # buffer, byte offset, dtype, shape, as rows
+
+
+class PlanLanding:
+    """Buffers on the model's device for plans' kwargs bytes, used in turn, and the views made of them."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor | None] = [None] * BUFFERS
+        self._turn = 0
+        self.views: dict[ViewKey, Any] = {}  # a stack's view (or its rows' views), by where it lies
+        self.landed = 0  # plans landed (tests: a steady step makes no view)
+        self.views_made = 0
+
+    def land(self, arena: Any, lo: int, hi: int, device: torch.device) -> tuple[int, torch.Tensor]:
+        """The arena's bytes [lo, hi) (checked by the caller) copied into the next buffer: (its index,
+        the bytes there)."""
+        turn = self._turn
+        self._turn = (turn + 1) % BUFFERS
+        size = hi - lo
+        buffer = self._buffers[turn]
+        if buffer is None or buffer.numel() < size or buffer.device != device:
+            # Grown by a quarter past the need, so a batch that grows a little does not re-make every view.
+            buffer = self._buffers[turn] = torch.empty(align_up(size + size // 4), dtype=torch.uint8, device=device)
+            for key in [key for key in self.views if key[0] == turn]:
+                del self.views[key]
+        source = arena_tensor(arena, TensorRef(0, lo, size, [size], "uint8"))
+        # A device arena's bytes are ordered on our stream (its ready event); a host arena's are read now.
+        buffer[:size].copy_(source, non_blocking=arena.kind != "shm")
+        self.landed += 1
+        return turn, buffer[:size]
+
+    def view(self, key: ViewKey, make: Any) -> Any:
+        """The view kept under `key`, else `make()`'s, kept."""
+        found = self.views.get(key)
+        if found is None:
+            if len(self.views) >= VIEWS_KEPT:
+                self.views.clear()
+            found = self.views[key] = make()
+            self.views_made += 1
+        return found
+
+    def close(self) -> None:
+        self._buffers = [None] * BUFFERS
+        self.views.clear()
+
+
+class Region:
+    """The bytes a set of refs spans, copied out of the arena in ONE copy; each ref a view of it (a
+    copy per tensor was a launch each, once per request every step when per-request state rides in
+    the extra kwargs). Every ref is checked (bounds, bytes, dtype, alignment) before the copy."""
+
+    def __init__(self, arena: Any, refs: list[TensorRef], device: torch.device,
+                 landing: PlanLanding | None = None) -> None:
+        self.device = device
+        self.dtypes = {id(ref): check_arena_ref(arena, ref) for ref in refs}
+        sized = [ref for ref in refs if ref.nbytes]
+        # From an ALIGN boundary (still inside the arena), so the copy's byte k is the arena's lo + k for
+        # every dtype alike: a ref aligned to its dtype in the arena is aligned in the copy.
+        self.lo = lo = min((r.offset for r in sized), default=0) // ALIGN * ALIGN
+        hi = max((r.offset + r.nbytes for r in sized), default=0)
+        self.copy = None
+        self.landing, self.turn = landing, -1  # `landing`: the bytes land in its buffer, its views kept
+        if sized and landing is not None:
+            self.turn, self.copy = landing.land(arena, lo, hi, device)
+        elif sized:
+            self.copy = arena_tensor(arena, TensorRef(sized[0].arena, lo, hi - lo, [hi - lo], "uint8")).to(
+                device, copy=True)
+        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the region's whole items of each dtype
+
+    def view(self, ref: TensorRef) -> torch.Tensor:
+        if self.landing is not None and ref.nbytes and self.copy is not None:
+            key = (self.turn, ref.offset - self.lo, self.dtypes[id(ref)], tuple(ref.shape), False)
+            return self.landing.view(key, lambda: self._view(ref))
+        return self._view(ref)
+
+    def rows(self, ref: TensorRef) -> tuple[torch.Tensor, ...]:
+        """Every row's view of `ref` (a stack with rows and bytes)."""
+        if self.landing is not None and self.copy is not None:
+            key = (self.turn, ref.offset - self.lo, self.dtypes[id(ref)], tuple(ref.shape), True)
+            return self.landing.view(key, lambda: self.view(ref).unbind(0))
+        return self._view(ref).unbind(0)
+
+    def _view(self, ref: TensorRef) -> torch.Tensor:
+        dtype = self.dtypes[id(ref)]
+        region = self.copy
+        if not ref.nbytes or region is None:
+            return torch.empty(ref.shape, dtype=dtype, device=self.device)
+        size = DTYPE_ITEMSIZE[ref.dtype]
+        items = self._typed.get(dtype)
+        if items is None:
+            items = self._typed[dtype] = region[: region.numel() // size * size].view(dtype)
+        start = (ref.offset - self.lo) // size
+        return items[start : start + ref.nbytes // size].view(ref.shape)
+
+
+KWARGS = dict[str, Any]  # what a 1.8 plan's extra kwargs decode as: keyword arguments
+STATES = dict[ReqId, Any]  # its model states, by request
+
+
+class StackReader:
+    """A 1.8 plan's stacks out of the arena and a decoder hook that turns each tensor mark of a tree
+    (proto/plan_trees.py) into its tensor: msgspec's decoder calls the hook for every mark and places
+    what it returns, so no Python walks the tree.
+
+    Extra kwargs (views, on the model's device, every step): the span of all stacks in one copy.
+    Model states (`own`: host tensors of their own, kept for a request's lifetime; only when a
+    model's hooks ask): each stack copied when first named, so the kwargs' bytes are not.
+
+    A peer's tree is untrusted, and a mark is a few bytes: what a tree makes is bounded by its size.
+    A stack's rows are made in one call only while the tree still has room to name them all (a
+    budget shared by all its stacks: aliased stacks cannot multiply it), else indexed per mark;
+    copies (`own`) are bounded by the bytes of the plan's stacks, each of which a sidecar names once."""
+
+    def __init__(self, arena: Any, stacks: list[TensorRef], device: torch.device, own: bool,
+                 landing: PlanLanding | None = None) -> None:
+        if stacks and arena is None:
+            raise SidecarError("sidecar sent tensors but offered no arena")
+        self.arena, self.stacks, self.device, self.own = arena, stacks, device, own
+        self.region = Region(arena, stacks, device, landing) if stacks and not own else None
+        self.copies: dict[int, torch.Tensor] = {}  # own: stack k, copied out when first named
+        self.rows: dict[int, Any] = {}  # a stack's rows (a tuple of views, or the stack to index)
+        self.rows_left = 0  # rows the tree being decoded can still name (ROW_MARK_WIRE_BYTES each)
+        self.copy_bytes_left = sum(ref.nbytes for ref in stacks) if own else 0
+
+    def decode(self, data: bytes, kind: Any) -> Any:
+        self.rows_left = len(data) // ROW_MARK_WIRE_BYTES
+        try:
+            return msgspec.msgpack.Decoder(kind, ext_hook=self._hook()).decode(data)
+        except (msgspec.DecodeError, PlanTreeError) as exc:
+            raise SidecarError(f"sidecar sent a malformed tree: {exc}") from None
+        except RuntimeError as exc:  # a recursion past msgspec's guard; a ref whose shape cannot be viewed
+            raise SidecarError(f"sidecar sent a tree that cannot be read: {exc}") from None
+
+    def _hook(self) -> Callable[[int, memoryview], torch.Tensor]:
+        """The decoder's `ext_hook`: a closure over locals, called once per tensor of the tree (per
+        request, every step), so its every-request path is a few local look-ups."""
+        rows_made, rows_of, unpack, own, mark_size = self.rows, self._rows_of, ROW_MARK.unpack, self.own, ROW_MARK.size
+        whole_of, owned = self._whole_of, self._owned
+
+        def tensor(code: int, data: memoryview) -> torch.Tensor:
+            if code == STACK_ROW and len(data) == mark_size:  # the every-request case first
+                k, i = unpack(data)
+                rows = rows_made.get(k)
+                if rows is None:
+                    rows = rows_of(k)
+                if i >= len(rows):
+                    raise PlanTreeError(f"a tree names row {i} of stack {k}, which has {len(rows)}")
+                return owned(rows[i]) if own else rows[i]
+            k, _ = read_mark(code, data)  # a whole stack, or an extension value that is none of ours
+            return owned(whole_of(k)) if own else whole_of(k)
+
+        return tensor
+
+    def _whole_of(self, k: int) -> torch.Tensor:
+        if k >= len(self.stacks):
+            raise PlanTreeError(f"a tree names stack {k} of a plan with {len(self.stacks)}")
+        if self.region is not None:
+            return self.region.view(self.stacks[k])
+        copy = self.copies.get(k)
+        if copy is None:
+            copy = self.copies[k] = Region(self.arena, [self.stacks[k]], self.device).view(self.stacks[k])
+        return copy
+
+    def _rows_of(self, k: int) -> Any:
+        if k < len(self.stacks) and not (self.stacks[k].shape and self.stacks[k].nbytes):
+            raise PlanTreeError(f"a tree names a row of stack {k}, which has no rows or bytes")  # none stacked empty
+        whole = self._whole_of(k)  # checks k, copies an `own` stack out
+        count = self.stacks[k].shape[0]
+        if count <= self.rows_left:  # every row's view in one call
+            self.rows_left -= count
+            rows = self.rows[k] = whole.unbind(0) if self.region is None else self.region.rows(self.stacks[k])
+        else:
+            rows = self.rows[k] = whole
+        return rows
+
+    def _owned(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.copy_bytes_left -= tensor.nbytes
+        if self.copy_bytes_left < 0:
+            raise PlanTreeError("a tree names more bytes than the plan's stacks hold")
+        return tensor.clone()
+
+
+def copy_out_trees(arena: Any, trees: list[Any], device: torch.device, stacks: list[TensorRef],
+                    own: bool = False) -> list[Any]:
+    """Received trees' tensors (1.7 and before: marker dicts found by a walk), copied out of the
+    arena in one copy (`Region`), then views of that copy. Rows of the plan's `stacks` (1.7) are
+    made per stack in one call (omni_arena/tensor_tree.py, RowStacker). Every ref, stack and row is
+    checked before anything is copied. `own`: each tensor in storage of its own (trees kept past the
+    step, e.g. per-request states, must not keep the others' bytes alive)."""
+    row_places: list[RowPlace] = []
+    try:
+        root, places = index_trees(trees, rows=row_places)
+    except TreeError as exc:
+        raise SidecarError(f"sidecar sent a malformed tree: {exc}") from None
+    if not places and not row_places:
+        return root
+    if arena is None:
+        raise SidecarError("sidecar sent tensors but offered no arena")
+    named = check_rows(row_places, stacks)
+    region = Region(arena, [ref for _, _, ref in places] + [stacks[k] for k in named], device)
+    view = region.view
+    try:
+        rows: dict[int, Any] = {}
+        for k, count in named.items():
+            whole = view(stacks[k])
+            # Every row's view in one call, when the rows named are all of them (the sidecar names
+            # each row once); a stack with more rows than named is indexed row by row instead.
+            rows[k] = whole.unbind(0) if whole.shape[0] <= count else whole
+        for holder, key, k, i in row_places:
+            holder[key] = rows[k][i].clone() if own else rows[k][i]
+        for holder, key, ref in places:
+            holder[key] = view(ref).clone() if own else view(ref)
+    except RuntimeError as exc:  # e.g. a zero-byte ref whose shape overflows: the peer's bad ref
+        raise SidecarError(f"sidecar sent a tensor ref that cannot be read: {exc}") from None
+    return root
+
+
+def check_rows(row_places: list[RowPlace], stacks: list[TensorRef]) -> dict[int, int]:
+    """The stacks the row markers name, with how many markers name each; SidecarError for a stack
+    the plan lacks, one with no rows or no bytes (a sidecar never stacks empty tensors), or a row
+    past a stack's end."""
+    named: dict[int, int] = {}
+    for _, _, k, i in row_places:
+        if k >= len(stacks):
+            raise SidecarError(f"sidecar named stack {k} of a plan with {len(stacks)}")
+        shape = stacks[k].shape
+        if not shape or not stacks[k].nbytes:
+            raise SidecarError(f"sidecar sent stack {k} without rows or bytes (shape {shape})")
+        if i >= shape[0]:
+            raise SidecarError(f"sidecar named row {i} of stack {k}, which has {shape[0]}")
+        named[k] = named.get(k, 0) + 1
+    return named
