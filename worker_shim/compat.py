@@ -43,6 +43,10 @@ CUDA_NAMES: list[tuple[str, str]] = [
 # plugin.py routes top-k/top-p to torch when Triton runs interpreted; skipped when absent
 # (start-up must not fail on it).
 TOPK_TOPP_TRITON_FLAG = ("vllm.v1.sample.ops.topk_topp_sampler", "HAS_TRITON")
+# Optional CompilationConfig fields: the sizes vLLM pads graph steps to, under its cudagraph mode;
+# the shim's embeds lookup is replayed from graphs of those sizes (worker_shim/embeds.py), eagerly
+# where they are absent.
+COMPILATION_GRAPH_FIELDS = ("cudagraph_mode", "cudagraph_capture_sizes")
 # Optional ModelConfig method, with a fallback to get_hidden_size (worker_shim/embeds.py
 # `embeds_width`): the inputs_embeds width.
 INPUTS_EMBEDS_SIZE_METHOD = "get_inputs_embeds_size"
@@ -291,6 +295,16 @@ def welcome_refusal(needs, hook_set: str, vllm_config) -> str | None:
                 f"drop (cudagraph_mode={getattr(mode, 'name', mode)}): start vLLM with "
                 "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' or --enforce-eager.")
     return None
+
+
+def graph_sizes(vllm_config) -> list[int]:
+    """The token counts vLLM runs CUDA graphs at ([] when it runs none: enforce_eager, mode NONE,
+    or a vLLM without these fields)."""
+    config = getattr(vllm_config, "compilation_config", None)
+    mode, sizes = (getattr(config, name, None) for name in COMPILATION_GRAPH_FIELDS)
+    if mode is None or not sizes or str(getattr(mode, "name", mode)).upper() == "NONE":
+        return []
+    return sorted({int(n) for n in sizes})
 
 
 def full_cuda_graphs(mode) -> bool:

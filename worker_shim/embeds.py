@@ -8,26 +8,84 @@ one buffer: graphs are captured reading it (`prepare_dummy_inputs`), each step
 writes the token embeddings into it outside the graph, overlay rows land in it
 in place, and the replay sees them. The cost is one embedding lookup per step
 outside the graph.
+
+That lookup is itself replayed from a CUDA graph of our own where vLLM runs graphs (a size of
+its `cudagraph_capture_sizes`, one GPU, tensor parallel size 1): eagerly it was the model's
+embedding module called from Python, a cast, the lookup and a copy, ~90 µs of host time a step
+on the H200 host (BENCHMARKS.md, session 11's profile), where plain V2 runs the lookup inside
+its first piecewise graph. Each size is captured the first time a step has it (its lookup run
+once eagerly first, which is that step's fill), reading vLLM's persistent input_ids buffer; a
+step whose input_ids are elsewhere, or any size once a capture failed, looks up eagerly.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, Iterable
 
 import torch
 
 from worker_shim.compat import INPUTS_EMBEDS_SIZE_METHOD
 
+log = logging.getLogger("vllm.omni_sidecar.shim.embeds")
+
 
 class EmbedsBuffer:
-    def __init__(self, max_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, max_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 graph_sizes: Iterable[int] = ()) -> None:
         self.buf = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)
+        # Sizes whose lookup runs from a graph of ours: only on CUDA, only sizes vLLM pads steps to.
+        self._graph_sizes = frozenset(n for n in graph_sizes if 0 < n <= max_tokens) if device.type == "cuda" else frozenset()
+        self._graphs: dict[int, tuple[Any, int]] = {}  # size -> (graph, the input_ids address it reads)
+        self._pool: Any = None  # one memory pool for all of them: they never run at once
+        self._side: Any = None  # the stream they are captured on
+        self.graph_replays = 0
 
     def fill(self, model: Any, input_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """This step's token embeddings in rows [0, num_tokens) (padding rows included)."""
         rows = self.buf[:num_tokens]
+        if num_tokens in self._graph_sizes:
+            captured = self._graphs.get(num_tokens)
+            if captured is None:
+                self._capture(model, input_ids, num_tokens)  # its warm-up lookup is this step's fill
+                return rows
+            graph, address = captured
+            if address == input_ids.data_ptr():
+                graph.replay()
+                self.graph_replays += 1
+                return rows
         rows.copy_(model.embed_input_ids(input_ids[:num_tokens]))
         return rows
+
+    def _capture(self, model: Any, input_ids: torch.Tensor, num_tokens: int) -> None:
+        """This step's fill, eagerly (on our stream, behind the forward still reading the buffer), then
+        the same fill captured on a side stream (a capture runs nothing; the default stream cannot
+        capture); on a failure to capture, every size fills eagerly from now on."""
+        rows, ids = self.buf[:num_tokens], input_ids[:num_tokens]
+        rows.copy_(model.embed_input_ids(ids))  # raises as the eager fill would
+        graph = torch.cuda.CUDAGraph()
+        try:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+                self._side = torch.cuda.Stream(self.buf.device)
+            with torch.cuda.stream(self._side):
+                # Not `torch.cuda.graph(...)`: its entry synchronizes, collects and empties the cache,
+                # mid-serving. Thread-local: vLLM's other threads may call CUDA meanwhile.
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    rows.copy_(model.embed_input_ids(ids))
+                finally:
+                    graph.capture_end()
+        except Exception as exc:  # noqa: BLE001 - any model's lookup: eager is always right
+            self._no_graphs(exc)
+            return
+        self._graphs[num_tokens] = (graph, input_ids.data_ptr())
+
+    def _no_graphs(self, exc: Exception) -> None:
+        log.warning("omni-sidecar shim: the model's embedding lookup could not be captured in a CUDA graph "
+                    "(%s); it runs eagerly every step (correct, ~50-90 us more host time a step)", exc)
+        self._graph_sizes = frozenset()
+        self._graphs.clear()
 
     def rows(self, num_tokens: int) -> torch.Tensor:
         return self.buf[:num_tokens]

@@ -24,6 +24,7 @@ from worker_shim.compat import (
     RUNNER_INIT_ATTRS,
     check_instance,
     check_one_of,
+    graph_sizes,
     is_dummy_run,
     prompt_len_of,
 )
@@ -118,8 +119,10 @@ class SidecarRunnerMixin:
             mark_compiled_graph(self.vllm_config)
             use_embeds = True
         if use_embeds:
+            # TP > 1: the lookup all-reduces across ranks; not captured by us.
+            sizes = graph_sizes(self.vllm_config) if self.omni_tp is None else []
             self.omni_embeds = EmbedsBuffer(int(self.max_num_tokens), embeds_width(mcfg),
-                                            mcfg.dtype, model_device(self.model))
+                                            mcfg.dtype, model_device(self.model), sizes)
         if capture_layers:
             link.layer_capture = LayerCapture(
                 self.model, int(mcfg.hf_text_config.num_hidden_layers), list(link.needs.hidden_layers),
