@@ -80,7 +80,7 @@ def render(res: dict) -> str:
         "",
         "| configuration | model | graphs | N x T | blocks | plain tok/s | shim tok/s | **shim / plain** (95 % CI) "
         "| block ratios p10..p90 | halves | CV plain / shim | shim steps, blocking | shim StepEnd p50 / exchange p50 "
-        "(of which plan read) µs; kicks, shim sleeps |",
+        "(of which plan read) µs [the worker thread's CPU in the StepEnd record / the plan read]; kicks, shim sleeps |",
         "|---|---|---|---|---:|---:|---:|---|---|---|---|---|---|",
     ]
     for c in res.get("configs", []):
@@ -91,8 +91,12 @@ def render(res: dict) -> str:
                          f"{c.get('error', '')[:160]} | | | | | |")
             continue
         steps = f"{st.get('steps', '-')}, {st.get('blocking_exchanges', '-')}" if st else "-"
+        # The worker thread's CPU time in the StepEnd record and the plan read, where recorded: the rest
+        # of their wall time was waiting (the GIL, a core).
+        cpu = (f" [cpu {st['step_end_cpu_us_p50']:.0f} / {st['plan_read_cpu_us_p50']:.0f}]"
+               if st.get("step_end_cpu_us_n") or st.get("plan_read_cpu_us_n") else "")
         host = (f"{st.get('post_us_p50', 0):.0f} / {st.get('exchange_us_p50', 0):.0f} "
-                f"({st.get('plan_read_us_p50', 0):.0f}); {st.get('ring_counts_kicks', '-')}, "
+                f"({st.get('plan_read_us_p50', 0):.0f}){cpu}; {st.get('ring_counts_kicks', '-')}, "
                 f"{st.get('ring_counts_sleeps', '-')}" if st else "-")
         status = "" if c.get("status") == "done" else f" ({c.get('status')})"
         lines.append(

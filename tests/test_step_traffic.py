@@ -134,8 +134,31 @@ def test_a_pass_through_step_sends_one_fixed_size_record_and_wakes_nobody(sideca
         assert session.steps == stats["steps"] == 12
         assert session.scheduled_tokens == stats["scheduled_tokens"] == 6 * 1 + 6 * 256
         assert session.new_requests == 257 and session.finished_requests == 257
+        # Only the steps that brought requests or finishes sent a StepEnd (the last one: the finishes alone),
+        # each timed in CPU; no tick read the thread's clock.
+        assert len(stats["step_end_cpu_us"]) == 3 and stats["plan_read_cpu_us"] == []
     finally:
         shim.link.close()
+
+
+def test_the_worker_threads_cpu_time_is_recorded_for_each_plan_read_and_step_end(tmp_path):
+    """The omni set through a real sidecar: every step reads a plan and sends a StepEnd; each records
+    the worker thread's CPU time beside the wall time, so bench.gpu can tell the shim's own work in
+    them from waiting (the GIL, a core) inside the engine."""
+    from bench.step_cost import ShimUnderTest
+
+    shim = None
+    try:
+        shim = ShimUnderTest(tmp_path, "omni", "omni", 8)
+        shim.run(30, 0.0, True)
+        stats = shim.link.stats()
+    finally:
+        if shim is not None:
+            shim.close()
+    assert stats["blocking_exchanges"] == stats["steps"] == 30
+    assert len(stats["plan_read_cpu_us"]) == len(stats["plan_read_us"]) == 30
+    assert len(stats["step_end_cpu_us"]) == len(stats["post_us"]) == 30
+    assert all(us > 0 for us in stats["plan_read_cpu_us"] + stats["step_end_cpu_us"])
 
 
 @pytest.mark.parametrize("sidecar", ["passthrough", "tests.support.asking_hooks:AskEveryStepHooks"],

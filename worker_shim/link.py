@@ -32,16 +32,9 @@ from worker_shim.layers import LayerCapture
 from worker_shim.model_hooks import ModelBridge
 from worker_shim.recovery import Recovery
 from worker_shim.session import FailureReports, SessionRequests
-from worker_shim.step_end import ModelResults, StepEndRecords
+from worker_shim.step_end import ModelResults, StepEndRecords, record_timing
 
 log = logging.getLogger("vllm.omni_sidecar.shim.link")
-
-
-def record_timing(samples: list[float], value: float) -> None:
-    """Append a per-step timing, keeping the latest TIMINGS_KEPT (trimmed in chunks: O(1) a step)."""
-    samples.append(value)
-    if len(samples) > 2 * TIMINGS_KEPT:
-        del samples[:-TIMINGS_KEPT]
 
 
 @dataclass
@@ -57,6 +50,11 @@ class StepCounters:
     exchange_us: list[float] = field(default_factory=list)  # blocking StepBegin round trips
     plan_read_us: list[float] = field(default_factory=list)  # of which reading the plan (its tensors copied out)
     post_us: list[float] = field(default_factory=list)  # shim-side cost of each StepEnd (copy + send)
+    # This thread's CPU time in the plan read and in each StepEnd's record (not a StepTick's): against
+    # the wall times above, what of them was our work and what waiting for the GIL or a core (vLLM's
+    # other threads, the host).
+    plan_read_cpu_us: list[float] = field(default_factory=list)
+    step_end_cpu_us: list[float] = field(default_factory=list)
     # Host time in the model's own hooks per step (preprocess, talker_mtp, postprocess, state mirror):
     # work vllm-omni's runner does too, told apart from the shim's own cost.
     model_hook_us: list[float] = field(default_factory=list)
@@ -196,10 +194,11 @@ class SidecarLink(StepEndRecords):
             self.counters.blocking_exchanges += 1
             self.counters.states_asked += len(want)
             self.failures.record(plan.errors)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.thread_time()
             states = conn.read_states(plan) if want and bridge is not None else None  # before the plan's reuse
             extra = conn.read_plan(plan, input_batch, model, embeds)
             record_timing(self.counters.plan_read_us, (time.perf_counter() - t1) * 1e6)
+            record_timing(self.counters.plan_read_cpu_us, (time.thread_time() - c1) * 1e6)
             if states is not None:
                 bridge.fill_states(states, failed={e.req_id for e in plan.errors})
         except (SidecarError, ValueError, msgspec.ValidationError) as exc:

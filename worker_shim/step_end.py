@@ -9,19 +9,28 @@ fixed-size StepTick; any other step the StepEnd, its tensors in the step's hidde
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
 from omni_arena.tensor_tree import store_tree
 from proto.messages import StepEnd, StepTick
+from proto.settings import TIMINGS_KEPT
 from worker_shim.batch import wire_layout
 
 ModelResults = tuple[dict[str, Any], dict[str, Any]]  # per request: state updates, outputs
 
 
+def record_timing(samples: list[float], value: float) -> None:
+    """Append a per-step timing, keeping the latest TIMINGS_KEPT (trimmed in chunks: O(1) a step)."""
+    samples.append(value)
+    if len(samples) > 2 * TIMINGS_KEPT:
+        del samples[:-TIMINGS_KEPT]
+
+
 class StepEndRecords:
-    """Needs the link's `step`, `requests`, `failures`, `recovery`, `conn`, `layer_capture`,
+    """Needs the link's `step`, `requests`, `failures`, `recovery`, `conn`, `layer_capture`, `counters`,
     `_layout_sent`, `_step_exchange_us` and `_last_post_us`."""
 
     def _brings_nothing_new(self, conn: Any, batch: Any, state: Any, model_results: ModelResults | None) -> bool:
@@ -47,6 +56,12 @@ class StepEndRecords:
 
     def _send_step_end(self, conn: Any, batch: Any, state: Any, num_tokens: int,
                        model_results: ModelResults | None) -> None:
+        cpu0 = time.thread_time()
+        self._record_step_end(conn, batch, state, num_tokens, model_results)
+        record_timing(self.counters.step_end_cpu_us, (time.thread_time() - cpu0) * 1e6)
+
+    def _record_step_end(self, conn: Any, batch: Any, state: Any, num_tokens: int,
+                         model_results: ModelResults | None) -> None:
         hidden_ref, layer_refs, hidden_event, slot = None, {}, -1, None
         updates, outputs = model_results or ({}, {})
         if not conn.needs.model_states:

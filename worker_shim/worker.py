@@ -165,7 +165,8 @@ class ShimWorkerMixin:
         """For `llm.collective_rpc("omni_sidecar_stats")`: what the shim sent and measured."""
         assert self.omni_link is not None
         stats = self.omni_link.stats()
-        for key in ("exchange_us", "plan_read_us", "post_us", "model_hook_us", "switch_us"):
+        for key in ("exchange_us", "plan_read_us", "post_us", "plan_read_cpu_us", "step_end_cpu_us", "model_hook_us",
+                    "switch_us"):
             lat = sorted(stats.pop(key, []))
             stats[f"{key}_p50"] = statistics.median(lat) if lat else 0.0
             stats[f"{key}_p99"] = lat[round(0.99 * (len(lat) - 1))] if lat else 0.0
