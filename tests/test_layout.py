@@ -80,9 +80,13 @@ def test_graphs_reading_the_embeds_buffer_get_their_own_compile_cache_key():
 def test_shim_config_checks_arena_and_embeds_settings(monkeypatch):
     from worker_shim.config import ShimConfig
 
-    vcfg = SimpleNamespace(additional_config={"omni_sidecar": {"arena": "shm", "embeds_buffer": "on"}})
+    vcfg = SimpleNamespace(additional_config={"omni_sidecar": {"arena": "shm", "embeds_buffer": "on",
+                                                               "embeds_graphs": "off"}})
     cfg = ShimConfig.from_vllm(vcfg)
-    assert (cfg.arena, cfg.embeds_buffer) == ("shm", "on")
+    assert (cfg.arena, cfg.embeds_buffer, cfg.embeds_graphs) == ("shm", "on", "off")
+    assert ShimConfig.from_vllm(SimpleNamespace(additional_config={})).embeds_graphs == "auto"
+    with pytest.raises(ValueError, match="embeds_graphs 'eager': use one of auto, off"):
+        ShimConfig.from_vllm(SimpleNamespace(additional_config={"omni_sidecar": {"embeds_graphs": "eager"}}))
     assert cfg.ring.enabled  # the environment's default
     ringless = ShimConfig.from_vllm(SimpleNamespace(additional_config={"omni_sidecar": {"ring": 0, "ring_spin_us": 50}}))
     assert (ringless.ring.enabled, ringless.ring.spin_us) == (False, 50)

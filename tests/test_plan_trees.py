@@ -299,3 +299,31 @@ def test_a_plan_that_outgrows_its_landing_buffer_gets_a_larger_one_and_views_of_
             assert (landing.views_made > made) == (step < 6)
     finally:
         landing.close()
+
+
+def test_a_sidecar_that_moves_its_stacks_every_step_cannot_grow_the_views_kept(monkeypatch):
+    """Each plan names one row of a stack of many rows at a new shape: each step's rows are made (the
+    tree's size pays for them) but the views kept stay within ROWS_KEPT, and a stack of more rows
+    than that alone is never kept."""
+    monkeypatch.setattr(plan_read, "ROWS_KEPT", 1000)
+    arena = ShmArena.create(1 << 16, prefix="omni-test-trees")
+    landing = plan_read.PlanLanding()
+    try:
+        for step in range(12):
+            rows = 300 + step  # a new shape each step: a new key
+            stacks = [TensorRef(0, 0, rows, [rows, 1], "uint8")]
+            tree = {"r": _ext(STACK_ROW, struct.pack("<II", 0, 0)), "pad": "x" * (rows * 12)}
+            got = read_plan(arena, StepPlan(step=step, extra_kwargs=msgspec.msgpack.encode(tree), stacks=stacks),
+                            None, MODEL, None, landing)
+            assert got["r"].shape == (1,)
+            assert landing.rows_kept <= 1000
+            assert landing.rows_kept == sum(len(v) for k, v in landing.views.items() if k[4])
+        assert landing.views_made >= 2 * 12  # every step made its views: nothing stale was reused
+        big = [TensorRef(0, 0, 2000, [2000, 1], "uint8")]
+        tree = {"r": _ext(STACK_ROW, struct.pack("<II", 0, 0)), "pad": "x" * (2000 * 12)}
+        read_plan(arena, StepPlan(step=99, extra_kwargs=msgspec.msgpack.encode(tree), stacks=big), None, MODEL, None,
+                  landing)
+        assert not any(k[4] and len(v) == 2000 for k, v in landing.views.items())
+    finally:
+        landing.close()
+        arena.close()

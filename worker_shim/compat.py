@@ -47,6 +47,9 @@ TOPK_TOPP_TRITON_FLAG = ("vllm.v1.sample.ops.topk_topp_sampler", "HAS_TRITON")
 # the shim's embeds lookup is replayed from graphs of those sizes (worker_shim/embeds.py), eagerly
 # where they are absent.
 COMPILATION_GRAPH_FIELDS = ("cudagraph_mode", "cudagraph_capture_sizes")
+# VllmConfig field: set when LoRA adapters are served (then the lookup stays eager: its embedding reads
+# per-step adapter state on the host that a graph would freeze).
+LORA_CONFIG_FIELD = "lora_config"
 # Optional ModelConfig method, with a fallback to get_hidden_size (worker_shim/embeds.py
 # `embeds_width`): the inputs_embeds width.
 INPUTS_EMBEDS_SIZE_METHOD = "get_inputs_embeds_size"

@@ -29,6 +29,9 @@ from proto.settings import (
 LossPolicy = Literal["fail-all", "fail-payload"]
 ArenaChoice = Literal["auto", "shm", "cuda_ipc"]
 EmbedsSetting = Literal["auto", "on", "off"]
+# auto: the embeds buffer's lookup replays from CUDA graphs where vLLM runs graphs (one GPU, TP 1, no
+# LoRA); off: it runs eagerly every step (worker_shim/embeds.py).
+EmbedsGraphs = Literal["auto", "off"]
 # vllm-omni's `subtalker_sampling_params`: how a model's talker_mtp samples its residual codes.
 SUBTALKER_SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p")
 
@@ -92,6 +95,7 @@ class ShimConfig:
     curve_keys: str = ""  # tcp:// only: dir with client.key_secret and server.key
     arena: ArenaChoice = "auto"  # how tensors cross to the sidecar
     embeds_buffer: EmbedsSetting = "auto"  # persistent inputs_embeds for overlays
+    embeds_graphs: EmbedsGraphs = "auto"  # its per-step lookup from CUDA graphs of the shim's own
     ring: RingConfig = field(default_factory=RingConfig)  # the shared-memory ring fast path
     # Passed to a model's talker_mtp as keyword arguments, as vllm-omni's runner passes its
     # `subtalker_sampling_params`; empty: the model's own defaults (docs/ARCHITECTURE.md, "Model hooks").
@@ -123,6 +127,9 @@ class ShimConfig:
             embeds_buffer=_choice(pick("embeds_buffer", "EMBEDS_BUFFER"), "embeds_buffer", EmbedsSetting,
                                   "auto feeds the model from a persistent inputs_embeds buffer "
                                   "when the sidecar's hooks run before the forward"),
+            embeds_graphs=_choice(pick("embeds_graphs", "EMBEDS_GRAPHS"), "embeds_graphs", EmbedsGraphs,
+                                  "auto replays the embeds buffer's lookup from CUDA graphs where vLLM runs "
+                                  "graphs (one GPU, TP 1, no LoRA); off looks up eagerly every step"),
             ring=RingConfig.from_env({**os.environ, **{env: str(mine[key]) for key, env in _RING_KEYS.items()
                                                        if key in mine}}),
             subtalker_sampling=_subtalker_sampling(mine.get("subtalker_sampling", {})),

@@ -10,12 +10,14 @@ in place, and the replay sees them. The cost is one embedding lookup per step
 outside the graph.
 
 That lookup is itself replayed from a CUDA graph of our own where vLLM runs graphs (a size of
-its `cudagraph_capture_sizes`, one GPU, tensor parallel size 1): eagerly it was the model's
-embedding module called from Python, a cast, the lookup and a copy, ~90 µs of host time a step
-on the H200 host (BENCHMARKS.md, session 11's profile), where plain V2 runs the lookup inside
-its first piecewise graph. Each size is captured the first time a step has it (its lookup run
-once eagerly first, which is that step's fill), reading vLLM's persistent input_ids buffer; a
-step whose input_ids are elsewhere, or any size once a capture failed, looks up eagerly.
+its `cudagraph_capture_sizes`, one GPU, tensor parallel size 1, no LoRA, `embeds_graphs=auto`):
+eagerly it is the model's embedding module called from Python, a cast, the lookup and a copy
+(~34 µs of host time in a hot loop on the H200 host, ~90 µs a step inside the engine by session
+11's profile; a replay 2.4 µs), where plain V2 runs the lookup inside its first piecewise graph.
+Each size is captured the first time a step has it (its lookup run once eagerly first, which is
+that step's fill), reading vLLM's persistent input_ids buffer; a step whose input_ids are
+elsewhere, or any size once a capture failed, looks up eagerly. The graph holds the lookup as a
+function of the input ids alone (docs/ARCHITECTURE.md, "CUDA graphs").
 """
 
 from __future__ import annotations
@@ -58,12 +60,12 @@ class EmbedsBuffer:
         return rows
 
     def _capture(self, model: Any, input_ids: torch.Tensor, num_tokens: int) -> None:
-        """This step's fill, eagerly (on our stream, behind the forward still reading the buffer), then
-        the same fill captured on a side stream (a capture runs nothing; the default stream cannot
-        capture); on a failure to capture, every size fills eagerly from now on."""
+        """This step's fill, eagerly (it is this step's; the first call of a size also warms the lookup
+        up), then the same fill captured on a side stream (a capture runs nothing; the default stream
+        cannot capture); on a failure to capture, every size fills eagerly from now on."""
         rows, ids = self.buf[:num_tokens], input_ids[:num_tokens]
         rows.copy_(model.embed_input_ids(ids))  # raises as the eager fill would
-        graph = torch.cuda.CUDAGraph()
+        graph, failure = torch.cuda.CUDAGraph(), None
         try:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
@@ -74,16 +76,31 @@ class EmbedsBuffer:
                 graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 try:
                     rows.copy_(model.embed_input_ids(ids))
-                finally:
-                    graph.capture_end()
+                except Exception as exc:  # noqa: BLE001 - the cause, reported below
+                    failure = exc
+                graph.capture_end()  # raises when the capture broke inside CUDA (a host read, a sync)
         except Exception as exc:  # noqa: BLE001 - any model's lookup: eager is always right
-            self._no_graphs(exc)
+            failure = failure or exc
+            self._stop_pool()
+        if failure is not None:
+            self._no_graphs(failure)
             return
         self._graphs[num_tokens] = (graph, input_ids.data_ptr())
 
+    def _stop_pool(self) -> None:
+        """A capture that broke inside CUDA raises from `capture_end` before torch's allocator stops
+        routing the capturing stream's allocations to our pool, and while it routes, the allocator
+        defers freeing memory that other streams used: stop it (a no-op error if it had stopped)."""
+        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        if end is not None and self._pool is not None:
+            try:
+                end(self.buf.device.index, self._pool)
+            except Exception:  # noqa: BLE001 - already stopped
+                pass
+
     def _no_graphs(self, exc: Exception) -> None:
         log.warning("omni-sidecar shim: the model's embedding lookup could not be captured in a CUDA graph "
-                    "(%s); it runs eagerly every step (correct, ~50-90 us more host time a step)", exc)
+                    "(%s); it runs eagerly every step (correct; set embeds_graphs=off to skip the attempt)", exc)
         self._graph_sizes = frozenset()
         self._graphs.clear()
 

@@ -8,13 +8,15 @@ bytes change. Copying them into a fresh tensor each step made every view anew: t
 allocation, a typed view per stack and a view per row (`unbind`: ~1 µs a row, 64 µs of a 212 µs
 plan read at 64 requests on the H200 host, BENCHMARKS.md "The sidecar's step off the shim's path").
 Landed in a buffer of ours, a stack placed as before has the views made then: a steady step makes
-no tensor.
+no tensor (but an empty one for a zero-byte stack).
 
 Lifetime (docs/ARCHITECTURE.md, "Extra kwargs"): the tensors a step's kwargs hold are views of
 buffer `n % BUFFERS` of plan n, rewritten by plan n + BUFFERS's read: they hold this step's values
 through the next step, as vLLM's own model inputs (input_ids, positions) are views of buffers it
 rewrites each step; a model that keeps one longer keeps a copy. On a device the rewrite is
-enqueued on the shim's stream after the forwards that read them.
+enqueued on the shim's stream after the forwards that read them. Every other step hands out the
+same tensor objects. What is kept is bounded (VIEWS_KEPT, ROWS_KEPT): a peer that moves its stacks
+each step makes views each step, as before, but cannot make the kept ones grow.
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ from proto.tensors import DTYPE_ITEMSIZE, TensorRef
 from worker_shim.channel import SidecarError
 
 BUFFERS = 2  # a step's kwargs stay as they were through the next step (see Lifetime)
-VIEWS_KEPT = 256  # views of stacks and their rows; a steady step names the same few, prefills vary
+# What the views kept may hold: entries (a stack's view, or its rows' views), and row views in all
+# (~600 bytes of host memory each). A steady step names the same few stacks of at most a batch's
+# rows each; a peer that moves its stacks every step must not make the kept views grow with it.
+VIEWS_KEPT = 256
+ROWS_KEPT = 1 << 16
 
 ViewKey = tuple[int, int, torch.dtype, tuple[int, ...], bool]  # buffer, byte offset, dtype, shape, as rows
 
@@ -45,6 +51,7 @@ class PlanLanding:
         self._buffers: list[torch.Tensor | None] = [None] * BUFFERS
         self._turn = 0
         self.views: dict[ViewKey, Any] = {}  # a stack's view (or its rows' views), by where it lies
+        self.rows_kept = 0  # row views in `views`
         self.landed = 0  # plans landed (tests: a steady step makes no view)
         self.views_made = 0
 
@@ -59,7 +66,7 @@ class PlanLanding:
             # Grown by a quarter past the need, so a batch that grows a little does not re-make every view.
             buffer = self._buffers[turn] = torch.empty(align_up(size + size // 4), dtype=torch.uint8, device=device)
             for key in [key for key in self.views if key[0] == turn]:
-                del self.views[key]
+                self._forget(key)
         source = arena_tensor(arena, TensorRef(0, lo, size, [size], "uint8"))
         # A device arena's bytes are ordered on our stream (its ready event); a host arena's are read now.
         buffer[:size].copy_(source, non_blocking=arena.kind != "shm")
@@ -67,18 +74,32 @@ class PlanLanding:
         return turn, buffer[:size]
 
     def view(self, key: ViewKey, make: Any) -> Any:
-        """The view kept under `key`, else `make()`'s, kept."""
+        """The view kept under `key`, else `make()`'s, kept while the bounds allow (all dropped when
+        the new one would pass them; one larger than ROWS_KEPT alone is not kept)."""
         found = self.views.get(key)
-        if found is None:
-            if len(self.views) >= VIEWS_KEPT:
-                self.views.clear()
-            found = self.views[key] = make()
-            self.views_made += 1
+        if found is not None:
+            return found
+        found = make()
+        self.views_made += 1
+        rows = len(found) if key[4] else 0
+        if rows > ROWS_KEPT:
+            return found
+        if len(self.views) >= VIEWS_KEPT or self.rows_kept + rows > ROWS_KEPT:
+            self.views.clear()
+            self.rows_kept = 0
+        self.views[key] = found
+        self.rows_kept += rows
         return found
+
+    def _forget(self, key: ViewKey) -> None:
+        found = self.views.pop(key)
+        if key[4]:
+            self.rows_kept -= len(found)
 
     def close(self) -> None:
         self._buffers = [None] * BUFFERS
         self.views.clear()
+        self.rows_kept = 0
 
 
 class Region:
@@ -106,16 +127,18 @@ class Region:
 
     def view(self, ref: TensorRef) -> torch.Tensor:
         if self.landing is not None and ref.nbytes and self.copy is not None:
-            key = (self.turn, ref.offset - self.lo, self.dtypes[id(ref)], tuple(ref.shape), False)
-            return self.landing.view(key, lambda: self._view(ref))
+            return self.landing.view(self._key(ref, False), lambda: self._view(ref))
         return self._view(ref)
 
-    def rows(self, ref: TensorRef) -> tuple[torch.Tensor, ...]:
-        """Every row's view of `ref` (a stack with rows and bytes)."""
+    def rows(self, ref: TensorRef, whole: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every row's view of `ref` (a stack with rows and bytes), `whole` being its view."""
         if self.landing is not None and self.copy is not None:
-            key = (self.turn, ref.offset - self.lo, self.dtypes[id(ref)], tuple(ref.shape), True)
-            return self.landing.view(key, lambda: self.view(ref).unbind(0))
-        return self._view(ref).unbind(0)
+            return self.landing.view(self._key(ref, True), lambda: whole.unbind(0))
+        return whole.unbind(0)
+
+    def _key(self, ref: TensorRef, rows: bool) -> ViewKey:
+        """Where `ref` lies in the landing: the same bytes of the same buffer, the same view."""
+        return self.turn, ref.offset - self.lo, self.dtypes[id(ref)], tuple(ref.shape), rows
 
     def _view(self, ref: TensorRef) -> torch.Tensor:
         dtype = self.dtypes[id(ref)]
@@ -205,7 +228,7 @@ class StackReader:
         count = self.stacks[k].shape[0]
         if count <= self.rows_left:  # every row's view in one call
             self.rows_left -= count
-            rows = self.rows[k] = whole.unbind(0) if self.region is None else self.region.rows(self.stacks[k])
+            rows = self.rows[k] = whole.unbind(0) if self.region is None else self.region.rows(self.stacks[k], whole)
         else:
             rows = self.rows[k] = whole
         return rows

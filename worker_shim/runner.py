@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from worker_shim.compat import (
+    LORA_CONFIG_FIELD,
     MODEL_STATE_EMBEDS_METHODS,
     MODEL_STATE_METHODS,
     RUNNER_ATTRS,
@@ -119,8 +120,11 @@ class SidecarRunnerMixin:
             mark_compiled_graph(self.vllm_config)
             use_embeds = True
         if use_embeds:
-            # TP > 1: the lookup all-reduces across ranks; not captured by us.
-            sizes = graph_sizes(self.vllm_config) if self.omni_tp is None else []
+            # Not captured: TP > 1 (the lookup all-reduces across ranks); LoRA (its embedding reads host
+            # state per step that a graph would freeze); a user's `embeds_graphs=off`.
+            graphs = (self.omni_tp is None and getattr(self.vllm_config, LORA_CONFIG_FIELD, None) is None
+                      and ShimConfig.from_vllm(self.vllm_config).embeds_graphs == "auto")
+            sizes = graph_sizes(self.vllm_config) if graphs else []
             self.omni_embeds = EmbedsBuffer(int(self.max_num_tokens), embeds_width(mcfg),
                                             mcfg.dtype, model_device(self.model), sizes)
         if capture_layers:

@@ -171,6 +171,8 @@ class ShimWorkerMixin:
             stats[f"{key}_p50"] = statistics.median(lat) if lat else 0.0
             stats[f"{key}_p99"] = lat[round(0.99 * (len(lat) - 1))] if lat else 0.0
             stats[f"{key}_n"] = len(lat)
+        embeds = getattr(getattr(self, "model_runner", None), "omni_embeds", None)
+        stats["embeds_graph_replays"] = embeds.graph_replays if embeds is not None else 0  # worker_shim/embeds.py
         return stats
 
     def omni_sidecar_mirror_waiting(self) -> int:

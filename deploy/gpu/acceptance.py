@@ -145,7 +145,7 @@ def check_overlay(model: str, work: Path, gpus: str, tp: int = 1) -> dict:
         c.figures.update(identical=f"{same}/{n}", blocking_exchanges=stats["blocking_exchanges"],
                          shim_opens=stats.get("arena_opens"),
                          sidecar_opens={"mem": st.get("arena_opens"), "events": st.get("event_opens")},
-                         errors=stats["request_errors"])
+                         errors=stats["request_errors"], embeds_graph_replays=stats.get("embeds_graph_replays"))
         c.expect(same == n, "overlay tokens differ from prompt_embeds")
         c.expect(FULL_GRAPHS in open(shim["log_path"]).read(), "no FULL CUDA graphs with the embeds buffer")
         c.expect(ref["tokens"][n:] != shim["tokens"], "placeholders alone give the same tokens (overlay untested)")
@@ -156,6 +156,9 @@ def check_overlay(model: str, work: Path, gpus: str, tp: int = 1) -> dict:
             # event on the shim; the shim's hidden arena + 2 ready events + 1 done event on the sidecar.
             c.expect(stats.get("arena_opens") == {"mem": 1, "events": 1}, "shim opens != 1 buffer + 1 event")
             c.expect((st.get("arena_opens"), st.get("event_opens")) == (1, 3), "sidecar opens != 1 buffer + 3 events")
+            # Decode steps fill the embeds buffer from the shim's own graphs (worker_shim/embeds.py): the
+            # tokens above are those of the replayed lookup.
+            c.expect((stats.get("embeds_graph_replays") or 0) > 0, "the embeds lookup never replayed from a graph")
         else:
             c.expect(len(shim["shim_stats"]) == tp and shim["shim_stats"][1].get("role") == "tp-follower",
                      "rank 1 is not a follower")
