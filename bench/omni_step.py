@@ -15,7 +15,8 @@ alternating blocks:
 - `1.7-per-request`: 1.7 with `postprocess` overridden (the default's body, called per request and
   merged one request at a time): what a model's subclass pays;
 - `1.8`: the plan for a shim of 1.8 (its trees as msgpack bytes, each tensor an extension value
-  naming a stack: the shim's decoder places the tensors, no walk; proto/plan_trees.py).
+  naming a stack: the shim's decoder places the tensors, no walk; proto/plan_trees.py), read as the
+  shim's connection reads it: the kwargs landed in its buffers, their views kept (worker_shim/plan_read.py).
 Timings only: nothing here passes or fails.
 
     python -m bench.omni_step [--requests 64,256] [--hidden 2048] [--steps 600] [--write]
@@ -45,6 +46,8 @@ from omni_sidecar.store import FinishedOutputs  # noqa: E402
 from proto.arena import ShmArena  # noqa: E402
 from proto.messages import BatchLayout, Hello, NewRequest, StepBegin, StepEnd, StepPlan  # noqa: E402
 from proto.tensors import TensorRef  # noqa: E402
+from proto.version import EXT_TREES_MINOR  # noqa: E402
+from worker_shim.plan_read import PlanLanding  # noqa: E402
 from worker_shim.transfer import read_plan  # noqa: E402
 
 PHASES = ("end", "plan", "settle", "shim_read")
@@ -78,6 +81,8 @@ class Run:
         self.session = Session(1, hello, hooks, FinishedOutputs(10), SidecarMetrics())
         self.session.open_arenas()
         self.decoder = msgspec.msgpack.Decoder(StepPlan)
+        # A 1.8 plan's kwargs land in the shim's buffers, their views kept, as its connection reads them.
+        self.landing = PlanLanding() if minor >= EXT_TREES_MINOR else None
         gen = torch.Generator().manual_seed(0)
         for k in range(1 + len(layers)):
             self.shim_arena.view(TensorRef(0, k * rows_bytes, rows_bytes, [rows_bytes], "uint8"))[:] = (
@@ -121,7 +126,7 @@ class Run:
         wire = msgspec.msgpack.encode(plan)  # the sidecar's encode: not timed (the ring's)
         t0 = time.perf_counter()
         got = self.decoder.decode(wire)
-        read_plan(s.arenas.out.arena, got, None, MODEL, None)
+        read_plan(s.arenas.out.arena, got, None, MODEL, None, self.landing)
         t1 = time.perf_counter()
         s.step_end(StepEnd(k, None, hidden=self.rows, hidden_layers=self.layer_rows, num_tokens=n))
         t2 = time.perf_counter()
@@ -135,6 +140,8 @@ class Run:
         self.plan_bytes = len(wire)
 
     def close(self) -> None:
+        if self.landing is not None:
+            self.landing.close()
         self.session.close()
         self.shim_arena.close()
 
@@ -188,7 +195,8 @@ def markdown(res: dict[str, dict]) -> list[str]:
         "out. The shim waits on `end + plan` when they outlast its own sampling and scheduling. `1.6`: a ref "
         "per tensor; `1.7`: the plan's same-shaped tensors stacked; `1.7-per-request`: `postprocess` "
         "overridden (a model's subclass); `1.8`: stacked, the trees as bytes whose tensors are extension values "
-        "(the shim's decoder places them, no walk). p50 (p10-p90) in us. " + _measured_on(), "",
+        "(the shim's decoder places them, no walk; the kwargs land in the shim's buffers, their views kept). "
+        "p50 (p10-p90) in us. " + _measured_on(), "",
         "| requests | plan for | end | plan | end + plan | settle | shim read | plan bytes |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
