@@ -4,7 +4,9 @@ Default (`--parts throughput`): decode throughput shim / plain V2 and shim / in-
 baseline (the same hooks called in the worker, no sidecar: bench/inproc.py; the price of the
 process boundary, in throughput and in µs per step) with all engines resident in this one
 driver process (`--engines`), many short alternating rounds, median block ratios,
-bootstrap 95 % intervals and the spread (bench/gpu_ab.py, bench/ab_stats.py), for
+bootstrap 95 % intervals and the spread (bench/gpu_ab.py, bench/ab_stats.py), and Python's
+cycle collector in each engine's process (collections and pause per step: bench/gpu_models.py,
+`GcProbe`, plain's engine included), for
 tiny-passthrough, tiny-omni, 1b-passthrough, 1b-omni (bench/gpu_models.py), in that
 order, inside `--budget-s` (configurations that no longer fit are skipped, rounds stop at
 the deadline, a watchdog ends the run GRACE_S past it). After every block it rewrites

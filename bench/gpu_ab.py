@@ -34,7 +34,17 @@ from pathlib import Path
 from typing import Callable
 
 from bench.ab_stats import block_order, step_pace, step_price, summarize
-from bench.gpu_models import KWARGS_MARK_ENV, SHAPES, build_model_dir, engine_kwargs, omni_hook_options, param_count
+from bench.gpu_models import (
+    GC_PROBE_ENV,
+    GC_PROBE_WRITE_S,
+    KWARGS_MARK_ENV,
+    SHAPES,
+    build_model_dir,
+    engine_kwargs,
+    omni_hook_options,
+    param_count,
+    read_gc_probe,
+)
 from bench.pinning import child_pids, pin_all, plan
 
 # Engines a configuration holds besides plain V2: the shim with a sidecar, and the bench's
@@ -253,6 +263,7 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
     endpoint = f"ipc://{work}/{name}.sock"
     engines: dict = {}
     marks = {e: work / f"{name}-kwargs{'' if e == 'shim' else '-' + e}.json" for e in ("shim", "inproc")}
+    gc_files = {e: work / f"{name}-gc-{e}.json" for e in sizes.engines}
     sidecar = None
     try:
         sidecar = SidecarProcess(endpoint, hooks, work / f"{name}-sidecar.log", options=res["hook_options"],
@@ -265,6 +276,7 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
         for engine in sizes.engines:
             t0 = time.monotonic()
             extra: dict = {"additional_config": config}
+            os.environ[GC_PROBE_ENV] = str(gc_files[engine])  # its engine core inherits it (fork or spawn)
             if engine != "plain":
                 extra["worker_cls"] = WORKERS[engine]
                 os.environ[KWARGS_MARK_ENV] = str(marks[engine])  # its engine core inherits it (fork or spawn)
@@ -292,6 +304,11 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
         res["steps_per_round"] = {e: round((_steps(engines[e]) - steps_before[e]) /
                                            max(1, sum(r["engine"] == e for r in res["rounds"])), 2) for e in hooked}
         _summaries(res, sizes.engines)
+        time.sleep(GC_PROBE_WRITE_S + 0.1)  # then a round each: every probe writes what it counted
+        for engine in sizes.engines:
+            _round(engines[engine], prompts, params)
+        res["gc"] = {e: read_gc_probe(gc_files[e]) for e in sizes.engines}
+        print(f"[{name}] the cycle collector in each engine's process: {json.dumps(res['gc'])}", flush=True)
         for engine in sizes.engines:
             if engine != "plain":
                 (stats,) = engines[engine].collective_rpc("omni_sidecar_stats")
@@ -316,6 +333,7 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
         print(f"[{name}] FAILED: {res['error']}", flush=True)
     finally:
         os.environ.pop(KWARGS_MARK_ENV, None)
+        os.environ.pop(GC_PROBE_ENV, None)
         for llm in engines.values():
             try:
                 _shutdown(llm)

@@ -26,6 +26,8 @@ from pathlib import Path
 ARCH = "BenchKwargsLlamaForCausalLM"
 PLUGIN_DIST = "omni_bench_kwargs_llama-0.0.dist-info"
 KWARGS_MARK_ENV = "OMNI_BENCH_KWARGS_MARK"  # file the model writes when extra kwargs first reach it
+GC_PROBE_ENV = "OMNI_BENCH_GC_FILE"  # file where the model's process keeps its cycle collector's counts
+GC_PROBE_WRITE_S = 1.0  # how often the forward rewrites it (the bench waits this long before reading)
 
 # name -> Llama shape. "tiny": the tests' tiny Llama (tiny_models.TINY_CONFIG, 0.1 M params, the
 # per-step host cost as visible as it gets); "1b": Llama-1B-shaped (1.1 B params, a realistic
@@ -103,9 +105,15 @@ def _define() -> type:
         """Upstream Llama taking vllm-omni's extra forward kwargs; counts the steps that had them."""
 
         kwargs_steps = 0
+        gc_probe: "GcProbe | None" = None
 
         def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None,
                     runtime_additional_information=None, request_token_spans=None, **_: object):
+            probe = self.gc_probe
+            if probe is None and os.environ.get(GC_PROBE_ENV):
+                probe = self.gc_probe = GcProbe(Path(os.environ[GC_PROBE_ENV]))
+            if probe is not None:
+                probe.forward()
             if runtime_additional_information is not None:
                 self.kwargs_steps += 1
                 if self.kwargs_steps == 1 and os.environ.get(KWARGS_MARK_ENV):  # once: proof they arrived
@@ -116,6 +124,56 @@ def _define() -> type:
     BenchKwargsLlamaForCausalLM.__module__ = __name__
     BenchKwargsLlamaForCausalLM.__qualname__ = ARCH
     return BenchKwargsLlamaForCausalLM
+
+
+class GcProbe:
+    """The engine process's cycle collections (by generation) and their pauses, over the engine's life
+    (warm-up included, the same for every engine), rewritten to a file at most every GC_PROBE_WRITE_S
+    by the forward: what the collector costs each engine per step, plain's included (its worker is
+    vLLM's own, which no bench call reaches; the model is the bench's in every engine)."""
+
+    def __init__(self, path: Path) -> None:
+        import gc
+        import time
+
+        self.path = path
+        self.collections = [0, 0, 0]
+        self.pause_us = [0.0, 0.0, 0.0]
+        self.forwards = 0
+        # Bound now: the callback also runs while the interpreter shuts down, when imports fail.
+        self._clock, self._monotonic = time.perf_counter, time.monotonic
+        self._started: float | None = None
+        self._write_due = 0.0
+        gc.callbacks.append(self._collected)
+
+    def _collected(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = self._clock()
+        elif self._started is not None:
+            generation = int(info.get("generation", 2))
+            self.collections[generation] += 1
+            self.pause_us[generation] += (self._clock() - self._started) * 1e6
+            self._started = None
+
+    def forward(self) -> None:
+        self.forwards += 1
+        now = self._monotonic()
+        if now >= self._write_due:
+            self._write_due = now + GC_PROBE_WRITE_S
+            self.path.write_text(json.dumps({"forwards": self.forwards, "collections": self.collections,
+                                             "pause_us": [round(us, 1) for us in self.pause_us]}))
+
+
+def read_gc_probe(path: Path) -> dict | None:
+    """An engine's collector figures per forward (None where its probe wrote nothing)."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    forwards = max(1, int(raw["forwards"]))
+    return {"forwards": raw["forwards"], "collections": raw["collections"], "pause_us": raw["pause_us"],
+            "per_1000_forwards": [round(1000 * n / forwards, 2) for n in raw["collections"]],
+            "pause_us_per_forward": round(sum(raw["pause_us"]) / forwards, 2)}
 
 
 def engine_kwargs(model_dir: Path, *, smoke: bool, graphs: str, num_seqs: int) -> dict:

@@ -121,6 +121,7 @@ def render(res: dict) -> str:
             lines.append(f"- {c['config']}: {s['verdict']} ({start}).")
     lines += _boundary(res)
     lines += _pace(res)
+    lines += _collector(res)
     ref = res.get("refusal")
     if ref:
         lines.append(f"- Extra kwargs under FULL CUDA graphs (the shim with `--hooks omni --hook-option extra_kwargs=1`, "
@@ -212,6 +213,19 @@ def _pace(res: dict) -> list[str]:
             s = (c["pace"].get(key) or {})
             if s.get("verdict"):
                 lines.append(f"- {c['config']}, {label} by step pace: {s['verdict']}.")
+    return lines
+
+
+def _collector(res: dict) -> list[str]:
+    """Python's cycle collector in each engine's process (bench/gpu_models.py, GcProbe), where recorded."""
+    lines = []
+    for c in res.get("configs", []):
+        probes = {e: g for e, g in (c.get("gc") or {}).items() if g}
+        if probes:
+            lines.append(f"- {c['config']}, the cycle collector in each engine's process (its life, warm-up "
+                         "included): " + "; ".join(
+                             f"{e} {g['pause_us_per_forward']} µs a step (collections per 1000 steps by generation "
+                             f"{' / '.join(str(n) for n in g['per_1000_forwards'])})" for e, g in probes.items()) + ".")
     return lines
 
 

@@ -151,3 +151,33 @@ def test_pinning_plans_a_core_set_per_group_or_none_and_pins_every_thread():
         stop.set()
         worker.join()
     assert os.sched_getaffinity(0) == set(allowed)
+
+
+def test_the_gc_probe_counts_an_engines_collections_and_the_report_says_them(tmp_path):
+    """bench.gpu's probe of Python's cycle collector in each engine's process (bench/gpu_models.py):
+    each collection counted by generation with its pause, the file the forward writes read back per
+    forward, and the report's line."""
+    import gc
+
+    from bench.gpu_models import GcProbe, read_gc_probe
+    from bench.gpu_report import _collector
+
+    probe = GcProbe(tmp_path / "gc.json")
+    try:
+        probe.forward()  # the first forward writes
+        full = probe.collections[2]
+        gc.collect()
+        assert probe.collections[2] == full + 1 and probe.pause_us[2] > 0
+        probe.forward()  # within GC_PROBE_WRITE_S of the first: not written
+        assert read_gc_probe(tmp_path / "gc.json")["forwards"] == 1
+        probe._write_due = 0.0
+        probe.forward()
+    finally:
+        gc.callbacks.remove(probe._collected)
+    got = read_gc_probe(tmp_path / "gc.json")
+    assert got["forwards"] == 3 and got["collections"][2] == full + 1
+    assert got["per_1000_forwards"][2] == round(1000 * (full + 1) / 3, 2)
+    assert read_gc_probe(tmp_path / "absent.json") is None
+    line, = _collector({"configs": [{"config": "tiny-omni", "gc": {"plain": got, "shim": None}}]})
+    assert line.startswith("- tiny-omni, the cycle collector") and f"plain {got['pause_us_per_forward']} µs" in line
+    assert "shim" not in line  # an engine whose probe wrote nothing is left out
