@@ -34,17 +34,8 @@ from pathlib import Path
 from typing import Callable
 
 from bench.ab_stats import block_order, step_pace, step_price, summarize
-from bench.gpu_models import (
-    GC_PROBE_ENV,
-    GC_PROBE_WRITE_S,
-    KWARGS_MARK_ENV,
-    SHAPES,
-    build_model_dir,
-    engine_kwargs,
-    omni_hook_options,
-    param_count,
-    read_gc_probe,
-)
+from bench.gpu_models import (GC_PROBE_ENV, GC_PROBE_WRITE_S, KWARGS_MARK_ENV, SHAPES, build_model_dir,
+                               engine_kwargs, omni_hook_options, param_count, read_gc_probe)
 from bench.pinning import child_pids, pin_all, plan
 
 # Engines a configuration holds besides plain V2: the shim with a sidecar, and the bench's
