@@ -112,8 +112,8 @@ class SidecarRunnerMixin:
             check_one_of(self.model_state, MODEL_STATE_EMBEDS_METHODS, "model_state")
         swap_class(self.model_state, SidecarModelStateMixin)
         self.model_state.omni_runner = self
-        self.omni_bridge = attach_bridge(self.model, self.omni_tp, link.embeds_setting,
-                                         ShimConfig.from_vllm(self.vllm_config).subtalker_sampling)
+        settings = ShimConfig.from_vllm(self.vllm_config)
+        self.omni_bridge = attach_bridge(self.model, self.omni_tp, link.embeds_setting, settings.subtalker_sampling)
         if self.omni_bridge is not None:
             link.mirror_sink = self.omni_bridge.apply_appended
         if self.omni_bridge is not None and not use_embeds:  # hooks set on the instance only
@@ -123,7 +123,7 @@ class SidecarRunnerMixin:
             # Not captured: TP > 1 (the lookup all-reduces across ranks); LoRA (its embedding reads host
             # state per step that a graph would freeze); a user's `embeds_graphs=off`.
             graphs = (self.omni_tp is None and getattr(self.vllm_config, LORA_CONFIG_FIELD, None) is None
-                      and ShimConfig.from_vllm(self.vllm_config).embeds_graphs == "auto")
+                      and settings.embeds_graphs == "auto")
             sizes = graph_sizes(self.vllm_config) if graphs else []
             self.omni_embeds = EmbedsBuffer(int(self.max_num_tokens), embeds_width(mcfg),
                                             mcfg.dtype, model_device(self.model), sizes)
