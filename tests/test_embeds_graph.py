@@ -94,3 +94,12 @@ def test_a_lookup_no_graph_can_hold_runs_eagerly_and_says_so_once(caplog):
     assert buffer.graph_replays == 0
     assert len([r for r in caplog.records if "could not be captured" in r.message]) == 1
     torch.cuda.synchronize(dev)  # the failed capture left the device usable
+    # ... and its random generator: vLLM samples with it (before the fix: "Offset increment outside
+    # graph capture encountered unexpectedly" until the cycle collector destroyed the graph)
+    assert torch.randn(8, device=dev).isfinite().all()
+    # ... and a later capture of another buffer works and replays
+    good = EmbedsBuffer(64, 64, torch.float32, dev, graph_sizes=[4])
+    plain = Embedder(384, 64, dev)
+    for _ in range(3):
+        assert torch.equal(good.fill(plain, ids, 4), plain.embed_input_ids(ids[:4]))
+    assert good.graph_replays == 2

@@ -65,8 +65,10 @@ class EmbedsBuffer:
         cannot capture); on a failure to capture, every size fills eagerly from now on."""
         rows, ids = self.buf[:num_tokens], input_ids[:num_tokens]
         rows.copy_(model.embed_input_ids(ids))  # raises as the eager fill would
-        graph, failure = torch.cuda.CUDAGraph(), None
+        graph, failure, rng_state = torch.cuda.CUDAGraph(), None, None
         try:
+            # The generator's seed and offset, should the capture break (`_undo_capture`).
+            rng_state = torch.cuda.default_generators[self.buf.device.index or 0].get_state()
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
                 self._side = torch.cuda.Stream(self.buf.device)
@@ -83,7 +85,9 @@ class EmbedsBuffer:
             failure = failure or exc
             self._stop_pool()
         if failure is not None:
-            self._no_graphs(failure)
+            self._undo_capture(graph, rng_state)
+            first_line = (str(failure).strip().splitlines() or [""])[0]  # CUDA errors add a paragraph of advice
+            self._no_graphs(f"{type(failure).__name__}: {first_line}")
             return
         self._graphs[num_tokens] = (graph, input_ids.data_ptr())
 
@@ -98,7 +102,36 @@ class EmbedsBuffer:
             except Exception:  # noqa: BLE001 - already stopped
                 pass
 
-    def _no_graphs(self, exc: Exception) -> None:
+    def _undo_capture(self, graph: Any, rng_state: torch.Tensor | None) -> None:
+        """A capture that broke leaves the device's default random generator marked as capturing
+        (torch ends that mark only in a capture_end that succeeds): every random op of the process
+        then raises ("Offset increment outside graph capture encountered unexpectedly"), vLLM's
+        sampling among them (seen on the H200). The generator is handed a fresh state holding the
+        seed and offset it had before the capture (`graphsafe_set_state`)."""
+        try:
+            graph.reset()
+        except Exception:  # noqa: BLE001 - nothing left to reset
+            pass
+        if rng_state is None or self._rng_usable():
+            return
+        try:
+            fresh = torch.Generator(device=self.buf.device)
+            fresh.set_state(rng_state)
+            torch.cuda.default_generators[self.buf.device.index or 0].graphsafe_set_state(fresh)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            log.debug("could not reset the random generator: %s", exc)
+        if not self._rng_usable():
+            log.error("omni-sidecar shim: after the failed capture of the embedding lookup, random ops on "
+                      "%s still fail; restart the engine with embeds_graphs=off", self.buf.device)
+
+    def _rng_usable(self) -> bool:
+        try:
+            torch.empty(1, device=self.buf.device).uniform_()
+            return True
+        except RuntimeError:
+            return False
+
+    def _no_graphs(self, exc: str) -> None:
         log.warning("omni-sidecar shim: the model's embedding lookup could not be captured in a CUDA graph "
                     "(%s); it runs eagerly every step (correct; set embeds_graphs=off to skip the attempt)", exc)
         self._graph_sizes = frozenset()
