@@ -14,7 +14,9 @@ the deadline, a watchdog ends the run GRACE_S past it). After every block it rew
 BENCHMARKS.md (bench/gpu_report.py). `--parts exchange,handoff` add issue #3's per-step
 exchange and 16 MiB handoff figures (to the JSON) when the budget still allows; `refusal`
 (default) checks, in a thread while the first engines start, that the shim refuses
-extra-kwargs hooks under FULL CUDA graphs at start-up with its one-line message.
+extra-kwargs hooks under FULL CUDA graphs at start-up with its one-line message. `--profile-s N`
+samples every engine with py-spy (when on PATH) for the first N s of the timed rounds and says
+where each engine's step went (bench/gpu_profile.py; those rounds run beside the sampler).
 
 On one GPU host with the bundle (deploy/gpu/build_bundle.sh) at .cache/h-gpu/bundle:
     sh deploy/gpu/run_bench.sh .cache/h-gpu/bundle OUT_DIR 470
@@ -143,6 +145,9 @@ def main() -> None:
     ap.add_argument("--measure-s", type=float, help="seconds of timed rounds per configuration (default 22; smoke: 2 blocks)")
     ap.add_argument("--pin", action="store_true",
                     help="each engine and the sidecar on cores of their own (bench/pinning.py says why it is off)")
+    ap.add_argument("--profile-s", type=float, default=0.0,
+                    help="py-spy (when on PATH) on every engine for the timed rounds' first seconds: raw stacks "
+                         "into --out, each phase's share of the step in the JSON and BENCHMARKS.md (bench/gpu_profile.py)")
     ap.add_argument("--parts", default="throughput,refusal", help="throughput[,refusal][,exchange][,handoff]")
     ap.add_argument("--iters", type=int, default=500, help="exchange round trips per block (--parts exchange)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "gpu"), help="folder for the JSON")
@@ -179,6 +184,7 @@ def main() -> None:
         raise SystemExit(f"--engines {args.engines!r}: plain,shim or plain,shim,inproc")
     sizes.engines = engines
     sizes.pin = args.pin
+    sizes.profile_s, sizes.profile_dir = args.profile_s, args.out
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / ("gpu_ab-smoke.json" if args.smoke else "gpu_ab.json")

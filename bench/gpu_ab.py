@@ -36,6 +36,7 @@ from typing import Callable
 from bench.ab_stats import block_order, step_pace, step_price, summarize
 from bench.gpu_models import (GC_PROBE_ENV, GC_PROBE_WRITE_S, KWARGS_MARK_ENV, SHAPES, build_model_dir,
                                engine_kwargs, omni_hook_options, param_count, read_gc_probe)
+from bench.gpu_profile import ProfileRecorder
 from bench.pinning import child_pids, pin_all, plan
 
 # Engines a configuration holds besides plain V2: the shim with a sidecar, and the bench's
@@ -62,6 +63,8 @@ class Sizes:
     smoke: bool = False
     engines: tuple[str, ...] = ("plain", "shim", "inproc")  # plain first: the others compare to it
     pin: bool = False  # `--pin`: each engine and the sidecar on cores of their own (bench/pinning.py: it hurt)
+    profile_s: float = 0.0  # `--profile-s`: py-spy on every engine for the timed rounds' first seconds
+    profile_dir: str = ""  # where the raw stacks go (bench.gpu's --out)
 
     @classmethod
     def smoke_sizes(cls) -> "Sizes":
@@ -289,7 +292,12 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
         hooked = [e for e in sizes.engines if e != "plain"]
         steps_before = {e: _steps(engines[e]) for e in hooked}  # the shims count the timed rounds' steps
         res["status"] = "measuring"
+        profiler = ProfileRecorder.maybe(Path(sizes.profile_dir or work), name, sizes.profile_s)
+        if profiler is not None:
+            profiler.start(processes)
         _measure(res, engines, prompts, params, sizes, budget, sink)
+        if profiler is not None:
+            res["profile"] = profiler.finish()
         # A round's step count varies by one (the engine core may start a step before the driver
         # added every request), so per engine: the mean over its timed rounds.
         res["steps_per_round"] = {e: round((_steps(engines[e]) - steps_before[e]) /

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.gpu_profile import render as render_profile
+
 BEGIN = "<!-- bench.gpu one-device: begin (written by `python -m bench.gpu`; edits here are replaced) -->"
 END = "<!-- bench.gpu one-device: end -->"
 
@@ -122,6 +124,7 @@ def render(res: dict) -> str:
     lines += _boundary(res)
     lines += _pace(res)
     lines += _collector(res)
+    lines += _profiles(res)
     ref = res.get("refusal")
     if ref:
         lines.append(f"- Extra kwargs under FULL CUDA graphs (the shim with `--hooks omni --hook-option extra_kwargs=1`, "
@@ -226,6 +229,21 @@ def _collector(res: dict) -> list[str]:
                          "included): " + "; ".join(
                              f"{e} {g['pause_us_per_forward']} µs a step (collections per 1000 steps by generation "
                              f"{' / '.join(str(n) for n in g['per_1000_forwards'])})" for e, g in probes.items()) + ".")
+    return lines
+
+
+def _profiles(res: dict) -> list[str]:
+    """Where each engine's step went (bench/gpu_profile.py), where a run was profiled."""
+    lines = []
+    for c in res.get("configs", []):
+        profile = c.get("profile") or {}
+        plain_ms = ((c.get("pace") or {}).get("shim_vs_plain") or {}).get("plain_step_ms_median")
+        table = render_profile(profile, plain_ms)
+        if table:
+            lines += ["", f"Where each engine's step went, {c['config']} (`--profile-s {profile.get('seconds')}`: py-spy on "
+                      f"every engine during the first timed rounds; samples under each phase per 100 under vLLM's "
+                      f"sampler, `{profile.get('normalizer')}`, the same work in every engine; bench/gpu_profile.py):",
+                      "", *table]
     return lines
 
 

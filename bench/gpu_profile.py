@@ -1,0 +1,156 @@
+"""Where each engine's step goes: py-spy samples of every engine core during the timed rounds (issue #15).
+
+`python -m bench.gpu --profile-s 40` samples each engine's processes (and the sidecar's) with py-spy
+(`--nonblocking`: the engines are never paused) for the first seconds of the timed rounds, when
+py-spy is on PATH, keeps the raw stacks beside the JSON and puts an attribution in it: per engine,
+the samples under each phase of vLLM's step (and of the shim's link), per 100 samples of vLLM's
+sampler (`GPUModelRunner.sample`: the same work in every engine, so the unit is "as long as plain's
+sampling"; the engines run alternating rounds, so raw counts would compare their shares of the
+window, not their steps). What an engine adds over plain, converted to µs per step with plain's
+median step period, is an estimate: py-spy leaves out time a thread is blocked (a futex, a device
+wait where CUDA blocks rather than spins), which the step pace includes.
+
+    python -m bench.gpu_profile PLAIN.txt SHIM.txt [INPROC.txt]   # attribute saved raw stacks
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+NORMALIZER = "GPUModelRunner.sample"
+# (label, frame): vLLM's step, then the shim's link (the in-process baseline runs the same link).
+PHASES: tuple[tuple[str, str], ...] = (
+    ("engine step", "EngineCore.step_with_batch_queue"),
+    ("scheduler: schedule", "Scheduler.schedule"),
+    ("scheduler: update from output", "Scheduler.update_from_output"),
+    ("runner: execute_model", "GPUModelRunner.execute_model"),
+    ("runner: prepare_inputs (vLLM)", "GPUModelRunner.prepare_inputs"),
+    ("runner: add_requests", "GPUModelRunner.add_requests"),
+    ("runner: piecewise graphs", "CudaGraphManager.run_pw_graph"),
+    ("runner: sample_tokens", "GPUModelRunner.sample_tokens"),
+    ("shim: step start", "SidecarLink.begin_step"),
+    ("shim: plan (StepBegin, wait, read)", "SidecarLink.pre_forward"),
+    ("shim: waiting for the plan", "SidecarLink._ask_plan"),
+    ("shim: plan read", "SidecarConnection.read_plan"),
+    ("shim: embeds lookup", "EmbedsBuffer.fill"),
+    ("shim: step end (StepEnd / StepTick)", "SidecarLink.end_step"),
+    ("cycle collector callbacks (bench probe)", "GcProbe._collected"),
+)
+RATE_HZ = 250
+
+
+def frame_name(frame: str) -> str:
+    """`func (file.py:12)` -> `func` (py-spy's raw format names a frame by function, file and line)."""
+    return frame.split(" (", 1)[0]
+
+
+def load_stacks(paths: list[Path]) -> Counter:
+    """Collapsed stacks (`a;b;c 12` per line) of one engine's processes, by their frames' names."""
+    stacks: Counter = Counter()
+    for path in paths:
+        for line in Path(path).read_text(errors="replace").splitlines():
+            stack, _, count = line.rpartition(" ")
+            if stack and count.isdigit():
+                stacks[tuple(frame_name(f) for f in stack.split(";"))] += int(count)
+    return stacks
+
+
+def samples_under(stacks: Counter, frame: str) -> int:
+    return sum(n for frames, n in stacks.items() if frame in frames)
+
+
+def attribute(stacks_by_engine: dict[str, Counter]) -> dict:
+    """Per engine: its samples, and per phase the samples under it per 100 of the normalizer's."""
+    engines = {}
+    for engine, stacks in stacks_by_engine.items():
+        base = samples_under(stacks, NORMALIZER)
+        units = {label: round(100 * samples_under(stacks, frame) / base, 1) if base else None
+                 for label, frame in PHASES}
+        engines[engine] = {"samples": sum(stacks.values()), "normalizer_samples": base, "units": units}
+    return {"normalizer": NORMALIZER, "rate_hz": RATE_HZ, "engines": engines}
+
+
+def render(profile: dict, plain_step_ms: float | None) -> list[str]:
+    """A markdown table: phases x engines in normalizer units, and each engine's excess over plain
+    as µs per step (estimated from plain's step period: units / plain's step units x its period)."""
+    engines = profile.get("engines") or {}
+    if "plain" not in engines or not engines["plain"].get("normalizer_samples"):
+        return []
+    others = [e for e in engines if e != "plain"]
+    plain_units = engines["plain"]["units"]
+    plain_step = plain_units.get("engine step") or 0
+    head = "| phase | " + " | ".join(engines) + " | " + " | ".join(f"{e} - plain, µs / step (est.)" for e in others) + " |"
+    lines = [head, "|---" * (1 + len(engines) + len(others)) + "|"]
+    for label, _ in PHASES:
+        cells = [engines[e]["units"].get(label) for e in engines]
+        if not any(cells):
+            continue
+        extra = []
+        for e in others:
+            mine, theirs = engines[e]["units"].get(label) or 0, plain_units.get(label) or 0
+            extra.append(f"{(mine - theirs) / plain_step * plain_step_ms * 1000:+.0f}" if plain_step and plain_step_ms else "-")
+        lines.append(f"| {label} | " + " | ".join("-" if c is None else f"{c:g}" for c in cells) + " | "
+                     + " | ".join(extra) + " |")
+    samples = ", ".join(f"{e} {v['samples']} ({v['normalizer_samples']} in the sampler)" for e, v in engines.items())
+    lines.append(f"\nSamples ({profile.get('rate_hz')} Hz, py-spy --nonblocking): {samples}.")
+    return lines
+
+
+class ProfileRecorder:
+    """py-spy on each engine's processes (and the sidecar's) for `seconds`, raw stacks into `out`."""
+
+    def __init__(self, exe: str, out: Path, config: str, seconds: float) -> None:
+        self.exe, self.out, self.config, self.seconds = exe, out, config, seconds
+        self.files: dict[str, list[Path]] = {}
+        self.procs: list[subprocess.Popen] = []
+
+    @classmethod
+    def maybe(cls, out: Path, config: str, seconds: float) -> "ProfileRecorder | None":
+        exe = shutil.which("py-spy") if seconds > 0 else None
+        if seconds > 0 and exe is None:
+            print("[profile] py-spy is not on PATH: no profile", flush=True)
+        return cls(exe, out, config, seconds) if exe else None
+
+    def start(self, processes: dict[str, set[int]]) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        for name, pids in processes.items():
+            if name == "driver":
+                continue
+            for pid in sorted(pids):
+                path = self.out / f"prof-{self.config}-{name}-{pid}.txt"
+                self.files.setdefault(name, []).append(path)
+                self.procs.append(subprocess.Popen(
+                    [self.exe, "record", "--nonblocking", "-r", str(RATE_HZ), "-d", str(int(self.seconds)),
+                     "--format", "raw", "-o", str(path), "-p", str(pid)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    def finish(self) -> dict:
+        """Wait for the samplers (they stop on their own), then attribute what they wrote."""
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=self.seconds + 30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        stacks = {name: load_stacks([p for p in paths if p.exists()]) for name, paths in self.files.items()}
+        engines = {name: s for name, s in stacks.items() if name != "sidecar" and s}
+        profile = attribute(engines)
+        profile["files"] = sorted(p.name for paths in self.files.values() for p in paths if p.exists())
+        profile["seconds"] = self.seconds
+        return profile
+
+
+def main(argv: list[str]) -> None:
+    names = ["plain", "shim", "inproc"]
+    if not 1 <= len(argv) <= 3:
+        raise SystemExit(__doc__)
+    profile = attribute({names[i]: load_stacks([Path(p)]) for i, p in enumerate(argv)})
+    print("\n".join(render(profile, None)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
