@@ -3,25 +3,28 @@
 `python -m bench.gpu --profile-s 40` samples each engine's processes (and the sidecar's) with py-spy
 (`--nonblocking`: the engines are never paused) for the first seconds of the timed rounds, when
 py-spy is on PATH, keeps the raw stacks beside the JSON and puts an attribution in it: per engine,
-the samples under each phase of vLLM's step (and of the shim's link), per 100 samples of vLLM's
-sampler (`GPUModelRunner.sample`: the same work in every engine, so the unit is "as long as plain's
-sampling"; the engines run alternating rounds, so raw counts would compare their shares of the
-window, not their steps). What an engine adds over plain, converted to µs per step with plain's
+the samples under each phase of vLLM's step (and of the shim's link), per 100 samples of the work
+the shim leaves alone (`NORMALIZERS`: vLLM's scheduling, its update from the step's output and its
+sampling, the same work in every engine for the same rounds: the engines run alternating rounds, so
+raw counts would compare their shares of the window, not their steps; these three together are
+about a third of a step, so a few hundred samples and a few % of noise). What an engine adds over plain, converted to µs per step with plain's
 median step period, is an estimate: py-spy leaves out time a thread is blocked (a futex, a device
 wait where CUDA blocks rather than spins), which the step pace includes.
 
-    python -m bench.gpu_profile PLAIN.txt SHIM.txt [INPROC.txt]   # attribute saved raw stacks
+    python -m bench.gpu_profile [--plain-step-ms MS] PLAIN.txt SHIM.txt [INPROC.txt]   # saved raw stacks
 """
 
 from __future__ import annotations
 
+import argparse
+import gzip
 import shutil
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
-NORMALIZER = "GPUModelRunner.sample"
+NORMALIZERS = ("Scheduler.schedule", "Scheduler.update_from_output", "GPUModelRunner.sample_tokens")
 # (label, frame): vLLM's step, then the shim's link (the in-process baseline runs the same link).
 PHASES: tuple[tuple[str, str], ...] = (
     ("engine step", "EngineCore.step_with_batch_queue"),
@@ -52,26 +55,29 @@ def load_stacks(paths: list[Path]) -> Counter:
     """Collapsed stacks (`a;b;c 12` per line) of one engine's processes, by their frames' names."""
     stacks: Counter = Counter()
     for path in paths:
-        for line in Path(path).read_text(errors="replace").splitlines():
+        raw = Path(path).read_bytes()
+        text = (gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw).decode(errors="replace")
+        for line in text.splitlines():
             stack, _, count = line.rpartition(" ")
             if stack and count.isdigit():
                 stacks[tuple(frame_name(f) for f in stack.split(";"))] += int(count)
     return stacks
 
 
-def samples_under(stacks: Counter, frame: str) -> int:
-    return sum(n for frames, n in stacks.items() if frame in frames)
+def samples_under(stacks: Counter, *frames: str) -> int:
+    """Samples whose stack holds any of `frames` (each sample counted once)."""
+    return sum(n for stack, n in stacks.items() if any(f in stack for f in frames))
 
 
 def attribute(stacks_by_engine: dict[str, Counter]) -> dict:
-    """Per engine: its samples, and per phase the samples under it per 100 of the normalizer's."""
+    """Per engine: its samples, and per phase the samples under it per 100 of the normalizers'."""
     engines = {}
     for engine, stacks in stacks_by_engine.items():
-        base = samples_under(stacks, NORMALIZER)
+        base = samples_under(stacks, *NORMALIZERS)
         units = {label: round(100 * samples_under(stacks, frame) / base, 1) if base else None
                  for label, frame in PHASES}
         engines[engine] = {"samples": sum(stacks.values()), "normalizer_samples": base, "units": units}
-    return {"normalizer": NORMALIZER, "rate_hz": RATE_HZ, "engines": engines}
+    return {"normalizer": " + ".join(NORMALIZERS), "rate_hz": RATE_HZ, "engines": engines}
 
 
 def render(profile: dict, plain_step_ms: float | None) -> list[str]:
@@ -95,8 +101,8 @@ def render(profile: dict, plain_step_ms: float | None) -> list[str]:
             extra.append(f"{(mine - theirs) / plain_step * plain_step_ms * 1000:+.0f}" if plain_step and plain_step_ms else "-")
         lines.append(f"| {label} | " + " | ".join("-" if c is None else f"{c:g}" for c in cells) + " | "
                      + " | ".join(extra) + " |")
-    samples = ", ".join(f"{e} {v['samples']} ({v['normalizer_samples']} in the sampler)" for e, v in engines.items())
-    lines.append(f"\nSamples ({profile.get('rate_hz')} Hz, py-spy --nonblocking): {samples}.")
+    samples = ", ".join(f"{e} {v['samples']} ({v['normalizer_samples']} normalizing)" for e, v in engines.items())
+    lines += ["", f"Samples ({profile.get('rate_hz')} Hz, py-spy --nonblocking): {samples}."]
     return lines
 
 
@@ -145,11 +151,15 @@ class ProfileRecorder:
 
 
 def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--plain-step-ms", type=float, help="plain's median step period (bench.gpu's step pace)")
+    ap.add_argument("stacks", nargs="+", metavar="RAW", help="py-spy raw stacks: plain, shim[, inproc] (.gz too)")
+    args = ap.parse_args(argv)
+    if len(args.stacks) > 3:
+        ap.error("at most three engines: plain, shim, inproc")
     names = ["plain", "shim", "inproc"]
-    if not 1 <= len(argv) <= 3:
-        raise SystemExit(__doc__)
-    profile = attribute({names[i]: load_stacks([Path(p)]) for i, p in enumerate(argv)})
-    print("\n".join(render(profile, None)))
+    profile = attribute({names[i]: load_stacks([Path(p)]) for i, p in enumerate(args.stacks)})
+    print("\n".join(render(profile, args.plain_step_ms)))
 
 
 if __name__ == "__main__":

@@ -241,10 +241,11 @@ def _profiles(res: dict) -> list[str]:
         table = render_profile(profile, plain_ms)
         if table:
             lines += ["", f"Where each engine's step went, {c['config']} (`--profile-s {profile.get('seconds')}`: py-spy on "
-                      f"every engine during the first timed rounds; samples under each phase per 100 under vLLM's "
-                      f"sampler, `{profile.get('normalizer')}`, the same work in every engine; bench/gpu_profile.py):",
+                      f"every engine during the first timed rounds; samples under each phase per 100 under "
+                      f"`{profile.get('normalizer')}`, work the shim leaves alone, the same in every engine; "
+                      "µs estimated from plain's step period; py-spy does not see blocked time; bench/gpu_profile.py):",
                       "", *table]
-    return lines
+    return lines + [""] if lines else lines
 
 
 def write_section(path: Path, section: str) -> None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections import Counter
 
-from bench.gpu_profile import NORMALIZER, attribute, load_stacks, render
+from bench.gpu_profile import NORMALIZERS, attribute, load_stacks, render
 
-STEP = "EngineCore.step_with_batch_queue (vllm/v1/engine/core.py:400)"
-SAMPLE = "GPUModelRunner.sample (vllm/v1/worker/gpu/model_runner.py:900)"
-PLAN = "SidecarLink.pre_forward (worker_shim/link.py:160)"
-SCHED = "Scheduler.schedule (vllm/v1/core/sched/scheduler.py:200)"
+STEP = "EngineCore.step_with_batch_queue"
+SAMPLE = "GPUModelRunner.sample_tokens"
+SCHED = "Scheduler.schedule"
+GRAPHS = "CudaGraphManager.run_pw_graph"
+PLAN = "SidecarLink.pre_forward"
 
 
 def _write(path, lines):
@@ -18,31 +19,30 @@ def _write(path, lines):
 
 
 def test_raw_stacks_are_read_by_frame_name_and_summed_over_an_engines_processes(tmp_path):
-    a = _write(tmp_path / "a.txt", [f"main (x.py:1);{STEP};{SAMPLE} 7", f"main (x.py:1);{STEP};{SCHED} 3", "garbage"])
-    b = _write(tmp_path / "b.txt", [f"main (x.py:1);{STEP};{SAMPLE} 2"])
+    a = _write(tmp_path / "a.txt", [f"main (x.py:1);{STEP} (core.py:400);{SAMPLE} (runner.py:9) 7",
+                                    f"main (x.py:1);{STEP} (core.py:400);{SCHED} (sched.py:2) 3", "garbage"])
+    b = _write(tmp_path / "b.txt", [f"main (x.py:1);{STEP} (core.py:401);{SAMPLE} (runner.py:9) 2"])
     stacks = load_stacks([a, b])
-    assert stacks[("main", "EngineCore.step_with_batch_queue", NORMALIZER)] == 9
+    assert stacks[("main", STEP, SAMPLE)] == 9
     assert sum(stacks.values()) == 12
 
 
-def test_phases_are_counted_per_100_sampler_samples_and_the_excess_priced_by_plains_period():
-    plain = Counter({("s", "EngineCore.step_with_batch_queue", NORMALIZER): 10,
-                     ("s", "EngineCore.step_with_batch_queue", "Scheduler.schedule"): 40})
+def test_phases_are_counted_per_100_normalizing_samples_and_the_excess_priced_by_plains_period():
+    assert SAMPLE in NORMALIZERS and SCHED in NORMALIZERS
+    plain = Counter({("s", STEP, SAMPLE): 10, ("s", STEP, SCHED): 40, ("s", STEP, GRAPHS): 50})
     # The shim engine got twice plain's share of the window: twice the samples everywhere, plus its plan.
-    shim = Counter({("s", "EngineCore.step_with_batch_queue", NORMALIZER): 20,
-                    ("s", "EngineCore.step_with_batch_queue", "Scheduler.schedule"): 80,
-                    ("s", "EngineCore.step_with_batch_queue", "SidecarLink.pre_forward"): 20})
+    shim = Counter({("s", STEP, SAMPLE): 20, ("s", STEP, SCHED): 80, ("s", STEP, GRAPHS): 100, ("s", STEP, PLAN): 20})
     profile = attribute({"plain": plain, "shim": shim})
     units = {e: profile["engines"][e]["units"] for e in ("plain", "shim")}
-    assert units["plain"]["engine step"] == 500.0 and units["shim"]["engine step"] == 600.0
-    assert units["plain"]["scheduler: schedule"] == units["shim"]["scheduler: schedule"] == 400.0
-    assert units["shim"]["shim: plan (StepBegin, wait, read)"] == 100.0
+    assert units["plain"]["engine step"] == 200.0 and units["shim"]["engine step"] == 220.0
+    assert units["plain"]["runner: piecewise graphs"] == units["shim"]["runner: piecewise graphs"] == 100.0
+    assert units["shim"]["shim: plan (StepBegin, wait, read)"] == 20.0
     table = "\n".join(render(profile, plain_step_ms=2.0))
-    # 100 units over plain's 500-unit step of 2.0 ms: +400 µs a step, for the plan and the whole step alike.
-    assert "| shim: plan (StepBegin, wait, read) | 0 | 100 | +400 |" in table
-    assert "| engine step | 500 | 600 | +200 |" not in table and "| engine step | 500 | 600 | +400 |" in table
-    assert "| scheduler: schedule | 400 | 400 | +0 |" in table
+    # 20 units over plain's 200-unit step of 2.0 ms: +200 µs a step, for the plan and the whole step alike.
+    assert "| shim: plan (StepBegin, wait, read) | 0 | 20 | +200 |" in table
+    assert "| engine step | 200 | 220 | +200 |" in table
+    assert "| runner: piecewise graphs | 100 | 100 | +0 |" in table
 
 
-def test_no_table_without_plains_sampler_samples():
+def test_no_table_without_plains_normalizing_samples():
     assert render(attribute({"shim": Counter({("a",): 3})}), 2.0) == []
