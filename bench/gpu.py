@@ -148,6 +148,8 @@ def main() -> None:
     ap.add_argument("--profile-s", type=float, default=0.0,
                     help="py-spy (when on PATH) on every engine for the timed rounds' first seconds: raw stacks "
                          "into --out, each phase's share of the step in the JSON and BENCHMARKS.md (bench/gpu_profile.py)")
+    ap.add_argument("--profile-idle", action="store_true",
+                    help="with --profile-s: sample waiting threads too (py-spy --idle): where a step blocks")
     ap.add_argument("--parts", default="throughput,refusal", help="throughput[,refusal][,exchange][,handoff]")
     ap.add_argument("--iters", type=int, default=500, help="exchange round trips per block (--parts exchange)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "gpu"), help="folder for the JSON")
@@ -184,7 +186,7 @@ def main() -> None:
         raise SystemExit(f"--engines {args.engines!r}: plain,shim or plain,shim,inproc")
     sizes.engines = engines
     sizes.pin = args.pin
-    sizes.profile_s, sizes.profile_dir = args.profile_s, args.out
+    sizes.profile_s, sizes.profile_dir, sizes.profile_idle = args.profile_s, args.out, args.profile_idle
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / ("gpu_ab-smoke.json" if args.smoke else "gpu_ab.json")
@@ -206,7 +208,7 @@ def main() -> None:
     install_plugin(work)
     refusal, held = None, {}
     if "refusal" in parts:  # alongside the first engines' start (it fails before any model loads)
-        from bench.gpu_ab import refusal_check
+        from bench.gpu_refusal import refusal_check
 
         # Its own holder: `res` is being serialised by sink() meanwhile.
         def check() -> None:

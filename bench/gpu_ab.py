@@ -65,6 +65,7 @@ class Sizes:
     pin: bool = False  # `--pin`: each engine and the sidecar on cores of their own (bench/pinning.py: it hurt)
     profile_s: float = 0.0  # `--profile-s`: py-spy on every engine for the timed rounds' first seconds
     profile_dir: str = ""  # where the raw stacks go (bench.gpu's --out)
+    profile_idle: bool = False  # `--profile-idle`: waiting threads sampled too
 
     @classmethod
     def smoke_sizes(cls) -> "Sizes":
@@ -292,7 +293,7 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
         hooked = [e for e in sizes.engines if e != "plain"]
         steps_before = {e: _steps(engines[e]) for e in hooked}  # the shims count the timed rounds' steps
         res["status"] = "measuring"
-        profiler = ProfileRecorder.maybe(Path(sizes.profile_dir or work), name, sizes.profile_s)
+        profiler = ProfileRecorder.maybe(Path(sizes.profile_dir or work), name, sizes.profile_s, sizes.profile_idle)
         if profiler is not None:
             profiler.start(processes)
         _measure(res, engines, prompts, params, sizes, budget, sink)
@@ -368,43 +369,6 @@ def _sidecar_sessions(endpoint: str) -> list[dict]:
         return [{**{k: getattr(s, k) for k in keep}, **collector} for s in status.sessions]
     except Exception as exc:  # a figure less, not a failed configuration
         return [{"error": f"{type(exc).__name__}: {exc}"[:300]}]
-
-
-REFUSAL = "FULL CUDA graph replay would drop"
-
-
-def refusal_check(work: Path, sizes: Sizes) -> dict:
-    """The shim with extra-kwargs hooks under FULL_AND_PIECEWISE graphs must refuse to start, with
-    its one-line message (docs/ARCHITECTURE.md, "Extra kwargs and CUDA graphs"). One engine in a
-    process of its own (engine core in-process, so the error comes back whole); it fails in the
-    worker's init_device, before the model loads."""
-    from tests.support.procs import SidecarProcess, run_engine
-
-    if sizes.smoke:
-        return {"status": "not applicable", "why": "no CUDA graphs on CPU (tests/test_graph_kwargs.py covers it)"}
-    kwargs = engine_kwargs(build_model_dir(work / "refusal", "tiny"), smoke=False, graphs="FULL_AND_PIECEWISE",
-                           num_seqs=4)
-    kwargs["enforce_eager"] = False  # the job's default (eager, for CPU tests) would turn the graphs off
-    endpoint = f"ipc://{work}/refusal.sock"
-    sidecar = SidecarProcess(endpoint, "omni", work / "refusal-sidecar.log", options=["extra_kwargs=1"],
-                             extra_args=["--log-level", "WARNING"])
-    t0 = time.monotonic()
-    try:
-        res = run_engine({"model": kwargs.pop("model"), "prompts": [{"token_ids": [5, 6, 7]}], "max_tokens": 2,
-                          "shim": True, "endpoint": endpoint, "mp": 0, "llm_kwargs": kwargs}, work, "refusal",
-                         timeout_s=240)
-    except Exception as exc:
-        res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    finally:
-        sidecar.stop()
-    error = res.get("error") or ""
-    log = Path(res["log_path"]).read_text() if res.get("log_path") else ""
-    refused = not res.get("ok") and (REFUSAL in error or REFUSAL in log)
-    line = next((ln.strip() for ln in (error + "\n" + log).splitlines() if REFUSAL in ln), error[:300])
-    out = {"status": "refused" if refused else ("STARTED" if res.get("ok") else "failed otherwise"),
-           "message": line[-400:], "s": round(time.monotonic() - t0, 1)}
-    print(f"[refusal] {out['status']}: {out['message']}", flush=True)
-    return out
 
 
 def run_all(names: list[str], work: Path, sizes: Sizes, budget: Budget, sink: Callable[[list[dict]], None]) -> list[dict]:

@@ -109,17 +109,18 @@ def render(profile: dict, plain_step_ms: float | None) -> list[str]:
 class ProfileRecorder:
     """py-spy on each engine's processes (and the sidecar's) for `seconds`, raw stacks into `out`."""
 
-    def __init__(self, exe: str, out: Path, config: str, seconds: float) -> None:
+    def __init__(self, exe: str, out: Path, config: str, seconds: float, idle: bool = False) -> None:
         self.exe, self.out, self.config, self.seconds = exe, out, config, seconds
+        self.idle = idle  # also the samples of threads that wait (py-spy --idle): where a step blocks
         self.files: dict[str, list[Path]] = {}
         self.procs: list[subprocess.Popen] = []
 
     @classmethod
-    def maybe(cls, out: Path, config: str, seconds: float) -> "ProfileRecorder | None":
+    def maybe(cls, out: Path, config: str, seconds: float, idle: bool = False) -> "ProfileRecorder | None":
         exe = shutil.which("py-spy") if seconds > 0 else None
         if seconds > 0 and exe is None:
             print("[profile] py-spy is not on PATH: no profile", flush=True)
-        return cls(exe, out, config, seconds) if exe else None
+        return cls(exe, out, config, seconds, idle) if exe else None
 
     def start(self, processes: dict[str, set[int]]) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -131,7 +132,7 @@ class ProfileRecorder:
                 self.files.setdefault(name, []).append(path)
                 self.procs.append(subprocess.Popen(
                     [self.exe, "record", "--nonblocking", "-r", str(RATE_HZ), "-d", str(int(self.seconds)),
-                     "--format", "raw", "-o", str(path), "-p", str(pid)],
+                     "--format", "raw", "-o", str(path), "-p", str(pid), *(["--idle"] if self.idle else [])],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
     def finish(self) -> dict:
@@ -147,6 +148,7 @@ class ProfileRecorder:
         profile = attribute(engines)
         profile["files"] = sorted(p.name for paths in self.files.values() for p in paths if p.exists())
         profile["seconds"] = self.seconds
+        profile["idle"] = self.idle
         return profile
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -140,7 +141,7 @@ def render(res: dict) -> str:
                      f"until the sidecar has it p50 {h['round_trip_us']['p50']:.0f} µs")
     lines += ["", "Reproduce (one GPU): see `bench/gpu.py`'s docstring; the CPU smoke: "
               "`python -m bench.gpu --smoke`.", "", END]
-    return "\n".join(lines)
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines))  # parts that end or begin with a blank line meet
 
 
 def _boundary(res: dict) -> list[str]:
@@ -240,10 +241,12 @@ def _profiles(res: dict) -> list[str]:
         plain_ms = ((c.get("pace") or {}).get("shim_vs_plain") or {}).get("plain_step_ms_median")
         table = render_profile(profile, plain_ms)
         if table:
-            lines += ["", f"Where each engine's step went, {c['config']} (`--profile-s {profile.get('seconds')}`: py-spy on "
+            idle = " --profile-idle" if profile.get("idle") else ""
+            lines += ["", f"Where each engine's step went, {c['config']} (`--profile-s {profile.get('seconds')}{idle}`: py-spy on "
                       f"every engine during the first timed rounds; samples under each phase per 100 under "
                       f"`{profile.get('normalizer')}`, work the shim leaves alone, the same in every engine; "
-                      "µs estimated from plain's step period; py-spy does not see blocked time; bench/gpu_profile.py):",
+                      "µs estimated from plain's step period; " + ("waits included" if idle else "py-spy does not see blocked time")
+                      + "; bench/gpu_profile.py):",
                       "", *table]
     return lines + [""] if lines else lines
 

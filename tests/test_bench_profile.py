@@ -46,3 +46,20 @@ def test_phases_are_counted_per_100_normalizing_samples_and_the_excess_priced_by
 
 def test_no_table_without_plains_normalizing_samples():
     assert render(attribute({"shim": Counter({("a",): 3})}), 2.0) == []
+
+
+def test_the_report_shows_a_profiled_configurations_table_once_with_single_blank_lines():
+    """bench/gpu_report.py renders each profiled configuration's attribution, priced by its plain step."""
+    from bench.gpu_report import render as render_section
+
+    plain = Counter({("s", STEP, SAMPLE): 10, ("s", STEP, GRAPHS): 10})
+    shim = Counter({("s", STEP, SAMPLE): 10, ("s", STEP, GRAPHS): 10, ("s", STEP, PLAN): 5})
+    profile = {**attribute({"plain": plain, "shim": shim}), "seconds": 40, "idle": True}
+    config = {"config": "tiny-omni", "status": "done", "rounds": [], "profile": profile, "model": "tiny",
+              "params_m": 0.39, "graphs": "PIECEWISE", "dtype": "bfloat16", "requests": 64, "max_tokens": 128,
+              "pace": {"shim_vs_plain": {"plain_step_ms_median": 4.0}}}
+    text = render_section({"machine": {}, "configs": [config]})
+    assert text.count("Where each engine's step went, tiny-omni (`--profile-s 40 --profile-idle`") == 1
+    # 50 units of plain's 200-unit step of 4 ms: +1000 µs a step.
+    assert "| shim: plan (StepBegin, wait, read) | 0 | 50 | +1000 |" in text
+    assert "\n\n\n" not in text
