@@ -181,6 +181,10 @@ def _serve(args: argparse.Namespace) -> int:
         cli["hook_options"] = parse_options(args.hook_option)
         config = load_config(dict(cli), args.config)
         configure_logging(config.log_level, config.log_format)
+        if config.torch_threads:
+            import torch
+
+            torch.set_num_threads(config.torch_threads)
         hooks = load_hooks(config.hooks, config.hook_options)
         server = SidecarServer(config, hooks)
         if args.takeover_if_running and not args.takeover:

@@ -80,6 +80,11 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "next plan built), with start-up's objects frozen out of its walks, instead of inside "
         "whichever step an allocation trips it (a pause of up to tens of ms on the shim's critical "
         "path); --no-gc-between-steps leaves the interpreter's default")] = True
+    torch_threads: Annotated[int, _help(
+        "torch's intra-op threads in the sidecar (0: torch's default, one per core). The sidecar's "
+        "tensor work is small and per step, beside a vLLM that keeps the cores busy: a pool that "
+        "wakes a thread per core for each larger copy costs more than it gives; raise it for "
+        "hooks that compute heavily on the CPU")] = 1
     ring_sleep_ms: Annotated[int, _help(
         "a sleeping sidecar re-checks the rings at least this often: bounds the "
         "cost of a missed kick (Python has no store-load fence)")] = RING_SLEEP_MS
@@ -88,8 +93,8 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.ring_spin_us < 0 or self.ring_spin_max_us < -1 or not 1 <= self.ring_sleep_ms <= RING_SLEEP_MS_MAX:
             raise ValueError(f"ring_spin_us must be >= 0, ring_spin_max_us >= -1 (auto) and ring_sleep_ms in "
                              f"[1, {RING_SLEEP_MS_MAX}]")
-        if self.keep_finished < 0 or self.max_frame_mib <= 0 or self.arena_mib < 0:
-            raise ValueError("keep_finished, arena_mib must be >= 0 and max_frame_mib > 0")
+        if self.keep_finished < 0 or self.max_frame_mib <= 0 or self.arena_mib < 0 or self.torch_threads < 0:
+            raise ValueError("keep_finished, arena_mib, torch_threads must be >= 0 and max_frame_mib > 0")
 
     @property
     def max_frame_bytes(self) -> int:

@@ -34,3 +34,17 @@ class ProbeOverlayHooks(PromptEmbedsOverlayHooks):
             f.write(json.dumps({"step": batch.step, "needed": needed,
                                 "begins": self.begins.pop(batch.step, 0),
                                 "rows": lay.query_start_loc[-1]}) + "\n")
+
+
+class ThreadsProbeHooks(PromptEmbedsOverlayHooks):
+    """Writes torch's intra-op thread count, as the sidecar process runs its hooks, to the file
+    named by the `out` hook option (the sidecar's `--torch-threads`)."""
+
+    name = "threads-probe"
+
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        import torch
+
+        with open(out, "w") as f:
+            f.write(str(torch.get_num_threads()))
