@@ -83,6 +83,40 @@ class OutArena:
         self.offset = align_up(self.offset + max(nbytes, 1))
         return ref
 
+    def put_rows(self, tensors: list[torch.Tensor]) -> list[TensorRef]:
+        """Tensors of one dtype, device and row shape (a prefill step's overlay rows, a request's
+        each) written back to back by one `torch.cat`, each ref a run of rows of it: one write and
+        one copy up, not one per request (64 requests' staging copies were the sidecar's longest
+        step on the H200 host, the 1B profile of BENCHMARKS.md, session 14)."""
+        first = tensors[0]
+        row_shape = list(first.shape[1:])
+        nbytes = sum(t.nbytes for t in tensors)
+        self._check_room(nbytes)
+        end = self.offset + nbytes
+        total = sum(t.shape[0] for t in tensors)
+        if not self.device:
+            if self._host is None:
+                self._host = torch.frombuffer(self.arena.raw(0, self.arena.size), dtype=torch.uint8)
+            region = self._host[self.offset : end]
+        elif first.device.type == "cpu":
+            region = self._staged(end)
+        else:
+            self._flush()  # staged bytes first: the runs must not cover what this write makes
+            region = self.arena.buf[self.offset : end]
+        if nbytes:
+            dst = region.view(first.dtype).view([total, *row_shape])
+            with torch.no_grad():
+                if dst.device == first.device:
+                    torch.cat(tensors, out=dst)  # resolves lazy neg/conj as it writes
+                else:
+                    dst.copy_(torch.cat(tensors))
+        refs, at, dtype = [], self.offset, dtype_name(first.dtype)
+        for t in tensors:
+            refs.append(TensorRef(0, at, t.nbytes, list(t.shape), dtype))
+            at += t.nbytes
+        self.offset = align_up(end if nbytes else end + 1)
+        return refs
+
     def put_whole(self, tensor: torch.Tensor) -> int:
         """A tensor alone of its kind as a stack of the plan used whole (1.8): its index in `stacks`."""
         self._check_count()
@@ -294,7 +328,14 @@ class SessionArenas:
         if self.out is None:
             raise RuntimeError("hook set returned overlay rows but declared pre_forward='never'")
         want = torch_dtype(self.hello.dtype)
-        return [Overlay(row_start, self.out.put(rows.to(want))) for row_start, rows in pairs]
+        rows = [r.detach().to(want) for _, r in pairs]
+        first = rows[0]
+        if len(rows) > 1 and all(r.dim() == first.dim() >= 1 and r.shape[1:] == first.shape[1:]
+                                 and r.device == first.device for r in rows):
+            refs = self.out.put_rows(rows)  # the common case: one write for the step's overlays
+        else:
+            refs = [self.out.put(r) for r in rows]
+        return [Overlay(row_start, ref) for (row_start, _), ref in zip(pairs, refs)]
 
     def encode_tensors(self, value: Any) -> Any:
         """Tensors in extra kwargs and model states go into the arena; the message carries their refs

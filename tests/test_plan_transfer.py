@@ -14,6 +14,7 @@ from omni_sidecar.arenas import OutArena
 from omni_sidecar.omni.state import IntermediateBuffer, StateError, _nbytes
 from proto.arena import ShmArena
 from proto.tensors import TensorRef, TensorRefError
+from tests.support.arenas import DeviceLikeArena
 from tests.support.trees import assert_same_tree
 from worker_shim.channel import SidecarError
 from omni_arena.tensor_tree import MIN_ROWS, ExtStacker, RowStacker, store_tree
@@ -135,36 +136,8 @@ def test_refs_of_several_dtypes_off_the_arenas_alignment_read_right_and_bad_ones
         arena.close()
 
 
-class _DeviceLikeArena:
-    """A device arena's interface over host bytes: staged host tensors go up in `_flush`; tensors
-    already "on the device" (meta here) are written at once and marked, so a flush that covered
-    them would show."""
-
-    kind = "fake-device"
-    device = torch.device("meta")
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.buf = torch.zeros(size, dtype=torch.uint8)
-        self.device_writes: list[tuple[int, int]] = []
-        self.ready_marks = 0
-
-    def write(self, offset: int, tensor: torch.Tensor, arena_id: int = 0) -> TensorRef:
-        nbytes = tensor.numel() * tensor.element_size()
-        self.buf[offset : offset + nbytes] = 0xAB
-        self.device_writes.append((offset, nbytes))
-        return TensorRef(arena_id, offset, nbytes, list(tensor.shape), "float32")
-
-    def mark_ready(self, slot: int) -> int:
-        self.ready_marks += 1
-        return slot
-
-    def wait_done(self, slot: int) -> None:
-        pass
-
-
 def test_host_tensors_bound_for_a_device_arena_go_up_in_one_copy_around_device_writes():
-    arena = _DeviceLikeArena(1 << 16)
+    arena = DeviceLikeArena(1 << 16)
     out = OutArena(arena)
     host = [torch.full((3, 5), float(i)) for i in range(4)] + [torch.arange(3000, dtype=torch.int64)]  # grows staging
     refs = [out.put(host[0]), out.put(host[1]), out.put(torch.empty(64, device="meta")),
