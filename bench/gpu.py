@@ -16,7 +16,8 @@ exchange and 16 MiB handoff figures (to the JSON) when the budget still allows; 
 (default) checks, in a thread while the first engines start, that the shim refuses
 extra-kwargs hooks under FULL CUDA graphs at start-up with its one-line message. `--profile-s N`
 samples every engine with py-spy (when on PATH) for the first N s of the timed rounds and says
-where each engine's step went (bench/gpu_profile.py; those rounds run beside the sampler).
+where each engine's step went (bench/gpu_profile.py; those rounds run beside the sampler; a bundle
+built with BUNDLE_PROFILER=1, or py-spy's wheel in .whl/, gives run_bench.sh one).
 
 On one GPU host with the bundle (deploy/gpu/build_bundle.sh) at .cache/h-gpu/bundle:
     sh deploy/gpu/run_bench.sh .cache/h-gpu/bundle OUT_DIR 470

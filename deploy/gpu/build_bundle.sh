@@ -10,6 +10,7 @@
 #   (FlashAttention 3 stays: vllm.vllm_flash_attn refuses to import without FA2 or FA3, and the
 #   model loader imports it)
 #   BUNDLE_OMNI=1       add vllm-omni 0.26.0 (its package, minus sample audio) and what it needs to import
+#   BUNDLE_PROFILER=1   add py-spy (`python -m bench.gpu --profile-s N`; installed into TARGET_DIR/bin)
 set -eu
 OUT=${1:-gpu-bundle}
 PART_MIB=${2:-60}
@@ -60,6 +61,7 @@ for spec in pydantic==2.14.4 pydantic_core==2.50.5 annotated_types typing_inspec
     httpcore2 jiter setproctitle prometheus_client blake3; do
   $DL -d "$OUT/wheels" "$spec"
 done
+[ "${BUNDLE_PROFILER:-0}" = 1 ] && $DL -d "$OUT/wheels" py-spy
 # The project itself, as a wheel (no dependencies: the host has them from above).
 $PY -m pip wheel -q --no-deps -w "$OUT/wheels" "$(dirname "$0")/../.."
 rm -rf "$OUT/work"

@@ -24,13 +24,15 @@ else
   tail -40 "$OUT/install.log"
   exit 1
 fi
-# Wheels a bundle built before it listed them (blake3: vLLM hashes multimodal inputs with it).
-[ -d "$SRC/.whl" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$SRC"/.whl/*.whl
+# Wheels a bundle built before it listed them (blake3: vLLM hashes multimodal inputs with it), and
+# py-spy for `--profile-s`: a folder of their own (pip --target skips a bin/ that exists already).
+EXTRA="$SITE/.extra"
+[ -d "$SRC/.whl" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target "$EXTRA" "$SRC"/.whl/*.whl
 used=$(( $(date +%s) - t0 ))
 BUDGET=$(( LIMIT - used - 35 ))
 echo "installed in $used s; bench budget $BUDGET s"
 cd "$SRC"  # `python -m` children put the working directory first on sys.path
-export PYTHONPATH="$SRC:$SITE" VLLM_USE_V2_MODEL_RUNNER=1 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
+export PATH="$EXTRA/bin:$SITE/bin:$PATH" PYTHONPATH="$SRC:$SITE:$EXTRA" VLLM_USE_V2_MODEL_RUNNER=1 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
   VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 W=$(mktemp -d /tmp/bench-XXXXXX)  # this run's work folder (models, sockets, sidecar logs)
 TMPDIR=$W timeout $(( BUDGET + 30 )) python3 -m bench.gpu --budget-s "$BUDGET" --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
