@@ -296,9 +296,11 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
         profiler = ProfileRecorder.maybe(Path(sizes.profile_dir or work), name, sizes.profile_s, sizes.profile_idle)
         if profiler is not None:
             profiler.start(processes)
-        _measure(res, engines, prompts, params, sizes, budget, sink)
-        if profiler is not None:
-            res["profile"] = profiler.finish()
+        try:
+            _measure(res, engines, prompts, params, sizes, budget, sink)
+        finally:
+            if profiler is not None:
+                res["profile"] = profiler.finish()
         # A round's step count varies by one (the engine core may start a step before the driver
         # added every request), so per engine: the mean over its timed rounds.
         res["steps_per_round"] = {e: round((_steps(engines[e]) - steps_before[e]) /

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import math
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -97,8 +100,9 @@ def render(profile: dict, plain_step_ms: float | None) -> list[str]:
             continue
         extra = []
         for e in others:
-            mine, theirs = engines[e]["units"].get(label) or 0, plain_units.get(label) or 0
-            extra.append(f"{(mine - theirs) / plain_step * plain_step_ms * 1000:+.0f}" if plain_step and plain_step_ms else "-")
+            mine, theirs = engines[e]["units"].get(label), plain_units.get(label) or 0
+            priced = plain_step and plain_step_ms and mine is not None  # None: no normalizing samples
+            extra.append(f"{((mine or 0) - theirs) / plain_step * plain_step_ms * 1000:+.0f}" if priced else "-")
         lines.append(f"| {label} | " + " | ".join("-" if c is None else f"{c:g}" for c in cells) + " | "
                      + " | ".join(extra) + " |")
     samples = ", ".join(f"{e} {v['samples']} ({v['normalizer_samples']} normalizing)" for e, v in engines.items())
@@ -130,19 +134,19 @@ class ProfileRecorder:
             for pid in sorted(pids):
                 path = self.out / f"prof-{self.config}-{name}-{pid}.txt"
                 self.files.setdefault(name, []).append(path)
-                self.procs.append(subprocess.Popen(
-                    [self.exe, "record", "--nonblocking", "-r", str(RATE_HZ), "-d", str(int(self.seconds)),
-                     "--format", "raw", "-o", str(path), "-p", str(pid), *(["--idle"] if self.idle else [])],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                try:
+                    with open(path.with_suffix(".log"), "w") as log:  # a refused ptrace says so there
+                        self.procs.append(subprocess.Popen(
+                            [self.exe, "record", "--nonblocking", "-r", str(RATE_HZ), "-d",
+                             str(math.ceil(self.seconds)), "--format", "raw", "-o", str(path), "-p", str(pid),
+                             *(["--idle"] if self.idle else [])], stdout=log, stderr=subprocess.STDOUT))
+                except OSError as exc:  # a profile less, not a failed configuration
+                    print(f"[profile] py-spy on {name} ({pid}) did not start: {exc}", flush=True)
 
     def finish(self) -> dict:
-        """Wait for the samplers (they stop on their own), then attribute what they wrote."""
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=self.seconds + 30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        """Stop the samplers that still run (the timed rounds ended first: SIGINT, on which py-spy
+        writes what it has), then attribute what they wrote."""
+        self.stop()
         stacks = {name: load_stacks([p for p in paths if p.exists()]) for name, paths in self.files.items()}
         engines = {name: s for name, s in stacks.items() if name != "sidecar" and s}
         profile = attribute(engines)
@@ -150,6 +154,18 @@ class ProfileRecorder:
         profile["seconds"] = self.seconds
         profile["idle"] = self.idle
         return profile
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 30
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def main(argv: list[str]) -> None:

@@ -89,6 +89,9 @@ class OutArena:
         one copy up, not one per request (64 requests' staging copies were the sidecar's longest
         step on the H200 host, the 1B profile of BENCHMARKS.md, session 14)."""
         first = tensors[0]
+        if any(t.dim() < 1 or t.shape[1:] != first.shape[1:] or t.dtype != first.dtype or t.device != first.device
+               for t in tensors):
+            raise ValueError("put_rows takes tensors of one dtype, device and row shape")
         row_shape = list(first.shape[1:])
         nbytes = sum(t.nbytes for t in tensors)
         self._check_room(nbytes)

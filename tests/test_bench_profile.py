@@ -63,3 +63,43 @@ def test_the_report_shows_a_profiled_configurations_table_once_with_single_blank
     # 50 units of plain's 200-unit step of 4 ms: +1000 µs a step.
     assert "| shim: plan (StepBegin, wait, read) | 0 | 50 | +1000 |" in text
     assert "\n\n\n" not in text
+
+
+FAKE_PY_SPY = """#!{python}
+import signal, sys, time
+args = sys.argv
+out = args[args.index("-o") + 1]
+def write(count):
+    with open(out, "w") as f:
+        f.write("main (x.py:1);EngineCore.step_with_batch_queue (c.py:1);GPUModelRunner.sample_tokens (r.py:2) %d\\n" % count)
+    sys.exit(0)
+signal.signal(signal.SIGINT, lambda *_: write(7))  # stopped early: 7 samples
+open(out + ".ready", "w").close()
+time.sleep(float(args[args.index("-d") + 1]))
+write(5)  # ran its whole duration: 5
+"""
+
+
+def test_the_recorder_stops_its_samplers_when_the_rounds_end_and_attributes_what_they_wrote(tmp_path):
+    """A stand-in py-spy: the recorder starts one per engine process (not the driver), and `finish`
+    interrupts those still running (py-spy writes its stacks on SIGINT) instead of waiting out -d."""
+    import os
+    import sys
+    import time
+
+    from bench.gpu_profile import ProfileRecorder
+
+    exe = tmp_path / "py-spy"
+    exe.write_text(FAKE_PY_SPY.format(python=sys.executable))
+    exe.chmod(0o755)
+    recorder = ProfileRecorder(str(exe), tmp_path / "out", "cfg", seconds=600)
+    recorder.start({"driver": {os.getpid()}, "plain": {11}, "shim": {12, 13}})
+    assert len(recorder.procs) == 3
+    for path in [p for paths in recorder.files.values() for p in paths]:  # each sampler is up (its handler set)
+        while not path.with_name(path.name + ".ready").exists():
+            assert all(p.poll() is None for p in recorder.procs), "a stand-in sampler exited early"
+            time.sleep(0.01)
+    profile = recorder.finish()
+    assert all(p.returncode == 0 for p in recorder.procs)
+    assert profile["engines"]["plain"]["samples"] == 7 and profile["engines"]["shim"]["samples"] == 14
+    assert profile["files"] == ["prof-cfg-plain-11.txt", "prof-cfg-shim-12.txt", "prof-cfg-shim-13.txt"]

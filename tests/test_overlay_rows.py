@@ -73,3 +73,5 @@ def test_a_steps_overlays_are_one_write_when_their_rows_match_and_one_each_other
     odd = [torch.ones(2, 8), torch.ones(2, 4)]  # rows of another width: each its own write
     arenas.write_overlays([(0, odd[0]), (2, odd[1])])
     assert calls == {"rows": 1, "put": 2}
+    with pytest.raises(ValueError, match="one dtype, device and row shape"):
+        put_rows(odd)

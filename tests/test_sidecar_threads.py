@@ -23,8 +23,10 @@ def test_a_negative_thread_count_is_refused_in_one_line(tmp_path):
     import subprocess
     import sys
 
+    from tests.support.procs import child_env
+
     res = subprocess.run([sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", f"ipc://{tmp_path}/t.sock",
-                          "--torch-threads", "-1"], capture_output=True, text=True, timeout=60)
+                          "--torch-threads", "-1"], capture_output=True, text=True, timeout=60, env=child_env())
     assert res.returncode != 0
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "torch_threads" in lines[0], res.stderr
