@@ -120,6 +120,9 @@ class CudaIpcArena:
         self.buf = buf
         self.size = int(buf.numel())
         self.device = buf.device
+        # The stream look-ups below take the index: given a torch.device, torch resolves it in Python
+        # on every call (four a step on each side; seen in the H200 profile, BENCHMARKS.md session 14).
+        self._device_index: int = buf.device.index
         self.ready = ready
         self.done: list[torch.cuda.Event] = []
         self.name = name
@@ -217,21 +220,21 @@ class CudaIpcArena:
         return ref
 
     def mark_ready(self, slot: int) -> int:
-        self.ready[slot].record(torch.cuda.current_stream(self.device))
+        self.ready[slot].record(torch.cuda.current_stream(self._device_index))
         return slot
 
     def wait_ready(self, slot: int) -> None:
         if not 0 <= slot < len(self.ready):
             raise ArenaError(f"event {slot} outside the ring of {len(self.ready)}")
-        torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
+        torch.cuda.current_stream(self._device_index).wait_event(self.ready[slot])
 
     def mark_done(self, slot: int) -> None:
         if self.done:
-            self.done[slot].record(torch.cuda.current_stream(self.device))
+            self.done[slot].record(torch.cuda.current_stream(self._device_index))
 
     def wait_done(self, slot: int) -> None:
         if self.done:
-            torch.cuda.current_stream(self.device).wait_event(self.done[slot])
+            torch.cuda.current_stream(self._device_index).wait_event(self.done[slot])
 
     def close(self) -> None:
         # Dropping the references releases the mapping (torch closes the IPC handle).
