@@ -89,8 +89,24 @@ def test_hidden_slots_carry_the_layers_after_the_hidden_states():
         for n, layer_ref in layer_refs.items():
             assert layer_ref.offset >= ref.offset + ref.nbytes
             torch.testing.assert_close(arena_tensor(arena, layer_ref), layers[n])
+        # Same shape, dtype and device: one stacked copy, the blocks back to back in layer order.
+        assert [r.offset for r in (ref, layer_refs[0], layer_refs[2])] == [ref.offset + k * ref.nbytes for k in range(3)]
+        views = len(slots._views)
+        hidden2 = torch.randn(3, H)
+        ref2, layer_refs2, _ = slots.write(2, hidden2, lambda s: None, layers)  # slot 0 again: its view kept
+        assert ref2 == ref and layer_refs2 == layer_refs and len(slots._views) == views
+        torch.testing.assert_close(arena_tensor(arena, ref2), hidden2)
+        # Rows of another shape: one copy each, each block aligned.
+        odd = {0: torch.randn(3, H), 1: torch.randn(2, H)}
+        ref3, layer_refs3, _ = slots.write(1, hidden, lambda s: None, odd)
+        for n, layer_ref in layer_refs3.items():
+            assert layer_ref.offset % 64 == 0
+            torch.testing.assert_close(arena_tensor(arena, layer_ref), odd[n])
+        torch.testing.assert_close(arena_tensor(arena, ref3), hidden)
         with pytest.raises(SidecarError, match="exceed the arena slot"):
-            slots.write(1, hidden, lambda s: None, {n: torch.zeros(200, H) for n in range(2)})
+            slots.write(3, hidden, lambda s: None, {n: torch.zeros(200, H) for n in range(2)})
+        with pytest.raises(SidecarError, match="exceed the arena slot"):
+            slots.write(5, torch.zeros(200, H), lambda s: None, {n: torch.zeros(200, H) for n in range(2)})
     finally:
         arena.close()
 

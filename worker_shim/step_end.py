@@ -71,8 +71,8 @@ class StepEndRecords:
             # One slot per step: hidden rows and captured layers first, then the model's updates and outputs.
             slot = conn.claim_slot(self.step, self._wait_answered)
             if send_hidden:
-                hidden_ref = slot.put(state.hidden_states[:num_tokens], steady=True)
-                layer_refs = slot.put_layers(self._layer_rows(conn, num_tokens))
+                hidden_ref, layer_refs = slot.put_hidden(state.hidden_states[:num_tokens],
+                                                         self._layer_rows(conn, num_tokens))
             updates, outputs = store_tree(updates, slot.put), store_tree(outputs, slot.put)
             hidden_event = slot.seal()
         new, finished, preempted = self.requests.take_notices()

@@ -69,8 +69,7 @@ class HiddenSlots:
         """`hidden` (then each captured layer's rows) alone into `step`'s slot: their refs and
         the slot's ready event."""
         slot = self.claim(step, wait_answered)
-        ref = slot.put(hidden, steady=True)
-        layer_refs = slot.put_layers(layers)
+        ref, layer_refs = slot.put_hidden(hidden, layers)
         return ref, layer_refs, slot.seal()
 
     def sent(self, step: int) -> None:
@@ -128,6 +127,41 @@ class StepSlot:
     def put_layers(self, layers: dict[int, torch.Tensor] | None) -> dict[int, TensorRef]:
         """Captured layers' rows (HookNeeds.hidden_layers), after the hidden rows."""
         return {n: self.put(rows, steady=True) for n, rows in (layers or {}).items()}
+
+    def put_hidden(self, hidden: torch.Tensor, layers: dict[int, torch.Tensor] | None
+                   ) -> tuple[TensorRef, dict[int, TensorRef]]:
+        """The step's hidden rows, then each captured layer's: one stacked copy when they share shape,
+        dtype and device (a copy's launch each was ~15 µs of the shim's StepEnd on the H200 host,
+        BENCHMARKS.md session 14), else one copy each. The blocks lie back to back, each a ref."""
+        rows = [hidden, *(layers or {}).values()]
+        if (len(rows) == 1 or not hidden.numel() or self.offset != self.start
+                or any(r.shape != hidden.shape or r.dtype != hidden.dtype or r.device != hidden.device for r in rows[1:])):
+            return self.put(hidden, steady=True), self.put_layers(layers)
+        nbytes = hidden.numel() * hidden.element_size()
+        total = nbytes * len(rows)
+        if self.offset + total > self.end:
+            raise SidecarError(
+                f"step data of {total} bytes exceed the arena slot of {self.end - self.start} "
+                "(raise omni_sidecar model_io_mib)"
+            )
+        shape, dtype = list(hidden.shape), dtype_name(hidden.dtype)
+        views, key = self._views, (self.offset, hidden.dtype, (len(rows), *hidden.shape))
+        dst = views.get(key)
+        if dst is None:
+            dst = arena_tensor(self.arena, TensorRef(0, self.offset, total, [len(rows), *shape], dtype))
+            if len(views) >= VIEWS_KEPT:
+                views.clear()
+            views[key] = dst
+        with torch.no_grad():
+            if dst.device == hidden.device:
+                torch.stack([r.detach() for r in rows], out=dst)
+            else:  # host staging of device rows (no IPC): stacked there, one copy over
+                dst.copy_(torch.stack([r.detach() for r in rows]), non_blocking=self.arena.kind != "shm")
+        refs = [TensorRef(0, self.offset + k * nbytes, nbytes, shape, dtype) for k in range(len(rows))]
+        for tensor, ref in zip(rows, refs):
+            self._refs[id(tensor)] = (tensor, ref)
+        self.offset = align_up(self.offset + total)
+        return refs[0], dict(zip((layers or {}).keys(), refs[1:]))
 
     @property
     def used(self) -> bool:
