@@ -68,6 +68,10 @@ class HeldSlot:
     def put_layers(self, layers: dict[int, torch.Tensor] | None) -> dict[int, HeldRef]:
         return {n: self.put(rows) for n, rows in (layers or {}).items()}
 
+    def put_hidden(self, hidden: torch.Tensor, layers: dict[int, torch.Tensor] | None
+                   ) -> tuple[HeldRef, dict[int, HeldRef]]:
+        return self.put(hidden), self.put_layers(layers)
+
     def seal(self) -> int:
         return -1  # no ready event: one thread, one stream
 
