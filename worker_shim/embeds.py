@@ -105,8 +105,9 @@ class EmbedsBuffer:
     def _undo_capture(self, graph: Any, rng_state: torch.Tensor | None) -> None:
         """A capture that broke leaves the device's default random generator marked as capturing
         (on torch 2.11 neither resetting the broken graph nor an empty capture of our own right
-        after cleared the mark): every random op of the process then raises ("Offset increment outside graph capture encountered unexpectedly"), vLLM's
-        sampling among them (seen on the H200, torch 2.11). The generator is handed a fresh state
+        after cleared the mark): every random op of the process then raises ("Offset increment
+        outside graph capture encountered unexpectedly"), vLLM's sampling among them (seen on the
+        H200, torch 2.11). The generator is handed a fresh state
         holding the seed and offset it had before the capture (`graphsafe_set_state`). Graphs
         captured before keep the old state: one holding random ops would raise at replay (vLLM's
         model graphs hold none; sampling runs outside them)."""
