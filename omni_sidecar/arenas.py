@@ -84,40 +84,21 @@ class OutArena:
         return ref
 
     def put_rows(self, tensors: list[torch.Tensor]) -> list[TensorRef]:
-        """Tensors of one dtype, device and row shape (a prefill step's overlay rows, a request's
-        each) written back to back by one `torch.cat`, each ref a run of rows of it: one write and
-        one copy up, not one per request (64 requests' staging copies were the sidecar's longest
-        step on the H200 host, the 1B profile of BENCHMARKS.md, session 14)."""
-        first = tensors[0]
-        if any(t.dim() < 1 or t.shape[1:] != first.shape[1:] or t.dtype != first.dtype or t.device != first.device
-               for t in tensors):
+        """Tensors of one dtype, device and row shape (`rows_alike`: a prefill step's overlay rows, a
+        request's each) written back to back by one `torch.cat`, each ref a run of rows of it: one
+        write and one copy up, not one per request (64 requests' staging copies were the sidecar's
+        longest step on the H200 host, the 1B profile of BENCHMARKS.md, session 14)."""
+        if not rows_alike(tensors):
             raise ValueError("put_rows takes tensors of one dtype, device and row shape")
-        row_shape = list(first.shape[1:])
+        first = tensors[0]
         nbytes = sum(t.nbytes for t in tensors)
         self._check_room(nbytes)
-        end = self.offset + nbytes
-        total = sum(t.shape[0] for t in tensors)
-        if not self.device:
-            if self._host is None:
-                self._host = torch.frombuffer(self.arena.raw(0, self.arena.size), dtype=torch.uint8)
-            region = self._host[self.offset : end]
-        elif first.device.type == "cpu":
-            region = self._staged(end)
-        else:
-            self._flush()  # staged bytes first: the runs must not cover what this write makes
-            region = self.arena.buf[self.offset : end]
-        if nbytes:
-            dst = region.view(first.dtype).view([total, *row_shape])
-            with torch.no_grad():
-                if dst.device == first.device:
-                    torch.cat(tensors, out=dst)  # resolves lazy neg/conj as it writes
-                else:
-                    dst.copy_(torch.cat(tensors))
+        self._join_into(tensors, [sum(t.shape[0] for t in tensors), *first.shape[1:]], nbytes, torch.cat)
         refs, at, dtype = [], self.offset, dtype_name(first.dtype)
         for t in tensors:
             refs.append(TensorRef(0, at, t.nbytes, list(t.shape), dtype))
             at += t.nbytes
-        self.offset = align_up(end if nbytes else end + 1)
+        self.offset = align_up(self.offset + max(nbytes, 1))
         return refs
 
     def put_whole(self, tensor: torch.Tensor) -> int:
@@ -138,31 +119,34 @@ class OutArena:
         shape = [len(tensors), *first.shape]
         nbytes = first.nbytes * len(tensors)
         self._check_room(nbytes)
-        end = self.offset + nbytes
+        self._join_into(tensors, shape, nbytes, torch.stack)
+        self.stacks.append(TensorRef(0, self.offset, nbytes, shape, dtype_name(first.dtype)))
+        self.stacked_rows += len(tensors)
+        self.offset = align_up(self.offset + nbytes)
+        return len(self.stacks) - 1
+
+    def _join_into(self, tensors: list[torch.Tensor], shape: list[int], nbytes: int, join: Any) -> None:
+        """`join(tensors)` (torch.stack or torch.cat, of one dtype and device) written at `offset` as
+        `shape`: into the host arena, the staging (host tensors bound for a device arena) or the
+        device arena once the staged runs went up (offsets are ALIGN-aligned: any dtype fits)."""
+        end, first = self.offset + nbytes, tensors[0]
         if not self.device:
             if self._host is None:
                 self._host = torch.frombuffer(self.arena.raw(0, self.arena.size), dtype=torch.uint8)
-            self._stack_into(self._host[self.offset : end], tensors, shape)
+            region = self._host[self.offset : end]
         elif first.device.type == "cpu":
-            self._stack_into(self._staged(end), tensors, shape)
+            region = self._staged(end)
         else:
             self._flush()  # staged bytes first: the runs must not cover what this write makes
-            self._stack_into(self.arena.buf[self.offset : end], tensors, shape)
-        self.stacks.append(TensorRef(0, self.offset, nbytes, shape, dtype_name(first.dtype)))
-        self.stacked_rows += len(tensors)
-
-        self.offset = align_up(end)
-        return len(self.stacks) - 1
-
-    @staticmethod
-    def _stack_into(region: torch.Tensor, tensors: list[torch.Tensor], shape: list[int]) -> None:
-        """`torch.stack(tensors)` written into `region`'s bytes (offsets are ALIGN-aligned: any dtype fits)."""
-        dst = region.view(tensors[0].dtype).view(shape)
+            region = self.arena.buf[self.offset : end]
+        if not nbytes:
+            return
+        dst = region.view(first.dtype).view(shape)
         with torch.no_grad():  # out= refuses tensors that require grad otherwise; `put` detaches alike
-            if dst.device == tensors[0].device:
-                torch.stack(tensors, out=dst)  # resolves lazy neg/conj as it writes
+            if dst.device == first.device:
+                join(tensors, out=dst)  # resolves lazy neg/conj as it writes
             else:
-                dst.copy_(torch.stack(tensors))
+                dst.copy_(join(tensors))
 
     def close(self) -> None:
         """Let go of the arena (the bytes' tensor first: a mapping a tensor still views stays mapped)."""
@@ -222,6 +206,13 @@ class OutArena:
             self.arena.buf[start : start + size].copy_(self._staging[:size], non_blocking=self._pinned)
         if self._pinned:
             self._staging = None  # its block goes back to the allocator, reused once this copy ran
+
+
+def rows_alike(tensors: list[torch.Tensor]) -> bool:
+    """Of one dtype, device and row shape: rows one `torch.cat` joins (`OutArena.put_rows`)."""
+    first = tensors[0]
+    return all(t.dim() >= 1 and t.shape[1:] == first.shape[1:] and t.dtype == first.dtype
+               and t.device == first.device for t in tensors)
 
 
 class SessionArenas:
@@ -332,9 +323,7 @@ class SessionArenas:
             raise RuntimeError("hook set returned overlay rows but declared pre_forward='never'")
         want = torch_dtype(self.hello.dtype)
         rows = [r.detach().to(want) for _, r in pairs]
-        first = rows[0]
-        if len(rows) > 1 and all(r.dim() == first.dim() >= 1 and r.shape[1:] == first.shape[1:]
-                                 and r.device == first.device for r in rows):
+        if len(rows) > 1 and rows_alike(rows):
             refs = self.out.put_rows(rows)  # the common case: one write for the step's overlays
         else:
             refs = [self.out.put(r) for r in rows]

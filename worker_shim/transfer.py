@@ -100,22 +100,11 @@ class StepSlot:
         if known is not None:
             return known[1]
         nbytes = tensor.numel() * tensor.element_size()
-        if self.offset + nbytes > self.end:
-            raise SidecarError(
-                f"step data of {self.offset - self.start + nbytes} bytes exceed the arena slot of "
-                f"{self.end - self.start} (raise omni_sidecar model_io_mib)"
-            )
+        self._check_room(nbytes)
         shape = tensor.shape
         ref = TensorRef(0, self.offset, nbytes, list(shape), dtype_name(tensor.dtype))
         if nbytes:
-            views, key = self._views, (self.offset, tensor.dtype, shape)
-            dst = views.get(key) if steady else None
-            if dst is None:
-                dst = arena_tensor(self.arena, ref)  # bounds-checked, typed, shaped
-                if steady:
-                    if len(views) >= VIEWS_KEPT:  # prefill shapes vary: bounded, steady decode refills it
-                        views.clear()
-                    views[key] = dst
+            dst = self._view(ref, tensor.dtype, shape, steady)
             if self.arena.kind == "shm":
                 dst.copy_(tensor.detach())  # host staging
             else:
@@ -123,6 +112,27 @@ class StepSlot:
         self.offset = align_up(self.offset + max(nbytes, 1))
         self._refs[id(tensor)] = (tensor, ref)
         return ref
+
+    def _check_room(self, nbytes: int) -> None:
+        if self.offset + nbytes > self.end:
+            raise SidecarError(
+                f"step data of {self.offset - self.start + nbytes} bytes exceed the arena slot of "
+                f"{self.end - self.start} (raise omni_sidecar model_io_mib)"
+            )
+
+    def _view(self, ref: TensorRef, dtype: torch.dtype, shape: tuple, steady: bool) -> torch.Tensor:
+        """The slot's bytes `ref` names, typed and shaped (bounds-checked); a steady tensor's view is
+        kept for the next steps, which put the same shape at the same place."""
+        if not steady:
+            return arena_tensor(self.arena, ref)
+        views, key = self._views, (ref.offset, dtype, shape)
+        dst = views.get(key)
+        if dst is None:
+            dst = arena_tensor(self.arena, ref)
+            if len(views) >= VIEWS_KEPT:  # prefill shapes vary: bounded, steady decode refills it
+                views.clear()
+            views[key] = dst
+        return dst
 
     def put_layers(self, layers: dict[int, torch.Tensor] | None) -> dict[int, TensorRef]:
         """Captured layers' rows (HookNeeds.hidden_layers), after the hidden rows."""
@@ -139,19 +149,10 @@ class StepSlot:
             return self.put(hidden, steady=True), self.put_layers(layers)
         nbytes = hidden.numel() * hidden.element_size()
         total = nbytes * len(rows)
-        if self.offset + total > self.end:
-            raise SidecarError(
-                f"step data of {total} bytes exceed the arena slot of {self.end - self.start} "
-                "(raise omni_sidecar model_io_mib)"
-            )
+        self._check_room(total)
         shape, dtype = list(hidden.shape), dtype_name(hidden.dtype)
-        views, key = self._views, (self.offset, hidden.dtype, (len(rows), *hidden.shape))
-        dst = views.get(key)
-        if dst is None:
-            dst = arena_tensor(self.arena, TensorRef(0, self.offset, total, [len(rows), *shape], dtype))
-            if len(views) >= VIEWS_KEPT:
-                views.clear()
-            views[key] = dst
+        dst = self._view(TensorRef(0, self.offset, total, [len(rows), *shape], dtype), hidden.dtype,
+                         (len(rows), *hidden.shape), steady=True)
         with torch.no_grad():
             if dst.device == hidden.device:
                 torch.stack([r.detach() for r in rows], out=dst)
