@@ -200,6 +200,12 @@ class InProcessConnection:
         self._note_layout(msg)
         return self.session.step_begin(msg)
 
+    def ask_plan(self, msg: StepBegin) -> None:
+        """The early StepBegin: nothing to overlap in one thread, so the session plans when it is taken."""
+
+    def take_plan(self, msg: StepBegin) -> StepPlan:
+        return self.step_plan(msg)
+
     def send(self, msg: Message) -> None:
         if not isinstance(msg, StepEnd):
             raise SidecarError(f"the in-process baseline has no answer to {type(msg).__name__}")

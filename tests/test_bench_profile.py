@@ -36,10 +36,10 @@ def test_phases_are_counted_per_100_normalizing_samples_and_the_excess_priced_by
     units = {e: profile["engines"][e]["units"] for e in ("plain", "shim")}
     assert units["plain"]["engine step"] == 200.0 and units["shim"]["engine step"] == 220.0
     assert units["plain"]["runner: piecewise graphs"] == units["shim"]["runner: piecewise graphs"] == 100.0
-    assert units["shim"]["shim: plan (StepBegin, wait, read)"] == 20.0
+    assert units["shim"]["shim: plan (wait, read)"] == 20.0
     table = "\n".join(render(profile, plain_step_ms=2.0))
     # 20 units over plain's 200-unit step of 2.0 ms: +200 µs a step, for the plan and the whole step alike.
-    assert "| shim: plan (StepBegin, wait, read) | 0 | 20 | +200 |" in table
+    assert "| shim: plan (wait, read) | 0 | 20 | +200 |" in table
     assert "| engine step | 200 | 220 | +200 |" in table
     assert "| runner: piecewise graphs | 100 | 100 | +0 |" in table
 
@@ -61,7 +61,7 @@ def test_the_report_shows_a_profiled_configurations_table_once_with_single_blank
     text = render_section({"machine": {}, "configs": [config]})
     assert text.count("Where each engine's step went, tiny-omni (`--profile-s 40 --profile-idle`") == 1
     # 50 units of plain's 200-unit step of 4 ms: +1000 µs a step.
-    assert "| shim: plan (StepBegin, wait, read) | 0 | 50 | +1000 |" in text
+    assert "| shim: plan (wait, read) | 0 | 50 | +1000 |" in text
     assert "\n\n\n" not in text
 
 

@@ -54,6 +54,8 @@ def test_extra_kwargs_state_and_assembled_outputs(kwargs_model, tiny_model, e2e_
     (shim,) = res["shim_stats"]
     assert shim["request_errors"] == {}
     assert shim["blocking_exchanges"] == shim["steps"]  # pre_forward="always" with extra kwargs
+    # Each StepBegin went from the runner's prepare_inputs, its plan taken after vLLM's attention metadata.
+    assert shim["asked_early"] == shim["blocking_exchanges"]
 
     full = {f"r{i}": p + o for i, (p, o) in enumerate(zip(res["prompt_token_ids"], res["tokens"]))}
     forwards = [json.loads(line) for line in log_path.read_text().splitlines()]

@@ -211,7 +211,7 @@ def test_hook_errors_in_results_reach_the_stats():
 
 def test_per_step_timings_stay_bounded_and_keep_the_latest():
     from proto.settings import TIMINGS_KEPT
-    from worker_shim.link import record_timing
+    from worker_shim.step_end import record_timing
 
     samples: list[float] = []
     for i in range(5 * TIMINGS_KEPT):

@@ -70,20 +70,24 @@ class RecordedLink:
             return wrapped
 
         channel.codec.encode = recording_encode
-        channel.call = counting(channel.call, lambda msg, want: True)
+        channel.answer = counting(channel.answer, lambda msg, want: True)  # `call` waits through it too
         channel.take_results = counting(
             channel.take_results, lambda until_step=None: until_step is not None and channel.acked_step < until_step)
         if hasattr(channel, "await_pongs"):  # 1.5: a quiet spell's StepStart answer, awaited later in the step
             channel.await_pongs = counting(channel.await_pongs, lambda: channel.pongs_due > 0)
         self.kicks = lambda: channel.kicks_sent
 
-    def step(self, state, pre_forward: bool = True) -> tuple[list[bytes], int, int]:
-        """One step as the runner drives it: (frames sent, kicks, waits)."""
+    def step(self, state, pre_forward: bool = True, early: bool = False) -> tuple[list[bytes], int, int]:
+        """One step as the runner drives it: (frames sent, kicks, waits); `early`: the StepBegin asked
+        when vLLM's batch is built (the runner's prepare_inputs), the plan taken in pre_forward."""
         self.frames.clear()
         self.waits = 0
         kicks = self.kicks()
         self.link.note_finished(set(), None)
         self.link.begin_step()
+        if early:
+            self.link.ask_early(state.input_batch)
+            self.sent_early = len(self.frames)
         if pre_forward:
             self.link.pre_forward(state.input_batch, None)
         self.link.end_step(state)
@@ -161,9 +165,10 @@ def test_the_worker_threads_cpu_time_is_recorded_for_each_plan_read_and_step_end
     assert sum(stats["plan_read_cpu_us"]) > 0 and sum(stats["step_end_cpu_us"]) > 0  # read from the clock
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["asked-in-pre-forward", "asked-early"])
 @pytest.mark.parametrize("sidecar", ["passthrough", "tests.support.asking_hooks:AskEveryStepHooks"],
                          indirect=True)
-def test_no_step_waits_for_the_sidecar_more_than_once(sidecar):
+def test_no_step_waits_for_the_sidecar_more_than_once(sidecar, early):
     shim = RecordedLink(sidecar.endpoint)
     asks = shim.link.needs.pre_forward == "always"
     try:
@@ -173,8 +178,11 @@ def test_no_step_waits_for_the_sidecar_more_than_once(sidecar):
         for step in range(40):
             if step % 10 == 9:
                 time.sleep(2 * STEP_START_ANSWER_S)  # a quiet spell: this StepStart asks for an answer
-            frames, _, wait = shim.step(decode_state(req_ids, step))
+            frames, _, wait = shim.step(decode_state(req_ids, step), early=early)
             waits.append(wait)
+            if early and asks:  # the StepBegin went when the batch was built; pre_forward sent nothing
+                kinds = [type(Codec().decode(f)).__name__ for f in frames]
+                assert kinds[shim.sent_early - 1] == "StepBegin" and "StepBegin" not in kinds[shim.sent_early:], kinds
         assert max(waits) <= 1, waits
         if asks:  # every step asks for its plan: one wait each, the quiet spell's answer included
             assert waits == [1] * 40, waits
@@ -207,5 +215,38 @@ def test_hooks_that_read_every_layout_get_it_packed(sidecar):
         assert len(sizes) == 1, sizes  # the same bytes each step: nothing grows with the values
         stats = shim.link.stats()
         assert sidecar.status().sessions[0].steps == stats["steps"] == 6 and stats["losses"] == 0
+    finally:
+        shim.link.close()
+
+
+@pytest.mark.parametrize("sidecar", ["tests.support.asking_hooks:AskEveryStepHooks"], indirect=True)
+def test_a_step_that_fails_after_its_early_ask_leaves_no_plan_for_the_next(sidecar):
+    """Upstream raises between the early StepBegin and the plan's read (abort_step): the plan is taken
+    and dropped, so the next step's plan is its own (a stale one would be accepted as the answer)."""
+    shim = RecordedLink(sidecar.endpoint)
+    conn = shim.link.conn
+    taken = []
+    take_plan = conn.take_plan
+    conn.take_plan = lambda msg: taken.append((msg.step, take_plan(msg).step)) or None
+    try:
+        req_ids = [f"cmpl-{i:04d}-abcdef12" for i in range(4)]
+        shim.link.note_new([_request(r) for r in req_ids])
+        shim.link.begin_step()
+        shim.link.ask_early(decode_state(req_ids, 0).input_batch)
+        shim.link.abort_step()  # vLLM raised before its model inputs were prepared
+        conn.take_plan = take_plan
+        plans = []
+        for step in (1, 2):
+            state = decode_state(req_ids, step)
+            shim.link.begin_step()
+            shim.link.ask_early(state.input_batch)
+            early = shim.link._early
+            assert early is not None and early.msg.step == shim.link.step
+            plans.append(conn.take_plan(early.msg).step)  # what pre_forward would take
+            shim.link._early = None
+            shim.link.end_step(state)
+        assert taken == [(0, 0)] and plans == [0, 1], (taken, plans)  # an aborted step keeps its number
+        # A plan left unread would be the answer the flush's Ping met first: a loss.
+        assert shim.link.stats()["losses"] == 0
     finally:
         shim.link.close()

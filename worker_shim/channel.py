@@ -218,6 +218,11 @@ class SidecarChannel(RingReceive):
 
     def call(self, msg: Message, want: type) -> Message:
         self.send(msg)
+        return self.answer(msg, want)
+
+    def answer(self, msg: Message, want: type) -> Message:
+        """The reply to `msg`, sent before (by `call`, or a send of its own when the answer is taken
+        later: the early StepBegin); replies owed to earlier messages are stashed on the way."""
         while True:
             reply = self._recv(self.step_timeout_ms / 1000)
             if type(reply) is want and not isinstance(reply, _NOT_PLAIN_ANSWERS):  # the usual answer

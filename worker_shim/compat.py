@@ -20,6 +20,8 @@ UPSTREAM_NAMES: list[tuple[str, str]] = [
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.add_requests"),
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.load_model"),
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.sample_tokens"),
+    # Returns the step's InputBatch before the attention metadata is built: the StepBegin goes then.
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.prepare_inputs"),
     # Read at shutdown only (worker_shim/finishes.py), each with a fallback.
     ("vllm.v1.worker.gpu.async_utils", "AsyncOutput"),
     ("vllm.sampling_params", "SamplingParams.eos_token_id"),

@@ -204,6 +204,14 @@ class SidecarConnection:
     def step_plan(self, msg: StepBegin) -> StepPlan:
         return self.call(msg, StepPlan)
 
+    def ask_plan(self, msg: StepBegin) -> None:
+        """The StepBegin now, its plan taken later by `take_plan` (nothing else is sent between)."""
+        self._note_sent(msg, time.monotonic())
+        self._channel.send(msg)
+
+    def take_plan(self, msg: StepBegin) -> StepPlan:
+        return self._channel.answer(msg, StepPlan)
+
     def _note_sent(self, msg: Message, sent_at: float) -> None:
         if isinstance(msg, (StepStart, StepBegin, StepEnd)):  # what the sidecar counts as stepping
             self.last_sent_at = sent_at

@@ -1,10 +1,10 @@
 """The step protocol between one runner and its sidecar: which message a step needs, and sending it.
 
-The runner mixin calls `begin_step` / `pre_forward` / `end_step` (or
-`abort_step` when upstream raised). A step sends a blocking StepBegin before
-the forward only when the sidecar's declared needs say so for this batch,
-and after it a StepEnd with what the sidecar has not seen yet, or the
-fixed-size StepTick (worker_shim/step_end.py). Who the
+The runner mixin calls `begin_step` / `ask_early` / `pre_forward` / `end_step`
+(or `abort_step` when upstream raised). A step asks for a plan before the
+forward only when the sidecar's declared needs say so for this batch
+(worker_shim/plan_ask.py), and after it sends a StepEnd with what the sidecar
+has not seen yet, or the fixed-size StepTick (worker_shim/step_end.py). Who the
 sidecar is (loss, reconnect, hot-upgrade switch) is `Recovery`'s business;
 tensors cross in worker_shim/transfer.py; vLLM's batch is read in
 worker_shim/batch.py.
@@ -18,21 +18,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import msgspec
-import torch
-
-from proto.messages import HookNeeds, RequestError, StepBegin, StepEnd, StepPlan
+from proto.messages import HookNeeds, RequestError, StepEnd
 from proto.settings import ERROR_TEXT_MAX, TIMINGS_KEPT
-from worker_shim.batch import PayloadTracker, new_request, payload_of, wire_layout
+from worker_shim.batch import PayloadTracker, new_request, payload_of
 from worker_shim.channel import SidecarError
 from worker_shim.compat import client_request_id, prompt_len_of
 from worker_shim.config import EmbedsSetting, LossPolicy
 from worker_shim.finishes import FinishWatch
 from worker_shim.layers import LayerCapture
-from worker_shim.model_hooks import ModelBridge
+from worker_shim.plan_ask import EarlyAsk, PlanAsks
 from worker_shim.recovery import Recovery
 from worker_shim.session import FailureReports, SessionRequests
-from worker_shim.step_end import ModelResults, StepEndRecords, record_timing
+from worker_shim.step_end import ModelResults, StepEndRecords
 
 log = logging.getLogger("vllm.omni_sidecar.shim.link")
 
@@ -46,6 +43,7 @@ class StepCounters:
     finished_requests: int = 0
     scheduled_tokens: int = 0
     blocking_exchanges: int = 0
+    asked_early: int = 0  # of which the StepBegin went when vLLM built the batch (worker_shim/plan_ask.py)
     states_asked: int = 0  # requests whose state the model's hooks asked the sidecar for
     exchange_us: list[float] = field(default_factory=list)  # blocking StepBegin round trips
     plan_read_us: list[float] = field(default_factory=list)  # of which reading the plan (its tensors copied out)
@@ -60,7 +58,7 @@ class StepCounters:
     model_hook_us: list[float] = field(default_factory=list)
 
 
-class SidecarLink(StepEndRecords):
+class SidecarLink(PlanAsks, StepEndRecords):
     """The runner's side of the step protocol (rank 0, or the only rank)."""
 
     def __init__(self, connect: Callable[..., Any], first: Any, loss_policy: LossPolicy = "fail-all",
@@ -76,6 +74,7 @@ class SidecarLink(StepEndRecords):
         self.step = 0
         self._in_step = False
         self._layout_sent = False
+        self._early: EarlyAsk | None = None  # this step's StepBegin, sent before its plan is taken
         self.counters = StepCounters()
         self._step_exchange_us = 0.0
         self._last_post_us = 0.0  # reported on the next StepEnd (measured after sending)
@@ -160,83 +159,18 @@ class SidecarLink(StepEndRecords):
         return conn.mirror_updates_waiting
 
     def abort_step(self) -> None:
-        """Upstream raised inside execute_model: no StepEnd for this step."""
+        """Upstream raised inside execute_model: no StepEnd for this step (a plan asked early is
+        taken and dropped: the next answer read must be the next message's)."""
         self._in_step = False
-
-    def pre_forward(self, input_batch: Any, model: Any, embeds: torch.Tensor | None = None,
-                    bridge: ModelBridge | None = None) -> dict[str, Any]:
-        """Blocking StepBegin when the hooks need it; returns extra model inputs.
-
-        `embeds` is the persistent inputs_embeds buffer when the runner feeds
-        the model from one (worker_shim/transfer.py `read_plan`). With a `bridge`
-        (the model carries its own hooks), requests whose state the shim's mirror
-        lacks are asked for in the same exchange (docs/ARCHITECTURE.md, "Model hooks").
-        """
-        conn = self.recovery.conn
-        if conn is None:
-            return {}
-        if bridge is None and conn.needs.pre_forward == "never" and not conn.answer_due:
-            return {}  # pass-through hooks: nothing to decide per batch
-        want, needed = self._plan_needed(conn, input_batch, bridge)
-        if not needed and conn.answer_due:  # the quiet spell's answer is this step's one wait
-            self.recovery.settle(self.step)
-            if self.conn is not conn:  # a successor (or none): its needs decide
-                return self.pre_forward(input_batch, model, embeds, bridge) if self.conn is not None else {}
-        if not needed:
-            return {}
-        t0 = time.perf_counter()
-        notices = self.requests.take_notices()
-        try:
-            plan = self._ask_plan(conn, input_batch, notices, want, bridge)
-            if plan is None:  # handed over before the sidecar read this step: the successor decides
-                self.requests.requeue(*notices)
-                return self.pre_forward(input_batch, model, embeds, bridge) if self.conn is not None else {}
-            self.counters.blocking_exchanges += 1
-            self.counters.states_asked += len(want)
-            self.failures.record(plan.errors)
-            t1, c1 = time.perf_counter(), time.thread_time()
-            states = conn.read_states(plan) if want and bridge is not None else None  # before the plan's reuse
-            extra = conn.read_plan(plan, input_batch, model, embeds)
-            record_timing(self.counters.plan_read_us, (time.perf_counter() - t1) * 1e6)
-            record_timing(self.counters.plan_read_cpu_us, (time.thread_time() - c1) * 1e6)
-            if states is not None:
-                bridge.fill_states(states, failed={e.req_id for e in plan.errors})
-        except (SidecarError, ValueError, msgspec.ValidationError) as exc:
-            self.recovery.lose(f"step {self.step}: {exc}")
-            return {}
-        self._step_exchange_us = (time.perf_counter() - t0) * 1e6
-        record_timing(self.counters.exchange_us, self._step_exchange_us)
-        return extra
-
-    def _plan_needed(self, conn: Any, input_batch: Any, bridge: ModelBridge | None) -> tuple[list[str], bool]:
-        """(requests whose state the mirror lacks, whether this batch needs a plan before the forward)."""
-        want = bridge.missing_states(input_batch.req_ids) if bridge is not None and conn.needs.model_states else []
-        return want, bool(want) or self.payloads.exchange_needed(conn.needs, input_batch, among=self.requests.live)
-
-    def _ask_plan(self, conn: Any, input_batch: Any, notices: tuple[list, list, list], want: list[str],
-                  bridge: ModelBridge | None) -> StepPlan | None:
-        """The blocking StepBegin; it also takes the answer a quiet spell's StepStart asked for. None when
-        the sidecar handed the session over before it read this step (switched: the successor has it)."""
-        new, finished, preempted = notices
-        layout, packed = wire_layout(input_batch, conn)
-        msg = StepBegin(step=self.step, batch=layout, new_requests=new, finished=finished, preempted=preempted,
-                        want_states=want, model_hooks=bridge.wire if want and bridge is not None else None,
-                        packed=packed)
-        self._layout_sent = True
-        try:
-            return conn.step_plan(msg)
-        except SidecarError:
-            if conn.switch_ack is None or not conn.answer_due:
-                raise
-        self._layout_sent = False  # the successor has seen nothing of this step
-        self.recovery.settle(self.step)  # switches and announces the step to the successor
-        return None
+        self._drop_early()
 
     def end_step(self, state: Any, model_results: ModelResults | None = None) -> None:
         """After upstream execute_model: StepEnd with what the sidecar has not seen yet.
 
         `model_results`: the step's model updates and outputs per request (model hooks)."""
         self._in_step = False
+        if self._early is not None:  # asked, never taken (no model inputs were prepared after it)
+            self._drop_early()
         t0 = time.perf_counter()
         batch = state.input_batch if state is not None else None
         num_tokens = 0

@@ -33,7 +33,8 @@ from worker_shim.embeds import LAYERS_GRAPH_KEY, EmbedsBuffer, embeds_width, mar
 from worker_shim.config import ShimConfig
 from worker_shim.embeds import wanted as embeds_wanted
 from worker_shim.layers import LayerCapture
-from worker_shim.link import SidecarLink, record_timing
+from worker_shim.link import SidecarLink
+from worker_shim.step_end import record_timing
 from worker_shim.model_hooks import ModelBridge, attach_bridge, model_class_has_hooks
 from worker_shim.tp import TensorParallelFollower, TensorParallelSync
 from worker_shim.transfer import model_device
@@ -86,6 +87,16 @@ class SidecarRunnerMixin:
             bridge.host_us = 0.0
         self.omni_link.end_step(state, results)
         return out
+
+    def prepare_inputs(self, *args: Any, **kwargs: Any) -> Any:
+        """The step's batch, as vLLM built it: its StepBegin goes now, when it needs a plan, and
+        `SidecarModelStateMixin.prepare_inputs` takes the plan after vLLM's attention metadata and
+        the embeds (the sidecar plans meanwhile)."""
+        input_batch = _up(self).prepare_inputs(*args, **kwargs)  # type: ignore[misc]
+        link = self.omni_link
+        if link.in_step:
+            link.ask_early(input_batch, self.omni_bridge)
+        return input_batch
 
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
         out = _up(self).sample_tokens(*args, **kwargs)  # type: ignore[misc]

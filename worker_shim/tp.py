@@ -131,6 +131,9 @@ class TensorParallelFollower:
     def abort_step(self) -> None:
         self.in_step = False
 
+    def ask_early(self, input_batch: Any, bridge: Any = None) -> None:
+        pass  # rank 0 asks; the plan reaches this rank by broadcast
+
     def pre_forward(self, input_batch: Any, model: Any, embeds: torch.Tensor | None = None,
                     bridge: Any = None) -> dict[str, Any]:
         return {}  # model hooks run with TP size 1 only (worker_shim/model_hooks.py)
