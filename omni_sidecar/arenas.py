@@ -227,6 +227,7 @@ class SessionArenas:
         self.opens: Any = None  # CUDA IPC OpenCounts
         self.consumer_events: list[bytes] = []
         self.wanted_layers: list[int] = []  # the hooks' HookNeeds.hidden_layers
+        self._ready_for: StepEnd | None = None  # the StepEnd whose slot our stream already waits for
         # Shims of 1.7 read stacked rows: a plan's same-shaped tensors go as one stack each; shims of
         # 1.8 read a plan's trees as bytes, every tensor an extension value naming a stack.
         minor = hello.protocol_minor
@@ -298,8 +299,11 @@ class SessionArenas:
         if ref.arena >= len(self.inputs):
             raise ArenaError(f"a tensor of step {msg.step} names arena {ref.arena}, which was never offered")
         arena = self.inputs[ref.arena]
-        if arena.kind != "shm":
-            arena.wait_ready(msg.hidden_event)  # the shim's copy, ordered on our stream
+        if arena.kind != "shm" and self._ready_for is not msg:
+            # The shim's copies, ordered on our stream: once per StepEnd (its hidden rows, captured layers
+            # and model results share one ready event; a wait each was a stream look-up and a wait each).
+            arena.wait_ready(msg.hidden_event)
+            self._ready_for = msg
         return arena_tensor(arena, ref)  # bounds-checked against the arena
 
     def hidden_layers(self, msg: StepEnd) -> dict[int, torch.Tensor]:
@@ -313,6 +317,7 @@ class SessionArenas:
 
     def release_slot(self, msg: StepEnd) -> None:
         """CUDA IPC: the shim may rewrite the slot once the reads we enqueued ran."""
+        self._ready_for = None
         if msg.hidden_event >= 0 and self.inputs and self.inputs[0].kind != "shm":
             self.inputs[0].mark_done(msg.hidden_event)
 

@@ -75,3 +75,41 @@ def test_a_steps_overlays_are_one_write_when_their_rows_match_and_one_each_other
     assert calls == {"rows": 1, "put": 2}
     with pytest.raises(ValueError, match="one dtype, device and row shape"):
         put_rows(odd)
+
+
+class _SlotArena:
+    """A device arena of the shim's slots over host bytes, counting the ready waits and done marks."""
+
+    kind = "fake-device"
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.buf = torch.zeros(size, dtype=torch.uint8)
+        self.waits: list[int] = []
+        self.done: list[int] = []
+
+    def view(self, ref):  # what `arena_tensor` reads a non-CUDA arena's bytes through
+        return memoryview(self.buf.numpy())[ref.offset : ref.offset + ref.nbytes]
+
+    def wait_ready(self, slot: int) -> None:
+        self.waits.append(slot)
+
+    def mark_done(self, slot: int) -> None:
+        self.done.append(slot)
+
+
+def test_a_step_end_waits_once_for_its_slot_whatever_it_reads():
+    """The hidden rows and each captured layer share the StepEnd's ready event: one wait on our
+    stream a StepEnd (a wait each was a stream look-up and a wait each); the next StepEnd waits again."""
+    from proto.messages import StepEnd
+    from proto.tensors import TensorRef
+
+    arenas = _session_arenas(DeviceLikeArena(1 << 12))
+    slot = _SlotArena(1 << 12)
+    arenas.inputs, arenas.wanted_layers = [slot], [0, 2]
+    ref = lambda k: TensorRef(0, 256 * k, 32, [1, 8], "float32")  # noqa: E731
+    for step, event in ((0, 0), (1, 1)):
+        msg = StepEnd(step, None, hidden=ref(0), hidden_layers={0: ref(1), 2: ref(2)}, hidden_event=event, num_tokens=1)
+        assert arenas.hidden(msg).shape == (1, 8) and set(arenas.hidden_layers(msg)) == {0, 2}
+        arenas.release_slot(msg)
+    assert slot.waits == [0, 1] and slot.done == [0, 1]
