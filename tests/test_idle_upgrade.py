@@ -294,7 +294,8 @@ def test_upgrades_at_random_moments_lose_no_step_of_a_real_shim_link(tmp_path, h
     # bursts of steps, now and then a long forward, idle spells around IDLE_HANDOVER_S, and
     # upgrades at random moments. Every step reaches exactly one sidecar's hooks. Pass-through
     # steps end with StepTicks; asking hooks take a plan every step, the answer a quiet spell's
-    # StepStart asks for riding its round trip (a hand-over found there switches mid-step).
+    # StepStart asks for riding its round trip (a hand-over found there switches mid-step), half of
+    # them asked early (the StepBegin sent before pre_forward takes the plan).
     from omni_sidecar.client import SidecarClient
     from worker_shim.config import RingConfig
     from worker_shim.connection import SidecarConnection
@@ -333,6 +334,9 @@ def test_upgrades_at_random_moments_lose_no_step_of_a_real_shim_link(tmp_path, h
             for _ in range(rng.randint(1, 20)):
                 state = _batch_state(req_id)
                 link.begin_step()
+                if rng.random() < 0.5:  # as the runner asks: the StepBegin when the batch is built
+                    link.ask_early(state.input_batch)
+                    time.sleep(rng.choice([0.0, 0.001]))  # vLLM's attention metadata
                 link.pre_forward(state.input_batch, None)
                 time.sleep(rng.choice([0.001, 0.003, 0.01, 1.5 * IDLE_HANDOVER_S]))  # the forward
                 link.end_step(state)

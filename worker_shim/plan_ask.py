@@ -36,7 +36,6 @@ class EarlyAsk:
     want: list[str]
 
 
-
 class PlanAsks:
     """Needs the link's `step`, `requests`, `payloads`, `failures`, `recovery`, `conn`, `counters`,
     `_in_step`, `_early`, `_layout_sent` and `_step_exchange_us`."""
@@ -72,6 +71,9 @@ class PlanAsks:
         except SidecarError as exc:
             if early.conn.switch_ack is None:
                 self.recovery.lose(f"step {self.step}: {exc}")
+            else:  # handed over before the sidecar read it: the successor learns the notices next
+                self.requests.requeue(*early.notices)
+                self._layout_sent = False
 
     def pre_forward(self, input_batch: Any, model: Any, embeds: torch.Tensor | None = None,
                     bridge: ModelBridge | None = None) -> dict[str, Any]:
