@@ -10,7 +10,7 @@ STEP = "EngineCore.step_with_batch_queue"
 SAMPLE = "GPUModelRunner.sample_tokens"
 SCHED = "Scheduler.schedule"
 GRAPHS = "CudaGraphManager.run_pw_graph"
-PLAN = "SidecarLink.pre_forward"
+PLAN = "PlanAsks.pre_forward"
 
 
 def _write(path, lines):
@@ -103,3 +103,26 @@ def test_the_recorder_stops_its_samplers_when_the_rounds_end_and_attributes_what
     assert all(p.returncode == 0 for p in recorder.procs)
     assert profile["engines"]["plain"]["samples"] == 7 and profile["engines"]["shim"]["samples"] == 14
     assert profile["files"] == ["prof-cfg-plain-11.txt", "prof-cfg-shim-12.txt", "prof-cfg-shim-13.txt"]
+
+
+def test_every_shim_phase_names_a_method_py_spy_would_see_in_our_code():
+    """py-spy names a frame `Class.method` after the class whose body defines the method (a mixin's,
+    not the class it is mixed into): a phase naming the link where a mixin defines the method counts
+    nothing (session 15's first profile of the early ask read 0 for all three plan phases)."""
+    import ast
+    from pathlib import Path
+
+    from bench.gpu_profile import PHASES
+
+    root = Path(__file__).resolve().parents[1]
+    defined = set()
+    for package in ("worker_shim", "bench"):
+        for path in (root / package).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef):
+                    defined.update(f"{node.name}.{item.name}" for item in node.body
+                                   if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)))
+    ours = [(label, frame) for label, frame in PHASES if label.startswith("shim:") or "Probe" in frame]
+    assert len(ours) >= 6
+    missing = [(label, frame) for label, frame in ours if frame not in defined]
+    assert not missing, missing
