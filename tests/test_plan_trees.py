@@ -271,6 +271,8 @@ def test_steady_plans_land_in_the_shims_buffers_and_a_steady_step_makes_no_view(
             if k >= 2:
                 assert landing.views_made == made
                 assert all(a is b for a, b in zip(lasts, landed[-2][0]))
+                assert landing._source[3] is source  # the same span of the same arena: its view kept
+            source = landing._source[3]
             landed.append((lasts, [t.clone() for t in lasts]))
             # This step's hidden rows: new values each step, so the next plan's rows differ.
             run.shim_arena.view(run.rows)[:] = torch.full((n, hidden), float(k)).numpy().tobytes()
