@@ -225,7 +225,13 @@ def _collector(res: dict) -> list[str]:
     lines = []
     for c in res.get("configs", []):
         probes = {e: g for e, g in (c.get("gc") or {}).items() if g}
-        if probes:
+        if probes and "FULL" in str(c.get("graphs", "")):
+            # The probe counts the model's Python forwards, and a FULL graph's replay runs none: its
+            # "per step" would divide a whole run's collections by the warm-up's forwards.
+            lines.append(f"- {c['config']}, the cycle collector: not priced per step under {c['graphs']} graphs "
+                         "(a replay runs no Python forward; forwards counted: "
+                         + ", ".join(f"{e} {g['forwards']}" for e, g in probes.items()) + ").")
+        elif probes:
             lines.append(f"- {c['config']}, the cycle collector in each engine's process (its life, warm-up "
                          "included): " + "; ".join(
                              f"{e} {g['pause_us_per_forward']} µs a step (collections per 1000 steps by generation "

@@ -181,3 +181,8 @@ def test_the_gc_probe_counts_an_engines_collections_and_the_report_says_them(tmp
     line, = _collector({"configs": [{"config": "tiny-omni", "gc": {"plain": got, "shim": None}}]})
     assert line.startswith("- tiny-omni, the cycle collector") and f"plain {got['pause_us_per_forward']} µs" in line
     assert "shim" not in line  # an engine whose probe wrote nothing is left out
+    # Under FULL graphs a replay runs no Python forward: no figure per step (session 15 read 21810 µs
+    # "a step" from 116 warm-up forwards), only what was counted.
+    line, = _collector({"configs": [{"config": "tiny-passthrough", "graphs": "FULL_AND_PIECEWISE",
+                                     "gc": {"plain": got}}]})
+    assert "not priced per step" in line and "plain 3)" in line and "µs a step" not in line
