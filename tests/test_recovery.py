@@ -101,6 +101,19 @@ class FakeConnection:
         self.calls.append(msg)
         return self.ack
 
+    def step_plan(self, msg):
+        return self.call(msg, None)
+
+    def ask_plan(self, msg) -> None:  # the early StepBegin (worker_shim/plan_ask.py)
+        if self.fail_send is not None:
+            raise self.fail_send
+        self.calls.append(msg)
+
+    def take_plan(self, msg):
+        if self.fail_call is not None:
+            raise self.fail_call
+        return self.ack
+
     def announce_step(self, step: int, answer_after_s: float) -> None:
         self.announced.append(step)
         self.step_open = True
@@ -350,3 +363,44 @@ def test_a_sidecar_that_stays_answers_every_step_with_no_failures(policy):
     assert link.recovery.state == "connected" and link.recovery.losses == 0
     assert [m.step for m in first.sent] == [0, 1, 2, 3]
     assert link.failures.request_errors == {}
+
+
+def _asking_link() -> tuple[SidecarLink, FakeConnection]:
+    first = FakeConnection(needs=HookNeeds(pre_forward="always"))
+    link = SidecarLink(Factory(), first)
+    link.note_new([request("carrier", True)])
+    return link, first
+
+
+def test_an_early_ask_that_cannot_be_sent_loses_the_sidecar_rather_than_ask_twice():
+    """A send that failed may still sit in the transport's queue: asking again in pre_forward could
+    send the step's StepBegin twice (its new requests admitted twice, a second plan for the next
+    step to take). So the early ask's failure is a loss, as a failed exchange in pre_forward is."""
+    link, first = _asking_link()
+    first.fail_send = SidecarError("the sidecar did not drain its ring")
+    link.begin_step()
+    state = step_state(["carrier"])
+    link.ask_early(state.input_batch)
+    assert link.recovery.losses == 1 and link.conn is None and first.closed
+    assert link.pre_forward(state.input_batch, None) == {} and first.calls == []
+
+
+def test_a_plan_dropped_after_an_upstream_error_still_reports_its_requests_errors():
+    from proto.messages import StepPlan
+
+    link, first = _asking_link()
+    first.ack = StepPlan(step=0, errors=[RequestError("carrier", "payload: bad codes")])
+    link.begin_step()
+    link.ask_early(step_state(["carrier"]).input_batch)
+    link.abort_step()  # vLLM raised between its batch and its model inputs
+    assert link.failures.request_errors == {"carrier": "payload: bad codes"} and link.recovery.losses == 0
+
+
+def test_a_plan_for_another_step_is_refused():
+    from proto.messages import BatchLayout, StepBegin, StepPlan
+    from worker_shim.connection import _plan_of
+
+    ask = StepBegin(step=5, batch=BatchLayout(["a"], [0, 1], [3], [3]))
+    assert _plan_of(ask, StepPlan(step=5)).step == 5
+    with pytest.raises(SidecarError, match="answered step 5 with the plan of step 4"):
+        _plan_of(ask, StepPlan(step=4))

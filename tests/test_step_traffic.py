@@ -227,7 +227,12 @@ def test_a_step_that_fails_after_its_early_ask_leaves_no_plan_for_the_next(sidec
     conn = shim.link.conn
     taken = []
     take_plan = conn.take_plan
-    conn.take_plan = lambda msg: taken.append((msg.step, take_plan(msg).step)) or None
+    def recording(msg):
+        plan = take_plan(msg)
+        taken.append((msg.step, plan.step))
+        return plan
+
+    conn.take_plan = recording
     try:
         req_ids = [f"cmpl-{i:04d}-abcdef12" for i in range(4)]
         shim.link.note_new([_request(r) for r in req_ids])

@@ -202,7 +202,7 @@ class SidecarConnection:
         return out
 
     def step_plan(self, msg: StepBegin) -> StepPlan:
-        return self.call(msg, StepPlan)
+        return _plan_of(msg, self.call(msg, StepPlan))
 
     def ask_plan(self, msg: StepBegin) -> None:
         """The StepBegin now, its plan taken later by `take_plan` (nothing else is sent between)."""
@@ -210,7 +210,7 @@ class SidecarConnection:
         self._channel.send(msg)
 
     def take_plan(self, msg: StepBegin) -> StepPlan:
-        return self._channel.answer(msg, StepPlan)
+        return _plan_of(msg, self._channel.answer(msg, StepPlan))
 
     def _note_sent(self, msg: Message, sent_at: float) -> None:
         if isinstance(msg, (StepStart, StepBegin, StepEnd)):  # what the sidecar counts as stepping
@@ -279,6 +279,14 @@ class SidecarConnection:
             if arena is not None:
                 arena.close()
         self._hidden_arena = self._overlay_arena = None
+
+
+def _plan_of(msg: StepBegin, plan: StepPlan) -> StepPlan:
+    """The plan, if it answers `msg`'s step: one for another step (a StepBegin sent twice, a plan left
+    unread) would put another batch's kwargs on this one's rows."""
+    if plan.step != msg.step:
+        raise SidecarError(f"the sidecar answered step {msg.step} with the plan of step {plan.step}")
+    return plan
 
 
 __all__ = ["SidecarConnection", "SidecarError"]

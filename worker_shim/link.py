@@ -45,7 +45,9 @@ class StepCounters:
     blocking_exchanges: int = 0
     asked_early: int = 0  # of which the StepBegin went when vLLM built the batch (worker_shim/plan_ask.py)
     states_asked: int = 0  # requests whose state the model's hooks asked the sidecar for
-    exchange_us: list[float] = field(default_factory=list)  # blocking StepBegin round trips
+    # Each plan's wait and read: from the StepBegin's send when pre_forward sent it, from pre_forward when
+    # it went early (worker_shim/plan_ask.py); before 2026-12-02 every plan was a whole round trip.
+    exchange_us: list[float] = field(default_factory=list)
     plan_read_us: list[float] = field(default_factory=list)  # of which reading the plan (its tensors copied out)
     post_us: list[float] = field(default_factory=list)  # shim-side cost of each StepEnd (copy + send)
     # This thread's CPU time in the plan read and in each StepEnd's record (not a StepTick's): against

@@ -53,27 +53,45 @@ class PlanAsks:
         if not needed:
             return
         notices = self.requests.take_notices()
-        msg = self._step_begin(conn, input_batch, notices, want, bridge)
         try:
+            msg = self._step_begin(conn, input_batch, notices, want, bridge)
             conn.ask_plan(msg)
-        except SidecarError:  # nothing went: pre_forward asks again, and handles what it meets
-            self.requests.requeue(*notices)
-            self._layout_sent = False
+        except SidecarError as exc:
+            if self._handed_over(conn):  # pre_forward switches and asks the successor, which gets the notices
+                self.requests.requeue(*notices)
+                self._layout_sent = False
+            else:  # a send that failed may still be queued: asking again could send the step twice
+                self.recovery.lose(f"step {self.step}: {exc}")
+            return
+        except (ValueError, msgspec.ValidationError) as exc:  # a batch the wire cannot carry, as in pre_forward
+            self.recovery.lose(f"step {self.step}: {exc}")
             return
         self._early = EarlyAsk(conn, input_batch, msg, notices, want)
 
-    def _drop_early(self) -> None:
+    def _drop_early(self) -> bool:
+        """The plan asked early, taken and dropped (its errors recorded): the next answer read is the
+        next message's. Whether the sidecar read that StepBegin (its notices are then delivered)."""
         early, self._early = self._early, None
         if early is None or early.conn is not self.recovery.conn:
-            return
+            return False
         try:
-            early.conn.take_plan(early.msg)
+            plan = early.conn.take_plan(early.msg)
         except SidecarError as exc:
-            if early.conn.switch_ack is None:
-                self.recovery.lose(f"step {self.step}: {exc}")
-            else:  # handed over before the sidecar read it: the successor learns the notices next
+            if self._handed_over(early.conn):  # before it read the StepBegin: the successor learns the notices
                 self.requests.requeue(*early.notices)
                 self._layout_sent = False
+            else:
+                self.recovery.lose(f"step {self.step}: {exc}")
+            return False
+        self.failures.record(plan.errors)
+        return True
+
+    @staticmethod
+    def _handed_over(conn: Any) -> bool:
+        """A SidecarError of this step's exchange means the session went to a successor before the
+        sidecar read the step (not a loss) when a SwitchAck came and the quiet spell's answer did not
+        (docs/ARCHITECTURE.md, Hot upgrade)."""
+        return conn.switch_ack is not None and conn.answer_due
 
     def pre_forward(self, input_batch: Any, model: Any, embeds: torch.Tensor | None = None,
                     bridge: ModelBridge | None = None) -> dict[str, Any]:
@@ -84,13 +102,15 @@ class PlanAsks:
         (the model carries its own hooks), requests whose state the shim's mirror
         lacks are asked for in the same exchange (docs/ARCHITECTURE.md, "Model hooks").
         """
-        conn = self.recovery.conn
         early, self._early = self._early, None
-        sent_notices = early is not None  # the StepBegin that carried them went to the sidecar
-        if early is not None and not (early.conn is conn and early.input_batch is input_batch):
-            self._early = early  # not this batch's (never from vLLM's runner): dropped, asked afresh
-            self._drop_early()
+        sent_notices = False  # a dropped early StepBegin carried them to the sidecar
+        if early is not None and not (early.conn is self.recovery.conn and early.input_batch is input_batch):
+            # Not this batch's (never from vLLM's runner, which builds one batch a step): its plan dropped,
+            # this one asked afresh (the sidecar then plans the step twice).
+            self._early = early
+            sent_notices = self._drop_early()
             early = None
+        conn = self.recovery.conn  # after the drop, which may have lost it
         if conn is None:
             return {}
         if early is not None:
@@ -155,7 +175,7 @@ class PlanAsks:
         try:
             return conn.take_plan(msg) if sent else conn.step_plan(msg)
         except SidecarError:
-            if conn.switch_ack is None or not conn.answer_due:
+            if not self._handed_over(conn):
                 raise
         self._layout_sent = False  # the successor has seen nothing of this step
         self.recovery.settle(self.step)  # switches and announces the step to the successor
