@@ -404,3 +404,28 @@ def test_a_plan_for_another_step_is_refused():
     assert _plan_of(ask, StepPlan(step=5)).step == 5
     with pytest.raises(SidecarError, match="answered step 5 with the plan of step 4"):
         _plan_of(ask, StepPlan(step=4))
+
+
+def test_a_switch_that_fails_while_a_plan_is_asked_queues_no_new_request_for_the_next_sidecar():
+    """The sidecar handed over before it read the step (a SwitchAck, the quiet spell's answer due) and
+    the successor refuses the resume: the loss fails the live requests, so their NewRequests must not
+    wait for the next sidecar; finish notices stay queued, as every loss keeps them."""
+    successor = FakeConnection(endpoint="ipc:///nonexistent/omni-test-successor.sock")
+    successor.refuse_connect = SidecarError("refused")
+    first = FakeConnection(needs=HookNeeds(pre_forward="always"))
+    link = SidecarLink(Factory(successor), first)
+    link.note_new([request("carrier", True)])
+    link.requests.note_finished(["old"], ())
+    link.begin_step()
+
+    def handed_over() -> None:
+        raise SidecarError("the sidecar handed this session over to its successor")
+
+    first.switch_ack = SwitchAck(endpoint=successor.endpoint, token="resume-x")
+    first.answer_due = True
+    first.fail_call = SidecarError("the sidecar handed this session over to its successor")
+    first.await_answer = handed_over
+    assert link.pre_forward(step_state(["carrier"]).input_batch, None) == {}
+    assert link.recovery.losses == 1 and link.conn is None
+    assert link.requests.new == [] and link.requests.finished == ["old"]
+    assert "carrier" in link.failures.request_errors

@@ -134,8 +134,11 @@ class PlanAsks:
             else:
                 plan = self._take_plan(conn, msg, sent=True)
             if plan is None:  # handed over before the sidecar read this step: the successor decides
+                if self.conn is None:  # lost while switching: the loss failed the requests; finishes stay queued
+                    self.requests.requeue([], notices[1], [])
+                    return {}
                 self.requests.requeue(*notices)
-                return self.pre_forward(input_batch, model, embeds, bridge) if self.conn is not None else {}
+                return self.pre_forward(input_batch, model, embeds, bridge)
             self.counters.blocking_exchanges += 1
             self.counters.asked_early += msg is not None
             self.counters.states_asked += len(want)
