@@ -32,7 +32,7 @@ from omni_sidecar import __version__
 from omni_sidecar.collector import CollectorPacer
 from omni_sidecar.config import ServeConfig
 from omni_sidecar.hooks import OmniHooks
-from omni_sidecar.listener import RECV_TIMEOUT_MS, Listener
+from omni_sidecar.listener import Listener
 from omni_sidecar.metrics import SidecarMetrics
 from omni_sidecar.rejects import RejectLog
 from omni_sidecar.peer import STEP_ENDS
@@ -185,7 +185,7 @@ class SidecarServer(UpgradeLoop):
                 else:
                     try:
                         frames = self.listener.recv_frames()
-                    except zmq.Again:  # RECV_TIMEOUT_MS without a frame: idle
+                    except zmq.Again:  # the listener's RECV_TIMEOUT_MS without a frame: idle
                         if self.peers.all_between_steps():
                             self.collector.collect_idle()
                         continue

@@ -20,7 +20,6 @@ from proto.messages import (
     StepTick, SwitchAck, Welcome,
 )
 from omni_arena.tensor_tree import TreeError, load_inline_tree
-from proto.tensors import TensorRef
 from proto.version import PACKED_LAYOUT_MINOR
 from worker_shim.channel import SidecarChannel, SidecarError
 from worker_shim.config import RingConfig
