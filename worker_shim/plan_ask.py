@@ -57,9 +57,8 @@ class PlanAsks:
             msg = self._step_begin(conn, input_batch, notices, want, bridge)
             conn.ask_plan(msg)
         except SidecarError as exc:
-            if self._handed_over(conn):  # pre_forward switches and asks the successor, which gets the notices
-                self.requests.requeue(*notices)
-                self._layout_sent = False
+            if self._handed_over(conn):  # pre_forward switches and asks the successor
+                self._not_read(notices)
             else:  # a send that failed may still be queued: asking again could send the step twice
                 self.recovery.lose(f"step {self.step}: {exc}")
             return
@@ -77,14 +76,19 @@ class PlanAsks:
         try:
             plan = early.conn.take_plan(early.msg)
         except SidecarError as exc:
-            if self._handed_over(early.conn):  # before it read the StepBegin: the successor learns the notices
-                self.requests.requeue(*early.notices)
-                self._layout_sent = False
+            if self._handed_over(early.conn):
+                self._not_read(early.notices)
             else:
                 self.recovery.lose(f"step {self.step}: {exc}")
             return False
         self.failures.record(plan.errors)
         return True
+
+    def _not_read(self, notices: tuple[list, list, list]) -> None:
+        """The sidecar handed the session over before it read the StepBegin that carried `notices`:
+        they, and the layout, go to the successor with the step's next message."""
+        self.requests.requeue(*notices)
+        self._layout_sent = False
 
     @staticmethod
     def _handed_over(conn: Any) -> bool:
@@ -137,7 +141,7 @@ class PlanAsks:
                 if self.conn is None:  # lost while switching: the loss failed the requests; finishes stay queued
                     self.requests.requeue([], notices[1], [])
                     return {}
-                self.requests.requeue(*notices)
+                self._not_read(notices)
                 return self.pre_forward(input_batch, model, embeds, bridge)
             self.counters.blocking_exchanges += 1
             self.counters.asked_early += msg is not None
@@ -180,6 +184,6 @@ class PlanAsks:
         except SidecarError:
             if not self._handed_over(conn):
                 raise
-        self._layout_sent = False  # the successor has seen nothing of this step
+        self._layout_sent = False  # the successor has seen nothing of this step (the notices: the caller's)
         self.recovery.settle(self.step)  # switches and announces the step to the successor
         return None
