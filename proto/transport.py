@@ -34,7 +34,6 @@ from proto.errors import ProtoError
 from proto.messages import (
     ArenaInfo,
     ErrorReply,
-    Message,
     Reject,
     StepBegin,
     StepEnd,

@@ -257,6 +257,7 @@ def test_steady_plans_land_in_the_shims_buffers_and_a_steady_step_makes_no_view(
         run.start_batch()
         s, arena = run.session, run.session.arenas.out.arena
         landed: list[tuple[list, list]] = []  # each step's tensors, and a copy of their values then
+        source = None  # the landing's view of the arena's span, as the step before left it
         for k in range(6):
             run.step += 1
             plan = _wire(s.step_begin(StepBegin(run.step, BatchLayout(

@@ -74,8 +74,6 @@ def main(job_path: str, result_path: str) -> None:
     with open(result_path, "w") as f:
         json.dump(result, f)
     if llm is not None:
-        from tests.support.engine_job import shutdown_engine
-
         shutdown_engine(llm)
     sys.stdout.flush()
     os._exit(0)
