@@ -68,3 +68,86 @@ def test_a_steady_decode_batch_finishes_each_request_in_its_own_step():
     assert watch.by_length(_batch(["b"], [4], [1], [2])) == []
     watch.note_new(_req("c", 1), 2)
     assert watch.by_length(_batch(["b", "c"], [5, 0], [1, 2], [2, 2])) == ["b", "c"]
+
+
+def _simulate(seed: int, steps: int = 600) -> tuple[int, int]:
+    """A small scheduler over random requests (chunked prefill, steady decode, preemption with
+    recompute, rows reordered, steps the watch does not see), the watch checked every step against
+    the definition: a row finishes in the step whose computed count reaches prompt + max_tokens - 1
+    with its prefill done, once. Returns (steps compared, whole-batch comparisons the watch made)."""
+    rng = np.random.default_rng(seed)
+    watch = FinishWatch()
+    live: list[dict] = []  # in row order
+    waiting: list[dict] = []  # preempted, to resume
+    next_id, compared, told_late = 0, 0, set()
+    for _ in range(steps):
+        if len(live) + len(waiting) < 12 and rng.random() < 0.15:
+            req = {"id": f"r{next_id}", "P": int(rng.integers(1, 9)), "M": int(rng.integers(1, 60))}
+            req.update(c=0, prefill=req["P"])
+            next_id += 1
+            watch.note_new(_req(req["id"], req["M"]), req["P"])
+            live.append(req)
+        if waiting and rng.random() < 0.2:
+            live.append(waiting.pop(0))
+        if live and rng.random() < 0.02:  # preempted: recomputes prompt and outputs when resumed
+            req = live.pop(int(rng.integers(len(live))))
+            outputs = max(0, req["c"] - req["P"] + 1)
+            req.update(c=0, prefill=req["P"] + outputs)
+            waiting.append(req)
+        if rng.random() < 0.02:
+            rng.shuffle(live)
+        if not live:
+            continue
+        ids = [r["id"] for r in live]
+        sched = []
+        for r in live:
+            left = r["prefill"] - r["c"]
+            sched.append(1 if left <= 0 else int(rng.integers(1, left + 1)) if rng.random() < 0.5 else left)
+        batch = _batch(list(ids), np.array([r["c"] for r in live], dtype=np.int32), sched,
+                       np.array([r["prefill"] for r in live], dtype=np.int32))
+        want = [r["id"] for r, k in zip(live, sched)
+                if r["c"] + k >= max(r["P"] + r["M"] - 1, r["prefill"])]
+        if rng.random() < 0.03:  # a step the watch does not see (the link without a sidecar)
+            watch.forget_rows()
+            told_late.update(want)
+        else:
+            assert watch.by_length(batch) == want, (seed, ids, want)
+            compared += 1
+        for r, k in zip(live, sched):
+            r["c"] += k
+        finished = set(want)
+        live = [r for r in live if r["id"] not in finished]
+        watch.already_told(finished)  # vLLM's notice, the next step
+    return compared, watch.batch_compares
+
+
+def test_the_length_watch_agrees_with_the_definition_over_random_schedules():
+    for seed in range(8):
+        compared, _ = _simulate(seed)
+        assert compared > 300
+
+
+def test_a_steady_decode_batch_is_compared_whole_once_until_a_row_nears_its_end():
+    watch = FinishWatch()
+    ids = [f"r{i}" for i in range(64)]
+    for i, r in enumerate(ids):
+        watch.note_new(_req(r, 100 + i), 4)  # r0's last sample: computed 4 + 100 - 1 = 103 after its step
+    assert watch.by_length(_batch(ids, [0] * 64, [4] * 64, [4] * 64)) == []  # prefill: compared whole
+    before = watch.batch_compares
+    for c in range(4, 102):  # steady decode, no row at its last step yet: one comparison, then reads
+        assert watch.by_length(_batch(ids, [c] * 64, [1] * 64, [4] * 64)) == []
+    assert watch.batch_compares == before + 1
+    assert watch.by_length(_batch(ids, [102] * 64, [1] * 64, [4] * 64)) == ["r0"]  # computed 103 after it
+
+
+def test_a_step_the_watch_did_not_see_ends_its_steady_shortcut():
+    # b resumes after preemption (prompt 4 + 5 outputs recomputed: prefill 9), one token at a time,
+    # next to a decoding: a steady-looking batch. A step the link could not show the watch moves b
+    # eight tokens; b's 8th and last output (computed 11 after its step) comes two steps later.
+    watch = FinishWatch()
+    watch.note_new(_req("a", 100), 4)
+    watch.note_new(_req("b", 8), 4)
+    assert watch.by_length(_batch(["a", "b"], [10, 0], [1, 1], [4, 9])) == []
+    watch.forget_rows()  # the step [11, 1] + [1, 8] went by unseen
+    assert watch.by_length(_batch(["a", "b"], [12, 9], [1, 1], [4, 9])) == []
+    assert watch.by_length(_batch(["a", "b"], [13, 10], [1, 1], [4, 9])) == ["b"]

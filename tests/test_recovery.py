@@ -429,3 +429,31 @@ def test_a_switch_that_fails_while_a_plan_is_asked_queues_no_new_request_for_the
     assert link.recovery.losses == 1 and link.conn is None
     assert link.requests.new == [] and link.requests.finished == ["old"]
     assert "carrier" in link.failures.request_errors
+
+
+def test_a_batch_ended_without_a_sidecar_leaves_the_length_watch_comparing_the_whole_batch_next():
+    """Its steady-decode shortcut holds only over steps it saw: one the link ended lost, unseen,
+    may have moved rows unevenly (worker_shim/finishes.py)."""
+    second = FakeConnection()
+    first = FakeConnection()
+    link = SidecarLink(Factory(second), first)
+    reqs = [SimpleNamespace(req_id=r, prompt_token_ids=[1, 2, 3], prompt_len=3,
+                            sampling_params=SimpleNamespace(extra_args=None, max_tokens=50)) for r in ("a", "b")]
+    link.note_new(reqs)
+
+    def decode_step(computed: int) -> None:
+        state = step_state(["a", "b"])
+        state.input_batch.num_computed_tokens_np = np.full(2, computed)
+        link.begin_step()
+        link.end_step(state)
+
+    decode_step(3)
+    compares = link.finishes.batch_compares
+    decode_step(4)
+    assert link.finishes.batch_compares == compares  # steady: no whole-batch comparison
+    first.gone = True
+    decode_step(5)  # lost at its start: the watch does not see it
+    assert link.recovery.losses == 1
+    decode_step(6)  # the reconnect's step
+    assert link.conn is second
+    assert link.finishes.batch_compares == compares + 1

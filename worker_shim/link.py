@@ -188,6 +188,8 @@ class SidecarLink(PlanAsks, StepEndRecords):
         # A step announced with StepStart ends with a StepEnd, even an empty one (docs/ARCHITECTURE.md, Hot upgrade).
         if conn is None or (batch is None and not (self.requests.has_notices() or self.failures.pending
                                                    or conn.step_open)):
+            if batch is not None:
+                self.finishes.forget_rows()  # a batch the length watch did not see
             self.step += 1
             return
         if batch is not None:
