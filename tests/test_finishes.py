@@ -72,7 +72,8 @@ def test_a_steady_decode_batch_finishes_each_request_in_its_own_step():
 
 def _simulate(seed: int, steps: int = 600) -> tuple[int, int]:
     """A small scheduler over random requests (chunked prefill, steady decode, preemption with
-    recompute, rows reordered, steps the watch does not see), the watch checked every step against
+    recompute, a running request sent back by a failed KV load, rows reordered, steps the watch does
+    not see), the watch checked every step against
     the definition: a row finishes in the step whose computed count reaches prompt + max_tokens - 1
     with its prefill done, once. Returns (steps compared, whole-batch comparisons the watch made)."""
     rng = np.random.default_rng(seed)
@@ -94,6 +95,10 @@ def _simulate(seed: int, steps: int = 600) -> tuple[int, int]:
             outputs = max(0, req["c"] - req["P"] + 1)
             req.update(c=0, prefill=req["P"] + outputs)
             waiting.append(req)
+        decoding = [r for r in live if r["c"] >= r["prefill"]]
+        if decoding and rng.random() < 0.03:  # a failed KV load: sent back, kept in the batch, recomputed
+            req = decoding[int(rng.integers(len(decoding)))]
+            req.update(prefill=req["c"] + 1, c=req["c"] - int(rng.integers(1, req["c"] + 1)))
         if rng.random() < 0.02:
             rng.shuffle(live)
         if not live:
@@ -151,3 +156,16 @@ def test_a_step_the_watch_did_not_see_ends_its_steady_shortcut():
     watch.forget_rows()  # the step [11, 1] + [1, 8] went by unseen
     assert watch.by_length(_batch(["a", "b"], [12, 9], [1, 1], [4, 9])) == []
     assert watch.by_length(_batch(["a", "b"], [13, 10], [1, 1], [4, 9])) == ["b"]
+
+
+def test_a_row_sent_back_while_it_stays_in_the_batch_does_not_hide_another_rows_finish():
+    # vLLM's recompute after a failed KV load moves a running request's count back and keeps it in
+    # the batch: row a goes back 3 tokens at the sixth step; b's 26th and last output (computed 29
+    # after its step) comes at the ninth, whatever the first row's count says.
+    watch = FinishWatch()
+    watch.note_new(_req("a", 100), 4)
+    watch.note_new(_req("b", 26), 4)
+    for i in range(9):
+        a = 20 + i - (3 if i >= 5 else 0)
+        got = watch.by_length(_batch(["a", "b"], [a, 20 + i], [1, 1], [4, 4]))
+        assert got == (["b"] if i == 8 else []), i

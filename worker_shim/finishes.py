@@ -46,6 +46,7 @@ class FinishWatch:
         # any row then had to go before its last one (None: compare the whole batch next step).
         self._steady_first: int | None = None
         self._steady_slack = 0
+        self._steady_steps = 0  # steady steps since then
         self.batch_compares = 0  # whole-batch comparisons made (tests: steady decode makes one)
 
     def note_new(self, req: Any, prompt_len: int) -> None:
@@ -85,10 +86,13 @@ class FinishWatch:
             self._rows_last_before = np.minimum(self._rows_last - 1, top).astype(counts.dtype)
         elif decode and self._steady_first is not None:
             # The same requests in the same rows, one token each, every step since the rows were last
-            # compared: each row advanced as far as the first, so none reaches its last position
-            # before the first has advanced by the slack. A whole-batch comparison costs ~5 µs of
-            # numpy on the cold cache a forward leaves (2-core VM; this read ~1.5 µs).
-            if 0 <= counts.item(0) - self._steady_first < self._steady_slack:
+            # compared: a row advances at most one a step (or goes back: vLLM's recompute after a
+            # failed KV load keeps it in the batch), so none reaches its last position in fewer steps
+            # than the slack; the first row's count, read too, catches steps this watch was not shown
+            # (`forget_rows` is the rule). A whole-batch comparison costs ~5 µs of numpy on the cold
+            # cache a forward leaves (2-core VM; this read ~1.5 µs).
+            self._steady_steps += 1
+            if self._steady_steps < self._steady_slack and 0 <= counts.item(0) - self._steady_first < self._steady_slack:
                 return []
         computed = counts[:n]
         self._steady_first = None
@@ -96,7 +100,7 @@ class FinishWatch:
         if decode:
             slack = int((self._rows_last_before - computed).min())
             if slack > 0:
-                self._steady_first, self._steady_slack = counts.item(0), slack
+                self._steady_first, self._steady_slack, self._steady_steps = counts.item(0), slack, 0
                 return []
         upto = computed + qsl[1:n + 1] - qsl[:n]  # computed after this step
         reached = upto >= self._rows_last
