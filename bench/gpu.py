@@ -29,8 +29,9 @@ Here, on CPU (code path only; TRITON_INTERPRET=1 etc. as for the tests):
 Rebuild the section from a run made elsewhere: python -m bench.gpu --render-json OUT_DIR/gpu_ab.json
 (several runs, one device call each, merge into one section: --render-json A/gpu_ab.json B/gpu_ab.json).
 A device call holds ~10 minutes: the four configurations with three engines each do not fit one; issue
-#15's figures came from `--configs tiny-passthrough,tiny-omni` and `--configs 1b-passthrough,1b-omni
---engines plain,shim` in two back-to-back calls (BENCHMARKS.md lists both).
+#15's section merges three calls (`--configs tiny-omni,1b-omni --engines plain,shim,inproc`,
+`--configs tiny-passthrough --measure-s 210`, `--configs 1b-passthrough --parts throughput,exchange`)
+and an older run's refusal; BENCHMARKS.md lists each run it merged.
 """
 
 from __future__ import annotations
