@@ -42,11 +42,10 @@ class FinishWatch:
         self._rows_ids: list[str] | None = None
         self._rows_last: np.ndarray | None = None
         self._rows_last_before: np.ndarray | None = None  # minus one: the position a last decode row starts at
-        # Steady decode: the first row's count when the rows were last compared, and the fewest steps
-        # any row then had to go before its last one (None: compare the whole batch next step).
-        self._steady_first: int | None = None
+        # Steady decode: the fewest steps any row had to go before its last one when the rows were last
+        # compared (0: compare the whole batch next step), and the steady steps seen since.
         self._steady_slack = 0
-        self._steady_steps = 0  # steady steps since then
+        self._steady_steps = 0
         self.batch_compares = 0  # whole-batch comparisons made (tests: steady decode makes one)
 
     def note_new(self, req: Any, prompt_len: int) -> None:
@@ -67,8 +66,8 @@ class FinishWatch:
     def by_length(self, batch: Any) -> list[str]:
         """Requests whose sample in this step is their last (`max_tokens` reached).
 
-        Runs every step: in steady decode one element read, else one vectorized comparison;
-        Python only for the rows that finish."""
+        Runs every step: in steady decode a count, else one vectorized comparison; Python only
+        for the rows that finish."""
         if not self.length_detection or not self._last_position:
             return []
         ids = batch.req_ids
@@ -84,23 +83,23 @@ class FinishWatch:
             # In the dtype of vLLM's counts (int32), clipped: a comparison of one dtype needs no cast.
             top = np.iinfo(counts.dtype).max if counts.dtype.kind == "i" else _NEVER
             self._rows_last_before = np.minimum(self._rows_last - 1, top).astype(counts.dtype)
-        elif decode and self._steady_first is not None:
+        elif decode and self._steady_slack:
             # The same requests in the same rows, one token each, every step since the rows were last
             # compared: a row advances at most one a step (or goes back: vLLM's recompute after a
             # failed KV load keeps it in the batch), so none reaches its last position in fewer steps
-            # than the slack; the first row's count, read too, catches steps this watch was not shown
-            # (`forget_rows` is the rule). A whole-batch comparison costs ~5 µs of numpy on the cold
-            # cache a forward leaves (2-core VM; this read ~1.5 µs).
+            # than the slack. Counted over the steps this watch was shown: one it was not ends the
+            # count (`forget_rows`). A whole-batch comparison costs ~5 µs of numpy on the cold cache a
+            # forward leaves (2-core VM).
             self._steady_steps += 1
-            if self._steady_steps < self._steady_slack and 0 <= counts.item(0) - self._steady_first < self._steady_slack:
+            if self._steady_steps < self._steady_slack:
                 return []
         computed = counts[:n]
-        self._steady_first = None
+        self._steady_slack = 0
         self.batch_compares += 1
         if decode:
             slack = int((self._rows_last_before - computed).min())
             if slack > 0:
-                self._steady_first, self._steady_slack, self._steady_steps = counts.item(0), slack, 0
+                self._steady_slack, self._steady_steps = slack, 0
                 return []
         upto = computed + qsl[1:n + 1] - qsl[:n]  # computed after this step
         reached = upto >= self._rows_last
