@@ -127,11 +127,15 @@ def merge_runs(runs: list[dict]) -> dict:
     res = dict(runs[0], configs=[], runs=[])
     for run in runs:
         res["configs"] += run.get("configs", [])
-        res["runs"].append({"date": run.get("date"), "commit": run.get("machine", {}).get("commit"),
-                            "argv": run.get("machine", {}).get("argv"), "elapsed_s": run.get("elapsed_s")})
+        # What this run gives the section: a run's command may name more than a derived JSON kept of it.
+        gives = [c.get("config", "?") for c in run.get("configs", [])]
         for key in ("refusal", "exchange", "handoff"):
             if run.get(key) and not res.get(key):
                 res[key] = run[key]
+                gives.append(key)
+        res["runs"].append({"date": run.get("date"), "commit": run.get("machine", {}).get("commit"),
+                            "argv": run.get("machine", {}).get("argv"), "elapsed_s": run.get("elapsed_s"),
+                            "gives": gives})
     res["partial"] = any(r.get("partial") for r in runs)
     res["elapsed_s"] = round(sum(r.get("elapsed_s") or 0 for r in runs), 1)
     return res

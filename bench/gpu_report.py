@@ -70,7 +70,9 @@ def render(res: dict) -> str:
     ]
     if res.get("runs"):  # several calls' runs rendered together (`--render-json A B`)
         lines += ["Runs merged into this section (each its own device call, same machine kind): " + "; ".join(
-            f"{r['date']} commit {r['commit']} `{r['argv']}` ({r['elapsed_s']} s)" for r in res["runs"]) + ".", ""]
+            f"{r['date']} commit {r['commit']} `{r['argv']}` ({r['elapsed_s']} s"
+            + (f"; gives {', '.join(r['gives'])}" if r.get("gives") is not None else "") + ")"
+            for r in res["runs"]) + ".", ""]
     lines += [
         "Method: one driver process holds both engines at once (each its own engine-core process, its own share "
         "of the device), then runs short rounds (N requests x T tokens, greedy, ignore_eos) alternating in ABBA / "

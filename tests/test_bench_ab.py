@@ -186,3 +186,24 @@ def test_the_gc_probe_counts_an_engines_collections_and_the_report_says_them(tmp
     line, = _collector({"configs": [{"config": "tiny-passthrough", "graphs": "FULL_AND_PIECEWISE",
                                      "gc": {"plain": got}}]})
     assert "not priced per step" in line and "plain 3)" in line and "µs a step" not in line
+
+
+def test_merged_runs_say_what_each_gives_the_section():
+    """A run kept as a derived JSON (one of its configurations) must not read as if all it ran was merged."""
+    from bench.gpu import merge_runs
+
+    def run(date: str, configs: list[str], **parts: object) -> dict:
+        return {"date": date, "machine": {"commit": "abc1234", "argv": "--configs " + ",".join(configs) + " --x"},
+                "elapsed_s": 10.0, "configs": [{"config": c, "status": "skipped", "error": "budget"} for c in configs[-1:]],
+                **parts}
+
+    row = {"requests": 64, "ring_p50": 18.6, "ring_p99": 66.0, "zmq_p50": 90.0, "zmq_p99": 99.0, "raw_p50": 70.0,
+           "raw_p99": 80.0, "ratio_p50": 0.27}
+    res = merge_runs([run("d1", ["tiny-omni"]), run("d2", ["tiny-passthrough", "1b-passthrough"], exchange=[row]),
+                      run("d3", ["tiny-passthrough"], exchange=[dict(row, requests=1)],
+                          refusal={"status": "refused", "message": "m"})])
+    assert [r["gives"] for r in res["runs"]] == [["tiny-omni"], ["1b-passthrough", "exchange"],
+                                                 ["tiny-passthrough", "refusal"]]
+    assert res["exchange"] == [row]  # the first run that has a part gives it
+    line = next(x for x in render(res).splitlines() if x.startswith("Runs merged"))
+    assert "`--configs tiny-passthrough,1b-passthrough --x` (10.0 s; gives 1b-passthrough, exchange)" in line
