@@ -29,9 +29,10 @@ Here, on CPU (code path only; TRITON_INTERPRET=1 etc. as for the tests):
 Rebuild the section from a run made elsewhere: python -m bench.gpu --render-json OUT_DIR/gpu_ab.json
 (several runs, one device call each, merge into one section: --render-json A/gpu_ab.json B/gpu_ab.json).
 A device call holds ~10 minutes: the four configurations with three engines each do not fit one; issue
-#15's section merges three calls (`--configs tiny-omni,1b-omni --engines plain,shim,inproc`,
-`--configs tiny-passthrough --measure-s 210`, `--configs 1b-passthrough --parts throughput,exchange`)
-and an older run's refusal; BENCHMARKS.md lists each run it merged.
+#15's section merges two calls (`--configs tiny-omni,1b-omni --engines plain,shim,inproc --parts
+throughput,refusal`, `--configs tiny-passthrough,1b-passthrough --engines plain,shim --parts
+throughput,exchange`; docs/bench/gpu/issue15-h200-s17/run17.sh); BENCHMARKS.md lists each run it merged
+and what each gives.
 """
 
 from __future__ import annotations
@@ -124,12 +125,13 @@ def merge_runs(runs: list[dict]) -> dict:
     commit and command line kept under `runs`."""
     if len(runs) == 1:
         return runs[0]
-    res = dict(runs[0], configs=[], runs=[])
+    parts = ("refusal", "exchange", "handoff")  # each from the first run that has it
+    res = dict({k: v for k, v in runs[0].items() if k not in parts}, configs=[], runs=[])
     for run in runs:
         res["configs"] += run.get("configs", [])
         # What this run gives the section: a run's command may name more than a derived JSON kept of it.
         gives = [c.get("config", "?") for c in run.get("configs", [])]
-        for key in ("refusal", "exchange", "handoff"):
+        for key in parts:
             if run.get(key) and not res.get(key):
                 res[key] = run[key]
                 gives.append(key)

@@ -199,11 +199,12 @@ def test_merged_runs_say_what_each_gives_the_section():
 
     row = {"requests": 64, "ring_p50": 18.6, "ring_p99": 66.0, "zmq_p50": 90.0, "zmq_p99": 99.0, "raw_p50": 70.0,
            "raw_p99": 80.0, "ratio_p50": 0.27}
-    res = merge_runs([run("d1", ["tiny-omni"]), run("d2", ["tiny-passthrough", "1b-passthrough"], exchange=[row]),
+    res = merge_runs([run("d1", ["tiny-omni"], refusal={"status": "refused", "message": "first"}), run("d2", ["tiny-passthrough", "1b-passthrough"], exchange=[row]),
                       run("d3", ["tiny-passthrough"], exchange=[dict(row, requests=1)],
                           refusal={"status": "refused", "message": "m"})])
-    assert [r["gives"] for r in res["runs"]] == [["tiny-omni"], ["1b-passthrough", "exchange"],
-                                                 ["tiny-passthrough", "refusal"]]
+    assert [r["gives"] for r in res["runs"]] == [["tiny-omni", "refusal"], ["1b-passthrough", "exchange"],
+                                                 ["tiny-passthrough"]]
+    assert res["refusal"]["message"] == "first"
     assert res["exchange"] == [row]  # the first run that has a part gives it
     line = next(x for x in render(res).splitlines() if x.startswith("Runs merged"))
     assert "`--configs tiny-passthrough,1b-passthrough --x` (10.0 s; gives 1b-passthrough, exchange)" in line
