@@ -193,13 +193,15 @@ def test_merged_runs_say_what_each_gives_the_section():
     from bench.gpu import merge_runs
 
     def run(date: str, configs: list[str], **parts: object) -> dict:
+        """A run whose command named `configs`, kept with its last configuration only (a derived JSON)."""
         return {"date": date, "machine": {"commit": "abc1234", "argv": "--configs " + ",".join(configs) + " --x"},
                 "elapsed_s": 10.0, "configs": [{"config": c, "status": "skipped", "error": "budget"} for c in configs[-1:]],
                 **parts}
 
     row = {"requests": 64, "ring_p50": 18.6, "ring_p99": 66.0, "zmq_p50": 90.0, "zmq_p99": 99.0, "raw_p50": 70.0,
            "raw_p99": 80.0, "ratio_p50": 0.27}
-    res = merge_runs([run("d1", ["tiny-omni"], refusal={"status": "refused", "message": "first"}), run("d2", ["tiny-passthrough", "1b-passthrough"], exchange=[row]),
+    res = merge_runs([run("d1", ["tiny-omni"], refusal={"status": "refused", "message": "first"}),
+                      run("d2", ["tiny-passthrough", "1b-passthrough"], exchange=[row]),
                       run("d3", ["tiny-passthrough"], exchange=[dict(row, requests=1)],
                           refusal={"status": "refused", "message": "m"})])
     assert [r["gives"] for r in res["runs"]] == [["tiny-omni", "refusal"], ["1b-passthrough", "exchange"],
