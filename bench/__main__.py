@@ -1,4 +1,4 @@
-"""`make bench`: every figure in BENCHMARKS.md from one run on this machine.
+"""`make bench`: the CPU figures of BENCHMARKS.md from one run on this machine.
 
 (a) per-step exchange p50/p99 for 1, 64, 256 requests: shim channel <-> sidecar over the
     shared-memory ring and over ZeroMQ only, vs raw pyzmq REQ/REP of the same bytes (ratios);
@@ -7,14 +7,15 @@
 (c) tensor handoff cost per MiB through the CPU shared-memory arena;
 (d) sidecar cold start to ready;
 (e) the shim's host cost per step: pass-through hooks (StepTick) vs hooks that read every step's
-    layout (a full StepEnd each step: the pre-1.5 traffic of every pass-through step), and both
-    hook sets called in-process (bench/inproc.py): the process boundary's price per step;
+    layout (a full StepEnd each step), and both hook sets called in-process (bench/inproc.py):
+    the process boundary's price per step;
 (f) the omni set's host work per decode step, phase by phase on both sides (bench/omni_step.py).
-Writes BENCHMARKS.md and PNG latency histograms (into --out, default docs/bench/).
+Writes the figures as JSON (--json, default docs/bench/results.json: what BENCHMARKS.md quotes)
+and a full report with PNG latency histograms into --out (default .bench/, not tracked).
+BENCHMARKS.md itself is edited by hand from the report.
 `--only exchange` (or handoff, cold_start, throughput, step_cost; comma-separated) runs just those parts
-and prints them, without rewriting BENCHMARKS.md.
+and prints them, writing nothing.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -207,7 +208,7 @@ def exchange_section(rows: list[dict], plots: list[str], spread: str = "") -> li
         "shared-memory rings negotiated (default) and with rings off (`OMNI_SIDECAR_RING=0`: ZeroMQ "
         "only), vs raw pyzmq REQ/REP of the same bytes (same client-side msgspec encode + decode; the "
         "raw server only echoes pre-encoded bytes). Steady-state step: request ids omitted because "
-        "unchanged, the layout packed (protocol 1.6, as the shim sends it to a 1.6 sidecar). All three "
+        "unchanged, the layout as packed u32 columns, as the shim sends it. All three "
         "servers run at once and are measured in alternating blocks of 250 round "
         "trips. Back-to-back steps land inside the sidecar's spin window (`--ring-spin-us`, default "
         "2 ms); steps further apart pay a kick and a wake-up, about what ZeroMQ pays. On this VM the "
@@ -250,7 +251,7 @@ def write_markdown(path: Path, res: dict, plots: list[str], out: Path) -> None:
               "", f"Shim side, omni run: {t['shim'].get('omni', {})}.", "",
               "On this machine a V2 decode step is dominated by Triton kernels running in Triton's "
               "interpreter (tens of ms), so the sidecar's cost is small next to it; on a GPU (2.5 ms "
-              "steps, docs/ARCHITECTURE.md, Arenas: GPU facts behind this) the same per-step cost weighs ~10x more (measured in the GPU section below).", "",
+              "steps) the same per-step cost weighs ~10x more (BENCHMARKS.md's GPU tables measure it).", "",
               "## (c) Tensor handoff through the CPU arena", "",
               "| size | shim write (us/MiB) | sidecar view + clone (us/MiB) |", "|---:|---:|---:|"]
     for r in res["handoff"]:
@@ -265,17 +266,8 @@ def write_markdown(path: Path, res: dict, plots: list[str], out: Path) -> None:
     from bench.omni_step import markdown as omni_step_markdown
 
     lines += omni_step_markdown(res["omni_step"])
-    lines += ["## Reproduce", "", "```sh", "make bench            # writes BENCHMARKS.md and docs/bench/ (plots, results.json)",
+    lines += ["## Reproduce", "", "```sh", "make bench            # this report and its plots, results JSON",
               "```", ""]
-    # The GPU sections (issue #3's, bench.gpu's one-device block and the notes beside it) are measured on a
-    # GPU host: kept as the file has them across CPU runs; a file without them gets issue #3's GPU.md.
-    kept = path.read_text() if path.exists() else ""
-    at = kept.find("\n## GPU (issue #3)")
-    gpu = ROOT / "docs" / "bench" / "gpu" / "GPU.md"
-    if at >= 0:
-        lines += [kept[at + 1 :].rstrip("\n"), ""]
-    elif gpu.exists():
-        lines += [gpu.read_text(), ""]
     path.write_text("\n".join(lines))
 
 
@@ -285,9 +277,9 @@ def step_cost_markdown(res: dict) -> list[str]:
         "`python -m bench.step_cost`: the worker thread's CPU time in the shim per decode step (64 requests, "
         "one row each, a 2.5 ms forward spun through), through the shim's real link and rings against a real "
         "sidecar. `passthrough` reads nothing per step, so a step that brings nothing new sends its StepStart "
-        "and a ~90-byte StepTick and wakes nobody (protocol 1.5); `observe` overrides `process_model_output`, "
-        "so every step sends the full StepEnd with its layout (packed u32 columns, protocol 1.6) and kicks the "
-        "sidecar awake: what every pass-through step sent before 1.5. `-inproc`: the same link and hook sets with the sidecar's session "
+        "and a ~90-byte StepTick and wakes nobody; `observe` overrides `process_model_output`, "
+        "so every step sends the full StepEnd with its layout (packed u32 columns) and kicks the "
+        "sidecar awake. `-inproc`: the same link and hook sets with the sidecar's session "
         "called in this process (bench/inproc.py; no socket, ring or kick), the hooks' and the session's own "
         "work then on the worker's thread: the process boundary's price per step is the difference.", "",
         "| hook set | CPU p50 (us) | CPU p99 (us) | wall p50 (us) | steps the sidecar counted |",
@@ -303,14 +295,16 @@ PARTS = ("exchange", "handoff", "cold_start", "throughput", "step_cost", "omni_s
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(ROOT / "docs" / "bench"))
+    p.add_argument("--out", default=str(ROOT / ".bench"), help="folder for the report and its plots")
+    p.add_argument("--json", default=str(ROOT / "docs" / "bench" / "results.json"),
+                   help="the figures as JSON (the file BENCHMARKS.md's CPU tables come from)")
     p.add_argument("--iters", type=int, default=3000, help="round trips per exchange measurement")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the throughput runs")
     p.add_argument("--step-cost-steps", type=int, default=3000, help="steps per hook set in (e)")
-    p.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"))
+    p.add_argument("--markdown", default=str(ROOT / ".bench" / "cpu.md"), help="the report (markdown)")
     p.add_argument("--only", default="", metavar="PART[,PART]",
-                   help=f"run only these parts ({', '.join(PARTS)}) and print them; BENCHMARKS.md is "
-                   "written only by a full run")
+                   help=f"run only these parts ({', '.join(PARTS)}) and print them; the report and JSON "
+                   "are written only by a full run")
     args = p.parse_args()
     only = [part for part in args.only.split(",") if part]
     unknown = set(only) - set(PARTS)
@@ -348,9 +342,12 @@ def main() -> None:
         return
     out.mkdir(parents=True, exist_ok=True)
     plots = plot(samples, out)
-    (out / "results.json").write_text(json.dumps(res, indent=2))
+    json_path = Path(args.json)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(res, indent=2))
+    Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
     write_markdown(Path(args.markdown), res, plots, out)
-    print(f"wrote {args.markdown} and {out}/")
+    print(f"wrote {args.markdown}, its plots in {out}/ and {json_path}")
 
 
 if __name__ == "__main__":

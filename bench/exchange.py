@@ -167,8 +167,8 @@ def _spread(per_n: dict[int, list[dict]], date: str) -> str:
 
 
 def main() -> None:
-    """Part (a) alone, several runs: prints each and rewrites BENCHMARKS.md's section (a) with the
-    medians and their spread (the rest of the file, and docs/bench's plots, stay as `make bench` left them)."""
+    """Part (a) alone, several runs: prints each and rewrites section (a) of `make bench`'s report
+    (.bench/cpu.md) with the medians and their spread (the rest of the report and its plots stay)."""
     import argparse
     import re
     import tempfile
@@ -178,7 +178,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--iters", type=int, default=3000, help="round trips per path, request count and run")
-    ap.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"))
+    ap.add_argument("--markdown", default=str(ROOT / ".bench" / "cpu.md"), help="`make bench`'s report")
     ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args()
     per_n: dict[int, list[dict]] = {}

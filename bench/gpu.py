@@ -1,4 +1,4 @@
-"""GPU benchmark on ONE device (issue #15), plus issue #3's exchange and handoff parts.
+"""GPU benchmark on ONE device, plus the two-GPU host's exchange and handoff parts.
 
 Default (`--parts throughput`): decode throughput shim / plain V2 and shim / in-process
 baseline (the same hooks called in the worker, no sidecar: bench/inproc.py; the price of the
@@ -10,14 +10,16 @@ cycle collector in each engine's process (collections and pause per step: bench/
 tiny-passthrough, tiny-omni, 1b-passthrough, 1b-omni (bench/gpu_models.py), in that
 order, inside `--budget-s` (configurations that no longer fit are skipped, rounds stop at
 the deadline, a watchdog ends the run GRACE_S past it). After every block it rewrites
-`--out`/gpu_ab.json (machine, versions, every round, spread) and its own section of
-BENCHMARKS.md (bench/gpu_report.py). `--parts exchange,handoff` add issue #3's per-step
+`--out`/gpu_ab.json (machine, versions, every round, spread: the file BENCHMARKS.md's GPU tables
+come from) and the rendered report `--benchmarks` (bench/gpu_report.py; default under .bench/, not
+tracked: BENCHMARKS.md is edited by hand from it). `--parts exchange,handoff` add the per-step
 exchange and 16 MiB handoff figures (to the JSON) when the budget still allows; `refusal`
 (default) checks, in a thread while the first engines start, that the shim refuses
 extra-kwargs hooks under FULL CUDA graphs at start-up with its one-line message. `--profile-s N`
 samples every engine with py-spy (when on PATH) for the first N s of the timed rounds and says
-where each engine's step went (bench/gpu_profile.py; those rounds run beside the sampler; a bundle
-built with BUNDLE_PROFILER=1, or py-spy's wheel in .whl/, gives run_bench.sh one).
+where each engine's step went (bench/gpu_profile.py; raw stacks into `--raw`; those rounds run
+beside the sampler; a bundle built with BUNDLE_PROFILER=1, or py-spy's wheel in .whl/, gives
+run_bench.sh one).
 
 On one GPU host with the bundle (deploy/gpu/build_bundle.sh) at .cache/h-gpu/bundle:
     sh deploy/gpu/run_bench.sh .cache/h-gpu/bundle OUT_DIR 470
@@ -26,13 +28,12 @@ or by hand, once installed into /tmp/omni-site:
       HF_HUB_OFFLINE=1 python3 -m bench.gpu --budget-s 400 --out OUT_DIR
 Here, on CPU (code path only; TRITON_INTERPRET=1 etc. as for the tests):
     python -m bench.gpu --smoke --out /tmp/smoke
-Rebuild the section from a run made elsewhere: python -m bench.gpu --render-json OUT_DIR/gpu_ab.json
-(several runs, one device call each, merge into one section: --render-json A/gpu_ab.json B/gpu_ab.json).
-A device call holds ~10 minutes: the four configurations with three engines each do not fit one; issue
-#15's section merges two calls (`--configs tiny-omni,1b-omni --engines plain,shim,inproc --parts
-throughput,refusal`, `--configs tiny-passthrough,1b-passthrough --engines plain,shim --parts
-throughput,exchange`; docs/bench/gpu/issue15-h200-s17/run17.sh); BENCHMARKS.md lists each run it merged
-and what each gives.
+Rebuild the report from a run made elsewhere: python -m bench.gpu --render-json OUT_DIR/gpu_ab.json
+(several runs, one device call each, merge into one --out/gpu_ab.json: --render-json A/gpu_ab.json
+B/gpu_ab.json). A device call holds ~10 minutes: the four configurations with three engines each do
+not fit one, so the published figures merge two calls (`--configs tiny-omni,1b-omni --engines
+plain,shim,inproc --parts throughput,refusal`, `--configs tiny-passthrough,1b-passthrough --engines
+plain,shim --parts throughput,exchange`); the report lists each run it merged and what each gives.
 """
 
 from __future__ import annotations
@@ -55,10 +56,10 @@ from bench.gpu_report import machine, render as render_section, write_json, writ
 GRACE_S = 25.0  # past the budget, the watchdog ends the run (figures so far are on disk)
 
 
-def render_issue3(res: dict, acceptance: list[tuple[str, list[dict]]]) -> str:
-    """The GPU section of BENCHMARKS.md, from one bench.gpu run (+ acceptance results)."""
+def render_two_gpu(res: dict, acceptance: list[tuple[str, list[dict]]]) -> str:
+    """The two-GPU host's report, from one bench.gpu run (+ acceptance results)."""
     lines = [
-        "## GPU (issue #3)",
+        "## GPU, two devices",
         "",
         f"Machine: 2x {res['gpu']} host (32 cores), vLLM {res.get('vllm', '0.26.0')} (Model Runner V2, "
         f"FlashAttention 3, CUDA graphs FULL_AND_PIECEWISE), torch {res['torch']}, Python 3.12, bf16 tiny Llama.",
@@ -155,27 +156,31 @@ def main() -> None:
                     help="each engine and the sidecar on cores of their own (bench/pinning.py says why it is off)")
     ap.add_argument("--profile-s", type=float, default=0.0,
                     help="py-spy (when on PATH) on every engine for the timed rounds' first seconds: raw stacks "
-                         "into --out, each phase's share of the step in the JSON and BENCHMARKS.md (bench/gpu_profile.py)")
+                         "into --raw, each phase's share of the step in the JSON and the report (bench/gpu_profile.py)")
     ap.add_argument("--profile-idle", action="store_true",
                     help="with --profile-s: sample waiting threads too (py-spy --idle): where a step blocks")
     ap.add_argument("--parts", default="throughput,refusal", help="throughput[,refusal][,exchange][,handoff]")
     ap.add_argument("--iters", type=int, default=500, help="exchange round trips per block (--parts exchange)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "gpu"), help="folder for the JSON")
-    ap.add_argument("--benchmarks", default=str(ROOT / "BENCHMARKS.md"),
+    ap.add_argument("--raw", default=str(ROOT / ".bench" / "gpu"), help="folder for raw output (profiles)")
+    ap.add_argument("--benchmarks", default=str(ROOT / ".bench" / "gpu" / "report.md"),
                     help="markdown file whose bench.gpu section is replaced ('' to leave it)")
     ap.add_argument("--render-json", nargs="+", metavar="JSON",
-                    help="rebuild the BENCHMARKS.md section from a run's JSON, exit; several runs (one device call "
+                    help="rebuild the report's section from a run's JSON, exit; several runs (one device call "
                          "each) are merged into --out/gpu_ab.json first")
     ap.add_argument("--render", nargs="+", metavar="JSON",
-                    help="issue #3's two-GPU section (docs/bench/gpu/GPU.md) from its results, exit")
-    ap.add_argument("--markdown", default=str(ROOT / "docs" / "bench" / "gpu" / "GPU.md"))
+                    help="the two-GPU host's report (--markdown) from its results, exit")
+    ap.add_argument("--markdown", default=str(ROOT / ".bench" / "gpu" / "two-gpu.md"))
     args = ap.parse_args()
     if args.render:
         res = json.loads(Path(args.render[0]).read_text())
         acc = [(Path(f).name, json.loads(Path(f).read_text())["results"]) for f in args.render[1:]]
-        Path(args.markdown).write_text(render_issue3(res, acc))
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(render_two_gpu(res, acc))
         print(f"written {args.markdown}")
         return
+    if args.benchmarks:
+        Path(args.benchmarks).parent.mkdir(parents=True, exist_ok=True)
     if args.render_json:
         res = merge_runs([json.loads(Path(f).read_text()) for f in args.render_json])
         if len(args.render_json) > 1:
@@ -194,7 +199,7 @@ def main() -> None:
         raise SystemExit(f"--engines {args.engines!r}: plain,shim or plain,shim,inproc")
     sizes.engines = engines
     sizes.pin = args.pin
-    sizes.profile_s, sizes.profile_dir, sizes.profile_idle = args.profile_s, args.out, args.profile_idle
+    sizes.profile_s, sizes.profile_dir, sizes.profile_idle = args.profile_s, args.raw, args.profile_idle
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / ("gpu_ab-smoke.json" if args.smoke else "gpu_ab.json")

@@ -4,7 +4,7 @@ For each configuration (model x hook set) this driver process holds three vLLM e
 once, each in its own engine-core process (`VLLM_ENABLE_V1_MULTIPROCESSING=1`) with a
 share of the GPU's memory: plain V2; V2 with the shim talking to a sidecar; and the
 in-process baseline (bench/inproc.py: the same shim, the same hook set called in the
-worker, no sidecar), whose comparison with the shim prices the process boundary (issue #15).
+worker, no sidecar), whose comparison with the shim prices the process boundary.
 It then runs many short rounds (N requests x T tokens, greedy, `ignore_eos`) alternating
 between them in palindromic blocks (ABCCBA, BCAACB, ...; with two engines ABBA / BAAB) and
 records each round's tokens/s; bench/ab_stats.py turns the rounds into median block ratios

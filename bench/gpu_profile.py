@@ -1,4 +1,4 @@
-"""Where each engine's step goes: py-spy samples of every engine core during the timed rounds (issue #15).
+"""Where each engine's step goes: py-spy samples of every engine core during the timed rounds.
 
 `python -m bench.gpu --profile-s 40` samples each engine's processes (and the sidecar's) with py-spy
 (`--nonblocking`: the engines are never paused) for the first seconds of the timed rounds, when

@@ -1,4 +1,4 @@
-"""The shim's start-up refusal of extra-kwargs hooks under FULL CUDA graphs, checked on the GPU (issue #15).
+"""The shim's start-up refusal of extra-kwargs hooks under FULL CUDA graphs, checked on the GPU.
 
 `python -m bench.gpu` runs it (part `refusal`, in a thread while the first engines start): one engine
 with the omni hook set passing extra kwargs and FULL_AND_PIECEWISE graphs must fail to start with the

@@ -1,4 +1,4 @@
-"""The one-device section of BENCHMARKS.md, owned by `python -m bench.gpu` (replaced each run).
+"""The one-device report of `python -m bench.gpu` (its section replaced each run).
 
 The section lies between two marker comments; a run (also a partial one, after every
 block) rewrites only what lies between them, or appends the section when the file has
@@ -56,7 +56,7 @@ def render(res: dict) -> str:
     m = res.get("machine", {})
     gpu = ", ".join(m.get("gpus") or []) or "no GPU (CPU)"
     smoke = res.get("smoke")
-    lines = [BEGIN, "", "## Decode throughput on one device, side by side (issue #15)", ""]
+    lines = [BEGIN, "", "## Decode throughput on one device, side by side", ""]
     if smoke:
         lines += ["**Smoke run on CPU** (`--smoke`: tiny sizes, float32, eager, 2 blocks): it proves the code path "
                   "end to end; its ratios are not figures to quote. The GPU run replaces this section.", ""]

@@ -1,4 +1,4 @@
-"""The omni set's host work per decode step, both sides of the boundary, phase by phase (issue #15).
+"""The omni set's host work per decode step, both sides of the boundary, phase by phase.
 
 With the omni set sending extra kwargs every step (each request's state as vllm-omni's
 `runtime_additional_information`), a decode step costs the sidecar its StepEnd (postprocess: the
@@ -21,7 +21,8 @@ Timings only: nothing here passes or fails.
 
     python -m bench.omni_step [--requests 64,256] [--hidden 2048] [--steps 600] [--write]
 
-`make bench` runs it as part (f); `--write` rewrites just that section of BENCHMARKS.md.
+`make bench` runs it as part (f); `--write` rewrites just that section of `make bench`'s report
+(.bench/cpu.md).
 """
 
 from __future__ import annotations
@@ -234,7 +235,7 @@ def _measured_on() -> str:
 
 
 def write_section(path: Path, lines: list[str]) -> None:
-    """Section (f) of BENCHMARKS.md replaced (or put before "## Reproduce"), the rest as it was."""
+    """Section (f) of the report replaced (or put before "## Reproduce"), the rest as it was."""
     text = path.read_text()
     section = "\n".join(lines) + "\n"
     old = re.search(r"^## \(f\).*?(?=^## )", text, flags=re.S | re.M)
@@ -255,7 +256,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=600, help="measured steps per hook set and batch size")
     p.add_argument("--layers", default="0,8", help="captured decoder layers (bench.gpu's omni runs capture two)")
     p.add_argument("--write", action="store_true", help="rewrite section (f) of --markdown with the figures")
-    p.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"))
+    p.add_argument("--markdown", default=str(ROOT / ".bench" / "cpu.md"), help="`make bench`'s report")
     args = p.parse_args()
     res = measure([int(n) for n in args.requests.split(",")], args.hidden, args.steps,
                   [int(x) for x in args.layers.split(",") if x.strip()])

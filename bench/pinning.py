@@ -1,12 +1,12 @@
 """CPU pinning for the one-GPU throughput bench (bench/gpu_ab.py), off unless `--pin`.
 
-The idea: on the GPU host lent for issue #15 the same engine's rounds of the same work ranged 2.6
+The idea: on a lent H200 host the same engine's rounds of the same work ranged 2.6
 to 4.4 ms per step within seconds, with or without CPU steal; a tiny model's step is all host
 Python, so giving each engine's processes (engine core with its worker; the shim's sidecar) cores
 no other engine or the driver uses might steady it. Linux pins threads, not processes: every
 thread of a process is pinned; threads started later inherit their creator's mask.
 
-What it did on the H200 host (2026-12-01): no narrower spread (tiny pass-through, 12 pinned blocks:
+What it did on that host: no narrower spread (tiny pass-through, 12 pinned blocks:
 95 % CI 0.891..1.004 against 0.951..1.044 unpinned over 22), and on the 1B model with the omni
 hooks it made the shim ten times slower: torch's intra-op thread pool (one thread per host CPU)
 squeezed onto the sidecar's one core stalls each parallel op for a scheduler slice (plan waits p99

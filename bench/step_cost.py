@@ -13,7 +13,7 @@ Hook sets measured side by side, in alternating blocks:
 - `passthrough`: reads nothing per step (no hidden states, no process_model_output): a step that
   brings nothing new sends only the fixed-size StepTick (docs/ARCHITECTURE.md, Step sequence).
 - `observe`: pass-through hooks that override `process_model_output` (so every step's layout must
-  reach them): the full StepEnd every step, i.e. what every pass-through step cost before 1.5.
+  reach them): the full StepEnd every step: what a step costs when its hooks must see the layout.
 - `passthrough-inproc`, `observe-inproc`: the same link driving the same hook sets in this process
   (bench/inproc.py: the sidecar's session called directly, no socket or ring): what a step costs
   the worker's thread without the process boundary (the hooks' own work included, which the

@@ -7,7 +7,7 @@ from omni_sidecar.hooks import OmniHooks, StepBatch
 
 class ObservingPassThrough(OmniHooks):
     """Changes nothing and needs no tensors, but overrides `process_model_output`: the sidecar
-    must get every step's layout, so every step sends a full StepEnd (the pre-1.5 cost)."""
+    must get every step's layout, so every step sends a full StepEnd (the cost the StepTick saves)."""
 
     name = "observe"
 

@@ -1,4 +1,4 @@
-"""Summarize a py-spy profile of every process of a bench run (issue #15: what a step still waits for).
+"""Summarize a py-spy profile of every process of a bench run (what a step still waits for).
 
 On the GPU host, with py-spy's wheel carried in (pip download py-spy; no network there), sample the bench
 and all its children without pausing them, then summarize there: the raw file of a whole `bench.gpu` run

@@ -1,4 +1,4 @@
-"""GPU acceptance of the shim on vLLM 0.26 with CUDA graphs on (issue #3), on 1 or 2 GPUs.
+"""GPU acceptance of the shim on vLLM 0.26 with CUDA graphs on, on 1 or 2 GPUs.
 
 Each check starts real vLLM engines (`tests/support/engine_job.py`, one process
 each) and real `omni-sidecar serve` processes; single-GPU checks run in two

@@ -1,4 +1,4 @@
-"""GPU check (issue #14): the tiny Qwen2-VL (M-RoPE, an image per prompt) through the shim + a
+"""GPU check: the tiny Qwen2-VL (M-RoPE, an image per prompt) through the shim + a
 pass-through sidecar gives the same greedy tokens as plain V2, CUDA graphs on, bf16, the prefill
 chunked across the image tokens. Prints one PASS/FAIL line per check and writes mrope.json.
 

@@ -1,10 +1,10 @@
 #!/bin/sh
-# The one-GPU throughput bench (issue #15) in one go on a bare GPU host:
+# The one-GPU throughput bench in one go on a bare GPU host:
 #   deploy/gpu/run_bench.sh BUNDLE_DIR OUT_DIR [SECONDS] [bench.gpu options...]
 # installs the bundle (deploy/gpu/build_bundle.sh) into /tmp/omni-site, runs
 # `python3 -m bench.gpu` with a budget of what is left of SECONDS (default 470) after the
 # install, less a margin for the copies, and leaves in OUT_DIR: gpu_ab.json (every round,
-# machine, versions, spread), BENCHMARKS.md (its bench.gpu section rewritten), bench.log,
+# machine, versions, spread), BENCHMARKS.md (the rendered report), bench.log, py-spy stacks,
 # the sidecars' logs. Partial results are written after every block, so a run cut short
 # still leaves its figures.
 set -u
@@ -35,9 +35,9 @@ cd "$SRC"  # `python -m` children put the working directory first on sys.path
 export PATH="$EXTRA/bin:$SITE/bin:$PATH" PYTHONPATH="$SRC:$SITE:$EXTRA" VLLM_USE_V2_MODEL_RUNNER=1 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
   VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 W=$(mktemp -d /tmp/bench-XXXXXX)  # this run's work folder (models, sockets, sidecar logs)
-TMPDIR=$W timeout $(( BUDGET + 30 )) python3 -m bench.gpu --budget-s "$BUDGET" --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
+TMPDIR=$W timeout $(( BUDGET + 30 )) python3 -m bench.gpu --budget-s "$BUDGET" --out "$OUT" --raw "$OUT" \
+  --benchmarks "$OUT/BENCHMARKS.md" "$@" > "$OUT/bench.log" 2>&1
 echo "bench.gpu rc=$? after $(( $(date +%s) - t0 )) s"
-cp BENCHMARKS.md "$OUT/BENCHMARKS.md"
 cp "$W"/omni-gpu-ab-*/*-sidecar.log "$W"/omni-gpu-ab-*/refusal.log "$OUT/" 2>/dev/null
 grep -v '^(' "$OUT/bench.log" | grep -v '^\[W' | tail -30
 exit 0

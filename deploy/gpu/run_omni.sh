@@ -1,5 +1,5 @@
 #!/bin/sh
-# The issue #14 GPU checks in one go on a bare GPU host (docs/ARCHITECTURE.md, "GPU bundle"):
+# The M-RoPE and three-stage pipeline GPU checks in one go on a bare GPU host (docs/ARCHITECTURE.md, "GPU bundle"):
 #   deploy/gpu/run_omni.sh BUNDLE_DIR OUT_DIR [SECONDS]
 # installs the bundle into /tmp/omni-site (once per machine), then runs
 #   1. deploy/gpu/mrope.py: the tiny Qwen2-VL (M-RoPE, images) shim vs plain V2, CUDA graphs on;

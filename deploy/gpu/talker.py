@@ -1,4 +1,4 @@
-"""GPU check of issue 13: vllm-omni's own Qwen3-TTS talker class on upstream V2 through
+"""GPU check: vllm-omni's own Qwen3-TTS talker class on upstream V2 through
 shim + sidecar gives the codes vllm-omni's own runner gives; and their decode step times.
 
 Two engines, one process each (deploy/gpu/talker_engines.py), on the same tiny random
