@@ -194,6 +194,8 @@ def main() -> None:
     if args.no_write:
         return
     path = Path(args.markdown)
+    if not path.exists():
+        raise SystemExit(f"{path} does not exist: run `make bench` first")
     text = path.read_text()
     old = re.search(r"^## \(a\).*?(?=^## \(b\))", text, flags=re.S | re.M)
     if old is None:

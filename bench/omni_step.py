@@ -236,6 +236,8 @@ def _measured_on() -> str:
 
 def write_section(path: Path, lines: list[str]) -> None:
     """Section (f) of the report replaced (or put before "## Reproduce"), the rest as it was."""
+    if not path.exists():
+        raise SystemExit(f"{path} does not exist: run `make bench` first")
     text = path.read_text()
     section = "\n".join(lines) + "\n"
     old = re.search(r"^## \(f\).*?(?=^## )", text, flags=re.S | re.M)
