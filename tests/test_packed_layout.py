@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from omni_sidecar.hooks import OmniHooks
-from omni_sidecar.metrics import SidecarMetrics
+from omni_sidecar.hook_api.hook_set import OmniHooks
+from omni_sidecar.serve.metrics import SidecarMetrics
 from omni_sidecar.payload import sidecar_extra_args
-from omni_sidecar.session import Session
-from omni_sidecar.store import FinishedOutputs
+from omni_sidecar.sessions.session import Session
+from omni_sidecar.sessions.store import FinishedOutputs
 from proto.arena import ShmArena
 from proto.codec import Codec, FrameError
 from proto.messages import MAX_BATCH, BatchLayout, ErrorReply, HookNeeds, NewRequest, StepBegin, StepEnd, StepPlan

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_sidecar.arenas import OutArena
-from omni_sidecar.omni.state import IntermediateBuffer, StateError, _nbytes
+from omni_sidecar.sessions.arenas import OutArena
+from omni_sidecar.hook_sets.omni.state import IntermediateBuffer, StateError, _nbytes
 from proto.arena import ShmArena
 from proto.tensors import TensorRef, TensorRefError
 from tests.support.arenas import DeviceLikeArena
@@ -239,8 +239,8 @@ def test_the_default_postprocess_batched_equals_it_called_per_request():
     """The omni set's default postprocess runs for all requests at once; a subclass that overrides
     postprocess (here: only calling the default) is called per request. Same states, same chunks,
     a step with no rows (all replayed) included."""
-    from omni_sidecar.hooks import RequestInfo, StepBatch
-    from omni_sidecar.omni.hooks import OmniStateHooks
+    from omni_sidecar.hook_api.hook_set import RequestInfo, StepBatch
+    from omni_sidecar.hook_sets.omni.state_hooks import OmniStateHooks
     from proto.messages import BatchLayout
 
     class PerRequest(OmniStateHooks):
@@ -278,8 +278,8 @@ def test_the_default_postprocess_batched_equals_it_called_per_request():
 
 
 def test_a_layout_naming_more_rows_than_the_hidden_states_fails_the_step_not_the_process():
-    from omni_sidecar.hooks import HookErrors, RequestInfo, StepBatch
-    from omni_sidecar.omni.hooks import OmniStateHooks
+    from omni_sidecar.hook_api.hook_set import HookErrors, RequestInfo, StepBatch
+    from omni_sidecar.hook_sets.omni.state_hooks import OmniStateHooks
     from proto.messages import BatchLayout
 
     hooks = OmniStateHooks()
@@ -330,8 +330,8 @@ def test_bad_rows_and_stacks_from_the_sidecar_are_step_errors_before_anything_is
 
 @pytest.mark.parametrize("minor", [6, 7])
 def test_a_sidecar_stacks_rows_only_for_a_shim_that_reads_them(minor):
-    from omni_sidecar.arenas import SessionArenas
-    from omni_sidecar.metrics import SidecarMetrics
+    from omni_sidecar.sessions.arenas import SessionArenas
+    from omni_sidecar.serve.metrics import SidecarMetrics
     from proto.messages import Hello
 
     hello = Hello(1, minor, "test", "none", "cpu", 0, 1, "m", 4, "float32", 8, [])

@@ -12,8 +12,8 @@ import torch
 
 from omni_arena.tensor_tree import TreeDecoder, TreeEncoder, decode_inline, encode_inline
 from omni_arena.views import arena_tensor
-from omni_sidecar.arenas import OutArena, SessionArenas
-from omni_sidecar.metrics import SidecarMetrics
+from omni_sidecar.sessions.arenas import OutArena, SessionArenas
+from omni_sidecar.serve.metrics import SidecarMetrics
 from proto.arena import ShmArena
 from proto.codec import Codec
 from proto.messages import Hello, MirrorUpdate, StepPlan
