@@ -91,7 +91,7 @@ class SidecarClientBench:
         from omni_sidecar.client import wait_ready
         from proto.arena import ShmArena
         from proto.messages import Hello
-        from worker_shim.channel import SidecarChannel
+        from worker_shim.wire.channel import SidecarChannel
         from worker_shim.config import RingConfig
 
         endpoint = f"ipc://{run_dir}/sidecar-{num_reqs}-{'ring' if ring else 'zmq'}.sock"

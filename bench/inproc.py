@@ -41,8 +41,8 @@ from proto.messages import (
 )
 from proto.tensors import TENSOR_MARKER
 from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
-from worker_shim.channel import SidecarError
-from worker_shim.transfer import model_device
+from worker_shim.errors import SidecarError
+from worker_shim.step.plan_read import model_device
 
 
 class HeldRef:
@@ -285,7 +285,7 @@ class InProcessConnection:
 
 def _overlay(overlays: list[Overlay], input_batch: Any, model: Any, embeds: torch.Tensor | None) -> torch.Tensor:
     """The plan's rows into the step's inputs_embeds (the persistent buffer when there is one),
-    with the shim's checks (worker_shim/transfer.py), all checked before any is written."""
+    with the shim's checks (worker_shim/step/slots.py), all checked before any is written."""
     if embeds is None:
         n = int(input_batch.num_tokens_after_padding)
         embeds = model.embed_input_ids(input_batch.input_ids[:n])

@@ -1,6 +1,6 @@
 """Bench-only vLLM workers running a hook set in-process: `worker_cls="bench.inproc_worker.Worker"`.
 
-The shim's own workers (worker_shim/worker.py), with one override: instead of connecting to
+The shim's own workers (worker_shim/upstream/worker.py), with one override: instead of connecting to
 a sidecar, `_connect_sidecar` loads the hook set into this process and gives the shim's
 unchanged `SidecarLink` an `InProcessConnection` (bench/inproc.py). Everything else of the
 shim (runner interception, embeds buffer, layer capture, length finishes, the refusal of
@@ -26,11 +26,11 @@ from omni_arena.views import dtype_name
 from proto.messages import Hello
 from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from worker_shim import __version__
-from worker_shim.batch import PayloadTracker
-from worker_shim.channel import SidecarError
-from worker_shim.compat import upstream_request_ids_suffixed, vllm_version, welcome_refusal
+from worker_shim.step.batch import PayloadTracker
+from worker_shim.errors import SidecarError
+from worker_shim.upstream.compat import upstream_request_ids_suffixed, vllm_version, welcome_refusal
 from worker_shim.config import ShimConfig
-from worker_shim.link import SidecarLink
+from worker_shim.step.link import SidecarLink
 
 log = logging.getLogger("vllm.omni_sidecar.inproc")
 
@@ -100,13 +100,13 @@ class InProcessHooksMixin:
 
 
 def _cpu_worker() -> type:
-    from worker_shim.cpu_worker import ShimCPUWorker
+    from worker_shim.upstream.cpu_worker import ShimCPUWorker
 
     return type("InProcessCPUWorker", (InProcessHooksMixin, ShimCPUWorker), {"__module__": __name__})
 
 
 def _cuda_worker() -> type:
-    from worker_shim.cuda_worker import ShimCUDAWorker
+    from worker_shim.upstream.cuda_worker import ShimCUDAWorker
 
     return type("InProcessCUDAWorker", (InProcessHooksMixin, ShimCUDAWorker), {"__module__": __name__})
 

@@ -150,7 +150,7 @@ def test_structured_garbage_is_rejected_cleanly(value):
 
 
 def test_100k_mutated_replies_at_the_shims_channel(tmp_path):
-    from worker_shim.channel import SidecarChannel, SidecarError
+    from worker_shim.wire.channel import SidecarChannel, SidecarError
 
     endpoint = f"ipc://{tmp_path}/fake.sock"
     server, rng, good, replies = _fake_sidecar(endpoint, 99)
@@ -328,7 +328,7 @@ def test_100k_mutated_ring_frames_and_garbage_rings_at_a_live_sidecar(sidecar):
 
 def test_100k_mutated_ring_replies_at_the_shims_channel(tmp_path):
     from proto.shmring import EMPTY, RingDuplex, ShmRing
-    from worker_shim.channel import SidecarChannel, SidecarError
+    from worker_shim.wire.channel import SidecarChannel, SidecarError
     from worker_shim.config import RingConfig
 
     endpoint = f"ipc://{tmp_path}/fake-ring.sock"

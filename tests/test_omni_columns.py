@@ -198,7 +198,7 @@ def test_the_omni_step_never_waits_for_the_device():
     from omni_arena.tensor_tree import MIN_ROWS, RowStacker
     from omni_sidecar.arenas import OutArena
     from proto.tensors import TENSOR_MARKER
-    from worker_shim.plan_read import copy_out_trees
+    from worker_shim.step.plan_read import copy_out_trees
 
     dev = torch.device("cuda", 0)
     ids = [f"r{i}" for i in range(MIN_ROWS + 2)]

@@ -20,7 +20,7 @@ from proto.messages import (
 from proto.packed import LayoutError, LazyLayout, pack_u32, packed_layout, unpack_u32, unpacked
 from tests.support.procs import SidecarProcess
 from tests.test_sidecar import Peer, _hello
-from worker_shim.batch import packed_batch_layout
+from worker_shim.step.batch import packed_batch_layout
 
 
 H = 8
@@ -209,7 +209,7 @@ def test_the_link_packs_the_layout_only_for_a_sidecar_that_reads_it_packed(packs
     """A sidecar of 1.6 (SidecarConnection.packs_layouts, from its Welcome) gets the packed layout;
     an older one the lists it knows, the same values."""
     from tests.test_recovery import FakeConnection, request, step_state
-    from worker_shim.link import SidecarLink
+    from worker_shim.step.link import SidecarLink
 
     conn = FakeConnection(needs=HookNeeds(step_layouts=True))
     conn.packs_layouts = packs

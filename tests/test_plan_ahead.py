@@ -25,7 +25,7 @@ from proto.messages import AppendPayload, BatchLayout, Hello, NewRequest, StepBe
 from proto.tensors import TensorRef
 from proto.version import PROTOCOL_MINOR
 from tests.support.trees import assert_same_tree
-from worker_shim.plan_read import copy_out_trees
+from worker_shim.step.plan_read import copy_out_trees
 
 
 H = 4  # hidden size

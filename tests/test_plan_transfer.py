@@ -16,9 +16,9 @@ from proto.arena import ShmArena
 from proto.tensors import TensorRef, TensorRefError
 from tests.support.arenas import DeviceLikeArena
 from tests.support.trees import assert_same_tree
-from worker_shim.channel import SidecarError
+from worker_shim.errors import SidecarError
 from omni_arena.tensor_tree import MIN_ROWS, ExtStacker, RowStacker, store_tree
-from worker_shim.plan_read import StackReader, copy_out_trees
+from worker_shim.step.plan_read import StackReader, copy_out_trees
 
 
 def _copy_out_tree(arena, tree, device, stacks=()):
@@ -117,7 +117,7 @@ def test_refs_of_several_dtypes_off_the_arenas_alignment_read_right_and_bad_ones
     ref whose shape overflows, or extra kwargs that are one tensor, are the step's error, never an
     exception the worker does not expect."""
     from proto.messages import StepPlan
-    from worker_shim.transfer import read_plan
+    from worker_shim.step.plan_read import read_plan
 
     marker = "__omni_tensor_ref__"
     arena = ShmArena.create(4096, prefix="omni-test-plan")
@@ -201,7 +201,7 @@ def test_cuda_ipc_plans_land_in_the_shims_device_buffers_in_turn():
     """1.8 plans read through a PlanLanding on the device: each step's values are its plan's, the
     step before keeps its values (a buffer each, in turn), and a steady step reuses its views."""
     from omni_arena.cuda_ipc import CudaIpcArena
-    from worker_shim.plan_read import PlanLanding
+    from worker_shim.step.plan_read import PlanLanding
 
     dev = torch.device("cuda", 0)
     arena = CudaIpcArena.create(1 << 20, dev, 1, name="omni-test-landing")

@@ -1,6 +1,6 @@
 """A plan's trees as bytes whose tensors are msgpack extension values (protocol 1.8, issue #15):
 the sidecar's session sends them to a shim of 1.8, the shim's decoder places every tensor without a
-walk, and every mark a peer sends is checked (proto/plan_trees.py, worker_shim/plan_read.py)."""
+walk, and every mark a peer sends is checked (proto/plan_trees.py, worker_shim/step/plan_read.py)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from proto.plan_trees import STACK_ROW, STACK_WHOLE, decode_tree, encode_tree
 from proto.tensors import TensorRef
 from proto.version import EXT_TREES_MINOR
 from tests.support.trees import assert_same_tree
-from worker_shim import plan_read
-from worker_shim.channel import SidecarError
-from worker_shim.transfer import read_plan, read_states
+from worker_shim.step import plan_read
+from worker_shim.errors import SidecarError
+from worker_shim.step.plan_read import read_plan, read_states
 
 MODEL = torch.nn.Linear(1, 1)  # read_plan reads the model for its device: the host
 
@@ -242,7 +242,7 @@ def test_a_zero_dim_tensor_in_a_18_plan_is_a_row_and_the_session_counts_the_rows
 
 
 def test_steady_plans_land_in_the_shims_buffers_and_a_steady_step_makes_no_view():
-    """A 1.8 plan's extra kwargs land in the connection's buffers (worker_shim/plan_read.py,
+    """A 1.8 plan's extra kwargs land in the connection's buffers (worker_shim/step/plan_read.py,
     PlanLanding): each step reads what a copy of its own reads; a step's tensors keep their values
     through the next step's read; once each buffer was used, a steady decode step makes no view:
     its tensors are those of two plans before, holding the new values."""

@@ -1,6 +1,6 @@
 """The shim's loss / reconnect / switch state machine, driven through the link with fake connections.
 
-Each transition of worker_shim/recovery.py has a test here that fails if it is removed:
+Each transition of worker_shim/session/recovery.py has a test here that fails if it is removed:
 connected -> lost (peer gone, step error, failed switch), lost -> connected (reconnect),
 lost -> lost (retry with a fresh connection), connected -> switching -> connected,
 connected -> connected on a kept unsolicited SwitchAck (idle hand-over), also when it
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from proto.messages import HookNeeds, RequestError, StepEnd, StepResult, SwitchAck, SwitchReady
-from worker_shim import recovery
-from worker_shim.channel import SidecarError
-from worker_shim.link import SidecarLink
+from worker_shim.session import recovery
+from worker_shim.errors import SidecarError
+from worker_shim.step.link import SidecarLink
 
 
 class FakeConnection:
@@ -104,7 +104,7 @@ class FakeConnection:
     def step_plan(self, msg):
         return self.call(msg, None)
 
-    def ask_plan(self, msg) -> None:  # the early StepBegin (worker_shim/plan_ask.py)
+    def ask_plan(self, msg) -> None:  # the early StepBegin (worker_shim/step/plan_ask.py)
         if self.fail_send is not None:
             raise self.fail_send
         self.calls.append(msg)
@@ -398,7 +398,7 @@ def test_a_plan_dropped_after_an_upstream_error_still_reports_its_requests_error
 
 def test_a_plan_for_another_step_is_refused():
     from proto.messages import BatchLayout, StepBegin, StepPlan
-    from worker_shim.connection import _plan_of
+    from worker_shim.wire.connection import _plan_of
 
     ask = StepBegin(step=5, batch=BatchLayout(["a"], [0, 1], [3], [3]))
     assert _plan_of(ask, StepPlan(step=5)).step == 5
@@ -433,7 +433,7 @@ def test_a_switch_that_fails_while_a_plan_is_asked_queues_no_new_request_for_the
 
 def test_a_batch_ended_without_a_sidecar_leaves_the_length_watch_comparing_the_whole_batch_next():
     """Its steady-decode shortcut holds only over steps it saw: one the link ended lost, unseen,
-    may have moved rows unevenly (worker_shim/finishes.py)."""
+    may have moved rows unevenly (worker_shim/step/finishes.py)."""
     second = FakeConnection()
     first = FakeConnection()
     link = SidecarLink(Factory(second), first)

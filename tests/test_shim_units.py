@@ -12,11 +12,12 @@ from proto.arena import ShmArena
 from proto.messages import HookNeeds, Overlay, RequestError, StepBegin, StepEnd, StepPlan, StepResult
 from proto.tensors import TENSOR_MARKER, TensorRef
 from tests.test_recovery import FakeConnection, request, step_state
-from worker_shim.batch import PayloadTracker, batch_layout, new_request
-from worker_shim.channel import SidecarError
-from worker_shim.compat import ShimCompatError, client_request_id, request_ids_suffixed
-from worker_shim.link import SidecarLink
-from worker_shim.transfer import HiddenSlots, read_plan
+from worker_shim.step.batch import PayloadTracker, batch_layout, new_request
+from worker_shim.errors import SidecarError
+from worker_shim.upstream.compat import ShimCompatError, client_request_id, request_ids_suffixed
+from worker_shim.step.link import SidecarLink
+from worker_shim.step.plan_read import read_plan
+from worker_shim.step.slots import HiddenSlots
 
 
 def test_client_request_id_strips_the_suffix_vllm_added():
@@ -99,7 +100,7 @@ def test_steady_steps_reuse_their_slot_views_and_the_bytes_still_land_where_the_
     slot's bytes are made once per slot and shape (then reused), the cache stays bounded, and
     every step's bytes are the step's own."""
     from omni_arena.views import arena_tensor
-    from worker_shim import transfer
+    from worker_shim.step import slots as slots_module
 
     made: list[int] = []
 
@@ -107,7 +108,7 @@ def test_steady_steps_reuse_their_slot_views_and_the_bytes_still_land_where_the_
         made.append(ref.offset)
         return arena_tensor(arena, ref)
 
-    monkeypatch.setattr(transfer, "arena_tensor", counting)
+    monkeypatch.setattr(slots_module, "arena_tensor", counting)
     arena = ShmArena.create(1 << 16, prefix="omni-test-hidden")
     try:
         slots = HiddenSlots(arena, 2)
@@ -119,10 +120,10 @@ def test_steady_steps_reuse_their_slot_views_and_the_bytes_still_land_where_the_
             for want, r in ((hidden, ref), (layers[1], layer_refs[1]), (layers[2], layer_refs[2])):
                 assert torch.equal(arena_tensor(arena, r), want)
         assert len(made) == 2  # one view per slot (hidden and layer rows stacked), made on the first two steps
-        for step in range(6, 6 + transfer.VIEWS_KEPT):  # prefill-like: a new shape each step
+        for step in range(6, 6 + slots_module.VIEWS_KEPT):  # prefill-like: a new shape each step
             slots.write(step, torch.zeros(1, step % 50 + 1), lambda s: None)
             slots.sent(step)
-        assert len(slots._views) <= transfer.VIEWS_KEPT
+        assert len(slots._views) <= slots_module.VIEWS_KEPT
     finally:
         slots = None
         arena.close()
@@ -211,7 +212,7 @@ def test_hook_errors_in_results_reach_the_stats():
 
 def test_per_step_timings_stay_bounded_and_keep_the_latest():
     from proto.settings import TIMINGS_KEPT
-    from worker_shim.step_end import record_timing
+    from worker_shim.step.step_end import record_timing
 
     samples: list[float] = []
     for i in range(5 * TIMINGS_KEPT):

@@ -36,7 +36,7 @@ from proto.shmring import (
     ShmRing,
 )
 from tests.support.procs import SidecarProcess
-from worker_shim.channel import SidecarChannel, SidecarError
+from worker_shim.wire.channel import SidecarChannel, SidecarError
 from worker_shim.config import RingConfig
 
 CODEC = Codec()

@@ -38,8 +38,8 @@ class RecordedLink:
 
     def __init__(self, endpoint: str) -> None:
         from worker_shim.config import RingConfig
-        from worker_shim.connection import SidecarConnection
-        from worker_shim.link import SidecarLink
+        from worker_shim.wire.connection import SidecarConnection
+        from worker_shim.step.link import SidecarLink
 
         hello = Hello(PROTOCOL_MAJOR, PROTOCOL_MINOR, "test", "none", "cpu", 0, 1, "m", 8, "float32", 1024, [],
                       pid=os.getpid())
@@ -103,7 +103,7 @@ def sidecar(tmp_path, request):
 
 @pytest.mark.parametrize("sidecar", ["passthrough"], indirect=True)
 def test_a_pass_through_step_sends_one_fixed_size_record_and_wakes_nobody(sidecar, monkeypatch):
-    from worker_shim import recovery
+    from worker_shim.session import recovery
 
     monkeypatch.setattr(recovery, "STEP_START_ANSWER_S", 3600.0)  # a stalled test host asks no answers here
     shim = RecordedLink(sidecar.endpoint)

@@ -11,7 +11,7 @@ import time
 
 from proto.endpoint import pid_namespace
 from proto.messages import BatchLayout, Hello, NewRequest, StepEnd, StatusQuery, StatusReply
-from worker_shim.connection import SidecarConnection
+from worker_shim.wire.connection import SidecarConnection
 
 
 def main(endpoint: str) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from worker_shim.compat import (
+from worker_shim.upstream.compat import (
     LORA_CONFIG_FIELD,
     MODEL_STATE_EMBEDS_METHODS,
     MODEL_STATE_METHODS,
@@ -29,15 +29,15 @@ from worker_shim.compat import (
     is_dummy_run,
     prompt_len_of,
 )
-from worker_shim.embeds import LAYERS_GRAPH_KEY, EmbedsBuffer, embeds_width, mark_compiled_graph
+from worker_shim.model.embeds import LAYERS_GRAPH_KEY, EmbedsBuffer, embeds_width, mark_compiled_graph
 from worker_shim.config import ShimConfig
-from worker_shim.embeds import wanted as embeds_wanted
-from worker_shim.layers import LayerCapture
-from worker_shim.link import SidecarLink
-from worker_shim.step_end import record_timing
-from worker_shim.model_hooks import ModelBridge, attach_bridge, model_class_has_hooks
-from worker_shim.tp import TensorParallelFollower, TensorParallelSync
-from worker_shim.transfer import model_device
+from worker_shim.model.embeds import wanted as embeds_wanted
+from worker_shim.model.layers import LayerCapture
+from worker_shim.step.link import SidecarLink
+from worker_shim.step.step_end import record_timing
+from worker_shim.model.bridge import ModelBridge, attach_bridge, model_class_has_hooks
+from worker_shim.step.tp import TensorParallelFollower, TensorParallelSync
+from worker_shim.step.plan_read import model_device
 
 
 class SidecarRunnerMixin:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 
 from proto.messages import NewRequest, RequestError
 from proto.settings import ERROR_TEXT_MAX
-from worker_shim.batch import PayloadTracker
+from worker_shim.step.batch import PayloadTracker
 from worker_shim.config import LossPolicy
 
 log = logging.getLogger("vllm.omni_sidecar.shim.session")

@@ -1,7 +1,7 @@
 """Reading vLLM's batch: request payloads, prefill flags, the layout the sidecar sees.
 
 Everything the shim knows about vLLM's scheduler output and `InputBatch` is
-read here (what differs between vLLM minors through worker_shim/compat.py).
+read here (what differs between vLLM minors through worker_shim/upstream/compat.py).
 `PayloadTracker` is the one record of which live requests carry a sidecar
 payload; the link and the TP broadcast both decide from it (`exchange_needed`),
 so every rank takes the same decision from the same scheduler output.
@@ -13,7 +13,7 @@ from typing import Any, Iterable
 
 from proto.messages import BatchLayout, HookNeeds, NewRequest, PackedLayout
 from proto.packed import packed_layout
-from worker_shim.compat import client_request_id, prefill_flags, prompt_len_of
+from worker_shim.upstream.compat import client_request_id, prefill_flags, prompt_len_of
 
 PAYLOAD_KEY = "omni_sidecar"
 

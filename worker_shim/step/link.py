@@ -3,11 +3,11 @@
 The runner mixin calls `begin_step` / `ask_early` / `pre_forward` / `end_step`
 (or `abort_step` when upstream raised). A step asks for a plan before the
 forward only when the sidecar's declared needs say so for this batch
-(worker_shim/plan_ask.py), and after it sends a StepEnd with what the sidecar
-has not seen yet, or the fixed-size StepTick (worker_shim/step_end.py). Who the
+(worker_shim/step/plan_ask.py), and after it sends a StepEnd with what the sidecar
+has not seen yet, or the fixed-size StepTick (worker_shim/step/step_end.py). Who the
 sidecar is (loss, reconnect, hot-upgrade switch) is `Recovery`'s business;
-tensors cross in worker_shim/transfer.py; vLLM's batch is read in
-worker_shim/batch.py.
+tensors cross in worker_shim/step/slots.py; vLLM's batch is read in
+worker_shim/step/batch.py.
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ from typing import Any, Callable
 
 from proto.messages import HookNeeds, RequestError, StepEnd
 from proto.settings import ERROR_TEXT_MAX, TIMINGS_KEPT
-from worker_shim.batch import PayloadTracker, new_request, payload_of
-from worker_shim.channel import SidecarError
-from worker_shim.compat import client_request_id, prompt_len_of
+from worker_shim.step.batch import PayloadTracker, new_request, payload_of
+from worker_shim.errors import SidecarError
+from worker_shim.upstream.compat import client_request_id, prompt_len_of
 from worker_shim.config import EmbedsSetting, LossPolicy
-from worker_shim.finishes import FinishWatch
-from worker_shim.layers import LayerCapture
-from worker_shim.plan_ask import EarlyAsk, PlanAsks
-from worker_shim.recovery import Recovery
-from worker_shim.session import FailureReports, SessionRequests
-from worker_shim.step_end import ModelResults, StepEndRecords
+from worker_shim.step.finishes import FinishWatch
+from worker_shim.model.layers import LayerCapture
+from worker_shim.step.plan_ask import EarlyAsk, PlanAsks
+from worker_shim.session.recovery import Recovery
+from worker_shim.session.requests import FailureReports, SessionRequests
+from worker_shim.step.step_end import ModelResults, StepEndRecords
 
 log = logging.getLogger("vllm.omni_sidecar.shim.link")
 
@@ -43,10 +43,10 @@ class StepCounters:
     finished_requests: int = 0
     scheduled_tokens: int = 0
     blocking_exchanges: int = 0
-    asked_early: int = 0  # of which the StepBegin went when vLLM built the batch (worker_shim/plan_ask.py)
+    asked_early: int = 0  # of which the StepBegin went when vLLM built the batch (worker_shim/step/plan_ask.py)
     states_asked: int = 0  # requests whose state the model's hooks asked the sidecar for
     # Each plan's wait and read: from the StepBegin's send when pre_forward sent it, from pre_forward when
-    # it went early (worker_shim/plan_ask.py); before 2026-12-02 every plan was a whole round trip.
+    # it went early (worker_shim/step/plan_ask.py); before 2026-12-02 every plan was a whole round trip.
     exchange_us: list[float] = field(default_factory=list)
     plan_read_us: list[float] = field(default_factory=list)  # of which reading the plan (its tensors copied out)
     post_us: list[float] = field(default_factory=list)  # shim-side cost of each StepEnd (copy + send)

@@ -21,10 +21,10 @@ from proto.messages import (
 )
 from omni_arena.tensor_tree import TreeError, load_inline_tree
 from proto.version import PACKED_LAYOUT_MINOR
-from worker_shim.channel import SidecarChannel, SidecarError
+from worker_shim.wire.channel import SidecarChannel, SidecarError
 from worker_shim.config import RingConfig
-from worker_shim.plan_read import PlanLanding
-from worker_shim.transfer import HiddenSlots, StepSlot, read_plan, read_states
+from worker_shim.step.plan_read import PlanLanding, read_plan, read_states
+from worker_shim.step.slots import HiddenSlots, StepSlot
 
 
 class SidecarConnection:
@@ -49,7 +49,7 @@ class SidecarConnection:
         self._num_hidden_slots = hidden_slots
         self._hidden: HiddenSlots | None = None
         self._overlay_arena: Any = None
-        self._landing = PlanLanding()  # where this sidecar's plans' kwargs land (worker_shim/plan_read.py)
+        self._landing = PlanLanding()  # where this sidecar's plans' kwargs land (worker_shim/step/plan_read.py)
         self.started = time.monotonic()
         self.welcome: Welcome | None = None
         self._announces = False  # does the sidecar take StepStart (set from the Welcome)

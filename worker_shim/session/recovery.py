@@ -27,9 +27,9 @@ from typing import Any, Callable, Literal
 
 from proto.messages import SwitchAck, SwitchReady
 from proto.settings import STEP_START_ANSWER_S
-from worker_shim.channel import SidecarError
+from worker_shim.errors import SidecarError
 from worker_shim.config import LossPolicy
-from worker_shim.session import FailureReports, SessionRequests
+from worker_shim.session.requests import FailureReports, SessionRequests
 
 log = logging.getLogger("vllm.omni_sidecar.shim.recovery")
 RETRY_AFTER_S = 10.0

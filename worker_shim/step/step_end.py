@@ -1,6 +1,6 @@
 """The record that ends a step on the wire: a StepEnd with what the sidecar has not seen, or a StepTick.
 
-A mixin of worker_shim/link.py's `SidecarLink` (the step protocol), kept apart as its own concern:
+A mixin of worker_shim/step/link.py's `SidecarLink` (the step protocol), kept apart as its own concern:
 what a step that ran its forward leaves for the sidecar. A step whose hooks read no per-step layout
 and that brings nothing new (no request change, failure, hidden states or model results) sends the
 fixed-size StepTick; any other step the StepEnd, its tensors in the step's hidden slot
@@ -17,7 +17,7 @@ import torch
 from omni_arena.tensor_tree import store_tree
 from proto.messages import StepEnd, StepTick
 from proto.settings import TIMINGS_KEPT
-from worker_shim.batch import wire_layout
+from worker_shim.step.batch import wire_layout
 
 ModelResults = tuple[dict[str, Any], dict[str, Any]]  # per request: state updates, outputs
 

@@ -1,7 +1,7 @@
 """The plan a step asks for before its forward: the StepBegin, the step's one wait, the plan's read.
 
-A mixin of worker_shim/link.py's `SidecarLink` (the step protocol), kept apart as its own concern, as
-worker_shim/step_end.py keeps the record after the forward. When the hooks' declared needs say the
+A mixin of worker_shim/step/link.py's `SidecarLink` (the step protocol), kept apart as its own concern, as
+worker_shim/step/step_end.py keeps the record after the forward. When the hooks' declared needs say the
 batch needs the sidecar before the forward, the StepBegin goes as soon as vLLM has built the batch
 (`ask_early`, from the runner's `prepare_inputs`) and the plan is taken in `pre_forward`, after vLLM
 built the attention metadata and the embeds: the sidecar plans meanwhile, and the step's one wait is
@@ -19,10 +19,10 @@ import msgspec
 import torch
 
 from proto.messages import StepBegin, StepPlan
-from worker_shim.batch import wire_layout
-from worker_shim.channel import SidecarError
-from worker_shim.model_hooks import ModelBridge
-from worker_shim.step_end import record_timing
+from worker_shim.step.batch import wire_layout
+from worker_shim.errors import SidecarError
+from worker_shim.model.bridge import ModelBridge
+from worker_shim.step.step_end import record_timing
 
 
 @dataclass
@@ -102,7 +102,7 @@ class PlanAsks:
         """Blocking StepBegin when the hooks need it; returns extra model inputs.
 
         `embeds` is the persistent inputs_embeds buffer when the runner feeds
-        the model from one (worker_shim/transfer.py `read_plan`). With a `bridge`
+        the model from one (worker_shim/step/slots.py `read_plan`). With a `bridge`
         (the model carries its own hooks), requests whose state the shim's mirror
         lacks are asked for in the same exchange (docs/ARCHITECTURE.md, "Model hooks").
         """
