@@ -1,4 +1,4 @@
-"""Streaming payloads: entries a client appends to a running request (AppendPayload, protocol 1.3).
+"""Streaming payloads: entries a client appends to a running request (AppendPayload).
 
 vllm-omni streams a stage's inputs into requests that already run (per-step
 additional_information for cached requests, "async chunk"); here a control client, or the
@@ -13,11 +13,10 @@ through the hook set's `on_payload_appended` (docs/ARCHITECTURE.md, Streaming pa
   last step that did not.
 - a request whose state the shim mirrors (the model's own hooks read it in the vLLM process):
   checked on arrival against its state plus the updates already sent, then sent at once as a
-  MirrorUpdate (protocol 1.4: `seq`, its delta: the `embed.decode` rows past the span). The shim applies it
+  MirrorUpdate (`seq`, its delta: the `embed.decode` rows past the span). The shim applies it
   at its next step start and says so in that step's StepStart (`mirror_seq`); only then does it
   enter the sidecar's state too and the client get `after_step` = that step - 1. A request that
   ends first, or a hot upgrade before the shim applied it (SwitchReady.mirror_seq), is an error.
-  Shims before 1.4 keep the refusal.
 - errors are the sending client's only (an ErrorReply): an unknown or finished request, or hooks
   refusing it (a bad payload, a gap in `embed.decode` spans, the state cap). The request's state
   stays as it was and it runs on; nothing else is disturbed.
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from omni_sidecar.hooks import HookErrors
-from omni_arena.tensor_tree import inline_tree
+from omni_arena.tensor_tree import encode_inline
 from proto.messages import AppendPayload, AppendReply, ErrorReply, Message, MirrorUpdate
 from proto.settings import ERROR_TEXT_MAX
 
@@ -152,13 +151,14 @@ class AppendQueue:
         req_id = session.resolve(msg.req_id)
         if req_id is None:
             return unknown(msg.req_id, session.finished_store)
-        if self.to_shim is None or session.hello.protocol_minor < 4:
+        if self.to_shim is None:
             return refused("append_refused", f"request {msg.req_id!r}: the model's own hooks read its state in "
-                           "the vLLM process (the shim's mirror), which this shim (protocol < 1.4) cannot update")
+                           "the vLLM process (the shim's mirror), and no shim connection can take the update")
         earlier = [s.entries for s in self._sent.values() if s.req_id == req_id]
         try:
             entries = session.hooks.stage_mirrored_append(req_id, msg.payload, earlier)
-            self.to_shim(MirrorUpdate(seq=self._seq + 1, req_id=req_id, entries=inline_tree(entries)))
+            tree, blobs = encode_inline(entries)
+            self.to_shim(MirrorUpdate(seq=self._seq + 1, req_id=req_id, entries=tree, blobs=blobs))
         except HookErrors as exc:
             return refused("append_refused", f"request {msg.req_id!r}: {exc.errors.get(req_id) or exc}")
         except Exception as exc:  # a hook bug, or the shim's ring broke: that client's error

@@ -13,14 +13,12 @@ from typing import Any
 
 import torch
 
-from omni_arena.tensor_tree import ExtStacker, RowStacker, load_tree, store_tree
+from omni_arena.tensor_tree import Tree, TreeDecoder, TreeEncoder
 from omni_arena.views import arena_tensor, dtype_name, torch_dtype
 from omni_sidecar.metrics import SidecarMetrics
 from proto.arena import ArenaError, ShmArena, align_up
-from proto.messages import MAX_PLAN_TENSORS, Hello, Overlay, StepEnd
-from proto.plan_trees import encode_tree
+from proto.messages import MAX_PLAN_TENSORS, Hello, Overlay, ReqId, StepEnd
 from proto.tensors import DTYPE_ITEMSIZE, TensorRef
-from proto.version import EXT_TREES_MINOR, STACKED_ROWS_MINOR
 
 OUT_ARENA_SLACK = 1 << 20  # room for per-tensor alignment next to the overlay rows
 
@@ -52,7 +50,7 @@ class OutArena:
         # in with one memmove (a view and a copy_ per tensor cost ~7 µs, 128 tensors a step at 64
         # requests when per-request state rides in the extra kwargs).
         self._host: torch.Tensor | None = None
-        self.stacks: list[TensorRef] = []  # this plan's stacked tensors (StepPlan.stacks; 1.8: every tensor)
+        self.stacks: list[TensorRef] = []  # this plan's tensors (StepPlan.stacks)
         self.stacked_rows = 0  # tensors this plan sends as rows of a stack (not those used whole)
 
     def reset(self) -> None:
@@ -87,7 +85,7 @@ class OutArena:
         """Tensors of one dtype, device and row shape (`rows_alike`: a prefill step's overlay rows, a
         request's each) written back to back by one `torch.cat`, each ref a run of rows of it: one
         write and one copy up, not one per request (64 requests' staging copies were the sidecar's
-        longest step on the H200 host, the 1B profile of BENCHMARKS.md, session 14)."""
+        longest step on the H200 host)."""
         if not rows_alike(tensors):
             raise ValueError("put_rows takes tensors of one dtype, device and row shape")
         first = tensors[0]
@@ -102,7 +100,7 @@ class OutArena:
         return refs
 
     def put_whole(self, tensor: torch.Tensor) -> int:
-        """A tensor alone of its kind as a stack of the plan used whole (1.8): its index in `stacks`."""
+        """A tensor no stack can hold as a stack of the plan used whole: its index in `stacks`."""
         self._check_count()
         self.stacks.append(self.put(tensor))
         return len(self.stacks) - 1
@@ -113,7 +111,7 @@ class OutArena:
 
     def put_stack(self, tensors: list[torch.Tensor]) -> int:
         """Same-shaped tensors (one dtype and device) stacked into the arena as one tensor, written in
-        place by one `torch.stack`; its index in this plan's `stacks` (omni_arena/tensor_tree.py, RowStacker)."""
+        place by one `torch.stack`; its index in this plan's `stacks` (omni_arena/tensor_tree.py, TreeEncoder)."""
         self._check_count()
         first = tensors[0]
         shape = [len(tensors), *first.shape]
@@ -228,11 +226,7 @@ class SessionArenas:
         self.consumer_events: list[bytes] = []
         self.wanted_layers: list[int] = []  # the hooks' HookNeeds.hidden_layers
         self._ready_for: StepEnd | None = None  # the StepEnd whose slot our stream already waits for
-        # Shims of 1.7 read stacked rows: a plan's same-shaped tensors go as one stack each; shims of
-        # 1.8 read a plan's trees as bytes, every tensor an extension value naming a stack.
-        minor = hello.protocol_minor
-        self._ext_trees = minor >= EXT_TREES_MINOR
-        self._stacker = ExtStacker() if self._ext_trees else RowStacker() if minor >= STACKED_ROWS_MINOR else None
+        self._encoder = TreeEncoder()
 
     def open(self, wants_out: bool, min_out_bytes: int) -> None:
         """Map the shim's arenas; create ours for overlay rows / kwargs if the hooks need one.
@@ -287,13 +281,13 @@ class SessionArenas:
         """The step's hidden rows, a view valid until `release_slot`."""
         return None if msg.hidden is None else self._slot_tensor(msg, msg.hidden)
 
-    def model_results(self, msg: StepEnd) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The step's model updates and outputs, tensors copied out of its slot (every ref checked)."""
-
-        def load(ref: TensorRef) -> torch.Tensor:
-            return self._slot_tensor(msg, ref).clone()
-
-        return load_tree(msg.model_updates, load), load_tree(msg.model_outputs, load)
+    def model_results(self, msg: StepEnd) -> tuple[dict[ReqId, Any], dict[ReqId, Any]]:
+        """The step's model updates and outputs, each tensor a copy of its own out of its slot
+        (every ref checked when first named; TreeError or ArenaError for a bad tree or ref)."""
+        tensors = msg.tensors
+        decoder = TreeDecoder(len(tensors), lambda k: self._slot_tensor(msg, tensors[k]), own=True,
+                              copy_budget=sum(ref.nbytes for ref in tensors))
+        return decoder.decode(msg.model_updates, dict[ReqId, Any]), decoder.decode(msg.model_outputs, dict[ReqId, Any])
 
     def _slot_tensor(self, msg: StepEnd, ref: TensorRef) -> torch.Tensor:
         if ref.arena >= len(self.inputs):
@@ -334,22 +328,17 @@ class SessionArenas:
             refs = [self.out.put(r) for r in rows]
         return [Overlay(row_start, ref) for (row_start, _), ref in zip(pairs, refs)]
 
-    def encode_tensors(self, value: Any) -> Any:
-        """Tensors in extra kwargs and model states go into the arena; the message carries their refs
-        (or rows of the plan's stacks: `stacks`); for a shim of 1.8, the tree's msgpack bytes, its
-        tensors extension values naming the stacks (proto/plan_trees.py)."""
-        if self._ext_trees:
-            if self.out is None:
-                return encode_tree(store_tree(value, self._put))  # raises for a tensor: no arena
-            return self._stacker.store(value, self.out.put_whole, self.out.put_stack, len(self.out.stacks))
-        if self._stacker is None or self.out is None:
-            return store_tree(value, self._put)
-        return self._stacker.store(value, self.out.put, self.out.put_stack, len(self.out.stacks))
+    def encode_tree(self, value: Tree) -> bytes:
+        """Extra kwargs or model states as a plan's tree (proto/plan_trees.py): its tensors go into the
+        arena as the plan's stacks, the tree's marks naming them (b"" for an empty tree)."""
+        out = self.out
+        if out is None:
+            return self._encoder.encode(value, _no_arena, _no_arena)
+        return self._encoder.encode(value, out.put_whole, out.put_stack, len(out.stacks))
 
     @property
     def stacks(self) -> list[TensorRef]:
-        """This plan's stacked tensors, and for a shim of 1.8 its tensors used whole (the list a plan
-        made keeps: `reset` starts a new one)."""
+        """This plan's tensors (the list a plan made keeps: `reset` starts a new one)."""
         return self.out.stacks if self.out is not None else []
 
     @property
@@ -357,7 +346,6 @@ class SessionArenas:
         """Tensors this plan sends as rows of a stack."""
         return self.out.stacked_rows if self.out is not None else 0
 
-    def _put(self, tensor: torch.Tensor) -> TensorRef:
-        if self.out is None:
-            raise RuntimeError("the plan holds tensors but the hook set has no arena")
-        return self.out.put(tensor)
+
+def _no_arena(tensors: Any) -> int:
+    raise RuntimeError("the plan holds tensors but the hook set has no arena")

@@ -1,4 +1,4 @@
-"""Python's cycle collector, run between a shim's steps rather than inside one (issue #15).
+"""Python's cycle collector, run between a shim's steps rather than inside one.
 
 Every step allocates per request (state dicts, output chunks, a plan's tree) and keeps some (each
 request's output log until it finishes), so the interpreter's own collector trips every few steps

@@ -25,7 +25,8 @@ import msgspec
 import torch
 
 from omni_sidecar.errors import OmniSidecarError
-from proto.messages import BatchLayout, HookNeeds
+from proto.messages import HookNeeds
+from proto.packed import StepLayout
 
 
 class HookErrors(OmniSidecarError):
@@ -60,7 +61,7 @@ class StepBatch:
     """A step's batch as hooks see it; row math lives here, once."""
 
     step: int
-    layout: BatchLayout
+    layout: StepLayout
     known: dict[str, RequestInfo] = field(default_factory=dict)
     # In process_model_output: rows of the captured layers (HookNeeds.hidden_layers), token
     # aligned like the hidden states; shared memory valid only during the call.

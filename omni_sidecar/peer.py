@@ -36,9 +36,7 @@ class ShimPeer:
         self.in_step = False  # a StepStart or StepBegin came, its StepEnd (or StepTick) not yet
         self.last_step_at = time.monotonic()  # admission counts: a just-switched shim may step at once
         self.switch_ready = False  # sent SwitchReady: it waits for its SwitchAck, sending nothing
-        # Shims of protocol 1.2 announce every step (StepStart), so "between steps" is known.
-        self.announces_steps = session.hello.protocol_minor >= 2
-        session.appends.to_shim = self.send  # MirrorUpdates (1.4), unsolicited
+        session.appends.to_shim = self.send  # MirrorUpdates, unsolicited
         self.between_steps_due = False  # the hooks' between-steps work waits for the message in the ring
 
     def after_step_end(self) -> None:
@@ -82,7 +80,7 @@ class ShimPeer:
             return True
         if self.session.appends.unacked:  # a MirrorUpdate in flight: hand over once the shim applied it
             return False
-        return self.announces_steps and not self.in_step and now - self.last_step_at >= quiet_s
+        return not self.in_step and now - self.last_step_at >= quiet_s
 
     def attach_rings(self) -> None:
         """Map the rings the Hello offered; on failure this connection stays on the socket."""

@@ -1,4 +1,4 @@
-"""The next step's plan, built while the shim samples and schedules (issue #15).
+"""The next step's plan, built while the shim samples and schedules.
 
 After a StepEnd the shim samples, vLLM schedules the next step and prepares its inputs; only
 then does the StepBegin come, and the shim waits for its plan: with hooks that work every step
@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from omni_sidecar.hooks import StepBatch
-from proto.messages import BatchLayout, Overlay, StepBegin
-from proto.packed import LazyLayout
+from proto.messages import Overlay, StepBegin
+from proto.packed import StepLayout
 from proto.tensors import TensorRef
 
-# The session's plan builder: (batch, errors to fill) -> (overlays, extra kwargs), tensors in its arena.
-BuildPlan = Callable[[StepBatch, dict[str, str]], tuple[list[Overlay], dict[str, Any]]]
+# The session's plan builder: (batch, errors to fill) -> (overlays, extra kwargs' tree), tensors in its arena.
+BuildPlan = Callable[[StepBatch, dict[str, str]], tuple[list[Overlay], bytes]]
 
 
 @dataclass
@@ -34,16 +34,16 @@ class PlanAhead:
     """A plan built for the predicted next step, waiting for its StepBegin."""
 
     step: int
-    layout: BatchLayout
+    layout: StepLayout
     overlays: list[Overlay]
-    extra_kwargs: dict[str, Any] | bytes  # bytes for a shim of 1.8 (proto/plan_trees.py)
+    extra_kwargs: bytes  # a tree (proto/plan_trees.py)
     errors: dict[str, str]
     event: int
     hook_us: float
     stacks: list[TensorRef]
     stacked_rows: int  # of its tensors, those sent as rows of a stack
 
-    def answers(self, msg: StepBegin, layout: BatchLayout | LazyLayout) -> bool:
+    def answers(self, msg: StepBegin, layout: StepLayout) -> bool:
         """Is `msg` (its `layout` resolved) the step this plan was built for, bringing nothing else?"""
         if msg.step != self.step or msg.new_requests or msg.finished or msg.preempted or msg.want_states:
             return False
@@ -55,7 +55,7 @@ class PlanAhead:
                 and layout.prefill_lens == want.prefill_lens)
 
 
-def next_decode_layout(layout: BatchLayout | LazyLayout) -> BatchLayout | None:
+def next_decode_layout(layout: StepLayout) -> StepLayout | None:
     """The batch a steady decode step brings after `layout`: the same requests in the same rows,
     one decode row each, each one token further. None unless every request of `layout` had one
     decode row (a prefill chunk, several rows or input ids to know make the next batch unknown)."""
@@ -69,7 +69,7 @@ def next_decode_layout(layout: BatchLayout | LazyLayout) -> BatchLayout | None:
     computed, prefill = layout.num_computed_tokens, layout.prefill_lens
     if any(c < p for c, p in zip(computed, prefill)):  # a row before its prefill end: a prefill row
         return None
-    return BatchLayout(list(req_ids), list(qsl), [c + 1 for c in computed], list(prefill))
+    return StepLayout(list(req_ids), list(qsl), [c + 1 for c in computed], list(prefill))
 
 
 class PlansAhead:
@@ -79,12 +79,12 @@ class PlansAhead:
         self._build = build
         self._arenas = arenas
         self._requests = requests  # the session's live requests (the dict itself)
-        self._ended: tuple[int, BatchLayout | LazyLayout] | None = None
+        self._ended: tuple[int, StepLayout] | None = None
         self._plan: PlanAhead | None = None
         self.built = 0
         self.used = 0
 
-    def note_ended(self, step: int, layout: BatchLayout | LazyLayout) -> None:
+    def note_ended(self, step: int, layout: StepLayout) -> None:
         self._ended = (step, layout)
 
     def drop(self) -> None:
@@ -114,7 +114,7 @@ class PlansAhead:
                                stacks, rows)
         self.built += 1
 
-    def take(self, msg: StepBegin, layout: BatchLayout | LazyLayout) -> PlanAhead | None:
+    def take(self, msg: StepBegin, layout: StepLayout) -> PlanAhead | None:
         """The plan built for this StepBegin, if it is the one predicted; either way none is kept."""
         plan, self._plan = self._plan, None
         if plan is None or not plan.answers(msg, layout):

@@ -15,7 +15,7 @@ from typing import Iterable
 
 import torch
 
-from proto.messages import BatchLayout
+from proto.packed import StepLayout
 
 
 class SeenPositions:
@@ -38,13 +38,13 @@ class SeenPositions:
         self._merge_rows()
         return self._upto
 
-    def fresh_rows(self, layout: BatchLayout, hidden: torch.Tensor | None
-                   ) -> tuple[BatchLayout, torch.Tensor | None]:
+    def fresh_rows(self, layout: StepLayout, hidden: torch.Tensor | None
+                   ) -> tuple[StepLayout, torch.Tensor | None]:
         """The step's layout and hidden states without rows seen before (usually unchanged)."""
         fresh, rows = self.fresh_layout(layout)
         return fresh, take_rows(hidden, rows)
 
-    def fresh_layout(self, layout: BatchLayout) -> tuple[BatchLayout, list[tuple[int, int]] | None]:
+    def fresh_layout(self, layout: StepLayout) -> tuple[StepLayout, list[tuple[int, int]] | None]:
         """The step's layout without rows seen before, and the row ranges kept (None: all)."""
         ids = layout.req_ids or []
         qsl, computed = layout.query_start_loc, layout.num_computed_tokens
@@ -60,7 +60,7 @@ class SeenPositions:
         self._row_ids, self._row_ends = ids, [upto[r] for r in ids]
         return fresh, rows
 
-    def _fresh_by_row(self, layout: BatchLayout) -> tuple[BatchLayout, list[tuple[int, int]] | None]:
+    def _fresh_by_row(self, layout: StepLayout) -> tuple[StepLayout, list[tuple[int, int]] | None]:
         """Row by row: a step whose rows changed, or in which some request replays."""
         qsl, computed = layout.query_start_loc, layout.num_computed_tokens
         upto = self._upto
@@ -87,7 +87,7 @@ class SeenPositions:
             return layout, None
         ids = layout.input_ids
         fresh_ids = [t for a, b in rows for t in ids[a:b]] if ids is not None else None
-        return BatchLayout(req_ids, starts, fresh_computed, prefill_lens, fresh_ids), rows
+        return StepLayout(req_ids, starts, fresh_computed, prefill_lens, fresh_ids), rows
 
     def _merge_rows(self) -> None:
         if self._row_ids is not None:

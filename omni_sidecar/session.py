@@ -26,7 +26,6 @@ from proto.messages import (
     ModelHooks,
     NewRequest,
     Overlay,
-    PackedLayout,
     RequestError,
     SessionStatus,
     StepBegin,
@@ -35,8 +34,10 @@ from proto.messages import (
     StepResult,
     StepTick,
 )
-from proto.packed import LazyLayout
+from proto.packed import StepLayout
+from proto.plan_trees import decode_tree
 from proto.settings import ERROR_TEXT_MAX
+
 
 class Session:
     def __init__(
@@ -64,13 +65,13 @@ class Session:
         self.latency = LatencyWindow()
         self._client_ids: dict[str, str] = {}  # the client's id -> vLLM's, while they differ
         self._begin_us = 0.0
-        self._last_layout: BatchLayout | LazyLayout | None = None
+        self._last_layout: StepLayout | None = None
         self.seen = SeenPositions()  # hooks see each position once, also across preemption
         self.model_hooks: ModelHooks | None = None  # what the served model carries (told with want_states)
         self._prev_req_ids: list[str] | None = None
         self.appends = AppendQueue(self)  # streamed payloads, applied between steps
         self._late_errors: dict[str, str] = {}  # from work between steps: sent with the next answer
-        self.stacked_rows = 0  # tensors the plans sent as rows of stacks (1.7; not those used whole, 1.8)
+        self.stacked_rows = 0  # tensors the plans sent as rows of stacks (not those used whole)
         # The next steady decode step's plan, built while the shim schedules it: hooks with pure plans
         # that the shim asks for every step (`pre_forward="always"`: else no StepBegin would take it).
         plans_ahead = getattr(hooks, "plans_ahead", False) and hooks.needs.pre_forward == "always"
@@ -143,7 +144,7 @@ class Session:
         errors: dict[str, str] = {}
         self.appends.step_began()
         self._admit(msg.new_requests, msg.finished, msg.preempted, errors)
-        layout = self._begin_layout(msg)
+        layout = self._layout(msg.batch)
         self._last_layout = layout
         ahead = self.ahead.take(msg, layout) if self.ahead is not None else None
         if ahead is not None:  # built while the shim scheduled this step
@@ -153,7 +154,7 @@ class Session:
             return StepPlan(step=msg.step, overlays=ahead.overlays, extra_kwargs=ahead.extra_kwargs,
                             errors=self._report(errors) if errors else [], event=ahead.event, stacks=ahead.stacks)
         batch = StepBatch(msg.step, layout, self.requests)
-        states: dict[str, Any] = {}
+        states = b""
         out = self.arenas.out
         if out is not None:
             out.reset()
@@ -161,7 +162,7 @@ class Session:
             self.model_hooks = msg.model_hooks
         if msg.want_states:
             with collect_hook_errors(errors, None, "model_states", list(msg.want_states)):
-                states = self.arenas.encode_tensors(self.hooks.model_states(list(msg.want_states)))
+                states = self.arenas.encode_tree(self.hooks.model_states(list(msg.want_states)))
         overlays, extra = self._plan(batch, errors)
         event = out.seal() if out is not None else -1
         self._begin_us = (time.perf_counter() - t0) * 1e6
@@ -170,15 +171,13 @@ class Session:
         return StepPlan(step=msg.step, overlays=overlays, extra_kwargs=extra,
                         errors=self._report(errors) if errors else [], event=event, model_states=states, stacks=stacks)
 
-    def _plan(self, batch: StepBatch, errors: dict[str, str]) -> tuple[list[Overlay], dict[str, Any]]:
-        """The pre-forward hooks' overlays and extra kwargs, their tensors in the arena."""
+    def _plan(self, batch: StepBatch, errors: dict[str, str]) -> tuple[list[Overlay], bytes]:
+        """The pre-forward hooks' overlays and extra kwargs' tree, their tensors in the arena."""
         overlays: list[Overlay] = []
-        extra: dict[str, Any] = {}
+        extra = b""
         try:
             overlays = self.arenas.write_overlays(self.hooks.prepare_prefill_embeds(batch))
-            extra = self.hooks.build_extra_kwargs(batch)
-            if extra:
-                extra = self.arenas.encode_tensors(extra)
+            extra = self.arenas.encode_tree(self.hooks.build_extra_kwargs(batch))
         except Exception as exc:  # a hook bug never escapes (what `_collect` does, without its frames)
             absorb_hook_error(errors, exc, "pre-forward hooks", batch.req_ids)
         return overlays, extra
@@ -207,18 +206,6 @@ class Session:
         if self.ahead is not None:
             self.ahead.drop()
 
-    def _begin_layout(self, msg: StepBegin) -> BatchLayout | LazyLayout:
-        """The StepBegin's layout, request ids filled in and list lengths checked (ValueError)."""
-        if msg.packed is not None:
-            if msg.batch is not None:
-                raise ValueError("StepBegin carries both a batch layout and a packed one")
-            return self._lazy_layout(msg.packed)
-        if msg.batch is None:
-            raise ValueError("StepBegin carries no batch layout")
-        layout = self._resolve_layout(msg.batch)
-        self._batch(msg.step, layout)  # the length checks
-        return layout
-
     def step_end(self, msg: StepEnd) -> StepResult:
         t0 = time.perf_counter()
         errors: dict[str, str] = {}
@@ -228,17 +215,17 @@ class Session:
             if failure.client_req_id and failure.req_id not in self.requests:
                 self._client_ids.setdefault(failure.client_req_id, failure.req_id)
         self._admit(msg.new_requests, [], msg.preempted, errors)
-        layout = self._step_end_layout(msg)
+        # The layout a StepEnd carries, else its StepBegin's.
+        layout = self._layout(msg.batch) if msg.batch is not None else self._last_layout
         if msg.model_updates or msg.model_outputs:
-            with collect_hook_errors(errors, None, "on_model_results", [*msg.model_updates, *msg.model_outputs]):
-                self.hooks.on_model_results(*self.arenas.model_results(msg))
+            self._model_results(msg, errors)
         if msg.num_tokens and layout is not None:
             self.steps += 1
             self.scheduled_tokens += msg.num_tokens
-            whole = self._batch(msg.step, layout)
+            whole = StepBatch(msg.step, layout, self.requests)
             with collect_hook_errors(errors, whole, "process_model_output"):
                 fresh, rows = self.seen.fresh_layout(layout)
-                batch = whole if fresh is layout else self._batch(msg.step, fresh)  # steady: nothing seen before
+                batch = whole if fresh is layout else StepBatch(msg.step, fresh, self.requests)  # steady: nothing seen before
                 batch.hidden_layers = {n: take_rows(t, rows) for n, t in self.arenas.hidden_layers(msg).items()}
                 self.hooks.process_model_output(batch, take_rows(self.arenas.hidden(msg), rows))
         self.arenas.release_slot(msg)
@@ -254,6 +241,18 @@ class Session:
         if self.ahead is not None and msg.num_tokens and layout is not None and not errors:
             self.ahead.note_ended(msg.step, layout)  # what the next step's plan is predicted from (after them)
         return StepResult(step=msg.step, errors=result_errors, hook_us=hook_us)
+
+    def _model_results(self, msg: StepEnd, errors: dict[str, str]) -> None:
+        """The model's updates and outputs to the hooks. A bad tensor in them fails the requests the
+        trees name; trees that are not even msgpack fail the message (ValueError)."""
+        try:
+            updates, outputs = self.arenas.model_results(msg)
+        except Exception as exc:  # a TreeError; a ref's ArenaError, TensorRefError or dtype
+            named = [*decode_tree(msg.model_updates), *decode_tree(msg.model_outputs)]  # DecodeError: refused
+            absorb_hook_error(errors, exc, "the model's results", named)
+            return
+        with collect_hook_errors(errors, None, "on_model_results", [*updates, *outputs]):
+            self.hooks.on_model_results(updates, outputs)
 
     def step_tick(self, msg: StepTick) -> None:
         """A step that brought nothing new to hooks that read no per-step layout: no hook runs;
@@ -349,38 +348,15 @@ class Session:
             self.finished_store.fail(req_id, message[:ERROR_TEXT_MAX], client_of.get(req_id, ""))
         self._count_errors(len(failed))
 
-    def _step_end_layout(self, msg: StepEnd) -> BatchLayout | None:
-        """The layout a StepEnd carries (lists, or packed from a shim of 1.6), else its StepBegin's."""
-        if msg.packed is not None:
-            if msg.batch is not None:
-                raise ValueError("a StepEnd carries its layout twice (batch and packed)")
-            # Lists at once: the replay record and the hooks' row math read every column anyway.
-            return self._lazy_layout(msg.packed).materialize()
-        return self._resolve_layout(msg.batch) if msg.batch is not None else self._last_layout
-
-    def _lazy_layout(self, packed: PackedLayout) -> LazyLayout:
-        """A packed layout (1.6), request ids filled in, array lengths checked (LayoutError, a ValueError)."""
-        req_ids = packed.req_ids if packed.req_ids is not None else self._prev_req_ids
+    def _layout(self, batch: BatchLayout) -> StepLayout:
+        """A message's layout as hooks read it: request ids it omits (they equal the previous
+        layout's) filled in, array lengths checked (LayoutError, a ValueError)."""
+        req_ids = batch.req_ids if batch.req_ids is not None else self._prev_req_ids
         if req_ids is None:
             raise ValueError("batch layout omits req_ids but no earlier layout named them")
-        layout = LazyLayout(req_ids, packed)
+        layout = StepLayout.unpacking(req_ids, batch)
         self._prev_req_ids = req_ids
         return layout
-
-    def _resolve_layout(self, layout: BatchLayout) -> BatchLayout:
-        """Fill in `req_ids` omitted because they equal the previous layout's."""
-        if layout.req_ids is None:
-            if self._prev_req_ids is None:
-                raise ValueError("batch layout omits req_ids but no earlier layout named them")
-            return msgspec.structs.replace(layout, req_ids=self._prev_req_ids)
-        self._prev_req_ids = layout.req_ids
-        return layout
-
-    def _batch(self, step: int, layout: BatchLayout) -> StepBatch:
-        n = len(layout.req_ids)
-        if not (len(layout.query_start_loc) == n + 1 and len(layout.num_computed_tokens) == n == len(layout.prefill_lens)):
-            raise ValueError("batch layout lists have inconsistent lengths")
-        return StepBatch(step, layout, self.requests)
 
     def status(self) -> SessionStatus:
         p50, p99 = self.latency.summary()

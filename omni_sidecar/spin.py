@@ -1,4 +1,4 @@
-"""How long the sidecar keeps polling its rings after the last message before it sleeps (issue #15).
+"""How long the sidecar keeps polling its rings after the last message before it sleeps.
 
 A sleeping sidecar costs the shim on its critical path: a kick (a socket send) with each step
 message and a kernel wake-up before every plan comes back. A fixed window shorter than a step's

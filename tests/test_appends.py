@@ -17,6 +17,8 @@ from omni_sidecar.store import FinishedEntry, FinishedOutputs
 from proto.codec import Codec
 from proto.messages import (AppendPayload, AppendReply, BatchLayout, ErrorReply, Hello, ModelHooks, NewRequest,
                             StepBegin, StepEnd)
+from proto.packed import packed_layout
+from proto.version import PROTOCOL_MAJOR
 
 
 class Recording(OmniStateHooks):
@@ -43,14 +45,14 @@ def _payload(start: int, rows: int, tag: str) -> bytes:
 
 def _session(hooks) -> tuple[Session, FinishedOutputs]:
     store = FinishedOutputs(10)
-    hello = Hello(1, 3, "test", "none", "cpu", 0, 1, "m", 8, "float32", 8, [])
+    hello = Hello(PROTOCOL_MAJOR, 0, "test", "none", "cpu", 0, 1, "m", 8, "float32", 8, [])
     return Session(1, hello, hooks, store, SidecarMetrics()), store
 
 
 def _layout(step: int, req_ids=("r", "o")) -> BatchLayout:
     """One row per request, position `step` (each position reaches the hooks once: omni_sidecar/replays.py)."""
     n = len(req_ids)
-    return BatchLayout(list(req_ids), list(range(n + 1)), [step] * n, [1] * n)
+    return packed_layout(list(req_ids), list(range(n + 1)), [step] * n, [1] * n)
 
 
 def _step(session: Session, step: int, **kw) -> None:

@@ -12,8 +12,10 @@ from torch import nn
 from omni_sidecar.omni.keys import HIDDEN, LAYER_PREFIX, unflatten
 from omni_sidecar.omni.wire import encode_additional_information
 from proto.arena import ShmArena
-from proto.messages import BatchLayout, Hello, HookNeeds, NewRequest, StepEnd, StepResult, Welcome
+from proto.messages import Hello, HookNeeds, NewRequest, StepEnd, StepResult, Welcome
+from proto.packed import packed_layout
 from proto.tensors import TensorRef
+from proto.version import PROTOCOL_MAJOR
 from tests.support.procs import SidecarProcess
 from tests.support.vllm_omni_payload import as_its_wire, vllm_omni_payload_code
 from tests.test_sidecar import Peer
@@ -178,11 +180,11 @@ def test_layers_over_the_wire_assemble_per_request_for_vllm_omni(tmp_path, its):
     arena = ShmArena.create(1 << 16)
     peer = Peer(proc.endpoint)
     try:
-        welcome = peer.call(Hello(1, 0, "test", "none", "cpu", 0, 1, "m", H, "float32", 16, [arena.info()]))
+        welcome = peer.call(Hello(PROTOCOL_MAJOR, 0, "test", "none", "cpu", 0, 1, "m", H, "float32", 16, [arena.info()]))
         assert isinstance(welcome, Welcome) and welcome.needs.hidden_layers == [0, 2]
         new = [NewRequest("a", 3, [1, 2, 3]), NewRequest("b", 2, [4, 5])]
-        steps = [(BatchLayout(["a", "b"], [0, 3, 5], [0, 0], [3, 2]), new),
-                 (BatchLayout(["a", "b"], [0, 1, 2], [3, 2], [3, 2]), [])]
+        steps = [(packed_layout(["a", "b"], [0, 3, 5], [0, 0], [3, 2]), new),
+                 (packed_layout(["a", "b"], [0, 1, 2], [3, 2], [3, 2]), [])]
         sent: dict[int, list[torch.Tensor]] = {0: [], 2: []}
         for step, (layout, reqs) in enumerate(steps):
             n = layout.query_start_loc[-1]
@@ -207,7 +209,7 @@ def test_layers_over_the_wire_assemble_per_request_for_vllm_omni(tmp_path, its):
                 assert torch.equal(got["hidden_states"]["layers"][index], want)
         # A layer the hooks did not ask for fails the step's requests, and the sidecar serves on.
         ref = TensorRef(0, 0, 4 * H, [1, H], "float32")
-        bad = peer.call(StepEnd(2, BatchLayout(["a"], [0, 1], [4], [3]), hidden=ref, hidden_layers={1: ref},
+        bad = peer.call(StepEnd(2, packed_layout(["a"], [0, 1], [4], [3]), hidden=ref, hidden_layers={1: ref},
                                 num_tokens=1))
         assert [e.req_id for e in bad.errors] == ["a"] and "hidden layers [1]" in bad.errors[0].message
     finally:

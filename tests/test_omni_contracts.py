@@ -18,7 +18,7 @@ from omni_sidecar.omni.wire import (
     encode_additional_information,
     encode_tensor_spec,
 )
-from proto.messages import BatchLayout
+from proto.packed import StepLayout
 
 
 # -- dotted keys -------------------------------------------------------------------
@@ -237,7 +237,7 @@ def test_accumulation_concatenates_2d_and_keeps_latest_low_dim():
 
 
 def _batch(step, req_ids, qsl, computed, prefill_lens):
-    return StepBatch(step, BatchLayout(req_ids, qsl, computed, prefill_lens), [])
+    return StepBatch(step, StepLayout(req_ids, qsl, computed, prefill_lens), [])
 
 
 def test_preempted_request_keeps_state_finished_frees_it():

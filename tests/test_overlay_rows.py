@@ -11,6 +11,7 @@ from omni_sidecar.arenas import OutArena, SessionArenas
 from omni_sidecar.metrics import SidecarMetrics
 from proto.arena import ALIGN, ShmArena
 from proto.messages import Hello
+from proto.version import PROTOCOL_MAJOR
 from tests.support.arenas import DeviceLikeArena
 
 
@@ -50,7 +51,7 @@ def test_rows_go_back_to_back_in_one_write_and_read_back_as_sent(kind):
 
 
 def _session_arenas(arena) -> SessionArenas:
-    hello = Hello(1, 8, "test", "none", "cpu", 0, 1, "m", 8, "bfloat16", 64, [])
+    hello = Hello(PROTOCOL_MAJOR, 0, "test", "none", "cpu", 0, 1, "m", 8, "bfloat16", 64, [])
     arenas = SessionArenas(1, hello, SidecarMetrics())
     arenas.out = OutArena(arena)
     return arenas

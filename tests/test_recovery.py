@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from proto.messages import HookNeeds, RequestError, StepEnd, StepResult, SwitchAck, SwitchReady
-from worker_shim.session import recovery
+from worker_shim.session.requests import recovery
 from worker_shim.errors import SidecarError
 from worker_shim.step.link import SidecarLink
 
@@ -397,10 +397,11 @@ def test_a_plan_dropped_after_an_upstream_error_still_reports_its_requests_error
 
 
 def test_a_plan_for_another_step_is_refused():
-    from proto.messages import BatchLayout, StepBegin, StepPlan
+    from proto.messages import StepBegin, StepPlan
+    from proto.packed import packed_layout
     from worker_shim.wire.connection import _plan_of
 
-    ask = StepBegin(step=5, batch=BatchLayout(["a"], [0, 1], [3], [3]))
+    ask = StepBegin(step=5, batch=packed_layout(["a"], [0, 1], [3], [3]))
     assert _plan_of(ask, StepPlan(step=5)).step == 5
     with pytest.raises(SidecarError, match="answered step 5 with the plan of step 4"):
         _plan_of(ask, StepPlan(step=4))

@@ -103,7 +103,7 @@ def sidecar(tmp_path, request):
 
 @pytest.mark.parametrize("sidecar", ["passthrough"], indirect=True)
 def test_a_pass_through_step_sends_one_fixed_size_record_and_wakes_nobody(sidecar, monkeypatch):
-    from worker_shim.session import recovery
+    from worker_shim.session.requests import recovery
 
     monkeypatch.setattr(recovery, "STEP_START_ANSWER_S", 3600.0)  # a stalled test host asks no answers here
     shim = RecordedLink(sidecar.endpoint)
