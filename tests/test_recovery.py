@@ -14,14 +14,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from proto.messages import HookNeeds, RequestError, StepEnd, StepResult, SwitchAck, SwitchReady
-from worker_shim.session.requests import recovery
+from proto.messages import HookNeeds, RequestError, StepEnd, StepResult, StepTick, SwitchAck, SwitchReady
+from worker_shim.session import recovery
 from worker_shim.errors import SidecarError
 from worker_shim.step.link import SidecarLink
 
 
 class FakeConnection:
-    """What the link and recovery use of a SidecarConnection, with no socket behind it."""
+    """A RecoveryPort (worker_shim/step/port.py) with no socket behind it."""
 
     def __init__(self, endpoint: str = "ipc:///nonexistent/omni-test.sock", ready: bool = True,
                  ack: SwitchAck | None = None, needs: HookNeeds | None = None) -> None:
@@ -36,7 +36,6 @@ class FakeConnection:
         self.ack = ack
         self.switch_ack: SwitchAck | None = None  # kept by the channel when sent unsolicited
         self.mirror_seq = 0
-        self.packs_layouts = False  # a sidecar before 1.6: layouts as lists
         self.gone = False
         self.closed = False
         self.hello_sent = False
@@ -81,13 +80,9 @@ class FakeConnection:
         if isinstance(msg, StepEnd):
             self.last_sent_step = self.last_answered_step = msg.step
             self.step_open = False
-
-    def send_tick(self, tick) -> None:
-        if self.fail_send is not None:
-            raise self.fail_send
-        self.sent.append(tick)
-        self.last_sent_step = tick.step
-        self.step_open = False
+        elif isinstance(msg, StepTick):
+            self.last_sent_step = msg.step
+            self.step_open = False
 
     def poll_results(self) -> list[StepResult]:
         return self.take_results()
@@ -104,7 +99,7 @@ class FakeConnection:
     def step_plan(self, msg):
         return self.call(msg, None)
 
-    def ask_plan(self, msg) -> None:  # the early StepBegin (worker_shim/step/plan_ask.py)
+    def ask_plan(self, msg) -> None:  # the early StepBegin (SidecarLink.ask_early)
         if self.fail_send is not None:
             raise self.fail_send
         self.calls.append(msg)
@@ -127,11 +122,8 @@ class FakeConnection:
         out, self.results = self.results, []
         return out
 
-    def open_counts(self) -> dict:
-        return {}
-
-    def ring_counts(self) -> dict:
-        return {}
+    def stats(self) -> dict:
+        return {"arena_kind": self.arena_kind, "arena_opens": {}, "ring_counts": {}}
 
     def close(self) -> None:
         self.closed = True

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from proto.arena import ShmArena
+from proto.packed import unpack_u32
 from proto.messages import HookNeeds, Overlay, RequestError, StepBegin, StepEnd, StepPlan, StepResult
-from proto.tensors import TENSOR_MARKER, TensorRef
+from proto.plan_trees import encode_tree, whole_mark
+from proto.tensors import TensorRef
 from tests.test_recovery import FakeConnection, request, step_state
 from worker_shim.step.batch import PayloadTracker, batch_layout, new_request
 from worker_shim.errors import SidecarError
@@ -68,7 +70,7 @@ def test_exchange_decision_follows_needs_and_payloads():
 def test_layout_names_requests_only_when_their_order_changed():
     b = batch(["a", "b"], [0, 5], [4, 5])
     first = batch_layout(b, None)
-    assert first.req_ids == ["a", "b"] and first.prefill_lens == [4, 5]
+    assert first.req_ids == ["a", "b"] and unpack_u32(first.prefill_lens) == [4, 5]
     assert batch_layout(b, ["a", "b"]).req_ids is None
 
 
@@ -76,7 +78,7 @@ def test_layout_carries_input_ids_only_when_the_hooks_ask():
     b = batch(["a", "b"], [0, 5], [4, 5])
     b.input_ids = torch.tensor([11, 12, 99])  # b's decode row: the token sampled by the step before
     assert batch_layout(b, None).input_ids is None
-    assert batch_layout(b, None, with_input_ids=True).input_ids == [11, 12]
+    assert unpack_u32(batch_layout(b, None, with_input_ids=True).input_ids) == [11, 12]
 
 
 def test_hidden_slots_wait_for_the_previous_reader_before_reuse():
@@ -137,7 +139,7 @@ def test_plan_tensors_are_read_out_of_the_sidecar_arena():
         rows.copy_(torch.arange(8, dtype=torch.float32).view(2, 4))
         ref = TensorRef(0, 0, 32, [2, 4], "float32")
         plan = StepPlan(step=0, overlays=[Overlay(row_start=1, rows=ref)],
-                        extra_kwargs={"k": [{TENSOR_MARKER: ref}, 3]})
+                        extra_kwargs=encode_tree({"k": [whole_mark(0), 3]}), stacks=[ref])
         embeds = torch.zeros(4, 4)
         ib = SimpleNamespace(num_tokens=4, num_tokens_after_padding=4)
         model = torch.nn.Linear(1, 1)
@@ -150,7 +152,7 @@ def test_plan_tensors_are_read_out_of_the_sidecar_arena():
         too_long = StepPlan(step=0, overlays=[Overlay(row_start=3, rows=ref)])
         with pytest.raises(SidecarError, match="do not fit"):
             read_plan(arena, too_long, ib, model, torch.zeros(4, 4))
-        assert read_plan(None, StepPlan(step=0, extra_kwargs={"k": 1}), ib, model, None) == {"k": 1}
+        assert read_plan(None, StepPlan(step=0, extra_kwargs=encode_tree({"k": 1})), ib, model, None) == {"k": 1}
     finally:
         arena.close()
 
@@ -212,7 +214,9 @@ def test_hook_errors_in_results_reach_the_stats():
 
 def test_per_step_timings_stay_bounded_and_keep_the_latest():
     from proto.settings import TIMINGS_KEPT
-    from worker_shim.step.step_end import record_timing
+    from worker_shim.step.link import StepCounters
+
+    record_timing = StepCounters.record_timing
 
     samples: list[float] = []
     for i in range(5 * TIMINGS_KEPT):

@@ -57,7 +57,7 @@ class HiddenSlots:
             slots.owner_step[slot] = None
         if self.arena.kind != "shm":
             self.arena.wait_done(slot)  # the sidecar's reads of this slot's previous use
-        return StepSlot(self.arena, slot, slots.offset(slot), slots.slot_size, self._views)
+        return StepSlot(self.arena, slot, slots.offset(slot), slots.slot_size, self._views, (slots, step))
 
     def write(self, step: int, hidden: torch.Tensor, wait_answered: Callable[[int], None],
               layers: dict[int, torch.Tensor] | None = None) -> tuple[TensorRef, dict[int, TensorRef], int]:
@@ -77,7 +77,7 @@ class StepSlot:
     """One step's slot, filled front to back; `seal` once everything is in."""
 
     def __init__(self, arena: Any, slot: int, start: int, size: int,
-                 views: dict[tuple, torch.Tensor] | None = None) -> None:
+                 views: dict[tuple, torch.Tensor] | None = None, owner: tuple[SlotRing, int] | None = None) -> None:
         self.arena = arena
         self.slot = slot
         self.start = start
@@ -86,6 +86,7 @@ class StepSlot:
         # A tensor put twice (state and output) is stored once; kept alive so its id stays its own.
         self._refs: dict[int, tuple[torch.Tensor, TensorRef]] = {}
         self._views = {} if views is None else views  # HiddenSlots': kept across steps
+        self._owner = owner  # (the ring of slots, the step this one is claimed for)
 
     def put(self, tensor: torch.Tensor, steady: bool = False) -> TensorRef:
         """`tensor` into the slot; `steady`: one of the tensors every step puts at the same place
@@ -166,3 +167,9 @@ class StepSlot:
     def seal(self) -> int:
         """The ready event the sidecar waits on (-1 on host memory)."""
         return -1 if self.arena.kind == "shm" else self.arena.mark_ready(self.slot)
+
+    def sent(self) -> None:
+        """The step's StepEnd is on its way: the slot is the sidecar's until that step's result."""
+        if self._owner is not None:
+            ring, step = self._owner
+            ring.owner_step[self.slot] = step

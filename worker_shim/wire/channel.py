@@ -159,8 +159,6 @@ class SidecarChannel:
         for ring in offer or ():
             ring.close()
 
-    ring_active = property(lambda self: self.rings is not None)
-
     # -- traffic -----------------------------------------------------------------
 
     def send(self, msg: Message) -> None:
