@@ -91,7 +91,7 @@ class SidecarClientBench:
         from omni_sidecar.client import wait_ready
         from proto.arena import ShmArena
         from proto.messages import Hello
-        from worker_shim.channel import SidecarChannel
+        from worker_shim.wire.channel import SidecarChannel
         from worker_shim.config import RingConfig
 
         endpoint = f"ipc://{run_dir}/sidecar-{num_reqs}-{'ring' if ring else 'zmq'}.sock"
@@ -107,7 +107,7 @@ class SidecarClientBench:
         self.channel.handshake(
             Hello(1, 0, "bench", "none", "cpu", 0, 1, "bench", 128, "float32", 256, [self.arena.info()]), 30
         )
-        if ring and not self.channel.ring_active:
+        if ring and self.channel.rings is None:
             raise RuntimeError("the sidecar did not accept the shared-memory rings")
         self.channel.call(step_message(num_reqs), StepPlan)  # names the requests once
         self.msg = step_message(num_reqs, same_ids=True)

@@ -16,7 +16,7 @@ alternating blocks:
   merged one request at a time): what a model's subclass pays;
 - `1.8`: the plan for a shim of 1.8 (its trees as msgpack bytes, each tensor an extension value
   naming a stack: the shim's decoder places the tensors, no walk; proto/plan_trees.py), read as the
-  shim's connection reads it: the kwargs landed in its buffers, their views kept (worker_shim/plan_read.py).
+  shim's connection reads it: the kwargs landed in its buffers, their views kept (worker_shim/step/plan_read.py).
 Timings only: nothing here passes or fails.
 
     python -m bench.omni_step [--requests 64,256] [--hidden 2048] [--steps 600] [--write]
@@ -47,8 +47,8 @@ from proto.arena import ShmArena  # noqa: E402
 from proto.messages import BatchLayout, Hello, NewRequest, StepBegin, StepEnd, StepPlan  # noqa: E402
 from proto.tensors import TensorRef  # noqa: E402
 from proto.version import EXT_TREES_MINOR  # noqa: E402
-from worker_shim.plan_read import PlanLanding  # noqa: E402
-from worker_shim.transfer import read_plan  # noqa: E402
+from worker_shim.step.plan_read import PlanLanding  # noqa: E402
+from worker_shim.step.plan_read import read_plan  # noqa: E402
 
 PHASES = ("end", "plan", "settle", "shim_read")
 MODEL = torch.nn.Linear(1, 1)  # what the shim reads the plan for: its device (the host)

@@ -125,8 +125,8 @@ class ShimUnderTest:
 
     def _link(self, run_dir: Path, name: str, hooks: str):
         from worker_shim.config import RingConfig
-        from worker_shim.connection import SidecarConnection
-        from worker_shim.link import SidecarLink
+        from worker_shim.wire.connection import SidecarConnection
+        from worker_shim.step.link import SidecarLink
 
         endpoint = f"ipc://{run_dir}/{name}.sock"
         self.sidecar = _start_sidecar(endpoint, hooks, SIDECAR_ARGS.get(name))
@@ -193,7 +193,7 @@ class InProcessUnderTest(ShimUnderTest):
         from bench.inproc import InProcessConnection
         from omni_sidecar.hook_api.loader import load_hooks
         from omni_sidecar.sessions.store import FinishedOutputs
-        from worker_shim.link import SidecarLink
+        from worker_shim.step.link import SidecarLink
 
         def no_reconnect(**_: object) -> None:
             raise RuntimeError("nothing to reconnect to")

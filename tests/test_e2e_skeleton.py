@@ -55,7 +55,7 @@ def test_passthrough_is_token_identical_and_sidecar_sees_everything(tiny_model, 
     finally:
         sidecar.stop()
     log = open(res["log_path"]).read()
-    assert "omni-sidecar shim" in log  # written only after the shim worker's V2 check (worker_shim/worker.py)
+    assert "omni-sidecar shim" in log  # written only after the shim worker's V2 check (worker_shim/upstream/worker.py)
     if mp == 0:
         assert res["runner_v2"] == [True]
 

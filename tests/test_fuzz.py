@@ -189,7 +189,7 @@ def test_mutated_trees_decode_or_fail_as_tree_errors_only():
 
 
 def test_100k_mutated_replies_at_the_shims_channel(tmp_path):
-    from worker_shim.channel import SidecarChannel, SidecarError
+    from worker_shim.wire.channel import SidecarChannel, SidecarError
 
     endpoint = f"ipc://{tmp_path}/fake.sock"
     server, rng, good, replies = _fake_sidecar(endpoint, 99)
@@ -367,7 +367,7 @@ def test_100k_mutated_ring_frames_and_garbage_rings_at_a_live_sidecar(sidecar):
 
 def test_100k_mutated_ring_replies_at_the_shims_channel(tmp_path):
     from proto.shmring import EMPTY, RingDuplex, ShmRing
-    from worker_shim.channel import SidecarChannel, SidecarError
+    from worker_shim.wire.channel import SidecarChannel, SidecarError
     from worker_shim.config import RingConfig
 
     endpoint = f"ipc://{tmp_path}/fake-ring.sock"
@@ -379,8 +379,8 @@ def test_100k_mutated_ring_replies_at_the_shims_channel(tmp_path):
     ident, frame = server.recv_multipart()
     offered = CODEC.decode(frame).rings
     duplex = RingDuplex(tx=ShmRing.attach(offered[1]), rx=ShmRing.attach(offered[0]))
-    server.send_multipart([ident, CODEC.encode(Welcome(1, 0, "x", "y", HookNeeds(), 1, rings=True))])
-    assert channel.poll_welcome(hello, 5000) is not None and channel.ring_active
+    server.send_multipart([ident, CODEC.encode(Welcome(PROTOCOL_MAJOR, 0, "x", "y", HookNeeds(), 1, rings=True))])
+    assert channel.poll_welcome(hello, 5000) is not None and (channel.rings is not None)
     stop = threading.Event()
     mode = {"fuzz": True}
 

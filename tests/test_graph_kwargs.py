@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from proto.messages import HookNeeds
-from worker_shim import worker as worker_mod
-from worker_shim.batch import PayloadTracker
-from worker_shim.channel import SidecarError
-from worker_shim.compat import full_cuda_graphs, welcome_refusal
+from worker_shim.upstream import worker as worker_mod
+from worker_shim.step.batch import PayloadTracker
+from worker_shim.errors import SidecarError
+from worker_shim.upstream.compat import full_cuda_graphs, welcome_refusal
 
 CUDAGraphMode = pytest.importorskip("vllm.config").CUDAGraphMode
 

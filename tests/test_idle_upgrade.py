@@ -298,8 +298,8 @@ def test_upgrades_at_random_moments_lose_no_step_of_a_real_shim_link(tmp_path, h
     # them asked early (the StepBegin sent before pre_forward takes the plan).
     from omni_sidecar.client import SidecarClient
     from worker_shim.config import RingConfig
-    from worker_shim.connection import SidecarConnection
-    from worker_shim.link import SidecarLink
+    from worker_shim.wire.connection import SidecarConnection
+    from worker_shim.step.link import SidecarLink
 
     endpoint = f"ipc://{tmp_path}/sc.sock"
     first = SidecarProcess(endpoint, hooks, tmp_path / "first.log", extra_args=["--warm-spare"])
@@ -367,8 +367,8 @@ def test_the_first_request_after_a_sidecar_came_back_is_served(tmp_path):
     # The request that arrives next must reach the new sidecar, not be failed as "no omni-sidecar
     # was connected" (vLLM adds requests before the step that would reconnect).
     from worker_shim.config import RingConfig
-    from worker_shim.connection import SidecarConnection
-    from worker_shim.link import SidecarLink
+    from worker_shim.wire.connection import SidecarConnection
+    from worker_shim.step.link import SidecarLink
 
     endpoint = f"ipc://{tmp_path}/sc.sock"
     first = SidecarProcess(endpoint, "passthrough", tmp_path / "first.log")

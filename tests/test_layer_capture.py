@@ -19,10 +19,10 @@ from proto.version import PROTOCOL_MAJOR
 from tests.support.procs import SidecarProcess
 from tests.support.vllm_omni_payload import as_its_wire, vllm_omni_payload_code
 from tests.test_sidecar import Peer
-from worker_shim.channel import SidecarError
-from worker_shim.embeds import EmbedsBuffer, embeds_width, wanted
-from worker_shim.layers import LayerCapture
-from worker_shim.transfer import HiddenSlots
+from worker_shim.errors import SidecarError
+from worker_shim.model.embeds import EmbedsBuffer, embeds_width, wanted
+from worker_shim.model.layers import LayerCapture
+from worker_shim.step.slots import HiddenSlots
 
 H = 8
 
@@ -120,7 +120,7 @@ def test_embeds_come_from_upstream_where_it_builds_them_and_have_its_width():
 
 
 def test_overlays_go_into_the_embeds_upstream_merged_and_positions_pass_through():
-    from worker_shim.runner import SidecarModelStateMixin, swap_class
+    from worker_shim.upstream.runner import SidecarModelStateMixin, swap_class
 
     class UpstreamState:  # V2's model state: merged embeds (encoder rows in), M-RoPE positions
         def __init__(self) -> None:
@@ -228,7 +228,7 @@ def test_hook_needs_name_layers_as_ints():
 
 
 def test_graphs_with_capture_hooks_get_their_own_compile_cache_key():
-    from worker_shim.embeds import GRAPH_KEY, LAYERS_GRAPH_KEY, mark_compiled_graph
+    from worker_shim.model.embeds import GRAPH_KEY, LAYERS_GRAPH_KEY, mark_compiled_graph
 
     cfg = SimpleNamespace(additional_config={})
     mark_compiled_graph(cfg, LAYERS_GRAPH_KEY, [0, 24])

@@ -24,8 +24,8 @@ from omni_sidecar.serve.metrics import SidecarMetrics
 from omni_sidecar.sessions.session import Session
 from omni_sidecar.sessions.store import FinishedOutputs
 from tests.test_recovery import FakeConnection
-from worker_shim.link import SidecarLink
-from worker_shim.state_mirror import StateMirror
+from worker_shim.step.link import SidecarLink
+from worker_shim.model.state_mirror import StateMirror
 
 
 def _entries(update: MirrorUpdate) -> dict:

@@ -26,10 +26,10 @@ from proto.plan_trees import decode_tree, encode_tree, whole_mark
 from proto.tensors import TensorRef
 from proto.version import PROTOCOL_MAJOR
 from tests.test_recovery import FakeConnection, request
-from worker_shim.link import SidecarLink
-from worker_shim.model_hooks import ModelBridge, find_model_hooks, per_request, unwrap_forward_output
-from worker_shim.state_mirror import StateMirror
-from worker_shim.transfer import HiddenSlots
+from worker_shim.step.link import SidecarLink
+from worker_shim.model.bridge import ModelBridge, find_model_hooks, per_request, unwrap_forward_output
+from worker_shim.model.state_mirror import StateMirror
+from worker_shim.step.slots import HiddenSlots
 
 H, Q = 4, 3
 
@@ -330,8 +330,8 @@ def test_requests_without_a_served_state_run_without_the_hooks():
 def test_requests_vllm_adds_during_its_warm_up_reach_no_hook_and_ask_no_state():
     """vLLM 0.26's V2 warm-up (`warmup_kernels`) adds `_warmup_{i}_` requests inside the worker's
     compile_or_warm_up_model; other releases use other ids. Marked by the phase, not the names."""
-    from worker_shim.runner import SidecarRunnerMixin, swap_class
-    from worker_shim.worker import ShimWorkerMixin
+    from worker_shim.upstream.runner import SidecarRunnerMixin, swap_class
+    from worker_shim.upstream.worker import ShimWorkerMixin
 
     model = FakeTalker()
     bridge = ModelBridge(model, find_model_hooks(model))

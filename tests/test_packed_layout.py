@@ -18,7 +18,7 @@ from proto.messages import MAX_BATCH, BatchLayout, ErrorReply, HookNeeds, NewReq
 from proto.packed import LayoutError, StepLayout, pack_u32, packed_layout, unpack_u32
 from tests.support.procs import SidecarProcess
 from tests.test_sidecar import Peer, _hello
-from worker_shim.batch import packed_batch_layout
+from worker_shim.step.batch import batch_layout
 
 
 H = 8
@@ -81,9 +81,9 @@ def test_session_reads_packed_layouts_as_lists():
         plan = session.step_begin(StepBegin(step, packed_layout(ids, qsl, computed, prefill)))
         assert plan.errors == []
     assert hooks.seen == [  # ids omitted: the previous ones
-        (["a", "b"], [0, 3, 4], [0, 7], [3, 8], [3, 1]),
-        (["a", "b"], [0, 1, 2], [3, 8], [3, 8], [0, 0]),
-        (["b"], [0, 1], [9], [8], [0]),
+        (["a", "b"], [0, 3, 4], [0, 7], [3, 8], [(0, 3, 0), (3, 1, 7)]),
+        (["a", "b"], [0, 1, 2], [3, 8], [3, 8], [(0, 0, 3), (1, 0, 8)]),
+        (["b"], [0, 1], [9], [8], [(0, 0, 9)]),
     ]
 
 
@@ -96,7 +96,7 @@ def test_session_refuses_malformed_packed_steps():
 
 
 class _FakeInputBatch:
-    """What `packed_batch_layout` reads of vLLM's InputBatch (numpy arrays longer than the batch)."""
+    """What `batch_layout` reads of vLLM's InputBatch (numpy arrays longer than the batch)."""
 
     def __init__(self) -> None:
         self.req_ids = ["x", "y"]
@@ -109,10 +109,10 @@ class _FakeInputBatch:
 
 def test_shim_packs_vllms_arrays():
     batch = _FakeInputBatch()
-    packed = packed_batch_layout(batch, None, with_input_ids=True)
+    packed = batch_layout(batch, None, with_input_ids=True)
     assert StepLayout.unpacking(packed.req_ids, packed) == StepLayout(["x", "y"], [0, 2, 3], [4, 0], [6, 3],
                                                                       [11, 12, 13])
-    assert packed_batch_layout(batch, ["x", "y"]).req_ids is None and packed.input_ids is not None
+    assert batch_layout(batch, ["x", "y"]).req_ids is None and packed.input_ids is not None
 
 
 @pytest.fixture
@@ -200,7 +200,7 @@ def test_oversized_packed_columns_are_refused_by_the_decoder_before_any_unpackin
 def test_the_link_sends_the_layout_packed():
     """The shim's StepEnd carries the batch's columns as packed arrays: the values vLLM holds."""
     from tests.test_recovery import FakeConnection, request, step_state
-    from worker_shim.link import SidecarLink
+    from worker_shim.step.link import SidecarLink
 
     conn = FakeConnection(needs=HookNeeds(step_layouts=True))
     link = SidecarLink(lambda **kw: None, conn)

@@ -104,7 +104,7 @@ def test_a_stalled_sidecar_is_detected_by_heartbeats_while_idle(tmp_path):
 
     from proto.messages import Hello
     from tests.support.procs import SidecarProcess
-    from worker_shim.channel import SidecarChannel
+    from worker_shim.wire.channel import SidecarChannel
 
     sidecar = SidecarProcess(f"ipc://{tmp_path}/hb.sock", "passthrough", tmp_path / "sidecar.log")
     channel = SidecarChannel(sidecar.endpoint, step_timeout_s=5)

@@ -37,7 +37,7 @@ from proto.shmring import (
 )
 from proto.version import PROTOCOL_MAJOR
 from tests.support.procs import SidecarProcess
-from worker_shim.channel import SidecarChannel, SidecarError
+from worker_shim.wire.channel import SidecarChannel, SidecarError
 from worker_shim.config import RingConfig
 
 CODEC = Codec()
@@ -240,8 +240,8 @@ class FakeSidecar:
         hello = CODEC.decode(frame)
         assert isinstance(hello, Hello) and len(hello.rings) == 2
         self.duplex = RingDuplex(tx=ShmRing.attach(hello.rings[1]), rx=ShmRing.attach(hello.rings[0]))
-        self.sock.send_multipart([self.ident, CODEC.encode(Welcome(1, 0, "fake", "x", HookNeeds(), 1, rings=True))])
-        assert channel.poll_welcome(HELLO, 5000) is not None and channel.ring_active
+        self.sock.send_multipart([self.ident, CODEC.encode(Welcome(PROTOCOL_MAJOR, 0, "fake", "x", HookNeeds(), 1, rings=True))])
+        assert channel.poll_welcome(HELLO, 5000) is not None and (channel.rings is not None)
         return self.duplex
 
     def next_message(self, timeout_s: float = 5.0):
@@ -398,7 +398,7 @@ def test_the_ring_wait_notices_a_dead_sidecar_before_the_step_timeout(tmp_path):
     channel = SidecarChannel(sidecar.endpoint, 60, ring=RingConfig(spin_us=0))
     try:
         channel.handshake(HELLO, 10)
-        assert channel.ring_active
+        assert channel.rings is not None
         sidecar.proc.kill()
         sidecar.proc.wait(10)
         with pytest.raises(SidecarError, match="closed the connection"):
@@ -420,7 +420,7 @@ def test_the_sidecar_answers_over_the_ring_in_order_big_frames_included(tmp_path
     channel = SidecarChannel(sidecar.endpoint, 10, ring=RingConfig(capacity_kib=64))
     try:
         welcome = channel.handshake(HELLO, 10)
-        assert welcome.rings and channel.ring_active
+        assert welcome.rings and (channel.rings is not None)
         assert _ring_names() == set()  # the sidecar mapped both rings and removed their names
         layout = packed_layout(["small", "big"], [0, 1, 2], [0, 0], [1, 1])
         plan = channel.call(StepBegin(0, layout, [NewRequest("small", 1, [1])]), StepPlan)
@@ -446,7 +446,7 @@ def test_rings_off_on_either_side_keeps_everything_on_zeromq(tmp_path, side):
     sidecar = SidecarProcess(f"ipc://{tmp_path}/z.sock", "passthrough", tmp_path / "sidecar.log", extra_args=extra)
     channel = SidecarChannel(sidecar.endpoint, 10, ring=RingConfig(enabled=side == "sidecar"))
     try:
-        assert not channel.handshake(HELLO, 10).rings and not channel.ring_active
+        assert not channel.handshake(HELLO, 10).rings and channel.rings is None
         assert _ring_names() == set()  # a declined offer leaves nothing in /dev/shm
         channel.send(StepEnd(0, packed_layout(["a"], [0, 1], [0], [1]), [NewRequest("a", 1, [1])], num_tokens=1))
         assert [r.step for r in channel.take_results(until_step=0)] == [0]

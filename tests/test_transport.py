@@ -86,7 +86,7 @@ def test_routing_table():
     layout = packed_layout(["a"], [0, 1], [0], [1])
     for msg in (StepBegin(0, layout), StepEnd(0), StepPlan(step=0), StepResult(step=0), ErrorReply("c", "m")):
         assert route(msg) == "ring"
-    for msg in (Welcome(1, 1, "v", "h", HookNeeds(), 1), Reject("no")):
+    for msg in (Welcome(PROTOCOL_MAJOR, 0, "v", "h", HookNeeds(), 1), Reject("no")):
         assert route(msg) == "socket"  # the shim reads no ring before the handshake's answer
     for msg in (Pong(1), StatusQuery(), SwitchAck("ipc:///x", "t"),
                 Hello(PROTOCOL_MAJOR, 0, "t", "none", "cpu", 0, 1, "m", 8, "float32", 8, [])):

@@ -92,8 +92,8 @@ def default_link_factory(endpoint: str, ring: bool) -> tuple[Any, Callable[[], N
     from proto.messages import Hello
     from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
 
-    conn_cls = _first("worker_shim.connection:SidecarConnection", "worker_shim.conn:SidecarConnection")
-    link_cls = _first("worker_shim.link:SidecarLink", "worker_shim.step:SidecarLink",
+    conn_cls = _first("worker_shim.wire.connection:SidecarConnection", "worker_shim.conn:SidecarConnection")
+    link_cls = _first("worker_shim.step.link:SidecarLink", "worker_shim.step:SidecarLink",
                       "worker_shim.steps:SidecarLink")
     ring_cls = _first("worker_shim.config:RingConfig", "proto.settings:RingConfig")
     hello = Hello(PROTOCOL_MAJOR, PROTOCOL_MINOR, "step-walk", "none", "cpu", 0, 1, "fake-model",

@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name == "Worker":
-        from worker_shim.worker import platform_worker_class
+        from worker_shim.upstream.worker import platform_worker_class
 
         return platform_worker_class()
     raise AttributeError(name)

@@ -12,7 +12,7 @@ import time
 from proto.endpoint import pid_namespace
 from proto.messages import Hello, NewRequest, StepEnd, StatusQuery, StatusReply
 from proto.packed import packed_layout
-from worker_shim.connection import SidecarConnection
+from worker_shim.wire.connection import SidecarConnection
 from proto.version import PROTOCOL_MAJOR
 
 

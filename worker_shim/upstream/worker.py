@@ -20,16 +20,16 @@ from proto.messages import ArenaKind, Hello
 from proto.tensors import DTYPE_ITEMSIZE
 from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from worker_shim import __version__
-from worker_shim.channel import SidecarError
-from worker_shim.connection import SidecarConnection
-from worker_shim.batch import PayloadTracker
-from worker_shim.compat import (ShimCompatError, check_upstream, upstream_request_ids_suffixed, vllm_version,
+from worker_shim.errors import SidecarError
+from worker_shim.wire.connection import SidecarConnection
+from worker_shim.step.batch import PayloadTracker
+from worker_shim.upstream.compat import (ShimCompatError, check_upstream, upstream_request_ids_suffixed, vllm_version,
                                 welcome_refusal)
 from worker_shim.config import ArenaChoice, ShimConfig
-from worker_shim.link import SidecarLink
-from worker_shim.runner import SidecarRunnerMixin, swap_class
-from worker_shim.tp import TensorParallelFollower, TensorParallelSync
-from worker_shim.transfer import hidden_arena_size
+from worker_shim.step.link import SidecarLink
+from worker_shim.upstream.runner import SidecarRunnerMixin, swap_class
+from worker_shim.step.tp import TensorParallelFollower, TensorParallelSync
+from worker_shim.step.slots import hidden_arena_size
 from omni_arena.views import dtype_name
 
 log = logging.getLogger("vllm.omni_sidecar.shim")
@@ -68,7 +68,7 @@ class ShimWorkerMixin:
 
     def compile_or_warm_up_model(self, *args: Any, **kwargs: Any) -> Any:
         """Upstream's warm-up runs real steps with requests of its own (V2 `warmup_kernels`,
-        kernel warm-ups; worker_shim/compat.py): the runner marks every request added meanwhile
+        kernel warm-ups; worker_shim/upstream/compat.py): the runner marks every request added meanwhile
         as vLLM's, so model hooks skip them, whatever their ids."""
         runner = getattr(self, "model_runner", None)
         if runner is not None:
@@ -172,7 +172,7 @@ class ShimWorkerMixin:
             stats[f"{key}_p99"] = lat[round(0.99 * (len(lat) - 1))] if lat else 0.0
             stats[f"{key}_n"] = len(lat)
         embeds = getattr(getattr(self, "model_runner", None), "omni_embeds", None)
-        stats["embeds_graph_replays"] = embeds.graph_replays if embeds is not None else 0  # worker_shim/embeds.py
+        stats["embeds_graph_replays"] = embeds.graph_replays if embeds is not None else 0  # worker_shim/model/embeds.py
         return stats
 
     def omni_sidecar_mirror_waiting(self) -> int:
@@ -197,11 +197,11 @@ def platform_worker_class() -> type:
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        from worker_shim.cpu_worker import ShimCPUWorker
+        from worker_shim.upstream.cpu_worker import ShimCPUWorker
 
         return ShimCPUWorker
     if current_platform.is_cuda_alike():
-        from worker_shim.cuda_worker import ShimCUDAWorker
+        from worker_shim.upstream.cuda_worker import ShimCUDAWorker
 
         return ShimCUDAWorker
     raise ShimCompatError(

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 
 from proto.messages import NewRequest, RequestError
 from proto.settings import ERROR_TEXT_MAX
-from worker_shim.batch import PayloadTracker
+from worker_shim.step.batch import PayloadTracker
 from worker_shim.config import LossPolicy
 
 log = logging.getLogger("vllm.omni_sidecar.shim.session")
@@ -28,6 +28,9 @@ class SessionRequests:
         self.new: list[NewRequest] = []
         self.finished: list[str] = []
         self.preempted: list[str] = []
+        # Notices taken by this step's messages: the sidecar may hand the session over before it
+        # reads them (Recovery requeues them for the successor).
+        self.taken_this_step: list[tuple[list[NewRequest], list[str], list[str]]] = []
 
     def admit(self, msg: NewRequest) -> None:
         self.live.add(msg.req_id)
@@ -46,11 +49,19 @@ class SessionRequests:
     def take_notices(self) -> tuple[list[NewRequest], list[str], list[str]]:
         notices = self.new, self.finished, self.preempted
         self.new, self.finished, self.preempted = [], [], []
+        if notices[0] or notices[1] or notices[2]:
+            self.taken_this_step.append(notices)
         return notices
 
-    def requeue(self, new: list[NewRequest], finished: list[str], preempted: list[str]) -> None:
-        """Notices taken for a message the sidecar never read (it handed the session over first)."""
-        self.new[:0], self.finished[:0], self.preempted[:0] = new, finished, preempted
+    def step_started(self) -> None:
+        self.taken_this_step.clear()
+
+    def requeue_step(self) -> None:
+        """This step's notices, taken for messages the sidecar never read (it handed the session
+        over first): back in front of the queue, in their order, for the successor."""
+        for new, finished, preempted in reversed(self.taken_this_step):
+            self.new[:0], self.finished[:0], self.preempted[:0] = new, finished, preempted
+        self.taken_this_step.clear()
 
     def end_session(self, policy: LossPolicy) -> list[str]:
         """The sidecar is gone: forget what it knew; returns the requests its loss fails.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import logging
 
-from worker_shim.channel import SidecarError
+from worker_shim.errors import SidecarError
 
 # (module, dotted attribute) pairs resolved at import time.
 UPSTREAM_NAMES: list[tuple[str, str]] = [
@@ -22,7 +22,7 @@ UPSTREAM_NAMES: list[tuple[str, str]] = [
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.sample_tokens"),
     # Returns the step's InputBatch before the attention metadata is built: the StepBegin goes then.
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.prepare_inputs"),
-    # Read at shutdown only (worker_shim/finishes.py), each with a fallback.
+    # Read at shutdown only (worker_shim/step/finishes.py), each with a fallback.
     ("vllm.v1.worker.gpu.async_utils", "AsyncOutput"),
     ("vllm.sampling_params", "SamplingParams.eos_token_id"),
     ("vllm.sampling_params", "SamplingParams.stop_token_ids"),
@@ -32,7 +32,7 @@ UPSTREAM_NAMES: list[tuple[str, str]] = [
     ("vllm.platforms", "current_platform"),
     ("vllm.distributed.parallel_state", "get_tp_group"),
     ("vllm.distributed.parallel_state", "GroupCoordinator.broadcast"),
-    # Before load: does the model class carry vllm-omni hooks (worker_shim/model_hooks.py)?
+    # Before load: does the model class carry vllm-omni hooks (worker_shim/model/bridge.py)?
     ("vllm.model_executor.model_loader.utils", "get_model_architecture"),
 ]
 CPU_NAMES: list[tuple[str, str]] = [
@@ -46,19 +46,19 @@ CUDA_NAMES: list[tuple[str, str]] = [
 # (start-up must not fail on it).
 TOPK_TOPP_TRITON_FLAG = ("vllm.v1.sample.ops.topk_topp_sampler", "HAS_TRITON")
 # Optional CompilationConfig fields: the sizes vLLM pads graph steps to, under its cudagraph mode;
-# the shim's embeds lookup is replayed from graphs of those sizes (worker_shim/embeds.py), eagerly
+# the shim's embeds lookup is replayed from graphs of those sizes (worker_shim/model/embeds.py), eagerly
 # where they are absent.
 COMPILATION_GRAPH_FIELDS = ("cudagraph_mode", "cudagraph_capture_sizes")
 # VllmConfig field: set when LoRA adapters are served (then the lookup stays eager: its embedding reads
 # per-step adapter state on the host that a graph would freeze).
 LORA_CONFIG_FIELD = "lora_config"
-# Optional ModelConfig method, with a fallback to get_hidden_size (worker_shim/embeds.py
+# Optional ModelConfig method, with a fallback to get_hidden_size (worker_shim/model/embeds.py
 # `embeds_width`): the inputs_embeds width.
 INPUTS_EMBEDS_SIZE_METHOD = "get_inputs_embeds_size"
 # Model-state seam where upstream builds inputs_embeds (encoder rows merged in), 0.32's and
-# 0.26's name; one must exist for multimodal models (worker_shim/runner.py).
+# 0.26's name; one must exist for multimodal models (worker_shim/upstream/runner.py).
 MODEL_STATE_EMBEDS_METHODS = ["prepare_inputs_embeds", "get_mm_embeddings"]
-# Layer capture (worker_shim/layers.py): multimodal models expose their language model by
+# Layer capture (worker_shim/model/layers.py): multimodal models expose their language model by
 # this method; its decoder layers are the ModuleList of this name, each called as
 # layer(positions, hidden_states, residual) (vLLM's decoder-layer convention).
 LANGUAGE_MODEL_METHOD = "get_language_model"
@@ -67,7 +67,7 @@ DECODER_LAYERS_ATTR = "layers"
 RUNNER_INIT_ATTRS = ["vllm_config", "max_num_tokens"]  # before load_model
 RUNNER_ATTRS = ["model_state", "model", "execute_model_state", "req_states", *RUNNER_INIT_ATTRS]
 MODEL_STATE_METHODS = ["prepare_inputs", "prepare_dummy_inputs"]
-# Read every step (worker_shim/batch.py); is_prefilling_np is used when present (0.26 lacks it).
+# Read every step (worker_shim/step/batch.py); is_prefilling_np is used when present (0.26 lacks it).
 INPUT_BATCH_FIELDS = [
     "req_ids",
     "num_tokens",
@@ -79,7 +79,7 @@ INPUT_BATCH_FIELDS = [
 ]
 # vllm-omni section. The model-hook API of vllm-omni's model classes (as its 0.26 runner
 # calls it): optional seams on the served model, none required, read once after load
-# (worker_shim/model_hooks.py; docs/ARCHITECTURE.md, "Model hooks"). Forward results of
+# (worker_shim/model/bridge.py; docs/ARCHITECTURE.md, "Model hooks"). Forward results of
 # type OmniOutput are read by these two attribute names.
 MODEL_HOOK_SEAMS = [
     "has_preprocess",
@@ -93,9 +93,9 @@ MODEL_HOOK_SEAMS = [
     "have_multimodal_outputs",
 ]
 OMNI_OUTPUT_FIELDS = ["text_hidden_states", "multimodal_outputs"]
-# Read at the end of every step (worker_shim/link.py).
+# Read at the end of every step (worker_shim/step/link.py).
 EXECUTE_MODEL_STATE_FIELDS = ["input_batch", "hidden_states"]
-# Read on every scheduler output (worker_shim/runner.py).
+# Read on every scheduler output (worker_shim/upstream/runner.py).
 SCHEDULER_OUTPUT_FIELDS = ["scheduled_new_reqs", "finished_req_ids", "preempted_req_ids"]
 # vLLM 0.12 made request ids unique per engine: the engine's id is the client's plus
 # "-" and 8 random characters (unless VLLM_DISABLE_REQUEST_ID_RANDOMIZATION is set).
@@ -328,7 +328,7 @@ def _message(missing: list[str]) -> str:
     return (
         f"omni-sidecar's shim cannot run on vLLM {version}{newer}: upstream names it relies on "
         f"are missing: {', '.join(missing)}. Tested: vLLM {_tested_range('cpu')} (CPU, COMPAT.md) "
-        f"and {_tested_range('cuda')} (CUDA); see worker_shim/compat.py."
+        f"and {_tested_range('cuda')} (CUDA); see worker_shim/upstream/compat.py."
     )
 
 
@@ -337,6 +337,6 @@ def _message(missing: list[str]) -> str:
 # V2 `warmup_kernels` (vllm/v1/worker/gpu/warmup.py) names them `_warmup_{i}_`; 0.32 adds
 # `run_mixed_prefill_decode_warmup` (`_v2_mixed_warmup_*`, `_sparse_mla_v2_warmup_*`) called from
 # the kernel warm-ups. They carry no payload and no sidecar state, so model hooks skip them. The
-# shim marks them by the phase (worker_shim/worker.py), not by these names, which change between
+# shim marks them by the phase (worker_shim/upstream/worker.py), not by these names, which change between
 # releases; profiling and CUDA-graph capture runs (`dummy_run=True`, `_dummy_req_{i}`, capture's
 # dummy inputs) add no requests and reach no hook.

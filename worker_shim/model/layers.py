@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker_shim.channel import SidecarError
-from worker_shim.compat import DECODER_LAYERS_ATTR, LANGUAGE_MODEL_METHOD
+from worker_shim.errors import SidecarError
+from worker_shim.upstream.compat import DECODER_LAYERS_ATTR, LANGUAGE_MODEL_METHOD
 
 
 def decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:

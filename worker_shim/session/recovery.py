@@ -15,7 +15,14 @@ next sidecar so clients get `RequestFailed`); which others fail meanwhile is
 the `loss_policy`. The shim reconnects in the background (a Hello waits in
 the socket until a sidecar binds) and switches over at a step boundary.
 Transitions run only at step boundaries (`at_step_start`) or where a step
-message failed (`lose`).
+message failed (`fail`).
+
+Hand-over in the middle of a step: a StepStart sent after a quiet spell asks for an
+answer, taken at the step's one wait. When a SwitchAck comes instead, the sidecar
+handed the session over before it read anything of this step: the step's notices
+go back in the queue, the shim switches and announces the step to the successor,
+and the step's exchange runs again there (`exchange`). The step's own code sees
+a port that answers, or none.
 """
 
 from __future__ import annotations
@@ -23,13 +30,16 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable, Literal
+from typing import Callable, Literal, TypeVar
 
-from proto.messages import SwitchAck, SwitchReady
+import msgspec
+
+from proto.messages import StepResult, SwitchAck, SwitchReady
 from proto.settings import STEP_START_ANSWER_S
-from worker_shim.channel import SidecarError
+from worker_shim.errors import SidecarError
 from worker_shim.config import LossPolicy
-from worker_shim.session import FailureReports, SessionRequests
+from worker_shim.session.requests import FailureReports, SessionRequests
+from worker_shim.step.port import Connect, RecoveryPort
 
 log = logging.getLogger("vllm.omni_sidecar.shim.recovery")
 RETRY_AFTER_S = 10.0
@@ -37,6 +47,9 @@ RECONNECT_WAIT_MS = 200
 MIN_SWITCH_CONNECT_S = 5.0
 
 RecoveryState = Literal["connected", "lost", "switching"]
+T = TypeVar("T")
+# What a step message's failure may be: the channel's error, a batch or tree the wire cannot carry.
+STEP_FAILURES = (SidecarError, ValueError, msgspec.ValidationError)
 
 
 def socket_identity(endpoint: str) -> tuple[int, int] | None:
@@ -51,11 +64,11 @@ def socket_identity(endpoint: str) -> tuple[int, int] | None:
 class Recovery:
     """Holds the current connection (`conn`, None while lost) and replaces it when it must."""
 
-    def __init__(self, connect: Callable[..., Any], first: Any, requests: SessionRequests,
+    def __init__(self, connect: Connect, first: RecoveryPort, requests: SessionRequests,
                  failures: FailureReports, loss_policy: LossPolicy = "fail-all") -> None:
         self._connect = connect  # makes a fresh connection (new socket, new arena)
-        self.conn: Any = first  # a SidecarConnection (a fake one in unit tests)
-        self._pending: Any = None  # a reconnect attempt waiting for its Welcome
+        self.conn: RecoveryPort | None = first
+        self._pending: RecoveryPort | None = None  # a reconnect attempt waiting for its Welcome
         self._switch_to = ""
         self._waited_sockets: set[tuple[int, int]] = set()
         self.requests = requests
@@ -75,6 +88,7 @@ class Recovery:
     def at_step_start(self, step: int) -> None:
         """The step boundary: the one place a connection is replaced. Then the step is announced
         to whichever sidecar serves it."""
+        self.requests.step_started()
         conn = self.conn
         if conn is None:
             self._try_reconnect()
@@ -109,22 +123,57 @@ class Recovery:
             if self.conn is not None:
                 self._announce(step)
 
-    def settle(self, step: int) -> None:
-        """The step's StepStart asked for an answer (a quiet spell) and nothing else of the step waited
-        for the sidecar yet: wait for it now. Handed over before the sidecar read it: switch now and
-        announce the step to the successor, before anything else of the step is sent (Hot upgrade)."""
-        while self.conn is not None and self.conn.answer_due:
-            conn = self.conn
+    def exchange(self, step: int, ask: Callable[[RecoveryPort], T | None]) -> T | None:
+        """`ask` on the sidecar serving `step` (the step's exchange before its forward); when it did
+        not wait for the sidecar (None), the StepStart's answer if it is still due. Handed over
+        before the sidecar read the step: `ask` again on the successor, which decides afresh from
+        its own needs. Lost: None."""
+        while (conn := self.conn) is not None:
             try:
-                conn.await_answer()
-            except SidecarError as exc:
-                if conn.switch_ack is None:
-                    self.lose(f"step {step}: {exc}")
-                    return
-                self._switch(step)
-                self._announce(step)
+                result = ask(conn)
+                if result is None and conn.answer_due:  # a reply to the step took the answer before it
+                    conn.await_answer()
+                return result
+            except STEP_FAILURES as exc:
+                self.fail(step, exc, conn)
+        return None
 
-    def note_results(self, results: list[Any]) -> None:
+    def serving(self, step: int) -> RecoveryPort | None:
+        """The sidecar that takes the rest of `step`, once the StepStart's answer, if still due, came."""
+        self.exchange(step, lambda conn: None)
+        return self.conn
+
+    def fail(self, step: int, exc: Exception, conn: RecoveryPort) -> None:
+        """A message of `step` to `conn` failed. When the session was handed over before the sidecar
+        read this step (a SwitchAck came, the StepStart's answer did not), the step's notices go
+        back in the queue and the successor takes over, the step announced to it; otherwise the
+        sidecar is lost (a send that failed may still be queued: asking again could send the step twice)."""
+        if conn is not self.conn:
+            return  # replaced meanwhile
+        if isinstance(exc, SidecarError) and conn.switch_ack is not None and conn.answer_due:
+            self.requests.requeue_step()
+            self._switch(step)  # a failed switch loses it: finish notices stay queued, the rest ended
+            self._announce(step)
+            return
+        self.lose(f"step {step}: {exc}")
+
+    def flush(self) -> None:
+        """Wait until the sidecar handled every step sent so far: the results of the StepEnds;
+        StepTicks sent since are unanswered, so one Ping behind them (docs/ARCHITECTURE.md, Step
+        sequence). A session handed over while idle is left to the next step, which switches."""
+        conn = self.conn
+        if conn is None or conn.last_sent_step < 0:
+            return
+        try:
+            if conn.last_answered_step >= 0:
+                self.note_results(conn.take_results(until_step=conn.last_answered_step))
+            if conn.last_sent_step > conn.last_answered_step and conn.switch_ack is None:
+                conn.sync()
+        except SidecarError as exc:
+            if conn.switch_ack is None:
+                self.lose(f"flush: {exc}")
+
+    def note_results(self, results: list[StepResult]) -> None:
         for result in results:
             self.failures.record(result.errors)
             if result.switch_to:
@@ -199,7 +248,7 @@ class Recovery:
         log.warning("omni-sidecar hot upgrade: switched to %s (hook set %r) in %.1f ms at step %d",
                     ack.endpoint, new.hook_set, stall / 1e3, step)
 
-    def _resume(self, ack: SwitchAck, timeout_s: float) -> Any:
+    def _resume(self, ack: SwitchAck, timeout_s: float) -> RecoveryPort:
         """Connect with the resume token. An idle shim may switch while the address changes hands
         (a later upgrade: the sidecar holding our state forwards it and refuses us); when the
         socket there is a new one after a refusal, ask once more."""

@@ -2,7 +2,7 @@
 
 from vllm.v1.worker.gpu_worker import Worker
 
-from worker_shim.worker import ShimWorkerMixin
+from worker_shim.upstream.worker import ShimWorkerMixin
 
 
 class ShimCUDAWorker(ShimWorkerMixin, Worker):

@@ -1,6 +1,7 @@
-"""A plan's tensors read out of the sidecar's arena: in one copy (`Region`), a 1.8 plan's trees decoded
-with their tensors placed by msgspec (`StackReader`), a 1.7 plan's walked (`copy_out_trees`), and
-the buffers where a plan's extra kwargs land, their views kept from step to step (`PlanLanding`).
+"""The plan read before the forward: its tensors out of the sidecar's arena in one copy (`Region`), its
+trees decoded with the shared decoder (omni_arena/tensor_tree.py, each tensor placed by msgspec), its
+overlay rows into the step's embeds, and the buffers where a plan's extra kwargs land, their views
+kept from step to step (`PlanLanding`).
 
 Why the landing: the extra kwargs of a steady decode step (each request's state as vllm-omni's
 `runtime_additional_information`) are the same stacks at the same places every step, only their
@@ -21,18 +22,18 @@ each step makes views each step, as before, but cannot make the kept ones grow.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import weakref
+from typing import Any
 
-import msgspec
 import torch
 
-from omni_arena.tensor_tree import RowPlace, TreeError, index_trees
+from omni_arena.tensor_tree import TreeDecoder
 from omni_arena.views import arena_tensor, check_arena_ref
 from proto.arena import ALIGN, align_up
-from proto.messages import ReqId
-from proto.plan_trees import ROW_MARK, ROW_MARK_WIRE_BYTES, STACK_ROW, PlanTreeError, read_mark
+from proto.messages import ReqId, StepPlan
+from proto.plan_trees import TreeError
 from proto.tensors import DTYPE_ITEMSIZE, TensorRef
-from worker_shim.channel import SidecarError
+from worker_shim.errors import SidecarError
 
 BUFFERS = 2  # a step's kwargs stay as they were through the next step (see Lifetime)
 # What the views kept may hold: entries (a stack's view, or its rows' views), and row views in all
@@ -165,140 +166,123 @@ class Region:
         return items[start : start + ref.nbytes // size].view(ref.shape)
 
 
-KWARGS = dict[str, Any]  # what a 1.8 plan's extra kwargs decode as: keyword arguments
+KWARGS = dict[str, Any]  # what a plan's extra kwargs decode as: keyword arguments
 STATES = dict[ReqId, Any]  # its model states, by request
 
 
-class StackReader:
-    """A 1.8 plan's stacks out of the arena and a decoder hook that turns each tensor mark of a tree
-    (proto/plan_trees.py) into its tensor: msgspec's decoder calls the hook for every mark and places
-    what it returns, so no Python walks the tree.
-
-    Extra kwargs (views, on the model's device, every step): the span of all stacks in one copy.
-    Model states (`own`: host tensors of their own, kept for a request's lifetime; only when a
-    model's hooks ask): each stack copied when first named, so the kwargs' bytes are not.
-
-    A peer's tree is untrusted, and a mark is a few bytes: what a tree makes is bounded by its size.
-    A stack's rows are made in one call only while the tree still has room to name them all (a
-    budget shared by all its stacks: aliased stacks cannot multiply it), else indexed per mark;
-    copies (`own`) are bounded by the bytes of the plan's stacks, each of which a sidecar names once."""
-
-    def __init__(self, arena: Any, stacks: list[TensorRef], device: torch.device, own: bool,
-                 landing: PlanLanding | None = None) -> None:
-        if stacks and arena is None:
-            raise SidecarError("sidecar sent tensors but offered no arena")
-        self.arena, self.stacks, self.device, self.own = arena, stacks, device, own
-        self.region = Region(arena, stacks, device, landing) if stacks and not own else None
-        self.copies: dict[int, torch.Tensor] = {}  # own: stack k, copied out when first named
-        self.rows: dict[int, Any] = {}  # a stack's rows (a tuple of views, or the stack to index)
-        self.rows_left = 0  # rows the tree being decoded can still name (ROW_MARK_WIRE_BYTES each)
-        self.copy_bytes_left = sum(ref.nbytes for ref in stacks) if own else 0
-
-    def decode(self, data: bytes, kind: Any) -> Any:
-        self.rows_left = len(data) // ROW_MARK_WIRE_BYTES
-        try:
-            return msgspec.msgpack.Decoder(kind, ext_hook=self._hook()).decode(data)
-        except (msgspec.DecodeError, PlanTreeError) as exc:
-            raise SidecarError(f"sidecar sent a malformed tree: {exc}") from None
-        except RuntimeError as exc:  # a recursion past msgspec's guard; a ref whose shape cannot be viewed
-            raise SidecarError(f"sidecar sent a tree that cannot be read: {exc}") from None
-
-    def _hook(self) -> Callable[[int, memoryview], torch.Tensor]:
-        """The decoder's `ext_hook`: a closure over locals, called once per tensor of the tree (per
-        request, every step), so its every-request path is a few local look-ups."""
-        rows_made, rows_of, unpack, own, mark_size = self.rows, self._rows_of, ROW_MARK.unpack, self.own, ROW_MARK.size
-        whole_of, owned = self._whole_of, self._owned
-
-        def tensor(code: int, data: memoryview) -> torch.Tensor:
-            if code == STACK_ROW and len(data) == mark_size:  # the every-request case first
-                k, i = unpack(data)
-                rows = rows_made.get(k)
-                if rows is None:
-                    rows = rows_of(k)
-                if i >= len(rows):
-                    raise PlanTreeError(f"a tree names row {i} of stack {k}, which has {len(rows)}")
-                return owned(rows[i]) if own else rows[i]
-            k, _ = read_mark(code, data)  # a whole stack, or an extension value that is none of ours
-            return owned(whole_of(k)) if own else whole_of(k)
-
-        return tensor
-
-    def _whole_of(self, k: int) -> torch.Tensor:
-        if k >= len(self.stacks):
-            raise PlanTreeError(f"a tree names stack {k} of a plan with {len(self.stacks)}")
-        if self.region is not None:
-            return self.region.view(self.stacks[k])
-        copy = self.copies.get(k)
-        if copy is None:
-            copy = self.copies[k] = Region(self.arena, [self.stacks[k]], self.device).view(self.stacks[k])
-        return copy
-
-    def _rows_of(self, k: int) -> Any:
-        if k < len(self.stacks) and not (self.stacks[k].shape and self.stacks[k].nbytes):
-            raise PlanTreeError(f"a tree names a row of stack {k}, which has no rows or bytes")  # none stacked empty
-        whole = self._whole_of(k)  # checks k, copies an `own` stack out
-        count = self.stacks[k].shape[0]
-        if count <= self.rows_left:  # every row's view in one call
-            self.rows_left -= count
-            rows = self.rows[k] = whole.unbind(0) if self.region is None else self.region.rows(self.stacks[k], whole)
-        else:
-            rows = self.rows[k] = whole
-        return rows
-
-    def _owned(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.copy_bytes_left -= tensor.nbytes
-        if self.copy_bytes_left < 0:
-            raise PlanTreeError("a tree names more bytes than the plan's stacks hold")
-        return tensor.clone()
+def kwargs_decoder(arena: Any, stacks: list[TensorRef], device: torch.device,
+                   landing: PlanLanding | None) -> TreeDecoder:
+    """The decoder of a plan's extra kwargs (views, on the model's device, every step): the span of
+    all stacks in one copy (`Region`), landed in `landing`'s buffers when given, their views and
+    rows kept from step to step."""
+    region = Region(arena, stacks, device, landing)
+    return TreeDecoder(len(stacks), lambda k: region.view(stacks[k]),
+                       rows=lambda k, whole: region.rows(stacks[k], whole))
 
 
-def copy_out_trees(arena: Any, trees: list[Any], device: torch.device, stacks: list[TensorRef],
-                    own: bool = False) -> list[Any]:
-    """Received trees' tensors (1.7 and before: marker dicts found by a walk), copied out of the
-    arena in one copy (`Region`), then views of that copy. Rows of the plan's `stacks` (1.7) are
-    made per stack in one call (omni_arena/tensor_tree.py, RowStacker). Every ref, stack and row is
-    checked before anything is copied. `own`: each tensor in storage of its own (trees kept past the
-    step, e.g. per-request states, must not keep the others' bytes alive)."""
-    row_places: list[RowPlace] = []
+def states_decoder(arena: Any, stacks: list[TensorRef]) -> TreeDecoder:
+    """The decoder of a plan's model states (host tensors of their own, kept for a request's
+    lifetime; only when a model's hooks ask): each stack copied when first named, so the kwargs'
+    bytes are not, the copies bounded by the bytes of the plan's stacks."""
+    cpu = torch.device("cpu")
+    return TreeDecoder(len(stacks), lambda k: Region(arena, [stacks[k]], cpu).view(stacks[k]), own=True,
+                       copy_budget=sum(ref.nbytes for ref in stacks))
+
+
+def decode_plan_tree(decoder: TreeDecoder, data: bytes, kind: Any) -> Any:
+    """One of a plan's trees; SidecarError for one that cannot be read (a peer's tree is untrusted)."""
     try:
-        root, places = index_trees(trees, rows=row_places)
+        return decoder.decode(data, kind)
     except TreeError as exc:
-        raise SidecarError(f"sidecar sent a malformed tree: {exc}") from None
-    if not places and not row_places:
-        return root
-    if arena is None:
-        raise SidecarError("sidecar sent tensors but offered no arena")
-    named = check_rows(row_places, stacks)
-    region = Region(arena, [ref for _, _, ref in places] + [stacks[k] for k in named], device)
-    view = region.view
-    try:
-        rows: dict[int, Any] = {}
-        for k, count in named.items():
-            whole = view(stacks[k])
-            # Every row's view in one call, when the rows named are all of them (the sidecar names
-            # each row once); a stack with more rows than named is indexed row by row instead.
-            rows[k] = whole.unbind(0) if whole.shape[0] <= count else whole
-        for holder, key, k, i in row_places:
-            holder[key] = rows[k][i].clone() if own else rows[k][i]
-        for holder, key, ref in places:
-            holder[key] = view(ref).clone() if own else view(ref)
-    except RuntimeError as exc:  # e.g. a zero-byte ref whose shape overflows: the peer's bad ref
+        raise SidecarError(f"sidecar sent a tree that cannot be read: {exc}") from None
+    except RuntimeError as exc:  # a ref whose shape cannot be viewed
         raise SidecarError(f"sidecar sent a tensor ref that cannot be read: {exc}") from None
-    return root
 
 
-def check_rows(row_places: list[RowPlace], stacks: list[TensorRef]) -> dict[int, int]:
-    """The stacks the row markers name, with how many markers name each; SidecarError for a stack
-    the plan lacks, one with no rows or no bytes (a sidecar never stacks empty tensors), or a row
-    past a stack's end."""
-    named: dict[int, int] = {}
-    for _, _, k, i in row_places:
-        if k >= len(stacks):
-            raise SidecarError(f"sidecar named stack {k} of a plan with {len(stacks)}")
-        shape = stacks[k].shape
-        if not shape or not stacks[k].nbytes:
-            raise SidecarError(f"sidecar sent stack {k} without rows or bytes (shape {shape})")
-        if i >= shape[0]:
-            raise SidecarError(f"sidecar named row {i} of stack {k}, which has {shape[0]}")
-        named[k] = named.get(k, 0) + 1
-    return named
+def read_states(arena: Any, plan: StepPlan) -> dict[str, Any]:
+    """The plan's model states, as host copies (vllm-omni keeps decoded payloads on the host).
+
+    Call before `read_plan`, which lets the sidecar reuse its arena once our copies ran."""
+    if not plan.model_states:
+        return {}
+    if arena is not None and arena.kind != "shm" and plan.event >= 0:
+        arena.wait_ready(plan.event)
+    # Each state is kept for its request's lifetime (the model's state mirror): tensors of their own.
+    _check_arena(arena, plan)
+    states = decode_plan_tree(states_decoder(arena, plan.stacks), plan.model_states, STATES)
+    bad = [r for r, v in states.items() if not isinstance(v, dict)]
+    if bad:
+        raise SidecarError(f"sidecar sent model states that are not dicts for {bad[:4]}")
+    return states
+
+
+def read_plan(arena: Any, plan: StepPlan, input_batch: Any, model: Any,
+              embeds: torch.Tensor | None, landing: PlanLanding | None = None) -> dict[str, Any]:
+    """The plan's extra model inputs, copied out of the sidecar's arena.
+
+    `embeds` is the persistent inputs_embeds buffer (already holding this
+    step's token embeddings) when the runner feeds the model from one: overlay
+    rows are written into it in place, so CUDA graphs see them. `landing`: the
+    plan's kwargs land in its buffers, their views kept from step to step; without
+    it, in a copy of their own.
+    """
+    if not (plan.extra_kwargs or plan.overlays or plan.model_states):
+        return {}
+    on_device = arena is not None and arena.kind != "shm"
+    if on_device and plan.event >= 0:
+        arena.wait_ready(plan.event)  # the sidecar's writes, ordered on our stream
+    extra: dict[str, Any] = {}
+    if plan.extra_kwargs:
+        _check_arena(arena, plan)
+        decoder = kwargs_decoder(arena, plan.stacks, model_device(model), landing)
+        extra = decode_plan_tree(decoder, plan.extra_kwargs, KWARGS)
+    if plan.overlays:
+        extra["inputs_embeds"] = _overlay(arena, plan, input_batch, model, embeds)
+    if on_device:
+        arena.mark_done(0)  # the sidecar may rewrite its arena once our copies ran
+    return extra
+
+
+def _check_arena(arena: Any, plan: StepPlan) -> None:
+    if plan.stacks and arena is None:
+        raise SidecarError("sidecar sent tensors but offered no arena")
+
+
+def _overlay(arena: Any, plan: StepPlan, input_batch: Any, model: Any,
+             embeds: torch.Tensor | None) -> torch.Tensor:
+    if arena is None:
+        raise SidecarError("sidecar sent overlays but offered no arena")
+    if embeds is None:
+        n = int(input_batch.num_tokens_after_padding)
+        embeds = model.embed_input_ids(input_batch.input_ids[:n])
+    checked = []  # all overlays are checked before any is written: the buffer may be the model's
+    for ov in plan.overlays:
+        rows = arena_tensor(arena, ov.rows)
+        end = ov.row_start + rows.shape[0]
+        if end > int(input_batch.num_tokens) or rows.dim() != 2 or rows.shape[1] != embeds.shape[1]:
+            raise SidecarError(
+                f"overlay rows [{ov.row_start}, {end}) x {list(rows.shape)} do not fit the "
+                f"batch of {input_batch.num_tokens} tokens x {embeds.shape[1]}"
+            )
+        checked.append((ov.row_start, end, rows))
+    for start, end, rows in checked:
+        embeds[start:end].copy_(rows.to(device=embeds.device, dtype=embeds.dtype))
+    return embeds
+
+
+_DEVICES: "weakref.WeakKeyDictionary[Any, torch.device]" = weakref.WeakKeyDictionary()
+
+
+def model_device(model: Any) -> torch.device:
+    """The device of the model's first parameter, looked up once per model: walking its modules
+    to the first parameter cost ~30 µs of every step's plan read on a GPU host."""
+    try:
+        return _DEVICES[model]
+    except (KeyError, TypeError):  # TypeError: a model without weak references (a test's stand-in)
+        pass
+    device = next((param.device for param in model.parameters()), torch.device("cpu"))
+    try:
+        _DEVICES[model] = device
+    except TypeError:
+        pass
+    return device

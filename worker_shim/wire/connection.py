@@ -1,9 +1,9 @@
 """One connection to one sidecar: its channel, its arenas, and what the sidecar has seen.
 
-A new connection (start-up, or reconnect after the sidecar died or was
-replaced) gets a new hidden-state arena: the previous sidecar removed the old
-one's name once it had mapped it. Everything else in the shim talks to the
-sidecar through this object's methods, never through its channel or slots.
+The shim's `SidecarPort` (worker_shim/step/port.py) over a sidecar process: messages through
+the channel (socket and shared-memory rings), tensors through the arenas. A new connection
+(start-up, or reconnect after the sidecar died or was replaced) gets a new hidden-state arena:
+the previous sidecar removed the old one's name once it had mapped it.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from proto.messages import (
     ArenaInfo, ArenaKind, Hello, HookNeeds, Message, Ping, Pong, StepBegin, StepEnd, StepPlan, StepResult, StepStart,
     StepTick, SwitchAck, Welcome,
 )
-from omni_arena.tensor_tree import TreeError, load_inline_tree
-from proto.version import PACKED_LAYOUT_MINOR
-from worker_shim.channel import SidecarChannel, SidecarError
+from omni_arena.tensor_tree import decode_inline
+from proto.plan_trees import TreeError
+from worker_shim.wire.channel import SidecarChannel, SidecarError
 from worker_shim.config import RingConfig
-from worker_shim.plan_read import PlanLanding
-from worker_shim.transfer import HiddenSlots, StepSlot, read_plan, read_states
+from worker_shim.step.plan_read import PlanLanding, read_plan, read_states
+from worker_shim.step.protocol import step_start
+from worker_shim.step.slots import HiddenSlots, StepSlot
 
 
 class SidecarConnection:
@@ -46,16 +47,14 @@ class SidecarConnection:
             self._hidden_arena = ShmArena.create(hidden_bytes, prefix=arena_prefix)
         self.hello = msgspec.structs.replace(hello, arenas=[self._hidden_arena.info()])
         self._channel = SidecarChannel(endpoint, step_timeout_s, curve_keys, ring=ring)
+        self.endpoint = endpoint
+        self.step_timeout_s = step_timeout_s
         self._num_hidden_slots = hidden_slots
         self._hidden: HiddenSlots | None = None
         self._overlay_arena: Any = None
-        self._landing = PlanLanding()  # where this sidecar's plans' kwargs land (worker_shim/plan_read.py)
+        self._landing = PlanLanding()  # where this sidecar's plans' kwargs land (worker_shim/step/plan_read.py)
         self.started = time.monotonic()
         self.welcome: Welcome | None = None
-        self._announces = False  # does the sidecar take StepStart (set from the Welcome)
-        # Does it read StepBegin's and StepEnd's layout packed (1.6, set from the Welcome); an
-        # attribute, not a property: read on every step.
-        self.packs_layouts = False
         self.needs = HookNeeds()
         self.hook_set = ""
         # What this sidecar has seen: the last step ended (StepEnd or StepTick), the last StepEnd
@@ -92,8 +91,6 @@ class SidecarConnection:
 
     def _accept(self, welcome: Welcome) -> None:
         self.welcome = welcome
-        self._announces = welcome.protocol_minor >= 2  # StepStart (1.2)
-        self.packs_layouts = welcome.protocol_minor >= PACKED_LAYOUT_MINOR
         self.needs = welcome.needs
         self.hook_set = welcome.hook_set
         if welcome.arenas:
@@ -124,25 +121,16 @@ class SidecarConnection:
 
     # -- messages -------------------------------------------------------------------
 
-    @property
-    def endpoint(self) -> str:
-        return self._channel.endpoint
-
-    @property
-    def step_timeout_s(self) -> float:
-        return self._channel.step_timeout_ms / 1000
-
     def send(self, msg: Message) -> None:
+        if type(msg) is StepTick:  # the one message of a pass-through step: none of the type tests below
+            self.last_sent_at = time.monotonic()
+            self._channel.send_quiet(msg)
+            self.step_open = False
+            self.last_sent_step = msg.step
+            return
         sent_at = time.monotonic()
         self._channel.send(msg)
         self._note_sent(msg, sent_at)
-
-    def send_tick(self, tick: StepTick) -> None:
-        """`send` for the one message of a pass-through step, without its type tests."""
-        self.last_sent_at = time.monotonic()
-        self._channel.send_quiet(tick)
-        self.step_open = False
-        self.last_sent_step = tick.step
 
     def sync(self) -> None:
         """One round trip behind everything sent so far (a Ping: one order per connection): the
@@ -154,20 +142,18 @@ class SidecarConnection:
         return self._channel.call(msg, want)
 
     def announce_step(self, step: int, answer_after_s: float) -> None:
-        """StepStart, first thing in a step (sidecars of protocol 1.2 and later): the sidecar hands
-        a session over on its own only between steps. After `answer_after_s` without sending, it
-        may be doing so right now: the StepStart asks for an answer, awaited at the step's one wait
+        """StepStart, first thing in a step: the sidecar hands a session over on its own only between
+        steps. After `answer_after_s` without sending, it may be doing so right now: the StepStart
+        asks for an answer (worker_shim/step/protocol.py), awaited at the step's one wait
         (`answer_due`: the plan's round trip, else `await_answer`). See docs/ARCHITECTURE.md, Hot upgrade."""
-        if not self._announces:
-            return
         quiet_since = self.last_sent_at
         self.step_open = True
         now = time.monotonic()
-        if now - quiet_since < answer_after_s:
+        if step_start(now - quiet_since, answer_after_s).wait is None:
             # A StepStart that wants no answer wakes nobody: one ring write (no routing or type tests).
             self._channel.send_quiet(StepStart(step=step, mirror_seq=self.mirror_seq))
             self.last_sent_at = now
-            if time.monotonic() - quiet_since < answer_after_s:
+            if step_start(time.monotonic() - quiet_since, answer_after_s).wait is None:
                 return  # written while the sidecar still counted this session as stepping
         self.send(StepStart(step=step, answer=True, mirror_seq=self.mirror_seq))
         self._channel.pongs_due += 1
@@ -194,7 +180,7 @@ class SidecarConnection:
         out = []
         for update in updates:
             try:
-                out.append((update.req_id, load_inline_tree(update.entries)))
+                out.append((update.req_id, decode_inline(update.entries, update.blobs)))
             except TreeError as exc:
                 raise SidecarError(f"bad MirrorUpdate {update.seq}: {exc}") from None
             self.mirror_seq = update.seq
@@ -216,8 +202,8 @@ class SidecarConnection:
             self.last_sent_at = sent_at
         if isinstance(msg, StepEnd):
             self.step_open = False
-        if isinstance(msg, (StepBegin, StepEnd)):  # both carry a layout as lists or packed (1.6)
-            layout = msg.batch if msg.batch is not None else msg.packed
+        if isinstance(msg, (StepBegin, StepEnd)):  # both carry a layout
+            layout = msg.batch
             if layout is not None and layout.req_ids is not None:
                 self.peer_req_ids = layout.req_ids
         if isinstance(msg, StepEnd):
@@ -251,24 +237,21 @@ class SidecarConnection:
         assert self._hidden is not None
         return self._hidden.claim(step, wait_answered)
 
-    def slot_sent(self, step: int) -> None:
-        assert self._hidden is not None
-        self._hidden.sent(step)
-
     def read_states(self, plan: StepPlan) -> dict[str, Any]:
         return read_states(self._overlay_arena, plan)
 
     def read_plan(self, plan: StepPlan, input_batch: Any, model: Any, embeds: torch.Tensor | None) -> dict[str, Any]:
         return read_plan(self._overlay_arena, plan, input_batch, model, embeds, self._landing)
 
-    def open_counts(self) -> dict[str, int]:
-        return {"mem": self.opens.mem, "events": self.opens.events} if self.opens is not None else {}
-
-    def ring_counts(self) -> dict[str, int]:
-        """Kicks sent to a sleeping sidecar and our own sleeps waiting for one (each a step's
-        kernel round trip on the critical path); {} without rings."""
-        channel = self._channel
-        return {"kicks": channel.kicks_sent, "sleeps": channel.sleeps} if channel.ring_active else {}
+    def stats(self) -> dict[str, Any]:
+        """The arena kind, CUDA IPC opens, and the rings' kicks sent to a sleeping sidecar and our own
+        sleeps waiting for one (each a step's kernel round trip on the critical path)."""
+        channel, opens = self._channel, self.opens
+        return {
+            "arena_kind": self.arena_kind,
+            "arena_opens": {"mem": opens.mem, "events": opens.events} if opens is not None else {},
+            "ring_counts": {"kicks": channel.kicks_sent, "sleeps": channel.sleeps} if channel.rings is not None else {},
+        }
 
     def close(self) -> None:
         self._channel.close()

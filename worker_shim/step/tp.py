@@ -24,8 +24,8 @@ import msgspec
 import torch
 
 from proto.messages import HookNeeds
-from worker_shim.batch import PayloadTracker, payload_of
-from worker_shim.channel import SidecarError
+from worker_shim.step.batch import PayloadTracker, payload_of
+from worker_shim.errors import SidecarError
 from worker_shim.config import EmbedsSetting
 
 log = logging.getLogger("vllm.omni_sidecar.shim.tp")
@@ -136,7 +136,7 @@ class TensorParallelFollower:
 
     def pre_forward(self, input_batch: Any, model: Any, embeds: torch.Tensor | None = None,
                     bridge: Any = None) -> dict[str, Any]:
-        return {}  # model hooks run with TP size 1 only (worker_shim/model_hooks.py)
+        return {}  # model hooks run with TP size 1 only (worker_shim/model/bridge.py)
 
     def end_step(self, state: Any, model_results: Any = None) -> None:
         self.in_step = False

@@ -1,6 +1,6 @@
 """The model's own vllm-omni hooks, called in the vLLM process in vllm-omni's order.
 
-A model class opts in by carrying vllm-omni's hook attributes (worker_shim/compat.py,
+A model class opts in by carrying vllm-omni's hook attributes (worker_shim/upstream/compat.py,
 `MODEL_HOOK_SEAMS`). Per step, before the forward (vllm-omni 0.26 runner `_preprocess`
 and `_talker_mtp_forward`): each scheduled request's `preprocess` runs on its rows with
 its state as `**info` (decode rows batched through `preprocess_decode_batch` when the
@@ -8,7 +8,7 @@ model has it), its returned embeddings replace those rows of the persistent embe
 buffer; decode rows' `mtp_inputs` feed one `talker_mtp` call whose embeddings replace
 those rows again and whose codes become the request's output. After the forward
 (`_process_additional_information_updates`): `postprocess` per request on its hidden
-rows. Updates go to the state mirror (worker_shim/state_mirror.py), outputs to the
+rows. Updates go to the state mirror (worker_shim/model/state_mirror.py), outputs to the
 step's results; both reach the sidecar with the step's StepEnd (docs/ARCHITECTURE.md,
 "Model hooks").
 
@@ -28,8 +28,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from proto.messages import ModelHooks
-from worker_shim.compat import ShimCompatError
-from worker_shim.state_mirror import StateMirror
+from worker_shim.upstream.compat import ShimCompatError
+from worker_shim.model.state_mirror import StateMirror
 
 log = logging.getLogger("vllm.omni_sidecar.shim.model_hooks")
 
@@ -149,7 +149,7 @@ class ModelBridge:
     # -- request lifecycle (from the runner's notes) ------------------------------------
 
     def note_new(self, req_id: str, prompt_len: int, warmup: bool = False) -> None:
-        """`warmup`: one of vLLM's own warm-up requests (worker_shim/compat.py): no payload, so
+        """`warmup`: one of vLLM's own warm-up requests (worker_shim/upstream/compat.py): no payload, so
         no hooks and no state asked of the sidecar."""
         self.prompt_lens[req_id] = prompt_len
         if warmup:

@@ -27,7 +27,7 @@ from typing import Any, Iterable
 
 import torch
 
-from worker_shim.compat import INPUTS_EMBEDS_SIZE_METHOD
+from worker_shim.upstream.compat import INPUTS_EMBEDS_SIZE_METHOD
 
 log = logging.getLogger("vllm.omni_sidecar.shim.embeds")
 
@@ -150,7 +150,7 @@ def wanted(setting: str, pre_forward: str, upstream_embeds: bool) -> bool:
     Upstream builds them for multimodal models (token embeddings with the encoder's
     rows merged in) and for prompt embeds, in its own persistent buffer, which its
     graphs are captured reading: overlays are written into those rows
-    (worker_shim/runner.py `SidecarModelStateMixin`).
+    (worker_shim/upstream/runner.py `SidecarModelStateMixin`).
     """
     if setting == "off" or upstream_embeds:
         return False

@@ -9,14 +9,15 @@ A socket monitor tells the shim at once when the sidecar's end goes away.
 Fast path: the Hello offers two shared-memory rings (proto/shmring.py); once the
 Welcome accepts them, messages travel as proto/transport.py routes them (step
 messages in the rings; control behind a ring MARK on the socket) and waiting for a
-reply follows its WaitPolicy, watching the step timeout and the socket monitor all
-along (worker_shim/ring_recv.py reads the rings). OMNI_SIDECAR_RING=0, or a sidecar that does
-not accept rings, keeps everything on ZeroMQ. See docs/ARCHITECTURE.md (transport).
+reply follows its WaitPolicy: spin, then sleep until kicked, ending early on the step
+timeout or when the socket monitor says the sidecar is gone. OMNI_SIDECAR_RING=0, or a
+sidecar that does not accept rings, keeps everything on ZeroMQ. See docs/ARCHITECTURE.md (transport).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import select
 import time
@@ -30,11 +31,10 @@ from proto.codec import Codec, FrameError
 from proto.errors import ProtoError
 from proto.messages import (ErrorReply, Hello, Message, MirrorUpdate, Ping, Pong, Reject, StepResult, StepStart, StepTick,
                             SwitchAck, Welcome)
-from proto.shmring import RingDuplex, ShmRing
+from proto.shmring import EMPTY, RingDuplex, RingError, ShmRing
 from proto.transport import RingTransport, WaitPolicy, apply_curve_client, reply_problem, route, set_heartbeats, wakes
 from worker_shim.config import RingConfig
-from worker_shim.errors import SidecarError  # importers take it from here too (worker_shim.channel)
-from worker_shim.ring_recv import RingReceive
+from worker_shim.errors import SidecarError
 
 log = logging.getLogger("vllm.omni_sidecar.shim.channel")
 FULL_RING_WAIT_S = 0.0002
@@ -42,9 +42,11 @@ TSO_MACHINES = ("x86_64", "amd64")  # where the rings' store order holds without
 _STASHED = (StepResult, MirrorUpdate)  # a tuple: isinstance of a union is slower (checked per reply)
 _NOT_PLAIN_ANSWERS = (StepResult, MirrorUpdate, Pong, SwitchAck)  # `call` looks at these more closely
 MONITOR_ASK_S = 0.5  # ask ZeroMQ about the monitor at least this often, signal or not
+MARK_WAIT_MS = 50  # a MARK's frame is already on its way: wait for it in short steps
+SOCKET_LOOK_S = 0.05  # with rings: read the socket at least this often when taking results, MARK or not
 
 
-class SidecarChannel(RingReceive):
+class SidecarChannel:
     def __init__(self, endpoint: str, step_timeout_s: float, curve_keys: str | None = None,
                  ring: RingConfig | None = None) -> None:
         self.endpoint = endpoint
@@ -156,8 +158,6 @@ class SidecarChannel(RingReceive):
         offer, self._offer = self._offer, None
         for ring in offer or ():
             ring.close()
-
-    ring_active = property(lambda self: self.rings is not None)
 
     # -- traffic -----------------------------------------------------------------
 
@@ -328,6 +328,106 @@ class SidecarChannel(RingReceive):
             f"omni-sidecar at {self.endpoint} did not answer within {timeout_s:.1f}s "
             "(OMNI_SIDECAR_STEP_TIMEOUT)"
         )
+
+    # -- replies from the rings -------------------------------------------------
+
+    def poll_ring_results(self) -> list[StepResult]:
+        """Results waiting in the ring now, socket untouched (a frame behind a MARK waits for the
+        next `take_results`); without rings, `take_results`."""
+        rings = self.rings
+        if rings is None:
+            return self.take_results()
+        if not self._results and rings.nothing_to_read():  # most steps: one look at the ring's indices
+            return []
+        while (msg := self._ring_next()) is not None:
+            self._stash(msg)
+        if not self._results:
+            return []
+        out, self._results = self._results, []
+        return out
+
+    def _drain_ring(self) -> None:
+        """Stash every message that arrived, in connection order. The socket is read when a MARK
+        says a message waits there, else at most every SOCKET_LOOK_S: every other frame on it is a
+        kick, or a frame a broken peer sent without its MARK (found then). Asking ZeroMQ costs a
+        few µs, and a StepEnd step looks here each step."""
+        rings = self.rings
+        assert rings is not None
+        now = time.monotonic()
+        if now >= self._socket_look_due:
+            self._socket_look_due = now + SOCKET_LOOK_S
+            self._pull_socket(0)
+        while True:
+            msg = self._ring_next()
+            if msg is not None:
+                self._stash(msg)
+            elif not rings.waiting_for_socket:
+                return
+            else:
+                self._pull_socket(0)
+                if not rings.socket_frames_waiting:
+                    return  # the MARK's frame is not here yet: a later look takes it
+
+    def _ring_recv(self, timeout_s: float) -> Message:
+        """Spin, then sleep until kicked (WaitPolicy); the step timeout and the socket
+        monitor end the wait early when the sidecar is late or gone."""
+        rings = self.rings
+        assert rings is not None
+        rx = rings.duplex.rx
+        if rx.has_data():
+            msg = self._ring_next()
+            if msg is not None:
+                return msg
+        busy_at = time.monotonic()
+        deadline = busy_at + timeout_s
+        # The reply usually comes within the spin window: until then watch only the ring's write
+        # index (one shared-memory load and a sched_yield per turn, not the whole loop below).
+        clock, give_way = time.monotonic, os.sched_yield
+        spin_until = min(deadline, busy_at + self.wait.spin_us / 1e6)
+        while not rx.has_data() and clock() < spin_until:
+            give_way()
+        while True:
+            msg = self._ring_next()
+            if msg is not None:
+                return msg
+            now = time.monotonic()
+            if now >= deadline:
+                raise self._timeout(timeout_s)
+            if rings.waiting_for_socket:  # a MARK: its frame is on the socket, on its way
+                self._pull_socket(max(1, min(MARK_WAIT_MS, int((deadline - now) * 1000))))
+                if not rings.socket_frames_waiting and self.peer_gone():
+                    raise SidecarError(f"omni-sidecar at {self.endpoint} closed the connection")
+                continue
+            if self.wait.spin(busy_at, now):
+                continue
+            nap_ms = self.wait.nap_ms(busy_at, now, deadline)
+            msg = self.wait.sleep([rings], self._ring_next, lambda: self._nap(nap_ms))
+            if msg is not None:
+                return msg
+
+    def _nap(self, wait_ms: int) -> None:
+        if self.peer_gone():
+            raise SidecarError(f"omni-sidecar at {self.endpoint} closed the connection")
+        self.sleeps += 1
+        self._pull_socket(wait_ms)
+
+    def _ring_next(self) -> Message | None:
+        """The next message in connection order, or None when there is none yet."""
+        assert self.rings is not None
+        try:
+            msg = self.rings.duplex.recv(self._decode)  # RingTransport.recv, one layer less per poll
+        except RingError as exc:
+            raise SidecarError(f"bad shared-memory ring from the sidecar: {exc}") from None
+        return None if msg is EMPTY else msg  # type: ignore[return-value]
+
+    def _pull_socket(self, wait_ms: int) -> None:
+        """Socket frames into the rings' order (each behind its MARK); kicks dropped."""
+        sock, rings = self._sock, self.rings
+        assert rings is not None
+        if wait_ms > 0:
+            sock.poll(wait_ms)
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            rings.feed_socket(sock.recv(copy=True))
 
     def close(self) -> None:
         self._close_offer()

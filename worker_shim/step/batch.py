@@ -1,7 +1,7 @@
 """Reading vLLM's batch: request payloads, prefill flags, the layout the sidecar sees.
 
 Everything the shim knows about vLLM's scheduler output and `InputBatch` is
-read here (what differs between vLLM minors through worker_shim/compat.py).
+read here (what differs between vLLM minors through worker_shim/upstream/compat.py).
 `PayloadTracker` is the one record of which live requests carry a sidecar
 payload; the link and the TP broadcast both decide from it (`exchange_needed`),
 so every rank takes the same decision from the same scheduler output.
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from proto.messages import BatchLayout, HookNeeds, NewRequest, PackedLayout
+from proto.messages import BatchLayout, HookNeeds, NewRequest
 from proto.packed import packed_layout
-from worker_shim.compat import client_request_id, prefill_flags, prompt_len_of
+from worker_shim.upstream.compat import client_request_id, prefill_flags, prompt_len_of
 
 PAYLOAD_KEY = "omni_sidecar"
 
@@ -38,23 +38,10 @@ def new_request(req: Any, payload: dict | None, suffixed_ids: bool) -> NewReques
 
 
 def batch_layout(batch: Any, prev_ids: list[str] | None, with_input_ids: bool = False) -> BatchLayout:
-    """Where each request's rows lie; `req_ids` only when they differ from what the sidecar has;
-    each row's input token id when the hooks asked (a device-to-host copy: the decode rows'
-    ids are the previous step's samples, written on the device)."""
-    n = len(batch.req_ids)
-    ids = batch.req_ids
-    return BatchLayout(
-        req_ids=None if ids == prev_ids else list(ids),
-        query_start_loc=batch.query_start_loc_np[: n + 1].tolist(),
-        num_computed_tokens=batch.num_computed_tokens_np[:n].tolist(),
-        prefill_lens=batch.prefill_len_np[:n].tolist(),
-        input_ids=batch.input_ids[: int(batch.num_tokens)].tolist() if with_input_ids else None,
-    )
-
-
-def packed_batch_layout(batch: Any, prev_ids: list[str] | None, with_input_ids: bool = False) -> PackedLayout:
-    """`batch_layout` for a StepBegin to a sidecar of protocol 1.6 or later: vLLM's numpy arrays go
-    out as their bytes (u32), no Python int per request (proto/packed.py)."""
+    """Where each request's rows lie: vLLM's numpy arrays as their bytes (u32), no Python int per
+    request (proto/packed.py); `req_ids` only when they differ from what the sidecar has; each
+    row's input token id when the hooks asked (a device-to-host copy: the decode rows' ids are
+    the previous step's samples, written on the device)."""
     n = len(batch.req_ids)
     ids = batch.req_ids
     input_ids = None
@@ -106,11 +93,3 @@ class PayloadTracker:
             return any(counts(r) for r in ids)
         flags = prefill_flags(input_batch)
         return any(flags[i] and counts(r) for i, r in enumerate(ids))
-
-
-def wire_layout(batch: Any, conn: Any) -> tuple[BatchLayout | None, PackedLayout | None]:
-    """(lists, packed): the batch's layout as `conn`'s sidecar reads it, packed u32 columns from
-    protocol 1.6 on (`packs_layouts`, from its Welcome), lists before; the other None."""
-    if conn.packs_layouts:
-        return None, packed_batch_layout(batch, conn.peer_req_ids, conn.needs.input_ids)
-    return batch_layout(batch, conn.peer_req_ids, conn.needs.input_ids), None

@@ -2,7 +2,7 @@
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from worker_shim.worker import ShimWorkerMixin
+from worker_shim.upstream.worker import ShimWorkerMixin
 
 
 class ShimCPUWorker(ShimWorkerMixin, CPUWorker):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from worker_shim.compat import (
+from worker_shim.upstream.compat import (
     LORA_CONFIG_FIELD,
     MODEL_STATE_EMBEDS_METHODS,
     MODEL_STATE_METHODS,
@@ -29,15 +29,14 @@ from worker_shim.compat import (
     is_dummy_run,
     prompt_len_of,
 )
-from worker_shim.embeds import LAYERS_GRAPH_KEY, EmbedsBuffer, embeds_width, mark_compiled_graph
+from worker_shim.model.embeds import LAYERS_GRAPH_KEY, EmbedsBuffer, embeds_width, mark_compiled_graph
 from worker_shim.config import ShimConfig
-from worker_shim.embeds import wanted as embeds_wanted
-from worker_shim.layers import LayerCapture
-from worker_shim.link import SidecarLink
-from worker_shim.step_end import record_timing
-from worker_shim.model_hooks import ModelBridge, attach_bridge, model_class_has_hooks
-from worker_shim.tp import TensorParallelFollower, TensorParallelSync
-from worker_shim.transfer import model_device
+from worker_shim.model.embeds import wanted as embeds_wanted
+from worker_shim.model.layers import LayerCapture
+from worker_shim.step.link import SidecarLink
+from worker_shim.model.bridge import ModelBridge, attach_bridge, model_class_has_hooks
+from worker_shim.step.tp import TensorParallelFollower, TensorParallelSync
+from worker_shim.step.plan_read import model_device
 
 
 class SidecarRunnerMixin:
@@ -81,9 +80,9 @@ class SidecarRunnerMixin:
             t0 = time.perf_counter()
             self.omni_link.note_model_errors(bridge.after_forward(state.input_batch, state.hidden_states))
             results = bridge.take_step()
-            counters = getattr(self.omni_link, "counters", None)
-            if counters is not None:
-                record_timing(counters.model_hook_us, bridge.host_us + (time.perf_counter() - t0) * 1e6)
+            if isinstance(self.omni_link, SidecarLink):  # model hooks run with TP size 1 only
+                counters = self.omni_link.counters
+                counters.record_timing(counters.model_hook_us, bridge.host_us + (time.perf_counter() - t0) * 1e6)
             bridge.host_us = 0.0
         self.omni_link.end_step(state, results)
         return out
@@ -139,7 +138,7 @@ class SidecarRunnerMixin:
             self.omni_embeds = EmbedsBuffer(int(self.max_num_tokens), embeds_width(mcfg),
                                             mcfg.dtype, model_device(self.model), sizes)
         if capture_layers:
-            link.layer_capture = LayerCapture(
+            link.ends.layer_capture = LayerCapture(
                 self.model, int(mcfg.hf_text_config.num_hidden_layers), list(link.needs.hidden_layers),
                 int(self.max_num_tokens), int(mcfg.get_hidden_size()), mcfg.dtype, model_device(self.model))
         return out

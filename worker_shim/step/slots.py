@@ -1,25 +1,20 @@
-"""Tensors across the arenas: a step's hidden states and model results into our hidden slots,
-the plan's tensors out of the sidecar's arena (read by worker_shim/plan_read.py).
+"""The step's hidden slots: a step's hidden states and model results into our arena, one slot a step.
 
 Host arenas (`kind == "shm"`) are plain memory; device arenas (`"cuda_ipc"`)
-order their reads and writes with events: a slot is rewritten only after the
-sidecar's done event for its previous use, and the sidecar's arena is read
-only after its ready event (docs/ARCHITECTURE.md, "Arena slots").
+order their writes with events: a slot is rewritten only after the sidecar's
+done event for its previous use (docs/ARCHITECTURE.md, "Arena slots").
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable
 
 import torch
 
 from omni_arena.views import arena_tensor, dtype_name
 from proto.arena import SlotRing, align_up
-from proto.messages import StepPlan
 from proto.tensors import TensorRef
-from worker_shim.channel import SidecarError
-from worker_shim.plan_read import KWARGS, STATES, PlanLanding, StackReader, copy_out_trees
+from worker_shim.errors import SidecarError
 
 
 def hidden_arena_size(max_num_tokens: int, hidden_size: int, itemsize: int, slots: int,
@@ -62,7 +57,7 @@ class HiddenSlots:
             slots.owner_step[slot] = None
         if self.arena.kind != "shm":
             self.arena.wait_done(slot)  # the sidecar's reads of this slot's previous use
-        return StepSlot(self.arena, slot, slots.offset(slot), slots.slot_size, self._views)
+        return StepSlot(self.arena, slot, slots.offset(slot), slots.slot_size, self._views, (slots, step))
 
     def write(self, step: int, hidden: torch.Tensor, wait_answered: Callable[[int], None],
               layers: dict[int, torch.Tensor] | None = None) -> tuple[TensorRef, dict[int, TensorRef], int]:
@@ -82,7 +77,7 @@ class StepSlot:
     """One step's slot, filled front to back; `seal` once everything is in."""
 
     def __init__(self, arena: Any, slot: int, start: int, size: int,
-                 views: dict[tuple, torch.Tensor] | None = None) -> None:
+                 views: dict[tuple, torch.Tensor] | None = None, owner: tuple[SlotRing, int] | None = None) -> None:
         self.arena = arena
         self.slot = slot
         self.start = start
@@ -91,6 +86,7 @@ class StepSlot:
         # A tensor put twice (state and output) is stored once; kept alive so its id stays its own.
         self._refs: dict[int, tuple[torch.Tensor, TensorRef]] = {}
         self._views = {} if views is None else views  # HiddenSlots': kept across steps
+        self._owner = owner  # (the ring of slots, the step this one is claimed for)
 
     def put(self, tensor: torch.Tensor, steady: bool = False) -> TensorRef:
         """`tensor` into the slot; `steady`: one of the tensors every step puts at the same place
@@ -172,93 +168,8 @@ class StepSlot:
         """The ready event the sidecar waits on (-1 on host memory)."""
         return -1 if self.arena.kind == "shm" else self.arena.mark_ready(self.slot)
 
-
-def read_states(arena: Any, plan: StepPlan) -> dict[str, Any]:
-    """The plan's model states, as host copies (vllm-omni keeps decoded payloads on the host).
-
-    Call before `read_plan`, which lets the sidecar reuse its arena once our copies ran."""
-    if not plan.model_states:
-        return {}
-    if arena is not None and arena.kind != "shm" and plan.event >= 0:
-        arena.wait_ready(plan.event)
-    # Each state is kept for its request's lifetime (the model's state mirror): tensors of their own.
-    cpu = torch.device("cpu")
-    if type(plan.model_states) is bytes:
-        states = StackReader(arena, plan.stacks, cpu, own=True).decode(plan.model_states, STATES)
-    else:
-        states = dict(zip(plan.model_states, copy_out_trees(arena, list(plan.model_states.values()), cpu,
-                                                            plan.stacks, own=True)))
-    bad = [r for r, v in states.items() if not isinstance(v, dict)]
-    if bad:
-        raise SidecarError(f"sidecar sent model states that are not dicts for {bad[:4]}")
-    return states
-
-
-def read_plan(arena: Any, plan: StepPlan, input_batch: Any, model: Any,
-              embeds: torch.Tensor | None, landing: PlanLanding | None = None) -> dict[str, Any]:
-    """The plan's extra model inputs, copied out of the sidecar's arena.
-
-    `embeds` is the persistent inputs_embeds buffer (already holding this
-    step's token embeddings) when the runner feeds the model from one: overlay
-    rows are written into it in place, so CUDA graphs see them. `landing`: a 1.8
-    plan's kwargs land in its buffers, their views kept from step to step
-    (worker_shim/plan_read.py); without it, in a copy of their own.
-    """
-    if not (plan.extra_kwargs or plan.overlays or plan.model_states):
-        return {}
-    on_device = arena is not None and arena.kind != "shm"
-    if on_device and plan.event >= 0:
-        arena.wait_ready(plan.event)  # the sidecar's writes, ordered on our stream
-    extra: dict[str, Any] = {}
-    if type(plan.extra_kwargs) is bytes:
-        extra = StackReader(arena, plan.stacks, model_device(model), False, landing).decode(plan.extra_kwargs, KWARGS)
-    elif plan.extra_kwargs:
-        device = model_device(model)
-        extra = copy_out_trees(arena, [plan.extra_kwargs], device, plan.stacks)[0]
-        if not isinstance(extra, dict):  # a tree whose root is one tensor: not keyword arguments
-            raise SidecarError(f"sidecar sent extra kwargs that are a {type(extra).__name__}, not a dict")
-    if plan.overlays:
-        extra["inputs_embeds"] = _overlay(arena, plan, input_batch, model, embeds)
-    if on_device:
-        arena.mark_done(0)  # the sidecar may rewrite its arena once our copies ran
-    return extra
-
-
-def _overlay(arena: Any, plan: StepPlan, input_batch: Any, model: Any,
-             embeds: torch.Tensor | None) -> torch.Tensor:
-    if arena is None:
-        raise SidecarError("sidecar sent overlays but offered no arena")
-    if embeds is None:
-        n = int(input_batch.num_tokens_after_padding)
-        embeds = model.embed_input_ids(input_batch.input_ids[:n])
-    checked = []  # all overlays are checked before any is written: the buffer may be the model's
-    for ov in plan.overlays:
-        rows = arena_tensor(arena, ov.rows)
-        end = ov.row_start + rows.shape[0]
-        if end > int(input_batch.num_tokens) or rows.dim() != 2 or rows.shape[1] != embeds.shape[1]:
-            raise SidecarError(
-                f"overlay rows [{ov.row_start}, {end}) x {list(rows.shape)} do not fit the "
-                f"batch of {input_batch.num_tokens} tokens x {embeds.shape[1]}"
-            )
-        checked.append((ov.row_start, end, rows))
-    for start, end, rows in checked:
-        embeds[start:end].copy_(rows.to(device=embeds.device, dtype=embeds.dtype))
-    return embeds
-
-
-_DEVICES: "weakref.WeakKeyDictionary[Any, torch.device]" = weakref.WeakKeyDictionary()
-
-
-def model_device(model: Any) -> torch.device:
-    """The device of the model's first parameter, looked up once per model: walking its modules
-    to the first parameter cost ~30 µs of every step's plan read on a GPU host."""
-    try:
-        return _DEVICES[model]
-    except (KeyError, TypeError):  # TypeError: a model without weak references (a test's stand-in)
-        pass
-    device = next((param.device for param in model.parameters()), torch.device("cpu"))
-    try:
-        _DEVICES[model] = device
-    except TypeError:
-        pass
-    return device
+    def sent(self) -> None:
+        """The step's StepEnd is on its way: the slot is the sidecar's until that step's result."""
+        if self._owner is not None:
+            ring, step = self._owner
+            ring.owner_step[self.slot] = step
