@@ -183,11 +183,10 @@ def test_layers_over_the_wire_assemble_per_request_for_vllm_omni(tmp_path, its):
         welcome = peer.call(Hello(PROTOCOL_MAJOR, 0, "test", "none", "cpu", 0, 1, "m", H, "float32", 16, [arena.info()]))
         assert isinstance(welcome, Welcome) and welcome.needs.hidden_layers == [0, 2]
         new = [NewRequest("a", 3, [1, 2, 3]), NewRequest("b", 2, [4, 5])]
-        steps = [(packed_layout(["a", "b"], [0, 3, 5], [0, 0], [3, 2]), new),
-                 (packed_layout(["a", "b"], [0, 1, 2], [3, 2], [3, 2]), [])]
+        steps = [(["a", "b"], [0, 3, 5], [0, 0], [3, 2], new), (["a", "b"], [0, 1, 2], [3, 2], [3, 2], [])]
         sent: dict[int, list[torch.Tensor]] = {0: [], 2: []}
-        for step, (layout, reqs) in enumerate(steps):
-            n = layout.query_start_loc[-1]
+        for step, (ids, qsl, computed, prefill, reqs) in enumerate(steps):
+            layout, n = packed_layout(ids, qsl, computed, prefill), qsl[-1]
             refs, offset = {}, 0
             for index, tensor in [(-1, torch.randn(n, H))] + [(i, torch.randn(n, H)) for i in (0, 2)]:
                 arena.raw(offset, n * H * 4)[:] = tensor.numpy().tobytes()
