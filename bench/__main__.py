@@ -7,7 +7,7 @@
 (c) tensor handoff cost per MiB through the CPU shared-memory arena;
 (d) sidecar cold start to ready;
 (e) the shim's host cost per step: pass-through hooks (StepTick) vs hooks that read every step's
-    layout (a full StepEnd each step: the pre-1.5 traffic of every pass-through step), and both
+    layout (a full StepEnd each step), and both
     hook sets called in-process (bench/inproc.py): the process boundary's price per step;
 (f) the omni set's host work per decode step, phase by phase on both sides (bench/omni_step.py).
 Writes BENCHMARKS.md and PNG latency histograms (into --out, default docs/bench/).
@@ -207,7 +207,7 @@ def exchange_section(rows: list[dict], plots: list[str], spread: str = "") -> li
         "shared-memory rings negotiated (default) and with rings off (`OMNI_SIDECAR_RING=0`: ZeroMQ "
         "only), vs raw pyzmq REQ/REP of the same bytes (same client-side msgspec encode + decode; the "
         "raw server only echoes pre-encoded bytes). Steady-state step: request ids omitted because "
-        "unchanged, the layout packed (protocol 1.6, as the shim sends it to a 1.6 sidecar). All three "
+        "unchanged, the layout packed as the shim sends it (u32 columns). All three "
         "servers run at once and are measured in alternating blocks of 250 round "
         "trips. Back-to-back steps land inside the sidecar's spin window (`--ring-spin-us`, default "
         "2 ms); steps further apart pay a kick and a wake-up, about what ZeroMQ pays. On this VM the "
@@ -285,9 +285,9 @@ def step_cost_markdown(res: dict) -> list[str]:
         "`python -m bench.step_cost`: the worker thread's CPU time in the shim per decode step (64 requests, "
         "one row each, a 2.5 ms forward spun through), through the shim's real link and rings against a real "
         "sidecar. `passthrough` reads nothing per step, so a step that brings nothing new sends its StepStart "
-        "and a ~90-byte StepTick and wakes nobody (protocol 1.5); `observe` overrides `process_model_output`, "
-        "so every step sends the full StepEnd with its layout (packed u32 columns, protocol 1.6) and kicks the "
-        "sidecar awake: what every pass-through step sent before 1.5. `-inproc`: the same link and hook sets with the sidecar's session "
+        "and a ~90-byte StepTick and wakes nobody; `observe` overrides `process_model_output`, "
+        "so every step sends the full StepEnd with its layout (packed u32 columns) and kicks the "
+        "sidecar awake. `-inproc`: the same link and hook sets with the sidecar's session "
         "called in this process (bench/inproc.py; no socket, ring or kick), the hooks' and the session's own "
         "work then on the worker's thread: the process boundary's price per step is the difference.", "",
         "| hook set | CPU p50 (us) | CPU p99 (us) | wall p50 (us) | steps the sidecar counted |",

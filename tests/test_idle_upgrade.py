@@ -38,7 +38,7 @@ def test_the_status_and_upgrade_commands_start_without_torch():
 
 
 class HandShim:
-    """A shim of protocol 1.2 on the socket alone (no rings), spoken by hand."""
+    """A shim on the socket alone (no rings), spoken by hand."""
 
     def __init__(self, endpoint: str, arena: ShmArena, resume_token: str = "") -> None:
         self.codec = Codec()

@@ -73,7 +73,7 @@ class RecordedLink:
         channel.answer = counting(channel.answer, lambda msg, want: True)  # `call` waits through it too
         channel.take_results = counting(
             channel.take_results, lambda until_step=None: until_step is not None and channel.acked_step < until_step)
-        if hasattr(channel, "await_pongs"):  # 1.5: a quiet spell's StepStart answer, awaited later in the step
+        if hasattr(channel, "await_pongs"):  # a quiet spell's StepStart answer, awaited later in the step
             channel.await_pongs = counting(channel.await_pongs, lambda: channel.pongs_due > 0)
         self.kicks = lambda: channel.kicks_sent
 
