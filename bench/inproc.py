@@ -4,7 +4,7 @@ What does the process boundary cost: the same hook set run through the sidecar v
 the worker itself, as vllm-omni runs its hooks. This module is that baseline's port: it
 implements the shim's `RecoveryPort` (worker_shim/step/port.py), as `SidecarConnection` does,
 so the shim's unchanged `SidecarLink` drives it, but every message goes straight into an
-`omni_sidecar.session.Session` in this process:
+`omni_sidecar.sessions.session.Session` in this process:
 
 - no encode, no socket, no ring, no kick, no wait: `step_plan(StepBegin)` is the call
   `Session.step_begin`, `send(StepEnd)` is `Session.step_end`, `send(StepTick)` is `step_tick`;
@@ -13,7 +13,7 @@ so the shim's unchanged `SidecarLink` drives it, but every message goes straight
   `HeldRef` carries the tensor itself (hidden rows and captured layers are views of vLLM's
   buffers, valid while the hooks run, which is synchronous here); `InProcessArenas` hands
   them to the session as its `SessionArenas` would hand out arena views. Hooks copy what they
-  keep, as they must anyway (omni_sidecar/hooks.py: "copy to keep").
+  keep, as they must anyway (omni_sidecar/hook_api/hook_set.py: "copy to keep").
 - what is left is what the hooks themselves need: the batch layout they read (the packed
   `BatchLayout` the shim builds, read as the sidecar reads it), the message structs the session takes (built, never encoded),
   overlay rows copied into the embeds buffer, extra-kwargs tensors on the model's device (the
@@ -34,9 +34,9 @@ from typing import Any, Callable
 
 import torch
 
-from omni_sidecar.hooks import OmniHooks, wire_needs
-from omni_sidecar.session import Session
-from omni_sidecar.store import FinishedOutputs
+from omni_sidecar.hook_api.hook_set import OmniHooks, wire_needs
+from omni_sidecar.sessions.session import Session
+from omni_sidecar.sessions.store import FinishedOutputs
 from omni_arena.tensor_tree import TreeDecoder
 from proto.messages import (
     Hello, Message, Overlay, StepBegin, StepEnd, StepPlan, StepResult, StepTick, Welcome,
@@ -265,7 +265,7 @@ class InProcessConnection:
     def stats(self) -> dict[str, Any]:
         return {"arena_kind": "inproc", "arena_opens": {}, "ring_counts": {}}
 
-    # -- outputs, as a control client would read them (omni_sidecar/queries.py) ---------
+    # -- outputs, as a control client would read them (omni_sidecar/serve/queries.py) ---------
 
     def outputs(self, req_id: str) -> dict[str, Any] | None:
         """A request's assembled outputs: a live one's so far, else its finished entry's."""

@@ -53,8 +53,8 @@ class InProcessHooksMixin:
 
     def _connect_sidecar(self, payloads: PayloadTracker) -> SidecarLink:
         from bench.inproc import InProcessConnection
-        from omni_sidecar.loader import load_hooks, parse_options
-        from omni_sidecar.store import FinishedOutputs
+        from omni_sidecar.hook_api.loader import load_hooks, parse_options
+        from omni_sidecar.sessions.store import FinishedOutputs
 
         vcfg = self.vllm_config  # type: ignore[attr-defined]
         extra = getattr(vcfg, "additional_config", None) or {}

@@ -38,10 +38,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from omni_sidecar.metrics import SidecarMetrics  # noqa: E402
-from omni_sidecar.omni.hooks import OmniStateHooks  # noqa: E402
-from omni_sidecar.session import Session  # noqa: E402
-from omni_sidecar.store import FinishedOutputs  # noqa: E402
+from omni_sidecar.serve.metrics import SidecarMetrics  # noqa: E402
+from omni_sidecar.hook_sets.omni.state_hooks import OmniStateHooks  # noqa: E402
+from omni_sidecar.sessions.session import Session  # noqa: E402
+from omni_sidecar.sessions.store import FinishedOutputs  # noqa: E402
 from proto.arena import ShmArena  # noqa: E402
 from proto.messages import Hello, NewRequest, StepBegin, StepEnd, StepPlan  # noqa: E402
 from proto.packed import packed_layout  # noqa: E402

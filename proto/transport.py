@@ -226,7 +226,7 @@ class WaitPolicy:
 
     def spin(self, busy_at: float, now: float, window_s: float | None = None) -> bool:
         """Inside the spin window (`spin_us`, or `window_s`: the sidecar's stretched one,
-        omni_sidecar/spin.py): give the CPU away once and say so (poll again soon)."""
+        omni_sidecar/serve/spin.py): give the CPU away once and say so (poll again soon)."""
         if now - busy_at < (self.spin_us / 1e6 if window_s is None else window_s):
             os.sched_yield()  # let vLLM's threads run first
             return True

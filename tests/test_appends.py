@@ -6,14 +6,14 @@ import msgspec
 import pytest
 import torch
 
-from omni_sidecar.hooks import OmniHooks, RequestHookError
-from omni_sidecar.metrics import SidecarMetrics
-from omni_sidecar.omni.hooks import OmniStateHooks
-from omni_sidecar.omni.state import IntermediateBuffer, StateError
-from omni_sidecar.omni.wire import encode_additional_information
-from omni_sidecar.queries import Queries
-from omni_sidecar.session import Session
-from omni_sidecar.store import FinishedEntry, FinishedOutputs
+from omni_sidecar.hook_api.hook_set import OmniHooks, RequestHookError
+from omni_sidecar.serve.metrics import SidecarMetrics
+from omni_sidecar.hook_sets.omni.state_hooks import OmniStateHooks
+from omni_sidecar.hook_sets.omni.state import IntermediateBuffer, StateError
+from omni_sidecar.hook_sets.omni.wire import encode_additional_information
+from omni_sidecar.serve.queries import Queries
+from omni_sidecar.sessions.session import Session
+from omni_sidecar.sessions.store import FinishedEntry, FinishedOutputs
 from proto.codec import Codec
 from proto.messages import (AppendPayload, AppendReply, BatchLayout, ErrorReply, Hello, ModelHooks, NewRequest,
                             StepBegin, StepEnd)
@@ -50,7 +50,7 @@ def _session(hooks) -> tuple[Session, FinishedOutputs]:
 
 
 def _layout(step: int, req_ids=("r", "o")) -> BatchLayout:
-    """One row per request, position `step` (each position reaches the hooks once: omni_sidecar/replays.py)."""
+    """One row per request, position `step` (each position reaches the hooks once: omni_sidecar/sessions/replays.py)."""
     n = len(req_ids)
     return packed_layout(list(req_ids), list(range(n + 1)), [step] * n, [1] * n)
 
@@ -160,7 +160,7 @@ def test_append_messages_round_trip_and_bound_the_id():
 
 
 def test_finished_store_alone_names_the_request_finished():
-    from omni_sidecar.appends import unknown
+    from omni_sidecar.sessions.appends import unknown
 
     store = FinishedOutputs(2)
     store.put("v1", FinishedEntry({}, []), client_id="mine")

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_sidecar.hooks import HookErrors, RequestInfo, StepBatch
-from omni_sidecar.omni.code2wav import Code2WavHooks, chunk_input, chunk_span, num_chunks
-from omni_sidecar.omni.wire import encode_additional_information
+from omni_sidecar.hook_api.hook_set import HookErrors, RequestInfo, StepBatch
+from omni_sidecar.hook_sets.omni.code2wav import Code2WavHooks, chunk_input, chunk_span, num_chunks
+from omni_sidecar.hook_sets.omni.wire import encode_additional_information
 from proto.packed import StepLayout
 from tiny_code2wav import CODE2WAV_CONFIG, Code2WavDecoder, decode_runtime_info
 

@@ -379,7 +379,7 @@ def test_100k_mutated_ring_replies_at_the_shims_channel(tmp_path):
     ident, frame = server.recv_multipart()
     offered = CODEC.decode(frame).rings
     duplex = RingDuplex(tx=ShmRing.attach(offered[1]), rx=ShmRing.attach(offered[0]))
-    server.send_multipart([ident, CODEC.encode(Welcome(1, 0, "x", "y", HookNeeds(), 1, rings=True))])
+    server.send_multipart([ident, CODEC.encode(Welcome(PROTOCOL_MAJOR, 0, "x", "y", HookNeeds(), 1, rings=True))])
     assert channel.poll_welcome(hello, 5000) is not None and (channel.rings is not None)
     stop = threading.Event()
     mode = {"fuzz": True}

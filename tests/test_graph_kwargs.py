@@ -60,7 +60,7 @@ def test_prefix_caching_refusal_still_comes_first():
 
 
 def test_the_omni_hook_set_declares_its_extra_kwargs():
-    from omni_sidecar.omni.hooks import OmniStateHooks
+    from omni_sidecar.hook_sets.omni.state_hooks import OmniStateHooks
 
     assert OmniStateHooks(extra_kwargs="1").needs.extra_kwargs is True
     assert OmniStateHooks().needs.extra_kwargs is False

@@ -187,7 +187,7 @@ def test_a_session_goes_to_the_successor_between_its_steps_never_inside_one(tmp_
 
 
 FRESH_HOOKS = """
-from omni_sidecar.builtin_hooks import PassThroughHooks
+from omni_sidecar.hook_sets.reference import PassThroughHooks
 
 
 class Fresh(PassThroughHooks):
@@ -197,7 +197,7 @@ class Fresh(PassThroughHooks):
 
 def test_the_warm_spare_forks_new_sidecars_that_run_the_code_on_disk(tmp_path):
     from omni_sidecar.client import SidecarClient
-    from omni_sidecar.spare import fork_sidecar
+    from omni_sidecar.upgrade.spare import fork_sidecar
 
     endpoint = f"ipc://{tmp_path}/sc.sock"
     assert fork_sidecar(endpoint, ["status"], str(tmp_path / "x.log")) is None  # no spare: a cold start
@@ -228,7 +228,7 @@ def test_the_warm_spare_forks_new_sidecars_that_run_the_code_on_disk(tmp_path):
 
 LAST_FRAME_JOB = """
 import os, sys
-from omni_sidecar.listener import Listener
+from omni_sidecar.serve.listener import Listener
 listener = Listener(1 << 30, [], None)
 listener.bind(sys.argv[1])
 frames = listener.recv_frames()  # the asker's hello

@@ -63,7 +63,7 @@ def test_inproc_baseline_matches_the_sidecar(kwargs_model, e2e_dir, tmp_path):
     assert local["ok"], local.get("traceback")
 
     (s_via,), (s_local,) = via["shim_stats"], local["shim_stats"]
-    # The sidecar built some steady decode steps' plans ahead (omni_sidecar/plan_ahead.py), which
+    # The sidecar built some steady decode steps' plans ahead (omni_sidecar/sessions/plan_ahead.py), which
     # the comparison below then checks forward by forward against the baseline's (never ahead).
     # Decode steps sent their requests' last rows stacked, checked alike.
     ended = re.findall(r"after (\d+) steps \((\d+) planned ahead, (\d+) tensors sent as stacked rows\)",

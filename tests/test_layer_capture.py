@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from omni_sidecar.omni.keys import HIDDEN, LAYER_PREFIX, unflatten
-from omni_sidecar.omni.wire import encode_additional_information
+from omni_sidecar.hook_sets.omni.keys import HIDDEN, LAYER_PREFIX, unflatten
+from omni_sidecar.hook_sets.omni.wire import encode_additional_information
 from proto.arena import ShmArena
 from proto.messages import Hello, HookNeeds, NewRequest, StepEnd, StepResult, Welcome
 from proto.packed import packed_layout

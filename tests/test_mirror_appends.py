@@ -14,15 +14,15 @@ from types import SimpleNamespace
 import torch
 
 from omni_arena.tensor_tree import decode_inline, encode_inline
-from omni_sidecar.peer import ShimPeer
+from omni_sidecar.serve.peer import ShimPeer
 from proto.codec import Codec
 from proto.messages import (AppendPayload, AppendReply, ErrorReply, Hello, MirrorUpdate, ModelHooks, NewRequest,
                             StepEnd, StepStart, SwitchReady)
 from proto.version import PROTOCOL_MAJOR
 from tests.test_appends import Recording, _layout, _payload
-from omni_sidecar.metrics import SidecarMetrics
-from omni_sidecar.session import Session
-from omni_sidecar.store import FinishedOutputs
+from omni_sidecar.serve.metrics import SidecarMetrics
+from omni_sidecar.sessions.session import Session
+from omni_sidecar.sessions.store import FinishedOutputs
 from tests.test_recovery import FakeConnection
 from worker_shim.step.link import SidecarLink
 from worker_shim.model.state_mirror import StateMirror

@@ -15,10 +15,10 @@ import msgspec
 
 from omni_arena.tensor_tree import TreeDecoder, TreeEncoder
 from omni_arena.views import arena_tensor
-from omni_sidecar.metrics import SidecarMetrics
-from omni_sidecar.omni.stages import TalkerHooks
-from omni_sidecar.session import Session
-from omni_sidecar.store import FinishedOutputs
+from omni_sidecar.serve.metrics import SidecarMetrics
+from omni_sidecar.hook_sets.omni.stages import TalkerHooks
+from omni_sidecar.sessions.session import Session
+from omni_sidecar.sessions.store import FinishedOutputs
 from proto.arena import ShmArena
 from proto.messages import Hello, HookNeeds, NewRequest, StepBegin, StepEnd, StepPlan
 from proto.packed import StepLayout, packed_layout
@@ -368,8 +368,8 @@ def test_requests_vllm_adds_during_its_warm_up_reach_no_hook_and_ask_no_state():
 
 
 def test_sidecar_hooks_read_each_rows_input_ids_from_the_layout():
-    from omni_sidecar.hooks import StepBatch
-    from omni_sidecar.replays import SeenPositions
+    from omni_sidecar.hook_api.hook_set import StepBatch
+    from omni_sidecar.sessions.replays import SeenPositions
 
     layout = StepLayout(["a", "b"], [0, 2, 3], [0, 5], [2, 5], [11, 12, 42])
     assert StepBatch(0, layout).input_ids(1) == [42]  # b decodes the token sampled before
@@ -380,7 +380,7 @@ def test_sidecar_hooks_read_each_rows_input_ids_from_the_layout():
 
 
 def test_int_keyed_state_survives_the_hot_upgrade_hand_over():
-    from omni_sidecar.statepack import pack, unpack
+    from omni_sidecar.upgrade.takeover_state import pack, unpack
 
     state = {"states": {"r": {"hidden_states": {"layers": {0: torch.ones(2), 24: torch.zeros(1)}}}}}
     back = unpack(pack(state))["states"]["r"]["hidden_states"]["layers"]

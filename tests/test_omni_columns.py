@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from omni_sidecar.hooks import HookErrors, RequestInfo, StepBatch
-from omni_sidecar.omni.hooks import OmniStateHooks
-from omni_sidecar.omni.state import IntermediateBuffer, StateError
+from omni_sidecar.hook_api.hook_set import HookErrors, RequestInfo, StepBatch
+from omni_sidecar.hook_sets.omni.state_hooks import OmniStateHooks
+from omni_sidecar.hook_sets.omni.state import IntermediateBuffer, StateError
 from proto.packed import StepLayout, packed_layout
 from tests.support.trees import assert_same_tree
 from proto.version import PROTOCOL_MAJOR
@@ -77,11 +77,11 @@ def test_between_steps_work_waits_for_the_message_already_in_the_ring():
     answered first."""
     from types import SimpleNamespace
 
-    from omni_sidecar.hooks import OmniHooks
-    from omni_sidecar.metrics import SidecarMetrics
-    from omni_sidecar.peer import ShimPeer
-    from omni_sidecar.session import Session
-    from omni_sidecar.store import FinishedOutputs
+    from omni_sidecar.hook_api.hook_set import OmniHooks
+    from omni_sidecar.serve.metrics import SidecarMetrics
+    from omni_sidecar.serve.peer import ShimPeer
+    from omni_sidecar.sessions.session import Session
+    from omni_sidecar.sessions.store import FinishedOutputs
     from proto.messages import Hello
 
     class Counting(OmniHooks):
@@ -140,10 +140,10 @@ def test_a_refused_request_and_one_without_state_keep_nothing_of_the_step():
 
 
 def test_errors_of_the_work_between_steps_go_out_with_the_next_answer():
-    from omni_sidecar.hooks import HookErrors, OmniHooks
-    from omni_sidecar.metrics import SidecarMetrics
-    from omni_sidecar.session import Session
-    from omni_sidecar.store import FinishedOutputs
+    from omni_sidecar.hook_api.hook_set import HookErrors, OmniHooks
+    from omni_sidecar.serve.metrics import SidecarMetrics
+    from omni_sidecar.sessions.session import Session
+    from omni_sidecar.sessions.store import FinishedOutputs
     from proto.messages import Hello, NewRequest, StepBegin, StepEnd
 
     class Failing(OmniHooks):
@@ -198,7 +198,7 @@ def test_the_omni_step_never_waits_for_the_device():
     from omni_arena.cuda_ipc import CudaIpcArena
     from omni_arena.tensor_tree import TreeDecoder, TreeEncoder
     from omni_arena.views import arena_tensor
-    from omni_sidecar.arenas import OutArena
+    from omni_sidecar.sessions.arenas import OutArena
 
     dev = torch.device("cuda", 0)
     ids = [f"r{i}" for i in range(10)]
@@ -239,10 +239,10 @@ def test_the_omni_step_never_waits_for_the_device():
 def test_finished_outputs_are_assembled_when_first_read_and_are_the_live_ones(monkeypatch):
     """A batch that finishes in one step does not assemble every request's outputs in that step (a
     client may never ask): the omni set's outputs are its chunks put together when first read."""
-    import omni_sidecar.omni.hooks as omni_hooks
-    from omni_sidecar.metrics import SidecarMetrics
-    from omni_sidecar.session import Session
-    from omni_sidecar.store import FinishedOutputs
+    import omni_sidecar.hook_sets.omni.state_hooks as omni_hooks
+    from omni_sidecar.serve.metrics import SidecarMetrics
+    from omni_sidecar.sessions.session import Session
+    from omni_sidecar.sessions.store import FinishedOutputs
     from proto.arena import ShmArena
     from proto.messages import Hello, NewRequest, StepEnd
     from proto.tensors import TensorRef
@@ -279,7 +279,7 @@ def test_finished_outputs_are_assembled_when_first_read_and_are_the_live_ones(mo
 def test_a_requests_chunks_are_cut_when_read_once(monkeypatch):
     """Steps' outputs are logged whole; a request's chunk of a step is cut when something reads
     it, once (the same chunk objects on the next read), and equal what cutting at once gives."""
-    from omni_sidecar.omni.outputs import _LoggedStep
+    from omni_sidecar.hook_sets.omni.outputs import _LoggedStep
 
     cuts = []
     real = _LoggedStep.chunk
@@ -304,7 +304,7 @@ def test_a_requests_chunks_are_cut_when_read_once(monkeypatch):
     assert cuts == [0, 0, 0]  # a finished request nobody reads is never cut
 
 def test_outputs_that_fail_to_assemble_become_the_requests_error_when_read():
-    from omni_sidecar.store import FinishedEntry, FinishedOutputs
+    from omni_sidecar.sessions.store import FinishedEntry, FinishedOutputs
 
     def bad():
         raise RuntimeError("Sizes of tensors must match")
@@ -333,7 +333,7 @@ def test_an_overrides_state_row_never_views_the_shims_hidden_rows():
 
 
 def test_a_logged_step_keeps_only_what_its_chunks_take():
-    from omni_sidecar.omni.outputs import _LoggedStep
+    from omni_sidecar.hook_sets.omni.outputs import _LoggedStep
 
     per_request = ["x", "y"]
     step = _LoggedStep({"rows": torch.zeros(3, 2), "other": torch.zeros(5, 2), "per_request": per_request,

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_sidecar.hooks import HookErrors, RequestInfo, StepBatch
-from omni_sidecar.omni.hooks import OmniStateHooks
-from omni_sidecar.omni.keys import flatten, unflatten
-from omni_sidecar.omni.outputs import accumulate, slice_per_request
-from omni_sidecar.omni.state import IntermediateBuffer, StateError
-from omni_sidecar.omni.wire import (
+from omni_sidecar.hook_api.hook_set import HookErrors, RequestInfo, StepBatch
+from omni_sidecar.hook_sets.omni.state_hooks import OmniStateHooks
+from omni_sidecar.hook_sets.omni.keys import flatten, unflatten
+from omni_sidecar.hook_sets.omni.outputs import accumulate, slice_per_request
+from omni_sidecar.hook_sets.omni.state import IntermediateBuffer, StateError
+from omni_sidecar.hook_sets.omni.wire import (
     PayloadError,
     decode_additional_information,
     decode_plain_buffer,

@@ -1,4 +1,4 @@
-"""A prefill step's overlay rows written by the sidecar in one concatenation (omni_sidecar/arenas.py,
+"""A prefill step's overlay rows written by the sidecar in one concatenation (omni_sidecar/sessions/arenas.py,
 `OutArena.put_rows`): each request's rows a run of it, read back as they were sent."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from omni_arena.views import arena_tensor
-from omni_sidecar.arenas import OutArena, SessionArenas
-from omni_sidecar.metrics import SidecarMetrics
+from omni_sidecar.sessions.arenas import OutArena, SessionArenas
+from omni_sidecar.serve.metrics import SidecarMetrics
 from proto.arena import ALIGN, ShmArena
 from proto.messages import Hello
 from proto.version import PROTOCOL_MAJOR

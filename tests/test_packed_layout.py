@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from omni_sidecar.hooks import OmniHooks
-from omni_sidecar.metrics import SidecarMetrics
+from omni_sidecar.hook_api.hook_set import OmniHooks
+from omni_sidecar.serve.metrics import SidecarMetrics
 from omni_sidecar.payload import sidecar_extra_args
-from omni_sidecar.session import Session
-from omni_sidecar.store import FinishedOutputs
+from omni_sidecar.sessions.session import Session
+from omni_sidecar.sessions.store import FinishedOutputs
 from proto.arena import ShmArena
 from proto.codec import Codec, FrameError
 from proto.messages import MAX_BATCH, BatchLayout, ErrorReply, HookNeeds, NewRequest, StepBegin, StepEnd, StepPlan
@@ -81,9 +81,9 @@ def test_session_reads_packed_layouts_as_lists():
         plan = session.step_begin(StepBegin(step, packed_layout(ids, qsl, computed, prefill)))
         assert plan.errors == []
     assert hooks.seen == [  # ids omitted: the previous ones
-        (["a", "b"], [0, 3, 4], [0, 7], [3, 8], [3, 1]),
-        (["a", "b"], [0, 1, 2], [3, 8], [3, 8], [0, 0]),
-        (["b"], [0, 1], [9], [8], [0]),
+        (["a", "b"], [0, 3, 4], [0, 7], [3, 8], [(0, 3, 0), (3, 1, 7)]),
+        (["a", "b"], [0, 1, 2], [3, 8], [3, 8], [(0, 0, 3), (1, 0, 8)]),
+        (["b"], [0, 1], [9], [8], [(0, 0, 9)]),
     ]
 
 

@@ -1,4 +1,4 @@
-"""Plans built ahead (omni_sidecar/plan_ahead.py) are the plans the StepBegin would have got.
+"""Plans built ahead (omni_sidecar/sessions/plan_ahead.py) are the plans the StepBegin would have got.
 
 Two sessions with the omni set sending extra kwargs every step, one planning ahead and one not,
 take the same steps; after every StepEnd the first builds the next steady decode step's plan (as
@@ -16,12 +16,12 @@ import torch
 
 from omni_arena.tensor_tree import TreeDecoder
 from omni_arena.views import arena_tensor
-from omni_sidecar.metrics import SidecarMetrics
-from omni_sidecar.omni.hooks import OmniStateHooks
-from omni_sidecar.omni.wire import encode_additional_information
-from omni_sidecar.plan_ahead import next_decode_layout
-from omni_sidecar.session import Session
-from omni_sidecar.store import FinishedOutputs
+from omni_sidecar.serve.metrics import SidecarMetrics
+from omni_sidecar.hook_sets.omni.state_hooks import OmniStateHooks
+from omni_sidecar.hook_sets.omni.wire import encode_additional_information
+from omni_sidecar.sessions.plan_ahead import next_decode_layout
+from omni_sidecar.sessions.session import Session
+from omni_sidecar.sessions.store import FinishedOutputs
 from proto.arena import ShmArena
 from proto.messages import AppendPayload, Hello, NewRequest, StepBegin, StepEnd
 from proto.packed import StepLayout, packed_layout, unpack_u32

@@ -10,8 +10,8 @@ import msgspec
 import pytest
 import torch
 
-from omni_sidecar.arenas import SessionArenas
-from omni_sidecar.metrics import SidecarMetrics
+from omni_sidecar.sessions.arenas import SessionArenas
+from omni_sidecar.serve.metrics import SidecarMetrics
 from proto.arena import ShmArena
 from proto.codec import Codec
 from proto.messages import Hello, StepPlan

@@ -11,8 +11,8 @@ import msgspec
 import pytest
 import torch
 
-from omni_sidecar.arenas import OutArena
-from omni_sidecar.omni.state import IntermediateBuffer, StateError, _nbytes
+from omni_sidecar.sessions.arenas import OutArena
+from omni_sidecar.hook_sets.omni.state import IntermediateBuffer, StateError, _nbytes
 from proto.arena import ShmArena
 from proto.tensors import TensorRef, TensorRefError
 from tests.support.arenas import DeviceLikeArena
@@ -242,8 +242,8 @@ def test_the_default_postprocess_batched_equals_it_called_per_request():
     """The omni set's default postprocess runs for all requests at once; a subclass that overrides
     postprocess (here: only calling the default) is called per request. Same states, same chunks,
     a step with no rows (all replayed) included."""
-    from omni_sidecar.hooks import RequestInfo, StepBatch
-    from omni_sidecar.omni.hooks import OmniStateHooks
+    from omni_sidecar.hook_api.hook_set import RequestInfo, StepBatch
+    from omni_sidecar.hook_sets.omni.state_hooks import OmniStateHooks
     from proto.packed import StepLayout
 
     class PerRequest(OmniStateHooks):
@@ -281,8 +281,8 @@ def test_the_default_postprocess_batched_equals_it_called_per_request():
 
 
 def test_a_layout_naming_more_rows_than_the_hidden_states_fails_the_step_not_the_process():
-    from omni_sidecar.hooks import HookErrors, RequestInfo, StepBatch
-    from omni_sidecar.omni.hooks import OmniStateHooks
+    from omni_sidecar.hook_api.hook_set import HookErrors, RequestInfo, StepBatch
+    from omni_sidecar.hook_sets.omni.state_hooks import OmniStateHooks
     from proto.packed import StepLayout
 
     hooks = OmniStateHooks()

@@ -12,8 +12,8 @@ import torch
 
 from omni_arena.tensor_tree import TreeDecoder, TreeEncoder, decode_inline, encode_inline
 from omni_arena.views import arena_tensor
-from omni_sidecar.arenas import OutArena, SessionArenas
-from omni_sidecar.metrics import SidecarMetrics
+from omni_sidecar.sessions.arenas import OutArena, SessionArenas
+from omni_sidecar.serve.metrics import SidecarMetrics
 from proto.arena import ShmArena
 from proto.codec import Codec
 from proto.messages import Hello, MirrorUpdate, StepPlan
@@ -216,3 +216,15 @@ def test_a_mirror_update_carries_its_tree_and_tensors_inline():
     assert got["embed"]["decode"].untyped_storage().data_ptr() != got["flags"].untyped_storage().data_ptr()
     with pytest.raises(TreeError, match="bad inline tensor"):
         decode_inline(update.entries, [msgspec.structs.replace(b, data=b"\0") for b in update.blobs])
+
+
+def test_zero_dim_tensors_are_rows_of_a_stack_and_read_back_as_zero_dim(arenas):
+    """vllm-omni kwargs may hold scalars as 0-d tensors (a temperature): each is a row of a 1-d
+    stack, counted as a stacked row, and reads back 0-d."""
+    arenas.out.reset()
+    kwargs = {"temperature": torch.tensor(0.7), "per_request": [{"t": torch.tensor(float(i))} for i in range(ROWS)]}
+    sent = arenas.encode_tree(kwargs)
+    assert [s.shape for s in arenas.stacks] == [[ROWS + 1]] and arenas.stacked_rows == ROWS + 1
+    got = _read(arenas.out.arena, sent, arenas.stacks)
+    assert got["temperature"].shape == () and got["temperature"].item() == pytest.approx(0.7)
+    assert_same_tree(got, kwargs)

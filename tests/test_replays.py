@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from omni_sidecar.replays import SeenPositions
+from omni_sidecar.sessions.replays import SeenPositions
 from proto.packed import StepLayout
 
 

@@ -240,7 +240,7 @@ class FakeSidecar:
         hello = CODEC.decode(frame)
         assert isinstance(hello, Hello) and len(hello.rings) == 2
         self.duplex = RingDuplex(tx=ShmRing.attach(hello.rings[1]), rx=ShmRing.attach(hello.rings[0]))
-        self.sock.send_multipart([self.ident, CODEC.encode(Welcome(1, 0, "fake", "x", HookNeeds(), 1, rings=True))])
+        self.sock.send_multipart([self.ident, CODEC.encode(Welcome(PROTOCOL_MAJOR, 0, "fake", "x", HookNeeds(), 1, rings=True))])
         assert channel.poll_welcome(HELLO, 5000) is not None and (channel.rings is not None)
         return self.duplex
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 import zmq
 
-from omni_sidecar.builtin_hooks import CaptureHiddenHooks, PromptEmbedsOverlayHooks
-from omni_sidecar.hooks import HookErrors, RequestInfo, StepBatch
+from omni_sidecar.hook_sets.reference import CaptureHiddenHooks, PromptEmbedsOverlayHooks
+from omni_sidecar.hook_api.hook_set import HookErrors, RequestInfo, StepBatch
 from omni_sidecar.payload import sidecar_extra_args
 from proto.arena import ShmArena
 from proto.codec import Codec
@@ -187,9 +187,9 @@ class _FailingFinish(CaptureHiddenHooks):
 
 
 def test_on_finished_errors_fail_the_requests_and_are_counted():
-    from omni_sidecar.metrics import SidecarMetrics
-    from omni_sidecar.session import Session
-    from omni_sidecar.store import FinishedOutputs
+    from omni_sidecar.serve.metrics import SidecarMetrics
+    from omni_sidecar.sessions.session import Session
+    from omni_sidecar.sessions.store import FinishedOutputs
 
     store, metrics = FinishedOutputs(10), SidecarMetrics()
     session = Session(1, _hello([]), _FailingFinish(), store, metrics)
@@ -246,8 +246,8 @@ def test_the_sidecars_hot_ring_loop_hands_back_at_its_deadline_when_the_ring_nev
     import time
     from types import SimpleNamespace
 
-    from omni_sidecar.peers import PeerTable
-    from omni_sidecar.spin import SpinWindow
+    from omni_sidecar.serve.peers import PeerTable
+    from omni_sidecar.serve.spin import SpinWindow
 
     table = PeerTable.__new__(PeerTable)
     t0 = time.monotonic()

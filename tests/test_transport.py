@@ -86,7 +86,7 @@ def test_routing_table():
     layout = packed_layout(["a"], [0, 1], [0], [1])
     for msg in (StepBegin(0, layout), StepEnd(0), StepPlan(step=0), StepResult(step=0), ErrorReply("c", "m")):
         assert route(msg) == "ring"
-    for msg in (Welcome(1, 1, "v", "h", HookNeeds(), 1), Reject("no")):
+    for msg in (Welcome(PROTOCOL_MAJOR, 0, "v", "h", HookNeeds(), 1), Reject("no")):
         assert route(msg) == "socket"  # the shim reads no ring before the handshake's answer
     for msg in (Pong(1), StatusQuery(), SwitchAck("ipc:///x", "t"),
                 Hello(PROTOCOL_MAJOR, 0, "t", "none", "cpu", 0, 1, "m", 8, "float32", 8, [])):
@@ -176,7 +176,7 @@ def test_wait_policy_spins_then_naps_and_stretches_when_idle():
     policy = WaitPolicy(spin_us=1000, sleep_ms=2, idle_s=1.0, idle_sleep_ms=50)
     assert policy.spin(busy_at=10.0, now=10.0005)
     assert not policy.spin(busy_at=10.0, now=10.002)
-    assert policy.spin(busy_at=10.0, now=10.004, window_s=0.005)  # a stretched window (omni_sidecar/spin.py)
+    assert policy.spin(busy_at=10.0, now=10.004, window_s=0.005)  # a stretched window (omni_sidecar/serve/spin.py)
     assert policy.nap_ms(busy_at=10.0, now=10.5) == 2
     assert policy.nap_ms(busy_at=10.0, now=11.5) == 50  # idle: fewer wake-ups
     assert policy.nap_ms(busy_at=10.0, now=11.5, deadline=11.53125) == 31  # never past the deadline

@@ -71,11 +71,11 @@ def _first(*candidates: str) -> Any:
 # -- the sidecar ----------------------------------------------------------------------
 
 def start_sidecar(endpoint: str, hooks_name: str, ring: bool) -> tuple[Any, threading.Thread]:
-    load_hooks = _first("omni_sidecar.loader:load_hooks", "omni_sidecar.hooks:load_hooks")
-    server_cls = _first("omni_sidecar.server:SidecarServer", "omni_sidecar.serve:SidecarServer",
+    load_hooks = _first("omni_sidecar.hook_api.loader:load_hooks", "omni_sidecar.hook_api.hook_set:load_hooks")
+    server_cls = _first("omni_sidecar.serve.server:SidecarServer", "omni_sidecar.serve:SidecarServer",
                         "omni_sidecar.loop:SidecarServer")
     try:  # a server that takes its settings object
-        from omni_sidecar.config import ServeConfig
+        from omni_sidecar.serve.config import ServeConfig
 
         server = server_cls(ServeConfig(endpoint=endpoint, hooks=hooks_name, arena_mib=4, ring=ring),
                             load_hooks(hooks_name, {}))

@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from omni_sidecar.hooks import HookErrors, RequestHookError, RequestInfo, StepBatch
-from omni_sidecar.omni.hooks import OmniStateHooks
+from omni_sidecar.hook_api.hook_set import HookErrors, RequestHookError, RequestInfo, StepBatch
+from omni_sidecar.hook_sets.omni.state_hooks import OmniStateHooks
 from proto.messages import HookNeeds
 from proto.settings import CODE2WAV_CHUNK_FRAMES, CODE2WAV_LEFT_CONTEXT_FRAMES
 

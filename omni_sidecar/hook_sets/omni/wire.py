@@ -23,8 +23,8 @@ from typing import Annotated, Any
 import msgspec
 import torch
 
-from omni_sidecar.omni.keys import PayloadError, flatten, unflatten
-from omni_sidecar.tensors import tensor_from_bytes, tensor_to_bytes
+from omni_sidecar.hook_sets.omni.keys import PayloadError, flatten, unflatten
+from omni_arena.views import tensor_from_bytes, tensor_to_bytes
 from proto.tensors import MAX_TENSOR_DIMS
 
 __all__ = [

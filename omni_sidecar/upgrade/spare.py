@@ -14,7 +14,7 @@ and then, takes connections: a killed sidecar leaves its file behind), answers o
 Torch itself stays the version the spare imported: upgrading torch on disk needs a restart
 (or `upgrade --cold`). See docs/ARCHITECTURE.md, Hot upgrade.
 
-Run as `python -m omni_sidecar.spare ENDPOINT`; imports only the standard library and
+Run as `python -m omni_sidecar.upgrade.spare ENDPOINT`; imports only the standard library and
 proto.endpoint until it preloads torch and the other libraries a sidecar needs (no context,
 socket or thread of theirs is made before a fork).
 """
@@ -56,7 +56,7 @@ def ensure_spare(endpoint: str) -> None:
     path = spare_path(endpoint)
     if path is None or _answers(path):
         return
-    subprocess.Popen([sys.executable, "-m", "omni_sidecar.spare", endpoint], stdin=subprocess.DEVNULL,
+    subprocess.Popen([sys.executable, "-m", "omni_sidecar.upgrade.spare", endpoint], stdin=subprocess.DEVNULL,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
@@ -238,5 +238,5 @@ def _become_sidecar(request: dict[str, Any]) -> NoReturn:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m omni_sidecar.spare ENDPOINT")
+        raise SystemExit("usage: python -m omni_sidecar.upgrade.spare ENDPOINT")
     serve(sys.argv[1])

@@ -28,14 +28,14 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from omni_sidecar.hooks import HookErrors
+from omni_sidecar.hook_api.hook_set import HookErrors
 from omni_arena.tensor_tree import encode_inline
 from proto.messages import AppendPayload, AppendReply, ErrorReply, Message, MirrorUpdate
 from proto.settings import ERROR_TEXT_MAX
 
 if TYPE_CHECKING:
-    from omni_sidecar.session import Session
-    from omni_sidecar.store import FinishedOutputs
+    from omni_sidecar.sessions.session import Session
+    from omni_sidecar.sessions.store import FinishedOutputs
 
 log = logging.getLogger("omni_sidecar.appends")
 Answer = Callable[[Message], None]

@@ -1,7 +1,7 @@
 """One shim connection's requests and the hook calls per step.
 
-Tensor moves live in omni_sidecar/arenas.py; what a finished request leaves for
-clients in omni_sidecar/store.py.
+Tensor moves live in omni_sidecar/sessions/arenas.py; what a finished request leaves for
+clients in omni_sidecar/sessions/store.py.
 """
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from typing import Any
 
 import msgspec
 
-from omni_sidecar.appends import AppendQueue
-from omni_sidecar.arenas import SessionArenas
-from omni_sidecar.hook_guard import absorb_hook_error, collect_hook_errors
-from omni_sidecar.hooks import OmniHooks, RequestInfo, StepBatch
-from omni_sidecar.metrics import SidecarMetrics
-from omni_sidecar.plan_ahead import PlansAhead
-from omni_sidecar.stats import LatencyWindow
-from omni_sidecar.replays import SeenPositions, take_rows
-from omni_sidecar.store import FinishedEntry, FinishedOutputs
+from omni_sidecar.sessions.appends import AppendQueue
+from omni_sidecar.sessions.arenas import SessionArenas
+from omni_sidecar.hook_api.guard import absorb_hook_error, collect_hook_errors
+from omni_sidecar.hook_api.hook_set import OmniHooks, RequestInfo, StepBatch
+from omni_sidecar.serve.metrics import SidecarMetrics
+from omni_sidecar.sessions.plan_ahead import PlansAhead
+from omni_sidecar.sessions.latency import LatencyWindow
+from omni_sidecar.sessions.replays import SeenPositions, take_rows
+from omni_sidecar.sessions.store import FinishedEntry, FinishedOutputs
 from proto.messages import (
     BatchLayout,
     Hello,
@@ -183,13 +183,13 @@ class Session:
         return overlays, extra
 
     def plan_ahead(self) -> None:
-        """After a StepEnd is answered (the server calls it): omni_sidecar/plan_ahead.py."""
+        """After a StepEnd is answered (the server calls it): omni_sidecar/sessions/plan_ahead.py."""
         if self.ahead is not None:
             self.ahead.build()
 
     def between_steps(self) -> None:
         """The work the hooks put off until the next plan is out (`OmniHooks.between_steps`): after
-        `plan_ahead`, or after the StepBegin already waiting then (omni_sidecar/peer.py)."""
+        `plan_ahead`, or after the StepBegin already waiting then (omni_sidecar/serve/peer.py)."""
         if self.works_between_steps:
             with collect_hook_errors(self._late_errors, None, "between_steps", list(self.requests)):
                 self.hooks.between_steps()

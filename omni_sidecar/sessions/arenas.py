@@ -15,7 +15,7 @@ import torch
 
 from omni_arena.tensor_tree import Tree, TreeDecoder, TreeEncoder
 from omni_arena.views import arena_tensor, dtype_name, torch_dtype
-from omni_sidecar.metrics import SidecarMetrics
+from omni_sidecar.serve.metrics import SidecarMetrics
 from proto.arena import ArenaError, ShmArena, align_up
 from proto.messages import MAX_PLAN_TENSORS, Hello, Overlay, ReqId, StepEnd
 from proto.tensors import DTYPE_ITEMSIZE, TensorRef

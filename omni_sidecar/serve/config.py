@@ -21,7 +21,7 @@ from proto.endpoint import default_endpoint
 from proto.settings import ENV_PREFIX, RING_SLEEP_MS, RING_SLEEP_MS_MAX, RING_SPIN_US
 
 
-# The hook sets `--hooks` names (omni_sidecar/builtin_hooks.py); here, so that the CLI builds its
+# The hook sets `--hooks` names (omni_sidecar/hook_sets/reference.py); here, so that the CLI builds its
 # help without importing torch.
 BUILTIN_NAMES = ("passthrough", "capture", "overlay", "omni", "omni-thinker", "omni-talker",
                  "omni-code2wav")
@@ -38,7 +38,7 @@ class ServeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "ZeroMQ ipc:// endpoint (default: $OMNI_SIDECAR_ENDPOINT or a socket under $XDG_RUNTIME_DIR)")] = ""
     hooks: Annotated[str, _help(
         f"hook set: built-in ({', '.join(BUILTIN_NAMES)}) or module:Class "
-        "(a subclass of omni_sidecar.hooks.OmniHooks)")] = "passthrough"
+        "(a subclass of omni_sidecar.hook_api.hook_set.OmniHooks)")] = "passthrough"
     hook_options: Annotated[dict[str, str], _help(
         "passed to the hook set's constructor; repeatable (e.g. extra_kwargs=1, "
         "state_cap_mib=64 for --hooks omni)")] = {}

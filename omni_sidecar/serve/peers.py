@@ -12,13 +12,13 @@ import time
 from typing import Any, Callable
 
 from omni_sidecar import __version__
-from omni_sidecar.hooks import OmniHooks, wire_needs
-from omni_sidecar.listener import Listener
-from omni_sidecar.metrics import SidecarMetrics
-from omni_sidecar.spin import SpinWindow
-from omni_sidecar.peer import EndReason, ShimPeer
-from omni_sidecar.session import Session
-from omni_sidecar.store import FinishedOutputs
+from omni_sidecar.hook_api.hook_set import OmniHooks, wire_needs
+from omni_sidecar.serve.listener import Listener
+from omni_sidecar.serve.metrics import SidecarMetrics
+from omni_sidecar.serve.spin import SpinWindow
+from omni_sidecar.serve.peer import EndReason, ShimPeer
+from omni_sidecar.sessions.session import Session
+from omni_sidecar.sessions.store import FinishedOutputs
 from proto.codec import Codec, FrameError
 from proto.endpoint import process_gone
 from proto.errors import ProtoError

@@ -13,7 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from omni_sidecar.metrics import SidecarMetrics
+from omni_sidecar.serve.metrics import SidecarMetrics
 from proto.messages import ErrorReply
 from proto.settings import ERROR_TEXT_MAX
 

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from omni_sidecar.hooks import StepBatch
+from omni_sidecar.hook_api.hook_set import StepBatch
 from proto.messages import Overlay, StepBegin
 from proto.packed import StepLayout
 from proto.tensors import TensorRef

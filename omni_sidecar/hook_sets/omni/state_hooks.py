@@ -15,7 +15,7 @@ hidden_states.last, as vllm-omni's talkers declare it; `resident_keys=` for none
 request's outputs then hold those decoder layers' hidden states, token aligned,
 as `hidden_states.layer_N`: vllm-omni's `hidden_states["layers"][N]` once
 unflattened, omni/keys.py), plan_ahead=0 (never build a steady decode step's plan
-before its StepBegin comes: omni_sidecar/plan_ahead.py).
+before its StepBegin comes: omni_sidecar/sessions/plan_ahead.py).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from typing import Any, Callable
 
 import torch
 
-from omni_sidecar.builtin_hooks import check_prompt_embeds, overlay_rows
-from omni_sidecar.hooks import HookErrors, OmniHooks, RequestHookError, RequestInfo, StepBatch
-from omni_sidecar.omni.keys import layer_key
-from omni_sidecar.omni.outputs import OutputLog, accumulate, dotted_outputs, own_copy, slice_per_request
-from omni_sidecar.omni.state import IntermediateBuffer, StateError
-from omni_sidecar.omni.wire import (
+from omni_sidecar.hook_sets.reference import check_prompt_embeds, overlay_rows
+from omni_sidecar.hook_api.hook_set import HookErrors, OmniHooks, RequestHookError, RequestInfo, StepBatch
+from omni_sidecar.hook_sets.omni.keys import layer_key
+from omni_sidecar.hook_sets.omni.outputs import OutputLog, accumulate, dotted_outputs, own_copy, slice_per_request
+from omni_sidecar.hook_sets.omni.state import IntermediateBuffer, StateError
+from omni_sidecar.hook_sets.omni.wire import (
     PayloadError,
     decode_additional_information,
     decode_plain_buffer,

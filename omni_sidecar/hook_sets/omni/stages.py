@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from omni_sidecar.omni.hooks import DEFAULT_RESIDENT_KEYS, OmniStateHooks
+from omni_sidecar.hook_sets.omni.state_hooks import DEFAULT_RESIDENT_KEYS, OmniStateHooks
 from proto.messages import HookNeeds
 
 PROMPT_LEN = "prompt_len"  # output value: the request's prompt rows, in its first chunk

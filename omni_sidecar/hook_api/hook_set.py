@@ -119,7 +119,7 @@ class OmniHooks:
     needs = HookNeeds()
     # True when `prepare_prefill_embeds` and `build_extra_kwargs` are pure functions of the batch
     # and the hooks' state: the sidecar may then call them for the batch a steady decode brings
-    # next, before it comes, and use the plan if it does (omni_sidecar/plan_ahead.py).
+    # next, before it comes, and use the plan if it does (omni_sidecar/sessions/plan_ahead.py).
     plans_ahead = False
     state_version = "stateless/1"
     accepts_state: tuple[str, ...] = ("stateless/1",)

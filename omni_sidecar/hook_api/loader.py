@@ -5,9 +5,9 @@ from __future__ import annotations
 import importlib
 
 from omni_sidecar.errors import OmniSidecarError
-from omni_sidecar.builtin_hooks import builtin_hooks
-from omni_sidecar.config import BUILTIN_NAMES
-from omni_sidecar.hooks import OmniHooks
+from omni_sidecar.hook_sets.reference import builtin_hooks
+from omni_sidecar.serve.config import BUILTIN_NAMES
+from omni_sidecar.hook_api.hook_set import OmniHooks
 
 
 class HookLoadError(OmniSidecarError, RuntimeError):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from omni_sidecar.hooks import HookErrors, OmniHooks, RequestInfo, StepBatch
-from omni_sidecar.omni.wire import PayloadError, decode_tensor_spec
+from omni_sidecar.hook_api.hook_set import HookErrors, OmniHooks, RequestInfo, StepBatch
+from omni_sidecar.hook_sets.omni.wire import PayloadError, decode_tensor_spec
 from proto.messages import HookNeeds
 
 
@@ -133,9 +133,9 @@ class PromptEmbedsOverlayHooks(OmniHooks):
 
 
 def builtin_hooks() -> dict[str, type[OmniHooks]]:
-    from omni_sidecar.omni.code2wav import Code2WavHooks
-    from omni_sidecar.omni.hooks import OmniStateHooks
-    from omni_sidecar.omni.stages import TalkerHooks, ThinkerHooks
+    from omni_sidecar.hook_sets.omni.code2wav import Code2WavHooks
+    from omni_sidecar.hook_sets.omni.state_hooks import OmniStateHooks
+    from omni_sidecar.hook_sets.omni.stages import TalkerHooks, ThinkerHooks
 
     classes = (PassThroughHooks, CaptureHiddenHooks, PromptEmbedsOverlayHooks, OmniStateHooks,
                ThinkerHooks, TalkerHooks, Code2WavHooks)

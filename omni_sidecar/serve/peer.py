@@ -11,8 +11,8 @@ import logging
 import time
 from typing import Callable, Literal
 
-from omni_sidecar.listener import Listener
-from omni_sidecar.session import Session
+from omni_sidecar.serve.listener import Listener
+from omni_sidecar.sessions.session import Session
 from proto.codec import Codec
 from proto.errors import ProtoError
 from proto.messages import Message, StepBegin, StepEnd, StepStart, StepTick, SwitchReady

@@ -1,5 +1,5 @@
 """What control clients ask: status, a request's outputs, and its streamed chunks; and what they
-append to a running request (routed to its session, omni_sidecar/appends.py).
+append to a running request (routed to its session, omni_sidecar/sessions/appends.py).
 
 Outputs are looked up among live requests first (a streaming client reads them
 while vLLM still runs the request), then in the finished store. Tensors travel
@@ -14,12 +14,12 @@ import time
 import torch
 
 from omni_sidecar import __version__
-from omni_sidecar.appends import unknown
-from omni_sidecar.hooks import OmniHooks
-from omni_sidecar.peers import PeerTable
-from omni_sidecar.collector import CollectorPacer
-from omni_sidecar.store import FinishedOutputs
-from omni_sidecar.tensors import tensor_to_bytes
+from omni_sidecar.sessions.appends import unknown
+from omni_sidecar.hook_api.hook_set import OmniHooks
+from omni_sidecar.serve.peers import PeerTable
+from omni_sidecar.serve.collector import CollectorPacer
+from omni_sidecar.sessions.store import FinishedOutputs
+from omni_arena.views import tensor_to_bytes
 from proto.messages import AppendPayload, Message, OutputChunk, OutputsQuery, OutputsReply, StatusReply, TensorBlob
 from proto.version import PROTOCOL_VERSION
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from omni_sidecar.hooks import HookErrors, StepBatch
+from omni_sidecar.hook_api.hook_set import HookErrors, StepBatch
 
 log = logging.getLogger("omni_sidecar.session")  # where these errors were logged from before
 

@@ -1,6 +1,6 @@
 """The sidecar's ZeroMQ ROUTER socket: bound securely, frames in, frames out, removed on close.
 
-Who may connect is decided here (omni_sidecar/security.py): an owner-only Unix
+Who may connect is decided here (omni_sidecar/serve/security.py): an owner-only Unix
 socket with a uid filter, or CURVE on tcp://. Sends never block: a peer that does
 not read loses that reply (it times out and reconnects), never the whole loop.
 """
@@ -15,10 +15,10 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from omni_sidecar.security import CurveServer, filter_peers, prepare_socket_dir, secure_socket_file
+from omni_sidecar.serve.security import CurveServer, filter_peers, prepare_socket_dir, secure_socket_file
 from proto.endpoint import ipc_path
 from proto.transport import set_heartbeats
-from omni_sidecar.rejects import REJECT_LOG_INTERVAL_S as DROP_LOG_INTERVAL_S
+from omni_sidecar.serve.rejects import REJECT_LOG_INTERVAL_S as DROP_LOG_INTERVAL_S
 
 log = logging.getLogger("omni_sidecar.listener")
 RECV_TIMEOUT_MS = 200  # a blocking recv wakes this often, so signals act promptly

@@ -5,10 +5,10 @@ never blocks on a peer. Every inbound frame is untrusted: size-capped,
 schema-validated, and answered with an ErrorReply when rejected.
 
 The rooms (docs/ARCHITECTURE.md, sidecar): the socket (listener.py), the shim
-connections (peers.py, peer.py: session + transport), hot upgrade (upgrade.py; the
-loop's turns while one is on in upgrade_loop.py), client queries (queries.py). This
-module binds, handles signals, drains and reloads, and routes each message to the
-room that answers it.
+connections (peers.py: session + transport), hot upgrade (omni_sidecar/upgrade/: the
+handing-over and the taking-over side, each with its turn of this loop), client queries
+(queries.py). This module binds, handles signals, drains and reloads, and routes each
+message to the room that answers it.
 
 While any shim uses shared-memory rings the loop serves every ring and the socket
 together and waits as proto/transport.py's WaitPolicy says; after RING_IDLE_S
@@ -29,20 +29,20 @@ import msgspec
 import zmq
 
 from omni_sidecar import __version__
-from omni_sidecar.collector import CollectorPacer
-from omni_sidecar.config import ServeConfig
-from omni_sidecar.hooks import OmniHooks
-from omni_sidecar.listener import Listener
-from omni_sidecar.metrics import SidecarMetrics
-from omni_sidecar.rejects import RejectLog
-from omni_sidecar.peer import STEP_ENDS
-from omni_sidecar.peers import PeerTable
-from omni_sidecar.queries import Queries
-from omni_sidecar.security import SecurityError
-from omni_sidecar.spin import SpinWindow, auto_max_us
-from omni_sidecar.store import FinishedOutputs
-from omni_sidecar.upgrade import HandOver, TakeOver
-from omni_sidecar.upgrade_loop import UpgradeLoop
+from omni_sidecar.serve.collector import CollectorPacer
+from omni_sidecar.serve.config import ServeConfig
+from omni_sidecar.hook_api.hook_set import OmniHooks
+from omni_sidecar.serve.listener import Listener
+from omni_sidecar.serve.metrics import SidecarMetrics
+from omni_sidecar.serve.rejects import RejectLog
+from omni_sidecar.serve.peer import STEP_ENDS
+from omni_sidecar.serve.peers import PeerTable
+from omni_sidecar.serve.queries import Queries
+from omni_sidecar.serve.security import SecurityError
+from omni_sidecar.serve.spin import SpinWindow, auto_max_us
+from omni_sidecar.sessions.store import FinishedOutputs
+from omni_sidecar.upgrade.handing_over import HandingOver
+from omni_sidecar.upgrade.taking_over import TakingOver
 from proto.arena import sweep_stale
 from proto.codec import Codec, FrameError
 from proto.endpoint import check_endpoint, ipc_path
@@ -56,6 +56,7 @@ from proto.messages import (
     Pong,
     Reject,
     StatusQuery,
+    StatusReply,
     StepBegin,
     StepEnd,
     StepResult,
@@ -77,7 +78,7 @@ SOCKET_CHECK_S = 200e-6  # while the rings keep the loop busy, the socket is ask
 _STEP_MESSAGES = (StepBegin, StepEnd, StepStart, StepTick)  # a tuple: isinstance of a union is slower
 
 
-class SidecarServer(UpgradeLoop):
+class SidecarServer:
     def __init__(self, config: ServeConfig, hooks: OmniHooks) -> None:
         check_endpoint(config.endpoint, config.curve_keys or None)
         self.endpoint = config.endpoint  # the CLI moves it beside the running sidecar for a takeover
@@ -97,9 +98,8 @@ class SidecarServer(UpgradeLoop):
                                config.arena_bytes, config.ring)
         self.collector = CollectorPacer(config.gc_between_steps)
         self.queries = Queries(hooks, self.peers, self.finished, self.collector)
-        self.handover = HandOver(hooks, self.finished)
-        self.takeover = TakeOver(hooks, self.finished, self.codec)
-        self.takeover_failed = ""
+        self.handover = HandingOver(hooks, self.finished, self.peers, self.listener, self.rejects.refuse)
+        self.takeover = TakingOver(hooks, self.finished, self.codec, self.listener, self.peers)
         self.on_reload: Callable[[], None] | None = None  # set by the CLI: re-reads the config on SIGHUP
         self._bound = False
         self._stop = False
@@ -176,10 +176,14 @@ class SidecarServer(UpgradeLoop):
                         self.on_reload()
                 if self._draining and self._drained():
                     break
-                if self.handover.pending:
-                    self._hand_over_ready()
+                if self.handover.pending and self.handover.turn(
+                        self._dispatch, lambda: self._serve_socket(0), self.takeover.old_endpoint or self.endpoint,
+                        self.takeover.unclaimed):
+                    self.begin_drain()  # handed over: the successor serves the shims from now
                 if self.takeover.waiting:
-                    self._poll_takeover()
+                    self.takeover.turn(self._dispatch, self._serve, self.wait.sleep_ms, self._hello, self._status)
+                    if self.takeover.failed:
+                        break
                 elif self.peers.ring_transports():
                     self._serve_rings_once()
                 else:
@@ -259,7 +263,7 @@ class SidecarServer(UpgradeLoop):
         if isinstance(msg, StatusQuery):
             if self.takeover.waiting:  # answered once we own the state: that is what `upgrade` waits for
                 return self.takeover.defer_status(ident)
-            return self.queries.status(self._draining, self.rejects.total)
+            return self._status()
         if isinstance(msg, OutputsQuery | AppendPayload):
             return self.queries.answer(ident, msg)
         if isinstance(msg, Drain):
@@ -268,8 +272,15 @@ class SidecarServer(UpgradeLoop):
         if isinstance(msg, Takeover):  # sessions go once each is between steps (_hand_over_ready)
             return self.handover.accept(ident, msg, busy=self._draining)
         if isinstance(msg, SwitchReady):
-            return self._switch(ident, msg)
+            return self.handover.switch_ready(ident, msg)
         return self.rejects.refuse("unexpected", f"{type(msg).__name__} is not a request the sidecar serves", ident)
+
+    def _status(self) -> StatusReply:
+        return self.queries.status(self._draining, self.rejects.total)
+
+    def start_takeover(self, old_endpoint: str, timeout_s: float) -> None:
+        """Bound on a side address already; ask the running sidecar to hand over."""
+        self.takeover.start(self.endpoint, old_endpoint, timeout_s)
 
     def _hello(self, ident: bytes, hello: Hello, fd: int | None = None):
         fd = self.listener.last_fd if fd is None else fd  # the connection this Hello came on
