@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         for side in ("shim", "sidecar"):
             print(f"  {side} side, by room:")
             for room, names in _rooms(rep[side]["files"]).items():
-                print(f"    {room + '/':22s} {', '.join(names)}")
+                print(f"    {room + '/':26s} {', '.join(names)}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
