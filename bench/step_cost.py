@@ -21,7 +21,7 @@ Hook sets measured side by side, in alternating blocks:
 - `omni`, `omni-inproc` (only with `--only`): the omni set working every step (extra kwargs: each
   request's state as `runtime_additional_information`, a plan awaited and read every step; the
   step's hidden rows sent at its end), with the link's plan read and StepEnd on the worker's thread;
-  `omni-nostretch`: the same with the sidecar's polling window kept fixed (omni_sidecar/serve/spin.py);
+  `omni-nostretch`: the same with the sidecar's polling window kept fixed (proto/transport.py, SpinWindow);
   `omni-gc-anywhere`: the same with the sidecar's cycle collector left to the interpreter
   (omni_sidecar/serve/collector.py: by default it runs between steps).
   Give `--between-ms` (sampling and scheduling) so the sidecar's work can overlap it as in vLLM.
@@ -58,7 +58,7 @@ HOOK_SETS = {"passthrough": "passthrough", "observe": "bench.step_cost_hooks:Obs
              "passthrough-inproc": "passthrough", "observe-inproc": "bench.step_cost_hooks:ObservingPassThrough"}
 OMNI_SETS = {"omni": "omni", "omni-inproc": "omni", "omni-nostretch": "omni", "omni-gc-anywhere": "omni"}  # measured when named in --only
 HOOK_OPTIONS = {"omni": {"extra_kwargs": "1"}}  # by hook set spec
-# By name: `omni-nostretch`'s sidecar keeps its polling window fixed (omni_sidecar/serve/spin.py), so it
+# By name: `omni-nostretch`'s sidecar keeps its polling window fixed (proto/transport.py, SpinWindow), so it
 # sleeps through every quiet spell longer than --ring-spin-us: the shim's kicks and wake-ups, side by side.
 # `omni-gc-anywhere`'s sidecar leaves Python's cycle collector to run wherever an allocation trips it,
 # inside a step too (omni_sidecar/serve/collector.py): the shim's waits on those pauses, side by side.

@@ -175,6 +175,7 @@ class FutureSidecar:
 
         from proto.codec import Codec
         from proto.messages import HookNeeds, Welcome
+        from proto.version import PROTOCOL_MAJOR
 
         self._stop = threading.Event()
         sock = zmq.Context.instance().socket(zmq.ROUTER)

@@ -13,7 +13,7 @@ from omni_sidecar.hook_sets.omni.keys import HIDDEN, LAYER_PREFIX, unflatten
 from omni_sidecar.hook_sets.omni.wire import encode_additional_information
 from proto.arena import ShmArena
 from proto.messages import Hello, HookNeeds, NewRequest, StepEnd, StepResult, Welcome
-from proto.packed import packed_layout, unpack_u32
+from proto.packed import packed_layout
 from proto.tensors import TensorRef
 from proto.version import PROTOCOL_MAJOR
 from tests.support.procs import SidecarProcess
@@ -183,11 +183,10 @@ def test_layers_over_the_wire_assemble_per_request_for_vllm_omni(tmp_path, its):
         welcome = peer.call(Hello(PROTOCOL_MAJOR, 0, "test", "none", "cpu", 0, 1, "m", H, "float32", 16, [arena.info()]))
         assert isinstance(welcome, Welcome) and welcome.needs.hidden_layers == [0, 2]
         new = [NewRequest("a", 3, [1, 2, 3]), NewRequest("b", 2, [4, 5])]
-        steps = [(packed_layout(["a", "b"], [0, 3, 5], [0, 0], [3, 2]), new),
-                 (packed_layout(["a", "b"], [0, 1, 2], [3, 2], [3, 2]), [])]
+        steps = [(["a", "b"], [0, 3, 5], [0, 0], [3, 2], new), (["a", "b"], [0, 1, 2], [3, 2], [3, 2], [])]
         sent: dict[int, list[torch.Tensor]] = {0: [], 2: []}
-        for step, (layout, reqs) in enumerate(steps):
-            n = unpack_u32(layout.query_start_loc)[-1]
+        for step, (ids, qsl, computed, prefill, reqs) in enumerate(steps):
+            layout, n = packed_layout(ids, qsl, computed, prefill), qsl[-1]
             refs, offset = {}, 0
             for index, tensor in [(-1, torch.randn(n, H))] + [(i, torch.randn(n, H)) for i in (0, 2)]:
                 arena.raw(offset, n * H * 4)[:] = tensor.numpy().tobytes()

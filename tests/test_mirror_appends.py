@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import torch
 
 from omni_arena.tensor_tree import decode_inline, encode_inline
-from omni_sidecar.serve.peer import ShimPeer
+from omni_sidecar.serve.peers import ShimPeer
 from proto.codec import Codec
 from proto.messages import (AppendPayload, AppendReply, ErrorReply, Hello, MirrorUpdate, ModelHooks, NewRequest,
                             StepEnd, StepStart, SwitchReady)

@@ -79,7 +79,7 @@ def test_between_steps_work_waits_for_the_message_already_in_the_ring():
 
     from omni_sidecar.hook_api.hook_set import OmniHooks
     from omni_sidecar.serve.metrics import SidecarMetrics
-    from omni_sidecar.serve.peer import ShimPeer
+    from omni_sidecar.serve.peers import ShimPeer
     from omni_sidecar.sessions.session import Session
     from omni_sidecar.sessions.store import FinishedOutputs
     from proto.messages import Hello

@@ -247,7 +247,7 @@ def test_the_sidecars_hot_ring_loop_hands_back_at_its_deadline_when_the_ring_nev
     from types import SimpleNamespace
 
     from omni_sidecar.serve.peers import PeerTable
-    from omni_sidecar.serve.spin import SpinWindow
+    from proto.transport import SpinWindow
 
     table = PeerTable.__new__(PeerTable)
     t0 = time.monotonic()

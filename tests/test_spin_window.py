@@ -1,5 +1,5 @@
 """The sidecar's polling window stretches over regular steps' quiet spells and shrinks back when
-the engine stops stepping (omni_sidecar/serve/spin.py, issue #15); a hot ring loop notes the spells."""
+the engine stops stepping (proto/transport.py, SpinWindow); a hot ring loop notes the spells."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from omni_sidecar.serve.config import ServeConfig
 from omni_sidecar.serve.peers import PeerTable
-from omni_sidecar.serve.spin import AUTO_MAX_US, KEEP, STRETCH, SpinWindow, auto_max_us, cpus_to_run_on
+from proto.transport import AUTO_MAX_US, KEEP, STRETCH, SpinWindow, auto_max_us, cpus_to_run_on
 
 
 def test_the_window_covers_regular_quiet_spells_and_falls_back_after_a_long_one():

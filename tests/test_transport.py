@@ -176,7 +176,7 @@ def test_wait_policy_spins_then_naps_and_stretches_when_idle():
     policy = WaitPolicy(spin_us=1000, sleep_ms=2, idle_s=1.0, idle_sleep_ms=50)
     assert policy.spin(busy_at=10.0, now=10.0005)
     assert not policy.spin(busy_at=10.0, now=10.002)
-    assert policy.spin(busy_at=10.0, now=10.004, window_s=0.005)  # a stretched window (omni_sidecar/serve/spin.py)
+    assert policy.spin(busy_at=10.0, now=10.004, window_s=0.005)  # a stretched window (proto/transport.py, SpinWindow)
     assert policy.nap_ms(busy_at=10.0, now=10.5) == 2
     assert policy.nap_ms(busy_at=10.0, now=11.5) == 50  # idle: fewer wake-ups
     assert policy.nap_ms(busy_at=10.0, now=11.5, deadline=11.53125) == 31  # never past the deadline

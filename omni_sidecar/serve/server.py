@@ -29,17 +29,15 @@ import msgspec
 import zmq
 
 from omni_sidecar import __version__
+from omni_sidecar.hook_api.hook_set import OmniHooks
 from omni_sidecar.serve.collector import CollectorPacer
 from omni_sidecar.serve.config import ServeConfig
-from omni_sidecar.hook_api.hook_set import OmniHooks
 from omni_sidecar.serve.listener import Listener
 from omni_sidecar.serve.metrics import SidecarMetrics
+from omni_sidecar.serve.peers import STEP_ENDS, PeerTable
 from omni_sidecar.serve.rejects import RejectLog
-from omni_sidecar.serve.peer import STEP_ENDS
-from omni_sidecar.serve.peers import PeerTable
 from omni_sidecar.serve.queries import Queries
 from omni_sidecar.serve.security import SecurityError
-from omni_sidecar.serve.spin import SpinWindow, auto_max_us
 from omni_sidecar.sessions.store import FinishedOutputs
 from omni_sidecar.upgrade.handing_over import HandingOver
 from omni_sidecar.upgrade.taking_over import TakingOver
@@ -66,7 +64,7 @@ from proto.messages import (
     Takeover,
 )
 from proto.settings import RING_IDLE_S, RING_IDLE_SLEEP_MS
-from proto.transport import WaitPolicy
+from proto.transport import SpinWindow, WaitPolicy, auto_max_us
 from proto.version import PROTOCOL_MAJOR, PROTOCOL_VERSION
 
 log = logging.getLogger("omni_sidecar.server")

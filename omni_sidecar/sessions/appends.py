@@ -74,7 +74,6 @@ class AppendQueue:
 
     def __init__(self, session: Session) -> None:
         self.session = session
-        self.in_step = False
         self.last_step = -1  # the last step whose StepEnd was handled
         self._waiting: list[_Pending] = []
         self.to_shim: Answer | None = None  # the peer's send (MirrorUpdate), set by ShimPeer
@@ -92,16 +91,12 @@ class AppendQueue:
         session = self.session
         if session.model_hooks is not None and session.hooks.needs.model_states:
             return self._send_mirrored(msg, answer)
-        if self.in_step:
+        if session.in_step:  # the step in flight sees it entirely or not at all: after it
             self._waiting.append(_Pending(msg.req_id, msg.payload, answer))
             return None
         return self._apply(msg.req_id, msg.payload)
 
-    def step_began(self) -> None:
-        self.in_step = True
-
     def step_ended(self, step: int) -> None:
-        self.in_step = False
         self.last_step = max(self.last_step, step)
         waiting, self._waiting = self._waiting, []
         for item in waiting:

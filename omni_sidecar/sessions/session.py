@@ -72,6 +72,7 @@ class Session:
         self.appends = AppendQueue(self)  # streamed payloads, applied between steps
         self._late_errors: dict[str, str] = {}  # from work between steps: sent with the next answer
         self.stacked_rows = 0  # tensors the plans sent as rows of stacks (not those used whole)
+        self.in_step = False  # a StepBegin was handled, its StepEnd (or StepTick) not yet
         # The next steady decode step's plan, built while the shim schedules it: hooks with pure plans
         # that the shim asks for every step (`pre_forward="always"`: else no StepBegin would take it).
         plans_ahead = getattr(hooks, "plans_ahead", False) and hooks.needs.pre_forward == "always"
@@ -142,7 +143,7 @@ class Session:
         # states, hooks that return nothing).
         t0 = time.perf_counter()
         errors: dict[str, str] = {}
-        self.appends.step_began()
+        self.in_step = True  # appends wait for its StepEnd
         self._admit(msg.new_requests, msg.finished, msg.preempted, errors)
         layout = self._layout(msg.batch)
         self._last_layout = layout
@@ -177,7 +178,9 @@ class Session:
         extra = b""
         try:
             overlays = self.arenas.write_overlays(self.hooks.prepare_prefill_embeds(batch))
-            extra = self.arenas.encode_tree(self.hooks.build_extra_kwargs(batch))
+            kwargs = self.hooks.build_extra_kwargs(batch)
+            if kwargs:  # most hook sets build none: no tree to encode
+                extra = self.arenas.encode_tree(kwargs)
         except Exception as exc:  # a hook bug never escapes (what `_collect` does, without its frames)
             absorb_hook_error(errors, exc, "pre-forward hooks", batch.req_ids)
         return overlays, extra
@@ -189,7 +192,7 @@ class Session:
 
     def between_steps(self) -> None:
         """The work the hooks put off until the next plan is out (`OmniHooks.between_steps`): after
-        `plan_ahead`, or after the StepBegin already waiting then (omni_sidecar/serve/peer.py)."""
+        `plan_ahead`, or after the StepBegin already waiting then (omni_sidecar/serve/peers.py)."""
         if self.works_between_steps:
             with collect_hook_errors(self._late_errors, None, "between_steps", list(self.requests)):
                 self.hooks.between_steps()
@@ -237,6 +240,7 @@ class Session:
         if msg.num_tokens:
             self.latency.record(hook_us)
             self._observe(msg, hook_us)
+        self.in_step = False
         self.appends.step_ended(msg.step)  # appends that waited for the step apply now
         if self.ahead is not None and msg.num_tokens and layout is not None and not errors:
             self.ahead.note_ended(msg.step, layout)  # what the next step's plan is predicted from (after them)
@@ -264,6 +268,7 @@ class Session:
             self.scheduled_tokens += msg.num_tokens
             self.latency.record(hook_us)
             self._observe(msg, hook_us)
+        self.in_step = False
         self.appends.step_ended(msg.step)
 
     def _observe(self, msg: StepEnd | StepTick, hook_us: float) -> None:
