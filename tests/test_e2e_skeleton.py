@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from proto.version import PROTOCOL_MAJOR
 from tests.conftest import EMBEDS_LENS, HIDDEN
 from tests.support.procs import SidecarProcess, run_engine
 
@@ -160,8 +161,6 @@ def test_startup_fails_on_protocol_major_mismatch(tiny_model, workdir, tmp_path)
     finally:
         fake.stop()
     assert not res["ok"]
-    from proto.version import PROTOCOL_MAJOR
-
     assert f"speaks protocol {PROTOCOL_MAJOR + 1}.0" in res["error"], res["error"]
     assert "install matching omni-sidecar versions" in res["error"]
 

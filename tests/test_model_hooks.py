@@ -222,9 +222,6 @@ class StatesConnection(FakeConnection):
     def claim_slot(self, step, wait):
         return self.slots.claim(step, wait)
 
-    def slot_sent(self, step):
-        self.slots.sent(step)
-
 
 def test_the_link_asks_for_states_once_and_sends_results_through_the_slot():
     arena = ShmArena.create(1 << 16, prefix="omni-test-model-io")

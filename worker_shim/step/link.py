@@ -1,13 +1,18 @@
-"""The step protocol between one runner and its sidecar: which message a step needs, and sending it.
+"""One runner's steps with its sidecar: the runner's hooks call in here, and nowhere else.
 
-The runner mixin calls `begin_step` / `ask_early` / `pre_forward` / `end_step`
-(or `abort_step` when upstream raised). A step asks for a plan before the
-forward only when the sidecar's declared needs say so for this batch
-(worker_shim/step/plan_ask.py), and after it sends a StepEnd with what the sidecar
-has not seen yet, or the fixed-size StepTick (worker_shim/step/step_end.py). Who the
-sidecar is (loss, reconnect, hot-upgrade switch) is `Recovery`'s business;
-tensors cross in worker_shim/step/slots.py; vLLM's batch is read in
-worker_shim/step/batch.py.
+The runner mixin calls `begin_step` / `ask_early` / `pre_forward` / `end_step` (or
+`abort_step` when upstream raised). Which message each point of a step sends and what it
+waits for is the step protocol's (worker_shim/step/protocol.py); the messages go through the
+port (worker_shim/step/port.py) that `Recovery` holds, which also owns every loss, reconnect
+and hot-upgrade hand-over (worker_shim/session/recovery.py): the code here sees a sidecar that
+answers, or none.
+
+The plan: when the hooks' declared needs say the batch needs the sidecar before the forward,
+the StepBegin goes as soon as vLLM has built the batch (`ask_early`, from the runner's
+`prepare_inputs`) and the plan is taken in `pre_forward`, after vLLM built the attention
+metadata and the embeds: the sidecar plans meanwhile, and the step's one wait is only what is
+left of its work (docs/ARCHITECTURE.md, Step sequence). A caller that did not ask early asks in
+`pre_forward`. After the forward, `end_step` sends the step's record (worker_shim/step/step_end.py).
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ class StepCounters:
     asked_early: int = 0  # of which the StepBegin went when vLLM built the batch (`ask_early`)
     states_asked: int = 0  # requests whose state the model's hooks asked the sidecar for
     # Each plan's wait and read: from the StepBegin's send when pre_forward sent it, from pre_forward when
-    # it went early (worker_shim/step/plan_ask.py); before 2026-12-02 every plan was a whole round trip.
+    # it went early (`ask_early`).
     exchange_us: list[float] = field(default_factory=list)
     plan_read_us: list[float] = field(default_factory=list)  # of which reading the plan (its tensors copied out)
     post_us: list[float] = field(default_factory=list)  # shim-side cost of each StepEnd (copy + send)

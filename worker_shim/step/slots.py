@@ -137,8 +137,8 @@ class StepSlot:
     def put_hidden(self, hidden: torch.Tensor, layers: dict[int, torch.Tensor] | None
                    ) -> tuple[TensorRef, dict[int, TensorRef]]:
         """The step's hidden rows, then each captured layer's: one stacked copy when they share shape,
-        dtype and device (a copy's launch each was ~15 µs of the shim's StepEnd on the H200 host,
-        BENCHMARKS.md session 14), else one copy each. The blocks lie back to back, each a ref."""
+        dtype and device (a copy's launch each costs ~15 µs of the shim's StepEnd on the H200 host),
+        else one copy each. The blocks lie back to back, each a ref."""
         rows = [hidden, *(layers or {}).values()]
         if (len(rows) == 1 or not hidden.numel() or self.offset != self.start
                 or any(r.shape != hidden.shape or r.dtype != hidden.dtype or r.device != hidden.device for r in rows[1:])):

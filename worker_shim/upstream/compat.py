@@ -196,7 +196,7 @@ def client_request_id(req_id: str, suffixed: bool) -> str:
 
 
 # ---------------------------------------------------------------------------
-# vLLM versions (issue 16): what `make compat` proved (COMPAT.md) and every
+# vLLM versions: what `make compat` proved (COMPAT.md) and every
 # difference between the minors the shim runs on. Nothing outside this section
 # branches on vLLM's version or on a name only some minors have.
 # ---------------------------------------------------------------------------
