@@ -22,21 +22,18 @@ from pathlib import Path
 import zmq
 
 from proto.codec import Codec
-from proto.messages import BatchLayout, StepBegin, StepPlan
+from proto.messages import StepBegin, StepPlan
 from proto.packed import packed_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def step_message(num_reqs: int, step: int = 0, same_ids: bool = False, packed: bool = True) -> StepBegin:
-    """A steady decode step for num_reqs requests (ids omitted when unchanged, as the shim does);
-    `packed`: the layout as the shim sends it to a sidecar of protocol 1.6 or later."""
+def step_message(num_reqs: int, step: int = 0, same_ids: bool = False) -> StepBegin:
+    """A steady decode step for num_reqs requests (ids omitted when unchanged, as the shim does)."""
     ids = None if same_ids else [f"cmpl-{i:06d}-0-abcdef12" for i in range(num_reqs)]
     qsl = list(range(num_reqs + 1))
     computed, prefill = [100 + i for i in range(num_reqs)], [64] * num_reqs
-    if packed:
-        return StepBegin(step=step, packed=packed_layout(ids, qsl, computed, prefill))
-    return StepBegin(step=step, batch=BatchLayout(ids, qsl, computed, prefill))
+    return StepBegin(step=step, batch=packed_layout(ids, qsl, computed, prefill))
 
 
 def percentiles(samples_s: list[float]) -> dict[str, float]:
@@ -91,7 +88,7 @@ class SidecarClientBench:
         from omni_sidecar.client import wait_ready
         from proto.arena import ShmArena
         from proto.messages import Hello
-        from worker_shim.channel import SidecarChannel
+        from worker_shim.wire.channel import SidecarChannel
         from worker_shim.config import RingConfig
 
         endpoint = f"ipc://{run_dir}/sidecar-{num_reqs}-{'ring' if ring else 'zmq'}.sock"
@@ -107,7 +104,7 @@ class SidecarClientBench:
         self.channel.handshake(
             Hello(1, 0, "bench", "none", "cpu", 0, 1, "bench", 128, "float32", 256, [self.arena.info()]), 30
         )
-        if ring and not self.channel.ring_active:
+        if ring and self.channel.rings is None:
             raise RuntimeError("the sidecar did not accept the shared-memory rings")
         self.channel.call(step_message(num_reqs), StepPlan)  # names the requests once
         self.msg = step_message(num_reqs, same_ids=True)

@@ -359,7 +359,7 @@ def _sidecar_sessions(endpoint: str) -> list[dict]:
     """What the sidecar counted per session (the shim's and the in-process engine's are not its):
     steps, plans built ahead and used (a steady decode step whose plan was ready when its StepBegin
     came), stacked rows, its own step latency; and the sidecar's cycle collections (between steps,
-    elsewhere, the longest pause: omni_sidecar/collector.py)."""
+    elsewhere, the longest pause: omni_sidecar/serve/collector.py)."""
     from omni_sidecar.client import SidecarClient
 
     keep = ("steps", "plans_ahead_built", "plans_ahead_used", "stacked_rows", "step_latency_us_p50",

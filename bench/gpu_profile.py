@@ -29,7 +29,7 @@ from pathlib import Path
 
 NORMALIZERS = ("Scheduler.schedule", "Scheduler.update_from_output", "GPUModelRunner.sample_tokens")
 # (label, frame): vLLM's step, then the shim's link (the in-process baseline runs the same link). py-spy
-# names a frame by the class that defines the function (a mixin's, not the link's): tests/test_bench_profile.py
+# names a frame by the class that defines the function: tests/test_bench_profile.py
 # checks each shim frame against the code.
 PHASES: tuple[tuple[str, str], ...] = (
     ("engine step", "EngineCore.step_with_batch_queue"),
@@ -41,9 +41,9 @@ PHASES: tuple[tuple[str, str], ...] = (
     ("runner: piecewise graphs", "CudaGraphManager.run_pw_graph"),
     ("runner: sample_tokens", "GPUModelRunner.sample_tokens"),
     ("shim: step start", "SidecarLink.begin_step"),
-    ("shim: StepBegin, sent early", "PlanAsks.ask_early"),
-    ("shim: plan (wait, read)", "PlanAsks.pre_forward"),
-    ("shim: waiting for the plan", "PlanAsks._take_plan"),
+    ("shim: StepBegin, sent early", "SidecarLink.ask_early"),
+    ("shim: plan (wait, read)", "SidecarLink.pre_forward"),
+    ("shim: waiting for the plan", "SidecarConnection.take_plan"),
     ("shim: plan read", "SidecarConnection.read_plan"),
     ("shim: embeds lookup", "EmbedsBuffer.fill"),
     ("shim: step end (StepEnd / StepTick)", "SidecarLink.end_step"),

@@ -1,20 +1,21 @@
 """The in-process baseline: the sidecar's own session and hooks, called directly in the vLLM worker.
 
-Issue #15 asks what the process boundary costs: the same hook set run through the sidecar
-versus run in the worker itself, as vllm-omni runs its hooks. This module is that baseline's
-"connection": it stands where the shim's `SidecarConnection` stands (same duck type, so the
-shim's unchanged `SidecarLink` drives it), but every message goes straight into an
-`omni_sidecar.session.Session` in this process:
+What does the process boundary cost: the same hook set run through the sidecar versus run in
+the worker itself, as vllm-omni runs its hooks. This module is that baseline's port: it
+implements the shim's `RecoveryPort` (worker_shim/step/port.py), as `SidecarConnection` does,
+so the shim's unchanged `SidecarLink` drives it, but every message goes straight into an
+`omni_sidecar.sessions.session.Session` in this process:
 
 - no encode, no socket, no ring, no kick, no wait: `step_plan(StepBegin)` is the call
-  `Session.step_begin`, `send(StepEnd)` is `Session.step_end`, `send_tick` is `step_tick`;
+  `Session.step_begin`, `send(StepEnd)` is `Session.step_end`, `send(StepTick)` is `step_tick`;
+  a plan's trees ride as the trees themselves where their bytes would (`encode_tree`);
 - no arena copies: where the shim would copy a tensor into an arena and send its ref, a
   `HeldRef` carries the tensor itself (hidden rows and captured layers are views of vLLM's
   buffers, valid while the hooks run, which is synchronous here); `InProcessArenas` hands
   them to the session as its `SessionArenas` would hand out arena views. Hooks copy what they
-  keep, as they must anyway (omni_sidecar/hooks.py: "copy to keep").
-- what is left is what the hooks themselves need: the batch layout they read (`StepBatch`
-  wraps a `BatchLayout`), the message structs the session takes (built, never encoded),
+  keep, as they must anyway (omni_sidecar/hook_api/hook_set.py: "copy to keep").
+- what is left is what the hooks themselves need: the batch layout they read (the packed
+  `BatchLayout` the shim builds, read as the sidecar reads it), the message structs the session takes (built, never encoded),
   overlay rows copied into the embeds buffer, extra-kwargs tensors on the model's device (the
   form the model gets them in through the shim), and the hooks' own work, which here runs on
   the worker's thread (through the sidecar, `process_model_output` runs in another process,
@@ -33,16 +34,16 @@ from typing import Any, Callable
 
 import torch
 
-from omni_sidecar.hooks import OmniHooks, wire_needs
-from omni_sidecar.session import Session
-from omni_sidecar.store import FinishedOutputs
+from omni_sidecar.hook_api.hook_set import OmniHooks, wire_needs
+from omni_sidecar.sessions.session import Session
+from omni_sidecar.sessions.store import FinishedOutputs
+from omni_arena.tensor_tree import TreeDecoder
 from proto.messages import (
     Hello, Message, Overlay, StepBegin, StepEnd, StepPlan, StepResult, StepTick, Welcome,
 )
-from proto.tensors import TENSOR_MARKER
 from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
-from worker_shim.channel import SidecarError
-from worker_shim.transfer import model_device
+from worker_shim.errors import SidecarError
+from worker_shim.step.plan_read import model_device
 
 
 class HeldRef:
@@ -75,17 +76,8 @@ class HeldSlot:
     def seal(self) -> int:
         return -1  # no ready event: one thread, one stream
 
-
-def _unwrap(value: Any, own: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """A tree whose tensors ride as `{TENSOR_MARKER: HeldRef | tensor}` (store_tree's form) back to tensors."""
-    if isinstance(value, dict):
-        if TENSOR_MARKER in value:
-            held = value[TENSOR_MARKER]
-            return own(held.tensor if isinstance(held, HeldRef) else held)
-        return {k: _unwrap(v, own) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_unwrap(v, own) for v in value]
-    return value
+    def sent(self) -> None:
+        pass  # no slot to hold until the step's result
 
 
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -130,8 +122,12 @@ class InProcessArenas:
         return {n: ref.tensor for n, ref in msg.hidden_layers.items() if n in self.wanted_layers}
 
     def model_results(self, msg: StepEnd) -> tuple[dict[str, Any], dict[str, Any]]:
-        # Copies, as the hook API promises ("Tensors are copies"): the model's hooks keep theirs.
-        return _unwrap(msg.model_updates, torch.clone), _unwrap(msg.model_outputs, torch.clone)
+        # The shim's trees, their tensors held (HeldSlot): each a copy, as the hook API promises
+        # ("Tensors are copies"), the model's hooks keep theirs.
+        held = msg.tensors
+        decoder = TreeDecoder(len(held), lambda k: held[k].tensor, own=True,  # type: ignore[attr-defined]
+                              copy_budget=sum(ref.nbytes for ref in held))
+        return decoder.decode(msg.model_updates, dict[str, Any]), decoder.decode(msg.model_outputs, dict[str, Any])
 
     def release_slot(self, msg: StepEnd) -> None:
         pass
@@ -139,7 +135,9 @@ class InProcessArenas:
     def write_overlays(self, pairs: list[tuple[int, torch.Tensor]]) -> list[Overlay]:
         return [Overlay(row_start, rows) for row_start, rows in pairs]  # type: ignore[arg-type]
 
-    def encode_tensors(self, value: Any) -> Any:
+    def encode_tree(self, value: Any) -> Any:
+        """The tree itself where its bytes would ride (the plan is handed over, never encoded):
+        its tensors by reference."""
         return value
 
     def close(self) -> None:
@@ -147,14 +145,12 @@ class InProcessArenas:
 
 
 class InProcessConnection:
-    """`SidecarConnection`'s duck type over a Session in this process (see the module doc)."""
+    """The shim's `RecoveryPort` (worker_shim/step/port.py) over a Session in this process (see the
+    module doc)."""
 
-    arena_kind = "inproc"
-    opens = None
     switch_ack = None
     answer_due = False
     step_open = False
-    packs_layouts = False  # the structs are handed over, never encoded: the layout's lists as they are
     mirror_seq = 0
     mirror_updates_waiting = 0
     endpoint = "inproc://"
@@ -207,15 +203,21 @@ class InProcessConnection:
         return self.step_plan(msg)
 
     def send(self, msg: Message) -> None:
+        if isinstance(msg, StepTick):
+            self.last_sent_step = msg.step
+            self.session.step_tick(msg)
+            return
         if not isinstance(msg, StepEnd):
             raise SidecarError(f"the in-process baseline has no answer to {type(msg).__name__}")
         self._note_layout(msg)
         self.last_sent_step = self.last_answered_step = msg.step
         self._results.append(self.session.step_end(msg))
 
-    def send_tick(self, tick: StepTick) -> None:
-        self.last_sent_step = tick.step
-        self.session.step_tick(tick)
+    def call(self, msg: Message, want: type) -> Message:
+        raise SidecarError(f"the in-process baseline has no answer to {type(msg).__name__}")
+
+    def await_answer(self) -> None:
+        pass  # never due: nothing can hand the session over
 
     def _note_layout(self, msg: StepBegin | StepEnd) -> None:
         # Request ids travel only when the order changed (Invariants): the session resolves the rest.
@@ -244,9 +246,6 @@ class InProcessConnection:
     def claim_slot(self, step: int, wait_answered: Callable[[int], None]) -> HeldSlot:
         return HeldSlot()
 
-    def slot_sent(self, step: int) -> None:
-        pass
-
     def read_states(self, plan: StepPlan) -> dict[str, Any]:
         # The mirror must not alias the hooks' state: the model's updates reach the hooks
         # separately (on_model_results) and would be merged twice. Host copies, as the shim makes.
@@ -263,13 +262,10 @@ class InProcessConnection:
             extra["inputs_embeds"] = _overlay(plan.overlays, input_batch, model, embeds)
         return extra
 
-    def open_counts(self) -> dict[str, int]:
-        return {}
+    def stats(self) -> dict[str, Any]:
+        return {"arena_kind": "inproc", "arena_opens": {}, "ring_counts": {}}
 
-    def ring_counts(self) -> dict[str, int]:
-        return {}
-
-    # -- outputs, as a control client would read them (omni_sidecar/queries.py) ---------
+    # -- outputs, as a control client would read them (omni_sidecar/serve/queries.py) ---------
 
     def outputs(self, req_id: str) -> dict[str, Any] | None:
         """A request's assembled outputs: a live one's so far, else its finished entry's."""
@@ -285,7 +281,7 @@ class InProcessConnection:
 
 def _overlay(overlays: list[Overlay], input_batch: Any, model: Any, embeds: torch.Tensor | None) -> torch.Tensor:
     """The plan's rows into the step's inputs_embeds (the persistent buffer when there is one),
-    with the shim's checks (worker_shim/transfer.py), all checked before any is written."""
+    with the shim's checks (worker_shim/step/slots.py), all checked before any is written."""
     if embeds is None:
         n = int(input_batch.num_tokens_after_padding)
         embeds = model.embed_input_ids(input_batch.input_ids[:n])

@@ -1,8 +1,8 @@
 """Bench-only vLLM workers running a hook set in-process: `worker_cls="bench.inproc_worker.Worker"`.
 
-The shim's own workers (worker_shim/worker.py), with one override: instead of connecting to
+The shim's own workers (worker_shim/upstream/worker.py), with one override: instead of connecting to
 a sidecar, `_connect_sidecar` loads the hook set into this process and gives the shim's
-unchanged `SidecarLink` an `InProcessConnection` (bench/inproc.py). Everything else of the
+unchanged `SidecarLink` an `InProcessConnection` (bench/inproc.py) as its port. Everything else of the
 shim (runner interception, embeds buffer, layer capture, length finishes, the refusal of
 extra kwargs under FULL CUDA graphs) is the shim's, so the in-process engine differs from
 the shim + sidecar engine only in where the hooks run and what crossing to them costs.
@@ -20,17 +20,21 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omni_arena.views import dtype_name
 from proto.messages import Hello
 from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from worker_shim import __version__
-from worker_shim.batch import PayloadTracker
-from worker_shim.channel import SidecarError
-from worker_shim.compat import upstream_request_ids_suffixed, vllm_version, welcome_refusal
+from worker_shim.step.batch import PayloadTracker
+from worker_shim.errors import SidecarError
+from worker_shim.upstream.compat import upstream_request_ids_suffixed, vllm_version, welcome_refusal
 from worker_shim.config import ShimConfig
-from worker_shim.link import SidecarLink
+from worker_shim.step.link import SidecarLink
+from worker_shim.step.port import RecoveryPort
+
+if TYPE_CHECKING:
+    from bench.inproc import InProcessConnection
 
 log = logging.getLogger("vllm.omni_sidecar.inproc")
 
@@ -45,10 +49,12 @@ def inproc_config(hooks: str, options: list[str] = (), keep_finished: int = 256)
 class InProcessHooksMixin:
     """Mixed in front of a shim worker: the hooks in this process instead of a sidecar."""
 
+    omni_inproc: InProcessConnection | None = None
+
     def _connect_sidecar(self, payloads: PayloadTracker) -> SidecarLink:
         from bench.inproc import InProcessConnection
-        from omni_sidecar.loader import load_hooks, parse_options
-        from omni_sidecar.store import FinishedOutputs
+        from omni_sidecar.hook_api.loader import load_hooks, parse_options
+        from omni_sidecar.sessions.store import FinishedOutputs
 
         vcfg = self.vllm_config  # type: ignore[attr-defined]
         extra = getattr(vcfg, "additional_config", None) or {}
@@ -73,8 +79,10 @@ class InProcessHooksMixin:
         log.info("omni-sidecar in-process baseline: hook set %r runs in this worker (needs %s)",
                  conn.hook_set, conn.needs)
 
-        def no_reconnect(endpoint: str | None = None, resume_token: str = "") -> Any:
+        def no_reconnect(endpoint: str | None = None, resume_token: str = "") -> RecoveryPort:
             raise SidecarError("the in-process baseline has nothing to reconnect to")
+
+        self.omni_inproc = conn
 
         length_finishes = getattr(vcfg, "speculative_config", None) is None
         return SidecarLink(no_reconnect, conn, cfg.loss_policy, cfg.embeds_buffer,
@@ -86,9 +94,8 @@ class InProcessHooksMixin:
         outputs, as `SidecarClient.outputs` reads them from a sidecar (tensors as CPU tensors)."""
         import torch
 
-        link = self.omni_link  # type: ignore[attr-defined]
-        conn = link.conn if link is not None else None
-        if conn is None:
+        link, conn = self.omni_link, self.omni_inproc  # type: ignore[attr-defined]
+        if link is None or conn is None:
             return {r: None for r in req_ids}
         link.flush()
         out: dict[str, dict[str, Any] | None] = {}
@@ -100,13 +107,13 @@ class InProcessHooksMixin:
 
 
 def _cpu_worker() -> type:
-    from worker_shim.cpu_worker import ShimCPUWorker
+    from worker_shim.upstream.cpu_worker import ShimCPUWorker
 
     return type("InProcessCPUWorker", (InProcessHooksMixin, ShimCPUWorker), {"__module__": __name__})
 
 
 def _cuda_worker() -> type:
-    from worker_shim.cuda_worker import ShimCUDAWorker
+    from worker_shim.upstream.cuda_worker import ShimCUDAWorker
 
     return type("InProcessCUDAWorker", (InProcessHooksMixin, ShimCUDAWorker), {"__module__": __name__})
 

@@ -10,13 +10,12 @@ read). Measured on the sidecar's real `Session` and the
 shim's real decode and copy-out, in this process (no socket or ring: bench.step_cost and bench.gpu
 measure those), steady decode of N requests with hidden size H, hook sets side by side in
 alternating blocks:
-- `1.6`: the plan for a shim of protocol 1.6 (a ref per tensor);
-- `1.7`: the plan for a shim of 1.7 (a plan's same-shaped tensors stacked, a row marker each);
-- `1.7-per-request`: 1.7 with `postprocess` overridden (the default's body, called per request and
-  merged one request at a time): what a model's subclass pays;
-- `1.8`: the plan for a shim of 1.8 (its trees as msgpack bytes, each tensor an extension value
-  naming a stack: the shim's decoder places the tensors, no walk; proto/plan_trees.py), read as the
-  shim's connection reads it: the kwargs landed in its buffers, their views kept (worker_shim/plan_read.py).
+- `omni`: the plan's trees as msgpack bytes, each tensor an extension value naming a stack of the
+  plan's same-shaped tensors (proto/plan_trees.py), read as the shim's connection reads it: the
+  shared decoder places the tensors, the kwargs land in its buffers, their views kept
+  (worker_shim/step/plan_read.py);
+- `omni-per-request`: the same with `postprocess` overridden (the default's body, called per request
+  and merged one request at a time): what a model's subclass pays.
 Timings only: nothing here passes or fails.
 
     python -m bench.omni_step [--requests 64,256] [--hidden 2048] [--steps 600] [--write]
@@ -40,16 +39,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from omni_sidecar.metrics import SidecarMetrics  # noqa: E402
-from omni_sidecar.omni.hooks import OmniStateHooks  # noqa: E402
-from omni_sidecar.session import Session  # noqa: E402
-from omni_sidecar.store import FinishedOutputs  # noqa: E402
+from omni_sidecar.serve.metrics import SidecarMetrics  # noqa: E402
+from omni_sidecar.hook_sets.omni.state_hooks import OmniStateHooks  # noqa: E402
+from omni_sidecar.sessions.session import Session  # noqa: E402
+from omni_sidecar.sessions.store import FinishedOutputs  # noqa: E402
 from proto.arena import ShmArena  # noqa: E402
-from proto.messages import BatchLayout, Hello, NewRequest, StepBegin, StepEnd, StepPlan  # noqa: E402
+from proto.messages import Hello, NewRequest, StepBegin, StepEnd, StepPlan  # noqa: E402
+from proto.packed import packed_layout  # noqa: E402
 from proto.tensors import TensorRef  # noqa: E402
-from proto.version import EXT_TREES_MINOR  # noqa: E402
-from worker_shim.plan_read import PlanLanding  # noqa: E402
-from worker_shim.transfer import read_plan  # noqa: E402
+from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR  # noqa: E402
+from worker_shim.step.plan_read import PlanLanding  # noqa: E402
+from worker_shim.step.plan_read import read_plan  # noqa: E402
 
 PHASES = ("end", "plan", "settle", "shim_read")
 MODEL = torch.nn.Linear(1, 1)  # what the shim reads the plan for: its device (the host)
@@ -64,26 +64,25 @@ class PerRequestPostprocess(OmniStateHooks):
         return super().postprocess(req_id, hidden_rows, state)
 
 
-CONFIGS = {"1.6": (6, OmniStateHooks), "1.7": (7, OmniStateHooks), "1.7-per-request": (7, PerRequestPostprocess),
-           "1.8": (8, OmniStateHooks)}
+CONFIGS = {"omni": OmniStateHooks, "omni-per-request": PerRequestPostprocess}
 
 
 class Run:
     """One hook set's session, its shim-side arena and a steady decode of `n` requests."""
 
-    def __init__(self, minor: int, hooks_cls: type, n: int, hidden: int, layers: list[int]) -> None:
+    def __init__(self, hooks_cls: type, n: int, hidden: int, layers: list[int]) -> None:
         self.n = n
         rows_bytes = PROMPT * n * hidden * 4
         # The step's hidden rows, then each captured layer's, as the shim writes a slot.
         self.shim_arena = ShmArena.create(rows_bytes * (1 + len(layers)) + (1 << 20), prefix="omni-bench-step")
-        hello = Hello(1, minor, "bench", "none", "cpu", 0, 1, "m", hidden, "float32", PROMPT * n,
+        hello = Hello(PROTOCOL_MAJOR, PROTOCOL_MINOR, "bench", "none", "cpu", 0, 1, "m", hidden, "float32", PROMPT * n,
                       [self.shim_arena.info()])
         hooks = hooks_cls(extra_kwargs="1", hidden_layers=",".join(map(str, layers)))
         self.session = Session(1, hello, hooks, FinishedOutputs(10), SidecarMetrics())
         self.session.open_arenas()
         self.decoder = msgspec.msgpack.Decoder(StepPlan)
-        # A 1.8 plan's kwargs land in the shim's buffers, their views kept, as its connection reads them.
-        self.landing = PlanLanding() if minor >= EXT_TREES_MINOR else None
+        # The plan's kwargs land in the shim's buffers, their views kept, as its connection reads them.
+        self.landing = PlanLanding()
         gen = torch.Generator().manual_seed(0)
         for k in range(1 + len(layers)):
             self.shim_arena.view(TensorRef(0, k * rows_bytes, rows_bytes, [rows_bytes], "uint8"))[:] = (
@@ -112,7 +111,7 @@ class Run:
         self.batches += 1
         ids = self.req_ids = [f"b{self.batches}-{i}" for i in range(n)]
         self.first_decode = self.step + 1
-        s.step_begin(StepBegin(self.step, BatchLayout(ids, list(range(0, PROMPT * n + 1, PROMPT)), [0] * n, [PROMPT] * n),
+        s.step_begin(StepBegin(self.step, packed_layout(ids, list(range(0, PROMPT * n + 1, PROMPT)), [0] * n, [PROMPT] * n),
                                new_requests=[NewRequest(r, PROMPT, list(range(PROMPT))) for r in ids]))
         rows, layers = self.prefill_rows
         s.step_end(StepEnd(self.step, None, hidden=rows, hidden_layers=layers, num_tokens=PROMPT * n))
@@ -123,7 +122,7 @@ class Run:
         self.step += 1
         k, n, s = self.step, self.n, self.session
         position = PROMPT + k - self.first_decode
-        plan = s.step_begin(StepBegin(k, BatchLayout(self.req_ids, list(range(n + 1)), [position] * n, [PROMPT] * n)))
+        plan = s.step_begin(StepBegin(k, packed_layout(None, list(range(n + 1)), [position] * n, [PROMPT] * n)))
         wire = msgspec.msgpack.encode(plan)  # the sidecar's encode: not timed (the ring's)
         t0 = time.perf_counter()
         got = self.decoder.decode(wire)
@@ -141,8 +140,7 @@ class Run:
         self.plan_bytes = len(wire)
 
     def close(self) -> None:
-        if self.landing is not None:
-            self.landing.close()
+        self.landing.close()
         self.session.close()
         self.shim_arena.close()
 
@@ -156,7 +154,7 @@ def measure(requests: list[int], hidden: int, steps: int, layers: list[int]) -> 
     torch.set_num_threads(1)  # the sidecar's host ops at these sizes: threads cost more than they give
     out: dict[str, dict] = {}
     for n in requests:
-        runs = {name: Run(minor, cls, n, hidden, layers) for name, (minor, cls) in CONFIGS.items()}
+        runs = {name: Run(cls, n, hidden, layers) for name, cls in CONFIGS.items()}
         times = {name: {p: [] for p in PHASES} for name in runs}
         plans_used = {}
         try:
@@ -193,10 +191,10 @@ def markdown(res: dict[str, dict]) -> list[str]:
         "plan decode and copy-out in one process, hook sets in alternating blocks of 100 steps. `end`: the "
         "sidecar's StepEnd (postprocess, state merge); `plan`: the next plan, built ahead; `settle`: the "
         "step's outputs noted per request after the plan is out (cut when a client reads them); `shim read`: decode the StepPlan and copy its tensors "
-        "out. The shim waits on `end + plan` when they outlast its own sampling and scheduling. `1.6`: a ref "
-        "per tensor; `1.7`: the plan's same-shaped tensors stacked; `1.7-per-request`: `postprocess` "
-        "overridden (a model's subclass); `1.8`: stacked, the trees as bytes whose tensors are extension values "
-        "(the shim's decoder places them, no walk; the kwargs land in the shim's buffers, their views kept). "
+        "out. The shim waits on `end + plan` when they outlast its own sampling and scheduling. `omni`: the "
+        "plan's same-shaped tensors stacked, its trees as bytes whose tensors are extension values (the "
+        "shim's decoder places them, no walk; the kwargs land in the shim's buffers, their views kept); "
+        "`omni-per-request`: `postprocess` overridden (a model's subclass). "
         "p50 (p10-p90) in us. " + _measured_on(), "",
         "| requests | plan for | end | plan | end + plan | settle | shim read | plan bytes |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",
@@ -213,14 +211,12 @@ def markdown(res: dict[str, dict]) -> list[str]:
     by = {(r["requests"], r["config"]): r for r in res.values()}
     ratios = []
     for n in sorted({r["requests"] for r in res.values()}):
-        for a, b in (("1.6", "1.7"), ("1.7", "1.8")):
-            old, new = by.get((n, a)), by.get((n, b))
-            if old and new:
-                ratios.append(f"{n} requests: shim read {b} / {a} "
-                              f"**{new['phases']['shim_read']['p50'] / old['phases']['shim_read']['p50']:.2f}**, "
-                              f"plan {new['phases']['plan']['p50'] / old['phases']['plan']['p50']:.2f}")
-    lines += ["", "Ratios of p50s measured side by side: " + "; ".join(ratios) + ". `end` runs the same code "
-              "for 1.6, 1.7 and 1.8 (only the plan and the shim's read differ): a difference there is the machine. "
+        old, new = by.get((n, "omni")), by.get((n, "omni-per-request"))
+        if old and new:
+            ratios.append(f"{n} requests: end omni-per-request / omni "
+                          f"**{new['phases']['end']['p50'] / old['phases']['end']['p50']:.2f}**")
+    lines += ["", "Ratios of p50s measured side by side: " + "; ".join(ratios) + ". The plan and the shim's "
+              "read run the same code for both (only `postprocess` differs): a difference there is the machine. "
               "On a CPU host its spread at 256 requests is the allocator (three fresh 2 MiB output copies a "
               "step); on a GPU those copies are the device's.", ""]
     return lines

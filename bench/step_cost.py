@@ -21,9 +21,9 @@ Hook sets measured side by side, in alternating blocks:
 - `omni`, `omni-inproc` (only with `--only`): the omni set working every step (extra kwargs: each
   request's state as `runtime_additional_information`, a plan awaited and read every step; the
   step's hidden rows sent at its end), with the link's plan read and StepEnd on the worker's thread;
-  `omni-nostretch`: the same with the sidecar's polling window kept fixed (omni_sidecar/spin.py);
+  `omni-nostretch`: the same with the sidecar's polling window kept fixed (proto/transport.py, SpinWindow);
   `omni-gc-anywhere`: the same with the sidecar's cycle collector left to the interpreter
-  (omni_sidecar/collector.py: by default it runs between steps).
+  (omni_sidecar/serve/collector.py: by default it runs between steps).
   Give `--between-ms` (sampling and scheduling) so the sidecar's work can overlap it as in vLLM.
 
     python -m bench.step_cost [--steps 3000] [--requests 64] [--forward-ms 2.5] [--between-ms 0]
@@ -58,10 +58,10 @@ HOOK_SETS = {"passthrough": "passthrough", "observe": "bench.step_cost_hooks:Obs
              "passthrough-inproc": "passthrough", "observe-inproc": "bench.step_cost_hooks:ObservingPassThrough"}
 OMNI_SETS = {"omni": "omni", "omni-inproc": "omni", "omni-nostretch": "omni", "omni-gc-anywhere": "omni"}  # measured when named in --only
 HOOK_OPTIONS = {"omni": {"extra_kwargs": "1"}}  # by hook set spec
-# By name: `omni-nostretch`'s sidecar keeps its polling window fixed (omni_sidecar/spin.py), so it
+# By name: `omni-nostretch`'s sidecar keeps its polling window fixed (proto/transport.py, SpinWindow), so it
 # sleeps through every quiet spell longer than --ring-spin-us: the shim's kicks and wake-ups, side by side.
 # `omni-gc-anywhere`'s sidecar leaves Python's cycle collector to run wherever an allocation trips it,
-# inside a step too (omni_sidecar/collector.py): the shim's waits on those pauses, side by side.
+# inside a step too (omni_sidecar/serve/collector.py): the shim's waits on those pauses, side by side.
 SIDECAR_ARGS = {"omni-nostretch": ["--ring-spin-max-us", "0"], "omni-gc-anywhere": ["--no-gc-between-steps"]}
 INPROC = "-inproc"  # a name ending so runs its hook set in this process
 BLOCK = 250  # steps per block; hook sets alternate block by block
@@ -125,8 +125,8 @@ class ShimUnderTest:
 
     def _link(self, run_dir: Path, name: str, hooks: str):
         from worker_shim.config import RingConfig
-        from worker_shim.connection import SidecarConnection
-        from worker_shim.link import SidecarLink
+        from worker_shim.wire.connection import SidecarConnection
+        from worker_shim.step.link import SidecarLink
 
         endpoint = f"ipc://{run_dir}/{name}.sock"
         self.sidecar = _start_sidecar(endpoint, hooks, SIDECAR_ARGS.get(name))
@@ -191,9 +191,9 @@ class InProcessUnderTest(ShimUnderTest):
 
     def _link(self, run_dir: Path, name: str, hooks: str):
         from bench.inproc import InProcessConnection
-        from omni_sidecar.loader import load_hooks
-        from omni_sidecar.store import FinishedOutputs
-        from worker_shim.link import SidecarLink
+        from omni_sidecar.hook_api.loader import load_hooks
+        from omni_sidecar.sessions.store import FinishedOutputs
+        from worker_shim.step.link import SidecarLink
 
         def no_reconnect(**_: object) -> None:
             raise RuntimeError("nothing to reconnect to")

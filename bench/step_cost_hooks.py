@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from omni_sidecar.hooks import OmniHooks, StepBatch
+from omni_sidecar.hook_api.hook_set import OmniHooks, StepBatch
 
 
 class ObservingPassThrough(OmniHooks):

@@ -121,7 +121,7 @@ class CudaIpcArena:
         self.size = int(buf.numel())
         self.device = buf.device
         # The stream look-ups below take the index: given a torch.device, torch resolves it in Python
-        # on every call (four a step on each side; seen in the H200 profile, BENCHMARKS.md session 14).
+        # on every call (four a step on each side, a cost seen in the H200 profile).
         self._device_index: int = buf.device.index
         self.ready = ready
         self.done: list[torch.cuda.Event] = []

@@ -96,11 +96,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_settings(parser: argparse.ArgumentParser) -> None:
-    """One flag per ServeConfig field: help and default come from omni_sidecar/config.py.
+    """One flag per ServeConfig field: help and default come from omni_sidecar/serve/config.py.
 
     Flags default to None ("not given"), so the environment and the TOML file can set them.
     """
-    from omni_sidecar.config import settings
+    from omni_sidecar.serve.config import settings
 
     for field, flag, default, text, choices in settings():
         kwargs: dict = {"dest": field, "default": None, "choices": choices}
@@ -170,11 +170,11 @@ def _bench(bench_args: list[str]) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import os
     from omni_sidecar.client import answers
-    from omni_sidecar.config import RELOADABLE, ConfigError, ServeConfig, load_config
-    from omni_sidecar.loader import HookLoadError, load_hooks, parse_options
-    from omni_sidecar.logs import configure_logging
-    from omni_sidecar.security import SecurityError
-    from omni_sidecar.server import SidecarServer
+    from omni_sidecar.serve.config import RELOADABLE, ConfigError, ServeConfig, load_config
+    from omni_sidecar.hook_api.loader import HookLoadError, load_hooks, parse_options
+    from omni_sidecar.serve.logs import configure_logging
+    from omni_sidecar.serve.security import SecurityError
+    from omni_sidecar.serve.server import SidecarServer
 
     try:
         cli = {k: getattr(args, k) for k in ServeConfig.__struct_fields__ if k != "hook_options"}
@@ -197,7 +197,7 @@ def _serve(args: argparse.Namespace) -> int:
         if args.takeover:
             server.start_takeover(config.endpoint, args.takeover_timeout)
         if config.warm_spare:
-            from omni_sidecar.spare import ensure_spare
+            from omni_sidecar.upgrade.spare import ensure_spare
 
             ensure_spare(config.endpoint)
     except (HookLoadError, ConfigError, ValueError, SecurityError) as exc:
@@ -223,7 +223,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     server.on_reload = reload
     server.serve_forever()
-    return 2 if server.takeover_failed else 0
+    return 2 if server.takeover.failed else 0
 
 
 def _upgrade(args: argparse.Namespace, endpoint: str) -> int:
@@ -232,7 +232,7 @@ def _upgrade(args: argparse.Namespace, endpoint: str) -> int:
     import time
 
     from omni_sidecar.client import SidecarClient, SidecarUnavailable
-    from omni_sidecar.spare import exited, fork_sidecar
+    from omni_sidecar.upgrade.spare import exited, fork_sidecar
 
     try:
         with SidecarClient(endpoint, timeout_s=3) as client:

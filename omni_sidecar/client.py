@@ -78,7 +78,7 @@ def wait_ready(endpoint: str, timeout_s: float = 60.0, proc: Any = None) -> None
 
 def _decode(tensors: dict, values: dict) -> dict[str, Any]:
     # Here, not at the top: `omni-sidecar status` and `upgrade` must start without importing torch.
-    from omni_sidecar.tensors import tensor_from_bytes
+    from omni_arena.views import tensor_from_bytes
 
     out: dict[str, Any] = dict(values)
     for name, b in tensors.items():
@@ -91,7 +91,7 @@ def _append_bytes(payload: bytes | dict[str, Any]) -> bytes:
         return payload
     import msgspec
 
-    from omni_sidecar.omni.wire import encode_additional_information
+    from omni_sidecar.hook_sets.omni.wire import encode_additional_information
 
     return msgspec.msgpack.encode(encode_additional_information(payload))
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from omni_sidecar.tensors import tensor_to_bytes
+from omni_arena.views import tensor_to_bytes
 
 PAYLOAD_KEY = "omni_sidecar"
 

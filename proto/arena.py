@@ -3,7 +3,7 @@
 An arena is created once per connection and direction and opened once by the
 peer; per step only offsets travel. The creator makes it 0600. The peer
 unlinks the name as soon as it has mapped it, so a crash of either side
-leaves nothing behind in /dev/shm. A CUDA IPC arena (issue #3) implements the
+leaves nothing behind in /dev/shm. A CUDA IPC arena (omni_arena/cuda_ipc.py) implements the
 same `Arena` protocol with device memory.
 """
 

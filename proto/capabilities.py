@@ -72,15 +72,14 @@ class HookNeeds(msgspec.Struct, frozen=True):
     hidden_layers: decoder layers whose input hidden states (vllm-omni's
       `hidden_states["layers"][N]`: N = 0 is the embeddings) the hooks get with
       the last-layer ones, every scheduled token; needs hidden_states.
-    extra_kwargs (1.5): the plans carry extra model forward kwargs (`build_extra_kwargs`). A FULL
+    extra_kwargs: the plans carry extra model forward kwargs (`build_extra_kwargs`). A FULL
       CUDA graph replays what it captured and never sees them, so the shim refuses FULL graphs
-      with such hooks at start-up (docs/ARCHITECTURE.md, "Extra kwargs and CUDA graphs"). Older
-      sidecars do not send it (False): their shims do not refuse.
-    step_layouts (1.5): the hooks read every step's layout (`process_model_output`). False: a
+      with such hooks at start-up (docs/ARCHITECTURE.md, "Extra kwargs and CUDA graphs").
+    step_layouts: the hooks read every step's layout (`process_model_output`). False: a
       step that brings the sidecar nothing new (no request changes, tensors or failures) ends
       with a fixed-size StepTick instead of a StepEnd (docs/ARCHITECTURE.md, Step sequence).
       The sidecar's Welcome turns it off for a hook set that does not override
-      `process_model_output`; a Welcome without it (before 1.5) means True.
+      `process_model_output`.
     """
 
     pre_forward: Literal["never", "prefill", "always"] = "never"

@@ -10,11 +10,11 @@ Conversation (see README "Protocol"):
                                               `needs.pre_forward` and the step has rows)
   shim -> StepEnd,   sidecar -> StepResult  (a step that brings the sidecar something; the shim
                                               does not wait for the result before the next step)
-  shim -> StepTick                          (1.5: any other step, when the hooks read no per-step
+  shim -> StepTick                          (any other step, when the hooks read no per-step
                                               layout; answered only by a StepResult with switch_to)
   any  -> Ping / StatusQuery / OutputsQuery / Drain   (control, any client)
-  any  -> AppendPayload, sidecar -> AppendReply | ErrorReply  (1.3: entries into a running request)
-  sidecar -> MirrorUpdate, unsolicited; acknowledged by StepStart.mirror_seq (1.4: appends to mirrored state)
+  any  -> AppendPayload, sidecar -> AppendReply | ErrorReply  (entries into a running request)
+  sidecar -> MirrorUpdate, unsolicited; acknowledged by StepStart.mirror_seq (appends to mirrored state)
   any  -> ErrorReply                         (a frame was rejected; the peer keeps serving)
 
 The handshake and control messages are here; the per-step ones in proto/steps.py, the hot-upgrade
@@ -28,9 +28,9 @@ from typing import Annotated, Any, Union
 import msgspec
 
 from proto.capabilities import ArenaInfo, ArenaKind, Count, CudaIpcInfo, HookNeeds, IpcHandle, ModelHooks, Name, Text
-from proto.steps import (BatchLayout, MAX_BATCH, MAX_ID_LEN, MAX_PLAN_TENSORS, MAX_STACKS, MAX_STEP_TOKENS,
-                         NewRequest, Overlay, PackedLayout, ReqId, RequestError, StepBegin, StepEnd, StepPlan,
-                         StepResult, StepStart, StepTick, U32_BYTES)
+from proto.steps import (BatchLayout, MAX_BATCH, MAX_ID_LEN, MAX_PLAN_TENSORS, MAX_STEP_TOKENS, NewRequest,
+                         Overlay, ReqId, RequestError, StepBegin, StepEnd, StepPlan, StepResult, StepStart, StepTick,
+                         U32_BYTES)
 from proto.upgrade import SwitchAck, SwitchReady, Takeover, TakeoverState
 
 
@@ -121,7 +121,7 @@ class SessionStatus(msgspec.Struct, frozen=True):
     # Steady decode steps whose plan the sidecar built before their StepBegin, and those it used.
     plans_ahead_built: Count = 0
     plans_ahead_used: Count = 0
-    stacked_rows: Count = 0  # tensors its plans sent as rows of stacks (1.7)
+    stacked_rows: Count = 0  # tensors its plans sent as rows of stacks
 
 
 class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
@@ -134,7 +134,7 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     rejected_frames: Count
     sessions: list[SessionStatus] = []
     pid: int = 0
-    # Python's cycle collections in the sidecar (omni_sidecar/collector.py): run between steps (no
+    # Python's cycle collections in the sidecar (omni_sidecar/serve/collector.py): run between steps (no
     # shim waiting), while idle, where the loop was once far overdue, by the interpreter or a hook
     # elsewhere; and the longest pause of any.
     collections_between_steps: Count = 0
@@ -145,7 +145,7 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
 
 
 class TensorBlob(msgspec.Struct, frozen=True, array_like=True):
-    """A tensor copied inline; only for control replies (outputs), never per step."""
+    """A tensor copied inline; only for control replies (outputs) and MirrorUpdate, never per step."""
 
     shape: Annotated[list[Count], msgspec.Meta(max_length=8)]
     dtype: Name
@@ -181,7 +181,7 @@ class OutputsReply(msgspec.Struct, tag="outputs_reply", frozen=True):
 
 
 class AppendPayload(msgspec.Struct, tag="append", frozen=True):
-    """1.3: append entries to a running request (by vLLM's id or the client's own): `payload` is
+    """Append entries to a running request (by vLLM's id or the client's own): `payload` is
     vllm-omni's additional_information in msgpack ({"entries": {dotted key: entry}}). Applied between
     two steps, in arrival order (docs/ARCHITECTURE.md, Streaming payloads)."""
 
@@ -197,13 +197,15 @@ class AppendReply(msgspec.Struct, tag="append_reply", frozen=True):
 
 
 class MirrorUpdate(msgspec.Struct, tag="mirror_update", frozen=True):
-    """1.4, sidecar -> shim, unsolicited: an append to a request whose state the shim mirrors; the
-    shim applies it at its next step start and says so in StepStart.mirror_seq. `entries`: the append's
-    delta (decoded; `embed.decode` rows past the span held); tensors as {TENSOR_MARKER: TensorBlob}."""
+    """Sidecar -> shim, unsolicited: an append to a request whose state the shim mirrors; the shim
+    applies it at its next step start and says so in StepStart.mirror_seq. `entries`: the append's
+    delta (decoded; `embed.decode` rows past the span held) as a msgpack tree whose tensors are
+    extension values naming `blobs` (proto/plan_trees.py, as a plan's), their bytes inline."""
 
     seq: Count
     req_id: ReqId
-    entries: dict[str, Any]
+    entries: bytes
+    blobs: Annotated[list[TensorBlob], msgspec.Meta(max_length=MAX_PLAN_TENSORS)] = []
 
 
 class Drain(msgspec.Struct, tag="drain", frozen=True):
@@ -223,8 +225,8 @@ class ErrorReply(msgspec.Struct, tag="error", frozen=True):
 
 __all__ = ["ArenaInfo", "ArenaKind", "CudaIpcInfo", "HookNeeds", "IpcHandle", "ModelHooks",  # re-exported
            "SwitchAck", "SwitchReady", "Takeover", "TakeoverState",
-           "MAX_BATCH", "MAX_ID_LEN", "MAX_PLAN_TENSORS", "MAX_STACKS", "MAX_STEP_TOKENS", "U32_BYTES",  # proto.steps
-           "BatchLayout", "NewRequest", "Overlay", "PackedLayout", "ReqId", "RequestError", "StepBegin", "StepEnd",
+           "MAX_BATCH", "MAX_ID_LEN", "MAX_PLAN_TENSORS", "MAX_STEP_TOKENS", "U32_BYTES",  # proto.steps
+           "BatchLayout", "NewRequest", "Overlay", "ReqId", "RequestError", "StepBegin", "StepEnd",
            "StepPlan", "StepResult", "StepStart", "StepTick"]
 
 Message = Union[

@@ -1,15 +1,14 @@
-"""Packed batch layouts (protocol 1.6): the per-request ints of a StepBegin as u32 arrays.
+"""A batch layout's packing (the shim's side) and its reading as ints (the sidecar's side).
 
-Why: a msgpack list of ints costs a Python int per entry on both ends (the shim's
-`tolist()` of vLLM's numpy arrays and its encoding, the sidecar's decoding): most of
-a StepBegin's cost at a few hundred requests. Packed, the shim writes numpy's buffer
-as it is, msgspec moves one `bytes` per array, and the sidecar makes ints only when a
-hook reads a field (`LazyLayout`): the pre-forward hooks of a steady decode step
-usually read none.
+Why packed: a msgpack list of ints costs a Python int per entry on both ends (the shim's
+`tolist()` of vLLM's numpy arrays and its encoding, the sidecar's decoding): most of a
+StepBegin's cost at a few hundred requests. Packed, the shim writes numpy's buffer as it is,
+msgspec moves one `bytes` per array, and the sidecar makes ints only when a hook reads a field
+(`StepLayout`): the pre-forward hooks of a steady decode step usually read none.
 
-Everything here is untrusted input on the sidecar's side: `LazyLayout` checks every
-array's length against the request count before a hook can see it (u32 entries
-need no sign check; msgspec already capped each array's size).
+Everything here is untrusted input on the sidecar's side: `StepLayout.unpacking` checks every
+array's length against the request count before a hook can see it (u32 entries need no sign
+check; msgspec already capped each array's size).
 """
 
 from __future__ import annotations
@@ -18,14 +17,14 @@ import array
 import sys
 from typing import Any
 
-from proto.messages import U32_BYTES, BatchLayout, PackedLayout
+from proto.messages import U32_BYTES, BatchLayout
 
 _LITTLE = sys.byteorder == "little"
 _U32 = next(code for code in "IL" if array.array(code).itemsize == U32_BYTES)
 
 
 class LayoutError(ValueError):
-    """A packed layout whose arrays do not fit its request count."""
+    """A layout whose arrays do not fit its request count."""
 
 
 def pack_u32(values: Any) -> bytes:
@@ -48,9 +47,9 @@ def unpack_u32(data: bytes) -> list[int]:
 
 
 def packed_layout(req_ids: list[str] | None, query_start_loc: Any, num_computed_tokens: Any,
-                  prefill_lens: Any, input_ids: Any = None) -> PackedLayout:
+                  prefill_lens: Any, input_ids: Any = None) -> BatchLayout:
     """The shim's side: arrays (numpy or int sequences) of one step's batch, packed."""
-    return PackedLayout(
+    return BatchLayout(
         req_ids=req_ids,
         query_start_loc=pack_u32(query_start_loc),
         num_computed_tokens=pack_u32(num_computed_tokens),
@@ -59,32 +58,42 @@ def packed_layout(req_ids: list[str] | None, query_start_loc: Any, num_computed_
     )
 
 
-class LazyLayout:
-    """A PackedLayout read as a BatchLayout (same attribute names): ints on first access.
-
-    `req_ids` is the resolved list (the packed message omits it when unchanged). Hooks
-    type their argument `BatchLayout`; `materialize()` gives a real one where a
-    msgspec struct is needed.
+class StepLayout:
+    """A step's batch layout as the sidecar's hooks read it: request ids resolved, each array's ints
+    a list. Read off a BatchLayout (`unpacking`: ints on first access), or made of lists (a layout the
+    sidecar derives: the rows a replay has not seen, the next decode step's prediction).
     """
 
-    # Unpacked arrays, set on first access (class defaults: construction sets two attributes only;
+    # Unpacked arrays, set on first access (class defaults: `unpacking` sets two attributes only;
     # it runs for every StepBegin).
     _qsl: list[int] | None = None
     _computed: list[int] | None = None
     _prefill: list[int] | None = None
     _input_ids: list[int] | None = None
+    _packed: BatchLayout | None = None
 
-    def __init__(self, req_ids: list[str], packed: PackedLayout) -> None:
+    def __init__(self, req_ids: list[str], query_start_loc: list[int], num_computed_tokens: list[int],
+                 prefill_lens: list[int], input_ids: list[int] | None = None) -> None:
+        self.req_ids = req_ids
+        self._qsl, self._computed, self._prefill = query_start_loc, num_computed_tokens, prefill_lens
+        self._input_ids = input_ids
+
+    @classmethod
+    def unpacking(cls, req_ids: list[str], packed: BatchLayout) -> StepLayout:
+        """`packed` read with `req_ids` (its own, or the previous layout's it omitted): LayoutError
+        unless every array fits the request count."""
         size = len(req_ids) * U32_BYTES
         if (len(packed.num_computed_tokens) != size or len(packed.prefill_lens) != size
                 or len(packed.query_start_loc) != size + U32_BYTES):
-            raise LayoutError(f"packed layout arrays of {len(packed.query_start_loc)}, "
+            raise LayoutError(f"layout arrays of {len(packed.query_start_loc)}, "
                               f"{len(packed.num_computed_tokens)}, {len(packed.prefill_lens)} bytes "
                               f"do not fit {len(req_ids)} requests")
         if packed.input_ids is not None and len(packed.input_ids) % U32_BYTES:
-            raise LayoutError(f"packed input_ids of {len(packed.input_ids)} bytes: not u32 entries")
-        self.req_ids = req_ids
-        self._packed = packed
+            raise LayoutError(f"layout input_ids of {len(packed.input_ids)} bytes: not u32 entries")
+        layout = cls.__new__(cls)
+        layout.req_ids = req_ids
+        layout._packed = packed
+        return layout
 
     @property
     def query_start_loc(self) -> list[int]:
@@ -106,21 +115,34 @@ class LazyLayout:
 
     @property
     def input_ids(self) -> list[int] | None:
-        if self._input_ids is None and self._packed.input_ids is not None:
+        if self._input_ids is None and self._packed is not None and self._packed.input_ids is not None:
             self._input_ids = unpack_u32(self._packed.input_ids)
         return self._input_ids
 
-    def materialize(self) -> BatchLayout:
-        return BatchLayout(self.req_ids, self.query_start_loc, self.num_computed_tokens, self.prefill_lens,
-                           self.input_ids)
+    def check(self) -> None:
+        """LayoutError unless the lists fit the request count (a layout made of lists; `unpacking`
+        checks its arrays)."""
+        n = len(self.req_ids)
+        if not (len(self.query_start_loc) == n + 1 and len(self.num_computed_tokens) == n == len(self.prefill_lens)):
+            raise LayoutError("batch layout lists have inconsistent lengths")
+
+    def packed(self) -> BatchLayout:
+        """The wire's form, request ids included."""
+        return packed_layout(self.req_ids, self.query_start_loc, self.num_computed_tokens, self.prefill_lens,
+                             self.input_ids)
+
+    def _fields(self) -> tuple:
+        return (self.req_ids, self.query_start_loc, self.num_computed_tokens, self.prefill_lens, self.input_ids)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StepLayout) and self._fields() == other._fields()
+
+    __hash__ = None  # type: ignore[assignment]  # lists inside: not hashable, as a list is not
 
     def __repr__(self) -> str:
-        return f"LazyLayout({len(self.req_ids)} requests)"
+        if self._packed is not None and self._qsl is None:
+            return f"StepLayout({len(self.req_ids)} requests, packed)"
+        return "StepLayout({}, {}, {}, {}, {})".format(*self._fields())
 
 
-def unpacked(layout: BatchLayout | LazyLayout) -> BatchLayout:
-    """A BatchLayout either way (for code that builds or encodes msgspec structs from it)."""
-    return layout.materialize() if isinstance(layout, LazyLayout) else layout
-
-
-__all__ = ["LayoutError", "LazyLayout", "pack_u32", "packed_layout", "unpack_u32", "unpacked"]
+__all__ = ["LayoutError", "StepLayout", "pack_u32", "packed_layout", "unpack_u32"]

@@ -1,20 +1,19 @@
-"""A plan's trees with their tensors as msgpack extension values (protocol 1.8, issue #15).
+"""Trees with tensors: msgpack bytes whose tensors are extension values naming a list beside them.
 
-Up to 1.7 a tensor in a plan's extra kwargs or model states is a marker dict (`{TENSOR_MARKER:
-ref}`, `{ROW_MARKER: [k, i]}`) that the shim finds by walking every decoded tree in Python: with
-per-request state in the extra kwargs (vllm-omni's `runtime_additional_information`) that walk was
-most of the shim's plan read, ~1.5 µs per request every step. From 1.8, for shims that announce it,
-`StepPlan.extra_kwargs` and `StepPlan.model_states` travel as msgpack bytes of their own, every
-tensor in them an extension value naming a tensor of `StepPlan.stacks`:
+A plan's extra kwargs and model states (StepPlan.stacks), a step's model updates and outputs
+(StepEnd.tensors) and a mirrored append (MirrorUpdate.blobs) are each a msgpack tree of JSON-like
+values; every tensor in it is an extension value naming a tensor of the message's list:
 
 - `STACK_ROW` (8 bytes: u32 stack, u32 row, little-endian): row `row` of stack `stack`;
 - `STACK_WHOLE` (4 bytes: u32 stack): the whole of stack `stack` (a tensor alone of its kind).
 
-The shim copies the stacks out first, then decodes each tree with an `ext_hook` that returns the
-tensor itself (worker_shim/plan_read.py): msgspec's decoder puts every tensor in place as it builds
-the containers, and no Python walks the tree. The sender marks each tensor as its encoder meets it,
-no walk either (omni_arena/tensor_tree.py, ExtStacker). Nesting is bounded by msgspec's own recursion
-guard on both sides and by the frame cap (MAX_TREE_DEPTH is the marker trees' rule: a Python walk).
+Same-shaped tensors go as one stack: with per-request state in a tree (vllm-omni's
+`runtime_additional_information`) a tree holds the same tensors for every request, and one stack
+is one store, one ref and one check for all of them. The sender marks each tensor as msgspec's
+encoder meets it, and the receiver decodes with an `ext_hook` that returns the tensor itself
+(omni_arena/tensor_tree.py, TreeEncoder / TreeDecoder): no Python walks a tree on either side.
+Nesting is bounded by msgspec's own recursion guard and by the frame cap. This module holds the
+marks (no torch): the shapes on the wire and their checks.
 """
 
 from __future__ import annotations
@@ -44,34 +43,37 @@ def whole_mark(stack: int) -> msgspec.msgpack.Ext:
     return msgspec.msgpack.Ext(STACK_WHOLE, _WHOLE.pack(stack))
 
 
-class PlanTreeError(ProtoError, ValueError):
-    """A tree's extension value that is not a tensor mark of this protocol."""
+class TreeError(ProtoError, ValueError):
+    """A received tree that cannot be read: not msgpack, an extension value that is no tensor mark,
+    a mark naming a stack or row its message lacks."""
 
 
 def _refuse(obj: Any) -> Any:
-    raise TypeError(f"a plan's tree cannot hold a {type(obj).__name__}")
+    raise TypeError(f"a tree cannot hold a {type(obj).__name__}")
 
 
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=_refuse)
 
 
 def encode_tree(tree: Any) -> bytes:
-    """A tree without tensors as the bytes a 1.8 plan carries (the sidecar's stacker encodes one
-    with tensors, marking each as the encoder meets it: omni_arena/tensor_tree.py, ExtStacker)."""
+    """A tree without tensors as the bytes a message carries (one with tensors goes through
+    omni_arena/tensor_tree.py's TreeEncoder, which marks each as the encoder meets it)."""
     return _ENCODER.encode(tree)
 
 
 def read_mark(code: int, data: memoryview) -> tuple[int, int]:
-    """(stack, row) of an extension value; row `WHOLE` for a whole stack. PlanTreeError for any
-    other extension (untrusted bytes: the code and the length are checked)."""
+    """(stack, row) of an extension value; row `WHOLE` for a whole stack. TreeError for any other
+    extension (untrusted bytes: the code and the length are checked)."""
     if code == STACK_ROW and len(data) == ROW_MARK.size:
         return ROW_MARK.unpack(data)
     if code == STACK_WHOLE and len(data) == _WHOLE.size:
         return _WHOLE.unpack(data)[0], WHOLE
-    raise PlanTreeError(f"unknown extension value in a plan's tree (code {code}, {len(data)} bytes)")
+    raise TreeError(f"unknown extension value in a tree (code {code}, {len(data)} bytes)")
 
 
 def decode_tree(data: bytes, kind: type = dict[str, Any]) -> Any:
-    """The tree with each tensor as its (stack, row) pair: for tools and tests that read a plan
-    without an arena (the shim decodes with its own hook, straight into tensors)."""
+    """The tree with each tensor as its (stack, row) pair: for tools and tests that read a tree
+    without its tensors (b"" is the empty dict every tree on the wire is at its root)."""
+    if not data:
+        return {}
     return msgspec.msgpack.Decoder(kind, ext_hook=read_mark).decode(data)

@@ -44,7 +44,7 @@ RING_KIB: Final = 1024  # each direction's ring, per connection
 IDLE_HANDOVER_S: Final = 0.4
 STEP_START_ANSWER_S: Final = 0.1
 
-# Generation-only code2wav stage (omni_sidecar/omni/code2wav.py): codec frames decoded per step,
+# Generation-only code2wav stage (omni_sidecar/hook_sets/omni/code2wav.py): codec frames decoded per step,
 # and previous frames decoded with each chunk whose samples are cut off (vllm-omni's defaults).
 CODE2WAV_CHUNK_FRAMES: Final = 25
 CODE2WAV_LEFT_CONTEXT_FRAMES: Final = 25

@@ -15,8 +15,7 @@ from proto.capabilities import Count, LayerIndex, MAX_LAYERS, ModelHooks, Text
 from proto.tensors import TensorRef
 
 MAX_BATCH = 1 << 16
-MAX_STACKS = 1024  # stacked tensors in one plan for a shim of 1.7 (its StepPlan.stacks' bound)
-MAX_PLAN_TENSORS = 1 << 16  # tensors in one plan (1.8: every one is in StepPlan.stacks)
+MAX_PLAN_TENSORS = 1 << 16  # tensors beside one message's trees (StepPlan.stacks, StepEnd.tensors)
 MAX_STEP_TOKENS = 1 << 20
 MAX_ID_LEN = 256
 ReqId = Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)]
@@ -33,58 +32,42 @@ class NewRequest(msgspec.Struct, frozen=True, array_like=True):
     client_req_id: ReqId = ""
 
 
+U32_BYTES = 4  # one entry of a BatchLayout array
+
+
 class BatchLayout(msgspec.Struct, frozen=True, array_like=True):
-    """The scheduled batch in the runner's row order.
+    """The scheduled batch in the runner's row order, its per-request ints as packed arrays.
 
-    Request i owns rows [query_start_loc[i], query_start_loc[i+1]) of the
-    step's token-major tensors (inputs_embeds, hidden states). `req_ids` is None
-    when it equals the previous layout's on this connection (steady decode):
-    decoding request-id strings is the bulk of a step message's cost.
-    """
-
-    req_ids: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] | None
-    query_start_loc: Annotated[list[Count], msgspec.Meta(max_length=MAX_BATCH + 1)]
-    num_computed_tokens: Annotated[list[Count], msgspec.Meta(max_length=MAX_BATCH)]
-    # Tokens of each request that are prefill (vLLM's prefill_len: the prompt, plus the
-    # output tokens a resumed request recomputes); rows at or past it are decode rows.
-    prefill_lens: Annotated[list[Count], msgspec.Meta(max_length=MAX_BATCH)]
-    # 1.2, only when the hook set's needs ask (HookNeeds.input_ids): each row's input token id.
-    input_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_STEP_TOKENS)] | None = None
-
-
-U32_BYTES = 4  # one entry of a PackedLayout array
-
-
-class PackedLayout(msgspec.Struct, frozen=True, array_like=True):
-    """1.6, StepBegin and StepEnd: a BatchLayout whose per-request ints travel as packed arrays.
-
-    Each array is little-endian u32 (proto/packed.py packs, checks and unpacks them): the shim
-    writes vLLM's numpy arrays as they are, and the sidecar turns them into ints only when a
-    hook reads them (the pre-forward hooks of a steady decode step usually read none).
-    Decoding a msgpack list costs a Python int per entry: most of a 256-request StepBegin.
-    Lengths are checked against the request count before any hook sees the layout.
+    Request i owns rows [query_start_loc[i], query_start_loc[i+1]) of the step's token-major
+    tensors (inputs_embeds, hidden states). `req_ids` is None when it equals the previous layout's
+    on this connection (steady decode): decoding request-id strings is the bulk of a step
+    message's cost. Each array is little-endian u32 (proto/packed.py packs, checks and unpacks
+    them): the shim writes vLLM's numpy arrays as they are, and the sidecar makes ints only when a
+    hook reads them (a msgpack list costs a Python int per entry on both ends). Lengths are
+    checked against the request count before any hook sees the layout.
     """
 
     req_ids: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] | None
     query_start_loc: Annotated[bytes, msgspec.Meta(max_length=U32_BYTES * (MAX_BATCH + 1))]
     num_computed_tokens: Annotated[bytes, msgspec.Meta(max_length=U32_BYTES * MAX_BATCH)]
+    # Tokens of each request that are prefill (vLLM's prefill_len: the prompt, plus the output
+    # tokens a resumed request recomputes); rows at or past it are decode rows.
     prefill_lens: Annotated[bytes, msgspec.Meta(max_length=U32_BYTES * MAX_BATCH)]
+    # Only when the hook set's needs ask (HookNeeds.input_ids): each row's input token id.
     input_ids: Annotated[bytes, msgspec.Meta(max_length=U32_BYTES * MAX_STEP_TOKENS)] | None = None
 
 
 class StepBegin(msgspec.Struct, tag="step_begin", frozen=True):
     step: Count
-    # Exactly one of `batch` and `packed` (1.6: a shim sends `packed` to a sidecar of 1.6 or later).
-    batch: BatchLayout | None = None
+    batch: BatchLayout
     new_requests: Annotated[list[NewRequest], msgspec.Meta(max_length=MAX_BATCH)] = []
     finished: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] = []
     preempted: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] = []
-    # 1.2, model hooks: requests whose initial state the shim's mirror lacks (new to this
+    # Model hooks: requests whose initial state the shim's mirror lacks (new to this
     # shim); the plan answers with `model_states`. `model_hooks` rides along because the
     # Hello goes out before vLLM loads the model (only then are its hooks known).
     want_states: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] = []
     model_hooks: ModelHooks | None = None
-    packed: PackedLayout | None = None
 
 
 class Overlay(msgspec.Struct, frozen=True, array_like=True):
@@ -105,24 +88,23 @@ class RequestError(msgspec.Struct, frozen=True, array_like=True):
 class StepPlan(msgspec.Struct, tag="step_plan", frozen=True):
     """Overlay rows, extra forward kwargs and initial model states for this step.
 
-    In `extra_kwargs` and `model_states`, a tensor is `{TENSOR_MARKER: TensorRef}`
-    pointing into the sidecar's arena, or (1.7) `{ROW_MARKER: [k, i]}`: row i of `stacks[k]`;
-    everything else is JSON-like. A state is typed `Any`, not `dict[str, Any]`: vllm-omni's
-    `hidden_states.layers` is keyed by int. (1.8) For a shim that announced it, each of the two is
-    instead the msgpack bytes of that dict, its tensors extension values naming `stacks`
-    (proto/plan_trees.py): decoded by the shim once the stacks are copied, no walk.
+    `extra_kwargs` and `model_states` are msgpack trees (proto/plan_trees.py; b"": empty) whose
+    tensors are extension values naming `stacks`, tensors in the sidecar's arena: the shim copies
+    the stacks out, then decodes each tree with every tensor put in place as it is met.
+    `model_states` decodes as {req_id: state}; a state is any tree, not a str-keyed dict
+    (vllm-omni's `hidden_states.layers` is keyed by int).
     """
 
     step: Count
     overlays: Annotated[list[Overlay], msgspec.Meta(max_length=MAX_BATCH)] = []
-    extra_kwargs: dict[str, Any] | bytes = {}
+    extra_kwargs: bytes = b""
     errors: Annotated[list[RequestError], msgspec.Meta(max_length=MAX_BATCH)] = []
     # CUDA IPC: the ready event the shim's stream waits on before reading this plan's tensors.
     event: Annotated[int, msgspec.Meta(ge=-1, le=63)] = -1
-    # 1.2: the state of each request named in `want_states` (the sidecar's decoded payload).
-    model_states: dict[ReqId, Any] | bytes = {}
-    # 1.7: same-shaped tensors of this plan, each set stacked into one (omni_arena/tensor_tree.py, RowStacker);
-    # 1.8: every tensor of the plan (one alone is a stack used whole).
+    # The state of each request named in `want_states` (the sidecar's decoded payload).
+    model_states: bytes = b""
+    # Every tensor of the plan's trees: same-shaped ones stacked into one, a tensor alone of its
+    # kind a stack used whole (omni_arena/tensor_tree.py, TreeEncoder).
     stacks: Annotated[list[TensorRef], msgspec.Meta(max_length=MAX_PLAN_TENSORS)] = []
 
 
@@ -150,18 +132,17 @@ class StepEnd(msgspec.Struct, tag="step_end", frozen=True):
     # CUDA IPC: the ready event recorded after this step's slot was written (hidden states,
     # model updates and outputs; -1: none).
     hidden_event: Annotated[int, msgspec.Meta(ge=-1, le=63)] = -1
-    # 1.2, model hooks: per request, this step's merged state updates and its outputs
-    # (e.g. {"codes": {"audio": [1, Q]}}); tensors are TENSOR_MARKER refs into the step's
-    # hidden slot, after the hidden rows. Typed `Any` for int keys (see StepPlan).
-    model_updates: dict[ReqId, Any] = {}
-    model_outputs: dict[ReqId, Any] = {}
-    # 1.6: the layout packed (PackedLayout), sent instead of `batch` to a sidecar of 1.6 or later;
-    # at most one of the two is set.
-    packed: PackedLayout | None = None
+    # Model hooks: per request, this step's merged state updates and its outputs (e.g.
+    # {"codes": {"audio": [1, Q]}}), each a msgpack tree {req_id: tree} (b"": none) whose tensors
+    # are extension values naming `tensors` (proto/plan_trees.py, as a plan's).
+    model_updates: bytes = b""
+    model_outputs: bytes = b""
+    # The trees' tensors: refs into the step's hidden slot, after the hidden rows.
+    tensors: Annotated[list[TensorRef], msgspec.Meta(max_length=MAX_PLAN_TENSORS)] = []
 
 
 class StepTick(msgspec.Struct, tag="step_tick", frozen=True):
-    """1.5: ends a step that brought the sidecar nothing new (no request changes, tensors, model
+    """Ends a step that brought the sidecar nothing new (no request changes, tensors, model
     results or failures) when its hooks read no per-step layout (`HookNeeds.step_layouts` False).
 
     Scalars only, so its size does not grow with the batch (under 100 bytes): what the sidecar
@@ -184,12 +165,12 @@ class StepResult(msgspec.Struct, tag="step_result", frozen=True):
 
 
 class StepStart(msgspec.Struct, tag="step_start", frozen=True):
-    """The shim (protocol 1.2), first thing in a step: a sidecar hands a session over on its own
+    """The shim, first thing in a step: a sidecar hands a session over on its own
     only between steps (docs/ARCHITECTURE.md, Hot upgrade). `answer`: the shim was quiet long
     enough that the sidecar may be handing it over right now; it waits for Pong(step), or finds
     the SwitchAck before it."""
 
     step: Count
     answer: bool = False
-    # 1.4: the last MirrorUpdate the shim applied to its mirror before this step (0: none yet).
+    # The last MirrorUpdate the shim applied to its mirror before this step (0: none yet).
     mirror_seq: Count = 0

@@ -41,12 +41,6 @@ class TensorRef(msgspec.Struct, frozen=True, array_like=True):
     dtype: str
 
 
-# Marks a tensor inside JSON-like values (StepPlan.extra_kwargs): {TENSOR_MARKER: TensorRef}.
-TENSOR_MARKER = "__omni_tensor_ref__"
-# 1.7: one row of a stacked tensor of the plan (StepPlan.stacks): {ROW_MARKER: [stack index, row]}.
-ROW_MARKER = "__omni_tensor_row__"
-
-
 class TensorRefError(ProtoError, ValueError):
     """A tensor ref that does not fit its arena or its own shape and dtype."""
 

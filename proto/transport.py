@@ -12,7 +12,8 @@ shim's Hello offered them and the Welcome accepted them, two shared-memory rings
   message, then raise the sleeping flag, re-check the ring (a writer may have
   published before it could see the flag: x86-64 has no store-load order), then
   block on the socket for at most `sleep_ms`. The bounded sleep covers kicks lost
-  to that race.
+  to that race. The sidecar's polling window stretches with the quiet spells
+  between a shim's steps (`SpinWindow`).
 - ZeroMQ set-up both sides share: heartbeats, the CURVE client keys, the check of
   a reply to a request.
 
@@ -226,7 +227,7 @@ class WaitPolicy:
 
     def spin(self, busy_at: float, now: float, window_s: float | None = None) -> bool:
         """Inside the spin window (`spin_us`, or `window_s`: the sidecar's stretched one,
-        omni_sidecar/spin.py): give the CPU away once and say so (poll again soon)."""
+        `SpinWindow`): give the CPU away once and say so (poll again soon)."""
         if now - busy_at < (self.spin_us / 1e6 if window_s is None else window_s):
             os.sched_yield()  # let vLLM's threads run first
             return True
@@ -261,6 +262,68 @@ class WaitPolicy:
                 transport.set_sleeping(False)
 
 
+# -- the spin window: how long a reader polls before it sleeps ---------------------------------
+# A sleeping sidecar costs the shim on its critical path: a kick (a socket send) with each step
+# message and a kernel wake-up before every plan comes back. A fixed window shorter than a step's
+# quiet spell (on a GPU: the StepEnd handled, then nothing until the next StepBegin, 2-4 ms for a
+# small model) put the sidecar to sleep every step. So while steps come regularly the window
+# stretches to cover the quiet spells seen: the longest of the last `KEEP`, plus a quarter, up to
+# `max_s`. An engine that stops stepping sleeps after one window; its first long spell puts the
+# window back to `base_s` until regular steps push that spell out of the last `KEEP`. Polling
+# keeps one CPU busy (yielding it each turn), so by default the window stretches only on hosts
+# with cores to spare (`auto_max_us`); `--ring-spin-max-us` says otherwise.
+
+KEEP = 16  # quiet spells remembered (a step brings 2-4: StepStart, StepBegin, StepEnd)
+STRETCH = 1.25  # the window covers the longest spell remembered by this much
+SPARE_CPUS = 8  # hosts with this many CPUs or more stretch by default
+AUTO_MAX_US = 20_000  # a 1B-sized GPU step with room to spare; a longer spell is an engine gone idle
+
+
+def auto_max_us(base_us: int, cpus: float | None = None) -> int:
+    """The default stretch limit: AUTO_MAX_US with SPARE_CPUS or more CPUs to run on, else none;
+    none either when polling is off (`base_us` 0: the operator asked for no polling)."""
+    if cpus is None:
+        cpus = cpus_to_run_on()
+    return max(base_us, AUTO_MAX_US) if base_us and cpus >= SPARE_CPUS else base_us
+
+
+def cpus_to_run_on(cgroup_cpu_max: str = "/sys/fs/cgroup/cpu.max") -> float:
+    """CPUs this process may use: its affinity, capped by a cgroup (v2) quota (a container limited
+    to 2 CPUs on a 64-core host has 2 to spare, not 64)."""
+    cpus: float = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open(cgroup_cpu_max) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, int(quota) / int(period))
+    except (OSError, ValueError):
+        pass
+    return cpus
+
+
+class SpinWindow:
+    """The polling window in seconds (`seconds`), fed the quiet spells that ended in a message."""
+
+    def __init__(self, base_us: int, max_us: int) -> None:
+        self.base_s = base_us / 1e6
+        self.max_s = max(base_us, max_us) / 1e6
+        self.seconds = self.base_s
+        self._quiet: collections.deque[float] = collections.deque(maxlen=KEEP)
+
+    @property
+    def stretches(self) -> bool:
+        return self.max_s > self.base_s
+
+    def note_quiet(self, quiet_s: float) -> None:
+        """A message came `quiet_s` after the last one was handled."""
+        if not self.stretches:
+            return
+        quiet = self._quiet
+        quiet.append(quiet_s)
+        longest = max(quiet)
+        self.seconds = self.base_s if longest > self.max_s else min(self.max_s, max(self.base_s, longest * STRETCH))
+
+
 # -- ZeroMQ set-up both sides share ---------------------------------------------
 
 
@@ -290,6 +353,6 @@ def reply_problem(request: object, reply: object, want: type) -> str:
 
 
 __all__ = [
-    "EMPTY", "MAX_QUEUED", "Route", "RingOverflow", "RingTransport", "WaitPolicy", "apply_curve_client",
-    "reply_problem", "route", "set_heartbeats", "wakes",
+    "EMPTY", "MAX_QUEUED", "Route", "RingOverflow", "RingTransport", "SpinWindow", "WaitPolicy", "apply_curve_client",
+    "auto_max_us", "cpus_to_run_on", "reply_problem", "route", "set_heartbeats", "wakes",
 ]

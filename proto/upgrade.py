@@ -33,7 +33,7 @@ class SwitchReady(msgspec.Struct, tag="switch_ready", frozen=True):
     """The shim, at a step boundary: every step up to `last_step` is sent; hand over now."""
 
     last_step: int
-    # 1.4: the last MirrorUpdate the shim applied (updates after it never reach this session's mirror).
+    # The last MirrorUpdate the shim applied (updates after it never reach this session's mirror).
     mirror_seq: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 

@@ -83,7 +83,7 @@ def embeds_case(tiny_model, e2e_dir):
     """Prompt embeddings E and the tokens plain vLLM V2 gives for `prompt_embeds=E`."""
     from tests.support.procs import run_engine, write_embeds
 
-    from worker_shim.compat import v2_takes_prompt_embeds, vllm_version
+    from worker_shim.upstream.compat import v2_takes_prompt_embeds, vllm_version
 
     files = write_embeds(e2e_dir, EMBEDS_LENS, HIDDEN)
     # Before vLLM 0.29 only the V1 runner takes prompt_embeds: the reference runs there.

@@ -6,17 +6,19 @@ import msgspec
 import pytest
 import torch
 
-from omni_sidecar.hooks import OmniHooks, RequestHookError
-from omni_sidecar.metrics import SidecarMetrics
-from omni_sidecar.omni.hooks import OmniStateHooks
-from omni_sidecar.omni.state import IntermediateBuffer, StateError
-from omni_sidecar.omni.wire import encode_additional_information
-from omni_sidecar.queries import Queries
-from omni_sidecar.session import Session
-from omni_sidecar.store import FinishedEntry, FinishedOutputs
+from omni_sidecar.hook_api.hook_set import OmniHooks, RequestHookError
+from omni_sidecar.serve.metrics import SidecarMetrics
+from omni_sidecar.hook_sets.omni.state_hooks import OmniStateHooks
+from omni_sidecar.hook_sets.omni.state import IntermediateBuffer, StateError
+from omni_sidecar.hook_sets.omni.wire import encode_additional_information
+from omni_sidecar.serve.queries import Queries
+from omni_sidecar.sessions.session import Session
+from omni_sidecar.sessions.store import FinishedEntry, FinishedOutputs
 from proto.codec import Codec
 from proto.messages import (AppendPayload, AppendReply, BatchLayout, ErrorReply, Hello, ModelHooks, NewRequest,
                             StepBegin, StepEnd)
+from proto.packed import packed_layout
+from proto.version import PROTOCOL_MAJOR
 
 
 class Recording(OmniStateHooks):
@@ -43,14 +45,14 @@ def _payload(start: int, rows: int, tag: str) -> bytes:
 
 def _session(hooks) -> tuple[Session, FinishedOutputs]:
     store = FinishedOutputs(10)
-    hello = Hello(1, 3, "test", "none", "cpu", 0, 1, "m", 8, "float32", 8, [])
+    hello = Hello(PROTOCOL_MAJOR, 0, "test", "none", "cpu", 0, 1, "m", 8, "float32", 8, [])
     return Session(1, hello, hooks, store, SidecarMetrics()), store
 
 
 def _layout(step: int, req_ids=("r", "o")) -> BatchLayout:
-    """One row per request, position `step` (each position reaches the hooks once: omni_sidecar/replays.py)."""
+    """One row per request, position `step` (each position reaches the hooks once: omni_sidecar/sessions/replays.py)."""
     n = len(req_ids)
-    return BatchLayout(list(req_ids), list(range(n + 1)), [step] * n, [1] * n)
+    return packed_layout(list(req_ids), list(range(n + 1)), [step] * n, [1] * n)
 
 
 def _step(session: Session, step: int, **kw) -> None:
@@ -158,7 +160,7 @@ def test_append_messages_round_trip_and_bound_the_id():
 
 
 def test_finished_store_alone_names_the_request_finished():
-    from omni_sidecar.appends import unknown
+    from omni_sidecar.sessions.appends import unknown
 
     store = FinishedOutputs(2)
     store.put("v1", FinishedEntry({}, []), client_id="mine")

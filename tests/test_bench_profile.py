@@ -10,7 +10,7 @@ STEP = "EngineCore.step_with_batch_queue"
 SAMPLE = "GPUModelRunner.sample_tokens"
 SCHED = "Scheduler.schedule"
 GRAPHS = "CudaGraphManager.run_pw_graph"
-PLAN = "PlanAsks.pre_forward"
+PLAN = "SidecarLink.pre_forward"
 
 
 def _write(path, lines):
@@ -117,7 +117,7 @@ def test_every_shim_phase_names_a_method_py_spy_would_see_in_our_code():
     root = Path(__file__).resolve().parents[1]
     defined = set()
     for package in ("worker_shim", "bench"):
-        for path in (root / package).glob("*.py"):
+        for path in (root / package).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.ClassDef):
                     defined.update(f"{node.name}.{item.name}" for item in node.body

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from proto.arena import ShmArena
-from proto.messages import BatchLayout, NewRequest, StepEnd, StepResult, Welcome
+from proto.messages import NewRequest, StepEnd, StepResult, Welcome
+from proto.packed import packed_layout
 from proto.tensors import TensorRef
 from tests.support.procs import SidecarProcess, child_env
 from tests.test_sidecar import H, Peer, _hello
@@ -57,7 +58,7 @@ def test_unknown_and_failed_requests_are_one_line(capture_sidecar, tmp_path):
         hidden = torch.ones(1, H)
         arena.raw(0, hidden.numel() * 4)[:] = hidden.numpy().tobytes()
         # A ref outside the arena fails request "bad" (the hooks' error), "good" succeeds.
-        layout = BatchLayout(["bad"], [0, 1], [0], [1])
+        layout = packed_layout(["bad"], [0, 1], [0], [1])
         result = peer.call(StepEnd(0, layout, [NewRequest("bad", 1, [9])],
                                    hidden=TensorRef(0, 1 << 16, 4 * H, [1, H], "float32"), num_tokens=1))
         assert isinstance(result, StepResult) and result.errors

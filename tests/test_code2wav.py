@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_sidecar.hooks import HookErrors, RequestInfo, StepBatch
-from omni_sidecar.omni.code2wav import Code2WavHooks, chunk_input, chunk_span, num_chunks
-from omni_sidecar.omni.wire import encode_additional_information
-from proto.messages import BatchLayout
+from omni_sidecar.hook_api.hook_set import HookErrors, RequestInfo, StepBatch
+from omni_sidecar.hook_sets.omni.code2wav import Code2WavHooks, chunk_input, chunk_span, num_chunks
+from omni_sidecar.hook_sets.omni.wire import encode_additional_information
+from proto.packed import StepLayout
 from tiny_code2wav import CODE2WAV_CONFIG, Code2WavDecoder, decode_runtime_info
 
 Q = CODE2WAV_CONFIG["num_quantizers"]
@@ -58,19 +58,19 @@ def test_left_context_covering_the_receptive_field_gives_the_whole_decode(decode
         assert (diff < 1e-5) == equal, (chunk, left, diff)
 
 
-def layout(rows: list[tuple[str, int, int]], prefill_lens: list[int] | None = None) -> BatchLayout:
+def layout(rows: list[tuple[str, int, int]], prefill_lens: list[int] | None = None) -> StepLayout:
     """rows: (request, computed tokens, scheduled rows)."""
     qsl = [0]
     for _, _, n in rows:
         qsl.append(qsl[-1] + n)
-    return BatchLayout([r for r, _, _ in rows], qsl, [nc for _, nc, _ in rows], prefill_lens or [1] * len(rows))
+    return StepLayout([r for r, _, _ in rows], qsl, [nc for _, nc, _ in rows], prefill_lens or [1] * len(rows))
 
 
 def request(req_id: str, info: dict) -> RequestInfo:
     return RequestInfo(req_id, 1, [1], payload={"additional_information": encode_additional_information(info)})
 
 
-def run_step(hooks: Code2WavHooks, decoder, step: int, lay: BatchLayout) -> list[dict]:
+def run_step(hooks: Code2WavHooks, decoder, step: int, lay: StepLayout) -> list[dict]:
     """One step as the shim plays it: the plan's runtime info in batch order, the model's
     per-request outputs (vllm-omni's `model_outputs`, `sr`) back with the StepEnd."""
     infos = hooks.build_extra_kwargs(StepBatch(step, lay))["runtime_additional_information"]

@@ -1,4 +1,4 @@
-"""Python's cycle collector in the sidecar runs between steps, never inside one (omni_sidecar/collector.py)."""
+"""Python's cycle collector in the sidecar runs between steps, never inside one (omni_sidecar/serve/collector.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 
-from omni_sidecar.collector import FULL_DEFERRED, OVERDUE, PACEABLE, CollectorPacer
+from omni_sidecar.serve.collector import FULL_DEFERRED, OVERDUE, PACEABLE, CollectorPacer
 
 pytestmark = pytest.mark.skipif(not PACEABLE, reason="Python 3.14's incremental collector is left to itself")
 

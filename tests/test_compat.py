@@ -1,6 +1,6 @@
 """The shim's start-up check against vLLM's seams, on fakes (no engine, no real vLLM import).
 
-A fake `vllm` package is built from worker_shim/compat.py's own lists, so every
+A fake `vllm` package is built from worker_shim/upstream/compat.py's own lists, so every
 seam the shim declares is present unless a test takes one away.
 """
 
@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from proto.messages import HookNeeds
-from worker_shim import compat
-from worker_shim.compat import ShimCompatError, check_upstream
-from worker_shim import runner as runner_module
-from worker_shim.runner import SidecarRunnerMixin, swap_class
-from worker_shim.worker import ShimWorkerMixin
+from worker_shim.upstream import compat
+from worker_shim.upstream.compat import ShimCompatError, check_upstream
+from worker_shim.upstream import runner as runner_module
+from worker_shim.upstream.runner import SidecarRunnerMixin, swap_class
+from worker_shim.upstream.worker import ShimWorkerMixin
 
 RECORD_FIELDS = {
     "InputBatch": ("__dataclass_fields__", compat.INPUT_BATCH_FIELDS),

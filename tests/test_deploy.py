@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from omni_sidecar.config import ConfigError, load_config
+from omni_sidecar.serve.config import ConfigError, load_config
 from tests.support.procs import ROOT, SidecarProcess, child_env
 
 DEPLOY = ROOT / "deploy"

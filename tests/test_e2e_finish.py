@@ -2,7 +2,7 @@
 
 vLLM tells its workers that a request finished only on the next step; an
 in-process engine that goes idle after its last outputs runs no such step. The
-shim tells the sidecar itself (worker_shim/finishes.py): outputs are final and
+shim tells the sidecar itself (worker_shim/step/finishes.py): outputs are final and
 streams end as soon as vLLM finishes a request, and a clean shutdown never
 reports a completed request as failed.
 """

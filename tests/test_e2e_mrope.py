@@ -120,8 +120,8 @@ def test_tokens_equal_plain_v2_with_chunked_prefill_across_the_image(runs):
 
 
 def test_captured_layers_equal_a_direct_forward_and_decode_in_vllm_omni(runs, direct):
-    from omni_sidecar.omni.keys import layer_key, unflatten
-    from omni_sidecar.omni.wire import encode_additional_information
+    from omni_sidecar.hook_sets.omni.keys import layer_key, unflatten
+    from omni_sidecar.hook_sets.omni.wire import encode_additional_information
     from tests.support.vllm_omni_payload import as_its_wire, vllm_omni_payload_code
 
     layers = [0, runs["last"]]

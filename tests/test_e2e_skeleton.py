@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from proto.version import PROTOCOL_MAJOR
 from tests.conftest import EMBEDS_LENS, HIDDEN
 from tests.support.procs import SidecarProcess, run_engine
 
@@ -55,7 +56,7 @@ def test_passthrough_is_token_identical_and_sidecar_sees_everything(tiny_model, 
     finally:
         sidecar.stop()
     log = open(res["log_path"]).read()
-    assert "omni-sidecar shim" in log  # written only after the shim worker's V2 check (worker_shim/worker.py)
+    assert "omni-sidecar shim" in log  # written only after the shim worker's V2 check (worker_shim/upstream/worker.py)
     if mp == 0:
         assert res["runner_v2"] == [True]
 
@@ -160,12 +161,12 @@ def test_startup_fails_on_protocol_major_mismatch(tiny_model, workdir, tmp_path)
     finally:
         fake.stop()
     assert not res["ok"]
-    assert "speaks protocol 2.0" in res["error"], res["error"]
+    assert f"speaks protocol {PROTOCOL_MAJOR + 1}.0" in res["error"], res["error"]
     assert "install matching omni-sidecar versions" in res["error"]
 
 
 class FutureSidecar:
-    """A peer that answers Hello like a sidecar of protocol 2.x would."""
+    """A peer that answers Hello like a sidecar of the next protocol major would."""
 
     def __init__(self, endpoint: str) -> None:
         import threading
@@ -174,6 +175,7 @@ class FutureSidecar:
 
         from proto.codec import Codec
         from proto.messages import HookNeeds, Welcome
+        from proto.version import PROTOCOL_MAJOR
 
         self._stop = threading.Event()
         sock = zmq.Context.instance().socket(zmq.ROUTER)
@@ -185,7 +187,7 @@ class FutureSidecar:
                 if sock.poll(100):
                     ident, _ = sock.recv_multipart()
                     sock.send_multipart([ident, codec.encode(
-                        Welcome(2, 0, "9.9.9", "future", HookNeeds(), 1))])
+                        Welcome(PROTOCOL_MAJOR + 1, 0, "9.9.9", "future", HookNeeds(), 1))])
             sock.close(0)
 
         self._thread = threading.Thread(target=serve, daemon=True)

@@ -1,4 +1,4 @@
-"""The embeds buffer's lookup replayed from CUDA graphs of our own (worker_shim/embeds.py, issue #15).
+"""The embeds buffer's lookup replayed from CUDA graphs of our own (worker_shim/model/embeds.py, issue #15).
 
 The CUDA checks run on a GPU host (`python -m pytest tests/test_embeds_graph.py` there); on CPU
 they are reported as skipped, never as passed. The CPU checks say where no graph is made.
@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from worker_shim.compat import graph_sizes
-from worker_shim.embeds import EmbedsBuffer
+from worker_shim.upstream.compat import graph_sizes
+from worker_shim.model.embeds import EmbedsBuffer
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)")
 

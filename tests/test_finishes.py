@@ -1,4 +1,4 @@
-"""The shim's own finish detection (worker_shim/finishes.py), on fake vLLM batches."""
+"""The shim's own finish detection (worker_shim/step/finishes.py), on fake vLLM batches."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from worker_shim.finishes import FinishWatch
+from worker_shim.step.finishes import FinishWatch
 
 
 def _req(req_id, max_tokens, eos=None, stop=()):

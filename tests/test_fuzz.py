@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from proto.codec import Codec, FrameError
 from proto.messages import (
     ArenaInfo,
-    BatchLayout,
     Drain,
     ErrorReply,
     Hello,
@@ -36,19 +35,25 @@ from proto.messages import (
 )
 from proto.messages import HookNeeds, Overlay
 from proto.packed import packed_layout
+from proto.plan_trees import TreeError, row_mark, whole_mark
 from proto.tensors import TensorRef
+from proto.version import PROTOCOL_MAJOR
 from tests.support.procs import SidecarProcess
 
 FRAMES = 100_000
 CODEC = Codec()
+# {"a": {"x": [row 0 of stack 0, row 1 of stack 0, stack 1 whole], "k": {1: "v"}}}: a tree as a StepEnd carries it.
+_TREE = msgspec.msgpack.encode({"a": {"x": [row_mark(0, 0), row_mark(0, 1), whole_mark(1)], "k": {1: "v"}}})
 SEEDS = [
     CODEC.encode(m)
     for m in (
-        Hello(1, 0, "f", "v", "cpu", 0, 1, "m", 8, "float32", 16, [ArenaInfo("shm", "omni-nope", 4096)]),
-        Hello(1, 0, "f", "v", "cpu", 0, 1, "m", 8, "float32", 16, []),
-        StepBegin(1, BatchLayout(["a", "b"], [0, 2, 3], [0, 5], [2, 9]), [NewRequest("a", 2, [1, 2], {"x": b"y"})]),
-        StepBegin(2, packed=packed_layout(None, [0, 1, 3], [5, 0], [2, 9])),  # 1.6
-        StepEnd(2, BatchLayout(None, [0, 1], [3], [3]), hidden=TensorRef(0, 0, 32, [1, 8], "float32"), num_tokens=1),
+        Hello(PROTOCOL_MAJOR, 0, "f", "v", "cpu", 0, 1, "m", 8, "float32", 16, [ArenaInfo("shm", "omni-nope", 4096)]),
+        Hello(PROTOCOL_MAJOR, 0, "f", "v", "cpu", 0, 1, "m", 8, "float32", 16, []),
+        StepBegin(1, packed_layout(["a", "b"], [0, 2, 3], [0, 5], [2, 9]), [NewRequest("a", 2, [1, 2], {"x": b"y"})]),
+        StepBegin(2, packed_layout(None, [0, 1, 3], [5, 0], [2, 9])),  # request ids as the step before
+        StepEnd(2, packed_layout(None, [0, 1], [3], [3]), hidden=TensorRef(0, 0, 32, [1, 8], "float32"), num_tokens=1),
+        StepEnd(2, packed_layout(["a"], [0, 1], [3], [3]), num_tokens=1, model_updates=_TREE, model_outputs=_TREE,
+                tensors=[TensorRef(0, 0, 16, [2, 2], "float32"), TensorRef(0, 16, 0, [0], "float32")]),
         StepEnd(3, finished=["a"], preempted=["b"]),
         Ping(9),
         StatusQuery(),
@@ -149,8 +154,42 @@ def test_structured_garbage_is_rejected_cleanly(value):
             pass
 
 
+def test_mutated_trees_decode_or_fail_as_tree_errors_only():
+    """A peer's tree (a plan's, a StepEnd's, a MirrorUpdate's), mutated: the one decoder gives a tree or a
+    TreeError, and every tensor it gives is one its message carries (or a row of one)."""
+    import torch
+
+    from omni_arena.tensor_tree import decode_inline, encode_inline
+
+    data, blobs = encode_inline({"a": [torch.ones(2, 3), torch.zeros(2, 3), {"b": torch.empty(0)}], "c": {1: "x"},
+                                 "d": torch.arange(4)})
+    carried = {tuple(b.shape) for b in blobs} | {tuple(b.shape[1:]) for b in blobs}  # a stack, or a row of one
+
+    def tensors(value):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, dict):
+            for v in value.values():
+                yield from tensors(v)
+        elif isinstance(value, list):
+            for v in value:
+                yield from tensors(v)
+
+    rng = random.Random(77)
+    decoded = refused = 0
+    for _ in range(20_000):
+        try:
+            tree = decode_inline(mutate(rng, data), blobs)
+        except TreeError:
+            refused += 1
+            continue
+        decoded += 1
+        assert isinstance(tree, dict) and all(tuple(t.shape) in carried for t in tensors(tree))
+    assert decoded and refused  # both outcomes met: the mutations reach the marks and the structure
+
+
 def test_100k_mutated_replies_at_the_shims_channel(tmp_path):
-    from worker_shim.channel import SidecarChannel, SidecarError
+    from worker_shim.wire.channel import SidecarChannel, SidecarError
 
     endpoint = f"ipc://{tmp_path}/fake.sock"
     server, rng, good, replies = _fake_sidecar(endpoint, 99)
@@ -168,7 +207,7 @@ def test_100k_mutated_replies_at_the_shims_channel(tmp_path):
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     channel = SidecarChannel(endpoint, step_timeout_s=0.2)
-    msg = StepBegin(0, BatchLayout(["a"], [0, 1], [0], [1]))
+    msg = StepBegin(0, packed_layout(["a"], [0, 1], [0], [1]))
     outcomes = {"plan": 0, "error": 0}
     try:
         for _ in range(FRAMES):
@@ -209,7 +248,7 @@ class RingShim:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
         self.up, self.down = ShmRing.create(capacity), ShmRing.create(capacity)
-        hello = Hello(1, 0, "f", "v", "cpu", 0, 1, "m", 8, "float32", 16, [],
+        hello = Hello(PROTOCOL_MAJOR, 0, "f", "v", "cpu", 0, 1, "m", 8, "float32", 16, [],
                       rings=[self.up.info(), self.down.info()])
         self.sock.send(CODEC.encode(hello))
         assert self.sock.poll(10_000)
@@ -320,7 +359,7 @@ def test_100k_mutated_ring_frames_and_garbage_rings_at_a_live_sidecar(sidecar):
     status = sidecar.status()
     assert status.rejected_frames >= before + 3
     shim = RingShim(sidecar.endpoint)  # a fresh session on fresh rings works
-    shim.send(CODEC.encode(StepEnd(0, BatchLayout(["z"], [0, 1], [0], [1]), [NewRequest("z", 1, [1])], num_tokens=1)))
+    shim.send(CODEC.encode(StepEnd(0, packed_layout(["z"], [0, 1], [0], [1]), [NewRequest("z", 1, [1])], num_tokens=1)))
     reply = shim.recv()
     assert isinstance(reply, StepResult) and reply.step == 0 and reply.errors == []
     shim.close()
@@ -328,20 +367,20 @@ def test_100k_mutated_ring_frames_and_garbage_rings_at_a_live_sidecar(sidecar):
 
 def test_100k_mutated_ring_replies_at_the_shims_channel(tmp_path):
     from proto.shmring import EMPTY, RingDuplex, ShmRing
-    from worker_shim.channel import SidecarChannel, SidecarError
+    from worker_shim.wire.channel import SidecarChannel, SidecarError
     from worker_shim.config import RingConfig
 
     endpoint = f"ipc://{tmp_path}/fake-ring.sock"
     server, rng, good, replies = _fake_sidecar(endpoint, 77)
     channel = SidecarChannel(endpoint, step_timeout_s=0.5, ring=RingConfig(spin_us=200, sleep_ms=1))
-    hello = Hello(1, 0, "f", "v", "cpu", 0, 1, "m", 8, "float32", 16, [])
+    hello = Hello(PROTOCOL_MAJOR, 0, "f", "v", "cpu", 0, 1, "m", 8, "float32", 16, [])
     channel.send(hello)
     assert server.poll(5000)
     ident, frame = server.recv_multipart()
     offered = CODEC.decode(frame).rings
     duplex = RingDuplex(tx=ShmRing.attach(offered[1]), rx=ShmRing.attach(offered[0]))
-    server.send_multipart([ident, CODEC.encode(Welcome(1, 0, "x", "y", HookNeeds(), 1, rings=True))])
-    assert channel.poll_welcome(hello, 5000) is not None and channel.ring_active
+    server.send_multipart([ident, CODEC.encode(Welcome(PROTOCOL_MAJOR, 0, "x", "y", HookNeeds(), 1, rings=True))])
+    assert channel.poll_welcome(hello, 5000) is not None and (channel.rings is not None)
     stop = threading.Event()
     mode = {"fuzz": True}
 
@@ -361,7 +400,7 @@ def test_100k_mutated_ring_replies_at_the_shims_channel(tmp_path):
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
-    msg = StepBegin(0, BatchLayout(["a"], [0, 1], [0], [1]))
+    msg = StepBegin(0, packed_layout(["a"], [0, 1], [0], [1]))
     outcomes = {"plan": 0, "error": 0}
     try:
         for _ in range(RING_FRAMES):
@@ -397,6 +436,6 @@ def _fake_sidecar(endpoint: str, seed: int):
     server.setsockopt(zmq.LINGER, 0)
     server.bind(endpoint)
     good = CODEC.encode(StepPlan(step=0, overlays=[Overlay(0, TensorRef(0, 0, 4, [1, 1], "float32"))]))
-    replies = [CODEC.encode(m) for m in (StepPlan(step=1), Welcome(1, 0, "x", "y", HookNeeds(), 1),
+    replies = [CODEC.encode(m) for m in (StepPlan(step=1), Welcome(PROTOCOL_MAJOR, 0, "x", "y", HookNeeds(), 1),
                                          ErrorReply("x", "y"))] + [good]
     return server, random.Random(seed), good, replies

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from proto.messages import HookNeeds
-from worker_shim import worker as worker_mod
-from worker_shim.batch import PayloadTracker
-from worker_shim.channel import SidecarError
-from worker_shim.compat import full_cuda_graphs, welcome_refusal
+from worker_shim.upstream import worker as worker_mod
+from worker_shim.step.batch import PayloadTracker
+from worker_shim.errors import SidecarError
+from worker_shim.upstream.compat import full_cuda_graphs, welcome_refusal
 
 CUDAGraphMode = pytest.importorskip("vllm.config").CUDAGraphMode
 
@@ -60,7 +60,7 @@ def test_prefix_caching_refusal_still_comes_first():
 
 
 def test_the_omni_hook_set_declares_its_extra_kwargs():
-    from omni_sidecar.omni.hooks import OmniStateHooks
+    from omni_sidecar.hook_sets.omni.state_hooks import OmniStateHooks
 
     assert OmniStateHooks(extra_kwargs="1").needs.extra_kwargs is True
     assert OmniStateHooks().needs.extra_kwargs is False

@@ -38,7 +38,7 @@ def test_the_status_and_upgrade_commands_start_without_torch():
 
 
 class HandShim:
-    """A shim of protocol 1.2 on the socket alone (no rings), spoken by hand."""
+    """A shim on the socket alone (no rings), spoken by hand."""
 
     def __init__(self, endpoint: str, arena: ShmArena, resume_token: str = "") -> None:
         self.codec = Codec()
@@ -187,7 +187,7 @@ def test_a_session_goes_to_the_successor_between_its_steps_never_inside_one(tmp_
 
 
 FRESH_HOOKS = """
-from omni_sidecar.builtin_hooks import PassThroughHooks
+from omni_sidecar.hook_sets.reference import PassThroughHooks
 
 
 class Fresh(PassThroughHooks):
@@ -197,7 +197,7 @@ class Fresh(PassThroughHooks):
 
 def test_the_warm_spare_forks_new_sidecars_that_run_the_code_on_disk(tmp_path):
     from omni_sidecar.client import SidecarClient
-    from omni_sidecar.spare import fork_sidecar
+    from omni_sidecar.upgrade.spare import fork_sidecar
 
     endpoint = f"ipc://{tmp_path}/sc.sock"
     assert fork_sidecar(endpoint, ["status"], str(tmp_path / "x.log")) is None  # no spare: a cold start
@@ -228,7 +228,7 @@ def test_the_warm_spare_forks_new_sidecars_that_run_the_code_on_disk(tmp_path):
 
 LAST_FRAME_JOB = """
 import os, sys
-from omni_sidecar.listener import Listener
+from omni_sidecar.serve.listener import Listener
 listener = Listener(1 << 30, [], None)
 listener.bind(sys.argv[1])
 frames = listener.recv_frames()  # the asker's hello
@@ -298,8 +298,8 @@ def test_upgrades_at_random_moments_lose_no_step_of_a_real_shim_link(tmp_path, h
     # them asked early (the StepBegin sent before pre_forward takes the plan).
     from omni_sidecar.client import SidecarClient
     from worker_shim.config import RingConfig
-    from worker_shim.connection import SidecarConnection
-    from worker_shim.link import SidecarLink
+    from worker_shim.wire.connection import SidecarConnection
+    from worker_shim.step.link import SidecarLink
 
     endpoint = f"ipc://{tmp_path}/sc.sock"
     first = SidecarProcess(endpoint, hooks, tmp_path / "first.log", extra_args=["--warm-spare"])
@@ -367,8 +367,8 @@ def test_the_first_request_after_a_sidecar_came_back_is_served(tmp_path):
     # The request that arrives next must reach the new sidecar, not be failed as "no omni-sidecar
     # was connected" (vLLM adds requests before the step that would reconnect).
     from worker_shim.config import RingConfig
-    from worker_shim.connection import SidecarConnection
-    from worker_shim.link import SidecarLink
+    from worker_shim.wire.connection import SidecarConnection
+    from worker_shim.step.link import SidecarLink
 
     endpoint = f"ipc://{tmp_path}/sc.sock"
     first = SidecarProcess(endpoint, "passthrough", tmp_path / "first.log")

@@ -9,18 +9,20 @@ import pytest
 import torch
 from torch import nn
 
-from omni_sidecar.omni.keys import HIDDEN, LAYER_PREFIX, unflatten
-from omni_sidecar.omni.wire import encode_additional_information
+from omni_sidecar.hook_sets.omni.keys import HIDDEN, LAYER_PREFIX, unflatten
+from omni_sidecar.hook_sets.omni.wire import encode_additional_information
 from proto.arena import ShmArena
-from proto.messages import BatchLayout, Hello, HookNeeds, NewRequest, StepEnd, StepResult, Welcome
+from proto.messages import Hello, HookNeeds, NewRequest, StepEnd, StepResult, Welcome
+from proto.packed import packed_layout
 from proto.tensors import TensorRef
+from proto.version import PROTOCOL_MAJOR
 from tests.support.procs import SidecarProcess
 from tests.support.vllm_omni_payload import as_its_wire, vllm_omni_payload_code
 from tests.test_sidecar import Peer
-from worker_shim.channel import SidecarError
-from worker_shim.embeds import EmbedsBuffer, embeds_width, wanted
-from worker_shim.layers import LayerCapture
-from worker_shim.transfer import HiddenSlots
+from worker_shim.errors import SidecarError
+from worker_shim.model.embeds import EmbedsBuffer, embeds_width, wanted
+from worker_shim.model.layers import LayerCapture
+from worker_shim.step.slots import HiddenSlots
 
 H = 8
 
@@ -118,7 +120,7 @@ def test_embeds_come_from_upstream_where_it_builds_them_and_have_its_width():
 
 
 def test_overlays_go_into_the_embeds_upstream_merged_and_positions_pass_through():
-    from worker_shim.runner import SidecarModelStateMixin, swap_class
+    from worker_shim.upstream.runner import SidecarModelStateMixin, swap_class
 
     class UpstreamState:  # V2's model state: merged embeds (encoder rows in), M-RoPE positions
         def __init__(self) -> None:
@@ -178,14 +180,13 @@ def test_layers_over_the_wire_assemble_per_request_for_vllm_omni(tmp_path, its):
     arena = ShmArena.create(1 << 16)
     peer = Peer(proc.endpoint)
     try:
-        welcome = peer.call(Hello(1, 0, "test", "none", "cpu", 0, 1, "m", H, "float32", 16, [arena.info()]))
+        welcome = peer.call(Hello(PROTOCOL_MAJOR, 0, "test", "none", "cpu", 0, 1, "m", H, "float32", 16, [arena.info()]))
         assert isinstance(welcome, Welcome) and welcome.needs.hidden_layers == [0, 2]
         new = [NewRequest("a", 3, [1, 2, 3]), NewRequest("b", 2, [4, 5])]
-        steps = [(BatchLayout(["a", "b"], [0, 3, 5], [0, 0], [3, 2]), new),
-                 (BatchLayout(["a", "b"], [0, 1, 2], [3, 2], [3, 2]), [])]
+        steps = [(["a", "b"], [0, 3, 5], [0, 0], [3, 2], new), (["a", "b"], [0, 1, 2], [3, 2], [3, 2], [])]
         sent: dict[int, list[torch.Tensor]] = {0: [], 2: []}
-        for step, (layout, reqs) in enumerate(steps):
-            n = layout.query_start_loc[-1]
+        for step, (ids, qsl, computed, prefill, reqs) in enumerate(steps):
+            layout, n = packed_layout(ids, qsl, computed, prefill), qsl[-1]
             refs, offset = {}, 0
             for index, tensor in [(-1, torch.randn(n, H))] + [(i, torch.randn(n, H)) for i in (0, 2)]:
                 arena.raw(offset, n * H * 4)[:] = tensor.numpy().tobytes()
@@ -207,7 +208,7 @@ def test_layers_over_the_wire_assemble_per_request_for_vllm_omni(tmp_path, its):
                 assert torch.equal(got["hidden_states"]["layers"][index], want)
         # A layer the hooks did not ask for fails the step's requests, and the sidecar serves on.
         ref = TensorRef(0, 0, 4 * H, [1, H], "float32")
-        bad = peer.call(StepEnd(2, BatchLayout(["a"], [0, 1], [4], [3]), hidden=ref, hidden_layers={1: ref},
+        bad = peer.call(StepEnd(2, packed_layout(["a"], [0, 1], [4], [3]), hidden=ref, hidden_layers={1: ref},
                                 num_tokens=1))
         assert [e.req_id for e in bad.errors] == ["a"] and "hidden layers [1]" in bad.errors[0].message
     finally:
@@ -226,7 +227,7 @@ def test_hook_needs_name_layers_as_ints():
 
 
 def test_graphs_with_capture_hooks_get_their_own_compile_cache_key():
-    from worker_shim.embeds import GRAPH_KEY, LAYERS_GRAPH_KEY, mark_compiled_graph
+    from worker_shim.model.embeds import GRAPH_KEY, LAYERS_GRAPH_KEY, mark_compiled_graph
 
     cfg = SimpleNamespace(additional_config={})
     mark_compiled_graph(cfg, LAYERS_GRAPH_KEY, [0, 24])

@@ -58,7 +58,7 @@ def test_the_import_scan_sees_every_form_of_import(tmp_path):
 
 
 def test_embeds_buffer_is_on_only_when_hooks_can_overlay():
-    from worker_shim.embeds import wanted
+    from worker_shim.model.embeds import wanted
 
     assert wanted("auto", "prefill", False) and wanted("auto", "always", False)
     assert not wanted("auto", "never", False)
@@ -67,7 +67,7 @@ def test_embeds_buffer_is_on_only_when_hooks_can_overlay():
 
 
 def test_graphs_reading_the_embeds_buffer_get_their_own_compile_cache_key():
-    from worker_shim.embeds import GRAPH_KEY, mark_compiled_graph
+    from worker_shim.model.embeds import GRAPH_KEY, mark_compiled_graph
 
     cfg = SimpleNamespace(additional_config={"omni_sidecar": {"endpoint": "ipc:///x"}})
     mark_compiled_graph(cfg)

@@ -1,4 +1,4 @@
-"""Appends to requests whose state the shim mirrors (MirrorUpdate, protocol 1.4): ordering and acks.
+"""Appends to requests whose state the shim mirrors (MirrorUpdate): ordering and acks.
 
 The sidecar checks an append on arrival against the state plus the updates already sent, sends
 its delta at once (the `embed.decode` rows past the span), and applies them to its own state (and answers the client) only when
@@ -13,27 +13,33 @@ from types import SimpleNamespace
 
 import torch
 
-from omni_arena.tensor_tree import load_inline_tree
-from omni_sidecar.peer import ShimPeer
+from omni_arena.tensor_tree import decode_inline, encode_inline
+from omni_sidecar.serve.peers import ShimPeer
 from proto.codec import Codec
 from proto.messages import (AppendPayload, AppendReply, ErrorReply, Hello, MirrorUpdate, ModelHooks, NewRequest,
                             StepEnd, StepStart, SwitchReady)
+from proto.version import PROTOCOL_MAJOR
 from tests.test_appends import Recording, _layout, _payload
-from omni_sidecar.metrics import SidecarMetrics
-from omni_sidecar.session import Session
-from omni_sidecar.store import FinishedOutputs
+from omni_sidecar.serve.metrics import SidecarMetrics
+from omni_sidecar.sessions.session import Session
+from omni_sidecar.sessions.store import FinishedOutputs
 from tests.test_recovery import FakeConnection
-from worker_shim.link import SidecarLink
-from worker_shim.state_mirror import StateMirror
+from worker_shim.step.link import SidecarLink
+from worker_shim.model.state_mirror import StateMirror
 
 
-def _mirrored(minor: int = 4):
+def _entries(update: MirrorUpdate) -> dict:
+    """An update's entries as the shim reads them."""
+    return decode_inline(update.entries, update.blobs)
+
+
+def _mirrored(to_shim: bool = True):
     """A session serving a model with its own hooks; request "t" holds embed.decode rows [0, 2)."""
-    hello = Hello(1, minor, "test", "none", "cpu", 0, 1, "m", 8, "float32", 8, [])
+    hello = Hello(PROTOCOL_MAJOR, 0, "test", "none", "cpu", 0, 1, "m", 8, "float32", 8, [])
     session = Session(1, hello, Recording(), FinishedOutputs(10), SidecarMetrics())
     peer = ShimPeer(b"shim", session, listener=None, codec=Codec())  # type: ignore[arg-type]
     sent: list[MirrorUpdate] = []
-    session.appends.to_shim = sent.append  # what the peer would write to the shim
+    session.appends.to_shim = sent.append if to_shim else None  # what the peer would write to the shim
     session.step_end(StepEnd(0, _layout(0, ["t"]), [NewRequest("t", 1, [1], {})], num_tokens=1))
     session.hooks.state.create("t", {"embed": {"decode": torch.zeros(2, 2), "decode_token_start": 0,
                                                "decode_token_end": 2}})
@@ -57,19 +63,19 @@ def test_sent_at_once_applied_and_answered_when_the_shim_says_so():
     gap = _append(session, 9, 1, "c", answers)
     assert isinstance(gap, ErrorReply) and gap.code == "append_refused" and "gap" in gap.message
     assert [u.seq for u in sent] == [1, 2] and answers == []
-    second = load_inline_tree(Codec().decode(Codec().encode(sent[1])).entries)
+    second = _entries(Codec().decode(Codec().encode(sent[1])))
     assert second["embed"]["decode_token_start"] == 3 and second["embed"]["decode_token_end"] == 4
     assert second["embed"]["decode"][:, 0].tolist() == [3]
     state = session.hooks.state.get("t")
     assert state["embed"]["decode_token_end"] == 2 and "tags" not in state["meta"]  # not before the shim applied it
 
-    mirror.apply_appended("t", load_inline_tree(sent[0].entries))
+    mirror.apply_appended("t", _entries(sent[0]))
     peer.note_step(StepStart(step=5, mirror_seq=1))  # step 5 is the first that saw update 1
     assert answers == [AppendReply("t", after_step=4)]
     assert session.hooks.state.get("t")["embed"]["decode_token_end"] == 3
     assert not peer.idle(time.monotonic() + 60, 0.0)  # update 2 in flight: no hand-over yet
     peer.note_step(StepEnd(5))
-    mirror.apply_appended("t", load_inline_tree(sent[1].entries))
+    mirror.apply_appended("t", _entries(sent[1]))
     peer.note_step(StepStart(step=6, mirror_seq=2))
     peer.note_step(StepEnd(6))
     assert answers[1] == AppendReply("t", after_step=5)
@@ -105,8 +111,8 @@ def test_a_request_that_ends_first_and_a_hot_upgrade_are_errors_never_half_appli
     assert peer.idle(time.monotonic(), 0.0)
 
 
-def test_a_shim_before_1_4_keeps_the_refusal_and_a_lost_session_answers():
-    session, _, sent = _mirrored(minor=3)
+def test_no_shim_to_update_is_a_refusal_and_a_lost_session_answers():
+    session, _, sent = _mirrored(to_shim=False)
     reply = _append(session, 2, 1, "a", [])
     assert reply.code == "append_refused" and "mirror" in reply.message and sent == []
     session, _, sent = _mirrored()
@@ -117,31 +123,27 @@ def test_a_shim_before_1_4_keeps_the_refusal_and_a_lost_session_answers():
 
 
 class MirrorConnection(FakeConnection):
-    """A 1.4 sidecar's connection holding MirrorUpdates that arrived since the last step."""
+    """A sidecar's connection holding MirrorUpdates that arrived since the last step."""
 
-    def __init__(self, minor: int) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.welcome = SimpleNamespace(session=7, protocol_minor=minor)
-        self.held = [MirrorUpdate(1, "t", {"meta": {"probe": 1}}), MirrorUpdate(2, "t", {"meta": {"probe": 2}})]
+        self.welcome = SimpleNamespace(session=7)
+        self.held = [MirrorUpdate(1, "t", *encode_inline({"meta": {"probe": 1}})),
+                     MirrorUpdate(2, "t", *encode_inline({"meta": {"probe": 2}}))]
         self.log: list = []
 
     def take_mirror_updates(self):
         held, self.held = self.held, []
         self.mirror_seq = held[-1].seq if held else self.mirror_seq
-        return [(u.req_id, u.entries) for u in held]
+        return [(u.req_id, _entries(u)) for u in held]
 
     def announce_step(self, step: int, answer_after_s: float) -> None:
         self.log.append(("StepStart", step, self.mirror_seq))
 
 
 def test_the_shim_applies_held_updates_before_the_steps_start_and_says_so_in_it():
-    conn = MirrorConnection(minor=4)
+    conn = MirrorConnection()
     link = SidecarLink(lambda **kw: None, conn)
     link.mirror_sink = lambda req_id, entries: conn.log.append(("apply", req_id, entries["meta"]["probe"]))
     link.begin_step()
     assert conn.log == [("apply", "t", 1), ("apply", "t", 2), ("StepStart", 0, 2)]
-    old = MirrorConnection(minor=3)  # a 1.3 sidecar sends none; nothing is read ahead of the step
-    link = SidecarLink(lambda **kw: None, old)
-    link.mirror_sink = lambda req_id, entries: old.log.append("apply")
-    link.begin_step()
-    assert old.log == [("StepStart", 0, 0)]

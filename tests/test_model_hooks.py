@@ -11,19 +11,25 @@ import numpy as np
 import pytest
 import torch
 
-from omni_arena.tensor_tree import load_tree
+import msgspec
+
+from omni_arena.tensor_tree import TreeDecoder, TreeEncoder
 from omni_arena.views import arena_tensor
-from omni_sidecar.metrics import SidecarMetrics
-from omni_sidecar.omni.stages import TalkerHooks
-from omni_sidecar.session import Session
-from omni_sidecar.store import FinishedOutputs
+from omni_sidecar.serve.metrics import SidecarMetrics
+from omni_sidecar.hook_sets.omni.stages import TalkerHooks
+from omni_sidecar.sessions.session import Session
+from omni_sidecar.sessions.store import FinishedOutputs
 from proto.arena import ShmArena
-from proto.messages import BatchLayout, Hello, HookNeeds, NewRequest, StepBegin, StepEnd, StepPlan
+from proto.messages import Hello, HookNeeds, NewRequest, StepBegin, StepEnd, StepPlan
+from proto.packed import StepLayout, packed_layout
+from proto.plan_trees import decode_tree, encode_tree, whole_mark
+from proto.tensors import TensorRef
+from proto.version import PROTOCOL_MAJOR
 from tests.test_recovery import FakeConnection, request
-from worker_shim.link import SidecarLink
-from worker_shim.model_hooks import ModelBridge, find_model_hooks, per_request, unwrap_forward_output
-from worker_shim.state_mirror import StateMirror
-from worker_shim.transfer import HiddenSlots
+from worker_shim.step.link import SidecarLink
+from worker_shim.model.bridge import ModelBridge, find_model_hooks, per_request, unwrap_forward_output
+from worker_shim.model.state_mirror import StateMirror
+from worker_shim.step.slots import HiddenSlots
 
 H, Q = 4, 3
 
@@ -205,19 +211,16 @@ class StatesConnection(FakeConnection):
 
     def step_plan(self, msg: StepBegin) -> StepPlan:
         self.sent.append(msg)
-        return StepPlan(step=msg.step, model_states={r: {"asked": True} for r in msg.want_states})
+        return StepPlan(step=msg.step, model_states=encode_tree({r: {"asked": True} for r in msg.want_states}))
 
     def read_states(self, plan):
-        return dict(plan.model_states)
+        return decode_tree(plan.model_states)
 
     def read_plan(self, plan, input_batch, model, embeds):
         return {}
 
     def claim_slot(self, step, wait):
         return self.slots.claim(step, wait)
-
-    def slot_sent(self, step):
-        self.slots.sent(step)
 
 
 def test_the_link_asks_for_states_once_and_sends_results_through_the_slot():
@@ -241,15 +244,32 @@ def test_the_link_asks_for_states_once_and_sends_results_through_the_slot():
         assert link.counters.blocking_exchanges == 1 and link.counters.steps == 3
         last = conn.sent[-1]
         assert isinstance(last, StepEnd) and last.hidden_event == -1
-        got = load_tree(last.model_updates, lambda ref: arena_tensor(arena, ref).clone())
+        got = _read_tree(arena, last.model_updates, last.tensors)
         assert got["a"]["codes"]["audio"].tolist() == [[2, 1, 2]]
     finally:
         arena.close()
 
 
+def _read_tree(arena: ShmArena, data: bytes, tensors: list[TensorRef]) -> Any:
+    """A tree as the receiving side reads it, its tensors out of `arena`."""
+    return TreeDecoder(len(tensors), lambda k: arena_tensor(arena, tensors[k]).clone()).decode(data, dict[str, Any])
+
+
+def _slot_trees(slot, *trees: dict) -> tuple[list[bytes], list[TensorRef]]:
+    """Trees as a shim's StepEnd carries them: their tensors in `slot`, the marks naming them."""
+    tensors: list[TensorRef] = []
+
+    def put(tensor: torch.Tensor) -> int:
+        tensors.append(slot.put(tensor))
+        return len(tensors) - 1
+
+    encoder = TreeEncoder()
+    return [encoder.encode(tree, put, lambda rows: put(torch.stack(rows)), len(tensors)) for tree in trees], tensors
+
+
 def _session(hooks) -> tuple[Session, ShmArena]:
     shim_arena = ShmArena.create(1 << 16, prefix="omni-test-shim-slot")
-    hello = Hello(1, 2, "test", "none", "cpu", 0, 1, "m", H, "float32", 8, [shim_arena.info()])
+    hello = Hello(PROTOCOL_MAJOR, 0, "test", "none", "cpu", 0, 1, "m", H, "float32", 8, [shim_arena.info()])
     session = Session(1, hello, hooks, FinishedOutputs(10), SidecarMetrics())
     session.open_arenas()
     return session, shim_arena
@@ -261,28 +281,28 @@ def test_the_sidecar_sends_states_with_int_keys_merges_updates_and_assembles_cod
     try:
         layers = {0: torch.ones(2, H), 24: torch.zeros(2, H)}
         payload = {"model_intermediate_buffer": {"hidden_states": {"layers": layers}, "meta": {"tag": "t"}}}
-        layout = BatchLayout(["r"], [0, 2], [0], [2])
+        layout = packed_layout(["r"], [0, 2], [0], [2])
         plan = session.step_begin(StepBegin(step=0, batch=layout, want_states=["r"],
                                             new_requests=[NewRequest("r", 2, [3, 3], payload)]))
         assert plan.errors == [] and plan.overlays == [] and session.model_hooks is None
         out = session.arenas.out.arena
-        state = load_tree(plan.model_states["r"], lambda ref: arena_tensor(out, ref).clone())
+        state = _read_tree(out, plan.model_states, plan.stacks)["r"]
         assert set(state["hidden_states"]["layers"]) == {0, 24}  # int keys survive the wire
         assert torch.equal(state["hidden_states"]["layers"][0], layers[0]) and state["meta"]["tag"] == "t"
         slots = HiddenSlots(shim_arena, 2)
         for step in (1, 2):
             slot = slots.claim(step, lambda s: None)
             codes = torch.tensor([[step, 5, 6]])
-            end = StepEnd(step=step, num_tokens=1, batch=BatchLayout(None, [0, 1], [1 + step], [2]),
-                          model_updates={"r": {"meta": {"k": {"__omni_tensor_ref__": slot.put(torch.ones(1))}},
-                                               "codes": {"audio": {"__omni_tensor_ref__": slot.put(codes)}}}},
-                          model_outputs={"r": {"codes": {"audio": {"__omni_tensor_ref__": slot.put(codes)}}}})
+            (updates, outputs), tensors = _slot_trees(
+                slot, {"r": {"meta": {"k": torch.ones(1)}, "codes": {"audio": codes}}}, {"r": {"codes": {"audio": codes}}})
+            end = StepEnd(step=step, num_tokens=1, batch=packed_layout(None, [0, 1], [1 + step], [2]),
+                          model_updates=updates, model_outputs=outputs, tensors=tensors)
             assert session.step_end(end).errors == []
             slots.sent(step)
         assert hooks.state.get("r")["codes"]["audio"].tolist() == [[2, 5, 6]]  # merged, a copy
         assert hooks.get_outputs("r")["codes.audio"].tolist() == [[1, 5, 6], [2, 5, 6]]
-        bad = StepEnd(step=3, num_tokens=1, model_outputs={"r": {"x": {"__omni_tensor_ref__": [0, 1 << 30, 4, [1],
-                                                                                               "float32"]}}})
+        bad = StepEnd(step=3, num_tokens=1, model_outputs=msgspec.msgpack.encode({"r": {"x": whole_mark(0)}}),
+                      tensors=[TensorRef(0, 1 << 30, 4, [1], "float32")])
         assert "outside" in session.step_end(bad).errors[0].message  # every ref is checked
     finally:
         session.close()
@@ -307,8 +327,8 @@ def test_requests_without_a_served_state_run_without_the_hooks():
 def test_requests_vllm_adds_during_its_warm_up_reach_no_hook_and_ask_no_state():
     """vLLM 0.26's V2 warm-up (`warmup_kernels`) adds `_warmup_{i}_` requests inside the worker's
     compile_or_warm_up_model; other releases use other ids. Marked by the phase, not the names."""
-    from worker_shim.runner import SidecarRunnerMixin, swap_class
-    from worker_shim.worker import ShimWorkerMixin
+    from worker_shim.upstream.runner import SidecarRunnerMixin, swap_class
+    from worker_shim.upstream.worker import ShimWorkerMixin
 
     model = FakeTalker()
     bridge = ModelBridge(model, find_model_hooks(model))
@@ -348,10 +368,10 @@ def test_requests_vllm_adds_during_its_warm_up_reach_no_hook_and_ask_no_state():
 
 
 def test_sidecar_hooks_read_each_rows_input_ids_from_the_layout():
-    from omni_sidecar.hooks import StepBatch
-    from omni_sidecar.replays import SeenPositions
+    from omni_sidecar.hook_api.hook_set import StepBatch
+    from omni_sidecar.sessions.replays import SeenPositions
 
-    layout = BatchLayout(["a", "b"], [0, 2, 3], [0, 5], [2, 5], [11, 12, 42])
+    layout = StepLayout(["a", "b"], [0, 2, 3], [0, 5], [2, 5], [11, 12, 42])
     assert StepBatch(0, layout).input_ids(1) == [42]  # b decodes the token sampled before
     seen = SeenPositions()
     seen.upto["a"] = 1  # a's first position was seen before a preemption
@@ -360,7 +380,7 @@ def test_sidecar_hooks_read_each_rows_input_ids_from_the_layout():
 
 
 def test_int_keyed_state_survives_the_hot_upgrade_hand_over():
-    from omni_sidecar.statepack import pack, unpack
+    from omni_sidecar.upgrade.takeover_state import pack, unpack
 
     state = {"states": {"r": {"hidden_states": {"layers": {0: torch.ones(2), 24: torch.zeros(1)}}}}}
     back = unpack(pack(state))["states"]["r"]["hidden_states"]["layers"]

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from omni_sidecar.hooks import HookErrors, RequestInfo, StepBatch
-from omni_sidecar.omni.hooks import OmniStateHooks
-from omni_sidecar.omni.state import IntermediateBuffer, StateError
-from proto.messages import BatchLayout
+from omni_sidecar.hook_api.hook_set import HookErrors, RequestInfo, StepBatch
+from omni_sidecar.hook_sets.omni.state_hooks import OmniStateHooks
+from omni_sidecar.hook_sets.omni.state import IntermediateBuffer, StateError
+from proto.packed import StepLayout, packed_layout
 from tests.support.trees import assert_same_tree
+from proto.version import PROTOCOL_MAJOR
 
 
 def _buffers(cap: int) -> tuple[IntermediateBuffer, IntermediateBuffer]:
@@ -56,7 +57,7 @@ def test_a_request_that_leaves_the_batch_keeps_its_rows_in_storage_of_its_own():
     hooks.on_new_requests([RequestInfo(r, 2, [1, 2], None) for r in "abc"])
 
     def step(n: int, ids: list[str]) -> None:
-        batch = StepBatch(n, BatchLayout(ids, list(range(len(ids) + 1)), [2 + n] * len(ids), [2] * len(ids)))
+        batch = StepBatch(n, StepLayout(ids, list(range(len(ids) + 1)), [2 + n] * len(ids), [2] * len(ids)))
         hooks.process_model_output(batch, torch.randn(len(ids), 4))
 
     def storage(req_id: str) -> int:
@@ -76,11 +77,11 @@ def test_between_steps_work_waits_for_the_message_already_in_the_ring():
     answered first."""
     from types import SimpleNamespace
 
-    from omni_sidecar.hooks import OmniHooks
-    from omni_sidecar.metrics import SidecarMetrics
-    from omni_sidecar.peer import ShimPeer
-    from omni_sidecar.session import Session
-    from omni_sidecar.store import FinishedOutputs
+    from omni_sidecar.hook_api.hook_set import OmniHooks
+    from omni_sidecar.serve.metrics import SidecarMetrics
+    from omni_sidecar.serve.peers import ShimPeer
+    from omni_sidecar.sessions.session import Session
+    from omni_sidecar.sessions.store import FinishedOutputs
     from proto.messages import Hello
 
     class Counting(OmniHooks):
@@ -90,7 +91,7 @@ def test_between_steps_work_waits_for_the_message_already_in_the_ring():
             self.calls += 1
 
     hooks = Counting()
-    session = Session(1, Hello(1, 7, "t", "none", "cpu", 0, 1, "m", 4, "float32", 8, []), hooks,
+    session = Session(1, Hello(PROTOCOL_MAJOR, 0, "t", "none", "cpu", 0, 1, "m", 4, "float32", 8, []), hooks,
                       FinishedOutputs(4), SidecarMetrics())
     peer = ShimPeer(b"shim", session, listener=None, codec=None)  # type: ignore[arg-type]
     waiting = [True]
@@ -120,7 +121,7 @@ def test_a_refused_request_and_one_without_state_keep_nothing_of_the_step():
     hooks.on_new_requests([RequestInfo(r, 2, [1, 2], None) for r in ids])
 
     def step(n: int) -> None:
-        batch = StepBatch(n, BatchLayout(ids, [0, 1, 2, 3], [2 + n] * 3, [2] * 3))
+        batch = StepBatch(n, StepLayout(ids, [0, 1, 2, 3], [2 + n] * 3, [2] * 3))
         try:
             hooks.process_model_output(batch, torch.randn(3, 4))
         except HookErrors as exc:
@@ -139,19 +140,19 @@ def test_a_refused_request_and_one_without_state_keep_nothing_of_the_step():
 
 
 def test_errors_of_the_work_between_steps_go_out_with_the_next_answer():
-    from omni_sidecar.hooks import HookErrors, OmniHooks
-    from omni_sidecar.metrics import SidecarMetrics
-    from omni_sidecar.session import Session
-    from omni_sidecar.store import FinishedOutputs
+    from omni_sidecar.hook_api.hook_set import HookErrors, OmniHooks
+    from omni_sidecar.serve.metrics import SidecarMetrics
+    from omni_sidecar.sessions.session import Session
+    from omni_sidecar.sessions.store import FinishedOutputs
     from proto.messages import Hello, NewRequest, StepBegin, StepEnd
 
     class Failing(OmniHooks):
         def between_steps(self):
             raise HookErrors({"r": "cutting outputs failed"})
 
-    session = Session(1, Hello(1, 7, "t", "none", "cpu", 0, 1, "m", 4, "float32", 8, []), Failing(),
+    session = Session(1, Hello(PROTOCOL_MAJOR, 0, "t", "none", "cpu", 0, 1, "m", 4, "float32", 8, []), Failing(),
                       FinishedOutputs(4), SidecarMetrics())
-    layout = BatchLayout(["r"], [0, 2], [0], [2])
+    layout = packed_layout(["r"], [0, 2], [0], [2])
     session.step_begin(StepBegin(0, layout, new_requests=[NewRequest("r", 2, [1, 2])]))
     assert session.step_end(StepEnd(0, None, num_tokens=2)).errors == []
     session.between_steps()
@@ -164,7 +165,7 @@ def _step(hooks: OmniStateHooks, n: int, ids: list[str], rows: list[int], device
     qsl = [0]
     for k in rows:
         qsl.append(qsl[-1] + k)
-    batch = StepBatch(n, BatchLayout(ids, qsl, [2 + n] * len(ids), [2] * len(ids)))
+    batch = StepBatch(n, StepLayout(ids, qsl, [2 + n] * len(ids), [2] * len(ids)))
     batch.hidden_layers = {0: torch.randn(qsl[-1], 4, device=device)}
     hooks.process_model_output(batch, torch.randn(qsl[-1], 4, device=device))
 
@@ -195,13 +196,12 @@ def test_the_omni_step_never_waits_for_the_device():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device (run on the GPU host)")
     from omni_arena.cuda_ipc import CudaIpcArena
-    from omni_arena.tensor_tree import MIN_ROWS, RowStacker
-    from omni_sidecar.arenas import OutArena
-    from proto.tensors import TENSOR_MARKER
-    from worker_shim.plan_read import copy_out_trees
+    from omni_arena.tensor_tree import TreeDecoder, TreeEncoder
+    from omni_arena.views import arena_tensor
+    from omni_sidecar.sessions.arenas import OutArena
 
     dev = torch.device("cuda", 0)
-    ids = [f"r{i}" for i in range(MIN_ROWS + 2)]
+    ids = [f"r{i}" for i in range(10)]
     hooks = OmniStateHooks(extra_kwargs="1", hidden_layers="0")
     hooks.on_new_requests([RequestInfo(r, 2, [1, 2], None) for r in ids])
     arena = CudaIpcArena.create(1 << 20, dev, 1, name="omni-test-nosync")
@@ -213,13 +213,15 @@ def test_the_omni_step_never_waits_for_the_device():
         try:
             for n, rows in enumerate([[2] * len(ids), [1] * len(ids), [1] * len(ids)], start=1):
                 _step(hooks, n, ids, rows, dev)
-                batch = StepBatch(n + 1, BatchLayout(ids, list(range(len(ids) + 1)), [3 + n] * len(ids), [2] * len(ids)))
+                batch = StepBatch(n + 1, StepLayout(ids, list(range(len(ids) + 1)), [3 + n] * len(ids), [2] * len(ids)))
                 out.reset()
-                sent = RowStacker().store(hooks.build_extra_kwargs(batch), out.put, out.put_stack, 0)
-                staged = out.put(torch.full((4,), float(n)))
+                tree = {**hooks.build_extra_kwargs(batch), "staged": torch.full((4,), float(n))}
+                sent = TreeEncoder().encode(tree, out.put_whole, out.put_stack)
                 out.seal()
                 hooks.between_steps()
-                got, host = copy_out_trees(arena, [sent, {TENSOR_MARKER: staged}], dev, out.stacks)
+                stacks = out.stacks
+                got = TreeDecoder(len(stacks), lambda k: arena_tensor(arena, stacks[k]).clone()).decode(sent)
+                host = got.pop("staged")
                 arena.mark_done(0)
         finally:
             torch.cuda.set_sync_debug_mode("default")
@@ -237,10 +239,10 @@ def test_the_omni_step_never_waits_for_the_device():
 def test_finished_outputs_are_assembled_when_first_read_and_are_the_live_ones(monkeypatch):
     """A batch that finishes in one step does not assemble every request's outputs in that step (a
     client may never ask): the omni set's outputs are its chunks put together when first read."""
-    import omni_sidecar.omni.hooks as omni_hooks
-    from omni_sidecar.metrics import SidecarMetrics
-    from omni_sidecar.session import Session
-    from omni_sidecar.store import FinishedOutputs
+    import omni_sidecar.hook_sets.omni.state_hooks as omni_hooks
+    from omni_sidecar.serve.metrics import SidecarMetrics
+    from omni_sidecar.sessions.session import Session
+    from omni_sidecar.sessions.store import FinishedOutputs
     from proto.arena import ShmArena
     from proto.messages import Hello, NewRequest, StepEnd
     from proto.tensors import TensorRef
@@ -249,7 +251,7 @@ def test_finished_outputs_are_assembled_when_first_read_and_are_the_live_ones(mo
     real = omni_hooks.accumulate
     monkeypatch.setattr(omni_hooks, "accumulate", lambda chunks: assembled.append(1) or real(chunks))
     arena = ShmArena.create(1 << 16, prefix="omni-test-lazy")
-    hello = Hello(1, 7, "test", "none", "cpu", 0, 1, "m", 4, "float32", 8, [arena.info()])
+    hello = Hello(PROTOCOL_MAJOR, 0, "test", "none", "cpu", 0, 1, "m", 4, "float32", 8, [arena.info()])
     store = FinishedOutputs(10)
     session = Session(1, hello, OmniStateHooks(), store, SidecarMetrics())
     try:
@@ -257,9 +259,9 @@ def test_finished_outputs_are_assembled_when_first_read_and_are_the_live_ones(mo
         arena.view(TensorRef(0, 0, 64, [64], "uint8"))[:] = torch.arange(16, dtype=torch.float32).numpy().tobytes()
         rows = TensorRef(0, 0, 32, [2, 4], "float32")
         ids = ["a", "b"]
-        session.step_end(StepEnd(0, BatchLayout(ids, [0, 1, 2], [0, 0], [1, 1]), [NewRequest(r, 1, [1]) for r in ids],
+        session.step_end(StepEnd(0, packed_layout(ids, [0, 1, 2], [0, 0], [1, 1]), [NewRequest(r, 1, [1]) for r in ids],
                                  hidden=rows, num_tokens=2))
-        session.step_end(StepEnd(1, BatchLayout(ids, [0, 1, 2], [1, 1], [1, 1]), hidden=rows, num_tokens=2))
+        session.step_end(StepEnd(1, packed_layout(ids, [0, 1, 2], [1, 1], [1, 1]), hidden=rows, num_tokens=2))
         live = {r: session.hooks.get_outputs(r) for r in ids}
         assembled.clear()
         session.step_end(StepEnd(2, None, finished=ids))
@@ -277,7 +279,7 @@ def test_finished_outputs_are_assembled_when_first_read_and_are_the_live_ones(mo
 def test_a_requests_chunks_are_cut_when_read_once(monkeypatch):
     """Steps' outputs are logged whole; a request's chunk of a step is cut when something reads
     it, once (the same chunk objects on the next read), and equal what cutting at once gives."""
-    from omni_sidecar.omni.outputs import _LoggedStep
+    from omni_sidecar.hook_sets.omni.outputs import _LoggedStep
 
     cuts = []
     real = _LoggedStep.chunk
@@ -289,7 +291,7 @@ def test_a_requests_chunks_are_cut_when_read_once(monkeypatch):
     for n in range(3):
         hidden = torch.randn(2, 4, generator=gen)
         steps.append(hidden)
-        batch = StepBatch(n, BatchLayout(["a", "b"], [0, 1, 2], [2 + n] * 2, [2] * 2))
+        batch = StepBatch(n, StepLayout(["a", "b"], [0, 1, 2], [2 + n] * 2, [2] * 2))
         batch.hidden_layers = {0: hidden * 2}
         hooks.process_model_output(batch, hidden.clone())
         hooks.between_steps()
@@ -302,7 +304,7 @@ def test_a_requests_chunks_are_cut_when_read_once(monkeypatch):
     assert cuts == [0, 0, 0]  # a finished request nobody reads is never cut
 
 def test_outputs_that_fail_to_assemble_become_the_requests_error_when_read():
-    from omni_sidecar.store import FinishedEntry, FinishedOutputs
+    from omni_sidecar.sessions.store import FinishedEntry, FinishedOutputs
 
     def bad():
         raise RuntimeError("Sizes of tensors must match")
@@ -325,13 +327,13 @@ def test_an_overrides_state_row_never_views_the_shims_hidden_rows():
     hooks = Viewing()
     hooks.on_new_requests([RequestInfo("a", 3, [1, 2, 3], None)])
     slot = torch.ones(8, 4)  # the shim's slot holds more than the step's rows
-    hooks.process_model_output(StepBatch(0, BatchLayout(["a"], [0, 3], [0], [3])), slot[:3])
+    hooks.process_model_output(StepBatch(0, StepLayout(["a"], [0, 3], [0], [3])), slot[:3])
     slot.fill_(7.0)  # the shim reuses its slot
     assert torch.equal(hooks.state.get("a")["hidden_states"]["last"], torch.ones(1, 4))
 
 
 def test_a_logged_step_keeps_only_what_its_chunks_take():
-    from omni_sidecar.omni.outputs import _LoggedStep
+    from omni_sidecar.hook_sets.omni.outputs import _LoggedStep
 
     per_request = ["x", "y"]
     step = _LoggedStep({"rows": torch.zeros(3, 2), "other": torch.zeros(5, 2), "per_request": per_request,

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_sidecar.hooks import HookErrors, RequestInfo, StepBatch
-from omni_sidecar.omni.hooks import OmniStateHooks
-from omni_sidecar.omni.keys import flatten, unflatten
-from omni_sidecar.omni.outputs import accumulate, slice_per_request
-from omni_sidecar.omni.state import IntermediateBuffer, StateError
-from omni_sidecar.omni.wire import (
+from omni_sidecar.hook_api.hook_set import HookErrors, RequestInfo, StepBatch
+from omni_sidecar.hook_sets.omni.state_hooks import OmniStateHooks
+from omni_sidecar.hook_sets.omni.keys import flatten, unflatten
+from omni_sidecar.hook_sets.omni.outputs import accumulate, slice_per_request
+from omni_sidecar.hook_sets.omni.state import IntermediateBuffer, StateError
+from omni_sidecar.hook_sets.omni.wire import (
     PayloadError,
     decode_additional_information,
     decode_plain_buffer,
@@ -18,7 +18,7 @@ from omni_sidecar.omni.wire import (
     encode_additional_information,
     encode_tensor_spec,
 )
-from proto.messages import BatchLayout
+from proto.packed import StepLayout
 
 
 # -- dotted keys -------------------------------------------------------------------
@@ -237,7 +237,7 @@ def test_accumulation_concatenates_2d_and_keeps_latest_low_dim():
 
 
 def _batch(step, req_ids, qsl, computed, prefill_lens):
-    return StepBatch(step, BatchLayout(req_ids, qsl, computed, prefill_lens), [])
+    return StepBatch(step, StepLayout(req_ids, qsl, computed, prefill_lens), [])
 
 
 def test_preempted_request_keeps_state_finished_frees_it():

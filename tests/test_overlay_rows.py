@@ -1,4 +1,4 @@
-"""A prefill step's overlay rows written by the sidecar in one concatenation (omni_sidecar/arenas.py,
+"""A prefill step's overlay rows written by the sidecar in one concatenation (omni_sidecar/sessions/arenas.py,
 `OutArena.put_rows`): each request's rows a run of it, read back as they were sent."""
 
 from __future__ import annotations
@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from omni_arena.views import arena_tensor
-from omni_sidecar.arenas import OutArena, SessionArenas
-from omni_sidecar.metrics import SidecarMetrics
+from omni_sidecar.sessions.arenas import OutArena, SessionArenas
+from omni_sidecar.serve.metrics import SidecarMetrics
 from proto.arena import ALIGN, ShmArena
 from proto.messages import Hello
+from proto.version import PROTOCOL_MAJOR
 from tests.support.arenas import DeviceLikeArena
 
 
@@ -50,7 +51,7 @@ def test_rows_go_back_to_back_in_one_write_and_read_back_as_sent(kind):
 
 
 def _session_arenas(arena) -> SessionArenas:
-    hello = Hello(1, 8, "test", "none", "cpu", 0, 1, "m", 8, "bfloat16", 64, [])
+    hello = Hello(PROTOCOL_MAJOR, 0, "test", "none", "cpu", 0, 1, "m", 8, "bfloat16", 64, [])
     arenas = SessionArenas(1, hello, SidecarMetrics())
     arenas.out = OutArena(arena)
     return arenas

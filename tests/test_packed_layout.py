@@ -1,5 +1,5 @@
-"""Packed batch layouts (protocol 1.6, StepBegin.packed and StepEnd.packed): packing, checks, and the sidecar
-reading them."""
+"""Batch layouts (StepBegin.batch, StepEnd.batch: per-request ints as packed u32 arrays): packing,
+checks, and the sidecar reading them."""
 
 from __future__ import annotations
 
@@ -7,20 +7,18 @@ import numpy as np
 import pytest
 import torch
 
-from omni_sidecar.hooks import OmniHooks
-from omni_sidecar.metrics import SidecarMetrics
+from omni_sidecar.hook_api.hook_set import OmniHooks
+from omni_sidecar.serve.metrics import SidecarMetrics
 from omni_sidecar.payload import sidecar_extra_args
-from omni_sidecar.session import Session
-from omni_sidecar.store import FinishedOutputs
+from omni_sidecar.sessions.session import Session
+from omni_sidecar.sessions.store import FinishedOutputs
 from proto.arena import ShmArena
 from proto.codec import Codec, FrameError
-from proto.messages import (
-    MAX_BATCH, BatchLayout, ErrorReply, HookNeeds, NewRequest, PackedLayout, StepBegin, StepEnd, StepPlan,
-)
-from proto.packed import LayoutError, LazyLayout, pack_u32, packed_layout, unpack_u32, unpacked
+from proto.messages import MAX_BATCH, BatchLayout, ErrorReply, HookNeeds, NewRequest, StepBegin, StepEnd, StepPlan
+from proto.packed import LayoutError, StepLayout, pack_u32, packed_layout, unpack_u32
 from tests.support.procs import SidecarProcess
 from tests.test_sidecar import Peer, _hello
-from worker_shim.batch import packed_batch_layout
+from worker_shim.step.batch import batch_layout
 
 
 H = 8
@@ -35,20 +33,23 @@ def test_pack_round_trip_from_lists_and_numpy():
         pack_u32([-1])
 
 
-def test_lazy_layout_checks_lengths_and_unpacks_on_access():
+def test_step_layout_checks_lengths_and_unpacks_on_access():
     packed = packed_layout(["a", "b"], [0, 1, 4], [9, 2], [4, 6], [5, 6, 7, 8])
-    lay = LazyLayout(["a", "b"], packed)
+    lay = StepLayout.unpacking(["a", "b"], packed)
     assert lay._qsl is None  # nothing unpacked until read
     assert lay.query_start_loc == [0, 1, 4] and lay.num_computed_tokens == [9, 2] and lay.prefill_lens == [4, 6]
-    assert unpacked(lay) == BatchLayout(["a", "b"], [0, 1, 4], [9, 2], [4, 6], [5, 6, 7, 8])
+    assert lay == StepLayout(["a", "b"], [0, 1, 4], [9, 2], [4, 6], [5, 6, 7, 8])
+    assert lay.packed() == packed and lay != StepLayout(["a", "b"], [0, 1, 4], [9, 2], [4, 6])
     for bad in (packed_layout(None, [0, 1], [9, 2], [4, 6]),  # qsl too short
                 packed_layout(None, [0, 1, 4], [9], [4, 6]),
                 packed_layout(None, [0, 1, 4], [9, 2], [4, 6, 1]),
-                PackedLayout(None, pack_u32([0, 1, 4]), pack_u32([9, 2]), pack_u32([4, 6]) + b"\0")):
+                BatchLayout(None, pack_u32([0, 1, 4]), pack_u32([9, 2]), pack_u32([4, 6]) + b"\0")):
         with pytest.raises(LayoutError):
-            LazyLayout(["a", "b"], bad)
+            StepLayout.unpacking(["a", "b"], bad)
     with pytest.raises(LayoutError):
-        LazyLayout(["a"], PackedLayout(None, pack_u32([0, 1]), pack_u32([0]), pack_u32([1]), b"\0\0"))
+        StepLayout.unpacking(["a"], BatchLayout(None, pack_u32([0, 1]), pack_u32([0]), pack_u32([1]), b"\0\0"))
+    with pytest.raises(LayoutError, match="inconsistent"):
+        StepLayout(["a"], [0, 1], [0, 0], [1]).check()
 
 
 class _Reading(OmniHooks):
@@ -71,32 +72,31 @@ def _session(hooks) -> Session:
     return Session(1, hello, hooks, FinishedOutputs(10), SidecarMetrics())
 
 
-def test_session_reads_packed_layouts_as_it_reads_lists():
-    lists, packed = _Reading(), _Reading()
-    s_lists, s_packed = _session(lists), _session(packed)
+def test_session_reads_packed_layouts_as_lists():
+    hooks = _Reading()
+    session = _session(hooks)
     steps = [(["a", "b"], [0, 3, 4], [0, 7], [3, 8]), (None, [0, 1, 2], [3, 8], [3, 8]),
              (["b"], [0, 1], [9], [8])]
     for step, (ids, qsl, computed, prefill) in enumerate(steps):
-        s_lists.step_begin(StepBegin(step, BatchLayout(ids, qsl, computed, prefill)))
-        plan = s_packed.step_begin(StepBegin(step, packed=packed_layout(ids, qsl, computed, prefill)))
+        plan = session.step_begin(StepBegin(step, packed_layout(ids, qsl, computed, prefill)))
         assert plan.errors == []
-    assert packed.seen == lists.seen and packed.seen[1][0] == ["a", "b"]  # ids omitted: the previous ones
+    assert hooks.seen == [  # ids omitted: the previous ones
+        (["a", "b"], [0, 3, 4], [0, 7], [3, 8], [(0, 3, 0), (3, 1, 7)]),
+        (["a", "b"], [0, 1, 2], [3, 8], [3, 8], [(0, 0, 3), (1, 0, 8)]),
+        (["b"], [0, 1], [9], [8], [(0, 0, 9)]),
+    ]
 
 
 def test_session_refuses_malformed_packed_steps():
     s = _session(_Reading())
     with pytest.raises(ValueError, match="omits req_ids"):
-        s.step_begin(StepBegin(0, packed=packed_layout(None, [0, 1], [0], [1])))
+        s.step_begin(StepBegin(0, packed_layout(None, [0, 1], [0], [1])))
     with pytest.raises(ValueError, match="do not fit"):
-        s.step_begin(StepBegin(0, packed=packed_layout(["a"], [0, 1], [0, 0], [1])))
-    with pytest.raises(ValueError, match="both"):
-        s.step_begin(StepBegin(0, BatchLayout(["a"], [0, 1], [0], [1]), packed=packed_layout(["a"], [0, 1], [0], [1])))
-    with pytest.raises(ValueError, match="no batch layout"):
-        s.step_begin(StepBegin(0))
+        s.step_begin(StepBegin(0, packed_layout(["a"], [0, 1], [0, 0], [1])))
 
 
 class _FakeInputBatch:
-    """What `packed_batch_layout` reads of vLLM's InputBatch (numpy arrays longer than the batch)."""
+    """What `batch_layout` reads of vLLM's InputBatch (numpy arrays longer than the batch)."""
 
     def __init__(self) -> None:
         self.req_ids = ["x", "y"]
@@ -109,10 +109,10 @@ class _FakeInputBatch:
 
 def test_shim_packs_vllms_arrays():
     batch = _FakeInputBatch()
-    packed = packed_batch_layout(batch, None, with_input_ids=True)
-    assert unpacked(LazyLayout(packed.req_ids, packed)) == BatchLayout(["x", "y"], [0, 2, 3], [4, 0], [6, 3],
-                                                                       [11, 12, 13])
-    assert packed_batch_layout(batch, ["x", "y"]).req_ids is None and packed.input_ids is not None
+    packed = batch_layout(batch, None, with_input_ids=True)
+    assert StepLayout.unpacking(packed.req_ids, packed) == StepLayout(["x", "y"], [0, 2, 3], [4, 0], [6, 3],
+                                                                      [11, 12, 13])
+    assert batch_layout(batch, ["x", "y"]).req_ids is None and packed.input_ids is not None
 
 
 @pytest.fixture
@@ -125,29 +125,28 @@ def overlay_sidecar(tmp_path):
 def test_packed_overlay_plan_and_bad_packed_frames_over_the_wire(overlay_sidecar):
     peer = Peer(overlay_sidecar.endpoint)
     welcome = peer.call(_hello([]))
-    assert welcome.protocol_minor >= 6
     out = ShmArena.attach(welcome.arenas[0])
     embeds = torch.randn(6, H)
     payload = sidecar_extra_args(prompt_embeds=embeds)["omni_sidecar"]
     # As test_sidecar's overlay plan, packed: rows [1, 4) take embeds[2:5].
     layout = packed_layout(["d", "p"], [0, 1, 4], [9, 2], [4, 6])
-    plan = peer.call(StepBegin(0, new_requests=[NewRequest("p", 6, [3] * 6, payload)], packed=layout))
+    plan = peer.call(StepBegin(0, layout, new_requests=[NewRequest("p", 6, [3] * 6, payload)]))
     assert isinstance(plan, StepPlan) and plan.errors == [] and plan.overlays[0].row_start == 1
     rows = torch.from_numpy(np.frombuffer(bytes(out.view(plan.overlays[0].rows)), dtype=np.float32).reshape(3, H).copy())
     torch.testing.assert_close(rows, embeds[2:5])
     # Arrays that do not fit the request count, or are not u32 entries: an ErrorReply, the sidecar serves on.
     codec = Codec()
     for bad in (packed_layout(None, [0, 1, 2, 3], [9, 2], [4, 6]),
-                PackedLayout(None, pack_u32([0, 1, 4]) + b"\1", pack_u32([9, 2]), pack_u32([4, 6]))):
-        reply = peer.call(None, raw=codec.encode(StepBegin(1, packed=bad)))
+                BatchLayout(None, pack_u32([0, 1, 4]) + b"\1", pack_u32([9, 2]), pack_u32([4, 6]))):
+        reply = peer.call(None, raw=codec.encode(StepBegin(1, bad)))
         assert isinstance(reply, ErrorReply)
-    plan = peer.call(StepBegin(2, packed=packed_layout(None, [0, 1, 2], [10, 5], [4, 6])))
+    plan = peer.call(StepBegin(2, packed_layout(None, [0, 1, 2], [10, 5], [4, 6])))
     assert isinstance(plan, StepPlan) and plan.step == 2 and plan.overlays[0].row_start == 1
     out.close()
     peer.close()
 
 
-# -- StepEnd.packed -------------------------------------------------------------------------
+# -- StepEnd.batch ---------------------------------------------------------------------------
 
 
 def _columns(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -157,70 +156,61 @@ def _columns(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 @pytest.mark.parametrize("n", [0, 1, 64, 256])
-def test_a_packed_step_end_round_trips_through_the_codec_to_the_lists_hooks_read(n):
+def test_a_step_end_layout_round_trips_through_the_codec_to_the_lists_hooks_read(n):
     qsl, computed, prefill = _columns(n)
     req_ids = [f"r{i}" for i in range(n)]
     input_ids = np.arange(int(qsl[-1]), dtype=np.int64)  # token ids: any integer dtype packs as u32
     codec = Codec()
-    msg = codec.decode(codec.encode(StepEnd(step=3, packed=packed_layout(req_ids, qsl, computed, prefill, input_ids))))
-    assert LazyLayout(req_ids, msg.packed).materialize() == BatchLayout(
+    msg = codec.decode(codec.encode(StepEnd(step=3, batch=packed_layout(req_ids, qsl, computed, prefill, input_ids))))
+    assert StepLayout.unpacking(req_ids, msg.batch) == StepLayout(
         req_ids, qsl.tolist(), computed.tolist(), prefill.tolist(), input_ids.tolist())
-    assert len(msg.packed.num_computed_tokens) == 4 * n  # 4 bytes a row, whatever the values
+    assert len(msg.batch.num_computed_tokens) == 4 * n  # 4 bytes a row, whatever the values
 
 
-def _step_end_packed(qsl=(0, 1, 2), computed=(5, 6), prefill=(3, 3), req_ids=None, input_ids=None) -> PackedLayout:
-    return PackedLayout(req_ids, pack_u32(qsl), pack_u32(computed), pack_u32(prefill),
+def _step_end_packed(qsl=(0, 1, 2), computed=(5, 6), prefill=(3, 3), req_ids=None, input_ids=None) -> BatchLayout:
+    return BatchLayout(req_ids, pack_u32(qsl), pack_u32(computed), pack_u32(prefill),
                         pack_u32(input_ids) if input_ids is not None else None)
 
 
 @pytest.mark.parametrize("packed", [
-    PackedLayout(None, b"\0" * 9, pack_u32([5, 6]), pack_u32([3, 3])),
-    PackedLayout(None, pack_u32([0, 1, 2]), b"\1\0\0", pack_u32([3, 3])),
+    BatchLayout(None, b"\0" * 9, pack_u32([5, 6]), pack_u32([3, 3])),
+    BatchLayout(None, pack_u32([0, 1, 2]), b"\1\0\0", pack_u32([3, 3])),
     _step_end_packed(qsl=(0, 1)),
     _step_end_packed(prefill=(3,)),
     _step_end_packed(computed=(5, 6, 7), prefill=(3, 3, 3)),
 ])
 def test_a_packed_layout_whose_arrays_do_not_fit_its_requests_is_refused(packed):
     with pytest.raises(LayoutError, match="do not fit"):
-        LazyLayout(["a", "b"], packed)
+        StepLayout.unpacking(["a", "b"], packed)
 
 
 def test_packed_input_ids_of_a_broken_length_are_refused():
     with pytest.raises(LayoutError, match="u32"):
-        LazyLayout(["a", "b"], PackedLayout(None, pack_u32([0, 1, 2]), pack_u32([5, 6]), pack_u32([3, 3]), b"\0" * 5))
+        StepLayout.unpacking(["a", "b"], BatchLayout(None, pack_u32([0, 1, 2]), pack_u32([5, 6]), pack_u32([3, 3]),
+                                                     b"\0" * 5))
 
 
 def test_oversized_packed_columns_are_refused_by_the_decoder_before_any_unpacking():
     codec = Codec()
-    huge = PackedLayout(None, b"\0" * 4 * (MAX_BATCH + 2), b"", b"")
+    huge = BatchLayout(None, b"\0" * 4 * (MAX_BATCH + 2), b"", b"")
     with pytest.raises(FrameError, match="length"):
-        codec.decode(codec.encode(StepEnd(step=1, packed=huge)))
+        codec.decode(codec.encode(StepEnd(step=1, batch=huge)))
 
 
-def test_a_step_end_with_its_layout_twice_is_refused_by_the_session():
-    both = StepEnd(step=0, num_tokens=2, batch=BatchLayout(["a", "b"], [0, 1, 2], [5, 6], [3, 3]),
-                   packed=_step_end_packed(req_ids=["a", "b"]))
-    with pytest.raises(ValueError, match="twice"):
-        _session(OmniHooks()).step_end(both)
-
-
-@pytest.mark.parametrize("packs", [True, False])
-def test_the_link_packs_the_layout_only_for_a_sidecar_that_reads_it_packed(packs):
-    """A sidecar of 1.6 (SidecarConnection.packs_layouts, from its Welcome) gets the packed layout;
-    an older one the lists it knows, the same values."""
+def test_the_link_sends_the_layout_packed():
+    """The shim's StepEnd carries the batch's columns as packed arrays: the values vLLM holds."""
     from tests.test_recovery import FakeConnection, request, step_state
-    from worker_shim.link import SidecarLink
+    from worker_shim.step.link import SidecarLink
 
     conn = FakeConnection(needs=HookNeeds(step_layouts=True))
-    conn.packs_layouts = packs
     link = SidecarLink(lambda **kw: None, conn)
     link.note_new([request("a", False), request("b", False)])
     state = step_state(["a", "b"])
     link.begin_step()
     link.end_step(state)
     end = conn.sent[-1]
-    assert isinstance(end, StepEnd) and (end.packed is not None) == packs and (end.batch is None) == packs
+    assert isinstance(end, StepEnd) and end.batch is not None
     batch = state.input_batch
-    want = BatchLayout(["a", "b"], batch.query_start_loc_np[:3].tolist(), batch.num_computed_tokens_np[:2].tolist(),
-                       batch.prefill_len_np[:2].tolist())
-    assert (LazyLayout(end.packed.req_ids, end.packed).materialize() if packs else end.batch) == want
+    want = StepLayout(["a", "b"], batch.query_start_loc_np[:3].tolist(), batch.num_computed_tokens_np[:2].tolist(),
+                      batch.prefill_len_np[:2].tolist())
+    assert StepLayout.unpacking(end.batch.req_ids, end.batch) == want

@@ -14,8 +14,8 @@ import msgspec
 import pytest
 import torch
 
-from omni_sidecar.omni.keys import layer_key
-from omni_sidecar.omni.wire import PayloadError, decode_additional_information, encode_additional_information
+from omni_sidecar.hook_sets.omni.keys import layer_key
+from omni_sidecar.hook_sets.omni.wire import PayloadError, decode_additional_information, encode_additional_information
 from tests.support.vllm_omni_payload import as_its_wire, vllm_omni_payload_code
 
 HIDDEN, PROMPT, DECODED = 16, 7, 3

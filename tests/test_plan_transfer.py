@@ -1,5 +1,5 @@
-"""Per-step tensor moves of the omni path, batched (issue #15): the state's running size, the
-sidecar's staged host tensors (one copy up per plan) and the shim's one copy out per plan.
+"""Per-step tensor moves of the omni path, batched: the state's running size, the sidecar's staged
+host tensors (one copy up per plan) and the shim's one copy out per plan.
 
 The CUDA check at the end runs on a GPU host (`python -m tests.test_plan_transfer` there);
 on CPU it is reported as skipped, never as passed.
@@ -7,33 +7,33 @@ on CPU it is reported as skipped, never as passed.
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
-from omni_sidecar.arenas import OutArena
-from omni_sidecar.omni.state import IntermediateBuffer, StateError, _nbytes
+from omni_sidecar.sessions.arenas import OutArena
+from omni_sidecar.hook_sets.omni.state import IntermediateBuffer, StateError, _nbytes
 from proto.arena import ShmArena
 from proto.tensors import TensorRef, TensorRefError
 from tests.support.arenas import DeviceLikeArena
 from tests.support.trees import assert_same_tree
-from worker_shim.channel import SidecarError
-from omni_arena.tensor_tree import MIN_ROWS, ExtStacker, RowStacker, store_tree
-from worker_shim.plan_read import StackReader, copy_out_trees
+from worker_shim.errors import SidecarError
+from omni_arena.tensor_tree import TreeEncoder
+from proto.plan_trees import encode_tree, row_mark, whole_mark
+from worker_shim.step.plan_read import decode_plan_tree, kwargs_decoder
+
+ROWS = 8  # requests in the trees below: each per-request tensor a row of one stack
 
 
-def _copy_out_tree(arena, tree, device, stacks=()):
-    """The shim's copy-out of a tree as a plan of 1.6 / 1.7 (marker dicts) or 1.8 (bytes) carries it."""
-    if type(tree) is bytes:
-        return StackReader(arena, list(stacks), device, own=False).decode(tree, dict)
-    return copy_out_trees(arena, [tree], device, list(stacks))[0]
+def _copy_out_tree(arena, data: bytes, device, stacks=(), landing=None):
+    """The shim's copy-out of a plan's extra kwargs: its stacks in one copy, the tree decoded."""
+    return decode_plan_tree(kwargs_decoder(arena, list(stacks), device, landing), data, dict)
 
 
-def _store(tree: dict, out: OutArena, stacked: bool | str) -> dict | bytes:
-    """`tree` into the out-arena as a sidecar stores it for a shim of 1.6 (a ref each), 1.7 (stacks)
-    or, `stacked="ext"`, 1.8 (bytes, every tensor an extension value naming a stack)."""
-    if stacked == "ext":
-        return ExtStacker().store(tree, out.put_whole, out.put_stack, len(out.stacks))
-    return RowStacker().store(tree, out.put, out.put_stack, 0) if stacked else store_tree(tree, out.put)
+def _store(tree: dict, out: OutArena) -> bytes:
+    """`tree` into the out-arena as the sidecar stores a plan's tree: bytes, every tensor an extension
+    value naming a stack."""
+    return TreeEncoder().encode(tree, out.put_whole, out.put_stack, len(out.stacks))
 
 
 def test_the_state_size_kept_by_merges_equals_sizing_it_afresh():
@@ -68,7 +68,7 @@ def test_the_state_size_kept_by_merges_equals_sizing_it_afresh():
 def _tree() -> dict:
     return {
         "runtime_additional_information": [
-            {"meta": {"n": i}, "hidden_states": {"last": torch.full((1, 3), float(i))}} for i in range(MIN_ROWS + 1)
+            {"meta": {"n": i}, "hidden_states": {"last": torch.full((1, 3), float(i))}} for i in range(ROWS + 1)
         ],
         "codes": torch.arange(7, dtype=torch.int64),
         "mask": torch.tensor([True, False, True]),
@@ -81,15 +81,15 @@ def _tree() -> dict:
     }
 
 
-@pytest.mark.parametrize("stacked", [False, True, "ext"], ids=["a-ref-each", "stacked-rows", "ext-marks"])
-def test_a_plans_tensors_come_out_of_the_shm_arena_in_one_copy_and_own_their_bytes(stacked):
+def test_a_plans_tensors_come_out_of_the_shm_arena_in_one_copy_and_own_their_bytes():
     arena = ShmArena.create(1 << 16, prefix="omni-test-plan")
     try:
         out = OutArena(arena)
         want = _tree()
-        sent = _store(want, out, stacked)
-        # The [1, 3] rows are one stack; every other tensor is alone of its kind (1.8: a stack used whole).
-        assert len(out.stacks) == {False: 0, True: 1, "ext": 8}[stacked]
+        sent = _store(want, out)
+        # The [1, 3] rows are one stack; every other tensor is alone of its kind: a stack of one row,
+        # or used whole (the empty one).
+        assert len(out.stacks) == 8
         got = _copy_out_tree(arena, sent, torch.device("cpu"), out.stacks)
         assert_same_tree(got, want)
         arena.view(TensorRef(0, 0, arena.size, [arena.size], "uint8"))[:] = b"\xff" * arena.size
@@ -102,11 +102,15 @@ def test_a_plans_tensors_come_out_of_the_shm_arena_in_one_copy_and_own_their_byt
 def test_a_ref_outside_the_arena_is_refused_before_anything_is_copied():
     arena = ShmArena.create(4096, prefix="omni-test-plan")
     try:
-        bad = {"x": {"__omni_tensor_ref__": [0, 4000, 400, [100], "float32"]}}
+        from proto.messages import StepPlan
+        from worker_shim.step.plan_read import read_plan
+
+        tree = encode_tree({"x": whole_mark(0)})
         with pytest.raises(TensorRefError):
-            _copy_out_tree(arena, bad, torch.device("cpu"))
+            _copy_out_tree(arena, tree, torch.device("cpu"), [TensorRef(0, 4000, 400, [100], "float32")])
         with pytest.raises(SidecarError, match="no arena"):
-            _copy_out_tree(None, {"x": {"__omni_tensor_ref__": [0, 0, 4, [1], "float32"]}}, torch.device("cpu"))
+            read_plan(None, StepPlan(0, extra_kwargs=tree, stacks=[TensorRef(0, 0, 4, [1], "float32")]), None,
+                      torch.nn.Linear(1, 1), None)
     finally:
         arena.close()
 
@@ -117,20 +121,19 @@ def test_refs_of_several_dtypes_off_the_arenas_alignment_read_right_and_bad_ones
     ref whose shape overflows, or extra kwargs that are one tensor, are the step's error, never an
     exception the worker does not expect."""
     from proto.messages import StepPlan
-    from worker_shim.transfer import read_plan
+    from worker_shim.step.plan_read import read_plan
 
-    marker = "__omni_tensor_ref__"
     arena = ShmArena.create(4096, prefix="omni-test-plan")
     try:
         arena.view(TensorRef(0, 0, 12, [12], "uint8"))[:] = bytes([9, 1, 2, 3, 7, 0, 0, 0, 8, 0, 0, 0])
-        tree = {"b": {marker: [0, 1, 3, [3], "uint8"]}, "i": {marker: [0, 4, 8, [2], "int32"]}}
-        got = _copy_out_tree(arena, tree, torch.device("cpu"))
+        stacks = [TensorRef(0, 1, 3, [3], "uint8"), TensorRef(0, 4, 8, [2], "int32")]
+        got = _copy_out_tree(arena, encode_tree({"b": whole_mark(0), "i": whole_mark(1)}), torch.device("cpu"), stacks)
         assert got["b"].tolist() == [1, 2, 3] and got["i"].tolist() == [7, 8]
-        huge = {"x": {marker: [0, 0, 0, [0] + [1 << 40] * 7, "float32"]}}
+        huge = [TensorRef(0, 0, 0, [0] + [1 << 40] * 7, "float32")]
         with pytest.raises(SidecarError, match="cannot be read"):
-            _copy_out_tree(arena, huge, torch.device("cpu"))
-        one_tensor = StepPlan(step=0, extra_kwargs={marker: [0, 4, 8, [2], "int32"]})
-        with pytest.raises(SidecarError, match="not a dict"):
+            _copy_out_tree(arena, encode_tree({"x": whole_mark(0)}), torch.device("cpu"), huge)
+        one_tensor = StepPlan(step=0, extra_kwargs=encode_tree(whole_mark(0)), stacks=stacks[1:])
+        with pytest.raises(SidecarError, match="cannot be read"):  # kwargs that are no dict
             read_plan(arena, one_tensor, None, torch.nn.Linear(1, 1), None)
     finally:
         arena.close()
@@ -184,8 +187,8 @@ def test_cuda_ipc_plan_round_trip_with_host_and_device_tensors():
         for step in range(4):  # reuse across steps: reset waits, staging is rewritten
             out.reset()
             want["codes"] = torch.arange(7, dtype=torch.int64) + step
-            want["rows_on_device"] = [torch.full((2,), float(i), device=dev) for i in range(MIN_ROWS)]
-            sent = _store(want, out, stacked=[False, True, "ext", "ext"][step])
+            want["rows_on_device"] = [torch.full((2,), float(i), device=dev) for i in range(ROWS)]
+            sent = _store(want, out)
             out.seal()
             got = _copy_out_tree(arena, sent, dev, out.stacks)
             torch.cuda.synchronize(dev)
@@ -198,10 +201,10 @@ def test_cuda_ipc_plan_round_trip_with_host_and_device_tensors():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)")
 def test_cuda_ipc_plans_land_in_the_shims_device_buffers_in_turn():
-    """1.8 plans read through a PlanLanding on the device: each step's values are its plan's, the
+    """Plans read through a PlanLanding on the device: each step's values are its plan's, the
     step before keeps its values (a buffer each, in turn), and a steady step reuses its views."""
     from omni_arena.cuda_ipc import CudaIpcArena
-    from worker_shim.plan_read import PlanLanding
+    from worker_shim.step.plan_read import PlanLanding
 
     dev = torch.device("cuda", 0)
     arena = CudaIpcArena.create(1 << 20, dev, 1, name="omni-test-landing")
@@ -210,11 +213,11 @@ def test_cuda_ipc_plans_land_in_the_shims_device_buffers_in_turn():
         out, kept = OutArena(arena), []
         for step in range(5):
             out.reset()
-            want = {"rows": [torch.full((1, 8), float(step * 10 + i), device=dev) for i in range(MIN_ROWS)],
+            want = {"rows": [torch.full((1, 8), float(step * 10 + i), device=dev) for i in range(ROWS)],
                     "host": torch.full((3,), float(step))}
-            sent = _store(want, out, "ext")
+            sent = _store(want, out)
             out.seal()
-            got = StackReader(arena, list(out.stacks), dev, False, landing).decode(sent, dict)
+            got = _copy_out_tree(arena, sent, dev, out.stacks, landing)
             arena.mark_done(0)
             torch.cuda.synchronize(dev)
             assert_same_tree(_on_cpu(got), _on_cpu(want))
@@ -239,9 +242,9 @@ def test_the_default_postprocess_batched_equals_it_called_per_request():
     """The omni set's default postprocess runs for all requests at once; a subclass that overrides
     postprocess (here: only calling the default) is called per request. Same states, same chunks,
     a step with no rows (all replayed) included."""
-    from omni_sidecar.hooks import RequestInfo, StepBatch
-    from omni_sidecar.omni.hooks import OmniStateHooks
-    from proto.messages import BatchLayout
+    from omni_sidecar.hook_api.hook_set import RequestInfo, StepBatch
+    from omni_sidecar.hook_sets.omni.state_hooks import OmniStateHooks
+    from proto.packed import StepLayout
 
     class PerRequest(OmniStateHooks):
         def postprocess(self, req_id, hidden_rows, state):
@@ -266,7 +269,7 @@ def test_the_default_postprocess_batched_equals_it_called_per_request():
         hidden = torch.randn(qsl[-1], 4, generator=gen)
         layer0 = torch.randn(qsl[-1], 4, generator=gen)
         for hooks in runs:
-            batch = StepBatch(step, BatchLayout(ids, qsl, [0] * len(ids), [3] * len(ids)))
+            batch = StepBatch(step, StepLayout(ids, qsl, [0] * len(ids), [3] * len(ids)))
             batch.hidden_layers = {0: layer0.clone()}
             hooks.process_model_output(batch, hidden.clone())
     batched, per_request = runs
@@ -278,96 +281,45 @@ def test_the_default_postprocess_batched_equals_it_called_per_request():
 
 
 def test_a_layout_naming_more_rows_than_the_hidden_states_fails_the_step_not_the_process():
-    from omni_sidecar.hooks import HookErrors, RequestInfo, StepBatch
-    from omni_sidecar.omni.hooks import OmniStateHooks
-    from proto.messages import BatchLayout
+    from omni_sidecar.hook_api.hook_set import HookErrors, RequestInfo, StepBatch
+    from omni_sidecar.hook_sets.omni.state_hooks import OmniStateHooks
+    from proto.packed import StepLayout
 
     hooks = OmniStateHooks()
     hooks.on_new_requests([RequestInfo("a", 3, [1, 2, 3], None)])
-    batch = StepBatch(0, BatchLayout(["a"], [0, 9], [0], [3]))
+    batch = StepBatch(0, StepLayout(["a"], [0, 9], [0], [3]))
     with pytest.raises((ValueError, HookErrors), match="names 9 rows"):
         hooks.process_model_output(batch, torch.zeros(3, 4))
 
 
 def test_bad_rows_and_stacks_from_the_sidecar_are_step_errors_before_anything_is_read():
-    """Row markers and stacks are a peer's: each is checked (index, row, ref, a row dimension) and
-    a bad one is the step's SidecarError; a row marker outside a plan (no stacks) is a TreeError."""
-    from omni_arena.tensor_tree import TreeError, load_tree
-
+    """Marks and stacks are a peer's: each is checked (index, row, ref, a row dimension) and a bad one
+    is the step's SidecarError (or the ref's TensorRefError) before anything is read."""
     arena = ShmArena.create(4096, prefix="omni-test-plan")
     try:
         out = OutArena(arena)
-        sent = _store({"rows": [torch.full((2,), float(i)) for i in range(MIN_ROWS)]}, out, stacked=True)
+        sent = _store({"rows": [torch.full((2,), float(i)) for i in range(ROWS)]}, out)
         stacks = out.stacks
-        assert sent["rows"][2] == {"__omni_tensor_row__": [0, 2]} and stacks[0].shape == [MIN_ROWS, 2]
+        assert stacks[0].shape == [ROWS, 2]
         got = _copy_out_tree(arena, sent, torch.device("cpu"), stacks)["rows"]
-        assert [r.tolist() for r in got] == [[float(i)] * 2 for i in range(MIN_ROWS)]
-        row = "__omni_tensor_row__"
+        assert [r.tolist() for r in got] == [[float(i)] * 2 for i in range(ROWS)]
         cases = {
-            "stack 1 of a plan with 1": ({"x": {row: [1, 0]}}, stacks),
-            f"row {MIN_ROWS} of stack 0": ({"x": {row: [0, MIN_ROWS]}}, stacks),
-            "malformed row marker": ({"x": {row: [0, -1]}}, stacks),
-            "malformed tree": ({"x": {row: [0, "a"]}}, stacks),
-            "outside": ({"x": {row: [0, 0]}}, [TensorRef(0, 4000, 400, [100], "float32")]),
-            "without rows or bytes": ({"x": {row: [0, 0]}}, [TensorRef(0, 0, 4, [], "float32")]),
+            "stack 1 of a message with 1": ({"x": row_mark(1, 0)}, stacks),
+            f"row {ROWS} of stack 0": ({"x": row_mark(0, ROWS)}, stacks),
+            "unknown extension": ({"x": msgspec.msgpack.Ext(9, b"\0")}, stacks),
+            "outside": ({"x": row_mark(0, 0)}, [TensorRef(0, 4000, 400, [100], "float32")]),
+            "no rows or bytes": ({"x": row_mark(0, 0)}, [TensorRef(0, 0, 4, [], "float32")]),
             # A zero-byte stack of a million (or 2**40) rows would be a view per row: refused unread.
-            "without rows or bytes ": ({"x": {row: [0, 0]}}, [TensorRef(0, 0, 0, [10**6, 0], "float32")]),
-            "without rows or bytes  ": ({"x": {row: [0, 0]}}, [TensorRef(0, 0, 0, [1 << 40, 0], "float32")]),
+            "no rows or bytes ": ({"x": row_mark(0, 0)}, [TensorRef(0, 0, 0, [10**6, 0], "float32")]),
+            "no rows or bytes  ": ({"x": row_mark(0, 0)}, [TensorRef(0, 0, 0, [1 << 40, 0], "float32")]),
         }
         for message, (tree, plan_stacks) in cases.items():
             with pytest.raises((SidecarError, TensorRefError), match=message.strip()):
-                _copy_out_tree(arena, tree, torch.device("cpu"), plan_stacks)
-        with pytest.raises(TreeError, match="row marker"):
-            load_tree({"x": {row: [0, 0]}}, lambda ref: torch.zeros(1))
-        # A stack with more rows than the markers name (the sidecar names each once): indexed row by
+                _copy_out_tree(arena, encode_tree(tree), torch.device("cpu"), plan_stacks)
+        # A stack with more rows than the marks name (the sidecar names each once): indexed row by
         # row, never a view per row of the whole stack; the rows named read right.
-        big = TensorRef(0, stacks[0].offset, stacks[0].nbytes, stacks[0].shape, "float32")
-        got = _copy_out_tree(arena, {"a": {row: [0, 3]}, "b": {row: [0, 1]}}, torch.device("cpu"), [big])
+        got = _copy_out_tree(arena, encode_tree({"a": row_mark(0, 3), "b": row_mark(0, 1)}), torch.device("cpu"),
+                             stacks)
         assert got["a"].tolist() == [3.0, 3.0] and got["b"].tolist() == [1.0, 1.0]
     finally:
         out.close()
-
-
-@pytest.mark.parametrize("minor", [6, 7])
-def test_a_sidecar_stacks_rows_only_for_a_shim_that_reads_them(minor):
-    from omni_sidecar.arenas import SessionArenas
-    from omni_sidecar.metrics import SidecarMetrics
-    from proto.messages import Hello
-
-    hello = Hello(1, minor, "test", "none", "cpu", 0, 1, "m", 4, "float32", 8, [])
-    arenas = SessionArenas(1, hello, SidecarMetrics())
-    arenas.open(True, 0)
-    try:
-        arenas.out.reset()
-        sent = arenas.encode_tensors({"info": [{"last": torch.zeros(1, 4)} for _ in range(MIN_ROWS)],
-                                      "fewer": [torch.zeros(3) for _ in range(MIN_ROWS - 1)]})
-        markers = {next(iter(d["last"])) for d in sent["info"]}
-        assert markers == ({"__omni_tensor_row__"} if minor >= 7 else {"__omni_tensor_ref__"})
-        assert {next(iter(v)) for v in sent["fewer"]} == {"__omni_tensor_ref__"}  # fewer than MIN_ROWS of a kind: one by one
-        assert len(arenas.stacks) == (1 if minor >= 7 else 0)
-        arenas.out.reset()
-        deep = arenas.encode_tensors([torch.zeros([1] * 8) for _ in range(MIN_ROWS)])  # a stack would have 9 dims
-        assert {next(iter(v)) for v in deep} == {"__omni_tensor_ref__"} and arenas.stacks == []
-    finally:
-        arenas.close()
-
-
-def test_the_sender_refuses_the_depth_the_receiver_refuses():
-    """A tree deeper than MAX_TREE_DEPTH fails where it is built (the requests' error), never at the
-    shim (which would lose the session); one at the limit passes both."""
-    from omni_arena.tensor_tree import MAX_TREE_DEPTH, TreeError, index_tree
-
-    def nested(levels: int, leaf):
-        value = leaf
-        for _ in range(levels):
-            value = [value]
-        return value
-
-    for leaf in (1, torch.zeros(1)):
-        ok = store_tree(nested(MAX_TREE_DEPTH, leaf), lambda t: TensorRef(0, 0, 4, [1], "float32"))
-        index_tree(ok)  # the receiver takes it
-        with pytest.raises(TreeError, match="deeper"):
-            store_tree(nested(MAX_TREE_DEPTH + 1, leaf), lambda t: TensorRef(0, 0, 4, [1], "float32"))
-        with pytest.raises(TreeError, match="deeper"):
-            index_tree(nested(MAX_TREE_DEPTH + 1, 1))
-

@@ -12,7 +12,6 @@ from proto.arena import ArenaError, ShmArena, SlotRing
 from proto.codec import Codec, FrameError
 from proto.messages import (
     ArenaInfo,
-    BatchLayout,
     Hello,
     HookNeeds,
     NewRequest,
@@ -20,12 +19,14 @@ from proto.messages import (
     StepEnd,
     Welcome,
 )
+from proto.packed import packed_layout
 from proto.tensors import TensorRef, TensorRefError, check_ref
+from proto.version import PROTOCOL_MAJOR
 
 
 def _hello(**kw) -> Hello:
     base = dict(
-        protocol_major=1, protocol_minor=0, shim_version="0.1.0", vllm_version="0.32.0",
+        protocol_major=PROTOCOL_MAJOR, protocol_minor=0, shim_version="0.1.0", vllm_version="0.32.0",
         platform="cpu", rank=0, world_size=1, model="m", hidden_size=128, dtype="float32",
         max_num_tokens=64, arenas=[ArenaInfo("shm", "a", 4096)],
     )
@@ -35,10 +36,10 @@ def _hello(**kw) -> Hello:
 
 def test_every_message_round_trips():
     codec = Codec()
-    layout = BatchLayout(["a", "b"], [0, 3, 4], [0, 10], [3, 12])
+    layout = packed_layout(["a", "b"], [0, 3, 4], [0, 10], [3, 12])
     msgs = [
         _hello(),
-        Welcome(1, 0, "0.1.0", "capture", HookNeeds(hidden_states=True), 7),
+        Welcome(PROTOCOL_MAJOR, 0, "0.1.0", "capture", HookNeeds(hidden_states=True), 7),
         StepBegin(3, layout, [NewRequest("a", 3, [1, 2, 3], {"prompt_embeds": {"data": b"\0" * 4}})], ["z"]),
         StepEnd(3, hidden=TensorRef(0, 64, 2048, [4, 128], "float32"), num_tokens=4, preempted=["q"]),
     ]

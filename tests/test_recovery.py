@@ -1,6 +1,6 @@
 """The shim's loss / reconnect / switch state machine, driven through the link with fake connections.
 
-Each transition of worker_shim/recovery.py has a test here that fails if it is removed:
+Each transition of worker_shim/session/recovery.py has a test here that fails if it is removed:
 connected -> lost (peer gone, step error, failed switch), lost -> connected (reconnect),
 lost -> lost (retry with a fresh connection), connected -> switching -> connected,
 connected -> connected on a kept unsolicited SwitchAck (idle hand-over), also when it
@@ -14,14 +14,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from proto.messages import HookNeeds, RequestError, StepEnd, StepResult, SwitchAck, SwitchReady
-from worker_shim import recovery
-from worker_shim.channel import SidecarError
-from worker_shim.link import SidecarLink
+from proto.messages import HookNeeds, RequestError, StepEnd, StepResult, StepTick, SwitchAck, SwitchReady
+from worker_shim.session import recovery
+from worker_shim.errors import SidecarError
+from worker_shim.step.link import SidecarLink
 
 
 class FakeConnection:
-    """What the link and recovery use of a SidecarConnection, with no socket behind it."""
+    """A RecoveryPort (worker_shim/step/port.py) with no socket behind it."""
 
     def __init__(self, endpoint: str = "ipc:///nonexistent/omni-test.sock", ready: bool = True,
                  ack: SwitchAck | None = None, needs: HookNeeds | None = None) -> None:
@@ -36,7 +36,6 @@ class FakeConnection:
         self.ack = ack
         self.switch_ack: SwitchAck | None = None  # kept by the channel when sent unsolicited
         self.mirror_seq = 0
-        self.packs_layouts = False  # a sidecar before 1.6: layouts as lists
         self.gone = False
         self.closed = False
         self.hello_sent = False
@@ -81,13 +80,9 @@ class FakeConnection:
         if isinstance(msg, StepEnd):
             self.last_sent_step = self.last_answered_step = msg.step
             self.step_open = False
-
-    def send_tick(self, tick) -> None:
-        if self.fail_send is not None:
-            raise self.fail_send
-        self.sent.append(tick)
-        self.last_sent_step = tick.step
-        self.step_open = False
+        elif isinstance(msg, StepTick):
+            self.last_sent_step = msg.step
+            self.step_open = False
 
     def poll_results(self) -> list[StepResult]:
         return self.take_results()
@@ -104,7 +99,7 @@ class FakeConnection:
     def step_plan(self, msg):
         return self.call(msg, None)
 
-    def ask_plan(self, msg) -> None:  # the early StepBegin (worker_shim/plan_ask.py)
+    def ask_plan(self, msg) -> None:  # the early StepBegin (SidecarLink.ask_early)
         if self.fail_send is not None:
             raise self.fail_send
         self.calls.append(msg)
@@ -127,11 +122,8 @@ class FakeConnection:
         out, self.results = self.results, []
         return out
 
-    def open_counts(self) -> dict:
-        return {}
-
-    def ring_counts(self) -> dict:
-        return {}
+    def stats(self) -> dict:
+        return {"arena_kind": self.arena_kind, "arena_opens": {}, "ring_counts": {}}
 
     def close(self) -> None:
         self.closed = True
@@ -397,10 +389,11 @@ def test_a_plan_dropped_after_an_upstream_error_still_reports_its_requests_error
 
 
 def test_a_plan_for_another_step_is_refused():
-    from proto.messages import BatchLayout, StepBegin, StepPlan
-    from worker_shim.connection import _plan_of
+    from proto.messages import StepBegin, StepPlan
+    from proto.packed import packed_layout
+    from worker_shim.wire.connection import _plan_of
 
-    ask = StepBegin(step=5, batch=BatchLayout(["a"], [0, 1], [3], [3]))
+    ask = StepBegin(step=5, batch=packed_layout(["a"], [0, 1], [3], [3]))
     assert _plan_of(ask, StepPlan(step=5)).step == 5
     with pytest.raises(SidecarError, match="answered step 5 with the plan of step 4"):
         _plan_of(ask, StepPlan(step=4))
@@ -433,7 +426,7 @@ def test_a_switch_that_fails_while_a_plan_is_asked_queues_no_new_request_for_the
 
 def test_a_batch_ended_without_a_sidecar_leaves_the_length_watch_comparing_the_whole_batch_next():
     """Its steady-decode shortcut holds only over steps it saw: one the link ended lost, unseen,
-    may have moved rows unevenly (worker_shim/finishes.py)."""
+    may have moved rows unevenly (worker_shim/step/finishes.py)."""
     second = FakeConnection()
     first = FakeConnection()
     link = SidecarLink(Factory(second), first)

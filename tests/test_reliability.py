@@ -10,6 +10,7 @@ import time
 import pytest
 
 from tests.support.procs import ROOT, child_env
+from proto.version import PROTOCOL_MAJOR
 
 pytestmark = pytest.mark.e2e
 
@@ -103,12 +104,12 @@ def test_a_stalled_sidecar_is_detected_by_heartbeats_while_idle(tmp_path):
 
     from proto.messages import Hello
     from tests.support.procs import SidecarProcess
-    from worker_shim.channel import SidecarChannel
+    from worker_shim.wire.channel import SidecarChannel
 
     sidecar = SidecarProcess(f"ipc://{tmp_path}/hb.sock", "passthrough", tmp_path / "sidecar.log")
     channel = SidecarChannel(sidecar.endpoint, step_timeout_s=5)
     try:
-        channel.handshake(Hello(1, 0, "t", "none", "cpu", 0, 1, "m", 8, "float32", 8, []), 10)
+        channel.handshake(Hello(PROTOCOL_MAJOR, 0, "t", "none", "cpu", 0, 1, "m", 8, "float32", 8, []), 10)
         assert not channel.peer_gone()
         os.kill(sidecar.proc.pid, signal.SIGSTOP)
         t0 = time.monotonic()

@@ -19,7 +19,9 @@ import pytest
 from omni_sidecar.client import RequestFailed, SidecarClient
 from proto.arena import ShmArena
 from proto.codec import Codec
-from proto.messages import BatchLayout, Hello, NewRequest, StepEnd, StepResult, Welcome
+from proto.messages import Hello, NewRequest, StepEnd, StepResult, Welcome
+from proto.packed import packed_layout
+from proto.version import PROTOCOL_MAJOR
 from tests.support.procs import SidecarProcess, child_env
 
 FOREIGN = dict(pid=4242, pid_namespace="pid:[1]")  # not ours: process_gone() cannot decide
@@ -36,16 +38,18 @@ SHIM = textwrap.dedent("""
     import sys, zmq
     from proto.arena import ShmArena
     from proto.codec import Codec
-    from proto.messages import BatchLayout, Hello, NewRequest, StepEnd
+    from proto.messages import Hello, NewRequest, StepEnd
+    from proto.packed import packed_layout
+    from proto.version import PROTOCOL_MAJOR
     arena = ShmArena.create(1 << 16)
     codec = Codec()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(sys.argv[1])
-    sock.send(codec.encode(Hello(1, 1, "t", "none", "cpu", 0, 1, "m", 8, "float32", 16, [arena.info()],
+    sock.send(codec.encode(Hello(PROTOCOL_MAJOR, 0, "t", "none", "cpu", 0, 1, "m", 8, "float32", 16, [arena.info()],
                                  pid=4242, pid_namespace="pid:[1]")))
     assert sock.poll(10000)
     sock.recv()
-    sock.send(codec.encode(StepEnd(0, BatchLayout(["live-1"], [0, 1], [0], [1]),
+    sock.send(codec.encode(StepEnd(0, packed_layout(["live-1"], [0, 1], [0], [1]),
                                    [NewRequest("live-1", 1, [3])], num_tokens=1)))
     assert sock.poll(10000)
     sock.recv()
@@ -76,9 +80,9 @@ def test_a_closed_connection_ends_the_session_and_fails_its_live_requests(sideca
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(sidecar.endpoint)
     try:
-        sock.send(codec.encode(Hello(1, 1, "t", "none", "cpu", 0, 1, "m", 8, "float32", 16, [arena.info()], **FOREIGN)))
+        sock.send(codec.encode(Hello(PROTOCOL_MAJOR, 0, "t", "none", "cpu", 0, 1, "m", 8, "float32", 16, [arena.info()], **FOREIGN)))
         assert sock.poll(10000) and isinstance(codec.decode(sock.recv()), Welcome)
-        sock.send(codec.encode(StepEnd(0, BatchLayout(["live-1"], [0, 1], [0], [1]), [NewRequest("live-1", 1, [3])],
+        sock.send(codec.encode(StepEnd(0, packed_layout(["live-1"], [0, 1], [0], [1]), [NewRequest("live-1", 1, [3])],
                                        num_tokens=1)))
         assert sock.poll(10000) and isinstance(codec.decode(sock.recv()), StepResult)
         assert _session_count(sidecar) == 1

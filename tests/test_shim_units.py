@@ -9,14 +9,17 @@ import pytest
 import torch
 
 from proto.arena import ShmArena
+from proto.packed import unpack_u32
 from proto.messages import HookNeeds, Overlay, RequestError, StepBegin, StepEnd, StepPlan, StepResult
-from proto.tensors import TENSOR_MARKER, TensorRef
+from proto.plan_trees import encode_tree, whole_mark
+from proto.tensors import TensorRef
 from tests.test_recovery import FakeConnection, request, step_state
-from worker_shim.batch import PayloadTracker, batch_layout, new_request
-from worker_shim.channel import SidecarError
-from worker_shim.compat import ShimCompatError, client_request_id, request_ids_suffixed
-from worker_shim.link import SidecarLink
-from worker_shim.transfer import HiddenSlots, read_plan
+from worker_shim.step.batch import PayloadTracker, batch_layout, new_request
+from worker_shim.errors import SidecarError
+from worker_shim.upstream.compat import ShimCompatError, client_request_id, request_ids_suffixed
+from worker_shim.step.link import SidecarLink
+from worker_shim.step.plan_read import read_plan
+from worker_shim.step.slots import HiddenSlots
 
 
 def test_client_request_id_strips_the_suffix_vllm_added():
@@ -67,7 +70,7 @@ def test_exchange_decision_follows_needs_and_payloads():
 def test_layout_names_requests_only_when_their_order_changed():
     b = batch(["a", "b"], [0, 5], [4, 5])
     first = batch_layout(b, None)
-    assert first.req_ids == ["a", "b"] and first.prefill_lens == [4, 5]
+    assert first.req_ids == ["a", "b"] and unpack_u32(first.prefill_lens) == [4, 5]
     assert batch_layout(b, ["a", "b"]).req_ids is None
 
 
@@ -75,7 +78,7 @@ def test_layout_carries_input_ids_only_when_the_hooks_ask():
     b = batch(["a", "b"], [0, 5], [4, 5])
     b.input_ids = torch.tensor([11, 12, 99])  # b's decode row: the token sampled by the step before
     assert batch_layout(b, None).input_ids is None
-    assert batch_layout(b, None, with_input_ids=True).input_ids == [11, 12]
+    assert unpack_u32(batch_layout(b, None, with_input_ids=True).input_ids) == [11, 12]
 
 
 def test_hidden_slots_wait_for_the_previous_reader_before_reuse():
@@ -99,7 +102,7 @@ def test_steady_steps_reuse_their_slot_views_and_the_bytes_still_land_where_the_
     slot's bytes are made once per slot and shape (then reused), the cache stays bounded, and
     every step's bytes are the step's own."""
     from omni_arena.views import arena_tensor
-    from worker_shim import transfer
+    from worker_shim.step import slots as slots_module
 
     made: list[int] = []
 
@@ -107,7 +110,7 @@ def test_steady_steps_reuse_their_slot_views_and_the_bytes_still_land_where_the_
         made.append(ref.offset)
         return arena_tensor(arena, ref)
 
-    monkeypatch.setattr(transfer, "arena_tensor", counting)
+    monkeypatch.setattr(slots_module, "arena_tensor", counting)
     arena = ShmArena.create(1 << 16, prefix="omni-test-hidden")
     try:
         slots = HiddenSlots(arena, 2)
@@ -119,10 +122,10 @@ def test_steady_steps_reuse_their_slot_views_and_the_bytes_still_land_where_the_
             for want, r in ((hidden, ref), (layers[1], layer_refs[1]), (layers[2], layer_refs[2])):
                 assert torch.equal(arena_tensor(arena, r), want)
         assert len(made) == 2  # one view per slot (hidden and layer rows stacked), made on the first two steps
-        for step in range(6, 6 + transfer.VIEWS_KEPT):  # prefill-like: a new shape each step
+        for step in range(6, 6 + slots_module.VIEWS_KEPT):  # prefill-like: a new shape each step
             slots.write(step, torch.zeros(1, step % 50 + 1), lambda s: None)
             slots.sent(step)
-        assert len(slots._views) <= transfer.VIEWS_KEPT
+        assert len(slots._views) <= slots_module.VIEWS_KEPT
     finally:
         slots = None
         arena.close()
@@ -136,7 +139,7 @@ def test_plan_tensors_are_read_out_of_the_sidecar_arena():
         rows.copy_(torch.arange(8, dtype=torch.float32).view(2, 4))
         ref = TensorRef(0, 0, 32, [2, 4], "float32")
         plan = StepPlan(step=0, overlays=[Overlay(row_start=1, rows=ref)],
-                        extra_kwargs={"k": [{TENSOR_MARKER: ref}, 3]})
+                        extra_kwargs=encode_tree({"k": [whole_mark(0), 3]}), stacks=[ref])
         embeds = torch.zeros(4, 4)
         ib = SimpleNamespace(num_tokens=4, num_tokens_after_padding=4)
         model = torch.nn.Linear(1, 1)
@@ -149,7 +152,7 @@ def test_plan_tensors_are_read_out_of_the_sidecar_arena():
         too_long = StepPlan(step=0, overlays=[Overlay(row_start=3, rows=ref)])
         with pytest.raises(SidecarError, match="do not fit"):
             read_plan(arena, too_long, ib, model, torch.zeros(4, 4))
-        assert read_plan(None, StepPlan(step=0, extra_kwargs={"k": 1}), ib, model, None) == {"k": 1}
+        assert read_plan(None, StepPlan(step=0, extra_kwargs=encode_tree({"k": 1})), ib, model, None) == {"k": 1}
     finally:
         arena.close()
 
@@ -211,7 +214,9 @@ def test_hook_errors_in_results_reach_the_stats():
 
 def test_per_step_timings_stay_bounded_and_keep_the_latest():
     from proto.settings import TIMINGS_KEPT
-    from worker_shim.step_end import record_timing
+    from worker_shim.step.link import StepCounters
+
+    record_timing = StepCounters.record_timing
 
     samples: list[float] = []
     for i in range(5 * TIMINGS_KEPT):

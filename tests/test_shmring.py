@@ -16,7 +16,6 @@ import zmq
 from proto.arena import ArenaError, ShmArena
 from proto.codec import Codec, FrameError
 from proto.messages import (
-    BatchLayout,
     ErrorReply,
     Hello,
     HookNeeds,
@@ -27,6 +26,7 @@ from proto.messages import (
     StepResult,
     Welcome,
 )
+from proto.packed import packed_layout
 from proto.shmring import (
     EMPTY,
     HEADER_BYTES,
@@ -35,12 +35,13 @@ from proto.shmring import (
     RingError,
     ShmRing,
 )
+from proto.version import PROTOCOL_MAJOR
 from tests.support.procs import SidecarProcess
-from worker_shim.channel import SidecarChannel, SidecarError
+from worker_shim.wire.channel import SidecarChannel, SidecarError
 from worker_shim.config import RingConfig
 
 CODEC = Codec()
-HELLO = Hello(1, 0, "t", "none", "cpu", 0, 1, "m", 8, "float32", 8, [])
+HELLO = Hello(PROTOCOL_MAJOR, 0, "t", "none", "cpu", 0, 1, "m", 8, "float32", 8, [])
 WORDS = {"write": 8, "read": 16, "sleeping": 24}  # u64 slots of the ring header
 
 
@@ -239,8 +240,8 @@ class FakeSidecar:
         hello = CODEC.decode(frame)
         assert isinstance(hello, Hello) and len(hello.rings) == 2
         self.duplex = RingDuplex(tx=ShmRing.attach(hello.rings[1]), rx=ShmRing.attach(hello.rings[0]))
-        self.sock.send_multipart([self.ident, CODEC.encode(Welcome(1, 0, "fake", "x", HookNeeds(), 1, rings=True))])
-        assert channel.poll_welcome(HELLO, 5000) is not None and channel.ring_active
+        self.sock.send_multipart([self.ident, CODEC.encode(Welcome(PROTOCOL_MAJOR, 0, "fake", "x", HookNeeds(), 1, rings=True))])
+        assert channel.poll_welcome(HELLO, 5000) is not None and (channel.rings is not None)
         return self.duplex
 
     def next_message(self, timeout_s: float = 5.0):
@@ -304,7 +305,7 @@ def test_a_missed_kick_costs_one_sleep_not_the_step_timeout(fake):
 
         thread = threading.Thread(target=sidecar)
         thread.start()
-        plan = channel.call(StepBegin(3, BatchLayout(["a"], [0, 1], [0], [1])), StepPlan)
+        plan = channel.call(StepBegin(3, packed_layout(["a"], [0, 1], [0], [1])), StepPlan)
         thread.join(10)
         assert plan == StepPlan(step=3) and channel.sleeps >= 1
     finally:
@@ -330,7 +331,7 @@ def test_a_sleeping_channel_wakes_on_the_kick_and_stashes_results_in_order(fake)
 
         thread = threading.Thread(target=sidecar)
         thread.start()
-        plan = channel.call(StepBegin(2, BatchLayout(["a"], [0, 1], [0], [1])), StepPlan)
+        plan = channel.call(StepBegin(2, packed_layout(["a"], [0, 1], [0], [1])), StepPlan)
         thread.join(10)
         assert plan == StepPlan(2)
         assert [r.step for r in channel.take_results()] == [0, 1]
@@ -397,11 +398,11 @@ def test_the_ring_wait_notices_a_dead_sidecar_before_the_step_timeout(tmp_path):
     channel = SidecarChannel(sidecar.endpoint, 60, ring=RingConfig(spin_us=0))
     try:
         channel.handshake(HELLO, 10)
-        assert channel.ring_active
+        assert channel.rings is not None
         sidecar.proc.kill()
         sidecar.proc.wait(10)
         with pytest.raises(SidecarError, match="closed the connection"):
-            channel.call(StepBegin(0, BatchLayout(["a"], [0, 1], [0], [1])), StepPlan)
+            channel.call(StepBegin(0, packed_layout(["a"], [0, 1], [0], [1])), StepPlan)
     finally:
         channel.close()
         sidecar.stop()
@@ -419,9 +420,9 @@ def test_the_sidecar_answers_over_the_ring_in_order_big_frames_included(tmp_path
     channel = SidecarChannel(sidecar.endpoint, 10, ring=RingConfig(capacity_kib=64))
     try:
         welcome = channel.handshake(HELLO, 10)
-        assert welcome.rings and channel.ring_active
+        assert welcome.rings and (channel.rings is not None)
         assert _ring_names() == set()  # the sidecar mapped both rings and removed their names
-        layout = BatchLayout(["small", "big"], [0, 1, 2], [0, 0], [1, 1])
+        layout = packed_layout(["small", "big"], [0, 1, 2], [0, 0], [1, 1])
         plan = channel.call(StepBegin(0, layout, [NewRequest("small", 1, [1])]), StepPlan)
         assert plan.step == 0 and plan.errors == []
         channel.send(StepEnd(0, num_tokens=1))
@@ -445,9 +446,9 @@ def test_rings_off_on_either_side_keeps_everything_on_zeromq(tmp_path, side):
     sidecar = SidecarProcess(f"ipc://{tmp_path}/z.sock", "passthrough", tmp_path / "sidecar.log", extra_args=extra)
     channel = SidecarChannel(sidecar.endpoint, 10, ring=RingConfig(enabled=side == "sidecar"))
     try:
-        assert not channel.handshake(HELLO, 10).rings and not channel.ring_active
+        assert not channel.handshake(HELLO, 10).rings and channel.rings is None
         assert _ring_names() == set()  # a declined offer leaves nothing in /dev/shm
-        channel.send(StepEnd(0, BatchLayout(["a"], [0, 1], [0], [1]), [NewRequest("a", 1, [1])], num_tokens=1))
+        channel.send(StepEnd(0, packed_layout(["a"], [0, 1], [0], [1]), [NewRequest("a", 1, [1])], num_tokens=1))
         assert [r.step for r in channel.take_results(until_step=0)] == [0]
     finally:
         channel.close()

@@ -7,13 +7,12 @@ import pytest
 import torch
 import zmq
 
-from omni_sidecar.builtin_hooks import CaptureHiddenHooks, PromptEmbedsOverlayHooks
-from omni_sidecar.hooks import HookErrors, RequestInfo, StepBatch
+from omni_sidecar.hook_sets.reference import CaptureHiddenHooks, PromptEmbedsOverlayHooks
+from omni_sidecar.hook_api.hook_set import HookErrors, RequestInfo, StepBatch
 from omni_sidecar.payload import sidecar_extra_args
 from proto.arena import ShmArena
 from proto.codec import Codec
 from proto.messages import (
-    BatchLayout,
     ErrorReply,
     Hello,
     NewRequest,
@@ -24,8 +23,9 @@ from proto.messages import (
     StepResult,
     Welcome,
 )
+from proto.packed import StepLayout, packed_layout
 from proto.tensors import TensorRef
-from proto.version import PROTOCOL_VERSION
+from proto.version import PROTOCOL_MAJOR, PROTOCOL_VERSION
 from tests.support.procs import SidecarProcess
 
 H = 8
@@ -55,7 +55,7 @@ class Peer:
         self.sock.close(0)
 
 
-def _hello(arenas, major=1, max_tokens=16):
+def _hello(arenas, major=PROTOCOL_MAJOR, max_tokens=16):
     return Hello(major, 0, "test", "none", "cpu", 0, 1, "m", H, "float32", max_tokens, arenas)
 
 
@@ -67,7 +67,7 @@ def test_status_and_ping(sidecar):
 
 def test_refuses_another_protocol_major(sidecar):
     peer = Peer(sidecar.endpoint)
-    reply = peer.call(_hello([], major=2))
+    reply = peer.call(_hello([], major=PROTOCOL_MAJOR + 1))
     assert isinstance(reply, Reject) and "protocol major version mismatch" in reply.reason
     peer.close()
 
@@ -93,13 +93,13 @@ def test_capture_over_the_wire(sidecar):
     assert isinstance(welcome, Welcome) and welcome.needs.hidden_states
     hidden = torch.arange(5 * H, dtype=torch.float32).view(5, H)
     arena.raw(0, hidden.numel() * 4)[:] = hidden.numpy().tobytes()
-    layout = BatchLayout(["r1-abcdefgh", "r2-abcdefgh"], [0, 3, 5], [0, 0], [3, 2])
+    layout = packed_layout(["r1-abcdefgh", "r2-abcdefgh"], [0, 3, 5], [0, 0], [3, 2])
     new = [NewRequest("r1-abcdefgh", 3, [1, 2, 3], client_req_id="r1"),
            NewRequest("r2-abcdefgh", 2, [4, 5], client_req_id="r2")]
     result = peer.call(StepEnd(0, layout, new, hidden=TensorRef(0, 0, hidden.numel() * 4, [5, H], "float32"), num_tokens=5))
     assert isinstance(result, StepResult) and result.errors == []
     # An out-of-bounds ref is an error for the step's requests, not a crash.
-    bad_layout = BatchLayout(["r3-abcdefgh"], [0, 1], [0], [1])
+    bad_layout = packed_layout(["r3-abcdefgh"], [0, 1], [0], [1])
     bad = peer.call(StepEnd(1, bad_layout, [NewRequest("r3-abcdefgh", 1, [9], client_req_id="r3")],
                             hidden=TensorRef(0, 1 << 16, 4 * H, [1, H], "float32"), num_tokens=1))
     assert [e.req_id for e in bad.errors] == ["r3-abcdefgh"] and "outside arena" in bad.errors[0].message
@@ -128,7 +128,7 @@ def test_overlay_plan_over_the_wire(sidecar):
     embeds = torch.randn(6, H)
     payload = sidecar_extra_args(prompt_embeds=embeds)["omni_sidecar"]
     # Chunk 2 of a 6-token prompt: 2 tokens done, 3 scheduled -> rows [1, 4) take embeds[2:5].
-    layout = BatchLayout(["d", "p"], [0, 1, 4], [9, 2], [4, 6])
+    layout = packed_layout(["d", "p"], [0, 1, 4], [9, 2], [4, 6])
     plan = peer.call(StepBegin(0, layout, [NewRequest("p", 6, [3] * 6, payload)]))
     assert isinstance(plan, StepPlan) and plan.errors == []
     (ov,) = plan.overlays
@@ -137,14 +137,14 @@ def test_overlay_plan_over_the_wire(sidecar):
     torch.testing.assert_close(rows, embeds[2:5])
     # A payload whose shape does not match the prompt is a per-request error.
     bad = sidecar_extra_args(prompt_embeds=torch.randn(4, H))["omni_sidecar"]
-    plan = peer.call(StepBegin(1, BatchLayout(["q"], [0, 5], [0], [5]), [NewRequest("q", 5, [3] * 5, bad)]))
+    plan = peer.call(StepBegin(1, packed_layout(["q"], [0, 5], [0], [5]), [NewRequest("q", 5, [3] * 5, bad)]))
     assert [e.req_id for e in plan.errors] == ["q"] and "does not match" in plan.errors[0].message
     out.close()
     peer.close()
 
 
 def test_prefill_row_math_is_chunk_aware():
-    layout = BatchLayout(["dec", "chunk", "last"], [0, 1, 65, 70], [40, 64, 100], [30, 200, 103])
+    layout = StepLayout(["dec", "chunk", "last"], [0, 1, 65, 70], [40, 64, 100], [30, 200, 103])
     batch = StepBatch(0, layout, [RequestInfo(r, 0, []) for r in layout.req_ids])
     assert batch.prefill_rows(0) == (0, 0, 40)  # decode: nothing to overlay
     assert batch.prefill_rows(1) == (1, 64, 64)  # a middle chunk: all 64 rows
@@ -163,7 +163,7 @@ def test_overlay_hook_rejects_bad_payloads_per_request():
     assert set(e.value.errors) == {"x", "y"}
     assert "need 16" in e.value.errors["x"] and "complex7" in e.value.errors["y"]
     # The good request in the same batch was admitted.
-    batch = StepBatch(0, BatchLayout(["ok"], [0, 2], [0], [2]), [])
+    batch = StepBatch(0, StepLayout(["ok"], [0, 2], [0], [2]), [])
     (row_start, rows), = hooks.prepare_prefill_embeds(batch)
     assert row_start == 0 and torch.equal(rows, torch.ones(2, 2))
 
@@ -171,7 +171,7 @@ def test_overlay_hook_rejects_bad_payloads_per_request():
 def test_capture_hook_forgets_finished_requests():
     hooks = CaptureHiddenHooks()
     hooks.on_new_requests([RequestInfo("a", 2, [1, 2])])
-    batch = StepBatch(0, BatchLayout(["a"], [0, 2], [0], [2]), [])
+    batch = StepBatch(0, StepLayout(["a"], [0, 2], [0], [2]), [])
     hooks.process_model_output(batch, torch.ones(2, H))
     assert hooks.get_outputs("a")["hidden_states"].shape == (2, H)
     hooks.on_finished(["a"])
@@ -187,13 +187,13 @@ class _FailingFinish(CaptureHiddenHooks):
 
 
 def test_on_finished_errors_fail_the_requests_and_are_counted():
-    from omni_sidecar.metrics import SidecarMetrics
-    from omni_sidecar.session import Session
-    from omni_sidecar.store import FinishedOutputs
+    from omni_sidecar.serve.metrics import SidecarMetrics
+    from omni_sidecar.sessions.session import Session
+    from omni_sidecar.sessions.store import FinishedOutputs
 
     store, metrics = FinishedOutputs(10), SidecarMetrics()
     session = Session(1, _hello([]), _FailingFinish(), store, metrics)
-    layout = BatchLayout(["ok", "bad"], [0, 1, 2], [0, 0], [1, 1])
+    layout = packed_layout(["ok", "bad"], [0, 1, 2], [0, 0], [1, 1])
     session.step_end(StepEnd(0, layout, [NewRequest("ok", 1, [1]), NewRequest("bad", 1, [2], client_req_id="b")]))
     session.step_end(StepEnd(1, None, [], ["bad"]))  # HookErrors: only the named request fails
     assert store.get("b").error == "could not flush the audio" and store.get("bad").outputs is None
@@ -216,7 +216,7 @@ def test_prometheus_metrics(tmp_path):
         arena = ShmArena.create(1 << 16)
         peer = Peer(proc.endpoint)
         peer.call(_hello([arena.info()]))
-        layout = BatchLayout(["a"], [0, 2], [0], [2])
+        layout = packed_layout(["a"], [0, 2], [0], [2])
         peer.call(StepEnd(0, layout, [NewRequest("a", 2, [1, 2])], hidden=TensorRef(0, 0, 2 * H * 4, [2, H], "float32"),
                           num_tokens=2, shim_exchange_us=80.0, shim_post_us=40.0))
         peer.call(StepEnd(1, layout, hidden=TensorRef(0, 0, H * 4, [1, H], "float32"), num_tokens=1))
@@ -246,8 +246,8 @@ def test_the_sidecars_hot_ring_loop_hands_back_at_its_deadline_when_the_ring_nev
     import time
     from types import SimpleNamespace
 
-    from omni_sidecar.peers import PeerTable
-    from omni_sidecar.spin import SpinWindow
+    from omni_sidecar.serve.peers import PeerTable
+    from proto.transport import SpinWindow
 
     table = PeerTable.__new__(PeerTable)
     t0 = time.monotonic()

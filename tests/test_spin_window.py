@@ -1,5 +1,5 @@
 """The sidecar's polling window stretches over regular steps' quiet spells and shrinks back when
-the engine stops stepping (omni_sidecar/spin.py, issue #15); a hot ring loop notes the spells."""
+the engine stops stepping (proto/transport.py, SpinWindow); a hot ring loop notes the spells."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from omni_sidecar.config import ServeConfig
-from omni_sidecar.peers import PeerTable
-from omni_sidecar.spin import AUTO_MAX_US, KEEP, STRETCH, SpinWindow, auto_max_us, cpus_to_run_on
+from omni_sidecar.serve.config import ServeConfig
+from omni_sidecar.serve.peers import PeerTable
+from proto.transport import AUTO_MAX_US, KEEP, STRETCH, SpinWindow, auto_max_us, cpus_to_run_on
 
 
 def test_the_window_covers_regular_quiet_spells_and_falls_back_after_a_long_one():
@@ -57,7 +57,7 @@ def test_a_cgroup_quota_caps_the_cpus_counted_as_spare(tmp_path):
 def test_only_step_traffic_stretches_the_window_not_a_client_polling_status():
     """A connected shim that does not step and a client asking for status every few ms: the control
     frames keep the loop busy but must not stretch the window (the sidecar would never sleep)."""
-    from omni_sidecar.server import SidecarServer
+    from omni_sidecar.serve.server import SidecarServer
     from proto.transport import WaitPolicy
 
     server = SidecarServer.__new__(SidecarServer)

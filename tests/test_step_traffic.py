@@ -38,8 +38,8 @@ class RecordedLink:
 
     def __init__(self, endpoint: str) -> None:
         from worker_shim.config import RingConfig
-        from worker_shim.connection import SidecarConnection
-        from worker_shim.link import SidecarLink
+        from worker_shim.wire.connection import SidecarConnection
+        from worker_shim.step.link import SidecarLink
 
         hello = Hello(PROTOCOL_MAJOR, PROTOCOL_MINOR, "test", "none", "cpu", 0, 1, "m", 8, "float32", 1024, [],
                       pid=os.getpid())
@@ -73,7 +73,7 @@ class RecordedLink:
         channel.answer = counting(channel.answer, lambda msg, want: True)  # `call` waits through it too
         channel.take_results = counting(
             channel.take_results, lambda until_step=None: until_step is not None and channel.acked_step < until_step)
-        if hasattr(channel, "await_pongs"):  # 1.5: a quiet spell's StepStart answer, awaited later in the step
+        if hasattr(channel, "await_pongs"):  # a quiet spell's StepStart answer, awaited later in the step
             channel.await_pongs = counting(channel.await_pongs, lambda: channel.pongs_due > 0)
         self.kicks = lambda: channel.kicks_sent
 
@@ -103,7 +103,7 @@ def sidecar(tmp_path, request):
 
 @pytest.mark.parametrize("sidecar", ["passthrough"], indirect=True)
 def test_a_pass_through_step_sends_one_fixed_size_record_and_wakes_nobody(sidecar, monkeypatch):
-    from worker_shim import recovery
+    from worker_shim.session import recovery
 
     monkeypatch.setattr(recovery, "STEP_START_ANSWER_S", 3600.0)  # a stalled test host asks no answers here
     shim = RecordedLink(sidecar.endpoint)
@@ -195,8 +195,8 @@ def test_no_step_waits_for_the_sidecar_more_than_once(sidecar, early):
 
 @pytest.mark.parametrize("sidecar", ["bench.step_cost_hooks:ObservingPassThrough"], indirect=True)
 def test_hooks_that_read_every_layout_get_it_packed(sidecar):
-    """1.6: a steady step's StepEnd carries its layout as packed u32 columns (4 bytes a row), no
-    lists; the request ids only when they changed. The sidecar counts every step."""
+    """A steady step's StepEnd carries its layout as packed u32 columns (4 bytes a row), no lists;
+    the request ids only when they changed. The sidecar counts every step."""
     shim = RecordedLink(sidecar.endpoint)
     codec = Codec()
     try:
@@ -204,13 +204,13 @@ def test_hooks_that_read_every_layout_get_it_packed(sidecar):
         shim.link.note_new([_request(r) for r in req_ids])
         frames, _, _ = shim.step(decode_state(req_ids, 0))
         first = codec.decode(frames[-1])
-        assert first.batch is None and first.packed.req_ids == req_ids
+        assert first.batch.req_ids == req_ids
         sizes = set()
         for step in range(1, 6):
             frames, _, waits = shim.step(decode_state(req_ids, step))
             end = codec.decode(frames[-1])
-            assert end.batch is None and end.packed.req_ids is None and waits == 0
-            assert len(end.packed.num_computed_tokens) == 4 * 64
+            assert end.batch.req_ids is None and waits == 0
+            assert len(end.batch.num_computed_tokens) == 4 * 64
             sizes.add(len(frames[-1]))
         assert len(sizes) == 1, sizes  # the same bytes each step: nothing grows with the values
         stats = shim.link.stats()

@@ -124,7 +124,7 @@ def test_decode_batch_preprocess_equals_the_per_request_path(reference):
 
 
 def test_payload_is_vllm_omni_entries(reference):
-    from omni_sidecar.omni.wire import decode_additional_information
+    from omni_sidecar.hook_sets.omni.wire import decode_additional_information
 
     request = talker_request(4, 10, 11)
     payload = encoded_payload(request["info"])
@@ -136,7 +136,7 @@ def test_payload_is_vllm_omni_entries(reference):
 
 
 def test_payload_files_load_as_an_engine_job_payload(tmp_path):
-    from omni_sidecar.omni.wire import decode_additional_information
+    from omni_sidecar.hook_sets.omni.wire import decode_additional_information
     from tests.support.engine_job import _load_payload
     from tests.support.talker_payload import payload_files
 

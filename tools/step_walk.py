@@ -1,10 +1,13 @@
-"""Count the code one StepBegin -> StepPlan round trip walks through (issue 11).
+"""Count the code one StepBegin -> StepPlan round trip walks through.
 
 A real sidecar (`SidecarServer` with the builtin "overlay" hook set, which needs
 a blocking exchange before every prefill forward) serves in a thread; a real
 shim link connects to it and runs `pre_forward` on a fake vLLM input batch
 (no vLLM is imported). Calls are counted with sys.setprofile / threading.setprofile,
 only for frames whose file lies in the product packages.
+
+The shim's side is the runner's entry to the step (`SidecarLink.pre_forward`, worker_shim/step/link.py)
+over a real `SidecarConnection` (worker_shim/wire/connection.py), as the shim worker builds them.
 
 Shim side: every call inside `pre_forward` (entry to return).
 Sidecar side: every call subtree of the server thread, started during the round
@@ -68,11 +71,11 @@ def _first(*candidates: str) -> Any:
 # -- the sidecar ----------------------------------------------------------------------
 
 def start_sidecar(endpoint: str, hooks_name: str, ring: bool) -> tuple[Any, threading.Thread]:
-    load_hooks = _first("omni_sidecar.loader:load_hooks", "omni_sidecar.hooks:load_hooks")
-    server_cls = _first("omni_sidecar.server:SidecarServer", "omni_sidecar.serve:SidecarServer",
+    load_hooks = _first("omni_sidecar.hook_api.loader:load_hooks", "omni_sidecar.hook_api.hook_set:load_hooks")
+    server_cls = _first("omni_sidecar.serve.server:SidecarServer", "omni_sidecar.serve:SidecarServer",
                         "omni_sidecar.loop:SidecarServer")
-    try:  # after issue 11: the server takes its settings object
-        from omni_sidecar.config import ServeConfig
+    try:  # a server that takes its settings object
+        from omni_sidecar.serve.config import ServeConfig
 
         server = server_cls(ServeConfig(endpoint=endpoint, hooks=hooks_name, arena_mib=4, ring=ring),
                             load_hooks(hooks_name, {}))
@@ -92,9 +95,8 @@ def default_link_factory(endpoint: str, ring: bool) -> tuple[Any, Callable[[], N
     from proto.messages import Hello
     from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
 
-    conn_cls = _first("worker_shim.connection:SidecarConnection", "worker_shim.conn:SidecarConnection")
-    link_cls = _first("worker_shim.link:SidecarLink", "worker_shim.step:SidecarLink",
-                      "worker_shim.steps:SidecarLink")
+    conn_cls = _first("worker_shim.wire.connection:SidecarConnection")
+    link_cls = _first("worker_shim.step.link:SidecarLink")
     ring_cls = _first("worker_shim.config:RingConfig", "proto.settings:RingConfig")
     hello = Hello(PROTOCOL_MAJOR, PROTOCOL_MINOR, "step-walk", "none", "cpu", 0, 1, "fake-model",
                   HIDDEN, "float32", 64, [], pid=os.getpid(), pid_namespace=pid_namespace())
@@ -315,6 +317,15 @@ def _report(per_round: list[dict[str, Any]], ring: bool) -> dict[str, Any]:
     return out
 
 
+def _rooms(files: list[str]) -> dict[str, list[str]]:
+    """The files of a side by the folder they lie in (a package's subfolder: its room)."""
+    rooms: dict[str, list[str]] = {}
+    for path in files:
+        room, _, name = path.rpartition("/")
+        rooms.setdefault(room, []).append(name)
+    return rooms
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=20)
@@ -336,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"file moves min {s['file_moves_min']:3d} median {s['file_moves_median']:5.1f}  "
                   f"distinct call edges {s['call_edges_max']:3d} (cross-file {s['cross_file_edges_max']:2d})")
         print("  files:", ", ".join(rep["total"]["files"]))
+        for side in ("shim", "sidecar"):
+            print(f"  {side} side, by room:")
+            for room, names in _rooms(rep[side]["files"]).items():
+                print(f"    {room + '/':26s} {', '.join(names)}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")

@@ -30,7 +30,7 @@ LossPolicy = Literal["fail-all", "fail-payload"]
 ArenaChoice = Literal["auto", "shm", "cuda_ipc"]
 EmbedsSetting = Literal["auto", "on", "off"]
 # auto: the embeds buffer's lookup replays from CUDA graphs where vLLM runs graphs (one GPU, TP 1, no
-# LoRA); off: it runs eagerly every step (worker_shim/embeds.py).
+# LoRA); off: it runs eagerly every step (worker_shim/model/embeds.py).
 EmbedsGraphs = Literal["auto", "off"]
 # vllm-omni's `subtalker_sampling_params`: how a model's talker_mtp samples its residual codes.
 SUBTALKER_SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p")

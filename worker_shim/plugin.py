@@ -19,7 +19,7 @@ def register() -> None:
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
     if triton_interpreted():
         try:
-            from worker_shim.compat import TOPK_TOPP_TRITON_FLAG
+            from worker_shim.upstream.compat import TOPK_TOPP_TRITON_FLAG
 
             module, name = TOPK_TOPP_TRITON_FLAG
             sampler = importlib.import_module(module)

@@ -156,7 +156,7 @@ def check_overlay(model: str, work: Path, gpus: str, tp: int = 1) -> dict:
             # event on the shim; the shim's hidden arena + 2 ready events + 1 done event on the sidecar.
             c.expect(stats.get("arena_opens") == {"mem": 1, "events": 1}, "shim opens != 1 buffer + 1 event")
             c.expect((st.get("arena_opens"), st.get("event_opens")) == (1, 3), "sidecar opens != 1 buffer + 3 events")
-            # Decode steps fill the embeds buffer from the shim's own graphs (worker_shim/embeds.py): the
+            # Decode steps fill the embeds buffer from the shim's own graphs (worker_shim/model/embeds.py): the
             # tokens above are those of the replayed lookup.
             c.expect((stats.get("embeds_graph_replays") or 0) > 0, "the embeds lookup never replayed from a graph")
         else:

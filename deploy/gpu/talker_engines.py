@@ -93,7 +93,7 @@ def shim_engine(job: dict) -> tuple[Any, Any]:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from omni_sidecar.omni.wire import encode_additional_information
+    from omni_sidecar.hook_sets.omni.wire import encode_additional_information
 
     args = EngineArgs(**common_engine_args(job), worker_cls="worker_shim.Worker",
                       additional_config={"omni_sidecar": {"endpoint": job["endpoint"],

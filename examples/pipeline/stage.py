@@ -133,7 +133,7 @@ def run_code2wav(config: dict[str, Any]) -> None:
 
     import tiny_code2wav
     from omni_sidecar.client import SidecarClient
-    from omni_sidecar.omni.code2wav import num_chunks
+    from omni_sidecar.hook_sets.omni.code2wav import num_chunks
 
     tiny_code2wav.register()
     chunk = config["chunk_frames"]
@@ -224,7 +224,7 @@ def run_code2wav(config: dict[str, Any]) -> None:
 
 
 def encode(info: dict[str, Any]) -> dict[str, Any]:
-    from omni_sidecar.omni.wire import encode_additional_information
+    from omni_sidecar.hook_sets.omni.wire import encode_additional_information
 
     return encode_additional_information(info)
 

@@ -3,7 +3,7 @@ every request in scope, no overlay rows; they read no per-step layout after the 
 
 from __future__ import annotations
 
-from omni_sidecar.hooks import OmniHooks
+from omni_sidecar.hook_api.hook_set import OmniHooks
 from proto.messages import HookNeeds
 
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from omni_sidecar.omni.code2wav import num_chunks
-from omni_sidecar.omni.wire import encode_additional_information
+from omni_sidecar.hook_sets.omni.code2wav import num_chunks
+from omni_sidecar.hook_sets.omni.wire import encode_additional_information
 from tiny_code2wav import CODE2WAV_CONFIG, PLACEHOLDER_TOKEN
 
 

@@ -31,7 +31,7 @@ def _tensors(obj):
 def _specs(obj):
     import torch
 
-    from omni_sidecar.omni.wire import encode_tensor_spec
+    from omni_sidecar.hook_sets.omni.wire import encode_tensor_spec
 
     if isinstance(obj, torch.Tensor):
         return encode_tensor_spec(obj)
@@ -42,7 +42,7 @@ def _specs(obj):
 
 def _load_payload(payload: dict) -> dict:
     """A test's payload: `additional_information` goes in vllm-omni's entries format."""
-    from omni_sidecar.omni.wire import encode_additional_information
+    from omni_sidecar.hook_sets.omni.wire import encode_additional_information
 
     out = {}
     for key, value in payload.items():

@@ -10,16 +10,18 @@ import sys
 import time
 
 from proto.endpoint import pid_namespace
-from proto.messages import BatchLayout, Hello, NewRequest, StepEnd, StatusQuery, StatusReply
-from worker_shim.connection import SidecarConnection
+from proto.messages import Hello, NewRequest, StepEnd, StatusQuery, StatusReply
+from proto.packed import packed_layout
+from worker_shim.wire.connection import SidecarConnection
+from proto.version import PROTOCOL_MAJOR
 
 
 def main(endpoint: str) -> None:
-    hello = Hello(1, 0, "fake", "none", "cpu", 0, 1, "fake-model", 8, "float32", 16, [],
+    hello = Hello(PROTOCOL_MAJOR, 0, "fake", "none", "cpu", 0, 1, "fake-model", 8, "float32", 16, [],
                   pid=os.getpid(), pid_namespace=pid_namespace())
     conn = SidecarConnection(endpoint, 10, hello, 4096, 2, arena_prefix="omni-shim-fake")
     conn.connect(10)
-    conn.send(StepEnd(0, BatchLayout(["req-dead"], [0, 3], [0], [3]),
+    conn.send(StepEnd(0, packed_layout(["req-dead"], [0, 3], [0], [3]),
                       new_requests=[NewRequest("req-dead", 3, [5, 6, 7])], num_tokens=3))
     conn.take_results(until_step=0)  # the sidecar has admitted the request
     assert isinstance(conn.call(StatusQuery(), StatusReply), StatusReply)

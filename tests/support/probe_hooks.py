@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 
-from omni_sidecar.builtin_hooks import PromptEmbedsOverlayHooks
+from omni_sidecar.hook_sets.reference import PromptEmbedsOverlayHooks
 
 
 class ProbeOverlayHooks(PromptEmbedsOverlayHooks):

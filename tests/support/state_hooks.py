@@ -8,8 +8,8 @@ pass if the state was handed over intact.
 
 from __future__ import annotations
 
-from omni_sidecar.hooks import HookErrors
-from omni_sidecar.omni.hooks import OmniStateHooks
+from omni_sidecar.hook_api.hook_set import HookErrors
+from omni_sidecar.hook_sets.omni.state_hooks import OmniStateHooks
 
 
 class StateCheckHooks(OmniStateHooks):

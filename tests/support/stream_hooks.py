@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from omni_sidecar.omni.hooks import OmniStateHooks
+from omni_sidecar.hook_sets.omni.state_hooks import OmniStateHooks
 
 
 class StreamProbeHooks(OmniStateHooks):

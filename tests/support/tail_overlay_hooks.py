@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from omni_sidecar.hooks import StepBatch
-from omni_sidecar.omni.hooks import OmniStateHooks
+from omni_sidecar.hook_api.hook_set import StepBatch
+from omni_sidecar.hook_sets.omni.state_hooks import OmniStateHooks
 
 
 class TailOverlayHooks(OmniStateHooks):

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from omni_sidecar.omni.stages import TalkerHooks
+from omni_sidecar.hook_sets.omni.stages import TalkerHooks
 
 
 class StateDigestTalkerHooks(TalkerHooks):

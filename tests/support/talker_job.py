@@ -118,7 +118,7 @@ def _append_mid_stream(llm, prompt, param, job: dict, appended: dict) -> list:
 
     import tiny_talker
     from omni_sidecar.client import SidecarClient
-    from worker_shim.link import SidecarLink
+    from worker_shim.step.link import SidecarLink
 
     step_now = [-1]
     seen = appended["seen"] = []  # [shim step, probe] per decode row the model's own hook read

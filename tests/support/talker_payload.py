@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omni_sidecar.omni.wire import encode_additional_information
+from omni_sidecar.hook_sets.omni.wire import encode_additional_information
 from tiny_talker import CODEC_BOS_ID, CODEC_PAD_ID, TALKER_CONFIG
 
 

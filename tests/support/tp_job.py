@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from proto.messages import HookNeeds
-from worker_shim.batch import PayloadTracker, payload_of
-from worker_shim.tp import TensorParallelSync
+from worker_shim.step.batch import PayloadTracker, payload_of
+from worker_shim.step.tp import TensorParallelSync
 
 
 class Group:

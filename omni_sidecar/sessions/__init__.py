@@ -1,0 +1,1 @@
+"""One shim connection's session: its requests, arenas, appends, plans ahead and finished outputs."""

@@ -1,0 +1,305 @@
+"""Which sidecar the link talks to: loss, reconnect and hot-upgrade switch as one small state machine.
+
+    connected --peer gone / step error--> lost      (requests fail per loss policy)
+    lost      --Welcome on a fresh conn-> connected (reconnects += 1)
+    connected --StepResult.switch_to----> switching (a successor asked for the session)
+    switching --next step boundary------> connected (switches += 1), or lost if the switch fails
+    connected/switching --SwitchAck kept--> connected at the next step boundary, no SwitchReady
+              (the old sidecar handed the idle session over already and may have exited;
+              kept before the step, or found in answer to this step's StepStart)
+
+Liveness: a sidecar that dies (socket monitor), stalls past the step timeout,
+or sends garbage is dropped at once; vLLM keeps serving. The requests it was
+serving fail explicitly (logged, in `omni_sidecar_stats`, and reported to the
+next sidecar so clients get `RequestFailed`); which others fail meanwhile is
+the `loss_policy`. The shim reconnects in the background (a Hello waits in
+the socket until a sidecar binds) and switches over at a step boundary.
+Transitions run only at step boundaries (`at_step_start`) or where a step
+message failed (`fail`).
+
+Hand-over in the middle of a step: a StepStart sent after a quiet spell asks for an
+answer, taken at the step's one wait. When a SwitchAck comes instead, the sidecar
+handed the session over before it read anything of this step: the step's notices
+go back in the queue, the shim switches and announces the step to the successor,
+and the step's exchange runs again there (`exchange`). The step's own code sees
+a port that answers, or none.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable, Literal, TypeVar
+
+import msgspec
+
+from proto.messages import StepResult, SwitchAck, SwitchReady
+from proto.settings import STEP_START_ANSWER_S
+from worker_shim.errors import SidecarError
+from worker_shim.config import LossPolicy
+from worker_shim.session.requests import FailureReports, SessionRequests
+from worker_shim.step.port import Connect, RecoveryPort
+
+log = logging.getLogger("vllm.omni_sidecar.shim.recovery")
+RETRY_AFTER_S = 10.0
+RECONNECT_WAIT_MS = 200
+MIN_SWITCH_CONNECT_S = 5.0
+
+RecoveryState = Literal["connected", "lost", "switching"]
+T = TypeVar("T")
+# What a step message's failure may be: the channel's error, a batch or tree the wire cannot carry.
+STEP_FAILURES = (SidecarError, ValueError, msgspec.ValidationError)
+
+
+def socket_identity(endpoint: str) -> tuple[int, int] | None:
+    """(inode, mtime) of the sidecar's socket file: a new sidecar binds a new one."""
+    try:
+        st = os.stat(endpoint[len("ipc://"):])
+    except (OSError, ValueError):
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+class Recovery:
+    """Holds the current connection (`conn`, None while lost) and replaces it when it must."""
+
+    def __init__(self, connect: Connect, first: RecoveryPort, requests: SessionRequests,
+                 failures: FailureReports, loss_policy: LossPolicy = "fail-all") -> None:
+        self._connect = connect  # makes a fresh connection (new socket, new arena)
+        self.conn: RecoveryPort | None = first
+        self._pending: RecoveryPort | None = None  # a reconnect attempt waiting for its Welcome
+        self._switch_to = ""
+        self._waited_sockets: set[tuple[int, int]] = set()
+        self.requests = requests
+        self.failures = failures
+        self.loss_policy = loss_policy
+        self.losses = 0
+        self.reconnects = 0
+        self.switches = 0
+        self.switch_us: list[float] = []  # stall of each hot-upgrade switch
+
+    @property
+    def state(self) -> RecoveryState:
+        if self.conn is None:
+            return "lost"
+        return "switching" if self._switch_to else "connected"
+
+    def at_step_start(self, step: int) -> None:
+        """The step boundary: the one place a connection is replaced. Then the step is announced
+        to whichever sidecar serves it."""
+        self.requests.step_started()
+        conn = self.conn
+        if conn is None:
+            self._try_reconnect()
+            self._announce(step)
+            return
+        ack = conn.switch_ack
+        gone = ack is None and conn.peer_gone()  # one look a step: a poll costs µs
+        if not gone and ack is None and not self._switch_to:
+            self._announce(step)  # the steady step: nothing to switch to and nothing lost
+            return
+        if self._handed_over(gone):  # before a loss: the old sidecar may have exited since
+            self._switch(step)
+        elif self.conn is None:
+            pass  # reading the old sidecar's last messages failed: lost just now
+        elif self.state == "switching":  # also when the results just read asked for it
+            self._switch(step)
+        elif gone:
+            self.lose("the sidecar closed the connection (it crashed, was killed or stopped)")
+        self._announce(step)
+
+    def _announce(self, step: int) -> None:
+        conn = self.conn
+        if conn is None:
+            return
+        try:
+            conn.announce_step(step, STEP_START_ANSWER_S)
+        except SidecarError as exc:
+            if conn.switch_ack is None:
+                self.lose(f"step {step}: {exc}")
+                return
+            self._switch(step)  # handed over while we were quiet, before it read our StepStart
+            if self.conn is not None:
+                self._announce(step)
+
+    def exchange(self, step: int, ask: Callable[[RecoveryPort], T | None]) -> T | None:
+        """`ask` on the sidecar serving `step` (the step's exchange before its forward); when it did
+        not wait for the sidecar (None), the StepStart's answer if it is still due. Handed over
+        before the sidecar read the step: `ask` again on the successor, which decides afresh from
+        its own needs. Lost: None."""
+        while (conn := self.conn) is not None:
+            try:
+                result = ask(conn)
+                if result is None and conn.answer_due:  # a reply to the step took the answer before it
+                    conn.await_answer()
+                return result
+            except STEP_FAILURES as exc:
+                self.fail(step, exc, conn)
+        return None
+
+    def serving(self, step: int) -> RecoveryPort | None:
+        """The sidecar that takes the rest of `step`, once the StepStart's answer, if still due, came."""
+        self.exchange(step, lambda conn: None)
+        return self.conn
+
+    def fail(self, step: int, exc: Exception, conn: RecoveryPort) -> None:
+        """A message of `step` to `conn` failed. When the session was handed over before the sidecar
+        read this step (a SwitchAck came, the StepStart's answer did not), the step's notices go
+        back in the queue and the successor takes over, the step announced to it; otherwise the
+        sidecar is lost (a send that failed may still be queued: asking again could send the step twice)."""
+        if conn is not self.conn:
+            return  # replaced meanwhile
+        if isinstance(exc, SidecarError) and conn.switch_ack is not None and conn.answer_due:
+            self.requests.requeue_step()
+            self._switch(step)  # a failed switch loses it: finish notices stay queued, the rest ended
+            self._announce(step)
+            return
+        self.lose(f"step {step}: {exc}")
+
+    def flush(self) -> None:
+        """Wait until the sidecar handled every step sent so far: the results of the StepEnds;
+        StepTicks sent since are unanswered, so one Ping behind them (docs/ARCHITECTURE.md, Step
+        sequence). A session handed over while idle is left to the next step, which switches."""
+        conn = self.conn
+        if conn is None or conn.last_sent_step < 0:
+            return
+        try:
+            if conn.last_answered_step >= 0:
+                self.note_results(conn.take_results(until_step=conn.last_answered_step))
+            if conn.last_sent_step > conn.last_answered_step and conn.switch_ack is None:
+                conn.sync()
+        except SidecarError as exc:
+            if conn.switch_ack is None:
+                self.lose(f"flush: {exc}")
+
+    def note_results(self, results: list[StepResult]) -> None:
+        for result in results:
+            self.failures.record(result.errors)
+            if result.switch_to:
+                self._switch_to = result.switch_to
+
+    def reconnect_now(self) -> bool:
+        """Lost and requests arrive: try the reconnect before they are refused (an idle vLLM runs
+        no step, so the first requests after a sidecar came back arrive before the step that would
+        reconnect). True when connected."""
+        if self.state == "lost":
+            self._try_reconnect()
+        return self.conn is not None
+
+    def refuse(self, req_id: str, has_payload: bool) -> None:
+        """A request vLLM admitted while no sidecar was connected: fail it if the policy says so."""
+        if self.loss_policy == "fail-all" or has_payload:
+            self.failures.fail(req_id, "no omni-sidecar was connected when the request arrived")
+
+    # -- transitions -------------------------------------------------------------------
+
+    def lose(self, reason: str) -> None:
+        conn, self.conn = self.conn, None
+        if conn is None:
+            return
+        self._switch_to = ""  # the lost session's successor is no target for the next one
+        self.losses += 1
+        message = f"omni-sidecar lost ({reason}); its hooks did not run for this request"
+        affected = self.requests.end_session(self.loss_policy)
+        for req_id in affected:
+            self.failures.fail(req_id, message)
+        ident = socket_identity(conn.endpoint)
+        if ident is not None:
+            self._waited_sockets.add(ident)  # the dead sidecar's socket: do not wait on it
+        log.error(
+            "omni-sidecar at %s lost: %s. vLLM keeps serving; %d request(s) fail with a clear "
+            "error (policy %s); reconnecting in the background (start a sidecar there).",
+            conn.endpoint, reason, len(affected), self.loss_policy,
+        )
+        conn.close()
+
+    def _handed_over(self, gone: bool) -> bool:
+        """Did the sidecar hand this session over unasked? Its SwitchAck is read with the step's
+        StepStart answer (a hand-over needs a quiet spell, after which the shim waits for that
+        answer), or here when the old sidecar has exited since (`gone`)."""
+        if gone:
+            try:
+                self.note_results(self.conn.take_results())
+            except SidecarError as exc:
+                self.lose(str(exc))
+                return False
+        return self.conn.switch_ack is not None
+
+    def _switch(self, step: int) -> None:
+        """Hot upgrade at a step boundary: the old sidecar hands over, the new one resumes."""
+        old, target = self.conn, self._switch_to
+        self._switch_to = ""
+        t0 = time.perf_counter()
+        try:
+            ack: SwitchAck = old.switch_ack or old.call(SwitchReady(last_step=old.last_sent_step, mirror_seq=old.mirror_seq),
+                                                     SwitchAck)
+            for result in old.take_results():
+                self.failures.record(result.errors)
+            new = self._resume(ack, timeout_s=max(MIN_SWITCH_CONNECT_S, old.step_timeout_s))
+        except (SidecarError, ValueError) as exc:
+            self.lose(f"switching to the new sidecar at {target} failed: {exc}")
+            return
+        old.close()
+        self.conn = new
+        self.switches += 1
+        stall = (time.perf_counter() - t0) * 1e6
+        self.switch_us.append(stall)
+        log.warning("omni-sidecar hot upgrade: switched to %s (hook set %r) in %.1f ms at step %d",
+                    ack.endpoint, new.hook_set, stall / 1e3, step)
+
+    def _resume(self, ack: SwitchAck, timeout_s: float) -> RecoveryPort:
+        """Connect with the resume token. An idle shim may switch while the address changes hands
+        (a later upgrade: the sidecar holding our state forwards it and refuses us); when the
+        socket there is a new one after a refusal, ask once more."""
+        for attempt in (1, 2):
+            socket_before = socket_identity(ack.endpoint)
+            new = self._connect(endpoint=ack.endpoint, resume_token=ack.token)
+            try:
+                new.connect(timeout_s=timeout_s)
+                return new
+            except SidecarError:
+                if attempt == 2 or socket_identity(ack.endpoint) in (socket_before, None):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _try_reconnect(self) -> None:
+        pending = self._pending
+        if pending is None:
+            try:
+                pending = self._pending = self._connect()
+                pending.start()
+            except Exception as exc:  # e.g. no room for a new arena: try again later
+                log.error("omni-sidecar reconnect attempt failed: %s", exc)
+                self._pending = None
+                return
+        # A freshly bound sidecar answers within milliseconds: wait that long, once per new
+        # socket, and never for the dead sidecar's leftover socket file.
+        ident = socket_identity(pending.endpoint)
+        wait = ident is not None and ident not in self._waited_sockets
+        if wait:
+            self._waited_sockets.add(ident)
+        try:
+            ready = pending.poll(RECONNECT_WAIT_MS if wait else 0)
+        except (SidecarError, ValueError) as exc:
+            log.error("omni-sidecar refused the reconnect: %s", exc)
+            pending.close()
+            self._pending = None
+            return
+        if ready:
+            self.conn, self._pending = pending, None
+            self.reconnects += 1
+            log.warning(
+                "omni-sidecar reconnected at %s: hook set %r, session %d; %d failed request(s) "
+                "reported to it", pending.endpoint, pending.hook_set, pending.welcome.session,
+                len(self.failures.pending),
+            )
+        elif time.monotonic() - pending.started > RETRY_AFTER_S:
+            pending.close()  # a fresh socket and arena next step
+            self._pending = None
+
+    def close(self) -> None:
+        for conn in (self.conn, self._pending):
+            if conn is not None:
+                conn.close()
+        self.conn = self._pending = None

@@ -1,0 +1,76 @@
+"""The step protocol: at each point of a step, which message goes to the sidecar and what the step waits for.
+
+Pure: decided from the batch, the hook set's declared needs and what is pending (request notices,
+failures, this step's results); no I/O. `SidecarLink` (worker_shim/step/link.py) sends what these
+say through its port; `Recovery` handles a sidecar that is gone or handed the session over.
+
+    step start      StepStart, always; it asks for an answer (a Pong) after a quiet spell, when the
+                    sidecar may be handing the session over: that answer is taken at the step's one
+                    wait (the plan's round trip, else a wait of its own before the forward)
+    before forward  StepBegin, waiting for its StepPlan, when the needs say this batch needs one
+    after forward   StepEnd (its StepResult taken later, never waited for here), or the fixed-size
+                    StepTick when the step brings the sidecar nothing new, or nothing when the step
+                    ran no forward and has nothing to tell
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from proto.messages import HookNeeds, Pong, StepBegin, StepEnd, StepPlan, StepStart, StepTick
+from proto.settings import STEP_START_ANSWER_S
+from worker_shim.step.batch import PayloadTracker
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """What one point of a step sends (None: nothing) and the reply it waits for (None: none)."""
+
+    send: type | None = None
+    wait: type | None = None
+
+
+NOTHING = Exchange()
+
+
+def step_start(quiet_s: float, answer_after_s: float = STEP_START_ANSWER_S) -> Exchange:
+    """A StepStart opens every step; after `quiet_s` without sending, as long as the sidecar may take
+    to hand an idle session over (`answer_after_s`), it asks for an answer."""
+    return Exchange(StepStart, Pong if quiet_s >= answer_after_s else None)
+
+
+def before_forward(needs: HookNeeds, batch: Any, payloads: PayloadTracker, live: set[str],
+                   want_states: list[str]) -> Exchange:
+    """A StepBegin when the batch needs the sidecar before its forward: requests whose state the
+    model's mirror lacks (`want_states`), or the needs applied to the batch's payload requests
+    (those the current session knows: `live`)."""
+    if want_states or payloads.exchange_needed(needs, batch, among=live):
+        return Exchange(StepBegin, StepPlan)
+    return NOTHING
+
+
+class StepNews(NamedTuple):
+    """What a step that ran (or skipped) its forward has for the sidecar (a tuple: made every step)."""
+
+    forward: bool  # the step ran a forward (a batch); False: a finish-only step
+    notices: bool  # new, finished or preempted requests not yet told
+    failures: bool  # requests failed on the shim's side, not yet told
+    hidden: bool  # hidden states of this step the sidecar takes (its needs and its slot allow)
+    model_results: bool  # the model's own hooks left updates or outputs this step
+    step_open: bool  # a StepStart went out for this step: the sidecar counts it as stepping
+
+
+def after_forward(needs: HookNeeds, news: StepNews) -> Exchange:
+    """The record that ends the step. A step announced with StepStart ends with a StepEnd, even an
+    empty one; a step that brings nothing new, to hooks that read no per-step layout, ends with
+    the StepTick; its StepResult is never waited for here."""
+    if not news.forward and not (news.notices or news.failures or news.step_open):
+        return NOTHING
+    if (needs.step_layouts or news.notices or news.failures or (needs.hidden_states and news.hidden)
+            or (needs.model_states and news.model_results)):
+        return Exchange(StepEnd)
+    return Exchange(StepTick)
+
+
+__all__ = ["Exchange", "NOTHING", "StepNews", "after_forward", "before_forward", "step_start"]

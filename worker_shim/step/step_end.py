@@ -1,0 +1,110 @@
+"""The record that ends a step on the wire: a StepEnd with what the sidecar has not seen, or a StepTick.
+
+What a step that ran its forward leaves for the sidecar. Which of the two goes is the step
+protocol's (worker_shim/step/protocol.py); here they are written: the StepTick's scalars, or the
+StepEnd with the step's notices, failures, layout (when no StepBegin carried it), hidden rows and
+the model's results, its tensors in the step's hidden slot (docs/ARCHITECTURE.md, Step sequence).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from omni_arena.tensor_tree import TreeEncoder
+from proto.messages import StepEnd, StepResult, StepTick
+from worker_shim.model.layers import LayerCapture
+from worker_shim.session.requests import FailureReports, SessionRequests
+from worker_shim.step.batch import batch_layout
+from worker_shim.step.port import SidecarPort, StepSlot
+
+if TYPE_CHECKING:
+    from worker_shim.step.link import StepCounters
+
+ModelResults = tuple[dict[str, Any], dict[str, Any]]  # per request: state updates, outputs
+
+
+class StepEnds:
+    """Writes each step's end record to the port; results read on the way go to `note_results`."""
+
+    def __init__(self, requests: SessionRequests, failures: FailureReports,
+                 note_results: Callable[[list[StepResult]], None], counters: StepCounters) -> None:
+        self.requests = requests
+        self.failures = failures
+        self.note_results = note_results
+        self.counters = counters  # this thread's CPU time in each StepEnd's record goes there
+        self.layer_capture: LayerCapture | None = None  # set by the runner at load (hidden_layers)
+        self._encoder = TreeEncoder()
+
+    def tick(self, port: SidecarPort, step: int, num_tokens: int, exchange_us: float, post_us: float) -> None:
+        """The fixed-size StepTick: counters and timings, nothing that grows with the batch. Only a
+        StepResult with `switch_to` answers it; a non-blocking look at the ring finds that one."""
+        port.send(StepTick(step, num_tokens, exchange_us, post_us))
+        results = port.poll_results()  # [] but when a hot upgrade asks: one look at the ring
+        if results:
+            self.note_results(results)
+
+    def end(self, port: SidecarPort, step: int, batch: Any, state: Any, num_tokens: int,
+            model_results: ModelResults | None, with_layout: bool, exchange_us: float, post_us: float) -> None:
+        cpu0 = time.thread_time()
+        hidden_ref, layer_refs, hidden_event, slot = None, {}, -1, None
+        updates, outputs = model_results or ({}, {})
+        if not port.needs.model_states:
+            updates, outputs = {}, {}
+        tensors: list[Any] = []
+        model_updates = model_outputs = b""
+        send_hidden = batch is not None and port.sends_hidden and state.hidden_states is not None
+        if send_hidden or updates or outputs:
+            # One slot per step: hidden rows and captured layers first, then the model's updates and outputs.
+            slot = port.claim_slot(step, lambda s: self.note_results(port.take_results(until_step=s)))
+            if send_hidden:
+                hidden_ref, layer_refs = slot.put_hidden(state.hidden_states[:num_tokens],
+                                                         self._layer_rows(port, num_tokens))
+            model_updates = self._encode(updates, slot, tensors)
+            model_outputs = self._encode(outputs, slot, tensors)
+            hidden_event = slot.seal()
+        new, finished, preempted = self.requests.take_notices()
+        layout = batch_layout(batch, port.peer_req_ids, port.needs.input_ids) if batch is not None and with_layout else None
+        port.send(StepEnd(
+            step=step,
+            batch=layout,
+            new_requests=new,
+            finished=finished,
+            preempted=preempted,
+            hidden=hidden_ref,
+            hidden_layers=layer_refs,
+            hidden_event=hidden_event,
+            model_updates=model_updates,
+            model_outputs=model_outputs,
+            tensors=tensors,
+            num_tokens=num_tokens,
+            shim_exchange_us=exchange_us,
+            shim_post_us=post_us,
+            failed=self.failures.take_pending(),
+        ))
+        if slot is not None:
+            slot.sent()
+        self.note_results(port.take_results())
+        self.counters.record_timing(self.counters.step_end_cpu_us, (time.thread_time() - cpu0) * 1e6)
+
+    def _encode(self, tree: dict[str, Any], slot: StepSlot, tensors: list[Any]) -> bytes:
+        """{req_id: tree} as the StepEnd carries it: each tensor put into the step's slot (a kind's
+        rows stacked in one put), its place in the tree a mark naming `tensors`."""
+        def put_whole(tensor: torch.Tensor) -> int:
+            tensors.append(slot.put(tensor))
+            return len(tensors) - 1
+
+        def put_stack(rows: list[torch.Tensor]) -> int:
+            return put_whole(rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows))
+
+        return self._encoder.encode(tree, put_whole, put_stack, first=len(tensors))
+
+    def _layer_rows(self, port: SidecarPort, num_tokens: int) -> dict[int, torch.Tensor] | None:
+        """The captured layers this sidecar wants (those captured since load; a later sidecar
+        wanting others gets the ones there are, docs/ARCHITECTURE.md "Layer capture")."""
+        wanted = port.needs.hidden_layers
+        if not wanted or self.layer_capture is None:
+            return None
+        return {n: rows for n, rows in self.layer_capture.rows(num_tokens).items() if n in wanted}
