@@ -40,7 +40,7 @@ def leaves_nothing_behind():
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from tiny_models import build_tiny_llama
+    from tests.tiny_models.llama import build_tiny_llama
 
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
 

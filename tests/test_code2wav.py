@@ -11,7 +11,7 @@ from omni_sidecar.hooks import HookErrors, RequestInfo, StepBatch
 from omni_sidecar.omni.code2wav import Code2WavHooks, chunk_input, chunk_span, num_chunks
 from omni_sidecar.omni.wire import encode_additional_information
 from proto.messages import BatchLayout
-from tiny_code2wav import CODE2WAV_CONFIG, Code2WavDecoder, decode_runtime_info
+from tests.tiny_models.code2wav import CODE2WAV_CONFIG, Code2WavDecoder, decode_runtime_info
 
 Q = CODE2WAV_CONFIG["num_quantizers"]
 

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from tests.support.talker_payload import encoded_payload, talker_request
 from tests.support.talker_reference import ReferenceTalker, reference_codes
-from tiny_talker import CODEC_EOS_ID, TALKER_CONFIG, build_tiny_talker
+from tests.tiny_models.talker import CODEC_EOS_ID, TALKER_CONFIG, build_tiny_talker
 
 NUM_CODE_GROUPS = TALKER_CONFIG["num_code_groups"]
 # (prompt rows, thinker rows, seed): thinker rows shorter than, equal to and longer than the prompt.
