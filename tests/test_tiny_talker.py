@@ -148,7 +148,7 @@ def test_payload_files_load_as_an_engine_job_payload(tmp_path):
         assert torch.equal(decoded[category][key], info[category][key])
 
 
-@pytest.mark.parametrize("mp", [0, 1])
+@pytest.mark.parametrize("mp", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_plain_vllm_loads_and_generates_what_the_direct_forward_does(talker_dir, tmp_path, reference, mp):
     """A real vLLM V2 engine, no shim: the checkpoint loads into the model class (backbone and heads).
 
