@@ -50,7 +50,10 @@ def serve(path: str) -> None:
             if pid == 0:
                 listener.close()
                 conn.close()
-                _run_job(request, set_by_imports)
+                code = _run_job(request, set_by_imports)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
             conn.sendall(f"{pid}\n".encode())
             waiting[pid] = conn
         while waiting:
@@ -76,9 +79,8 @@ def _read_line(conn: socket.socket) -> str:
     return data.decode()
 
 
-def _run_job(request: dict, set_by_imports: dict[str, str]) -> None:
-    """In the forked child: become `python SCRIPT ARGS...` with the job's environment and log."""
-    code = 1
+def _run_job(request: dict, set_by_imports: dict[str, str]) -> int:
+    """In the forked child: `python SCRIPT ARGS...` with the job's environment and log; its exit code."""
     try:
         os.chdir(request["cwd"])
         os.environ.clear()
@@ -90,19 +92,16 @@ def _run_job(request: dict, set_by_imports: dict[str, str]) -> None:
         script = request["argv"][0]
         sys.argv = list(request["argv"])
         sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` has it
-        try:
-            runpy.run_path(script, run_name="__main__")
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-            if not isinstance(exc.code, (int, type(None))):
-                print(exc.code, file=sys.stderr)
+        runpy.run_path(script, run_name="__main__")
+        return 0
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
     except BaseException:
         traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        return 1
 
 
 class EngineForks:
@@ -156,12 +155,8 @@ class EngineForks:
             except ProcessLookupError:
                 pass
         if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            self.proc.kill()  # it holds nothing a job needs once the jobs are gone
+            self.proc.wait()
             self._log.close()
             self.proc = None
 
