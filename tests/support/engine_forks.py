@@ -36,8 +36,9 @@ def serve(path: str) -> None:
     # What the imports put in the environment: a fresh job process would have it too.
     set_by_imports = {k: v for k, v in os.environ.items() if env_before.get(k) != v}
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
+    listener.bind(f"{path}.new")
     listener.listen()
+    os.rename(f"{path}.new", path)  # the path appears once it accepts: EngineForks waits for it
     waiting: dict[int, socket.socket] = {}  # job pid -> the connection its exit status goes to
     while True:
         ready, _, _ = select.select([listener], [], [], 0.1)
