@@ -159,6 +159,7 @@ class EngineForks:
             self.proc.kill()  # it holds nothing a job needs once the jobs are gone
             self.proc.wait()
             self._log.close()
+            Path(self.path).unlink(missing_ok=True)
             self.proc = None
 
 
