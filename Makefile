@@ -1,8 +1,8 @@
 # Two commands: `make demo` and `make test`. Both create .venv on first use.
-# `make test-slow` (not part of `make test`, about 7 minutes): the tests marked slow, which repeat
-# what `make test` checks once or a few times: 20 sidecar kills and 10 hot upgrades under a live
-# engine, 15 upgrades around an idle one, upgrades at random moments, 100k fuzzed frames a case,
-# the CPU compose file's services as local processes, the talker under vLLM multiprocessing.
+# `make test-slow` (not part of `make test`, about 7 minutes): the tests marked slow. Longer runs
+# of what `make test` checks a few times (20 sidecar kills under a live engine, 100k fuzzed frames
+# a case), 10 hot upgrades during a streaming batch and 15 around an idle engine, upgrades at random
+# moments, the CPU compose file's services as local processes, the talker under vLLM multiprocessing.
 # `make test-all` runs both in one session.
 # `make compat` (not part of `make test`): the vLLM compatibility matrix, COMPAT.md.
 PY ?= python3.11
