@@ -1,4 +1,9 @@
 # Two commands: `make demo` and `make test`. Both create .venv on first use.
+# `make test-slow` (not part of `make test`, about 7 minutes): the tests marked slow. Longer runs
+# of what `make test` checks a few times (20 sidecar kills under a live engine, 100k fuzzed frames
+# a case), 10 hot upgrades during a streaming batch and 15 around an idle engine, upgrades at random
+# moments, the CPU compose file's services as local processes, the talker under vLLM multiprocessing.
+# `make test-all` runs both in one session.
 # `make compat` (not part of `make test`): the vLLM compatibility matrix, COMPAT.md.
 PY ?= python3.11
 VENV := .venv
@@ -12,7 +17,7 @@ export VLLM_USE_V2_MODEL_RUNNER ?= 1
 export VLLM_NO_USAGE_STATS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test bench compat compose-e2e clean
+.PHONY: install demo test test-slow test-all bench compat compose-e2e clean
 
 install: $(STAMP)
 
@@ -25,6 +30,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -ra -m slow
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q -ra -m "slow or not slow"
 
 bench: $(STAMP)
 	$(BIN)/python -m bench

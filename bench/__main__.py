@@ -331,7 +331,7 @@ def main() -> None:
         res["omni_step"] = omni_step([64, 256], 2048, 600, [0, 8])
         print("\n".join(omni_step_markdown(res["omni_step"])), flush=True)
     if "throughput" in parts:
-        from tiny_models import build_tiny_llama
+        from tests.tiny_models.llama import build_tiny_llama
 
         model = str(build_tiny_llama(ROOT / ".cache" / "tiny-llama"))
         res["throughput"] = throughput(run_dir, model, args.rounds)

@@ -29,7 +29,7 @@ KWARGS_MARK_ENV = "OMNI_BENCH_KWARGS_MARK"  # file the model writes when extra k
 GC_PROBE_ENV = "OMNI_BENCH_GC_FILE"  # file where the model's process keeps its cycle collector's counts
 GC_PROBE_WRITE_S = 1.0  # how often the forward rewrites it (the bench waits this long before reading)
 
-# name -> Llama shape. "tiny": the tests' tiny Llama (tiny_models.TINY_CONFIG, 0.1 M params, the
+# name -> Llama shape. "tiny": the tests' tiny Llama (tests/tiny_models/llama.py TINY_CONFIG, 0.1 M params, the
 # per-step host cost as visible as it gets); "1b": Llama-1B-shaped (1.1 B params, a realistic
 # step). "mid" stands in for "1b" in --smoke (CPU: head_dim >= 32).
 SHAPES: dict[str, dict] = {

@@ -41,9 +41,9 @@ STAGE_TIMEOUT_S = 900
 
 
 def build_models(cache: Path) -> dict[str, str]:
-    from tiny_code2wav import build_tiny_code2wav
-    from tiny_talker import build_tiny_talker
-    from tiny_vl import VLLM_ARCH, build_tiny_vl
+    from tests.tiny_models.code2wav import build_tiny_code2wav
+    from tests.tiny_models.talker import build_tiny_talker
+    from tests.tiny_models.vl import VLLM_ARCH, build_tiny_vl
 
     return {"thinker": str(build_tiny_vl(cache / "tiny-vl-thinker", architecture=VLLM_ARCH)),
             "talker": str(build_tiny_talker(cache / "tiny-qwen3-tts-talker", seed=1)),
@@ -60,7 +60,7 @@ class Sidecars:
         sockets.mkdir(mode=0o700, exist_ok=True)
         sockets.chmod(0o700)
         self.endpoints = {s: f"ipc://{sockets}/{s}.sock" for s in STAGES}
-        from tiny_code2wav import CODE2WAV_CONFIG
+        from tests.tiny_models.code2wav import CODE2WAV_CONFIG
 
         options = {"code2wav": [f"chunk_frames={chunk_frames}", f"left_context={left_context}",
                                 f"codebook_size={CODE2WAV_CONFIG['codebook_size']}"]}

@@ -38,9 +38,31 @@ def leaves_nothing_behind():
                     f"shut vLLM engines down before exiting):\n{left}", pytrace=False)
 
 
+ENGINE_JOBS = pytest.StashKey[int]()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engine_forks(leaves_nothing_behind, tmp_path_factory, request):
+    """Engine jobs of this session fork from one Python with vLLM imported (tests/support/engine_forks.py),
+    started at the first job; the session's report says how many ran."""
+    from tests.support import procs
+    from tests.support.engine_forks import EngineForks
+
+    forks = procs.ENGINE_FORKS = EngineForks(tmp_path_factory.mktemp("engine-forks"))
+    yield forks
+    procs.ENGINE_FORKS = None
+    forks.stop()
+    request.config.stash[ENGINE_JOBS] = forks.jobs
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if ENGINE_JOBS in config.stash:
+        terminalreporter.write_line(f"engine jobs run by run_engine: {config.stash[ENGINE_JOBS]}")
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from tiny_models import build_tiny_llama
+    from tests.tiny_models.llama import build_tiny_llama
 
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
 

@@ -11,7 +11,7 @@ from omni_sidecar.hook_api.hook_set import HookErrors, RequestInfo, StepBatch
 from omni_sidecar.hook_sets.omni.code2wav import Code2WavHooks, chunk_input, chunk_span, num_chunks
 from omni_sidecar.hook_sets.omni.wire import encode_additional_information
 from proto.packed import StepLayout
-from tiny_code2wav import CODE2WAV_CONFIG, Code2WavDecoder, decode_runtime_info
+from tests.tiny_models.code2wav import CODE2WAV_CONFIG, Code2WavDecoder, decode_runtime_info
 
 Q = CODE2WAV_CONFIG["num_quantizers"]
 

@@ -198,6 +198,7 @@ def _localize(argv: list[str], sock_dir: Path, port: int) -> list[str]:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # the compose file's services as processes, an API server among them
 def test_cpu_compose_services_complete_a_request_as_local_processes(tiny_model, tmp_path):
     cfg = compose_config("docker-compose.cpu.yml", MODEL=tiny_model, MODELS_DIR=str(tmp_path))
     sock_dir = tmp_path / "run-omni"

@@ -27,7 +27,7 @@ ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def code2wav_model(tmp_path_factory):
-    from tiny_code2wav import build_tiny_code2wav
+    from tests.tiny_models.code2wav import build_tiny_code2wav
 
     return str(build_tiny_code2wav(tmp_path_factory.mktemp("tiny-code2wav")))
 
@@ -63,7 +63,7 @@ def direct_chunked_decode(decoder, codes: torch.Tensor, chunk: int, left: int) -
 
 def test_code2wav_audio_equals_a_direct_forward_on_the_same_chunks(code2wav_run, code2wav_model):
     from tests.support.code2wav_payload import request_codes
-    from tiny_code2wav import CODE2WAV_CONFIG, load_decoder
+    from tests.tiny_models.code2wav import CODE2WAV_CONFIG, load_decoder
 
     decoder = load_decoder(code2wav_model)
     spf = decoder.samples_per_frame

@@ -30,7 +30,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def vl_model(e2e_dir) -> str:
     from tests.support.vl_model import ARCH
-    from tiny_vl import build_tiny_vl
+    from tests.tiny_models.vl import build_tiny_vl
 
     return str(build_tiny_vl(e2e_dir / "tiny-vl", architecture=ARCH))
 
@@ -57,7 +57,7 @@ def _with_sidecar(work, hooks: str, options: list[str], job: dict, e2e_dir, name
 def runs(vl_model, e2e_dir, tmp_path_factory):
     """Plain V2; the shim with a pass-through sidecar; the shim with the tail-overlay hooks
     (layers 0 and the last captured)."""
-    from tiny_vl import TEXT_CONFIG
+    from tests.tiny_models.vl import TEXT_CONFIG
 
     plain = run_engine(_job(vl_model, PROMPTS), e2e_dir, "mrope-plain")
     assert plain["ok"], plain.get("traceback")
@@ -80,7 +80,7 @@ def direct(vl_model, runs):
     """transformers' forward over each request's prompt and generated tokens (fp32)."""
     from transformers import Qwen2VLForConditionalGeneration
 
-    from tiny_vl import image_only_processor_class, tiny_image
+    from tests.tiny_models.vl import image_only_processor_class, tiny_image
 
     model = Qwen2VLForConditionalGeneration.from_pretrained(vl_model, dtype=torch.float32).eval()
     images = image_only_processor_class().from_pretrained(vl_model).image_processor
@@ -99,7 +99,7 @@ def direct(vl_model, runs):
 
 
 def test_tokens_equal_plain_v2_with_chunked_prefill_across_the_image(runs):
-    from tiny_vl import IMAGE_TOKENS
+    from tests.tiny_models.vl import IMAGE_TOKENS
 
     plain, passthrough, shim = runs["plain"], runs["passthrough"], runs["shim"]
     assert passthrough["tokens"] == plain["tokens"]

@@ -76,7 +76,7 @@ def test_the_streamed_audio_equals_the_stages_run_one_after_another_by_hand(demo
 
 
 def test_a_wav_per_request_and_the_latency_report(demo):
-    from tiny_code2wav import CODE2WAV_CONFIG
+    from tests.tiny_models.code2wav import CODE2WAV_CONFIG
 
     stream = demo["stream"]
     for i in range(REQUESTS):

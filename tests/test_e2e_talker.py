@@ -37,7 +37,7 @@ MAX_BATCHED_TOKENS = 16  # prompts of 23 and 37 rows prefill in chunks next to o
 
 @pytest.fixture(scope="module")
 def talker_model(tmp_path_factory):
-    from tiny_talker import build_tiny_talker
+    from tests.tiny_models.talker import build_tiny_talker
 
     return str(build_tiny_talker(tmp_path_factory.mktemp("tiny-talker")))
 

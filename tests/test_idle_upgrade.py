@@ -288,6 +288,7 @@ def _batch_state(req_id: str):
     return SimpleNamespace(input_batch=batch, hidden_states=None)
 
 
+@pytest.mark.slow  # a long random schedule
 @pytest.mark.parametrize("hooks", ["passthrough", "tests.support.asking_hooks:AskEveryStepHooks"])
 def test_upgrades_at_random_moments_lose_no_step_of_a_real_shim_link(tmp_path, hooks):
     # The shim's own link, connections and rings (vLLM's batches faked) against real sidecars:
@@ -418,6 +419,7 @@ def test_the_first_request_after_a_sidecar_came_back_is_served(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # 15 upgrades in a row on a real engine
 def test_upgrades_complete_under_an_idle_engine_and_alternate_with_busy_ones(tiny_model, tmp_path):
     endpoint = f"ipc://{tmp_path}/sc.sock"
     first = SidecarProcess(endpoint, "tests.support.state_hooks:StateCheckHooks", tmp_path / "sidecar.log",

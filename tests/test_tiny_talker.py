@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from tests.support.talker_payload import encoded_payload, talker_request
 from tests.support.talker_reference import ReferenceTalker, reference_codes
-from tiny_talker import CODEC_EOS_ID, TALKER_CONFIG, build_tiny_talker
+from tests.tiny_models.talker import CODEC_EOS_ID, TALKER_CONFIG, build_tiny_talker
 
 NUM_CODE_GROUPS = TALKER_CONFIG["num_code_groups"]
 # (prompt rows, thinker rows, seed): thinker rows shorter than, equal to and longer than the prompt.
@@ -148,7 +148,7 @@ def test_payload_files_load_as_an_engine_job_payload(tmp_path):
         assert torch.equal(decoded[category][key], info[category][key])
 
 
-@pytest.mark.parametrize("mp", [0, 1])
+@pytest.mark.parametrize("mp", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_plain_vllm_loads_and_generates_what_the_direct_forward_does(talker_dir, tmp_path, reference, mp):
     """A real vLLM V2 engine, no shim: the checkpoint loads into the model class (backbone and heads).
 

@@ -7,7 +7,7 @@ On a host with Docker and no image registry (not part of `make test`: it takes m
      configuration (tools/host_pip.py) on the host network; checks uid 1000, a 0700 socket
      directory, no vLLM in the sidecar image; reports sizes;
   4. rebuilds both after a one-line code change and checks that only the project layers ran;
-  5. makes the tiny Llama (tiny_models.py) for the vLLM container;
+  5. makes the tiny Llama (tests/tiny_models/llama.py) for the vLLM container;
   6. under /tmp/omni-vllm.lock (vLLM engines share this CPU): brings up
      deploy/docker-compose.cpu.yml and drives it from outside: a completion; the sidecar's
      outputs read with the CLI from another container; deploy/upgrade.sh while requests stream
@@ -426,10 +426,10 @@ def main() -> int:
                       f"{name}: the only RUN steps that ran are the project install and its checks")
                 print(f"    {name}: rebuild after a one-line change took {res['seconds']:.1f} s "
                       f"(first build {report[f'{name}_build']['seconds']:.1f} s)")
-        with step("tiny model for the vLLM container (tiny_models.build_tiny_llama)"):
+        with step("tiny model for the vLLM container (tests.tiny_models.llama.build_tiny_llama)"):
             models = tmp / "models"
             sh(str(ROOT / ".venv" / "bin" / "python"), "-c",
-               f"from tiny_models import build_tiny_llama; build_tiny_llama({str(models / 'tiny')!r})",
+               f"from tests.tiny_models.llama import build_tiny_llama; build_tiny_llama({str(models / 'tiny')!r})",
                env={"PYTHONPATH": str(ROOT)})
             for p in [models, *models.rglob("*")]:  # the container reads it as uid 1000
                 p.chmod(0o755 if p.is_dir() else 0o644)

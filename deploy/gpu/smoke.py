@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from tiny_models import build_tiny_llama  # noqa: E402
+from tests.tiny_models.llama import build_tiny_llama  # noqa: E402
 from tests.support.procs import SidecarProcess, run_engine  # noqa: E402
 
 

@@ -56,7 +56,7 @@ SPEECH_TOKENIZER = dict(
                         intermediate_size=32, num_hidden_layers=1, num_quantizers=4, upsample_rates=[2, 2],
                         upsampling_ratios=[2], decoder_dim=16, sliding_window=16),
 )
-HEAD_SCALE = 8.0  # heads scaled up so greedy argmax has clear winners (as tiny_models.py does)
+HEAD_SCALE = 8.0  # heads scaled up so greedy argmax has clear winners (as tests/tiny_models/llama.py does)
 # vLLM name prefix -> checkpoint prefix (the inverse of the class's hf_to_vllm_mapper)
 TO_HF = [("model.embed_tokens.", "talker.model.codec_embedding."), ("model.", "talker.model."),
          ("lm_head.", "talker.codec_head."), ("text_embedding.", "talker.model.text_embedding."),

@@ -24,7 +24,7 @@ def run_thinker(config: dict[str, Any]) -> None:
     from vllm import SamplingParams
 
     from tests.support.vl_model import register
-    from tiny_vl import tiny_image, vl_prompt
+    from tests.tiny_models.vl import tiny_image, vl_prompt
 
     register()
     llm = make_engine(config, "thinker", max_num_batched_tokens=config["batched_tokens"], max_num_seqs=8,
@@ -52,7 +52,7 @@ def run_thinker(config: dict[str, Any]) -> None:
 def talker_inputs(feed: Feed, width: int, whole: bool) -> tuple[list[int], dict[str, Any]]:
     """The talker's prompt (one codec row per thinker prompt row) and payload: the thinker's prompt
     rows (`whole`: all its rows) cut to the width the talker reads, and `tts_pad` from the prompt."""
-    from tiny_talker import CODEC_BOS_ID, CODEC_PAD_ID
+    from tests.tiny_models.talker import CODEC_BOS_ID, CODEC_PAD_ID
 
     prompt_len = int(feed.values["prompt_len"])
     rows = feed.all_rows()[:, :width].contiguous()
@@ -64,7 +64,7 @@ def talker_inputs(feed: Feed, width: int, whole: bool) -> tuple[list[int], dict[
 def run_talker(config: dict[str, Any]) -> None:
     from vllm import SamplingParams
 
-    import tiny_talker
+    from tests.tiny_models import talker as tiny_talker
     from omni_sidecar.client import SidecarClient
 
     tiny_talker.register()
@@ -131,7 +131,7 @@ def run_talker(config: dict[str, Any]) -> None:
 def run_code2wav(config: dict[str, Any]) -> None:
     from vllm import SamplingParams
 
-    import tiny_code2wav
+    from tests.tiny_models import code2wav as tiny_code2wav
     from omni_sidecar.client import SidecarClient
     from omni_sidecar.hook_sets.omni.code2wav import num_chunks
 

@@ -27,7 +27,7 @@ def main(job_path: str, result_path: str) -> None:
     try:
         from vllm import LLM, SamplingParams
 
-        import tiny_code2wav
+        from tests.tiny_models import code2wav as tiny_code2wav
         from omni_sidecar.client import SidecarClient
         from tests.support.code2wav_payload import code2wav_request
 

@@ -22,7 +22,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
-from tiny_code2wav import Code2WavDecoder, decode_runtime_info
+from tests.tiny_models.code2wav import Code2WavDecoder, decode_runtime_info
 
 
 class Code2WavOutput(NamedTuple):  # the shape of vllm-omni's OmniOutput

@@ -8,7 +8,7 @@ import torch
 
 from omni_sidecar.hook_sets.omni.code2wav import num_chunks
 from omni_sidecar.hook_sets.omni.wire import encode_additional_information
-from tiny_code2wav import CODE2WAV_CONFIG, PLACEHOLDER_TOKEN
+from tests.tiny_models.code2wav import CODE2WAV_CONFIG, PLACEHOLDER_TOKEN
 
 
 def request_codes(frames: int, seed: int) -> torch.Tensor:

@@ -111,8 +111,8 @@ def main(job_path: str, result_path: str) -> int:
                     extra = sidecar_extra_args(prompt_embeds=embeds)
                 else:
                     prompts.append({"prompt_embeds": embeds})
-            elif "text" in p:  # tiny_vl.py: a text prompt, with one image when image_seed is given
-                from tiny_vl import tiny_image, vl_prompt
+            elif "text" in p:  # tests/tiny_models/vl.py: a text prompt, with one image when image_seed is given
+                from tests.tiny_models.vl import tiny_image, vl_prompt
 
                 if "image_seed" in p:
                     prompts.append({"prompt": vl_prompt(p["text"]),

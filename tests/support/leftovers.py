@@ -22,7 +22,8 @@ MARKER = "OMNI_TEST_SESSION"
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIXES = ("psm_", "omni-", "omni_")
 SAMPLE_S = 0.5
-OUR_NAMES = ("VLLM::", "omni-sidecar", "omni_sidecar", "multiprocessing.resource_tracker", "engine_job.py")
+OUR_NAMES = ("VLLM::", "omni-sidecar", "omni_sidecar", "multiprocessing.resource_tracker", "engine_job.py",
+             "engine_forks.py")
 
 
 def _read(path: str) -> bytes:

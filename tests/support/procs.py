@@ -7,9 +7,15 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tests.support.engine_forks import EngineForks
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_JOB = Path(__file__).with_name("engine_job.py")
+# Set by tests/conftest.py for the test session (engine_forks.py); None elsewhere (bench, deploy/gpu).
+ENGINE_FORKS: EngineForks | None = None
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -67,13 +73,15 @@ def run_engine(job: dict, workdir: Path, name: str, timeout_s: float = 600, scri
     result_path = workdir / f"{name}.result.json"
     log_path = workdir / f"{name}.log"
     job_path.write_text(json.dumps(job))
-    with open(log_path, "w") as log:
-        proc = subprocess.run(
-            [sys.executable, str(script), str(job_path), str(result_path)],
-            stdout=log, stderr=subprocess.STDOUT, env=child_env(), timeout=timeout_s,
-        )
+    argv = [str(script), str(job_path), str(result_path)]
+    if ENGINE_FORKS is not None:  # in a test session: a fork of a Python with vLLM imported
+        rc = ENGINE_FORKS.run(argv, child_env(), log_path, timeout_s)
+    else:
+        with open(log_path, "w") as log:
+            rc = subprocess.run([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, env=child_env(),
+                                timeout=timeout_s).returncode
     if not result_path.exists():
-        raise RuntimeError(f"engine job {name} died (rc={proc.returncode}):\n{log_path.read_text()[-4000:]}")
+        raise RuntimeError(f"engine job {name} died (rc={rc}):\n{log_path.read_text()[-4000:]}")
     result = json.loads(result_path.read_text())
     result["log_path"] = str(log_path)
     return result

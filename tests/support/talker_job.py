@@ -28,7 +28,7 @@ def main(job_path: str, result_path: str) -> None:
         import msgspec
         from vllm import LLM, SamplingParams
 
-        import tiny_talker
+        from tests.tiny_models import talker as tiny_talker
         from omni_sidecar.client import SidecarClient
         from tests.support.engine_job import shutdown_engine
         from tests.support.talker_payload import encoded_payload, talker_request
@@ -116,7 +116,7 @@ def _append_mid_stream(llm, prompt, param, job: dict, appended: dict) -> list:
     `meta.probe` (its reply comes once the shim applied it, while the engine keeps stepping)."""
     import threading
 
-    import tiny_talker
+    from tests.tiny_models import talker as tiny_talker
     from omni_sidecar.client import SidecarClient
     from worker_shim.step.link import SidecarLink
 

@@ -17,7 +17,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.qwen3 import Qwen3Model
 from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 
-from tiny_talker import TalkerHeads, TalkerHooks
+from tests.tiny_models.talker import TalkerHeads, TalkerHooks
 
 
 class OmniTinyTalkerForConditionalGeneration(TalkerHooks, nn.Module):

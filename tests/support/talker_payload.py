@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from omni_sidecar.hook_sets.omni.wire import encode_additional_information
-from tiny_talker import CODEC_BOS_ID, CODEC_PAD_ID, TALKER_CONFIG
+from tests.tiny_models.talker import CODEC_BOS_ID, CODEC_PAD_ID, TALKER_CONFIG
 
 
 def talker_request(prompt_len: int, text_len: int, seed: int, max_tokens: int = 16,

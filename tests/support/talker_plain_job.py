@@ -15,7 +15,7 @@ import time
 import traceback
 
 from tests.support.engine_job import exit_with
-from tiny_talker import CODEC_EOS_ID, register
+from tests.tiny_models.talker import CODEC_EOS_ID, register
 
 # vLLM's CPU platform starts its engine and worker processes with `spawn`, which re-imports
 # this script in each of them: registering at import puts the talker in every ModelRegistry.

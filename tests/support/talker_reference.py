@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tiny_talker import TalkerHeads, TalkerHooks, load_talker_config
+from tests.tiny_models.talker import TalkerHeads, TalkerHooks, load_talker_config
 
 
 def merge_update(state: dict[str, Any], update: dict[str, Any]) -> None:

@@ -18,7 +18,7 @@ import sys
 
 from transformers.models.qwen2_vl import Qwen2VLProcessor, image_processing_pil_qwen2_vl
 
-from tiny_vl import VLLM_ARCH, image_only_processor_class
+from tests.tiny_models.vl import VLLM_ARCH, image_only_processor_class
 
 if importlib.util.find_spec("torchvision") is None:
     sys.modules.setdefault("transformers.models.qwen2_vl.image_processing_qwen2_vl", image_processing_pil_qwen2_vl)

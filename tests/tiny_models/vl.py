@@ -4,7 +4,7 @@ Random weights, fixed seed, an offline BPE tokenizer carrying Qwen2-VL's vision
 tokens and a PIL image processor pinned to one image size, so vLLM's Qwen2-VL
 path (HF processor, encoder, M-RoPE positions) runs it without downloads. Text
 head size 32 (vLLM's CPU attention needs >= 32); `mrope_section` sums to half of
-it. The LM head is scaled up like tiny_models.py's, for clear greedy winners.
+it. The LM head is scaled up like llama.py's, for clear greedy winners.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tiny_models import TINY_CONFIG, build_tokenizer
+from tests.tiny_models.llama import TINY_CONFIG, build_tokenizer
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 IMAGE_SIDE = 112  # pixels: 8 x 8 patches of 14, merged 2 x 2 -> 16 image tokens

@@ -55,7 +55,7 @@ TALKER_CONFIG = dict(
     codec_eos_id=CODEC_EOS_ID,
     codec_pad_id=CODEC_PAD_ID,
 )
-# Heads are scaled up so greedy argmax has clear winners (as tiny_models.py does for its LM head).
+# Heads are scaled up so greedy argmax has clear winners (as llama.py does for its LM head).
 HEAD_SCALE = 8.0
 _STAMP = "omni-tiny-talker-v1"
 
