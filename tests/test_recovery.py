@@ -420,7 +420,7 @@ def test_a_switch_that_fails_while_a_plan_is_asked_queues_no_new_request_for_the
     first.await_answer = handed_over
     assert link.pre_forward(step_state(["carrier"]).input_batch, None) == {}
     assert link.recovery.losses == 1 and link.conn is None
-    assert link.requests.new == [] and link.requests.finished == ["old"]
+    assert link.notices.new == [] and link.notices.finished == ["old"]
     assert "carrier" in link.failures.request_errors
 
 

@@ -88,7 +88,6 @@ class Recovery:
     def at_step_start(self, step: int) -> None:
         """The step boundary: the one place a connection is replaced. Then the step is announced
         to whichever sidecar serves it."""
-        self.requests.step_started()
         conn = self.conn
         if conn is None:
             self._try_reconnect()
@@ -151,7 +150,7 @@ class Recovery:
         if conn is not self.conn:
             return  # replaced meanwhile
         if isinstance(exc, SidecarError) and conn.switch_ack is not None and conn.answer_due:
-            self.requests.requeue_step()
+            self.requests.notices.requeue_step()
             self._switch(step)  # a failed switch loses it: finish notices stay queued, the rest ended
             self._announce(step)
             return

@@ -32,7 +32,7 @@ from worker_shim.errors import SidecarError
 from worker_shim.model.bridge import ModelBridge
 from worker_shim.session.recovery import STEP_FAILURES, Recovery
 from worker_shim.session.requests import FailureReports, SessionRequests
-from worker_shim.step.batch import PayloadTracker, batch_layout, new_request, payload_of
+from worker_shim.step.batch import BatchReader, PayloadTracker, new_request, payload_of
 from worker_shim.step.finishes import FinishWatch
 from worker_shim.step.port import Connect, RecoveryPort, SidecarPort
 from worker_shim.step.protocol import StepNews, after_forward, before_forward
@@ -90,15 +90,18 @@ class SidecarLink:
 
     def __init__(self, connect: Connect, first: RecoveryPort, loss_policy: LossPolicy = "fail-all",
                  embeds_setting: EmbedsSetting = "auto", suffixed_ids: bool = True,
-                 payloads: PayloadTracker | None = None, length_finishes: bool = True) -> None:
+                 payloads: PayloadTracker | None = None, length_finishes: bool = True,
+                 batches: BatchReader | None = None) -> None:
         self.embeds_setting = embeds_setting  # read by the runner when it loads the model
         self.payloads = payloads if payloads is not None else PayloadTracker()
+        self.batches = batches if batches is not None else BatchReader()  # how this vLLM's batch reads
         self.requests = SessionRequests(self.payloads)
+        self.notices = self.requests.notices  # what the next step message tells the sidecar
         self.failures = FailureReports(lambda req_id: client_request_id(req_id, suffixed_ids))
         self.finishes = FinishWatch(length_finishes)
         self.recovery = Recovery(connect, first, self.requests, self.failures, loss_policy)
         self.counters = StepCounters()
-        self.ends = StepEnds(self.requests, self.failures, self.recovery.note_results, self.counters)
+        self.ends = StepEnds(self.notices, self.batches, self.failures, self.recovery.note_results, self.counters)
         self._suffixed_ids = suffixed_ids  # does vLLM add a suffix to the client's request id
         self.step = 0
         self._in_step = False
@@ -162,6 +165,7 @@ class SidecarLink:
     def begin_step(self) -> None:
         self._in_step = True
         self._layout_to = None
+        self.notices.step_started()
         if self.mirror_sink is not None:  # only a model with its own hooks mirrors state
             self._apply_mirror_updates()
         self.recovery.at_step_start(self.step)
@@ -201,7 +205,8 @@ class SidecarLink:
         if port is None or not self._in_step:
             return
         want = self._want_states(port, input_batch, bridge)
-        if before_forward(port.needs, input_batch, self.payloads, self.requests.live, want).send is None:
+        if before_forward(port.needs, input_batch.req_ids, self.batches.prefilling(input_batch),
+                          self.payloads.payload_reqs, self.requests.live, want).send is None:
             return
         try:
             msg = self._step_begin(port, input_batch, want, bridge)
@@ -261,7 +266,8 @@ class SidecarLink:
             counters.asked_early += 1
         else:
             want = self._want_states(port, input_batch, bridge)
-            if before_forward(port.needs, input_batch, self.payloads, self.requests.live, want).send is None:
+            if before_forward(port.needs, input_batch.req_ids, self.batches.prefilling(input_batch),
+                              self.payloads.payload_reqs, self.requests.live, want).send is None:
                 return None
             t0 = time.perf_counter()
             plan = port.step_plan(self._step_begin(port, input_batch, want, bridge))
@@ -286,9 +292,9 @@ class SidecarLink:
         return bridge.missing_states(input_batch.req_ids) if bridge is not None and port.needs.model_states else []
 
     def _step_begin(self, port: SidecarPort, input_batch: Any, want: list[str], bridge: ModelBridge | None) -> StepBegin:
-        new, finished, preempted = self.requests.take_notices()
+        new, finished, preempted = self.notices.take()
         self._layout_to = port
-        return StepBegin(step=self.step, batch=batch_layout(input_batch, port.peer_req_ids, port.needs.input_ids),
+        return StepBegin(step=self.step, batch=self.batches.layout(input_batch, port.peer_req_ids, port.needs.input_ids),
                          new_requests=new, finished=finished, preempted=preempted, want_states=want,
                          model_hooks=bridge.wire if want and bridge is not None else None)
 
@@ -318,10 +324,9 @@ class SidecarLink:
             if ending:
                 counters.finished_requests += len(ending)
                 self.requests.note_finished(ending, ())
-        requests = self.requests
         news = StepNews(
             forward=batch is not None,
-            notices=bool(requests.new or requests.finished or requests.preempted),
+            notices=self.notices.pending,
             failures=bool(self.failures.pending),
             hidden=batch is not None and port.sends_hidden and state.hidden_states is not None,
             model_results=bool(model_results and (model_results[0] or model_results[1])),
@@ -378,7 +383,7 @@ class SidecarLink:
             message = "vLLM shut down before the request finished"
             cut_short = [RequestError(r, message[:ERROR_TEXT_MAX]) for r in live if r not in completed]
             self.requests.note_finished(live, ())
-            new, finished, preempted = self.requests.take_notices()
+            new, finished, preempted = self.notices.take()
             try:
                 port.send(StepEnd(step=self.step, new_requests=new, finished=finished, preempted=preempted,
                                   failed=self.failures.take_pending() + cut_short))

@@ -16,9 +16,10 @@ import torch
 from omni_arena.tensor_tree import TreeEncoder
 from proto.messages import StepEnd, StepResult, StepTick
 from worker_shim.model.layers import LayerCapture
-from worker_shim.session.requests import FailureReports, SessionRequests
-from worker_shim.step.batch import batch_layout
+from worker_shim.session.requests import FailureReports
+from worker_shim.step.batch import BatchReader
 from worker_shim.step.port import SidecarPort, StepSlot
+from worker_shim.step.protocol import Notices
 
 if TYPE_CHECKING:
     from worker_shim.step.link import StepCounters
@@ -29,9 +30,10 @@ ModelResults = tuple[dict[str, Any], dict[str, Any]]  # per request: state updat
 class StepEnds:
     """Writes each step's end record to the port; results read on the way go to `note_results`."""
 
-    def __init__(self, requests: SessionRequests, failures: FailureReports,
+    def __init__(self, notices: Notices, batches: BatchReader, failures: FailureReports,
                  note_results: Callable[[list[StepResult]], None], counters: StepCounters) -> None:
-        self.requests = requests
+        self.notices = notices
+        self.batches = batches
         self.failures = failures
         self.note_results = note_results
         self.counters = counters  # this thread's CPU time in each StepEnd's record goes there
@@ -65,8 +67,9 @@ class StepEnds:
             model_updates = self._encode(updates, slot, tensors)
             model_outputs = self._encode(outputs, slot, tensors)
             hidden_event = slot.seal()
-        new, finished, preempted = self.requests.take_notices()
-        layout = batch_layout(batch, port.peer_req_ids, port.needs.input_ids) if batch is not None and with_layout else None
+        new, finished, preempted = self.notices.take()
+        layout = (self.batches.layout(batch, port.peer_req_ids, port.needs.input_ids)
+                  if batch is not None and with_layout else None)
         port.send(StepEnd(
             step=step,
             batch=layout,
