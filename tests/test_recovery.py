@@ -21,7 +21,7 @@ from worker_shim.step.link import SidecarLink
 
 
 class FakeConnection:
-    """A RecoveryPort (worker_shim/step/port.py) with no socket behind it."""
+    """A RecoveryPort (worker_shim/step/port.py) with no socket behind it, its own ReplyChannel."""
 
     def __init__(self, endpoint: str = "ipc:///nonexistent/omni-test.sock", ready: bool = True,
                  ack: SwitchAck | None = None, needs: HookNeeds | None = None) -> None:
@@ -49,7 +49,9 @@ class FakeConnection:
         self.last_sent_step = -1
         self.last_answered_step = -1
         self.syncs = 0
-        self.answer_due = False  # the real one defers a quiet spell's answer; announce_step answers here
+        self.pongs_due = 0  # the real one defers a quiet spell's answer; announce_step answers here
+        self.mirror_updates: list = []
+        self.channel = self
         self.peer_req_ids = None
         self.sends_hidden = False
         self.announced: list[int] = []
@@ -84,8 +86,11 @@ class FakeConnection:
             self.last_sent_step = msg.step
             self.step_open = False
 
-    def poll_results(self) -> list[StepResult]:
+    def poll_ring_results(self) -> list[StepResult]:
         return self.take_results()
+
+    def await_pongs(self) -> None:
+        self.pongs_due = 0
 
     def sync(self) -> None:
         self.syncs += 1
@@ -415,9 +420,9 @@ def test_a_switch_that_fails_while_a_plan_is_asked_queues_no_new_request_for_the
         raise SidecarError("the sidecar handed this session over to its successor")
 
     first.switch_ack = SwitchAck(endpoint=successor.endpoint, token="resume-x")
-    first.answer_due = True
+    first.pongs_due = 1
     first.fail_call = SidecarError("the sidecar handed this session over to its successor")
-    first.await_answer = handed_over
+    first.await_pongs = handed_over
     assert link.pre_forward(step_state(["carrier"]).input_batch, None) == {}
     assert link.recovery.losses == 1 and link.conn is None
     assert link.notices.new == [] and link.notices.finished == ["old"]

@@ -2,10 +2,11 @@
 
 The runner mixin calls `begin_step` / `ask_early` / `pre_forward` / `end_step` (or
 `abort_step` when upstream raised). Which message each point of a step sends and what it
-waits for is the step protocol's (worker_shim/step/protocol.py); the messages go through the
-port (worker_shim/step/port.py) that `Recovery` holds, which also owns every loss, reconnect
-and hot-upgrade hand-over (worker_shim/session/recovery.py): the code here sees a sidecar that
-answers, or none.
+waits for is the step protocol's (worker_shim/step/protocol.py); the messages go straight to
+the port (worker_shim/step/port.py) that `Recovery` holds. Recovery is entered only when the
+port reports a loss or a hand-over (a step message raised, or the channel holds a SwitchAck,
+a result's `switch_to`, a peer gone): it owns every such case (worker_shim/session/recovery.py)
+and hands back the sidecar that serves the rest of the step, or none.
 
 The plan: when the hooks' declared needs say the batch needs the sidecar before the forward,
 the StepBegin goes as soon as vLLM has built the batch (`ask_early`, from the runner's
@@ -26,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from proto.messages import HookNeeds, RequestError, StepBegin, StepEnd, StepTick
-from proto.settings import ERROR_TEXT_MAX, TIMINGS_KEPT
+from proto.settings import ERROR_TEXT_MAX, STEP_START_ANSWER_S, TIMINGS_KEPT
 from worker_shim.config import EmbedsSetting, LossPolicy
 from worker_shim.errors import SidecarError
 from worker_shim.model.bridge import ModelBridge
@@ -168,7 +169,15 @@ class SidecarLink:
         self.notices.step_started()
         if self.mirror_sink is not None:  # only a model with its own hooks mirrors state
             self._apply_mirror_updates()
-        self.recovery.at_step_start(self.step)
+        port = self.conn
+        if (port is None or port.channel.switch_ack is not None or self.recovery.switch_to
+                or port.channel.peer_gone()):  # one look a step: a poll costs µs
+            self.recovery.at_step_start(self.step)  # lost, handed over or gone: replaced, then announced
+            return
+        try:
+            port.announce_step(self.step, STEP_START_ANSWER_S)
+        except SidecarError as exc:
+            self.recovery.announce_failed(self.step, exc, port)
 
     def _apply_mirror_updates(self) -> None:
         """Appends to mirrored state the sidecar sent since (MirrorUpdate): into the mirror before this
@@ -178,7 +187,7 @@ class SidecarLink:
         if port is None or sink is None:
             return
         try:
-            self.recovery.note_results(port.take_results())
+            self.recovery.note_results(port.channel.take_results())
             for req_id, entries in port.take_mirror_updates():
                 sink(req_id, entries)
         except (SidecarError, ValueError) as exc:  # ValueError: entries that do not merge (a span gap)
@@ -191,11 +200,11 @@ class SidecarLink:
         if self._in_step or port is None or self.mirror_sink is None:
             return 0
         try:
-            self.recovery.note_results(port.take_results())
+            self.recovery.note_results(port.channel.take_results())
         except SidecarError as exc:
             self.recovery.lose(f"between steps: {exc}")
             return 0
-        return port.mirror_updates_waiting
+        return len(port.channel.mirror_updates)
 
     def ask_early(self, input_batch: Any, bridge: ModelBridge | None = None) -> None:
         """The StepBegin, sent as soon as vLLM has built the step's batch (the runner's
@@ -250,9 +259,27 @@ class SidecarLink:
             self._early = early
             self._drop_early()
             early = None
-        extra = self.recovery.exchange(self.step, lambda port: self._plan(port, early, input_batch, model, embeds,
-                                                                          bridge))
-        return extra if extra is not None else {}
+        port = self.conn
+        while port is not None:
+            try:
+                extra = self._plan(port, early, input_batch, model, embeds, bridge)
+                if extra is None and port.channel.pongs_due:  # no plan's round trip took the StepStart's answer
+                    port.channel.await_pongs()
+                return extra if extra is not None else {}
+            except STEP_FAILURES as exc:
+                # Handed over before the sidecar read this step: the successor decides afresh from its own needs.
+                port = self.recovery.fail(self.step, exc, port)
+        return {}
+
+    def _serving(self) -> SidecarPort | None:
+        """The sidecar that takes the rest of the step, once the StepStart's answer, if still due, came."""
+        port = self.conn
+        while port is not None and port.channel.pongs_due:
+            try:
+                port.channel.await_pongs()
+            except STEP_FAILURES as exc:
+                port = self.recovery.fail(self.step, exc, port)
+        return port
 
     def _plan(self, port: SidecarPort, early: EarlyAsk | None, input_batch: Any, model: Any,
               embeds: torch.Tensor | None, bridge: ModelBridge | None) -> dict[str, Any] | None:
@@ -313,7 +340,7 @@ class SidecarLink:
             num_tokens = int(batch.num_tokens)
             counters.steps += 1
             counters.scheduled_tokens += num_tokens
-        port = self.recovery.serving(self.step)
+        port = self._serving()
         if port is None:
             if batch is not None:
                 self.finishes.forget_rows()  # a batch the length watch did not see

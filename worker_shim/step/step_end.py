@@ -44,7 +44,7 @@ class StepEnds:
         """The fixed-size StepTick: counters and timings, nothing that grows with the batch. Only a
         StepResult with `switch_to` answers it; a non-blocking look at the ring finds that one."""
         port.send(StepTick(step, num_tokens, exchange_us, post_us))
-        results = port.poll_results()  # [] but when a hot upgrade asks: one look at the ring
+        results = port.channel.poll_ring_results()  # [] but when a hot upgrade asks: one look at the ring
         if results:
             self.note_results(results)
 
@@ -60,7 +60,7 @@ class StepEnds:
         send_hidden = batch is not None and port.sends_hidden and state.hidden_states is not None
         if send_hidden or updates or outputs:
             # One slot per step: hidden rows and captured layers first, then the model's updates and outputs.
-            slot = port.claim_slot(step, lambda s: self.note_results(port.take_results(until_step=s)))
+            slot = port.claim_slot(step, lambda s: self.note_results(port.channel.take_results(until_step=s)))
             if send_hidden:
                 hidden_ref, layer_refs = slot.put_hidden(state.hidden_states[:num_tokens],
                                                          self._layer_rows(port, num_tokens))
@@ -89,7 +89,7 @@ class StepEnds:
         ))
         if slot is not None:
             slot.sent()
-        self.note_results(port.take_results())
+        self.note_results(port.channel.take_results())
         self.counters.record_timing(self.counters.step_end_cpu_us, (time.thread_time() - cpu0) * 1e6)
 
     def _encode(self, tree: dict[str, Any], slot: StepSlot, tensors: list[Any]) -> bytes:
