@@ -214,8 +214,7 @@ class SidecarLink:
         if port is None or not self._in_step:
             return
         want = self._want_states(port, input_batch, bridge)
-        if before_forward(port.needs, input_batch.req_ids, self.batches.prefilling(input_batch),
-                          self.payloads.payload_reqs, self.requests.live, want).send is None:
+        if not self._needs_plan(port, input_batch, want):
             return
         try:
             msg = self._step_begin(port, input_batch, want, bridge)
@@ -267,7 +266,8 @@ class SidecarLink:
                     port.channel.await_pongs()
                 return extra if extra is not None else {}
             except STEP_FAILURES as exc:
-                # Handed over before the sidecar read this step: the successor decides afresh from its own needs.
+                # The successor when the session was handed over before the sidecar read this step (it
+                # decides afresh from its own needs), else None.
                 port = self.recovery.fail(self.step, exc, port)
         return {}
 
@@ -293,8 +293,7 @@ class SidecarLink:
             counters.asked_early += 1
         else:
             want = self._want_states(port, input_batch, bridge)
-            if before_forward(port.needs, input_batch.req_ids, self.batches.prefilling(input_batch),
-                              self.payloads.payload_reqs, self.requests.live, want).send is None:
+            if not self._needs_plan(port, input_batch, want):
                 return None
             t0 = time.perf_counter()
             plan = port.step_plan(self._step_begin(port, input_batch, want, bridge))
@@ -312,6 +311,11 @@ class SidecarLink:
         self._step_exchange_us = (time.perf_counter() - t0) * 1e6
         counters.record_timing(counters.exchange_us, self._step_exchange_us)
         return extra
+
+    def _needs_plan(self, port: SidecarPort, input_batch: Any, want: list[str]) -> bool:
+        """The step protocol's answer for this batch: does a StepBegin go before the forward?"""
+        return before_forward(port.needs, input_batch.req_ids, self.batches.prefilling(input_batch),
+                              self.payloads.payload_reqs, self.requests.live, want).send is not None
 
     @staticmethod
     def _want_states(port: SidecarPort, input_batch: Any, bridge: ModelBridge | None) -> list[str]:
