@@ -149,6 +149,7 @@ class InProcessReplies:
     "send" until the link takes it; nothing can hand the session over or go away."""
 
     switch_ack = None
+    switch_to = ""
     pongs_due = 0
 
     def __init__(self) -> None:

@@ -35,6 +35,7 @@ class FakeConnection:
         self.ready = ready
         self.ack = ack
         self.switch_ack: SwitchAck | None = None  # kept by the channel when sent unsolicited
+        self.switch_to = ""  # kept by the channel from a result that asked for a switch
         self.mirror_seq = 0
         self.gone = False
         self.closed = False
@@ -125,6 +126,8 @@ class FakeConnection:
 
     def take_results(self, until_step=None) -> list[StepResult]:
         out, self.results = self.results, []
+        for result in out:  # as the channel keeps it when the result arrives
+            self.switch_to = result.switch_to or self.switch_to
         return out
 
     def stats(self) -> dict:
@@ -336,7 +339,7 @@ def test_an_unanswered_step_start_loses_the_sidecar():
 def test_a_failed_switch_loses_the_sidecar():
     link, first = served_link("fail-all", Factory())
     first.fail_call = SidecarError("no SwitchAck")
-    link.recovery.note_results([StepResult(step=0, switch_to="ipc:///nonexistent/successor.sock")])
+    first.switch_to = "ipc:///nonexistent/successor.sock"  # a result asked for it
     link.begin_step()
     assert link.recovery.state == "lost" and link.recovery.switches == 0 and link.recovery.losses == 1
     assert "switching to the new sidecar" in link.failures.request_errors["plain"]
@@ -345,7 +348,7 @@ def test_a_failed_switch_loses_the_sidecar():
 def test_a_loss_drops_a_switch_the_lost_sidecar_asked_for():
     second = FakeConnection()
     link, first = served_link("fail-all", Factory(second))
-    link.recovery.note_results([StepResult(step=0, switch_to="ipc:///nonexistent/successor.sock")])
+    first.switch_to = "ipc:///nonexistent/successor.sock"  # a result asked for it
     link.recovery.lose("test")
     run_step(link, [])
     assert link.conn is second and link.recovery.state == "connected"

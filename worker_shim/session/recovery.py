@@ -36,7 +36,7 @@ from typing import Literal
 
 import msgspec
 
-from proto.messages import StepResult, SwitchAck, SwitchReady
+from proto.messages import SwitchAck, SwitchReady
 from proto.settings import STEP_START_ANSWER_S
 from worker_shim.errors import SidecarError
 from worker_shim.config import LossPolicy
@@ -70,7 +70,6 @@ class Recovery:
         self._connect = connect  # makes a fresh connection (new socket, new arena)
         self.conn: RecoveryPort | None = first
         self._pending: RecoveryPort | None = None  # a reconnect attempt waiting for its Welcome
-        self.switch_to = ""  # a result asked to switch to this sidecar at the next step boundary
         self._waited_sockets: set[tuple[int, int]] = set()
         self.requests = requests
         self.failures = failures
@@ -84,7 +83,7 @@ class Recovery:
     def state(self) -> RecoveryState:
         if self.conn is None:
             return "lost"
-        return "switching" if self.switch_to else "connected"
+        return "switching" if self.conn.channel.switch_to else "connected"
 
     def at_step_start(self, step: int) -> None:
         """A step boundary where the port reported a loss or a hand-over (or there is none): the one
@@ -153,18 +152,12 @@ class Recovery:
             return
         try:
             if conn.last_answered_step >= 0:
-                self.note_results(conn.channel.take_results(until_step=conn.last_answered_step))
+                self.failures.note_results(conn.channel.take_results(until_step=conn.last_answered_step))
             if conn.last_sent_step > conn.last_answered_step and conn.channel.switch_ack is None:
                 conn.sync()
         except SidecarError as exc:
             if conn.channel.switch_ack is None:
                 self.lose(f"flush: {exc}")
-
-    def note_results(self, results: list[StepResult]) -> None:
-        for result in results:
-            self.failures.record(result.errors)
-            if result.switch_to:
-                self.switch_to = result.switch_to
 
     def reconnect_now(self) -> bool:
         """Lost and requests arrive: try the reconnect before they are refused (an idle vLLM runs
@@ -185,7 +178,6 @@ class Recovery:
         conn, self.conn = self.conn, None
         if conn is None:
             return
-        self.switch_to = ""  # the lost session's successor is no target for the next one
         self.losses += 1
         message = f"omni-sidecar lost ({reason}); its hooks did not run for this request"
         affected = self.requests.end_session(self.loss_policy)
@@ -207,7 +199,7 @@ class Recovery:
         answer), or here when the old sidecar has exited since (`gone`)."""
         if gone:
             try:
-                self.note_results(self.conn.channel.take_results())
+                self.failures.note_results(self.conn.channel.take_results())
             except SidecarError as exc:
                 self.lose(str(exc))
                 return False
@@ -215,14 +207,13 @@ class Recovery:
 
     def _switch(self, step: int) -> None:
         """Hot upgrade at a step boundary: the old sidecar hands over, the new one resumes."""
-        old, target = self.conn, self.switch_to
-        self.switch_to = ""
+        old = self.conn
+        target = old.channel.switch_to
         t0 = time.perf_counter()
         try:
             ack: SwitchAck = old.channel.switch_ack or old.call(
                 SwitchReady(last_step=old.last_sent_step, mirror_seq=old.mirror_seq), SwitchAck)
-            for result in old.channel.take_results():
-                self.failures.record(result.errors)
+            self.failures.note_results(old.channel.take_results())
             new = self._resume(ack, timeout_s=max(MIN_SWITCH_CONNECT_S, old.step_timeout_s))
         except (SidecarError, ValueError) as exc:
             self.lose(f"switching to the new sidecar at {target} failed: {exc}")

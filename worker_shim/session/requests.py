@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterable
 
-from proto.messages import NewRequest, RequestError
+from proto.messages import NewRequest, RequestError, StepResult
 from proto.settings import ERROR_TEXT_MAX
 from worker_shim.config import LossPolicy
 from worker_shim.step.batch import PayloadTracker
@@ -64,6 +64,11 @@ class FailureReports:
         self.request_errors[req_id] = message
         if len(self.pending) < MAX_PENDING_FAILURES:
             self.pending.append(RequestError(req_id, message[:ERROR_TEXT_MAX], self._client_id_of(req_id)))
+
+    def note_results(self, results: list[StepResult]) -> None:
+        """The hook errors step results carry."""
+        for result in results:
+            self.record(result.errors)
 
     def record(self, errors: list[Any]) -> None:
         """Hook errors the sidecar reported (it already told its clients)."""

@@ -102,7 +102,7 @@ class SidecarLink:
         self.finishes = FinishWatch(length_finishes)
         self.recovery = Recovery(connect, first, self.requests, self.failures, loss_policy)
         self.counters = StepCounters()
-        self.ends = StepEnds(self.notices, self.batches, self.failures, self.recovery.note_results, self.counters)
+        self.ends = StepEnds(self.notices, self.batches, self.failures, self.counters)
         self._suffixed_ids = suffixed_ids  # does vLLM add a suffix to the client's request id
         self.step = 0
         self._in_step = False
@@ -170,7 +170,7 @@ class SidecarLink:
         if self.mirror_sink is not None:  # only a model with its own hooks mirrors state
             self._apply_mirror_updates()
         port = self.conn
-        if (port is None or port.channel.switch_ack is not None or self.recovery.switch_to
+        if (port is None or port.channel.switch_ack is not None or port.channel.switch_to
                 or port.channel.peer_gone()):  # one look a step: a poll costs µs
             self.recovery.at_step_start(self.step)  # lost, handed over or gone: replaced, then announced
             return
@@ -187,7 +187,7 @@ class SidecarLink:
         if port is None or sink is None:
             return
         try:
-            self.recovery.note_results(port.channel.take_results())
+            self.failures.note_results(port.channel.take_results())
             for req_id, entries in port.take_mirror_updates():
                 sink(req_id, entries)
         except (SidecarError, ValueError) as exc:  # ValueError: entries that do not merge (a span gap)
@@ -200,7 +200,7 @@ class SidecarLink:
         if self._in_step or port is None or self.mirror_sink is None:
             return 0
         try:
-            self.recovery.note_results(port.channel.take_results())
+            self.failures.note_results(port.channel.take_results())
         except SidecarError as exc:
             self.recovery.lose(f"between steps: {exc}")
             return 0

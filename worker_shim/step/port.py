@@ -32,9 +32,10 @@ class StepSlot(Protocol):
 
 class ReplyChannel(Protocol):
     """What the sidecar sent, as a step reads it: results, mirror updates, the answers owed to
-    StepStarts, a hand-over, the peer gone."""
+    StepStarts, a hand-over (done or asked for), the peer gone."""
 
     switch_ack: SwitchAck | None  # the old sidecar handed this session over while idle (else None)
+    switch_to: str  # a result asked to switch to this sidecar at the next step boundary ("": none)
     pongs_due: int  # StepStarts of this step whose answer has not come yet
     mirror_updates: list[MirrorUpdate]  # received, not yet taken (the port's `take_mirror_updates`)
 
