@@ -39,7 +39,7 @@ from omni_sidecar.sessions.session import Session
 from omni_sidecar.sessions.store import FinishedOutputs
 from omni_arena.tensor_tree import TreeDecoder
 from proto.messages import (
-    Hello, Message, Overlay, StepBegin, StepEnd, StepPlan, StepResult, StepTick, Welcome,
+    Hello, Message, MirrorUpdate, Overlay, StepBegin, StepEnd, StepPlan, StepResult, StepTick, Welcome,
 )
 from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from worker_shim.errors import SidecarError
@@ -144,15 +144,38 @@ class InProcessArenas:
         pass
 
 
+class InProcessReplies:
+    """The port's `ReplyChannel` (worker_shim/step/port.py): each StepEnd's result, kept from its
+    "send" until the link takes it; nothing can hand the session over or go away."""
+
+    switch_ack = None
+    switch_to = ""
+    pongs_due = 0
+
+    def __init__(self) -> None:
+        self.results: list[StepResult] = []
+        self.mirror_updates: list[MirrorUpdate] = []  # none: no client can append to these requests
+
+    def await_pongs(self) -> None:
+        pass  # never due
+
+    def take_results(self, until_step: int | None = None) -> list[StepResult]:
+        results, self.results = self.results, []
+        return results
+
+    def poll_ring_results(self) -> list[StepResult]:
+        return self.take_results()
+
+    def peer_gone(self) -> bool:
+        return False
+
+
 class InProcessConnection:
     """The shim's `RecoveryPort` (worker_shim/step/port.py) over a Session in this process (see the
     module doc)."""
 
-    switch_ack = None
-    answer_due = False
     step_open = False
     mirror_seq = 0
-    mirror_updates_waiting = 0
     endpoint = "inproc://"
     step_timeout_s = 10.0
 
@@ -170,7 +193,7 @@ class InProcessConnection:
         self.last_sent_step = -1
         self.last_answered_step = -1
         self.peer_req_ids: list[str] | None = None
-        self._results: list[StepResult] = []
+        self.channel = InProcessReplies()
 
     # -- the handshake: already done ------------------------------------------------
 
@@ -182,9 +205,6 @@ class InProcessConnection:
 
     def poll(self, wait_ms: int = 0) -> bool:
         return True
-
-    def peer_gone(self) -> bool:
-        return False
 
     # -- step messages: calls into the session -------------------------------------
 
@@ -211,25 +231,15 @@ class InProcessConnection:
             raise SidecarError(f"the in-process baseline has no answer to {type(msg).__name__}")
         self._note_layout(msg)
         self.last_sent_step = self.last_answered_step = msg.step
-        self._results.append(self.session.step_end(msg))
+        self.channel.results.append(self.session.step_end(msg))
 
     def call(self, msg: Message, want: type) -> Message:
         raise SidecarError(f"the in-process baseline has no answer to {type(msg).__name__}")
-
-    def await_answer(self) -> None:
-        pass  # never due: nothing can hand the session over
 
     def _note_layout(self, msg: StepBegin | StepEnd) -> None:
         # Request ids travel only when the order changed (Invariants): the session resolves the rest.
         if msg.batch is not None and msg.batch.req_ids is not None:
             self.peer_req_ids = msg.batch.req_ids
-
-    def take_results(self, until_step: int | None = None) -> list[StepResult]:
-        results, self._results = self._results, []
-        return results
-
-    def poll_results(self) -> list[StepResult]:
-        return self.take_results()
 
     def take_mirror_updates(self) -> list[tuple[str, dict[str, Any]]]:
         return []  # no client can append to these requests

@@ -26,7 +26,7 @@ from omni_arena.views import dtype_name
 from proto.messages import Hello
 from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from worker_shim import __version__
-from worker_shim.step.batch import PayloadTracker
+from worker_shim.step.batch import BatchReader, PayloadTracker
 from worker_shim.errors import SidecarError
 from worker_shim.upstream.compat import upstream_request_ids_suffixed, vllm_version, welcome_refusal
 from worker_shim.config import ShimConfig
@@ -51,7 +51,7 @@ class InProcessHooksMixin:
 
     omni_inproc: InProcessConnection | None = None
 
-    def _connect_sidecar(self, payloads: PayloadTracker) -> SidecarLink:
+    def _connect_sidecar(self, payloads: PayloadTracker, batches: BatchReader) -> SidecarLink:
         from bench.inproc import InProcessConnection
         from omni_sidecar.hook_api.loader import load_hooks, parse_options
         from omni_sidecar.sessions.store import FinishedOutputs
@@ -87,7 +87,7 @@ class InProcessHooksMixin:
         length_finishes = getattr(vcfg, "speculative_config", None) is None
         return SidecarLink(no_reconnect, conn, cfg.loss_policy, cfg.embeds_buffer,
                            suffixed_ids=upstream_request_ids_suffixed(), payloads=payloads,
-                           length_finishes=length_finishes)
+                           length_finishes=length_finishes, batches=batches)
 
     def omni_inproc_outputs(self, req_ids: list[str]) -> dict[str, dict[str, Any] | None]:
         """For `llm.collective_rpc("omni_inproc_outputs", args=(ids,))`: each request's assembled

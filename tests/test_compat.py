@@ -239,11 +239,15 @@ def test_prompt_len_before_and_after_upstream_had_the_property():
 
 
 def test_prefill_flags_from_upstream_or_derived():
+    """Chosen once at start-up: upstream's own array when its InputBatch has one, else derived."""
+    from worker_shim.step.batch import BatchReader
+
     derived = SimpleNamespace(req_ids=["a", "b"], num_computed_tokens_np=np.array([0, 5, 9]),
                               prefill_len_np=np.array([4, 5, 9]))
-    assert compat.prefill_flags(derived).tolist() == [True, False]
+    assert BatchReader(own_prefill_flags=False).prefilling(derived).tolist() == [True, False]
     own = SimpleNamespace(**vars(derived), is_prefilling_np=np.array([False, True]))
-    assert compat.prefill_flags(own).tolist() == [False, True]
+    assert BatchReader(own_prefill_flags=True).prefilling(own).tolist() == [False, True]
+    assert compat.has_own_prefill_flags()  # the installed vLLM's InputBatch carries them
 
 
 def test_v2_prompt_embeds_from_0_29():

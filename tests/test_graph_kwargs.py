@@ -13,7 +13,7 @@ import torch
 
 from proto.messages import HookNeeds
 from worker_shim.upstream import worker as worker_mod
-from worker_shim.step.batch import PayloadTracker
+from worker_shim.step.batch import BatchReader, PayloadTracker
 from worker_shim.errors import SidecarError
 from worker_shim.upstream.compat import full_cuda_graphs, welcome_refusal
 
@@ -89,7 +89,7 @@ def _connect(monkeypatch, mode):
     monkeypatch.setattr(worker_mod, "sweep_stale", lambda: [])
     fake = SimpleNamespace(vllm_config=vllm_config(mode), rank=0, omni_platform="cpu", device="cpu")
     fake._arena_choice = lambda setting: (torch.device("cpu"), "shm")
-    return worker_mod.ShimWorkerMixin._connect_sidecar(fake, PayloadTracker())
+    return worker_mod.ShimWorkerMixin._connect_sidecar(fake, PayloadTracker(), BatchReader())
 
 
 def test_the_worker_refuses_to_start_with_kwargs_under_full_graphs(monkeypatch):

@@ -18,7 +18,7 @@ from proto.messages import MAX_BATCH, BatchLayout, ErrorReply, HookNeeds, NewReq
 from proto.packed import LayoutError, StepLayout, pack_u32, packed_layout, unpack_u32
 from tests.support.procs import SidecarProcess
 from tests.test_sidecar import Peer, _hello
-from worker_shim.step.batch import batch_layout
+from worker_shim.step.batch import BatchReader
 
 
 H = 8
@@ -96,7 +96,7 @@ def test_session_refuses_malformed_packed_steps():
 
 
 class _FakeInputBatch:
-    """What `batch_layout` reads of vLLM's InputBatch (numpy arrays longer than the batch)."""
+    """What `BatchReader.layout` reads of vLLM's InputBatch (numpy arrays longer than the batch)."""
 
     def __init__(self) -> None:
         self.req_ids = ["x", "y"]
@@ -109,10 +109,10 @@ class _FakeInputBatch:
 
 def test_shim_packs_vllms_arrays():
     batch = _FakeInputBatch()
-    packed = batch_layout(batch, None, with_input_ids=True)
+    packed = BatchReader().layout(batch, None, with_input_ids=True)
     assert StepLayout.unpacking(packed.req_ids, packed) == StepLayout(["x", "y"], [0, 2, 3], [4, 0], [6, 3],
                                                                       [11, 12, 13])
-    assert batch_layout(batch, ["x", "y"]).req_ids is None and packed.input_ids is not None
+    assert BatchReader().layout(batch, ["x", "y"]).req_ids is None and packed.input_ids is not None
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from worker_shim.step.link import SidecarLink
 
 
 class FakeConnection:
-    """A RecoveryPort (worker_shim/step/port.py) with no socket behind it."""
+    """A RecoveryPort (worker_shim/step/port.py) with no socket behind it, its own ReplyChannel."""
 
     def __init__(self, endpoint: str = "ipc:///nonexistent/omni-test.sock", ready: bool = True,
                  ack: SwitchAck | None = None, needs: HookNeeds | None = None) -> None:
@@ -35,6 +35,7 @@ class FakeConnection:
         self.ready = ready
         self.ack = ack
         self.switch_ack: SwitchAck | None = None  # kept by the channel when sent unsolicited
+        self.switch_to = ""  # kept by the channel from a result that asked for a switch
         self.mirror_seq = 0
         self.gone = False
         self.closed = False
@@ -49,7 +50,9 @@ class FakeConnection:
         self.last_sent_step = -1
         self.last_answered_step = -1
         self.syncs = 0
-        self.answer_due = False  # the real one defers a quiet spell's answer; announce_step answers here
+        self.pongs_due = 0  # the real one defers a quiet spell's answer; announce_step answers here
+        self.mirror_updates: list = []
+        self.channel = self
         self.peer_req_ids = None
         self.sends_hidden = False
         self.announced: list[int] = []
@@ -84,8 +87,11 @@ class FakeConnection:
             self.last_sent_step = msg.step
             self.step_open = False
 
-    def poll_results(self) -> list[StepResult]:
+    def poll_ring_results(self) -> list[StepResult]:
         return self.take_results()
+
+    def await_pongs(self) -> None:
+        self.pongs_due = 0
 
     def sync(self) -> None:
         self.syncs += 1
@@ -120,6 +126,8 @@ class FakeConnection:
 
     def take_results(self, until_step=None) -> list[StepResult]:
         out, self.results = self.results, []
+        for result in out:  # as the channel keeps it when the result arrives
+            self.switch_to = result.switch_to or self.switch_to
         return out
 
     def stats(self) -> dict:
@@ -331,7 +339,7 @@ def test_an_unanswered_step_start_loses_the_sidecar():
 def test_a_failed_switch_loses_the_sidecar():
     link, first = served_link("fail-all", Factory())
     first.fail_call = SidecarError("no SwitchAck")
-    link.recovery.note_results([StepResult(step=0, switch_to="ipc:///nonexistent/successor.sock")])
+    first.switch_to = "ipc:///nonexistent/successor.sock"  # a result asked for it
     link.begin_step()
     assert link.recovery.state == "lost" and link.recovery.switches == 0 and link.recovery.losses == 1
     assert "switching to the new sidecar" in link.failures.request_errors["plain"]
@@ -340,7 +348,7 @@ def test_a_failed_switch_loses_the_sidecar():
 def test_a_loss_drops_a_switch_the_lost_sidecar_asked_for():
     second = FakeConnection()
     link, first = served_link("fail-all", Factory(second))
-    link.recovery.note_results([StepResult(step=0, switch_to="ipc:///nonexistent/successor.sock")])
+    first.switch_to = "ipc:///nonexistent/successor.sock"  # a result asked for it
     link.recovery.lose("test")
     run_step(link, [])
     assert link.conn is second and link.recovery.state == "connected"
@@ -415,12 +423,12 @@ def test_a_switch_that_fails_while_a_plan_is_asked_queues_no_new_request_for_the
         raise SidecarError("the sidecar handed this session over to its successor")
 
     first.switch_ack = SwitchAck(endpoint=successor.endpoint, token="resume-x")
-    first.answer_due = True
+    first.pongs_due = 1
     first.fail_call = SidecarError("the sidecar handed this session over to its successor")
-    first.await_answer = handed_over
+    first.await_pongs = handed_over
     assert link.pre_forward(step_state(["carrier"]).input_batch, None) == {}
     assert link.recovery.losses == 1 and link.conn is None
-    assert link.requests.new == [] and link.requests.finished == ["old"]
+    assert link.notices.new == [] and link.notices.finished == ["old"]
     assert "carrier" in link.failures.request_errors
 
 

@@ -14,11 +14,12 @@ from proto.messages import HookNeeds, Overlay, RequestError, StepBegin, StepEnd,
 from proto.plan_trees import encode_tree, whole_mark
 from proto.tensors import TensorRef
 from tests.test_recovery import FakeConnection, request, step_state
-from worker_shim.step.batch import PayloadTracker, batch_layout, new_request
+from worker_shim.step.batch import BatchReader, PayloadTracker, new_request
 from worker_shim.errors import SidecarError
 from worker_shim.upstream.compat import ShimCompatError, client_request_id, request_ids_suffixed
 from worker_shim.step.link import SidecarLink
 from worker_shim.step.plan_read import read_plan
+from worker_shim.step.protocol import before_forward
 from worker_shim.step.slots import HiddenSlots
 
 
@@ -51,34 +52,40 @@ def batch(req_ids: list[str], computed: list[int], prefill: list[int]) -> Simple
                            prefill_len_np=np.array(prefill), query_start_loc_np=np.arange(n + 1))
 
 
-def test_exchange_decision_follows_needs_and_payloads():
-    tracker = PayloadTracker()
+def test_exchange_decision_follows_needs_and_payloads_with_derived_prefill_flags():
+    """The step protocol's decision over batches read as a vLLM without its own prefill flags."""
+    tracker, reader = PayloadTracker(), BatchReader(own_prefill_flags=False)
     tracker.note_new("a", {"x": 1})
     tracker.note_new("b", None)
     prefill, decode = batch(["a", "b"], [0, 5], [4, 5]), batch(["a", "b"], [4, 6], [4, 5])
+
+    def needed(needs: HookNeeds, step_batch: SimpleNamespace, among: set[str] | None = None) -> bool:
+        return before_forward(needs, step_batch.req_ids, reader.prefilling(step_batch), tracker.payload_reqs,
+                              among).send is not None
+
     payload_prefill = HookNeeds(pre_forward="prefill", pre_forward_scope="payload")
-    assert tracker.exchange_needed(payload_prefill, prefill)
-    assert not tracker.exchange_needed(payload_prefill, decode)
-    assert not tracker.exchange_needed(payload_prefill, prefill, among={"b"})  # "a" unknown to the session
-    assert tracker.exchange_needed(HookNeeds(pre_forward="always", pre_forward_scope="payload"), decode)
-    assert tracker.exchange_needed(HookNeeds(pre_forward="prefill"), prefill)  # scope all
-    assert not tracker.exchange_needed(HookNeeds(), prefill)  # never
+    assert needed(payload_prefill, prefill)
+    assert not needed(payload_prefill, decode)
+    assert not needed(payload_prefill, prefill, among={"b"})  # "a" unknown to the session
+    assert needed(HookNeeds(pre_forward="always", pre_forward_scope="payload"), decode)
+    assert needed(HookNeeds(pre_forward="prefill"), prefill)  # scope all
+    assert not needed(HookNeeds(), prefill)  # never
     tracker.note_finished({"a"})
-    assert not tracker.exchange_needed(payload_prefill, prefill)
+    assert not needed(payload_prefill, prefill)
 
 
 def test_layout_names_requests_only_when_their_order_changed():
     b = batch(["a", "b"], [0, 5], [4, 5])
-    first = batch_layout(b, None)
+    first = BatchReader().layout(b, None)
     assert first.req_ids == ["a", "b"] and unpack_u32(first.prefill_lens) == [4, 5]
-    assert batch_layout(b, ["a", "b"]).req_ids is None
+    assert BatchReader().layout(b, ["a", "b"]).req_ids is None
 
 
 def test_layout_carries_input_ids_only_when_the_hooks_ask():
     b = batch(["a", "b"], [0, 5], [4, 5])
     b.input_ids = torch.tensor([11, 12, 99])  # b's decode row: the token sampled by the step before
-    assert batch_layout(b, None).input_ids is None
-    assert unpack_u32(batch_layout(b, None, with_input_ids=True).input_ids) == [11, 12]
+    assert BatchReader().layout(b, None).input_ids is None
+    assert unpack_u32(BatchReader().layout(b, None, with_input_ids=True).input_ids) == [11, 12]
 
 
 def test_hidden_slots_wait_for_the_previous_reader_before_reuse():

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from proto.messages import HookNeeds, Pong, StepBegin, StepEnd, StepPlan, StepStart, StepTick
+from proto.messages import HookNeeds, NewRequest, Pong, StepBegin, StepEnd, StepPlan, StepStart, StepTick
 from proto.settings import STEP_START_ANSWER_S
 from worker_shim.step.batch import PayloadTracker
-from worker_shim.step.protocol import Exchange, StepNews, after_forward, before_forward, step_start
+from worker_shim.step.protocol import Exchange, Notices, StepNews, after_forward, before_forward, step_start
 
 
 def batch(req_ids: list[str], computed: list[int], prompt: int = 4) -> SimpleNamespace:
@@ -63,7 +63,8 @@ def test_a_step_begin_goes_before_the_forward_only_when_the_batch_needs_a_plan(n
     payloads = PayloadTracker()
     payloads.note_new("carrier", {"x": 1})
     payloads.note_new("plain", None)
-    assert before_forward(needs, step_batch, payloads, live, want_states) == want
+    assert before_forward(needs, step_batch.req_ids, step_batch.is_prefilling_np, payloads.payload_reqs, live,
+                          want_states) == want
 
 
 def news(forward=True, notices=False, failures=False, hidden=False, model_results=False, step_open=True) -> StepNews:
@@ -100,3 +101,24 @@ MODEL = HookNeeds(model_states=True, step_layouts=False)
 def test_the_step_ends_with_a_step_end_a_step_tick_or_nothing(needs, step_news, want):
     assert after_forward(needs, step_news) == want
     assert after_forward(needs, step_news).wait is None  # a StepResult is never waited for at the step's end
+
+
+def test_notices_ride_the_next_step_message_and_a_step_handed_over_unread_gets_them_back_in_order():
+    notices = Notices()
+    assert not notices.pending and notices.take() == ([], [], [])
+    first, second = NewRequest("a", 1, [1]), NewRequest("b", 1, [2])
+    notices.new.append(first)
+    notices.finished.append("old")
+    assert notices.pending
+    assert notices.take() == ([first], ["old"], [])  # the StepBegin's
+    notices.new.append(second)
+    notices.preempted.append("p")
+    assert notices.take() == ([second], [], ["p"])  # the StepEnd's
+    assert not notices.pending
+    notices.finished.append("later")  # queued after the step's messages went
+    notices.requeue_step()  # the sidecar handed the session over before it read them
+    assert (notices.new, notices.finished, notices.preempted) == ([first, second], ["old", "later"], ["p"])
+    notices.take()
+    notices.step_started()  # a new step: the last one's notices were read, nothing to give back
+    notices.requeue_step()
+    assert not notices.pending

@@ -53,7 +53,7 @@ class RecordedLink:
         self.link = SidecarLink(connect, conn, length_finishes=False)
         self.frames: list[bytes] = []
         self.waits = 0
-        channel = conn._channel
+        channel = conn.channel
         assert channel.rings is not None, "the sidecar did not accept the rings"
         encode = channel.codec.encode
 
@@ -73,8 +73,7 @@ class RecordedLink:
         channel.answer = counting(channel.answer, lambda msg, want: True)  # `call` waits through it too
         channel.take_results = counting(
             channel.take_results, lambda until_step=None: until_step is not None and channel.acked_step < until_step)
-        if hasattr(channel, "await_pongs"):  # a quiet spell's StepStart answer, awaited later in the step
-            channel.await_pongs = counting(channel.await_pongs, lambda: channel.pongs_due > 0)
+        channel.await_pongs = counting(channel.await_pongs, lambda: channel.pongs_due > 0)  # a quiet spell's StepStart answer
         self.kicks = lambda: channel.kicks_sent
 
     def step(self, state, pre_forward: bool = True, early: bool = False) -> tuple[list[bytes], int, int]:
@@ -103,9 +102,9 @@ def sidecar(tmp_path, request):
 
 @pytest.mark.parametrize("sidecar", ["passthrough"], indirect=True)
 def test_a_pass_through_step_sends_one_fixed_size_record_and_wakes_nobody(sidecar, monkeypatch):
-    from worker_shim.session import recovery
+    from worker_shim.step import link
 
-    monkeypatch.setattr(recovery, "STEP_START_ANSWER_S", 3600.0)  # a stalled test host asks no answers here
+    monkeypatch.setattr(link, "STEP_START_ANSWER_S", 3600.0)  # a stalled test host asks no answers here
     shim = RecordedLink(sidecar.endpoint)
     codec = Codec()
     try:

@@ -107,7 +107,11 @@ def default_link_factory(endpoint: str, ring: bool) -> tuple[Any, Callable[[], N
 
     first = connect()
     first.connect(10.0)
-    link = link_cls(connect, first)
+    try:  # the batch read as on a vLLM whose InputBatch has its own prefill flags (FakeBatch below)
+        batches = _first("worker_shim.step.batch:BatchReader")(own_prefill_flags=True)
+        link = link_cls(connect, first, batches=batches)
+    except SystemExit:
+        link = link_cls(connect, first)
     return link, link.close
 
 

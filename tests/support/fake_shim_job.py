@@ -23,7 +23,7 @@ def main(endpoint: str) -> None:
     conn.connect(10)
     conn.send(StepEnd(0, packed_layout(["req-dead"], [0, 3], [0], [3]),
                       new_requests=[NewRequest("req-dead", 3, [5, 6, 7])], num_tokens=3))
-    conn.take_results(until_step=0)  # the sidecar has admitted the request
+    conn.channel.take_results(until_step=0)  # the sidecar has admitted the request
     assert isinstance(conn.call(StatusQuery(), StatusReply), StatusReply)
     print("ready", flush=True)
     time.sleep(600)

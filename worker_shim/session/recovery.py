@@ -14,15 +14,17 @@ serving fail explicitly (logged, in `omni_sidecar_stats`, and reported to the
 next sidecar so clients get `RequestFailed`); which others fail meanwhile is
 the `loss_policy`. The shim reconnects in the background (a Hello waits in
 the socket until a sidecar binds) and switches over at a step boundary.
-Transitions run only at step boundaries (`at_step_start`) or where a step
-message failed (`fail`).
+
+The link's steady step never calls in here: it enters only when its port reports a
+loss or a hand-over, at a step boundary (no port, a kept SwitchAck, a result's
+`switch_to`, the peer gone: `at_step_start`) or where a step message failed (`fail`,
+`announce_failed`). Transitions run only there.
 
 Hand-over in the middle of a step: a StepStart sent after a quiet spell asks for an
 answer, taken at the step's one wait. When a SwitchAck comes instead, the sidecar
 handed the session over before it read anything of this step: the step's notices
 go back in the queue, the shim switches and announces the step to the successor,
-and the step's exchange runs again there (`exchange`). The step's own code sees
-a port that answers, or none.
+and `fail` returns the successor, where the link runs the step's exchange again.
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Callable, Literal, TypeVar
+from typing import Literal
 
 import msgspec
 
-from proto.messages import StepResult, SwitchAck, SwitchReady
+from proto.messages import SwitchAck, SwitchReady
 from proto.settings import STEP_START_ANSWER_S
 from worker_shim.errors import SidecarError
 from worker_shim.config import LossPolicy
@@ -47,7 +49,6 @@ RECONNECT_WAIT_MS = 200
 MIN_SWITCH_CONNECT_S = 5.0
 
 RecoveryState = Literal["connected", "lost", "switching"]
-T = TypeVar("T")
 # What a step message's failure may be: the channel's error, a batch or tree the wire cannot carry.
 STEP_FAILURES = (SidecarError, ValueError, msgspec.ValidationError)
 
@@ -69,7 +70,6 @@ class Recovery:
         self._connect = connect  # makes a fresh connection (new socket, new arena)
         self.conn: RecoveryPort | None = first
         self._pending: RecoveryPort | None = None  # a reconnect attempt waiting for its Welcome
-        self._switch_to = ""
         self._waited_sockets: set[tuple[int, int]] = set()
         self.requests = requests
         self.failures = failures
@@ -83,22 +83,17 @@ class Recovery:
     def state(self) -> RecoveryState:
         if self.conn is None:
             return "lost"
-        return "switching" if self._switch_to else "connected"
+        return "switching" if self.conn.channel.switch_to else "connected"
 
     def at_step_start(self, step: int) -> None:
-        """The step boundary: the one place a connection is replaced. Then the step is announced
-        to whichever sidecar serves it."""
-        self.requests.step_started()
+        """A step boundary where the port reported a loss or a hand-over (or there is none): the one
+        place a connection is replaced. Then the step is announced to whichever sidecar serves it."""
         conn = self.conn
         if conn is None:
             self._try_reconnect()
             self._announce(step)
             return
-        ack = conn.switch_ack
-        gone = ack is None and conn.peer_gone()  # one look a step: a poll costs µs
-        if not gone and ack is None and not self._switch_to:
-            self._announce(step)  # the steady step: nothing to switch to and nothing lost
-            return
+        gone = conn.channel.switch_ack is None and conn.channel.peer_gone()
         if self._handed_over(gone):  # before a loss: the old sidecar may have exited since
             self._switch(step)
         elif self.conn is None:
@@ -116,46 +111,37 @@ class Recovery:
         try:
             conn.announce_step(step, STEP_START_ANSWER_S)
         except SidecarError as exc:
-            if conn.switch_ack is None:
-                self.lose(f"step {step}: {exc}")
-                return
-            self._switch(step)  # handed over while we were quiet, before it read our StepStart
-            if self.conn is not None:
-                self._announce(step)
+            self.announce_failed(step, exc, conn)
 
-    def exchange(self, step: int, ask: Callable[[RecoveryPort], T | None]) -> T | None:
-        """`ask` on the sidecar serving `step` (the step's exchange before its forward); when it did
-        not wait for the sidecar (None), the StepStart's answer if it is still due. Handed over
-        before the sidecar read the step: `ask` again on the successor, which decides afresh from
-        its own needs. Lost: None."""
-        while (conn := self.conn) is not None:
-            try:
-                result = ask(conn)
-                if result is None and conn.answer_due:  # a reply to the step took the answer before it
-                    conn.await_answer()
-                return result
-            except STEP_FAILURES as exc:
-                self.fail(step, exc, conn)
-        return None
-
-    def serving(self, step: int) -> RecoveryPort | None:
-        """The sidecar that takes the rest of `step`, once the StepStart's answer, if still due, came."""
-        self.exchange(step, lambda conn: None)
-        return self.conn
-
-    def fail(self, step: int, exc: Exception, conn: RecoveryPort) -> None:
-        """A message of `step` to `conn` failed. When the session was handed over before the sidecar
-        read this step (a SwitchAck came, the StepStart's answer did not), the step's notices go
-        back in the queue and the successor takes over, the step announced to it; otherwise the
-        sidecar is lost (a send that failed may still be queued: asking again could send the step twice)."""
+    def announce_failed(self, step: int, exc: SidecarError, conn: RecoveryPort) -> None:
+        """The StepStart of `step` to `conn` failed: handed over while we were quiet, before it read
+        our StepStart (a SwitchAck came), the step goes to the successor; otherwise lost."""
         if conn is not self.conn:
             return  # replaced meanwhile
-        if isinstance(exc, SidecarError) and conn.switch_ack is not None and conn.answer_due:
-            self.requests.requeue_step()
+        if conn.channel.switch_ack is None:
+            self.lose(f"step {step}: {exc}")
+            return
+        self._switch(step)
+        if self.conn is not None:
+            self._announce(step)
+
+    def fail(self, step: int, exc: Exception, conn: RecoveryPort) -> RecoveryPort | None:
+        """A message of `step` to `conn` failed; returns the sidecar that serves the rest of the step
+        (None: lost). When the session was handed over before the sidecar read this step (a
+        SwitchAck came, the StepStart's answer did not), the step's notices go back in the queue
+        and the successor takes over, the step announced to it: the step's exchange runs again
+        there. Otherwise the sidecar is lost (a send that failed may still be queued: asking
+        again could send the step twice)."""
+        if conn is not self.conn:
+            return self.conn  # replaced meanwhile
+        channel = conn.channel
+        if isinstance(exc, SidecarError) and channel.switch_ack is not None and channel.pongs_due > 0:
+            self.requests.notices.requeue_step()
             self._switch(step)  # a failed switch loses it: finish notices stay queued, the rest ended
             self._announce(step)
-            return
+            return self.conn
         self.lose(f"step {step}: {exc}")
+        return None
 
     def flush(self) -> None:
         """Wait until the sidecar handled every step sent so far: the results of the StepEnds;
@@ -166,18 +152,12 @@ class Recovery:
             return
         try:
             if conn.last_answered_step >= 0:
-                self.note_results(conn.take_results(until_step=conn.last_answered_step))
-            if conn.last_sent_step > conn.last_answered_step and conn.switch_ack is None:
+                self.failures.note_results(conn.channel.take_results(until_step=conn.last_answered_step))
+            if conn.last_sent_step > conn.last_answered_step and conn.channel.switch_ack is None:
                 conn.sync()
         except SidecarError as exc:
-            if conn.switch_ack is None:
+            if conn.channel.switch_ack is None:
                 self.lose(f"flush: {exc}")
-
-    def note_results(self, results: list[StepResult]) -> None:
-        for result in results:
-            self.failures.record(result.errors)
-            if result.switch_to:
-                self._switch_to = result.switch_to
 
     def reconnect_now(self) -> bool:
         """Lost and requests arrive: try the reconnect before they are refused (an idle vLLM runs
@@ -198,7 +178,6 @@ class Recovery:
         conn, self.conn = self.conn, None
         if conn is None:
             return
-        self._switch_to = ""  # the lost session's successor is no target for the next one
         self.losses += 1
         message = f"omni-sidecar lost ({reason}); its hooks did not run for this request"
         affected = self.requests.end_session(self.loss_policy)
@@ -220,22 +199,21 @@ class Recovery:
         answer), or here when the old sidecar has exited since (`gone`)."""
         if gone:
             try:
-                self.note_results(self.conn.take_results())
+                self.failures.note_results(self.conn.channel.take_results())
             except SidecarError as exc:
                 self.lose(str(exc))
                 return False
-        return self.conn.switch_ack is not None
+        return self.conn.channel.switch_ack is not None
 
     def _switch(self, step: int) -> None:
         """Hot upgrade at a step boundary: the old sidecar hands over, the new one resumes."""
-        old, target = self.conn, self._switch_to
-        self._switch_to = ""
+        old = self.conn
+        target = old.channel.switch_to
         t0 = time.perf_counter()
         try:
-            ack: SwitchAck = old.switch_ack or old.call(SwitchReady(last_step=old.last_sent_step, mirror_seq=old.mirror_seq),
-                                                     SwitchAck)
-            for result in old.take_results():
-                self.failures.record(result.errors)
+            ack: SwitchAck = old.channel.switch_ack or old.call(
+                SwitchReady(last_step=old.last_sent_step, mirror_seq=old.mirror_seq), SwitchAck)
+            self.failures.note_results(old.channel.take_results())
             new = self._resume(ack, timeout_s=max(MIN_SWITCH_CONNECT_S, old.step_timeout_s))
         except (SidecarError, ValueError) as exc:
             self.lose(f"switching to the new sidecar at {target} failed: {exc}")

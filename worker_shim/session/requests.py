@@ -1,8 +1,8 @@
-"""What the connected sidecar knows of vLLM's requests, and what it has yet to be told.
+"""What the connected sidecar knows of vLLM's requests.
 
 `SessionRequests` holds the requests admitted to the current sidecar session and
-the notices (new, finished, preempted) queued for the next step message; a lost
-session ends here, naming the requests its loss fails. `FailureReports` holds
+feeds the step protocol's notices (new, finished, preempted) queued for the next
+step message; a lost session ends here, naming the requests its loss fails. `FailureReports` holds
 every request the sidecar failed (hook errors, losses), for the worker's stats
 and, once, for the next sidecar so clients get `RequestFailed`.
 """
@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterable
 
-from proto.messages import NewRequest, RequestError
+from proto.messages import NewRequest, RequestError, StepResult
 from proto.settings import ERROR_TEXT_MAX
-from worker_shim.step.batch import PayloadTracker
 from worker_shim.config import LossPolicy
+from worker_shim.step.batch import PayloadTracker
+from worker_shim.step.protocol import Notices
 
 log = logging.getLogger("vllm.omni_sidecar.shim.session")
 MAX_PENDING_FAILURES = 100_000
@@ -25,43 +26,18 @@ class SessionRequests:
     def __init__(self, payloads: PayloadTracker) -> None:
         self.payloads = payloads  # shared with TP: which live requests carry a payload
         self.live: set[str] = set()  # admitted to the current session, not finished
-        self.new: list[NewRequest] = []
-        self.finished: list[str] = []
-        self.preempted: list[str] = []
-        # Notices taken by this step's messages: the sidecar may hand the session over before it
-        # reads them (Recovery requeues them for the successor).
-        self.taken_this_step: list[tuple[list[NewRequest], list[str], list[str]]] = []
+        self.notices = Notices()
 
     def admit(self, msg: NewRequest) -> None:
         self.live.add(msg.req_id)
-        self.new.append(msg)
+        self.notices.new.append(msg)
 
     def note_finished(self, finished: Iterable[str], preempted: Iterable[str]) -> None:
         """vLLM frees both kinds in finish_requests; the sidecar keeps state for preempted ones."""
         finished = sorted(finished)
-        self.finished.extend(finished)
+        self.notices.finished.extend(finished)
         self.live.difference_update(finished)
-        self.preempted.extend(sorted(preempted))
-
-    def has_notices(self) -> bool:
-        return bool(self.new or self.finished or self.preempted)
-
-    def take_notices(self) -> tuple[list[NewRequest], list[str], list[str]]:
-        notices = self.new, self.finished, self.preempted
-        self.new, self.finished, self.preempted = [], [], []
-        if notices[0] or notices[1] or notices[2]:
-            self.taken_this_step.append(notices)
-        return notices
-
-    def step_started(self) -> None:
-        self.taken_this_step.clear()
-
-    def requeue_step(self) -> None:
-        """This step's notices, taken for messages the sidecar never read (it handed the session
-        over first): back in front of the queue, in their order, for the successor."""
-        for new, finished, preempted in reversed(self.taken_this_step):
-            self.new[:0], self.finished[:0], self.preempted[:0] = new, finished, preempted
-        self.taken_this_step.clear()
+        self.notices.preempted.extend(sorted(preempted))
 
     def end_session(self, policy: LossPolicy) -> list[str]:
         """The sidecar is gone: forget what it knew; returns the requests its loss fails.
@@ -74,7 +50,7 @@ class SessionRequests:
         else:
             affected = sorted(r for r in self.live if self.payloads.carries_payload(r))
         self.live.clear()
-        self.new, self.preempted = [], []
+        self.notices.new, self.notices.preempted = [], []
         return affected
 
 
@@ -88,6 +64,11 @@ class FailureReports:
         self.request_errors[req_id] = message
         if len(self.pending) < MAX_PENDING_FAILURES:
             self.pending.append(RequestError(req_id, message[:ERROR_TEXT_MAX], self._client_id_of(req_id)))
+
+    def note_results(self, results: list[StepResult]) -> None:
+        """The hook errors step results carry."""
+        for result in results:
+            self.record(result.errors)
 
     def record(self, errors: list[Any]) -> None:
         """Hook errors the sidecar reported (it already told its clients)."""

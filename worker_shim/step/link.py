@@ -2,10 +2,11 @@
 
 The runner mixin calls `begin_step` / `ask_early` / `pre_forward` / `end_step` (or
 `abort_step` when upstream raised). Which message each point of a step sends and what it
-waits for is the step protocol's (worker_shim/step/protocol.py); the messages go through the
-port (worker_shim/step/port.py) that `Recovery` holds, which also owns every loss, reconnect
-and hot-upgrade hand-over (worker_shim/session/recovery.py): the code here sees a sidecar that
-answers, or none.
+waits for is the step protocol's (worker_shim/step/protocol.py); the messages go straight to
+the port (worker_shim/step/port.py) that `Recovery` holds. Recovery is entered only when the
+port reports a loss or a hand-over (a step message raised, or the channel holds a SwitchAck,
+a result's `switch_to`, a peer gone): it owns every such case (worker_shim/session/recovery.py)
+and hands back the sidecar that serves the rest of the step, or none.
 
 The plan: when the hooks' declared needs say the batch needs the sidecar before the forward,
 the StepBegin goes as soon as vLLM has built the batch (`ask_early`, from the runner's
@@ -26,13 +27,13 @@ from typing import Any, Callable
 import torch
 
 from proto.messages import HookNeeds, RequestError, StepBegin, StepEnd, StepTick
-from proto.settings import ERROR_TEXT_MAX, TIMINGS_KEPT
+from proto.settings import ERROR_TEXT_MAX, STEP_START_ANSWER_S, TIMINGS_KEPT
 from worker_shim.config import EmbedsSetting, LossPolicy
 from worker_shim.errors import SidecarError
 from worker_shim.model.bridge import ModelBridge
 from worker_shim.session.recovery import STEP_FAILURES, Recovery
 from worker_shim.session.requests import FailureReports, SessionRequests
-from worker_shim.step.batch import PayloadTracker, batch_layout, new_request, payload_of
+from worker_shim.step.batch import BatchReader, PayloadTracker, new_request, payload_of
 from worker_shim.step.finishes import FinishWatch
 from worker_shim.step.port import Connect, RecoveryPort, SidecarPort
 from worker_shim.step.protocol import StepNews, after_forward, before_forward
@@ -90,15 +91,18 @@ class SidecarLink:
 
     def __init__(self, connect: Connect, first: RecoveryPort, loss_policy: LossPolicy = "fail-all",
                  embeds_setting: EmbedsSetting = "auto", suffixed_ids: bool = True,
-                 payloads: PayloadTracker | None = None, length_finishes: bool = True) -> None:
+                 payloads: PayloadTracker | None = None, length_finishes: bool = True,
+                 batches: BatchReader | None = None) -> None:
         self.embeds_setting = embeds_setting  # read by the runner when it loads the model
         self.payloads = payloads if payloads is not None else PayloadTracker()
+        self.batches = batches if batches is not None else BatchReader()  # how this vLLM's batch reads
         self.requests = SessionRequests(self.payloads)
+        self.notices = self.requests.notices  # what the next step message tells the sidecar
         self.failures = FailureReports(lambda req_id: client_request_id(req_id, suffixed_ids))
         self.finishes = FinishWatch(length_finishes)
         self.recovery = Recovery(connect, first, self.requests, self.failures, loss_policy)
         self.counters = StepCounters()
-        self.ends = StepEnds(self.requests, self.failures, self.recovery.note_results, self.counters)
+        self.ends = StepEnds(self.notices, self.batches, self.failures, self.counters)
         self._suffixed_ids = suffixed_ids  # does vLLM add a suffix to the client's request id
         self.step = 0
         self._in_step = False
@@ -162,9 +166,18 @@ class SidecarLink:
     def begin_step(self) -> None:
         self._in_step = True
         self._layout_to = None
+        self.notices.step_started()
         if self.mirror_sink is not None:  # only a model with its own hooks mirrors state
             self._apply_mirror_updates()
-        self.recovery.at_step_start(self.step)
+        port = self.conn
+        if (port is None or port.channel.switch_ack is not None or port.channel.switch_to
+                or port.channel.peer_gone()):  # one look a step: a poll costs µs
+            self.recovery.at_step_start(self.step)  # lost, handed over or gone: replaced, then announced
+            return
+        try:
+            port.announce_step(self.step, STEP_START_ANSWER_S)
+        except SidecarError as exc:
+            self.recovery.announce_failed(self.step, exc, port)
 
     def _apply_mirror_updates(self) -> None:
         """Appends to mirrored state the sidecar sent since (MirrorUpdate): into the mirror before this
@@ -174,7 +187,7 @@ class SidecarLink:
         if port is None or sink is None:
             return
         try:
-            self.recovery.note_results(port.take_results())
+            self.failures.note_results(port.channel.take_results())
             for req_id, entries in port.take_mirror_updates():
                 sink(req_id, entries)
         except (SidecarError, ValueError) as exc:  # ValueError: entries that do not merge (a span gap)
@@ -187,11 +200,11 @@ class SidecarLink:
         if self._in_step or port is None or self.mirror_sink is None:
             return 0
         try:
-            self.recovery.note_results(port.take_results())
+            self.failures.note_results(port.channel.take_results())
         except SidecarError as exc:
             self.recovery.lose(f"between steps: {exc}")
             return 0
-        return port.mirror_updates_waiting
+        return len(port.channel.mirror_updates)
 
     def ask_early(self, input_batch: Any, bridge: ModelBridge | None = None) -> None:
         """The StepBegin, sent as soon as vLLM has built the step's batch (the runner's
@@ -201,7 +214,7 @@ class SidecarLink:
         if port is None or not self._in_step:
             return
         want = self._want_states(port, input_batch, bridge)
-        if before_forward(port.needs, input_batch, self.payloads, self.requests.live, want).send is None:
+        if not self._needs_plan(port, input_batch, want):
             return
         try:
             msg = self._step_begin(port, input_batch, want, bridge)
@@ -245,9 +258,28 @@ class SidecarLink:
             self._early = early
             self._drop_early()
             early = None
-        extra = self.recovery.exchange(self.step, lambda port: self._plan(port, early, input_batch, model, embeds,
-                                                                          bridge))
-        return extra if extra is not None else {}
+        port = self.conn
+        while port is not None:
+            try:
+                extra = self._plan(port, early, input_batch, model, embeds, bridge)
+                if extra is None and port.channel.pongs_due:  # no plan's round trip took the StepStart's answer
+                    port.channel.await_pongs()
+                return extra if extra is not None else {}
+            except STEP_FAILURES as exc:
+                # The successor when the session was handed over before the sidecar read this step (it
+                # decides afresh from its own needs), else None.
+                port = self.recovery.fail(self.step, exc, port)
+        return {}
+
+    def _serving(self) -> SidecarPort | None:
+        """The sidecar that takes the rest of the step, once the StepStart's answer, if still due, came."""
+        port = self.conn
+        while port is not None and port.channel.pongs_due:
+            try:
+                port.channel.await_pongs()
+            except STEP_FAILURES as exc:
+                port = self.recovery.fail(self.step, exc, port)
+        return port
 
     def _plan(self, port: SidecarPort, early: EarlyAsk | None, input_batch: Any, model: Any,
               embeds: torch.Tensor | None, bridge: ModelBridge | None) -> dict[str, Any] | None:
@@ -261,7 +293,7 @@ class SidecarLink:
             counters.asked_early += 1
         else:
             want = self._want_states(port, input_batch, bridge)
-            if before_forward(port.needs, input_batch, self.payloads, self.requests.live, want).send is None:
+            if not self._needs_plan(port, input_batch, want):
                 return None
             t0 = time.perf_counter()
             plan = port.step_plan(self._step_begin(port, input_batch, want, bridge))
@@ -280,15 +312,20 @@ class SidecarLink:
         counters.record_timing(counters.exchange_us, self._step_exchange_us)
         return extra
 
+    def _needs_plan(self, port: SidecarPort, input_batch: Any, want: list[str]) -> bool:
+        """The step protocol's answer for this batch: does a StepBegin go before the forward?"""
+        return before_forward(port.needs, input_batch.req_ids, self.batches.prefilling(input_batch),
+                              self.payloads.payload_reqs, self.requests.live, want).send is not None
+
     @staticmethod
     def _want_states(port: SidecarPort, input_batch: Any, bridge: ModelBridge | None) -> list[str]:
         """Requests of the batch whose state the model's mirror lacks (when the hooks hand states out)."""
         return bridge.missing_states(input_batch.req_ids) if bridge is not None and port.needs.model_states else []
 
     def _step_begin(self, port: SidecarPort, input_batch: Any, want: list[str], bridge: ModelBridge | None) -> StepBegin:
-        new, finished, preempted = self.requests.take_notices()
+        new, finished, preempted = self.notices.take()
         self._layout_to = port
-        return StepBegin(step=self.step, batch=batch_layout(input_batch, port.peer_req_ids, port.needs.input_ids),
+        return StepBegin(step=self.step, batch=self.batches.layout(input_batch, port.peer_req_ids, port.needs.input_ids),
                          new_requests=new, finished=finished, preempted=preempted, want_states=want,
                          model_hooks=bridge.wire if want and bridge is not None else None)
 
@@ -307,7 +344,7 @@ class SidecarLink:
             num_tokens = int(batch.num_tokens)
             counters.steps += 1
             counters.scheduled_tokens += num_tokens
-        port = self.recovery.serving(self.step)
+        port = self._serving()
         if port is None:
             if batch is not None:
                 self.finishes.forget_rows()  # a batch the length watch did not see
@@ -318,10 +355,9 @@ class SidecarLink:
             if ending:
                 counters.finished_requests += len(ending)
                 self.requests.note_finished(ending, ())
-        requests = self.requests
         news = StepNews(
             forward=batch is not None,
-            notices=bool(requests.new or requests.finished or requests.preempted),
+            notices=self.notices.pending,
             failures=bool(self.failures.pending),
             hidden=batch is not None and port.sends_hidden and state.hidden_states is not None,
             model_results=bool(model_results and (model_results[0] or model_results[1])),
@@ -378,7 +414,7 @@ class SidecarLink:
             message = "vLLM shut down before the request finished"
             cut_short = [RequestError(r, message[:ERROR_TEXT_MAX]) for r in live if r not in completed]
             self.requests.note_finished(live, ())
-            new, finished, preempted = self.requests.take_notices()
+            new, finished, preempted = self.notices.take()
             try:
                 port.send(StepEnd(step=self.step, new_requests=new, finished=finished, preempted=preempted,
                                   failed=self.failures.take_pending() + cut_short))

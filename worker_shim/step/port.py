@@ -2,8 +2,8 @@
 
 Two implementations: the connection to a sidecar process (worker_shim/wire/connection.py: ring or
 socket, arenas) and the in-process baseline (bench/inproc.py: the hooks called in this process,
-tensors by reference). `RecoveryPort` adds what `Recovery` needs to tell a lost or handed-over
-sidecar from a live one and to replace it.
+tensors by reference). Replies are read where they arrive, the port's `channel` (`ReplyChannel`).
+`RecoveryPort` adds what `Recovery` needs to replace a lost or handed-over sidecar.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from proto.messages import HookNeeds, Message, StepBegin, StepEnd, StepPlan, StepResult, StepTick, SwitchAck, Welcome
+from proto.messages import (HookNeeds, Message, MirrorUpdate, StepBegin, StepEnd, StepPlan, StepResult, StepTick, SwitchAck,
+                            Welcome)
 
 ModelStates = dict[str, Any]  # per request: its state, as the model's own hooks keep it
 
@@ -29,9 +30,31 @@ class StepSlot(Protocol):
     def sent(self) -> None: ...
 
 
+class ReplyChannel(Protocol):
+    """What the sidecar sent, as a step reads it: results, mirror updates, the answers owed to
+    StepStarts, a hand-over (done or asked for), the peer gone."""
+
+    switch_ack: SwitchAck | None  # the old sidecar handed this session over while idle (else None)
+    switch_to: str  # a result asked to switch to this sidecar at the next step boundary ("": none)
+    pongs_due: int  # StepStarts of this step whose answer has not come yet
+    mirror_updates: list[MirrorUpdate]  # received, not yet taken (the port's `take_mirror_updates`)
+
+    def await_pongs(self) -> None:
+        """Wait for the StepStarts' answers; SidecarError, `switch_ack` set, when handed over first."""
+
+    def take_results(self, until_step: int | None = None) -> list[StepResult]:
+        """Results received so far; blocks (up to the step timeout) for `until_step`'s."""
+
+    def poll_ring_results(self) -> list[StepResult]:
+        """Results already there, without waiting (a StepResult with `switch_to` answers a StepTick)."""
+
+    def peer_gone(self) -> bool: ...
+
+
 class SidecarPort(Protocol):
     """What one step asks of the sidecar serving it."""
 
+    channel: ReplyChannel
     needs: HookNeeds
     hook_set: str
     peer_req_ids: list[str] | None  # the request order the sidecar holds (a layout omits it when unchanged)
@@ -53,42 +76,25 @@ class SidecarPort(Protocol):
 
     def read_states(self, plan: StepPlan) -> ModelStates: ...
 
+    def announce_step(self, step: int, answer_after_s: float) -> None: ...
+
     def claim_slot(self, step: int, wait_answered: Callable[[int], None]) -> StepSlot: ...
 
     def send(self, msg: StepEnd | StepTick) -> None: ...
 
-    def take_results(self, until_step: int | None = None) -> list[StepResult]: ...
-
-    def poll_results(self) -> list[StepResult]: ...
-
     def take_mirror_updates(self) -> list[tuple[str, dict[str, Any]]]: ...
-
-    @property
-    def mirror_updates_waiting(self) -> int: ...
 
     def sync(self) -> None: ...
 
 
 class RecoveryPort(SidecarPort, Protocol):
-    """The port as `Recovery` holds it: liveness, hand-over and reconnect."""
+    """The port as `Recovery` holds it: hand-over and reconnect."""
 
     endpoint: str
     step_timeout_s: float
     started: float
     welcome: Welcome | None
     mirror_seq: int
-
-    def announce_step(self, step: int, answer_after_s: float) -> None: ...
-
-    @property
-    def answer_due(self) -> bool: ...
-
-    def await_answer(self) -> None: ...
-
-    @property
-    def switch_ack(self) -> SwitchAck | None: ...
-
-    def peer_gone(self) -> bool: ...
 
     def call(self, msg: Message, want: type) -> Any: ...
 

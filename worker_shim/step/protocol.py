@@ -1,8 +1,9 @@
 """The step protocol: at each point of a step, which message goes to the sidecar and what the step waits for.
 
 Pure: decided from the batch, the hook set's declared needs and what is pending (request notices,
-failures, this step's results); no I/O. `SidecarLink` (worker_shim/step/link.py) sends what these
-say through its port; `Recovery` handles a sidecar that is gone or handed the session over.
+failures, this step's results); no I/O. The request notices wait here (`Notices`) for the step
+message that carries them. `SidecarLink` (worker_shim/step/link.py) sends what these say through
+its port; `Recovery` handles a sidecar that is gone or handed the session over.
 
     step start      StepStart, always; it asks for an answer (a Pong) after a quiet spell, when the
                     sidecar may be handing the session over: that answer is taken at the step's one
@@ -16,11 +17,12 @@ say through its port; `Recovery` handles a sidecar that is gone or handed the se
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from proto.messages import HookNeeds, Pong, StepBegin, StepEnd, StepPlan, StepStart, StepTick
+import numpy as np
+
+from proto.messages import HookNeeds, NewRequest, Pong, StepBegin, StepEnd, StepPlan, StepStart, StepTick
 from proto.settings import STEP_START_ANSWER_S
-from worker_shim.step.batch import PayloadTracker
 
 
 @dataclass(frozen=True)
@@ -40,14 +42,33 @@ def step_start(quiet_s: float, answer_after_s: float = STEP_START_ANSWER_S) -> E
     return Exchange(StepStart, Pong if quiet_s >= answer_after_s else None)
 
 
-def before_forward(needs: HookNeeds, batch: Any, payloads: PayloadTracker, live: set[str],
-                   want_states: list[str]) -> Exchange:
-    """A StepBegin when the batch needs the sidecar before its forward: requests whose state the
-    model's mirror lacks (`want_states`), or the needs applied to the batch's payload requests
-    (those the current session knows: `live`)."""
-    if want_states or payloads.exchange_needed(needs, batch, among=live):
+def before_forward(needs: HookNeeds, req_ids: list[str], prefilling: np.ndarray, payload_reqs: set[str],
+                   live: set[str] | None = None, want_states: list[str] | None = None) -> Exchange:
+    """A StepBegin when the batch (its request ids and per-row prefill flags) needs the sidecar
+    before its forward: requests whose state the model's mirror lacks (`want_states`), or the needs
+    applied to the batch's rows. Scope "payload" counts the requests that carry a payload
+    (`payload_reqs`), narrowed to those the current session knows (`live`; None: all of them)."""
+    if want_states or _plan_needed(needs, req_ids, prefilling, payload_reqs, live):
         return Exchange(StepBegin, StepPlan)
     return NOTHING
+
+
+def _plan_needed(needs: HookNeeds, req_ids: list[str], prefilling: np.ndarray, payload_reqs: set[str],
+                 live: set[str] | None) -> bool:
+    mode = needs.pre_forward
+    if mode == "never":
+        return False
+    if needs.pre_forward_scope == "all":
+        return mode == "always" or bool(prefilling.any())
+    if not payload_reqs:
+        return False
+
+    def counts(req_id: str) -> bool:
+        return req_id in payload_reqs and (live is None or req_id in live)
+
+    if mode == "always":
+        return any(counts(r) for r in req_ids)
+    return any(prefilling[i] and counts(r) for i, r in enumerate(req_ids))
 
 
 class StepNews(NamedTuple):
@@ -73,4 +94,37 @@ def after_forward(needs: HookNeeds, news: StepNews) -> Exchange:
     return Exchange(StepTick)
 
 
-__all__ = ["Exchange", "NOTHING", "StepNews", "after_forward", "before_forward", "step_start"]
+class Notices:
+    """What the sidecar has yet to be told of vLLM's requests (new, finished, preempted), queued for
+    the next step message that carries them. A step's taken notices are kept until the next step:
+    the sidecar may hand the session over before it reads them (`requeue_step`)."""
+
+    def __init__(self) -> None:
+        self.new: list[NewRequest] = []
+        self.finished: list[str] = []
+        self.preempted: list[str] = []
+        self.taken_this_step: list[tuple[list[NewRequest], list[str], list[str]]] = []
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.new or self.finished or self.preempted)
+
+    def take(self) -> tuple[list[NewRequest], list[str], list[str]]:
+        notices = self.new, self.finished, self.preempted
+        self.new, self.finished, self.preempted = [], [], []
+        if notices[0] or notices[1] or notices[2]:
+            self.taken_this_step.append(notices)
+        return notices
+
+    def step_started(self) -> None:
+        self.taken_this_step.clear()
+
+    def requeue_step(self) -> None:
+        """This step's notices, taken for messages the sidecar never read: back in front of the
+        queue, in their order, for the successor."""
+        for new, finished, preempted in reversed(self.taken_this_step):
+            self.new[:0], self.finished[:0], self.preempted[:0] = new, finished, preempted
+        self.taken_this_step.clear()
+
+
+__all__ = ["Exchange", "NOTHING", "Notices", "StepNews", "after_forward", "before_forward", "step_start"]

@@ -9,16 +9,17 @@ the model's results, its tensors in the step's hidden slot (docs/ARCHITECTURE.md
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from omni_arena.tensor_tree import TreeEncoder
-from proto.messages import StepEnd, StepResult, StepTick
+from proto.messages import StepEnd, StepTick
 from worker_shim.model.layers import LayerCapture
-from worker_shim.session.requests import FailureReports, SessionRequests
-from worker_shim.step.batch import batch_layout
+from worker_shim.session.requests import FailureReports
+from worker_shim.step.batch import BatchReader
 from worker_shim.step.port import SidecarPort, StepSlot
+from worker_shim.step.protocol import Notices
 
 if TYPE_CHECKING:
     from worker_shim.step.link import StepCounters
@@ -27,13 +28,14 @@ ModelResults = tuple[dict[str, Any], dict[str, Any]]  # per request: state updat
 
 
 class StepEnds:
-    """Writes each step's end record to the port; results read on the way go to `note_results`."""
+    """Writes each step's end record to the port; the hook errors of results read on the way go to
+    the failures (a result's `switch_to` stays in the port's channel, for the next step's start)."""
 
-    def __init__(self, requests: SessionRequests, failures: FailureReports,
-                 note_results: Callable[[list[StepResult]], None], counters: StepCounters) -> None:
-        self.requests = requests
+    def __init__(self, notices: Notices, batches: BatchReader, failures: FailureReports,
+                 counters: StepCounters) -> None:
+        self.notices = notices
+        self.batches = batches
         self.failures = failures
-        self.note_results = note_results
         self.counters = counters  # this thread's CPU time in each StepEnd's record goes there
         self.layer_capture: LayerCapture | None = None  # set by the runner at load (hidden_layers)
         self._encoder = TreeEncoder()
@@ -42,9 +44,9 @@ class StepEnds:
         """The fixed-size StepTick: counters and timings, nothing that grows with the batch. Only a
         StepResult with `switch_to` answers it; a non-blocking look at the ring finds that one."""
         port.send(StepTick(step, num_tokens, exchange_us, post_us))
-        results = port.poll_results()  # [] but when a hot upgrade asks: one look at the ring
+        results = port.channel.poll_ring_results()  # [] but when a hot upgrade asks: one look at the ring
         if results:
-            self.note_results(results)
+            self.failures.note_results(results)
 
     def end(self, port: SidecarPort, step: int, batch: Any, state: Any, num_tokens: int,
             model_results: ModelResults | None, with_layout: bool, exchange_us: float, post_us: float) -> None:
@@ -58,15 +60,17 @@ class StepEnds:
         send_hidden = batch is not None and port.sends_hidden and state.hidden_states is not None
         if send_hidden or updates or outputs:
             # One slot per step: hidden rows and captured layers first, then the model's updates and outputs.
-            slot = port.claim_slot(step, lambda s: self.note_results(port.take_results(until_step=s)))
+            slot = port.claim_slot(step, lambda s: self.failures.note_results(
+                port.channel.take_results(until_step=s)))
             if send_hidden:
                 hidden_ref, layer_refs = slot.put_hidden(state.hidden_states[:num_tokens],
                                                          self._layer_rows(port, num_tokens))
             model_updates = self._encode(updates, slot, tensors)
             model_outputs = self._encode(outputs, slot, tensors)
             hidden_event = slot.seal()
-        new, finished, preempted = self.requests.take_notices()
-        layout = batch_layout(batch, port.peer_req_ids, port.needs.input_ids) if batch is not None and with_layout else None
+        new, finished, preempted = self.notices.take()
+        layout = (self.batches.layout(batch, port.peer_req_ids, port.needs.input_ids)
+                  if batch is not None and with_layout else None)
         port.send(StepEnd(
             step=step,
             batch=layout,
@@ -86,7 +90,7 @@ class StepEnds:
         ))
         if slot is not None:
             slot.sent()
-        self.note_results(port.take_results())
+        self.failures.note_results(port.channel.take_results())
         self.counters.record_timing(self.counters.step_end_cpu_us, (time.thread_time() - cpu0) * 1e6)
 
     def _encode(self, tree: dict[str, Any], slot: StepSlot, tensors: list[Any]) -> bytes:

@@ -24,28 +24,30 @@ import msgspec
 import torch
 
 from proto.messages import HookNeeds
-from worker_shim.step.batch import PayloadTracker, payload_of
+from worker_shim.step.batch import BatchReader, PayloadTracker, payload_of
 from worker_shim.errors import SidecarError
 from worker_shim.config import EmbedsSetting
+from worker_shim.step.protocol import before_forward
 
 log = logging.getLogger("vllm.omni_sidecar.shim.tp")
 MAX_KWARGS_BYTES = 16 << 20
 
 
 class TensorParallelSync:
-    def __init__(self, group: Any, payloads: PayloadTracker) -> None:
+    def __init__(self, group: Any, payloads: PayloadTracker, batches: BatchReader | None = None) -> None:
         self.group = group
         self.rank = int(group.rank_in_group)
         self.size = int(group.world_size)
         self.needs = HookNeeds()
         self.payloads = payloads  # the rank's link feeds it; every rank holds the same
+        self.batches = batches if batches is not None else BatchReader()
 
     @classmethod
-    def from_vllm(cls, payloads: PayloadTracker) -> "TensorParallelSync | None":
+    def from_vllm(cls, payloads: PayloadTracker, batches: BatchReader) -> "TensorParallelSync | None":
         from vllm.distributed.parallel_state import get_tp_group
 
         group = get_tp_group()
-        return cls(group, payloads) if int(group.world_size) > 1 else None
+        return cls(group, payloads, batches) if int(group.world_size) > 1 else None
 
     @property
     def driver(self) -> bool:
@@ -75,8 +77,9 @@ class TensorParallelSync:
     # -- per step -----------------------------------------------------------------
 
     def step_needs_broadcast(self, input_batch: Any) -> bool:
-        """The link's decision with the start-up needs (every rank's copy of them)."""
-        return self.payloads.exchange_needed(self.needs, input_batch)
+        """The link's decision (the step protocol's) with the start-up needs (every rank's copy of them)."""
+        return before_forward(self.needs, input_batch.req_ids, self.batches.prefilling(input_batch),
+                              self.payloads.payload_reqs).send is not None
 
     def exchange(self, extra: dict[str, Any], embeds: torch.Tensor | None, num_tokens: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:

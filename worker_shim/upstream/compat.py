@@ -67,7 +67,8 @@ DECODER_LAYERS_ATTR = "layers"
 RUNNER_INIT_ATTRS = ["vllm_config", "max_num_tokens"]  # before load_model
 RUNNER_ATTRS = ["model_state", "model", "execute_model_state", "req_states", *RUNNER_INIT_ATTRS]
 MODEL_STATE_METHODS = ["prepare_inputs", "prepare_dummy_inputs"]
-# Read every step (worker_shim/step/batch.py); is_prefilling_np is used when present (0.26 lacks it).
+# Read every step (worker_shim/step/batch.py); the prefill flags field is used when present (0.26 lacks it).
+PREFILL_FLAGS_FIELD = "is_prefilling_np"
 INPUT_BATCH_FIELDS = [
     "req_ids",
     "num_tokens",
@@ -268,13 +269,12 @@ def prompt_len_of(req) -> int:
     return 0 if embeds is None else int(embeds.shape[0])
 
 
-def prefill_flags(batch):
-    """Per-row "still in prefill" flags: upstream's own array (every tested minor has it), else derived."""
-    flags = getattr(batch, "is_prefilling_np", None)
-    if flags is not None:
-        return flags
-    n = len(batch.req_ids)
-    return batch.num_computed_tokens_np[:n] < batch.prefill_len_np[:n]
+def has_own_prefill_flags() -> bool:
+    """Does this vLLM's InputBatch carry its own per-row "still in prefill" flags? Asked once at
+    start-up (worker_shim/step/batch.py `BatchReader` derives them when not)."""
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+
+    return PREFILL_FLAGS_FIELD in _fields_of(InputBatch)
 
 
 def v2_takes_prompt_embeds(version: str) -> bool:

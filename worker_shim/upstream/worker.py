@@ -22,9 +22,9 @@ from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from worker_shim import __version__
 from worker_shim.errors import SidecarError
 from worker_shim.wire.connection import SidecarConnection
-from worker_shim.step.batch import PayloadTracker
-from worker_shim.upstream.compat import (ShimCompatError, check_upstream, upstream_request_ids_suffixed, vllm_version,
-                                welcome_refusal)
+from worker_shim.step.batch import BatchReader, PayloadTracker
+from worker_shim.upstream.compat import (ShimCompatError, check_upstream, has_own_prefill_flags,
+                                         upstream_request_ids_suffixed, vllm_version, welcome_refusal)
 from worker_shim.config import ArenaChoice, ShimConfig
 from worker_shim.step.link import SidecarLink
 from worker_shim.upstream.runner import SidecarRunnerMixin, swap_class
@@ -50,10 +50,11 @@ class ShimWorkerMixin:
                 "Set VLLM_USE_V2_MODEL_RUNNER=1 (and check the log for the V2 feature it refused)."
             )
         payloads = PayloadTracker()  # one per rank: its link feeds it, its TP sync reads it
-        tp = TensorParallelSync.from_vllm(payloads)
+        batches = BatchReader(has_own_prefill_flags())  # this vLLM's batch, as every step reads it
+        tp = TensorParallelSync.from_vllm(payloads, batches)
         link: SidecarLink | TensorParallelFollower
         if tp is None or tp.driver:
-            link = self._connect_sidecar(payloads)
+            link = self._connect_sidecar(payloads, batches)
             if tp is not None:
                 tp.share_needs(link.needs)
         else:
@@ -79,7 +80,7 @@ class ShimWorkerMixin:
             if runner is not None:
                 runner.omni_warming_up = False
 
-    def _connect_sidecar(self, payloads: PayloadTracker) -> SidecarLink:
+    def _connect_sidecar(self, payloads: PayloadTracker, batches: BatchReader) -> SidecarLink:
         stale = sweep_stale()
         if stale:
             log.info("omni-sidecar shim: removed %d stale arena(s) of dead processes from /dev/shm", len(stale))
@@ -140,7 +141,7 @@ class ShimWorkerMixin:
         length_finishes = getattr(vcfg, "speculative_config", None) is None
         return SidecarLink(connect, first, cfg.loss_policy, cfg.embeds_buffer,
                            suffixed_ids=upstream_request_ids_suffixed(), payloads=payloads,
-                           length_finishes=length_finishes)
+                           length_finishes=length_finishes, batches=batches)
 
     def _arena_choice(self, setting: ArenaChoice) -> tuple[Any, ArenaKind]:
         """CUDA IPC on CUDA GPUs; host shared memory (staging) on CPU and accelerators without it."""

@@ -78,6 +78,7 @@ class SidecarChannel:
         self._welcome: Welcome | None = None
         self.acked_step = -1  # highest step whose StepResult arrived
         self.switch_ack: SwitchAck | None = None  # sent unsolicited when the sidecar handed us over idle
+        self.switch_to = ""  # a result asked us to switch to this sidecar at the next step boundary
         self.mirror_updates: list[MirrorUpdate] = []  # unsolicited; applied at the next step start
         # StepStarts sent with `answer` whose Pong has not arrived: awaited later in the step, at its
         # one wait (docs/ARCHITECTURE.md, Hot upgrade); a Pong read meanwhile settles one.
@@ -290,6 +291,8 @@ class SidecarChannel:
         if isinstance(msg, StepResult):
             self._results.append(msg)
             self.acked_step = max(self.acked_step, msg.step)
+            if msg.switch_to:
+                self.switch_to = msg.switch_to
         elif isinstance(msg, SwitchAck):
             self.switch_ack = msg  # the sidecar handed this idle session over: switch at the next step
         elif isinstance(msg, MirrorUpdate):

@@ -1,9 +1,10 @@
 """One connection to one sidecar: its channel, its arenas, and what the sidecar has seen.
 
 The shim's `SidecarPort` (worker_shim/step/port.py) over a sidecar process: messages through
-the channel (socket and shared-memory rings), tensors through the arenas. A new connection
-(start-up, or reconnect after the sidecar died or was replaced) gets a new hidden-state arena:
-the previous sidecar removed the old one's name once it had mapped it.
+the channel (socket and shared-memory rings; a step reads the replies there), tensors through
+the arenas. A new connection (start-up, or reconnect after the sidecar died or was replaced)
+gets a new hidden-state arena: the previous sidecar removed the old one's name once it had
+mapped it.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import torch
 
 from proto.arena import ArenaError, ShmArena
 from proto.messages import (
-    ArenaInfo, ArenaKind, Hello, HookNeeds, Message, Ping, Pong, StepBegin, StepEnd, StepPlan, StepResult, StepStart,
-    StepTick, SwitchAck, Welcome,
+    ArenaInfo, ArenaKind, Hello, HookNeeds, Message, Ping, Pong, StepBegin, StepEnd, StepPlan, StepStart, StepTick,
+    Welcome,
 )
 from omni_arena.tensor_tree import decode_inline
 from proto.plan_trees import TreeError
@@ -46,7 +47,7 @@ class SidecarConnection:
         else:
             self._hidden_arena = ShmArena.create(hidden_bytes, prefix=arena_prefix)
         self.hello = msgspec.structs.replace(hello, arenas=[self._hidden_arena.info()])
-        self._channel = SidecarChannel(endpoint, step_timeout_s, curve_keys, ring=ring)
+        self.channel = SidecarChannel(endpoint, step_timeout_s, curve_keys, ring=ring)
         self.endpoint = endpoint
         self.step_timeout_s = step_timeout_s
         self._num_hidden_slots = hidden_slots
@@ -71,7 +72,7 @@ class SidecarConnection:
     def connect(self, timeout_s: float) -> Welcome:
         """Start-up: wait for the Welcome, or fail with a message that says what to do."""
         try:
-            self._accept(self._channel.handshake(self.hello, timeout_s))
+            self._accept(self.channel.handshake(self.hello, timeout_s))
         except BaseException:
             self.close()
             raise
@@ -80,10 +81,10 @@ class SidecarConnection:
 
     def start(self) -> None:
         """Reconnect: send Hello now; `poll` picks up the Welcome on a later step."""
-        self._channel.send(self.hello)
+        self.channel.send(self.hello)
 
     def poll(self, wait_ms: int = 0) -> bool:
-        welcome = self._channel.poll_welcome(self.hello, wait_ms)
+        welcome = self.channel.poll_welcome(self.hello, wait_ms)
         if welcome is None:
             return False
         self._accept(welcome)
@@ -124,12 +125,12 @@ class SidecarConnection:
     def send(self, msg: Message) -> None:
         if type(msg) is StepTick:  # the one message of a pass-through step: none of the type tests below
             self.last_sent_at = time.monotonic()
-            self._channel.send_quiet(msg)
+            self.channel.send_quiet(msg)
             self.step_open = False
             self.last_sent_step = msg.step
             return
         sent_at = time.monotonic()
-        self._channel.send(msg)
+        self.channel.send(msg)
         self._note_sent(msg, sent_at)
 
     def sync(self) -> None:
@@ -139,44 +140,30 @@ class SidecarConnection:
 
     def call(self, msg: Message, want: type) -> Any:
         self._note_sent(msg, time.monotonic())  # a step message's layout is the sidecar's even when no reply comes
-        return self._channel.call(msg, want)
+        return self.channel.call(msg, want)
 
     def announce_step(self, step: int, answer_after_s: float) -> None:
         """StepStart, first thing in a step: the sidecar hands a session over on its own only between
         steps. After `answer_after_s` without sending, it may be doing so right now: the StepStart
-        asks for an answer (worker_shim/step/protocol.py), awaited at the step's one wait
-        (`answer_due`: the plan's round trip, else `await_answer`). See docs/ARCHITECTURE.md, Hot upgrade."""
+        asks for an answer (worker_shim/step/protocol.py), awaited at the step's one wait (the plan's
+        round trip, else the channel's `await_pongs`). See docs/ARCHITECTURE.md, Hot upgrade."""
         quiet_since = self.last_sent_at
         self.step_open = True
         now = time.monotonic()
         if step_start(now - quiet_since, answer_after_s).wait is None:
             # A StepStart that wants no answer wakes nobody: one ring write (no routing or type tests).
-            self._channel.send_quiet(StepStart(step=step, mirror_seq=self.mirror_seq))
+            self.channel.send_quiet(StepStart(step=step, mirror_seq=self.mirror_seq))
             self.last_sent_at = now
             if step_start(time.monotonic() - quiet_since, answer_after_s).wait is None:
                 return  # written while the sidecar still counted this session as stepping
         self.send(StepStart(step=step, answer=True, mirror_seq=self.mirror_seq))
-        self._channel.pongs_due += 1
-
-    @property
-    def answer_due(self) -> bool:
-        """A StepStart of this step asked for an answer that has not come yet."""
-        return self._channel.pongs_due > 0
-
-    def await_answer(self) -> None:
-        """Wait for it; SidecarError with `switch_ack` set when the session was handed over first."""
-        self._channel.await_pongs()
-
-    @property
-    def mirror_updates_waiting(self) -> int:
-        """MirrorUpdates received (read with `take_results`) and not yet taken."""
-        return len(self._channel.mirror_updates)
+        self.channel.pongs_due += 1
 
     def take_mirror_updates(self) -> list[tuple[str, dict[str, Any]]]:
-        """(req_id, entries) of the MirrorUpdates received so far (read with `take_results`), in order,
+        """(req_id, entries) of the MirrorUpdates received so far (read with `channel.take_results`), in order,
         now counted as applied: the caller applies them before this step's StepStart
         (docs/ARCHITECTURE.md, Streaming payloads)."""
-        updates, self._channel.mirror_updates = self._channel.mirror_updates, []
+        updates, self.channel.mirror_updates = self.channel.mirror_updates, []
         out = []
         for update in updates:
             try:
@@ -192,10 +179,10 @@ class SidecarConnection:
     def ask_plan(self, msg: StepBegin) -> None:
         """The StepBegin now, its plan taken later by `take_plan` (nothing else is sent between)."""
         self._note_sent(msg, time.monotonic())
-        self._channel.send(msg)
+        self.channel.send(msg)
 
     def take_plan(self, msg: StepBegin) -> StepPlan:
-        return _plan_of(msg, self._channel.answer(msg, StepPlan))
+        return _plan_of(msg, self.channel.answer(msg, StepPlan))
 
     def _note_sent(self, msg: Message, sent_at: float) -> None:
         if isinstance(msg, (StepStart, StepBegin, StepEnd)):  # what the sidecar counts as stepping
@@ -208,23 +195,6 @@ class SidecarConnection:
                 self.peer_req_ids = layout.req_ids
         if isinstance(msg, StepEnd):
             self.last_sent_step = self.last_answered_step = msg.step
-
-    def take_results(self, until_step: int | None = None) -> list[StepResult]:
-        """Results received so far; blocks (up to the step timeout) for `until_step`'s."""
-        return self._channel.take_results(until_step=until_step)
-
-    def poll_results(self) -> list[StepResult]:
-        """Results already in the ring, without touching the socket (what a StepTick step looks at:
-        a StepResult with `switch_to` rides the ring); `take_results` where there are no rings."""
-        return self._channel.poll_ring_results()
-
-    @property
-    def switch_ack(self) -> SwitchAck | None:
-        """The old sidecar's SwitchAck when it handed this session over while idle (else None)."""
-        return self._channel.switch_ack
-
-    def peer_gone(self) -> bool:
-        return self._channel.peer_gone()
 
     # -- tensors --------------------------------------------------------------------
 
@@ -246,7 +216,7 @@ class SidecarConnection:
     def stats(self) -> dict[str, Any]:
         """The arena kind, CUDA IPC opens, and the rings' kicks sent to a sleeping sidecar and our own
         sleeps waiting for one (each a step's kernel round trip on the critical path)."""
-        channel, opens = self._channel, self.opens
+        channel, opens = self.channel, self.opens
         return {
             "arena_kind": self.arena_kind,
             "arena_opens": {"mem": opens.mem, "events": opens.events} if opens is not None else {},
@@ -254,7 +224,7 @@ class SidecarConnection:
         }
 
     def close(self) -> None:
-        self._channel.close()
+        self.channel.close()
         self._hidden = None  # first: its slot views keep the mapping exported
         self._landing.close()
         for arena in (self._hidden_arena, self._overlay_arena):
