@@ -58,25 +58,40 @@ def packed_layout(req_ids: list[str] | None, query_start_loc: Any, num_computed_
     )
 
 
+class _Unpacked:
+    """A BatchLayout array of a StepLayout as ints, unpacked on first read and kept on the layout."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, layout: StepLayout | None, owner: type | None = None) -> list[int] | None:
+        if layout is None:
+            return self  # type: ignore[return-value]  # the class attribute itself
+        packed = getattr(layout._packed, self.name, None)
+        value = unpack_u32(packed) if packed is not None else None
+        layout.__dict__[self.name] = value
+        return value
+
+
 class StepLayout:
     """A step's batch layout as the sidecar's hooks read it: request ids resolved, each array's ints
     a list. Read off a BatchLayout (`unpacking`: ints on first access), or made of lists (a layout the
     sidecar derives: the rows a replay has not seen, the next decode step's prediction).
     """
 
-    # Unpacked arrays, set on first access (class defaults: `unpacking` sets two attributes only;
-    # it runs for every StepBegin).
-    _qsl: list[int] | None = None
-    _computed: list[int] | None = None
-    _prefill: list[int] | None = None
-    _input_ids: list[int] | None = None
+    # Each array is unpacked on first read (`unpacking` sets two attributes only: it runs for every
+    # StepBegin, and the pre-forward hooks of a steady decode step usually read none).
+    query_start_loc = _Unpacked()
+    num_computed_tokens = _Unpacked()
+    prefill_lens = _Unpacked()
+    input_ids = _Unpacked()
     _packed: BatchLayout | None = None
 
     def __init__(self, req_ids: list[str], query_start_loc: list[int], num_computed_tokens: list[int],
                  prefill_lens: list[int], input_ids: list[int] | None = None) -> None:
         self.req_ids = req_ids
-        self._qsl, self._computed, self._prefill = query_start_loc, num_computed_tokens, prefill_lens
-        self._input_ids = input_ids
+        self.query_start_loc, self.num_computed_tokens, self.prefill_lens = query_start_loc, num_computed_tokens, prefill_lens
+        self.input_ids = input_ids
 
     @classmethod
     def unpacking(cls, req_ids: list[str], packed: BatchLayout) -> StepLayout:
@@ -94,30 +109,6 @@ class StepLayout:
         layout.req_ids = req_ids
         layout._packed = packed
         return layout
-
-    @property
-    def query_start_loc(self) -> list[int]:
-        if self._qsl is None:
-            self._qsl = unpack_u32(self._packed.query_start_loc)
-        return self._qsl
-
-    @property
-    def num_computed_tokens(self) -> list[int]:
-        if self._computed is None:
-            self._computed = unpack_u32(self._packed.num_computed_tokens)
-        return self._computed
-
-    @property
-    def prefill_lens(self) -> list[int]:
-        if self._prefill is None:
-            self._prefill = unpack_u32(self._packed.prefill_lens)
-        return self._prefill
-
-    @property
-    def input_ids(self) -> list[int] | None:
-        if self._input_ids is None and self._packed is not None and self._packed.input_ids is not None:
-            self._input_ids = unpack_u32(self._packed.input_ids)
-        return self._input_ids
 
     def check(self) -> None:
         """LayoutError unless the lists fit the request count (a layout made of lists; `unpacking`
@@ -140,7 +131,7 @@ class StepLayout:
     __hash__ = None  # type: ignore[assignment]  # lists inside: not hashable, as a list is not
 
     def __repr__(self) -> str:
-        if self._packed is not None and self._qsl is None:
+        if self._packed is not None and "query_start_loc" not in vars(self):
             return f"StepLayout({len(self.req_ids)} requests, packed)"
         return "StepLayout({}, {}, {}, {}, {})".format(*self._fields())
 

@@ -36,7 +36,7 @@ def test_pack_round_trip_from_lists_and_numpy():
 def test_step_layout_checks_lengths_and_unpacks_on_access():
     packed = packed_layout(["a", "b"], [0, 1, 4], [9, 2], [4, 6], [5, 6, 7, 8])
     lay = StepLayout.unpacking(["a", "b"], packed)
-    assert lay._qsl is None  # nothing unpacked until read
+    assert not {"query_start_loc", "num_computed_tokens", "prefill_lens", "input_ids"} & vars(lay).keys()  # nothing unpacked until read
     assert lay.query_start_loc == [0, 1, 4] and lay.num_computed_tokens == [9, 2] and lay.prefill_lens == [4, 6]
     assert lay == StepLayout(["a", "b"], [0, 1, 4], [9, 2], [4, 6], [5, 6, 7, 8])
     assert lay.packed() == packed and lay != StepLayout(["a", "b"], [0, 1, 4], [9, 2], [4, 6])
