@@ -1,6 +1,6 @@
 """A Qwen3-TTS-shaped talker through the model-hook bridge: real vLLM V2 (CPU), the shim, a real sidecar.
 
-The tiny talker (tiny_talker.py) carries vllm-omni's hook API; the shim calls its hooks in
+The tiny talker (tests/tiny_models/talker.py) carries vllm-omni's hook API; the shim calls its hooks in
 vllm-omni's order, the sidecar (`omni-talker` + a state digest) decodes the payloads, keeps
 the state and assembles `codes.audio`. Requests of different prompt and text lengths run
 together with chunked prefill (16 tokens per step); their codes must equal a direct
