@@ -24,6 +24,7 @@ import zmq
 from proto.codec import Codec
 from proto.messages import StepBegin, StepPlan
 from proto.packed import packed_layout
+from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,24 +98,31 @@ class SidecarClientBench:
              "--log-level", "WARNING"],
             cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
         )
-        wait_ready(endpoint, 60, self.proc)
-        self.arena = ShmArena.create(1 << 20)
-        self.channel = SidecarChannel(endpoint, step_timeout_s=30, ring=RingConfig.from_env() if ring else
-                                      RingConfig(enabled=False))
-        self.channel.handshake(
-            Hello(1, 0, "bench", "none", "cpu", 0, 1, "bench", 128, "float32", 256, [self.arena.info()]), 30
-        )
-        if ring and self.channel.rings is None:
-            raise RuntimeError("the sidecar did not accept the shared-memory rings")
-        self.channel.call(step_message(num_reqs), StepPlan)  # names the requests once
+        self.arena: ShmArena | None = None
+        self.channel: SidecarChannel | None = None
+        try:  # a failed start stops what it started (a refused handshake must not leave a sidecar running)
+            wait_ready(endpoint, 60, self.proc)
+            self.arena = ShmArena.create(1 << 20)
+            self.channel = SidecarChannel(endpoint, step_timeout_s=30, ring=RingConfig.from_env() if ring else
+                                          RingConfig(enabled=False))
+            self.channel.handshake(Hello(PROTOCOL_MAJOR, PROTOCOL_MINOR, "bench", "none", "cpu", 0, 1, "bench", 128,
+                                         "float32", 256, [self.arena.info()]), 30)
+            if ring and self.channel.rings is None:
+                raise RuntimeError("the sidecar did not accept the shared-memory rings")
+            self.channel.call(step_message(num_reqs), StepPlan)  # names the requests once
+        except BaseException:
+            self.close()
+            raise
         self.msg = step_message(num_reqs, same_ids=True)
 
     def round_trip(self) -> None:
         self.channel.call(self.msg, StepPlan)
 
     def close(self) -> None:
-        self.channel.close()
-        self.arena.close()
+        if self.channel is not None:
+            self.channel.close()
+        if self.arena is not None:
+            self.arena.close()
         self.proc.terminate()
         self.proc.wait(15)
 
@@ -124,10 +132,14 @@ PATHS = ("raw", "ring", "zmq")
 
 def interleaved(num_reqs: int, iters: int, run_dir: Path, block: int = 250) -> dict[str, list[float]]:
     """All three paths alive at once, measured in alternating blocks so host drift hits them alike."""
-    clients = {"raw": RawClient(num_reqs, run_dir), "ring": SidecarClientBench(num_reqs, run_dir, ring=True),
-               "zmq": SidecarClientBench(num_reqs, run_dir, ring=False)}
-    samples: dict[str, list[float]] = {name: [] for name in clients}
+    starts = {"raw": lambda: RawClient(num_reqs, run_dir),
+              "ring": lambda: SidecarClientBench(num_reqs, run_dir, ring=True),
+              "zmq": lambda: SidecarClientBench(num_reqs, run_dir, ring=False)}
+    clients: dict[str, RawClient | SidecarClientBench] = {}
+    samples: dict[str, list[float]] = {name: [] for name in starts}
     try:
+        for name, start in starts.items():  # one at a time: a failed start closes those already up
+            clients[name] = start()
         for client in clients.values():  # warm-up
             for _ in range(200):
                 client.round_trip()
