@@ -9,7 +9,7 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.omni-installed
-# What vLLM V2 needs on a CPU-only host (see deploy/cpu/README.md).
+# What vLLM V2 needs on a CPU-only host (docs/ARCHITECTURE.md, "Running V2 on a CPU host").
 export TRITON_INTERPRET ?= 1
 export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE ?= 1

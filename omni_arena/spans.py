@@ -2,7 +2,7 @@
 
 Streamed payloads carry decode rows with `embed.decode_token_start/end`: a contiguous append
 concatenates, an overlap is trimmed, a gap is an error. The sidecar merges them into its state
-(omni_sidecar/hook_sets/omni/state.py) and the shim into its state mirror (worker_shim/state_mirror.py);
+(omni_sidecar/hook_sets/omni/state.py) and the shim into its state mirror (worker_shim/model/state_mirror.py);
 both apply the same trimmed delta (`span_delta`), so both hold the same rows.
 """
 

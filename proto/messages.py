@@ -135,7 +135,7 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     sessions: list[SessionStatus] = []
     pid: int = 0
     # Python's cycle collections in the sidecar (omni_sidecar/serve/collector.py): run between steps (no
-    # shim waiting), while idle, where the loop was once far overdue, by the interpreter or a hook
+    # shim waiting), while idle, on a loop turn far overdue, by the interpreter or a hook
     # elsewhere; and the longest pause of any.
     collections_between_steps: Count = 0
     collections_idle: Count = 0

@@ -266,7 +266,7 @@ class WaitPolicy:
 # A sleeping sidecar costs the shim on its critical path: a kick (a socket send) with each step
 # message and a kernel wake-up before every plan comes back. A fixed window shorter than a step's
 # quiet spell (on a GPU: the StepEnd handled, then nothing until the next StepBegin, 2-4 ms for a
-# small model) put the sidecar to sleep every step. So while steps come regularly the window
+# small model) would put the sidecar to sleep every step. So while steps come regularly the window
 # stretches to cover the quiet spells seen: the longest of the last `KEEP`, plus a quarter, up to
 # `max_s`. An engine that stops stepping sleeps after one window; its first long spell puts the
 # window back to `base_s` until regular steps push that spell out of the last `KEEP`. Polling

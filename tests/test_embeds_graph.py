@@ -1,4 +1,4 @@
-"""The embeds buffer's lookup replayed from CUDA graphs of our own (worker_shim/model/embeds.py, issue #15).
+"""The embeds buffer's lookup replayed from CUDA graphs of our own (worker_shim/model/embeds.py).
 
 The CUDA checks run on a GPU host (`python -m pytest tests/test_embeds_graph.py` there); on CPU
 they are reported as skipped, never as passed. The CPU checks say where no graph is made.

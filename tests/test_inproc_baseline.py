@@ -1,7 +1,7 @@
 """The bench's in-process baseline is honest: the same hooks give the same plans and outputs.
 
 bench/inproc.py runs a hook set inside the vLLM worker (no sidecar process) so the bench can
-price the process boundary (issue #15). That price means something only if both engines do
+price the process boundary. That price means something only if both engines do
 the same work: here the omni hook set working every step (extra kwargs through a plan each
 step, prefill overlays from payloads, chunked prefill next to decodes, last-layer and two
 captured layers' hidden states, per-request postprocess) runs once through a real sidecar and

@@ -23,7 +23,7 @@ the union over them.
 
     PYTHONPATH=$PWD python tools/step_walk.py [--rounds 20] [--ring 1] [--json out.json]
 
-After a refactor, if the shim link is built differently, pass
+To measure a link built another way, pass
 `--link-factory module:function` (called as function(endpoint) -> (link, close)),
 or adapt `default_link_factory` below; the measured call is `--entry` (default
 pre_forward) called as entry(input_batch, model, embeds).
@@ -54,7 +54,7 @@ CHUNK = 8  # tokens per step: the prompt stays in prefill for PROMPT_LEN / CHUNK
 
 
 def _first(*candidates: str) -> Any:
-    """The first importable `module:attr` of the candidates (names may move in a refactor)."""
+    """The first importable `module:attr` of the candidates."""
     errors = []
     for spec in candidates:
         module, _, attr = spec.partition(":")
@@ -71,16 +71,12 @@ def _first(*candidates: str) -> Any:
 # -- the sidecar ----------------------------------------------------------------------
 
 def start_sidecar(endpoint: str, hooks_name: str, ring: bool) -> tuple[Any, threading.Thread]:
-    load_hooks = _first("omni_sidecar.hook_api.loader:load_hooks", "omni_sidecar.hook_api.hook_set:load_hooks")
-    server_cls = _first("omni_sidecar.serve.server:SidecarServer", "omni_sidecar.serve:SidecarServer",
-                        "omni_sidecar.loop:SidecarServer")
-    try:  # a server that takes its settings object
-        from omni_sidecar.serve.config import ServeConfig
+    from omni_sidecar.hook_api.loader import load_hooks
+    from omni_sidecar.serve.config import ServeConfig
+    from omni_sidecar.serve.server import SidecarServer
 
-        server = server_cls(ServeConfig(endpoint=endpoint, hooks=hooks_name, arena_mib=4, ring=ring),
-                            load_hooks(hooks_name, {}))
-    except ImportError:
-        server = server_cls(endpoint, load_hooks(hooks_name, {}), arena_bytes=4 << 20, ring=ring)
+    server = SidecarServer(ServeConfig(endpoint=endpoint, hooks=hooks_name, arena_mib=4, ring=ring),
+                           load_hooks(hooks_name, {}))
     server.bind()
     thread = threading.Thread(target=server.serve_forever, kwargs={"install_signals": False},
                               name="step-walk-sidecar", daemon=True)
@@ -97,7 +93,7 @@ def default_link_factory(endpoint: str, ring: bool) -> tuple[Any, Callable[[], N
 
     conn_cls = _first("worker_shim.wire.connection:SidecarConnection")
     link_cls = _first("worker_shim.step.link:SidecarLink")
-    ring_cls = _first("worker_shim.config:RingConfig", "proto.settings:RingConfig")
+    ring_cls = _first("worker_shim.config:RingConfig")
     hello = Hello(PROTOCOL_MAJOR, PROTOCOL_MINOR, "step-walk", "none", "cpu", 0, 1, "fake-model",
                   HIDDEN, "float32", 64, [], pid=os.getpid(), pid_namespace=pid_namespace())
 

@@ -3,7 +3,7 @@ pass-through sidecar gives the same greedy tokens as plain V2, CUDA graphs on, b
 chunked across the image tokens. Prints one PASS/FAIL line per check and writes mrope.json.
 
   PYTHONPATH=.:/tmp/omni-site python3 deploy/gpu/mrope.py --model DIR --out DIR
-(DIR made by tiny_vl.build_tiny_vl(DIR, architecture=tiny_vl.VLLM_ARCH); deploy/gpu/run_omni.sh runs it.)
+(DIR made by tests.tiny_models.vl.build_tiny_vl(DIR, architecture=VLLM_ARCH); deploy/gpu/run_omni.sh runs it.)
 """
 
 from __future__ import annotations

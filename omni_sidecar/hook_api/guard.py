@@ -12,7 +12,7 @@ import logging
 
 from omni_sidecar.hook_api.hook_set import HookErrors, StepBatch
 
-log = logging.getLogger("omni_sidecar.session")  # where these errors were logged from before
+log = logging.getLogger("omni_sidecar.hooks")
 
 
 class collect_hook_errors:

@@ -32,7 +32,7 @@ from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
 
 log = logging.getLogger("omni_sidecar.peers")
 REAP_INTERVAL_S = 2.0
-DISCONNECT_CHECK_S = 0.002  # closed connections are looked for this often (each loop turn before)
+DISCONNECT_CHECK_S = 0.002  # closed connections are looked for this often (not every loop turn)
 DRAIN_ROUNDS_MAX = 64  # reading what shims wrote before a hand-over decision: a busy one may not stop
 
 Dispatch = Callable[[bytes, object], None]

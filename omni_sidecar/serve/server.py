@@ -4,7 +4,7 @@ Single-threaded on purpose: hook calls happen in step order, and the loop
 never blocks on a peer. Every inbound frame is untrusted: size-capped,
 schema-validated, and answered with an ErrorReply when rejected.
 
-The rooms (docs/ARCHITECTURE.md, sidecar): the socket (listener.py), the shim
+The rooms (docs/ARCHITECTURE.md, "Code map"): the socket (listener.py), the shim
 connections (peers.py: session + transport), hot upgrade (omni_sidecar/upgrade/: the
 handing-over and the taking-over side, each with its turn of this loop), client queries
 (queries.py). This module binds, handles signals, drains and reloads, and routes each

@@ -4,7 +4,7 @@ Upstream vLLM runs `forward` and `compute_logits` only; the hooks
 (`preprocess`, `preprocess_decode_batch`, `talker_mtp`, `postprocess`) are
 called by whoever plays vllm-omni's runner (the shim's model-hook bridge).
 Without them vLLM still loads and generates: each prompt id is then embedded
-as a plain code-0 token. Registered by `tiny_talker.register()`.
+as a plain code-0 token. Registered by `tests.tiny_models.talker.register()`.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ previous frames prepended whose samples are then cut off, as vllm-omni's
 Written by us in the shape of vllm-omni's stage (none of its code). All of the
 waveform maths is `Code2WavDecoder`, a plain torch module: the Q codebook
 embeddings of a frame are summed, run through causal convolutions (receptive
-field `RECEPTIVE_FRAMES` frames) and upsampled frame-locally to
+field `receptive_frames` frames) and upsampled frame-locally to
 `samples_per_frame` samples. A frame's samples depend only on it and the
-`RECEPTIVE_FRAMES - 1` frames before it, so a chunked decode whose left context
+`receptive_frames - 1` frames before it, so a chunked decode whose left context
 covers that many frames equals a decode of the whole sequence.
 
 The vLLM model class (tests/support/code2wav_model.py) wraps the same module; the

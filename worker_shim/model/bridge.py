@@ -31,7 +31,7 @@ from proto.messages import ModelHooks
 from worker_shim.upstream.compat import ShimCompatError
 from worker_shim.model.state_mirror import StateMirror
 
-log = logging.getLogger("vllm.omni_sidecar.shim.model_hooks")
+log = logging.getLogger("vllm.omni_sidecar.shim.bridge")
 
 DEFAULT_MTP_OUTPUT_KEY = ("codes", "audio")  # vllm-omni's default for talker_mtp_output_key
 EXTRA_OUTPUT_CATEGORY = "model_output"  # tuple forwards: extra i goes to model_output.i

@@ -18,7 +18,7 @@ from worker_shim.config import LossPolicy
 from worker_shim.step.batch import PayloadTracker
 from worker_shim.step.protocol import Notices
 
-log = logging.getLogger("vllm.omni_sidecar.shim.session")
+log = logging.getLogger("vllm.omni_sidecar.shim.requests")
 MAX_PENDING_FAILURES = 100_000
 
 

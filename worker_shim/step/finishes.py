@@ -14,7 +14,7 @@ learn of the finish late or never. So the shim watches what it can see itself
   token id; at a clean shutdown those are complete, the rest were cut short.
 
 Stop strings are matched by vLLM's detokenizer in the front end; the worker
-cannot see them, so such requests finish on vLLM's own notice as before.
+cannot see them, so such requests finish on vLLM's own finish notice.
 With speculative decoding the rows' sample counts are not known before
 verification, so length detection is off there.
 """

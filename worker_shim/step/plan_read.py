@@ -5,19 +5,19 @@ kept from step to step (`PlanLanding`).
 
 Why the landing: the extra kwargs of a steady decode step (each request's state as vllm-omni's
 `runtime_additional_information`) are the same stacks at the same places every step, only their
-bytes change. Copying them into a fresh tensor each step made every view anew: the region's
+bytes change. Copied into a fresh tensor each step, every view would be made anew: the region's
 allocation, a typed view per stack and a view per row (`unbind`: ~1 µs a row, 64 µs of a 212 µs
-plan read at 64 requests on the H200 host, BENCHMARKS.md "The sidecar's step off the shim's path").
-Landed in a buffer of ours, a stack placed as before has the views made then: a steady step makes
-no tensor (but an empty one for a zero-byte stack).
+plan read at 64 requests on the H200 host). Landed in a buffer of ours, a stack placed where it
+was last step keeps the views made then: a steady step makes no tensor (but an empty one for a
+zero-byte stack).
 
-Lifetime (docs/ARCHITECTURE.md, "Extra kwargs"): the tensors a step's kwargs hold are views of
+Lifetime (docs/ARCHITECTURE.md, "Extra kwargs and CUDA graphs"): the tensors a step's kwargs hold are views of
 buffer `n % BUFFERS` of plan n, rewritten by plan n + BUFFERS's read: they hold this step's values
 through the next step, as vLLM's own model inputs (input_ids, positions) are views of buffers it
 rewrites each step; a model that keeps one longer keeps a copy. On a device the rewrite is
 enqueued on the shim's stream after the forwards that read them. Every other step hands out the
 same tensor objects. What is kept is bounded (VIEWS_KEPT, ROWS_KEPT): a peer that moves its stacks
-each step makes views each step, as before, but cannot make the kept ones grow.
+each step makes views each step but cannot make the kept ones grow.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Host arenas (`kind == "shm"`) are plain memory; device arenas (`"cuda_ipc"`)
 order their writes with events: a slot is rewritten only after the sidecar's
-done event for its previous use (docs/ARCHITECTURE.md, "Arena slots").
+done event for its previous use (docs/ARCHITECTURE.md, "Arenas").
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ class SidecarChannel:
                 self.rings = RingTransport(RingDuplex(tx=offer[0], rx=offer[1]), self._send_frame, self._kick)
                 log.info("omni-sidecar session %d: step messages over shared-memory rings (%d KiB each way)",
                          reply.session, self.ring_config.capacity_kib)
-            else:  # an older sidecar, or one started with rings off: ZeroMQ only
+            else:  # a sidecar started with rings off: ZeroMQ only
                 for ring in offer:
                     ring.close()
         return reply

@@ -39,9 +39,9 @@ from proto.messages import HookNeeds
 
 _TRUE = {"1", "true", "yes", "on"}
 # The default postprocess writes each request's last hidden row every step, and the next plan sends
-# it back to the model's device: kept on the host, it was a device-to-host copy a step, and that copy
-# waits for the step's forward (a synchronize the sidecar paid before every plan, which also kept
-# the shim from running ahead of the GPU). vllm-omni's talkers declare this key GPU-resident alike.
+# it back to the model's device: kept on the host, it would be a device-to-host copy a step, and that
+# copy waits for the step's forward (a synchronize before every plan, which would also keep the shim
+# from running ahead of the GPU). vllm-omni's talkers declare this key GPU-resident alike.
 DEFAULT_RESIDENT_KEYS = "hidden_states.last"
 
 
@@ -168,7 +168,7 @@ class OmniStateHooks(OmniHooks):
                 update, outputs = self.postprocess(req_id, hidden[slice(*batch.rows(i))], state)
                 self.state.merge(req_id, update)
                 # A resident key keeps what the override returned; a view of `hidden` (the shim's slot,
-                # rewritten later) gets storage of its own, as a host copy gave it before.
+                # rewritten later) gets storage of its own.
                 self.state.own_storage(req_id)
                 chunk = per_req[i]
                 if outputs:  # an override's outputs may alias the shim's rows
