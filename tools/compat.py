@@ -42,7 +42,7 @@ CHECKS: dict[str, list[str]] = {
 }
 # `--omni` adds the omni hook set's end-to-end checks (more engine runs).
 OMNI_CHECKS: dict[str, list[str]] = {
-    "omni talker": [f"{E2E_OMNI}::test_talker_overlay_state_and_codes"],
+    "omni talker": ["tests/test_e2e_talker.py::test_talker_codes_equal_the_direct_forward"],
     "omni kwargs": [f"{E2E_OMNI}::test_extra_kwargs_state_and_assembled_outputs"],
 }
 SEAMS = "seams"  # the start-up check, run in the release's interpreter without an engine
