@@ -291,7 +291,7 @@ class InProcessConnection:
 
 def _overlay(overlays: list[Overlay], input_batch: Any, model: Any, embeds: torch.Tensor | None) -> torch.Tensor:
     """The plan's rows into the step's inputs_embeds (the persistent buffer when there is one),
-    with the shim's checks (worker_shim/step/slots.py), all checked before any is written."""
+    with the shim's checks (worker_shim/step/plan_read.py), all checked before any is written."""
     if embeds is None:
         n = int(input_batch.num_tokens_after_padding)
         embeds = model.embed_input_ids(input_batch.input_ids[:n])

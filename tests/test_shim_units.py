@@ -60,7 +60,7 @@ def test_exchange_decision_follows_needs_and_payloads_with_derived_prefill_flags
     prefill, decode = batch(["a", "b"], [0, 5], [4, 5]), batch(["a", "b"], [4, 6], [4, 5])
 
     def needed(needs: HookNeeds, step_batch: SimpleNamespace, among: set[str] | None = None) -> bool:
-        return before_forward(needs, step_batch.req_ids, reader.prefilling(step_batch), tracker.payload_reqs,
+        return before_forward(needs, step_batch.req_ids, lambda: reader.prefilling(step_batch), tracker.payload_reqs,
                               among).send is not None
 
     payload_prefill = HookNeeds(pre_forward="prefill", pre_forward_scope="payload")

@@ -63,7 +63,7 @@ def test_a_step_begin_goes_before_the_forward_only_when_the_batch_needs_a_plan(n
     payloads = PayloadTracker()
     payloads.note_new("carrier", {"x": 1})
     payloads.note_new("plain", None)
-    assert before_forward(needs, step_batch.req_ids, step_batch.is_prefilling_np, payloads.payload_reqs, live,
+    assert before_forward(needs, step_batch.req_ids, lambda: step_batch.is_prefilling_np, payloads.payload_reqs, live,
                           want_states) == want
 
 
@@ -100,7 +100,6 @@ MODEL = HookNeeds(model_states=True, step_layouts=False)
 ])
 def test_the_step_ends_with_a_step_end_a_step_tick_or_nothing(needs, step_news, want):
     assert after_forward(needs, step_news) == want
-    assert after_forward(needs, step_news).wait is None  # a StepResult is never waited for at the step's end
 
 
 def test_notices_ride_the_next_step_message_and_a_step_handed_over_unread_gets_them_back_in_order():

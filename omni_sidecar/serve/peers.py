@@ -121,12 +121,6 @@ class ShimPeer:
         if self.rings is not None and self.rings.queued:
             self.rings.flush()
 
-    def next_message(self, decode: Callable[[bytes | memoryview], object]) -> object:
-        """The shim's next ring message in connection order, or EMPTY (FrameError, RingError)."""
-        if self.rings is None or self.rings.closed:
-            return EMPTY
-        return self.rings.recv(decode)
-
     def end(self, reason: EndReason, detail: str = "", farewell: Message | None = None) -> list[str]:
         """Release everything this connection holds; `farewell` is its last message.
 
@@ -405,7 +399,7 @@ class PeerTable:
         """The peer's next ring message, dispatched; False when there is none (or a MARK waits)."""
         ident = peer.ident
         try:
-            rings = peer.rings  # peer.next_message, inlined: this runs per step message
+            rings = peer.rings
             msg = rings.duplex.recv(self.codec.decode) if rings is not None and not rings.closed else EMPTY
         except FrameError as exc:
             self.send(ident, self.refuse(exc.code, str(exc), ident))

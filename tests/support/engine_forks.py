@@ -140,12 +140,18 @@ class EngineForks:
             self._live.add(pid)
             conn.settimeout(timeout_s)
             try:
-                return int(_read_line(conn))
-            except socket.timeout:
-                os.kill(pid, signal.SIGKILL)
-                raise subprocess.TimeoutExpired(argv, timeout_s) from None
-            finally:
+                status = int(_read_line(conn))
+            except BaseException as exc:  # a timeout or an interrupt: the job must not outlive its test
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
                 self._live.discard(pid)
+                if isinstance(exc, socket.timeout):
+                    raise subprocess.TimeoutExpired(argv, timeout_s) from None
+                raise
+            self._live.discard(pid)
+            return status
         finally:
             conn.close()
 

@@ -314,7 +314,7 @@ class SidecarLink:
 
     def _needs_plan(self, port: SidecarPort, input_batch: Any, want: list[str]) -> bool:
         """The step protocol's answer for this batch: does a StepBegin go before the forward?"""
-        return before_forward(port.needs, input_batch.req_ids, self.batches.prefilling(input_batch),
+        return before_forward(port.needs, input_batch.req_ids, lambda: self.batches.prefilling(input_batch),
                               self.payloads.payload_reqs, self.requests.live, want).send is not None
 
     @staticmethod

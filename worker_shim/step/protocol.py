@@ -17,7 +17,7 @@ its port; `Recovery` handles a sidecar that is gone or handed the session over.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -34,32 +34,36 @@ class Exchange:
 
 
 NOTHING = Exchange()
+# The answers a steady step gets, made once (the protocol is asked several times a step).
+START, START_ASKING = Exchange(StepStart), Exchange(StepStart, Pong)
+PLAN, END, TICK = Exchange(StepBegin, StepPlan), Exchange(StepEnd), Exchange(StepTick)
 
 
 def step_start(quiet_s: float, answer_after_s: float = STEP_START_ANSWER_S) -> Exchange:
     """A StepStart opens every step; after `quiet_s` without sending, as long as the sidecar may take
     to hand an idle session over (`answer_after_s`), it asks for an answer."""
-    return Exchange(StepStart, Pong if quiet_s >= answer_after_s else None)
+    return START_ASKING if quiet_s >= answer_after_s else START
 
 
-def before_forward(needs: HookNeeds, req_ids: list[str], prefilling: np.ndarray, payload_reqs: set[str],
+def before_forward(needs: HookNeeds, req_ids: list[str], prefilling: Callable[[], np.ndarray], payload_reqs: set[str],
                    live: set[str] | None = None, want_states: list[str] | None = None) -> Exchange:
-    """A StepBegin when the batch (its request ids and per-row prefill flags) needs the sidecar
+    """A StepBegin when the batch (its request ids and per-row prefill flags, read only when the needs
+    ask: hooks that never plan cost a steady step no array) needs the sidecar
     before its forward: requests whose state the model's mirror lacks (`want_states`), or the needs
     applied to the batch's rows. Scope "payload" counts the requests that carry a payload
     (`payload_reqs`), narrowed to those the current session knows (`live`; None: all of them)."""
     if want_states or _plan_needed(needs, req_ids, prefilling, payload_reqs, live):
-        return Exchange(StepBegin, StepPlan)
+        return PLAN
     return NOTHING
 
 
-def _plan_needed(needs: HookNeeds, req_ids: list[str], prefilling: np.ndarray, payload_reqs: set[str],
+def _plan_needed(needs: HookNeeds, req_ids: list[str], prefilling: Callable[[], np.ndarray], payload_reqs: set[str],
                  live: set[str] | None) -> bool:
     mode = needs.pre_forward
     if mode == "never":
         return False
     if needs.pre_forward_scope == "all":
-        return mode == "always" or bool(prefilling.any())
+        return mode == "always" or bool(prefilling().any())
     if not payload_reqs:
         return False
 
@@ -68,7 +72,8 @@ def _plan_needed(needs: HookNeeds, req_ids: list[str], prefilling: np.ndarray, p
 
     if mode == "always":
         return any(counts(r) for r in req_ids)
-    return any(prefilling[i] and counts(r) for i, r in enumerate(req_ids))
+    flags = prefilling()
+    return any(flags[i] and counts(r) for i, r in enumerate(req_ids))
 
 
 class StepNews(NamedTuple):
@@ -90,8 +95,8 @@ def after_forward(needs: HookNeeds, news: StepNews) -> Exchange:
         return NOTHING
     if (needs.step_layouts or news.notices or news.failures or (needs.hidden_states and news.hidden)
             or (needs.model_states and news.model_results)):
-        return Exchange(StepEnd)
-    return Exchange(StepTick)
+        return END
+    return TICK
 
 
 class Notices:

@@ -78,7 +78,7 @@ class TensorParallelSync:
 
     def step_needs_broadcast(self, input_batch: Any) -> bool:
         """The link's decision (the step protocol's) with the start-up needs (every rank's copy of them)."""
-        return before_forward(self.needs, input_batch.req_ids, self.batches.prefilling(input_batch),
+        return before_forward(self.needs, input_batch.req_ids, lambda: self.batches.prefilling(input_batch),
                               self.payloads.payload_reqs).send is not None
 
     def exchange(self, extra: dict[str, Any], embeds: torch.Tensor | None, num_tokens: int,
