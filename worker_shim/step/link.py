@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -314,7 +315,7 @@ class SidecarLink:
 
     def _needs_plan(self, port: SidecarPort, input_batch: Any, want: list[str]) -> bool:
         """The step protocol's answer for this batch: does a StepBegin go before the forward?"""
-        return before_forward(port.needs, input_batch.req_ids, lambda: self.batches.prefilling(input_batch),
+        return before_forward(port.needs, input_batch.req_ids, partial(self.batches.prefilling, input_batch),
                               self.payloads.payload_reqs, self.requests.live, want).send is not None
 
     @staticmethod
