@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from proto.messages import HookNeeds, RequestError, StepBegin, StepEnd, StepTick
-from proto.settings import ERROR_TEXT_MAX, STEP_START_ANSWER_S, TIMINGS_KEPT
+from proto.settings import ERROR_TEXT_MAX, TIMINGS_KEPT
 from worker_shim.config import EmbedsSetting, LossPolicy
 from worker_shim.errors import SidecarError
 from worker_shim.model.bridge import ModelBridge
@@ -174,11 +174,8 @@ class SidecarLink:
         if (port is None or port.channel.switch_ack is not None or port.channel.switch_to
                 or port.channel.peer_gone()):  # one look a step: a poll costs µs
             self.recovery.at_step_start(self.step)  # lost, handed over or gone: replaced, then announced
-            return
-        try:
-            port.announce_step(self.step, STEP_START_ANSWER_S)
-        except SidecarError as exc:
-            self.recovery.announce_failed(self.step, exc, port)
+        else:
+            self.recovery.announce(self.step)
 
     def _apply_mirror_updates(self) -> None:
         """Appends to mirrored state the sidecar sent since (MirrorUpdate): into the mirror before this
