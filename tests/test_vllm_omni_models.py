@@ -51,14 +51,16 @@ def qwen3_tts_dir(tmp_path_factory):
     return res["model"]
 
 
-def engine(model: str, work, name: str, hooks: str, arch: str, env: dict, options=(), **job) -> dict:
+def engine(model: str, work, name: str, hooks: str | None, arch: str, env: dict, options=(), **job) -> dict:
+    """One engine job; with a sidecar serving `hooks` (None: none, the engine must stop before it connects)."""
     endpoint = f"ipc://{work}/{name}.sock"
-    sidecar = SidecarProcess(endpoint, hooks, work / f"{name}-sidecar.log", options=list(options))
+    sidecar = SidecarProcess(endpoint, hooks, work / f"{name}-sidecar.log", options=list(options)) if hooks else None
     try:
         return run_engine({"model": model, "endpoint": endpoint, "arch": arch, "env": env, "sys_path": sys_path(),
                            "llm_kwargs": LLM_KWARGS, **job}, work, name, script=JOB, timeout_s=300)
     finally:
-        sidecar.stop()
+        if sidecar is not None:
+            sidecar.stop()
 
 
 def test_published_layout(qwen3_tts_dir):
@@ -121,7 +123,7 @@ def test_talker_loads_without_patches_in_a_spawned_engine(qwen3_tts_dir, tmp_pat
 def test_vllm_omni_entry_point_let_in_is_reported(qwen3_tts_dir, tmp_path):
     """Without VLLM_PLUGINS, vLLM loads vllm-omni's entry point, which imports its package and patch.py;
     the shim's worker refuses to start and names what was replaced and the setting that avoids it."""
-    res = engine(qwen3_tts_dir, tmp_path, "patched", "omni-talker", "Qwen3TTSTalkerForConditionalGeneration",
+    res = engine(qwen3_tts_dir, tmp_path, "patched", None, "Qwen3TTSTalkerForConditionalGeneration",
                  {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, env_unset=["VLLM_PLUGINS"], load_plugins=True,
                  mrope_tokens=1)
     assert not res["ok"]
