@@ -84,7 +84,10 @@ def test_published_layout(qwen3_tts_dir):
     assert speech["model_type"] == "qwen3_tts_tokenizer_12hz"
     assert speech["decoder_config"]["codebook_dim"] > 0 and "encoder_config" in speech
     from safetensors import safe_open
+    from transformers import AutoTokenizer
 
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_tts_dir)  # as vllm-omni's prompt builder loads it
+    assert len(tokenizer) == 256 and len(tokenizer("any text, no merges")["input_ids"]) == 19
     with safe_open(str(model / "model.safetensors"), "pt") as f:
         assert {k.split(".")[0] for k in f.keys()} == {"talker", "speaker_encoder"}
     with safe_open(str(model / "speech_tokenizer" / "model.safetensors"), "pt") as f:
