@@ -2,7 +2,7 @@
 # The GPU talker check in one go on a bare GPU host (docs/ARCHITECTURE.md, "GPU bundle"):
 #   deploy/gpu/run_talker.sh BUNDLE_DIR MODEL_DIR OUT_DIR [SECONDS]
 # installs the bundle (built with BUNDLE_SM=90 BUNDLE_NO_JIT_HEADERS=1 BUNDLE_OMNI=1) into /tmp/omni-site,
-# runs deploy/gpu/talker.py on MODEL_DIR (made by deploy/gpu/tiny_qwen3_tts.py) and copies its
+# runs deploy/gpu/talker.py on MODEL_DIR (made by `python -m tests.tiny_models.qwen3_tts MODEL_DIR`) and copies its
 # result, the engines' and the sidecar's logs to OUT_DIR.
 set -u
 B=$1

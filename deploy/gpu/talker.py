@@ -2,7 +2,7 @@
 shim + sidecar gives the codes vllm-omni's own runner gives; and their decode step times.
 
 Two engines, one process each (deploy/gpu/talker_engines.py), on the same tiny random
-checkpoint (deploy/gpu/tiny_qwen3_tts.py), the same requests, greedy, CUDA graphs on:
+checkpoint (tests/tiny_models/qwen3_tts.py), the same requests, greedy, CUDA graphs on:
   omni: vllm-omni 0.26's AR worker and runner (vLLM 0.26's V1 runner under it),
   shim: upstream vLLM 0.26 V2 + the shim + `omni-sidecar serve --hooks omni-talker`.
 Checks: code 0 (the sampled tokens) and codes 1..Q-1 (the code predictor's, per decode
@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE))
 
 from acceptance import FULL_GRAPHS, Check, sidecar  # noqa: E402
 from tests.support.procs import run_engine  # noqa: E402
-from tiny_qwen3_tts import CODEBOOK  # noqa: E402
+from tests.tiny_models.qwen3_tts import CODEBOOK  # noqa: E402
 
 ENGINES = HERE / "talker_engines.py"
 ENGINE_TIMEOUT_S = 480  # one device call has 600 s for the install, both engines and this check
@@ -92,7 +92,7 @@ def compare(omni: dict, shim: dict, c: Check) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="a directory made by tiny_qwen3_tts.py")
+    ap.add_argument("--model", required=True, help="a directory made by tests/tiny_models/qwen3_tts.py")
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="omni-talker-"))
     ap.add_argument("--kinds", default="omni,shim")
     ap.add_argument("--engine-overrides", default="{}", help="JSON merged into both engines' arguments")
