@@ -1,0 +1,256 @@
+"""One speech request through talker -> code2wav, both stages running free.
+
+The talker request is added whole (its text is known up front) and runs as vLLM schedules it.
+Its codec frames are followed in the talker's sidecar (`codes.audio`, per step) after each of
+its engine outputs. The code2wav request is one upstream streaming-input session
+(`AsyncLLM.generate` fed by an async generator of `StreamingInput`, vLLM >= 0.26): it starts
+with the first chunk of frames (or all of them, if fewer), and between chunks it waits in
+the scheduler (`WAITING_FOR_STREAMING_REQ`) holding its KV cache and its sidecar state, taking
+no step. Each further chunk first goes into its sidecar (an append replacing the codes so far,
+applied before the append is answered), then one input of one placeholder token resumes it for
+one step, which decodes that chunk. Its waveform is followed in the code2wav sidecar after
+each of its outputs and handed to the caller chunk by chunk.
+
+Without streaming input (an older vLLM), the code2wav request is added once the talker has
+finished, with all its codes: no chunked overlap, the same audio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import numpy as np
+from vllm import SamplingParams
+from vllm.logger import init_logger
+from vllm.sampling_params import RequestOutputKind
+
+from omni_serve.stages.link import RequestRejected, SidecarLink, SidecarLost
+from omni_serve.stages.payload import additional_information
+
+logger = init_logger(__name__)
+try:
+    from vllm.engine.protocol import StreamingInput
+except ImportError:  # before vLLM 0.26
+    StreamingInput = None  # type: ignore[assignment,misc]
+
+CODES = "codes.audio"  # the talker sidecar's per-step output: [frames, Q] codec frames
+WAVEFORM = "waveform"  # the code2wav sidecar's per-step output: [samples, 1] float32
+FOLLOW_TIMEOUT_S = 30.0  # a stage whose sidecar shows nothing new for this long after its engine finished
+
+
+class StageFailed(RuntimeError):
+    """A stage could not serve the request (its sidecar lost, its engine failed)."""
+
+    def __init__(self, stage: str, message: str) -> None:
+        super().__init__(f"{stage}: {message}")
+        self.stage = stage
+
+
+@dataclass
+class SpeechJob:
+    """What one request asks for."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    payload: dict[str, Any]
+    max_frames: int
+    seed: int | None = None
+
+
+@dataclass
+class Stage:
+    name: str
+    engine: Any  # vllm.v1.engine.async_llm.AsyncLLM
+    link: SidecarLink
+    sampling: dict[str, Any] = field(default_factory=dict)
+    in_flight: int = 0  # requests of this stage the front end is running now
+
+
+@dataclass
+class Frames:
+    """The talker's frames of one request as they come."""
+
+    rows: list[np.ndarray] = field(default_factory=list)
+    count: int = 0
+    ended: bool = False
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def add(self, chunk: np.ndarray) -> None:
+        self.rows.append(chunk)
+        self.count += int(chunk.shape[0])
+        self.changed.set()
+
+    def all(self) -> np.ndarray:
+        return np.concatenate(self.rows) if len(self.rows) != 1 else self.rows[0]
+
+
+async def engine_outputs(stage: "Stage", outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """A stage engine's outputs for one request; its failure as a StageFailed. Closing this closes
+    the engine's generator, which aborts the request in that engine."""
+    async with contextlib.aclosing(outputs):
+        try:
+            async for out in outputs:
+                yield out
+        except StageFailed:
+            raise
+        except Exception as exc:  # EngineDeadError, EngineGenerateError, a failed input stream
+            raise StageFailed(stage.name, f"its engine failed the request: {type(exc).__name__}: {exc}") from None
+
+
+def num_chunks(frames: int, chunk_frames: int) -> int:
+    return -(-frames // chunk_frames)
+
+
+class SpeechPipeline:
+    def __init__(self, talker: Stage, code2wav: Stage, chunk_frames: int, placeholder_token: int,
+                 streaming_input: bool | None = None) -> None:
+        self.talker = talker
+        self.code2wav = code2wav
+        self.chunk_frames = chunk_frames
+        self.placeholder_token = placeholder_token
+        self.streaming_input = StreamingInput is not None if streaming_input is None else streaming_input
+
+    @property
+    def stages(self) -> tuple[Stage, Stage]:
+        return self.talker, self.code2wav
+
+    async def synthesize(self, job: SpeechJob) -> AsyncIterator[np.ndarray]:
+        """The request's audio, float32 mono chunks in order. Stopping the iteration (a client gone)
+        aborts the request in both engines and drops what the sidecars kept for it."""
+        frames = Frames()
+        talker_task = asyncio.create_task(self._run_talker(job, frames))
+        self.talker.in_flight += 1
+        self.code2wav.in_flight += 1
+        try:
+            async for chunk in self._run_code2wav(job, frames, talker_task):
+                yield chunk
+            await talker_task  # its failure, if it failed after its last frame
+        finally:
+            self.talker.in_flight -= 1
+            self.code2wav.in_flight -= 1
+            if not talker_task.done():
+                talker_task.cancel()
+                await asyncio.gather(talker_task, return_exceptions=True)
+            await self._forget(job.request_id)
+
+    async def _forget(self, request_id: str) -> None:
+        for stage in self.stages:
+            try:
+                await stage.link.forget(request_id)
+            except (SidecarLost, RequestRejected):
+                pass  # a lost sidecar keeps nothing of it
+
+    async def _follow(self, stage: Stage, request_id: str, cursor: int, name: str) -> tuple[list[np.ndarray], bool, int]:
+        try:
+            got, cursor = await stage.link.follow(request_id, cursor)
+        except SidecarLost as exc:
+            raise StageFailed(stage.name, str(exc)) from None
+        except RequestRejected as exc:
+            raise StageFailed(stage.name, f"its hooks failed the request: {exc}") from None
+        return [c[name] for c in got.chunks if name in c and c[name].shape[0]], got.finished, cursor
+
+    async def _run_talker(self, job: SpeechJob, frames: Frames) -> None:
+        params = SamplingParams(**{**self.talker.sampling, "max_tokens": job.max_frames, "seed": job.seed,
+                                   "detokenize": False, "output_kind": RequestOutputKind.DELTA,
+                                   "extra_args": {"omni_sidecar": {"additional_information":
+                                                                   additional_information(job.payload)}}})
+        cursor = 0
+        try:
+            prompt = {"prompt_token_ids": job.prompt_token_ids}
+            async for out in engine_outputs(self.talker, self.talker.engine.generate(prompt, params, job.request_id)):
+                rows, _, cursor = await self._follow(self.talker, job.request_id, cursor, CODES)
+                for row in rows:
+                    frames.add(row)
+                if out.finished and out.outputs and out.outputs[0].finish_reason not in ("length", "stop"):
+                    raise StageFailed("talker", f"the engine ended the request ({out.outputs[0].finish_reason})")
+            # The last steps' frames reach the sidecar after the engine's last output.
+            deadline = time.monotonic() + FOLLOW_TIMEOUT_S
+            while True:
+                rows, finished, cursor = await self._follow(self.talker, job.request_id, cursor, CODES)
+                for row in rows:
+                    frames.add(row)
+                if finished:
+                    break
+                if time.monotonic() > deadline:
+                    raise StageFailed("talker", "its sidecar never finished the request's codes")
+                await asyncio.sleep(0.002)
+        finally:
+            frames.ended = True
+            frames.changed.set()
+
+    def _ready_chunks(self, frames: Frames) -> int:
+        return num_chunks(frames.count, self.chunk_frames) if frames.ended else frames.count // self.chunk_frames
+
+    def _chunk_payload(self, frames: Frames, k: int) -> dict[str, Any]:
+        """Chunk k's request: the frames up to its end (its left context among them), decoding starts at k."""
+        end = min(frames.count, (k + 1) * self.chunk_frames)
+        codes = frames.all()[:end].astype(np.int64)
+        return additional_information({"codes": {"audio": codes}, "meta": {"codec_next_chunk": k}})
+
+    def _code2wav_params(self, payload: dict[str, Any] | None) -> SamplingParams:
+        extra = {"omni_sidecar": {"additional_information": payload}} if payload is not None else None
+        return SamplingParams(**{**self.code2wav.sampling, "max_tokens": 1, "temperature": 0.0, "ignore_eos": True,
+                                 "detokenize": False, "output_kind": RequestOutputKind.DELTA, "extra_args": extra})
+
+    async def _run_code2wav(self, job: SpeechJob, frames: Frames, talker_task: asyncio.Task) -> AsyncIterator[np.ndarray]:
+        """Chunk k's audio in order, each chunk decoded by its own code2wav request, started as soon as
+        its frames are there (so chunks of one request overlap the talker and each other)."""
+        chunks: list[asyncio.Task] = []
+        try:
+            k = 0  # the next chunk to hand out
+            while True:
+                frames.changed.clear()
+                if talker_task.done() and not talker_task.cancelled() and talker_task.exception() is not None:
+                    raise talker_task.exception()  # type: ignore[misc]
+                while len(chunks) < self._ready_chunks(frames):
+                    n = len(chunks)
+                    chunks.append(asyncio.create_task(self._decode_chunk(f"{job.request_id}-c{n}",
+                                                                         self._chunk_payload(frames, n))))
+                if k < len(chunks) and chunks[k].done():
+                    for wave in chunks[k].result():
+                        yield wave.reshape(-1)
+                    k += 1
+                    continue
+                if frames.ended and k >= num_chunks(frames.count, self.chunk_frames):
+                    return
+                waits = [chunks[k]] if k < len(chunks) else []
+                if not frames.ended:
+                    waits.append(asyncio.ensure_future(frames.changed.wait()))
+                done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                for waiter in pending:
+                    if waiter not in chunks:
+                        waiter.cancel()
+        finally:
+            for task in chunks:
+                task.cancel()
+            await asyncio.gather(*chunks, return_exceptions=True)
+
+    async def _decode_chunk(self, chunk_id: str, payload: dict[str, Any]) -> list[np.ndarray]:
+        """One chunk through code2wav: a one-step request, its waveform read from the sidecar."""
+        try:
+            prompt = {"prompt_token_ids": [self.placeholder_token]}
+            async for out in engine_outputs(self.code2wav, self.code2wav.engine.generate(
+                    prompt, self._code2wav_params(payload), chunk_id)):
+                self._check_output("code2wav", out)
+            waves, cursor = [], 0
+            deadline = time.monotonic() + FOLLOW_TIMEOUT_S
+            while True:
+                got, finished, cursor = await self._follow(self.code2wav, chunk_id, cursor, WAVEFORM)
+                waves += got
+                if finished:
+                    return waves
+                if time.monotonic() > deadline:
+                    raise StageFailed("code2wav", "its sidecar never finished a chunk's waveform")
+                await asyncio.sleep(0.002)
+        finally:
+            with contextlib.suppress(SidecarLost, RequestRejected):
+                await self.code2wav.link.forget(chunk_id)
+
+    @staticmethod
+    def _check_output(stage: str, out: Any) -> None:
+        if out.finished and out.outputs and out.outputs[0].finish_reason not in ("length", "stop", None):
+            raise StageFailed(stage, f"the engine ended the request ({out.outputs[0].finish_reason})")
