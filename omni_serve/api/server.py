@@ -119,11 +119,14 @@ class SpeechServer:
                                        code2wav.placeholder_token, streaming_input=None if self.streaming_input else False)
 
     async def stop(self) -> None:
+        if self.pipeline is not None:
+            await self.pipeline.close()
         for name, engine in self.engines.items():
             try:
                 engine.shutdown()
             except Exception:  # the others must still stop
                 logger.exception("stopping the %s engine", name)
+        self.engines.clear()  # stopped: nothing left for their finalizers at interpreter exit
         if self.pipeline is not None:
             for stage in self.pipeline.stages:
                 stage.link.close()
@@ -152,11 +155,12 @@ class SpeechServer:
         assert self.pipeline is not None
         samples, outcome = 0, "aborted"
         try:
-            async for chunk in self.pipeline.synthesize(job):
-                if samples == 0 and chunk.size:
-                    self.metrics.ttfa.observe(time.monotonic() - arrived)
-                samples += int(chunk.size)
-                yield chunk
+            async with contextlib.aclosing(self.pipeline.synthesize(job)) as chunks:
+                async for chunk in chunks:
+                    if samples == 0 and chunk.size:
+                        self.metrics.ttfa.observe(time.monotonic() - arrived)
+                    samples += int(chunk.size)
+                    yield chunk
             outcome = "ok"
         except StageFailed:
             outcome = "failed"

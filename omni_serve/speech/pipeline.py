@@ -39,7 +39,9 @@ except ImportError:  # before vLLM 0.26
 
 CODES = "codes.audio"  # the talker sidecar's per-step output: [frames, Q] codec frames
 WAVEFORM = "waveform"  # the code2wav sidecar's per-step output: [samples, 1] float32
-FOLLOW_TIMEOUT_S = 30.0  # a stage whose sidecar shows nothing new for this long after its engine finished
+FOLLOW_TIMEOUT_S = 30.0
+RELEASE_TIMEOUT_S = 60.0
+ALL_SEEN = 1 << 40  # a cursor past every chunk: asks only whether the request is known and finished  # a stage whose sidecar shows nothing new for this long after its engine finished
 
 
 class StageFailed(RuntimeError):
@@ -101,6 +103,12 @@ async def engine_outputs(stage: "Stage", outputs: AsyncIterator[Any]) -> AsyncIt
             raise StageFailed(stage.name, f"its engine failed the request: {type(exc).__name__}: {exc}") from None
 
 
+def stop_soon(task: asyncio.Task) -> None:
+    """Cancel a task without waiting for it; whatever it ends with is read (never logged as lost)."""
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
 def num_chunks(frames: int, chunk_frames: int) -> int:
     return -(-frames // chunk_frames)
 
@@ -113,6 +121,7 @@ class SpeechPipeline:
         self.chunk_frames = chunk_frames
         self.placeholder_token = placeholder_token
         self.streaming_input = StreamingInput is not None if streaming_input is None else streaming_input
+        self._releases: set[asyncio.Task] = set()
 
     @property
     def stages(self) -> tuple[Stage, Stage]:
@@ -126,23 +135,46 @@ class SpeechPipeline:
         self.talker.in_flight += 1
         self.code2wav.in_flight += 1
         try:
-            async for chunk in self._run_code2wav(job, frames, talker_task):
-                yield chunk
+            async with contextlib.aclosing(self._run_code2wav(job, frames, talker_task)) as audio:
+                async for chunk in audio:
+                    yield chunk
             await talker_task  # its failure, if it failed after its last frame
         finally:
+            # No await in here: a client gone cancels the handler's scope, and every await in it
+            # would raise again before the rest ran. The tasks end themselves (aborting their
+            # requests); the releases run on their own.
             self.talker.in_flight -= 1
             self.code2wav.in_flight -= 1
-            if not talker_task.done():
-                talker_task.cancel()
-                await asyncio.gather(talker_task, return_exceptions=True)
-            await self._forget(job.request_id)
+            stop_soon(talker_task)
+            for stage in self.stages:
+                self._release(stage, job.request_id)
 
-    async def _forget(self, request_id: str) -> None:
-        for stage in self.stages:
-            try:
-                await stage.link.forget(request_id)
-            except (SidecarLost, RequestRejected):
-                pass  # a lost sidecar keeps nothing of it
+    def _release(self, stage: Stage, request_id: str) -> None:
+        """Drop what the stage's sidecar keeps of a request once it has finished there (an aborted
+        request finishes in the sidecar only after its engine's next step)."""
+        task = asyncio.get_running_loop().create_task(self._drop_when_finished(stage, request_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _drop_when_finished(self, stage: Stage, request_id: str) -> None:
+        deadline = time.monotonic() + RELEASE_TIMEOUT_S
+        try:
+            while time.monotonic() < deadline:
+                got, _ = await stage.link.follow(request_id, ALL_SEEN)
+                if not got.found or got.finished:
+                    await stage.link.forget(request_id)
+                    return
+                await asyncio.sleep(0.05)
+            logger.warning("%s: request %s never finished in its sidecar; its outputs stay there", stage.name,
+                           request_id)
+        except (SidecarLost, RequestRejected):
+            with contextlib.suppress(SidecarLost, RequestRejected):
+                await stage.link.forget(request_id)  # a failed request's record; a lost sidecar kept nothing
+
+    async def close(self) -> None:
+        for task in list(self._releases):
+            task.cancel()
+        await asyncio.gather(*self._releases, return_exceptions=True)
 
     async def _follow(self, stage: Stage, request_id: str, cursor: int, name: str) -> tuple[list[np.ndarray], bool, int]:
         try:
@@ -226,8 +258,7 @@ class SpeechPipeline:
                         waiter.cancel()
         finally:
             for task in chunks:
-                task.cancel()
-            await asyncio.gather(*chunks, return_exceptions=True)
+                stop_soon(task)
 
     async def _decode_chunk(self, chunk_id: str, payload: dict[str, Any]) -> list[np.ndarray]:
         """One chunk through code2wav: a one-step request, its waveform read from the sidecar."""
@@ -247,8 +278,7 @@ class SpeechPipeline:
                     raise StageFailed("code2wav", "its sidecar never finished a chunk's waveform")
                 await asyncio.sleep(0.002)
         finally:
-            with contextlib.suppress(SidecarLost, RequestRejected):
-                await self.code2wav.link.forget(chunk_id)
+            self._release(self.code2wav, chunk_id)
 
     @staticmethod
     def _check_output(stage: str, out: Any) -> None:
