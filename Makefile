@@ -17,7 +17,7 @@ export VLLM_USE_V2_MODEL_RUNNER ?= 1
 export VLLM_NO_USAGE_STATS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test test-slow test-all bench compat compose-e2e clean
+.PHONY: install demo serve test test-slow test-all bench compat compose-e2e clean
 
 install: $(STAMP)
 
@@ -27,6 +27,10 @@ $(STAMP): pyproject.toml deploy/cpu/install.sh
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
+
+# The speech server on the tiny models (README, "Speech server"): http://127.0.0.1:8000/v1/audio/speech
+serve: $(STAMP)
+	PYTHONPATH=. $(BIN)/python -m omni_serve --pipeline deploy/speech/tiny.toml --port 8000
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra
