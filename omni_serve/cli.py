@@ -12,6 +12,7 @@ config attaches to one already running.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -23,7 +24,7 @@ from worker_shim.plugin import REGISTER_ENV
 def parser():
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    p = FlexibleArgumentParser(prog="omni-serve", description=__doc__.split("\n\n")[0],
+    p = FlexibleArgumentParser(prog="omni-serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                epilog="Then: POST /v1/audio/speech (OpenAI's speech API with vllm-omni's fields: "
                                       "model, input, voice, response_format wav|pcm, stream, stream_format "
                                       "sse|audio, max_new_tokens, seed), GET /v1/models, /health, /metrics.")
@@ -35,9 +36,6 @@ def parser():
                                                   "private temporary directory, removed on exit)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["debug", "info", "warning", "error", "critical", "trace"], help="uvicorn's log level")
-    p.add_argument("--no-streaming-input", action="store_true",
-                   help="feed code2wav its whole codes once the talker finished, not chunk by chunk through "
-                        "vLLM's streaming input (what a vLLM without it gets anyway)")
     return p
 
 
@@ -51,6 +49,8 @@ def cpu_host_defaults() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # vLLM's parser lists only option groups on a bare --help; ours are few: show them all.
+    argv = ["--help=all" if arg in ("-h", "--help") else arg for arg in (sys.argv[1:] if argv is None else argv)]
     args = parser().parse_args(argv)
     from omni_serve.config import ConfigError, load_config
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     own_dir = args.run_dir is None
     run_dir = socket_dir(Path(tempfile.mkdtemp(prefix="omni-serve-")) if own_dir else Path(args.run_dir).resolve())
-    server = SpeechServer(config, run_dir, streaming_input=not args.no_streaming_input)
+    server = SpeechServer(config, run_dir)
     try:
         uvicorn.run(build_app(server), host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                     timeout_graceful_shutdown=5)

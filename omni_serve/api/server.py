@@ -91,9 +91,8 @@ def speech_input(body: bytes, config: ServeConfig, prompt: Callable[[str, int], 
 class SpeechServer:
     """The stages (sidecars, engines, links), the pipeline over them and the metrics."""
 
-    def __init__(self, config: ServeConfig, run_dir: Path, streaming_input: bool = True) -> None:
+    def __init__(self, config: ServeConfig, run_dir: Path) -> None:
         self.config = config
-        self.streaming_input = streaming_input
         self.run_dir = run_dir
         self.prompt = load_callable(config.speech_prompt)
         self.sidecars = {name: SidecarProcess(name, spec.sidecar, run_dir) for name, spec in config.stages.items()}
@@ -116,7 +115,7 @@ class SpeechServer:
         code2wav = self.config.stages["code2wav"]
         self.pipeline = SpeechPipeline(stages["talker"], stages["code2wav"],
                                        int(code2wav.sidecar.options.get("chunk_frames", "4")),
-                                       code2wav.placeholder_token, streaming_input=None if self.streaming_input else False)
+                                       code2wav.placeholder_token)
 
     async def stop(self) -> None:
         if self.pipeline is not None:

@@ -2,17 +2,18 @@
 
 The talker request is added whole (its text is known up front) and runs as vLLM schedules it.
 Its codec frames are followed in the talker's sidecar (`codes.audio`, per step) after each of
-its engine outputs. The code2wav request is one upstream streaming-input session
-(`AsyncLLM.generate` fed by an async generator of `StreamingInput`, vLLM >= 0.26): it starts
-with the first chunk of frames (or all of them, if fewer), and between chunks it waits in
-the scheduler (`WAITING_FOR_STREAMING_REQ`) holding its KV cache and its sidecar state, taking
-no step. Each further chunk first goes into its sidecar (an append replacing the codes so far,
-applied before the append is answered), then one input of one placeholder token resumes it for
-one step, which decodes that chunk. Its waveform is followed in the code2wav sidecar after
-each of its outputs and handed to the caller chunk by chunk.
+its engine outputs. Each chunk of frames becomes its own one-step code2wav request, added as
+soon as the chunk's frames are there: its payload holds the frames up to the chunk's end (its
+left context among them) and `meta.codec_next_chunk`, the chunk the omni-code2wav hook set
+decodes first. So code2wav never waits inside the engine (no step spent on a request whose
+codes are not there yet, no driver gating steps), chunks of one request overlap the talker and
+each other, and the audio comes out chunk by chunk, read from the code2wav sidecar.
 
-Without streaming input (an older vLLM), the code2wav request is added once the talker has
-finished, with all its codes: no chunked overlap, the same audio.
+Upstream's streaming input (`AsyncLLM.generate` fed `StreamingInput`s; from vLLM 0.26) would
+hold one code2wav request between chunks instead, but with the shim as it is each resumed turn
+reaches the worker as a new request under the same id (the sidecar admits it again), the shim's
+length watch reports each turn's end as a finish, and the session's end is an abort the worker
+learns only at the engine's next step: not used here.
 """
 
 from __future__ import annotations
@@ -32,10 +33,6 @@ from omni_serve.stages.link import RequestRejected, SidecarLink, SidecarLost
 from omni_serve.stages.payload import additional_information
 
 logger = init_logger(__name__)
-try:
-    from vllm.engine.protocol import StreamingInput
-except ImportError:  # before vLLM 0.26
-    StreamingInput = None  # type: ignore[assignment,misc]
 
 CODES = "codes.audio"  # the talker sidecar's per-step output: [frames, Q] codec frames
 WAVEFORM = "waveform"  # the code2wav sidecar's per-step output: [samples, 1] float32
@@ -114,13 +111,11 @@ def num_chunks(frames: int, chunk_frames: int) -> int:
 
 
 class SpeechPipeline:
-    def __init__(self, talker: Stage, code2wav: Stage, chunk_frames: int, placeholder_token: int,
-                 streaming_input: bool | None = None) -> None:
+    def __init__(self, talker: Stage, code2wav: Stage, chunk_frames: int, placeholder_token: int) -> None:
         self.talker = talker
         self.code2wav = code2wav
         self.chunk_frames = chunk_frames
         self.placeholder_token = placeholder_token
-        self.streaming_input = StreamingInput is not None if streaming_input is None else streaming_input
         self._releases: set[asyncio.Task] = set()
 
     @property
