@@ -107,9 +107,20 @@ class SpeechServer:
             if spec.build and not Path(spec.model).exists():
                 load_callable(spec.build)(spec.model)
             await self.sidecars[name].start()
-        for name, spec in self.config.stages.items():
-            sidecar = self.sidecars[name]
-            self.engines[name] = await asyncio.to_thread(start_engine, spec, sidecar.endpoint, spec.sidecar.curve_keys)
+        from vllm.plugins import load_general_plugins
+
+        load_general_plugins()  # once, before the engines start together (the shim's plugin registers the models)
+        specs = list(self.config.stages.values())
+
+        async def start(spec) -> None:
+            self.engines[spec.name] = await asyncio.to_thread(start_engine, spec, self.sidecars[spec.name].endpoint,
+                                                              spec.sidecar.curve_keys)
+
+        if any(spec.device is not None for spec in specs):  # each placed through the environment: one at a time
+            for spec in specs:
+                await start(spec)
+        else:  # their processes start and load at once
+            await asyncio.gather(*(start(spec) for spec in specs))
         stages = {name: Stage(name, self.engines[name], SidecarLink(self.sidecars[name].endpoint),
                               dict(self.config.stages[name].sampling)) for name in self.config.stages}
         code2wav = self.config.stages["code2wav"]
