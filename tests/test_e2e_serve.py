@@ -2,9 +2,8 @@
 with the shim, two real sidecar processes it starts), real HTTP clients against it.
 
 Checked, on the one server of this module:
-- a WAV from `POST /v1/audio/speech` equals the stages run by hand on the same input: the talker's
-  direct step-by-step forward (tests/support/talker_reference.py) gives the codes, the codec's
-  direct forward decodes them chunk by chunk (left context cut, as the sidecar plans it);
+- a WAV from `POST /v1/audio/speech` equals the stages run by hand on the same input
+  (tests/support/speech_reference.py: the talker's and the codec's direct forwards, outside vLLM);
 - pcm, a raw audio stream and vllm-omni's SSE stream carry the same samples; a stream's first chunk
   arrives before the request has finished;
 - bad input (empty, over-long, unknown voice, unsupported format, bad JSON, unknown model, a field
@@ -34,9 +33,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from tests.support.procs import ROOT, child_env
+from tests.support.speech_reference import pcm16, reference_samples
 
 pytestmark = pytest.mark.e2e
 CHUNK, LEFT = 4, 8
@@ -162,36 +161,11 @@ def server(models, tmp_path_factory):
     assert not list(srv.run_dir.glob("*.sock")), "the sidecars' sockets were left behind"
 
 
-def reference_samples(models, text: str, voice: int) -> np.ndarray:
-    """The stages by hand: the talker's direct forward, then the codec's direct chunked decode."""
-    from tests.support.talker_reference import reference_codes
-    from tests.tiny_models.code2wav import load_decoder
-    from tests.tiny_models.talker import speech_prompt
-
-    talker, code2wav = models
-    prompt, payload = speech_prompt(text, voice)
-    info = {"hidden_states": {"output": torch.from_numpy(payload["hidden_states"]["output"])},
-            "embed": {"tts_pad": torch.from_numpy(payload["embed"]["tts_pad"])}}
-    (ref,) = reference_codes(talker, [{"prompt_token_ids": prompt, "info": info, "max_tokens": MAX_FRAMES + 1,
-                                       "ignore_eos": True}])
-    codes = ref["codes"]
-    assert codes.shape[0] == MAX_FRAMES
-    decoder = load_decoder(code2wav)
-    spf, parts = decoder.samples_per_frame, []
-    with torch.no_grad():
-        for start in range(0, codes.shape[0], CHUNK):
-            first = max(0, start - LEFT)
-            parts.append(decoder(codes[first:start + CHUNK].t().unsqueeze(0))[0][(start - first) * spf:])
-    return torch.cat(parts).numpy()
-
-
 @pytest.fixture(scope="module")
 def reference(models):
-    return reference_samples(models, TEXT, 1)
-
-
-def pcm_of(samples: np.ndarray) -> np.ndarray:
-    return (np.clip(samples, -1, 1) * 32767.0).round().astype(np.int16)
+    samples = reference_samples(*models, TEXT, 1, MAX_FRAMES + 1, CHUNK, LEFT)
+    assert samples.shape == (MAX_FRAMES * 24,)  # one frame per decode step
+    return samples
 
 
 def test_a_wav_equals_the_stages_run_by_hand(server, reference):
@@ -201,7 +175,7 @@ def test_a_wav_equals_the_stages_run_by_hand(server, reference):
     with wave.open(BytesIO(body)) as wav:
         assert (wav.getframerate(), wav.getnchannels(), wav.getsampwidth()) == (300, 1, 2)
         got = np.frombuffer(wav.readframes(wav.getnframes()), dtype="<i2")
-    want = pcm_of(reference)
+    want = pcm16(reference)
     assert got.shape == want.shape == (MAX_FRAMES * 24,)
     assert np.abs(got.astype(np.int32) - want).max() <= 1  # float32 sums in another order: one LSB at most
     assert np.abs(want).max() > 1000  # a real signal, not silence
@@ -264,7 +238,7 @@ def test_bad_input_gets_a_4xx_with_one_message(server, body, status, needle):
 def test_the_server_serves_on_after_bad_input(server, reference):
     status, pcm, _ = server.post({"input": TEXT, "voice": "vivian", "response_format": "pcm"})
     assert status == 200
-    assert np.abs(np.frombuffer(pcm, "<i2").astype(np.int32) - pcm_of(reference)).max() <= 1
+    assert np.abs(np.frombuffer(pcm, "<i2").astype(np.int32) - pcm16(reference)).max() <= 1
 
 
 def _live(endpoint: str) -> tuple[int, int]:
@@ -361,7 +335,7 @@ def test_a_killed_sidecar_fails_its_requests_with_a_503_and_the_server_serves_on
         if status == 200:
             break
     assert status == 200, pcm
-    assert np.abs(np.frombuffer(pcm, "<i2").astype(np.int32) - pcm_of(reference)).max() <= 1
+    assert np.abs(np.frombuffer(pcm, "<i2").astype(np.int32) - pcm16(reference)).max() <= 1
 
 
 def test_models_health_and_metrics(server):
