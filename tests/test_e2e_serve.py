@@ -10,6 +10,8 @@ Checked, on the one server of this module:
   this model cannot honour) gets a 4xx with one message, and the server serves the next request;
 - a client that disconnects mid-stream: its request ends in both engines and both sidecars, and
   nothing of it is kept;
+- (`make test-slow`) a hot upgrade of either stage's sidecar while requests keep coming: every
+  answer a 200 with the same audio, the successor adopted by the server;
 - the talker's sidecar killed with requests in flight: those end with a 503 that says so, the
   server starts it again, and the next request is served (the same audio);
 - /v1/models, /health and /metrics (time to first audio, real-time factor, per-stage requests).
@@ -294,6 +296,57 @@ def test_a_client_that_disconnects_aborts_its_request_everywhere(server):
         assert time.monotonic() < deadline
         time.sleep(0.1)
     assert _metric(server, 'omni_serve_requests_total{outcome="aborted"}') >= 1
+
+
+@pytest.mark.slow  # about 80 s for both stages on 2 cores: `make test-slow`
+@pytest.mark.parametrize("stage, options", [
+    ("talker", []),
+    ("code2wav", [f"chunk_frames={CHUNK}", f"left_context={LEFT}", "codebook_size=64"]),
+])
+def test_a_hot_upgrade_of_a_stage_under_load_loses_nothing(server, reference, stage, options):
+    from omni_sidecar.client import SidecarClient
+
+    with SidecarClient(server.endpoint(stage)) as client:
+        before = client.status().pid
+    stop = threading.Event()
+    answers: list[tuple[int, bytes, float, float]] = []
+
+    def client_loop() -> None:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            status, body, _ = server.post({"input": TEXT, "voice": "vivian", "response_format": "pcm"})
+            answers.append((status, body, t0, time.monotonic()))
+
+    threads = [threading.Thread(target=client_loop) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        while len(answers) < 3:  # the load is on
+            time.sleep(0.05)
+        cmd = [sys.executable, "-m", "omni_sidecar.cli", "upgrade", "--endpoint", server.endpoint(stage),
+               "--log", str(server.run_dir / f"{stage}-successor.log"), "--", "--hooks", f"omni-{stage}"]
+        for option in options:
+            cmd += ["--hook-option", option]
+        t_up = time.monotonic()
+        up = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=child_env())
+        t_done = time.monotonic()
+        time.sleep(1.0)  # served by the successor for a while
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    assert up.returncode == 0, up.stdout + up.stderr
+    with SidecarClient(server.endpoint(stage)) as client:
+        assert client.status().pid != before  # the successor serves
+    assert all(status == 200 for status, *_ in answers), [(s, b[:200]) for s, b, *_ in answers if s != 200]
+    want = pcm16(reference)
+    for _, body, _, _ in answers:
+        assert np.abs(np.frombuffer(body, "<i2").astype(np.int32) - want).max() <= 1
+    across = [a for a in answers if a[2] < t_done and a[3] > t_up]
+    assert across, "no request ran while the upgrade did"
+    assert any(a[2] > t_done for a in answers)  # and some after it
+    _, health = server.get("/health")
+    assert json.loads(health)["status"] == "ok"  # the successor is adopted, not restarted over
 
 
 def test_a_killed_sidecar_fails_its_requests_with_a_503_and_the_server_serves_on(server, reference):

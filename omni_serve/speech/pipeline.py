@@ -1,8 +1,8 @@
 """One speech request through talker -> code2wav, both stages running free.
 
 The talker request is added whole (its text is known up front) and runs as vLLM schedules it.
-Its codec frames are followed in the talker's sidecar (`codes.audio`, per step) after each of
-its engine outputs. Each chunk of frames becomes its own one-step code2wav request, added as
+Its codec frames are read from the talker's sidecar (the assembled `codes.audio`, which a hot
+upgrade hands over whole) after each of its engine outputs. Each chunk of frames becomes its own one-step code2wav request, added as
 soon as the chunk's frames are there: its payload holds the frames up to the chunk's end (its
 left context among them) and `meta.codec_next_chunk`, the chunk the omni-code2wav hook set
 decodes first. So code2wav never waits inside the engine (no step spent on a request whose
@@ -34,11 +34,11 @@ from omni_serve.stages.payload import additional_information
 
 logger = init_logger(__name__)
 
-CODES = "codes.audio"  # the talker sidecar's per-step output: [frames, Q] codec frames
-WAVEFORM = "waveform"  # the code2wav sidecar's per-step output: [samples, 1] float32
-FOLLOW_TIMEOUT_S = 30.0
+CODES = "codes.audio"  # the talker sidecar's assembled output: [frames, Q] codec frames
+WAVEFORM = "waveform"  # the code2wav sidecar's assembled output: [samples, 1] float32
+FOLLOW_TIMEOUT_S = 30.0  # a stage whose sidecar has not finished a request this long after its engine did
 RELEASE_TIMEOUT_S = 60.0
-ALL_SEEN = 1 << 40  # a cursor past every chunk: asks only whether the request is known and finished  # a stage whose sidecar shows nothing new for this long after its engine finished
+ALL_SEEN = 1 << 40  # a cursor past every chunk: asks only whether the request is known and finished
 
 
 class StageFailed(RuntimeError):
@@ -73,18 +73,22 @@ class Stage:
 class Frames:
     """The talker's frames of one request as they come."""
 
-    rows: list[np.ndarray] = field(default_factory=list)
-    count: int = 0
+    codes: np.ndarray | None = None  # [frames, Q]: the talker sidecar's assembled codes so far
     ended: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def add(self, chunk: np.ndarray) -> None:
-        self.rows.append(chunk)
-        self.count += int(chunk.shape[0])
-        self.changed.set()
+    @property
+    def count(self) -> int:
+        return 0 if self.codes is None else int(self.codes.shape[0])
+
+    def set(self, codes: np.ndarray | None) -> None:
+        if codes is not None and codes.shape[0] > self.count:  # frames only ever grow
+            self.codes = codes
+            self.changed.set()
 
     def all(self) -> np.ndarray:
-        return np.concatenate(self.rows) if len(self.rows) != 1 else self.rows[0]
+        assert self.codes is not None
+        return self.codes
 
 
 async def engine_outputs(stage: "Stage", outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -171,35 +175,32 @@ class SpeechPipeline:
             task.cancel()
         await asyncio.gather(*self._releases, return_exceptions=True)
 
-    async def _follow(self, stage: Stage, request_id: str, cursor: int, name: str) -> tuple[list[np.ndarray], bool, int]:
+    async def _assembled(self, stage: Stage, request_id: str, name: str) -> tuple[np.ndarray | None, bool]:
         try:
-            got, cursor = await stage.link.follow(request_id, cursor)
+            values, got = await stage.link.outputs(request_id)
         except SidecarLost as exc:
             raise StageFailed(stage.name, str(exc)) from None
         except RequestRejected as exc:
             raise StageFailed(stage.name, f"its hooks failed the request: {exc}") from None
-        return [c[name] for c in got.chunks if name in c and c[name].shape[0]], got.finished, cursor
+        return values.get(name), got.finished
 
     async def _run_talker(self, job: SpeechJob, frames: Frames) -> None:
         params = SamplingParams(**{**self.talker.sampling, "max_tokens": job.max_frames, "seed": job.seed,
                                    "detokenize": False, "output_kind": RequestOutputKind.DELTA,
                                    "extra_args": {"omni_sidecar": {"additional_information":
                                                                    additional_information(job.payload)}}})
-        cursor = 0
         try:
             prompt = {"prompt_token_ids": job.prompt_token_ids}
             async for out in engine_outputs(self.talker, self.talker.engine.generate(prompt, params, job.request_id)):
-                rows, _, cursor = await self._follow(self.talker, job.request_id, cursor, CODES)
-                for row in rows:
-                    frames.add(row)
+                codes, _ = await self._assembled(self.talker, job.request_id, CODES)
+                frames.set(codes)
                 if out.finished and out.outputs and out.outputs[0].finish_reason not in ("length", "stop"):
                     raise StageFailed("talker", f"the engine ended the request ({out.outputs[0].finish_reason})")
             # The last steps' frames reach the sidecar after the engine's last output.
             deadline = time.monotonic() + FOLLOW_TIMEOUT_S
             while True:
-                rows, finished, cursor = await self._follow(self.talker, job.request_id, cursor, CODES)
-                for row in rows:
-                    frames.add(row)
+                codes, finished = await self._assembled(self.talker, job.request_id, CODES)
+                frames.set(codes)
                 if finished:
                     break
                 if time.monotonic() > deadline:
@@ -262,13 +263,11 @@ class SpeechPipeline:
             async for out in engine_outputs(self.code2wav, self.code2wav.engine.generate(
                     prompt, self._code2wav_params(payload), chunk_id)):
                 self._check_output("code2wav", out)
-            waves, cursor = [], 0
             deadline = time.monotonic() + FOLLOW_TIMEOUT_S
             while True:
-                got, finished, cursor = await self._follow(self.code2wav, chunk_id, cursor, WAVEFORM)
-                waves += got
+                wave, finished = await self._assembled(self.code2wav, chunk_id, WAVEFORM)
                 if finished:
-                    return waves
+                    return [] if wave is None else [wave]
                 if time.monotonic() > deadline:
                     raise StageFailed("code2wav", "its sidecar never finished a chunk's waveform")
                 await asyncio.sleep(0.002)

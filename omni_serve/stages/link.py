@@ -8,6 +8,7 @@ a reply of the wrong kind or none within the timeout is a `SidecarLost`.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,9 @@ from proto.messages import (AppendPayload, AppendReply, ErrorReply, Message, Out
 # numpy has no bfloat16: such an output arrives widened to float32 by the reader below.
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64, "int64": np.int64,
                 "int32": np.int32, "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_}
+
+
+RESEND_AFTER_S = 1.0  # a live sidecar answers a query in milliseconds
 
 
 class SidecarLost(ConnectionError):
@@ -73,21 +77,30 @@ class SidecarLink:
             self._sock.close(0)
             self._sock = None
 
-    async def _call(self, msg: Message, want: type | tuple[type, ...]) -> Message:
+    async def _call(self, msg: Message, want: type | tuple[type, ...], again: bool = True) -> Message:
+        """One query, answered within the timeout. `again`: the query may be sent twice (it only reads or
+        drops): unanswered after a slice of the timeout, it goes again on a fresh connection, which
+        reaches whoever serves the endpoint now (a successor after a hot upgrade took over the path)."""
+        deadline = time.monotonic() + self.timeout_s
         async with self._lock:
-            sock = self._socket()
-            try:
-                await sock.send(self.codec.encode(msg))
-                if not await sock.poll(int(self.timeout_s * 1000)):
+            while True:
+                sock = self._socket()
+                left = deadline - time.monotonic()
+                wait = min(left, RESEND_AFTER_S) if again else left
+                try:
+                    await sock.send(self.codec.encode(msg))
+                    if await sock.poll(max(1, int(wait * 1000))):
+                        reply = self.codec.decode(await sock.recv())
+                        break
+                except FrameError as exc:
                     self._drop()
+                    raise SidecarLost(f"the sidecar at {self.endpoint} sent a bad reply: {exc}") from None
+                except zmq.ZMQError as exc:
+                    self._drop()
+                    raise SidecarLost(f"the sidecar at {self.endpoint}: {exc}") from None
+                self._drop()
+                if time.monotonic() >= deadline:
                     raise SidecarLost(f"the sidecar at {self.endpoint} did not answer within {self.timeout_s:.0f}s")
-                reply = self.codec.decode(await sock.recv())
-            except FrameError as exc:
-                self._drop()
-                raise SidecarLost(f"the sidecar at {self.endpoint} sent a bad reply: {exc}") from None
-            except zmq.ZMQError as exc:
-                self._drop()
-                raise SidecarLost(f"the sidecar at {self.endpoint}: {exc}") from None
         if not isinstance(reply, want):
             raise SidecarLost(f"the sidecar at {self.endpoint} answered {type(reply).__name__} to "
                               f"{type(msg).__name__}")
@@ -110,13 +123,23 @@ class SidecarLink:
         chunks = [{**c.values, **{k: blob_array(b) for k, b in c.tensors.items()}} for c in reply.chunks]
         return Followed(chunks, reply.found, reply.found and reply.finished), reply.cursor
 
+    async def outputs(self, req_id: str) -> tuple[dict[str, Any], Followed]:
+        """The request's assembled outputs so far (they survive a hot upgrade whole, where a cursor
+        into the per-step chunks may not)."""
+        reply: OutputsReply = await self._call(OutputsQuery(req_id), OutputsReply)  # type: ignore
+        if reply.error:
+            raise RequestRejected(reply.error)
+        values = {**reply.values, **{k: blob_array(b) for k, b in reply.tensors.items()}}
+        return values, Followed([], reply.found, reply.found and reply.finished)
+
     async def forget(self, req_id: str) -> None:
         """Drop a request's kept outputs (the front end has read them)."""
         await self._call(OutputsQuery(req_id, pop=True), OutputsReply)
 
     async def append(self, req_id: str, entries: dict[str, Any]) -> int:
         """Entries (vllm-omni's additional_information) into a running request; the last step not seeing them."""
-        reply = await self._call(AppendPayload(req_id, msgspec.msgpack.encode(entries)), (AppendReply, ErrorReply))
+        reply = await self._call(AppendPayload(req_id, msgspec.msgpack.encode(entries)), (AppendReply, ErrorReply),
+                                 again=False)
         if isinstance(reply, ErrorReply):
             raise RequestRejected(f"{reply.code}: {reply.message}")
         return reply.after_step  # type: ignore[union-attr]

@@ -2,14 +2,18 @@
 
 Started through the sidecar's own CLI (never imported: the sidecar stays a separate, vLLM-free
 program). A supervised sidecar that exits is started again on the same endpoint (the shim
-reconnects to it; requests that were in flight fail there and here); an attached one belongs
+reconnects to it; requests that were in flight fail there and here), unless a hot upgrade
+(`omni-sidecar upgrade`) handed it over to a successor: that one, answering at the endpoint, is
+adopted (stopped with the server; started again as before if it dies). An attached one belongs
 to whoever started it (compose, systemd) and is only watched.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -33,6 +37,7 @@ class SidecarProcess:
         self.endpoint = spec.endpoint or f"ipc://{run_dir}/{stage}.sock"
         self.log_path = run_dir / f"{stage}-sidecar.log"
         self.proc: subprocess.Popen | None = None
+        self.successor: int = 0  # the pid a hot upgrade handed the endpoint to (not our child)
         self.restarts = 0
         self.stopping = False
         self._watch: asyncio.Task | None = None
@@ -77,36 +82,54 @@ class SidecarProcess:
     async def _supervise(self) -> None:
         while not self.stopping:
             await asyncio.sleep(0.2)
-            if self.proc is None or self.proc.poll() is None or self.stopping:
+            if self.stopping or self.running:
                 continue
-            if await self._taken_over():
-                logger.info("the %s sidecar at %s was handed over to a successor (hot upgrade); its process "
-                            "is no longer supervised here", self.stage, self.endpoint)
-                self.proc = None
+            successor = await self._successor()
+            if successor:
+                logger.info("the %s sidecar at %s was handed over to pid %d (hot upgrade); supervising that one",
+                            self.stage, self.endpoint, successor)
+                self.proc, self.successor = None, successor
                 continue
-            logger.error("the %s sidecar (pid %d) exited with %s; starting it again", self.stage, self.proc.pid,
-                         self.proc.returncode)
+            logger.error("the %s sidecar exited (%s); starting it again", self.stage,
+                         f"pid {self.proc.pid}, status {self.proc.returncode}" if self.proc else f"pid {self.successor}")
             await asyncio.sleep(RESTART_PAUSE_S)
             self.restarts += 1
+            self.successor = 0
             self._spawn()
             try:
                 await self.wait_ready()
             except RuntimeError as exc:
                 logger.error("%s", exc)
 
-    async def _taken_over(self) -> bool:
-        """A hot upgrade (`omni-sidecar upgrade`) replaced our process with a successor that answers at
-        the endpoint: not a crash."""
+    @property
+    def running(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return bool(self.successor) and os.path.exists(f"/proc/{self.successor}")
+
+    async def _successor(self) -> int:
+        """The pid of another sidecar that answers at the endpoint (0: none)."""
         link = SidecarLink(self.endpoint, timeout_s=1.0)
         try:
-            return await link.ping()
+            pid = (await link.status()).pid
+        except Exception:  # nothing there, or not answering: no successor
+            return 0
         finally:
             link.close()
+        mine = self.proc.pid if self.proc is not None else self.successor
+        return pid if pid and pid != mine else 0
 
     async def stop(self) -> None:
         self.stopping = True
         if self._watch is not None:
             self._watch.cancel()
+        if self.proc is None and self.successor:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.successor, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            while self.running and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.terminate()
@@ -119,7 +142,7 @@ class SidecarProcess:
 
     @property
     def alive(self) -> bool:
-        return self.spec.attach or self.proc is None or self.proc.poll() is None
+        return self.spec.attach or self.running
 
 
 def socket_dir(run_dir: Path) -> Path:
