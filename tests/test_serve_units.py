@@ -132,3 +132,16 @@ def test_the_config_names_its_stages_in_order_and_refuses_unknown_keys(tmp_path)
         with pytest.raises(ConfigError, match=needle.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
                            .replace(")", r"\)")):
             load_config(bad)
+
+
+def test_the_shims_vllm_plugin_calls_the_model_registrations_it_is_given(monkeypatch):
+    from tests.support import registrations
+    from worker_shim import plugin
+
+    monkeypatch.setenv(plugin.REGISTER_ENV, "tests.support.registrations:note,tests.support.registrations:note")
+    registrations.CALLS.clear()
+    plugin.register_models()
+    assert registrations.CALLS == ["called", "called"]
+    monkeypatch.delenv(plugin.REGISTER_ENV)
+    plugin.register_models()
+    assert len(registrations.CALLS) == 2  # none named: none called
