@@ -18,7 +18,7 @@ class SpeechMetrics:
         self.audio_seconds = Counter(f"{PREFIX}_audio_seconds", "Seconds of audio served", registry=self.registry)
         self.requests = Counter(f"{PREFIX}_requests", "Speech requests by outcome", ["outcome"],
                                 registry=self.registry)
-        self.queue = Gauge(f"{PREFIX}_stage_requests", "Requests a stage holds now", ["stage"],
+        self.queue = Gauge(f"{PREFIX}_stage_requests", "Requests in a stage's engine now (code2wav: one per chunk)", ["stage"],
                            registry=self.registry)
         self.sidecar_restarts = Gauge(f"{PREFIX}_sidecar_restarts", "Times a stage's sidecar was started again",
                                       ["stage"], registry=self.registry)

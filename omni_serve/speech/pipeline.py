@@ -66,7 +66,7 @@ class Stage:
     engine: Any  # vllm.v1.engine.async_llm.AsyncLLM
     link: SidecarLink
     sampling: dict[str, Any] = field(default_factory=dict)
-    in_flight: int = 0  # requests of this stage the front end is running now
+    in_flight: int = 0  # requests in this stage's engine now (the talker's: one per speech request; code2wav's: one per chunk)
 
 
 @dataclass
@@ -131,8 +131,6 @@ class SpeechPipeline:
         aborts the request in both engines and drops what the sidecars kept for it."""
         frames = Frames()
         talker_task = asyncio.create_task(self._run_talker(job, frames))
-        self.talker.in_flight += 1
-        self.code2wav.in_flight += 1
         try:
             async with contextlib.aclosing(self._run_code2wav(job, frames, talker_task)) as audio:
                 async for chunk in audio:
@@ -142,8 +140,6 @@ class SpeechPipeline:
             # No await in here: a client gone cancels the handler's scope, and every await in it
             # would raise again before the rest ran. The tasks end themselves (aborting their
             # requests); the releases run on their own.
-            self.talker.in_flight -= 1
-            self.code2wav.in_flight -= 1
             stop_soon(talker_task)
             for stage in self.stages:
                 self._release(stage, job.request_id)
@@ -189,6 +185,7 @@ class SpeechPipeline:
                                    "detokenize": False, "output_kind": RequestOutputKind.DELTA,
                                    "extra_args": {"omni_sidecar": {"additional_information":
                                                                    additional_information(job.payload)}}})
+        self.talker.in_flight += 1
         try:
             prompt = {"prompt_token_ids": job.prompt_token_ids}
             async for out in engine_outputs(self.talker, self.talker.engine.generate(prompt, params, job.request_id)):
@@ -207,6 +204,7 @@ class SpeechPipeline:
                     raise StageFailed("talker", "its sidecar never finished the request's codes")
                 await asyncio.sleep(0.002)
         finally:
+            self.talker.in_flight -= 1
             frames.ended = True
             frames.changed.set()
 
@@ -258,6 +256,7 @@ class SpeechPipeline:
 
     async def _decode_chunk(self, chunk_id: str, payload: dict[str, Any]) -> list[np.ndarray]:
         """One chunk through code2wav: a one-step request, its waveform read from the sidecar."""
+        self.code2wav.in_flight += 1
         try:
             prompt = {"prompt_token_ids": [self.placeholder_token]}
             async for out in engine_outputs(self.code2wav, self.code2wav.engine.generate(
@@ -272,6 +271,7 @@ class SpeechPipeline:
                     raise StageFailed("code2wav", "its sidecar never finished a chunk's waveform")
                 await asyncio.sleep(0.002)
         finally:
+            self.code2wav.in_flight -= 1
             self._release(self.code2wav, chunk_id)
 
     @staticmethod
