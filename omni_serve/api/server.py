@@ -29,6 +29,7 @@ from omni_serve.config import ServeConfig, load_callable
 from omni_serve.speech.pipeline import SpeechJob, SpeechPipeline, Stage, StageFailed
 from omni_serve.stages.link import SidecarLink
 from omni_serve.stages.sidecars import SidecarProcess
+from proto.settings import CODE2WAV_CHUNK_FRAMES, CODE2WAV_LEFT_CONTEXT_FRAMES
 
 logger = init_logger(__name__)
 
@@ -124,8 +125,10 @@ class SpeechServer:
         stages = {name: Stage(name, self.engines[name], SidecarLink(self.sidecars[name].endpoint),
                               dict(self.config.stages[name].sampling)) for name in self.config.stages}
         code2wav = self.config.stages["code2wav"]
+        options = code2wav.sidecar.options  # the sidecar's chunking (its defaults where not given)
         self.pipeline = SpeechPipeline(stages["talker"], stages["code2wav"],
-                                       int(code2wav.sidecar.options.get("chunk_frames", "4")),
+                                       int(options.get("chunk_frames", CODE2WAV_CHUNK_FRAMES)),
+                                       int(options.get("left_context", CODE2WAV_LEFT_CONTEXT_FRAMES)),
                                        code2wav.placeholder_token)
 
     async def stop(self) -> None:

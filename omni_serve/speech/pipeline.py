@@ -3,9 +3,9 @@
 The talker request is added whole (its text is known up front) and runs as vLLM schedules it.
 Its codec frames are read from the talker's sidecar (the assembled `codes.audio`, which a hot
 upgrade hands over whole) after each of its engine outputs. Each chunk of frames becomes its own one-step code2wav request, added as
-soon as the chunk's frames are there: its payload holds the frames up to the chunk's end (its
-left context among them) and `meta.codec_next_chunk`, the chunk the omni-code2wav hook set
-decodes first. So code2wav never waits inside the engine (no step spent on a request whose
+soon as the chunk's frames are there: its payload holds a window of the frames ending with the
+chunk (its left context among them) and `meta.codec_next_chunk`, the chunk of that window the
+omni-code2wav hook set decodes. So code2wav never waits inside the engine (no step spent on a request whose
 codes are not there yet, no driver gating steps), chunks of one request overlap the talker and
 each other, and the audio comes out chunk by chunk, read from the code2wav sidecar.
 
@@ -115,10 +115,12 @@ def num_chunks(frames: int, chunk_frames: int) -> int:
 
 
 class SpeechPipeline:
-    def __init__(self, talker: Stage, code2wav: Stage, chunk_frames: int, placeholder_token: int) -> None:
+    def __init__(self, talker: Stage, code2wav: Stage, chunk_frames: int, left_context: int,
+                 placeholder_token: int) -> None:
         self.talker = talker
         self.code2wav = code2wav
         self.chunk_frames = chunk_frames
+        self.left_context = left_context
         self.placeholder_token = placeholder_token
         self._releases: set[asyncio.Task] = set()
 
@@ -212,10 +214,17 @@ class SpeechPipeline:
         return num_chunks(frames.count, self.chunk_frames) if frames.ended else frames.count // self.chunk_frames
 
     def _chunk_payload(self, frames: Frames, k: int) -> dict[str, Any]:
-        """Chunk k's request: the frames up to its end (its left context among them), decoding starts at k."""
-        end = min(frames.count, (k + 1) * self.chunk_frames)
-        codes = frames.all()[:end].astype(np.int64)
-        return additional_information({"codes": {"audio": codes}, "meta": {"codec_next_chunk": k}})
+        """Chunk k's request: a window of the frames that ends with the chunk and starts the left
+        context early, rounded back to a whole chunk (so the chunk is a whole chunk index of the
+        window, `codec_next_chunk`, and the hook set cuts exactly the left context it would in
+        the whole codes): its payload stays a few chunks long however long the audio."""
+        start = k * self.chunk_frames
+        end = min(frames.count, start + self.chunk_frames)
+        back = -(-self.left_context // self.chunk_frames) * self.chunk_frames
+        first = max(0, start - back)
+        codes = frames.all()[first:end].astype(np.int64)
+        return additional_information({"codes": {"audio": codes},
+                                       "meta": {"codec_next_chunk": (start - first) // self.chunk_frames}})
 
     def _code2wav_params(self, payload: dict[str, Any] | None) -> SamplingParams:
         extra = {"omni_sidecar": {"additional_information": payload}} if payload is not None else None
