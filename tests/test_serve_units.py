@@ -145,3 +145,16 @@ def test_the_shims_vllm_plugin_calls_the_model_registrations_it_is_given(monkeyp
     monkeypatch.delenv(plugin.REGISTER_ENV)
     plugin.register_models()
     assert len(registrations.CALLS) == 2  # none named: none called
+
+
+def test_output_tensors_are_read_by_their_dtype_and_shape_and_malformed_ones_refused():
+    from omni_serve.stages.link import RequestRejected, blob_array
+    from proto.messages import TensorBlob
+
+    wave = np.arange(6, dtype=np.float32).reshape(3, 2)
+    assert np.array_equal(blob_array(TensorBlob([3, 2], "float32", wave.tobytes())), wave)
+    bf16 = torch.tensor([1.5, -2.0]).to(torch.bfloat16)
+    assert blob_array(TensorBlob([2], "bfloat16", bf16.view(torch.int16).numpy().tobytes())).tolist() == [1.5, -2.0]
+    for bad in (TensorBlob([4, 2], "float32", wave.tobytes()), TensorBlob([3], "complex64", b"")):
+        with pytest.raises(RequestRejected):
+            blob_array(bad)

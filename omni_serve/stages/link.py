@@ -47,12 +47,16 @@ class Followed:
 
 
 def blob_array(blob: TensorBlob) -> np.ndarray:
-    if blob.dtype == "bfloat16":  # the top half of a float32
-        raw = np.frombuffer(blob.data, dtype=np.uint16).astype(np.uint32) << 16
-        return raw.view(np.float32).reshape(blob.shape)
-    if blob.dtype not in NUMPY_DTYPES:
-        raise RequestRejected(f"an output of dtype {blob.dtype} the front end cannot read")
-    return np.frombuffer(blob.data, dtype=NUMPY_DTYPES[blob.dtype]).reshape(blob.shape)
+    """An output tensor as numpy; one whose bytes do not fit its shape and dtype is refused."""
+    try:
+        if blob.dtype == "bfloat16":  # the top half of a float32
+            raw = np.frombuffer(blob.data, dtype=np.uint16).astype(np.uint32) << 16
+            return raw.view(np.float32).reshape(blob.shape)
+        if blob.dtype not in NUMPY_DTYPES:
+            raise RequestRejected(f"an output of dtype {blob.dtype} the front end cannot read")
+        return np.frombuffer(blob.data, dtype=NUMPY_DTYPES[blob.dtype]).reshape(blob.shape)
+    except ValueError as exc:
+        raise RequestRejected(f"a malformed output tensor ({blob.dtype}, shape {list(blob.shape)}): {exc}") from None
 
 
 class SidecarLink:
