@@ -9,7 +9,7 @@ omni-code2wav hook set decodes. So code2wav never waits inside the engine (no st
 codes are not there yet, no driver gating steps), chunks of one request overlap the talker and
 each other, and the audio comes out chunk by chunk, read from the code2wav sidecar.
 
-Upstream's streaming input (`AsyncLLM.generate` fed `StreamingInput`s; from vLLM 0.26) would
+Upstream's streaming input (`AsyncLLM.generate` fed `StreamingInput`s; vLLM 0.15 and later) would
 hold one code2wav request between chunks instead, but with the shim as it is each resumed turn
 reaches the worker as a new request under the same id (the sidecar admits it again), the shim's
 length watch reports each turn's end as a finish, and the session's end is an abort the worker
