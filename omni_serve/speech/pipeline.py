@@ -110,6 +110,19 @@ def stop_soon(task: asyncio.Task) -> None:
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
+async def patiently(stage: str, never: str) -> AsyncIterator[None]:
+    """Turns of a wait for a sidecar to finish what its engine has finished (a step's results reach
+    it just after the step): at once, then ever less often (2 ms doubling to 50 ms), so many waiting
+    requests do not flood it with queries; StageFailed after FOLLOW_TIMEOUT_S."""
+    deadline, pause = time.monotonic() + FOLLOW_TIMEOUT_S, 0.002
+    while True:
+        yield
+        if time.monotonic() > deadline:
+            raise StageFailed(stage, never)
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 0.05)
+
+
 def num_chunks(frames: int, chunk_frames: int) -> int:
     return -(-frames // chunk_frames)
 
@@ -196,15 +209,11 @@ class SpeechPipeline:
                 if out.finished and out.outputs and out.outputs[0].finish_reason not in ("length", "stop"):
                     raise StageFailed("talker", f"the engine ended the request ({out.outputs[0].finish_reason})")
             # The last steps' frames reach the sidecar after the engine's last output.
-            deadline = time.monotonic() + FOLLOW_TIMEOUT_S
-            while True:
+            async for _ in patiently("talker", "its sidecar never finished the request's codes"):
                 codes, finished = await self._assembled(self.talker, job.request_id, CODES)
                 frames.set(codes)
                 if finished:
                     break
-                if time.monotonic() > deadline:
-                    raise StageFailed("talker", "its sidecar never finished the request's codes")
-                await asyncio.sleep(0.002)
         finally:
             self.talker.in_flight -= 1
             frames.ended = True
@@ -271,14 +280,11 @@ class SpeechPipeline:
             async for out in engine_outputs(self.code2wav, self.code2wav.engine.generate(
                     prompt, self._code2wav_params(payload), chunk_id)):
                 self._check_output("code2wav", out)
-            deadline = time.monotonic() + FOLLOW_TIMEOUT_S
-            while True:
+            async for _ in patiently("code2wav", "its sidecar never finished a chunk's waveform"):
                 wave, finished = await self._assembled(self.code2wav, chunk_id, WAVEFORM)
                 if finished:
                     return [] if wave is None else [wave]
-                if time.monotonic() > deadline:
-                    raise StageFailed("code2wav", "its sidecar never finished a chunk's waveform")
-                await asyncio.sleep(0.002)
+            raise AssertionError("unreachable: patiently() raises when it gives up")
         finally:
             self.code2wav.in_flight -= 1
             self._release(self.code2wav, chunk_id)
