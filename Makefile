@@ -2,7 +2,8 @@
 # `make test-slow` (not part of `make test`, about 7 minutes): the tests marked slow. Longer runs
 # of what `make test` checks a few times (20 sidecar kills under a live engine, 100k fuzzed frames
 # a case), 10 hot upgrades during a streaming batch and 15 around an idle engine, upgrades at random
-# moments, the CPU compose file's services as local processes, the talker under vLLM multiprocessing.
+# moments, the CPU compose file's services as local processes, the talker under vLLM multiprocessing,
+# a hot upgrade of each speech stage's sidecar while omni-serve serves.
 # `make test-all` runs both in one session.
 # `make compat` (not part of `make test`): the vLLM compatibility matrix, COMPAT.md.
 PY ?= python3.11
@@ -17,7 +18,7 @@ export VLLM_USE_V2_MODEL_RUNNER ?= 1
 export VLLM_NO_USAGE_STATS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test test-slow test-all bench compat compose-e2e clean
+.PHONY: install demo serve test test-slow test-all bench compat compose-e2e clean
 
 install: $(STAMP)
 
@@ -27,6 +28,10 @@ $(STAMP): pyproject.toml deploy/cpu/install.sh
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
+
+# The speech server on the tiny models (README, "Speech server"): http://127.0.0.1:8000/v1/audio/speech
+serve: $(STAMP)
+	PYTHONPATH=. $(BIN)/python -m omni_serve --pipeline deploy/speech/tiny.toml --port 8000
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra

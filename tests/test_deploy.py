@@ -290,3 +290,27 @@ def test_host_pip_passes_the_hosts_pip_settings_to_docker_build(tmp_path, monkey
         assert urllib.request.urlopen(f"{base}/c.txt").read() == b"torch<=9\n"
     cmd = host_pip.with_build_args(["docker", "build", "-t", "x", "."], ["--build-arg", "A=1"])
     assert cmd == ["docker", "build", "--build-arg", "A=1", "--network", "host", "-t", "x", "."]
+
+
+def test_the_speech_compose_file_validates_and_matches_its_pipeline_config(tmp_path):
+    from omni_serve.config import load_config
+
+    cfg = compose_config("docker-compose.speech.cpu.yml", MODELS_DIR=str(tmp_path))
+    services = cfg["services"]
+    speech, anchor = services["speech"], services["ipc-anchor"]
+    pipeline = load_config(DEPLOY / "speech" / "compose-tiny.toml")
+    assert speech["command"][:3] == ["omni-serve", "--pipeline", "/opt/omni-sidecar/deploy/speech/compose-tiny.toml"]
+    assert anchor["ipc"] == "shareable" and speech["ipc"] == "service:ipc-anchor"
+    for stage, spec in pipeline.stages.items():
+        sidecar = services[f"sidecar-{stage}"]
+        # Attached, not started by omni-serve: compose starts and restarts it.
+        assert spec.sidecar.attach and sidecar["restart"] == "on-failure" and sidecar["ipc"] == "service:ipc-anchor"
+        assert _env(sidecar)["OMNI_SIDECAR_ENDPOINT"] == spec.sidecar.endpoint
+        assert _mounts(sidecar)["/run/omni"] == _mounts(speech)["/run/omni"] == "omni-sock"
+        assert sidecar["command"][sidecar["command"].index("--hooks") + 1] == f"omni-{stage}"
+        assert speech["depends_on"][f"sidecar-{stage}"]["condition"] == "service_healthy"
+        assert spec.model.startswith("/models/")
+        # The front end reads the chunking the sidecar runs with: the same numbers on both sides.
+        options = dict(o.split("=", 1) for o in sidecar["command"][1:] if "=" in o)
+        assert {k: options[k] for k in spec.sidecar.options} == spec.sidecar.options
+    assert _mounts(speech)["/models"] == str(tmp_path)

@@ -14,7 +14,10 @@ On a host with Docker and no image registry (not part of `make test`: it takes m
      (0 failed, tokens identical to a run without upgrade); `docker kill` of the sidecar and a
      crash of its process while requests run (vLLM keeps serving, affected requests fail with
      the clear message, new ones succeed once the sidecar is back); `docker compose down -v`
-     leaves no container, volume, network or shared-memory segment behind.
+     leaves no container, volume, network or shared-memory segment behind;
+  7. the speech stack (deploy/docker-compose.speech.cpu.yml: omni-serve with both stage engines,
+     one sidecar container per stage) on the tiny talker and code2wav: a POST /v1/audio/speech
+     returns a WAV equal to the stages run by hand on this host; `down -v` leaves nothing.
 Every check raises on failure (exit 1); the log shows each step with its time.
 Build logs: .cache/compose-e2e/.
 """
@@ -204,6 +207,76 @@ def context_copy(dest: Path) -> Path:
 
 
 # -- the running stack ----------------------------------------------------------------------
+
+SPEECH_COMPOSE = "deploy/docker-compose.speech.cpu.yml"
+SPEECH_PROJECT = "omni-speech-e2e"
+# deploy/speech/compose-tiny.toml's talker max_tokens and the code2wav sidecar's chunking.
+SPEECH_MAX_TOKENS, SPEECH_CHUNK, SPEECH_LEFT = 24, 4, 8
+
+
+def speech_stack(tmp: Path, compose_env: dict) -> None:
+    """Step 7: the speech stack up, one speech request checked against the stages by hand, down."""
+    import io
+    import wave
+
+    python = str(ROOT / ".venv" / "bin" / "python")
+    models = tmp / "speech-models"
+    with step("tiny talker and code2wav for the speech stack (tests.tiny_models)"):
+        sh(python, "-c", "from tests.tiny_models.talker import build_tiny_talker as t; "
+           "from tests.tiny_models.code2wav import build_tiny_code2wav as c; "
+           f"t({str(models / 'talker')!r}); c({str(models / 'code2wav')!r})", env={"PYTHONPATH": str(ROOT)})
+        for p in [models, *models.rglob("*")]:  # the container reads them as uid 1000
+            p.chmod(0o755 if p.is_dir() else 0o644)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, **compose_env, "COMPOSE_PROJECT_NAME": SPEECH_PROJECT, "MODELS_DIR": str(models),
+           "OMNI_HTTP_PORT": str(port)}
+
+    def dc(*args: str, **kw) -> subprocess.CompletedProcess:
+        return sh("docker", "compose", "-f", SPEECH_COMPOSE, *args, env=env, **kw)
+
+    try:
+        with step(f"docker compose -f {SPEECH_COMPOSE} up -d (project {SPEECH_PROJECT}, port {port})"):
+            dc("up", "-d", "--no-build", timeout=300)
+            deadline = time.monotonic() + 400
+            while True:
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).read()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        logs = dc("logs", "--tail", "80", "speech", check_rc=False, quiet=True)
+                        raise Failed(f"omni-serve did not come up within 400 s:\n{logs.stdout[-6000:]}")
+                    time.sleep(2)
+        with step("POST /v1/audio/speech: a WAV equal to the stages run by hand"):
+            text, voice = "hello from compose", 1
+            body = json.dumps({"model": "qwen3-tts-tiny", "input": text, "voice": "vivian"}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/audio/speech", body,
+                                         {"Content-Type": "application/json"})
+            wav_bytes = urllib.request.urlopen(req, timeout=120).read()
+            with wave.open(io.BytesIO(wav_bytes)) as wav:
+                check((wav.getframerate(), wav.getnchannels(), wav.getsampwidth()) == (300, 1, 2),
+                      "a 16-bit mono WAV at the tiny codec's 300 Hz")
+                got = wav.readframes(wav.getnframes())
+            ref = out(python, "-c", "import sys, numpy as np; from tests.support.speech_reference import "
+                      "reference_samples, pcm16; sys.stdout.write(pcm16(reference_samples("
+                      f"{str(models / 'talker')!r}, {str(models / 'code2wav')!r}, {text!r}, {voice}, "
+                      f"{SPEECH_MAX_TOKENS}, {SPEECH_CHUNK}, {SPEECH_LEFT})).tobytes().hex())",
+                      env={"PYTHONPATH": str(ROOT)})
+            import numpy as np
+
+            want = np.frombuffer(bytes.fromhex(ref), dtype=np.int16).astype(np.int32)
+            have = np.frombuffer(got, dtype="<i2").astype(np.int32)
+            check(have.shape == want.shape and np.abs(have - want).max() <= 1,
+                  f"{have.size} samples, equal to the {want.size} by hand within one LSB")
+    finally:
+        with step(f"docker compose -f {SPEECH_COMPOSE} down -v: nothing left"):
+            dc("down", "-v", "--remove-orphans", "--timeout", "20", timeout=300)
+            label = f"label=com.docker.compose.project={SPEECH_PROJECT}"
+            check(out("docker", "ps", "-aq", "--filter", label) == "", "no container left")
+            check(out("docker", "volume", "ls", "-q", "--filter", label) == "", "no volume left")
+
 
 class Stack:
     def __init__(self, models: Path, port: int, env: dict):
@@ -574,6 +647,7 @@ def main() -> int:
                       f"the crashed-on request {r['id']} fails with the clear message")
             check(stack.inspect(vllm, "{{.State.Running}} {{.State.StartedAt}}") == f"true {vllm_started}",
                   "the vLLM container was never restarted")
+        speech_stack(tmp, compose_env)
     except Failed as exc:
         failed = exc
         print(f"\nFAILED: {exc}", flush=True)

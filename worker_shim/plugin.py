@@ -41,3 +41,16 @@ def register() -> None:
                 setattr(sampler, name, False)
         except Exception:  # an upstream rename must not stop vLLM from starting
             pass
+    register_models()
+
+
+REGISTER_ENV = "OMNI_REGISTER_MODELS"
+
+
+def register_models() -> None:
+    """`OMNI_REGISTER_MODELS="pkg.module:function,..."`: functions that register out-of-tree model
+    classes with vLLM's ModelRegistry, called here because this plugin runs in every vLLM process
+    (engine core and workers start with `spawn`, which does not re-run a package's `__main__`)."""
+    for spec in filter(None, os.environ.get(REGISTER_ENV, "").split(",")):
+        module, _, name = spec.partition(":")
+        getattr(importlib.import_module(module), name)()

@@ -276,3 +276,26 @@ def register() -> None:
     from tests.support.talker_model import OmniTinyTalkerForConditionalGeneration
 
     ModelRegistry.register_model(ARCH, OmniTinyTalkerForConditionalGeneration)
+
+
+SPEECH_PROMPT_ROWS = 2  # BOS + PAD: the rest of the text is read one row per decode step
+
+
+def speech_prompt(text: str, voice: int) -> tuple[list[int], dict[str, Any]]:
+    """The tiny talker's request for a text (what `omni-serve` calls: deploy/speech/tiny.toml).
+
+    Stands in for a real Qwen3-TTS talker's speaker and text embeddings: one fixed random row per
+    voice, then one fixed random row per UTF-8 byte (tables seeded once); the voice's row is the
+    first prompt row, so every frame depends on it. Returns the prompt ids and the payload (numpy
+    arrays, vllm-omni's keys): `hidden_states.output` [1 + bytes, H_thinker] and `embed.tts_pad`
+    [1, H_thinker].
+    """
+    import numpy as np
+
+    width = TALKER_CONFIG["thinker_hidden_size"]
+    table = np.random.default_rng(1234).standard_normal((256, width), dtype=np.float32)
+    speaker = np.random.default_rng(5678 + voice).standard_normal((1, width), dtype=np.float32)
+    rows = np.concatenate([speaker, table[np.frombuffer(text.encode("utf-8"), dtype=np.uint8)]])
+    pad = np.random.default_rng(91).standard_normal((1, width), dtype=np.float32)
+    prompt = [CODEC_BOS_ID] + [CODEC_PAD_ID] * (SPEECH_PROMPT_ROWS - 1)
+    return prompt, {"hidden_states": {"output": rows}, "embed": {"tts_pad": pad}}

@@ -12,7 +12,9 @@ chunks (`num_chunks`), `ignore_eos`; the model's logits make any token fine and 
 sampled token is read. This hook set does the rest, with no weights:
 - on admission, the request's payload (vllm-omni's `additional_information`) gives
   `codes.audio` [frames, Q] (the talker's assembled codes), optionally
-  `meta.codec_chunk_frames` / `meta.codec_left_context_frames` for this request;
+  `meta.codec_chunk_frames` / `meta.codec_left_context_frames` for this request, and
+  `meta.codec_next_chunk`, the chunk it decodes first (0; omni-serve sends one request per
+  chunk, each a window of the codes whose chunk k is the new one);
 - before each forward (one blocking exchange per step with a code2wav request), each
   request's next chunk, frames [start - ctx, end) with ctx = min(left context, start).
   Step t of a request is the one whose last row is its position `prompt_len - 1 + t`;

@@ -1,0 +1,1 @@
+"""The HTTP front end: OpenAI-compatible speech, models, health and metrics."""

@@ -1,0 +1,309 @@
+"""The HTTP front end and the stages it runs: `POST /v1/audio/speech`, `GET /v1/models`, `/health`, `/metrics`.
+
+Started by `omni-serve` (omni_serve/cli.py). On start-up each stage's sidecar is started (or
+attached to) and its engine built; on shutdown the engines stop, then the sidecars.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from vllm.logger import init_logger
+
+from omni_serve.api import audio
+from omni_serve.api.metrics import SpeechMetrics
+from omni_serve.api.protocol import LANGUAGES, Refused, SpeechRequest, error_body, unsupported_fields
+from omni_serve.config import ServeConfig, load_callable
+from omni_serve.speech.pipeline import SpeechJob, SpeechPipeline, Stage, StageFailed
+from omni_serve.stages.link import SidecarLink
+from omni_serve.stages.sidecars import SidecarProcess
+from proto.settings import CODE2WAV_CHUNK_FRAMES, CODE2WAV_LEFT_CONTEXT_FRAMES
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class SpeechInput:
+    """A validated request: what the pipeline runs and how the answer is shaped."""
+
+    job: SpeechJob
+    response_format: str
+    stream: bool
+    sse: bool
+
+
+def speech_input(body: bytes, config: ServeConfig, prompt: Callable[[str, int], tuple[list[int], dict]]) -> SpeechInput:
+    """The request's JSON checked against the schema and this server's model; `Refused` says why not."""
+    try:
+        raw = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise Refused(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise Refused("the body must be a JSON object")
+    try:
+        request = SpeechRequest.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or None
+        raise Refused(f"{where}: {first['msg']}" if where else first["msg"], param=where) from None
+    if request.model not in (None, config.served_model_name):
+        raise Refused(f"model {request.model!r} is not served here; this server serves {config.served_model_name!r}",
+                      status=404, param="model")
+    text = request.input.strip()
+    if not text:
+        raise Refused("input is empty", param="input")
+    if len(request.input) > config.max_input_chars:
+        raise Refused(f"input has {len(request.input)} characters; at most {config.max_input_chars}", param="input")
+    voice = request.voice or config.voices[0]
+    if voice not in config.voices:
+        raise Refused(f"unknown voice {voice!r}; voices: {', '.join(config.voices)}", param="voice")
+    if request.response_format not in audio.FORMATS:
+        raise Refused(f"response_format {request.response_format!r} is not supported; supported: "
+                      f"{', '.join(audio.FORMATS)}", param="response_format")
+    if request.language not in LANGUAGES:
+        raise Refused(f"language {request.language!r} is not supported by this model (only 'Auto')", param="language")
+    refused = unsupported_fields(request)
+    if refused:
+        raise Refused(f"not supported by this model: {', '.join(refused)}", param=refused[0])
+    if request.stream_format is not None and not request.stream:
+        raise Refused("stream_format needs stream=true", param="stream_format")
+    talker = config.stages["talker"]
+    frames = request.max_new_tokens or talker.max_tokens
+    if frames > talker.max_tokens:
+        raise Refused(f"max_new_tokens {frames} is above this server's limit of {talker.max_tokens}",
+                      param="max_new_tokens")
+    prompt_ids, payload = prompt(text, config.voices.index(voice))
+    job = SpeechJob(f"speech-{uuid.uuid4().hex}", prompt_ids, payload, frames, request.seed)
+    return SpeechInput(job, request.response_format, request.stream, request.stream_format != "audio")
+
+
+class SpeechServer:
+    """The stages (sidecars, engines, links), the pipeline over them and the metrics."""
+
+    def __init__(self, config: ServeConfig, run_dir: Path) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.prompt = load_callable(config.speech_prompt)
+        self.sidecars = {name: SidecarProcess(name, spec.sidecar, run_dir) for name, spec in config.stages.items()}
+        self.metrics = SpeechMetrics(list(config.stages))
+        self.pipeline: SpeechPipeline | None = None
+        self.engines: dict[str, Any] = {}
+
+    async def start(self) -> None:
+        from omni_serve.stages.engines import start_engine
+
+        for name, spec in self.config.stages.items():
+            if spec.build and not Path(spec.model).exists():
+                load_callable(spec.build)(spec.model)
+            await self.sidecars[name].start()
+        from vllm.plugins import load_general_plugins
+
+        load_general_plugins()  # once, before the engines start together (the shim's plugin registers the models)
+        specs = list(self.config.stages.values())
+
+        async def start(spec) -> None:
+            self.engines[spec.name] = await asyncio.to_thread(start_engine, spec, self.sidecars[spec.name].endpoint,
+                                                              spec.sidecar.curve_keys)
+
+        if any(spec.device is not None for spec in specs):  # each placed through the environment: one at a time
+            for spec in specs:
+                await start(spec)
+        else:  # their processes start and load at once
+            await asyncio.gather(*(start(spec) for spec in specs))
+        stages = {name: Stage(name, self.engines[name], SidecarLink(self.sidecars[name].endpoint),
+                              dict(self.config.stages[name].sampling)) for name in self.config.stages}
+        code2wav = self.config.stages["code2wav"]
+        options = code2wav.sidecar.options  # the sidecar's chunking (its defaults where not given)
+        self.pipeline = SpeechPipeline(stages["talker"], stages["code2wav"],
+                                       int(options.get("chunk_frames", CODE2WAV_CHUNK_FRAMES)),
+                                       int(options.get("left_context", CODE2WAV_LEFT_CONTEXT_FRAMES)),
+                                       code2wav.placeholder_token)
+
+    async def stop(self) -> None:
+        if self.pipeline is not None:
+            await self.pipeline.close()
+        for name, engine in self.engines.items():
+            try:
+                engine.shutdown()
+            except Exception:  # the others must still stop
+                logger.exception("stopping the %s engine", name)
+        self.engines.clear()  # stopped: nothing left for their finalizers at interpreter exit
+        if self.pipeline is not None:
+            for stage in self.pipeline.stages:
+                stage.link.close()
+        for sidecar in self.sidecars.values():
+            await sidecar.stop()
+
+    def health(self) -> dict[str, Any]:
+        stages = {}
+        for name, sidecar in self.sidecars.items():
+            engine = self.engines.get(name)
+            stages[name] = {"sidecar": "up" if sidecar.alive else "down", "sidecar_restarts": sidecar.restarts,
+                            "engine": "up" if engine is not None and not engine.errored else "down"}
+        ok = all(s["sidecar"] == "up" and s["engine"] == "up" for s in stages.values())
+        return {"status": "ok" if ok else "degraded", "stages": stages}
+
+    def observe(self) -> bytes:
+        if self.pipeline is not None:
+            for stage in self.pipeline.stages:
+                self.metrics.queue.labels(stage.name).set(stage.in_flight)
+        for name, sidecar in self.sidecars.items():
+            self.metrics.sidecar_restarts.labels(name).set(sidecar.restarts)
+        return self.metrics.text()
+
+    async def audio(self, job: SpeechJob, arrived: float) -> AsyncIterator[np.ndarray]:
+        """The pipeline's chunks, timed for the metrics."""
+        assert self.pipeline is not None
+        samples, outcome = 0, "aborted"
+        try:
+            async with contextlib.aclosing(self.pipeline.synthesize(job)) as chunks:
+                async for chunk in chunks:
+                    if samples == 0 and chunk.size:
+                        self.metrics.ttfa.observe(time.monotonic() - arrived)
+                    samples += int(chunk.size)
+                    yield chunk
+            outcome = "ok"
+        except StageFailed:
+            outcome = "failed"
+            raise
+        finally:
+            self.metrics.requests.labels(outcome).inc()
+            seconds = samples / self.config.sample_rate
+            self.metrics.audio_seconds.inc(seconds)
+            if outcome == "ok" and seconds:
+                self.metrics.rtf.observe((time.monotonic() - arrived) / seconds)
+
+
+def _refusal(exc: Refused) -> JSONResponse:
+    return JSONResponse(error_body(str(exc), exc.status, exc.param), status_code=exc.status)
+
+
+def _failure(exc: StageFailed) -> JSONResponse:
+    return JSONResponse(error_body(f"the speech pipeline failed this request: {exc}", 503), status_code=503)
+
+
+def build_app(server: SpeechServer) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        try:
+            await server.start()
+        except BaseException:
+            await server.stop()
+            raise
+        yield
+        await server.stop()
+
+    app = FastAPI(title="omni-serve", lifespan=lifespan)
+    config = server.config
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        state = server.health()
+        return JSONResponse(state, status_code=200 if state["status"] == "ok" else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "owned_by": "omni-serve",
+                                            "voices": config.voices}]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.observe(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/audio/speech")
+    async def speech(request: Request) -> Response:
+        arrived = time.monotonic()
+        try:
+            got = speech_input(await request.body(), config, server.prompt)
+        except Refused as exc:
+            return _refusal(exc)
+        chunks = server.audio(got.job, arrived)
+        if not got.stream:
+            return await _whole(request, chunks, got, config.sample_rate)
+        try:  # the first chunk before the status line: a request that fails before any audio gets a 5xx
+            first = await anext(chunks, None)
+        except StageFailed as exc:
+            return _failure(exc)
+        body = _sse(first, chunks, got) if got.sse else _raw(first, chunks, got, config.sample_rate)
+        media = "text/event-stream" if got.sse else audio.MEDIA_TYPES[got.response_format]
+        return StreamingResponse(body, media_type=media, headers={"X-Request-Id": got.job.request_id})
+
+    return app
+
+
+async def _whole(request: Request, chunks: AsyncIterator[np.ndarray], got: SpeechInput, rate: int) -> Response:
+    """All the audio in one body; a client gone before it is made aborts the request."""
+
+    async def collect() -> list[np.ndarray]:
+        return [c async for c in chunks]
+
+    task = asyncio.create_task(collect())
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.1)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StageFailed):
+                await task
+            await chunks.aclose()
+            return Response(status_code=499)
+    try:
+        parts = task.result()
+    except StageFailed as exc:
+        return _failure(exc)
+    samples = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+    body = audio.wav(samples, rate) if got.response_format == "wav" else audio.pcm16(samples)
+    return Response(body, media_type=audio.MEDIA_TYPES[got.response_format],
+                    headers={"X-Request-Id": got.job.request_id})
+
+
+async def _raw(first: np.ndarray | None, chunks: AsyncIterator[np.ndarray], got: SpeechInput,
+               rate: int) -> AsyncIterator[bytes]:
+    if got.response_format == "wav":
+        yield audio.wav_header(rate, None)
+    try:
+        if first is not None:
+            yield audio.pcm16(first)
+        async for chunk in chunks:
+            yield audio.pcm16(chunk)
+    except StageFailed as exc:  # the status line is out: the stream ends short, the log says why
+        logger.error("speech request %s failed mid-stream: %s", got.job.request_id, exc)
+    finally:
+        await chunks.aclose()
+
+
+async def _sse(first: np.ndarray | None, chunks: AsyncIterator[np.ndarray], got: SpeechInput) -> AsyncIterator[str]:
+    """vllm-omni's (OpenAI's) `speech.audio.*` events: base64 PCM deltas, then done or error."""
+
+    def event(kind: str, payload: dict[str, Any]) -> str:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, separators=(',', ':'))}\n\n"
+
+    sent = False
+    try:
+        if first is not None:
+            sent = True
+            yield event("speech.audio.delta", {"audio": base64.b64encode(audio.pcm16(first)).decode("ascii"),
+                                               "response_format": "pcm"})
+        async for chunk in chunks:
+            sent = True
+            yield event("speech.audio.delta", {"audio": base64.b64encode(audio.pcm16(chunk)).decode("ascii"),
+                                               "response_format": "pcm"})
+        yield event("speech.audio.done", {})
+    except StageFailed as exc:
+        error = {"message": str(exc), "type": "server_error", "param": None, "code": 503}
+        if sent:
+            error.update(partial_audio=True, action="discard")
+        yield event("speech.audio.error", {"error": error})
+    finally:
+        await chunks.aclose()

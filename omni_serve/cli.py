@@ -1,0 +1,87 @@
+"""`omni-serve`: start a speech pipeline from a config and serve it over HTTP.
+
+    omni-serve --pipeline deploy/speech/tiny.toml --port 8000
+    curl -s localhost:8000/v1/audio/speech -H 'Content-Type: application/json' \\
+         -d '{"input": "hello", "voice": "default"}' -o hello.wav
+
+Arguments follow vLLM's conventions (`--host`, `--port`, `--uvicorn-log-level`; dashes or
+underscores; `VLLM_LOGGING_LEVEL` for the log level). Each stage of the config runs its own
+upstream AsyncLLM (V2, the shim as its worker) with its own sidecar, started here unless the
+config attaches to one already running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from worker_shim.plugin import REGISTER_ENV
+
+
+def parser():
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    p = FlexibleArgumentParser(prog="omni-serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                               epilog="Then: POST /v1/audio/speech (OpenAI's speech API with vllm-omni's fields: "
+                                      "model, input, voice, response_format wav|pcm, stream, stream_format "
+                                      "sse|audio, max_new_tokens, seed), GET /v1/models, /health, /metrics.")
+    p.add_argument("--pipeline", required=True, help="the pipeline's TOML file (deploy/speech/tiny.toml: the tiny "
+                                                   "CPU models; its comments list every key)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--run-dir", default=None, help="where the sidecars' sockets and logs go (default: a new "
+                                                  "private temporary directory, removed on exit)")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["debug", "info", "warning", "error", "critical", "trace"], help="uvicorn's log level")
+    return p
+
+
+def cpu_host_defaults() -> None:
+    """What V2 needs on a host without CUDA (docs/ARCHITECTURE.md, "Running V2 on a CPU host"); a
+    CUDA host gets nothing set."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    # vLLM's parser lists only option groups on a bare --help; ours are few: show them all.
+    argv = ["--help=all" if arg in ("-h", "--help") else arg for arg in (sys.argv[1:] if argv is None else argv)]
+    args = parser().parse_args(argv)
+    from omni_serve.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.pipeline)
+    except ConfigError as exc:
+        print(f"omni-serve: {exc}", file=sys.stderr)
+        return 2
+    # The shim's vLLM plugin calls these in every vLLM process, this one included.
+    os.environ[REGISTER_ENV] = ",".join(config.register)
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+    cpu_host_defaults()
+
+    import shutil
+
+    import uvicorn
+
+    from omni_serve.api.server import SpeechServer, build_app
+    from omni_serve.stages.sidecars import socket_dir
+
+    own_dir = args.run_dir is None
+    run_dir = socket_dir(Path(tempfile.mkdtemp(prefix="omni-serve-")) if own_dir else Path(args.run_dir).resolve())
+    server = SpeechServer(config, run_dir)
+    try:
+        uvicorn.run(build_app(server), host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        if own_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

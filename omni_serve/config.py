@@ -1,0 +1,123 @@
+"""The pipeline config: a small TOML file (deploy/speech/*.toml) naming the stages and the speech model.
+
+```toml
+served_model_name = "qwen3-tts-tiny"      # what /v1/models lists and requests name
+voices = ["default", "vivian"]            # the first is the default voice
+max_input_chars = 4096
+speech_prompt = "pkg.module:function"     # text + voice -> the talker's prompt ids and payload
+register = ["pkg.module:function"]       # run in every vLLM process before a model loads
+sample_rate = 24000
+
+[stages.talker]                           # talker, then code2wav (the Qwen3-TTS shape)
+model = "path/or/hf-id"
+build = "pkg.module:function"             # optional: makes `model` if it is missing (tiny models)
+device = 0                                # optional GPU index (CUDA_VISIBLE_DEVICES of its engine)
+max_tokens = 64                           # codec frames a request may make at most
+engine = { max_model_len = 256 }          # vLLM engine arguments (AsyncEngineArgs fields)
+sampling = { temperature = 0.0 }          # SamplingParams fields
+sidecar = { hooks = "omni-talker" }       # started here; or endpoint = "ipc://..." + attach = true
+
+[stages.code2wav]
+placeholder_token = 1
+sidecar = { hooks = "omni-code2wav", options = { chunk_frames = "4", left_context = "8" } }
+```
+Relative paths (model, build target) are relative to the config file's directory.
+"""
+
+from __future__ import annotations
+
+import importlib
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+STAGE_ORDER = ("talker", "code2wav")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class SidecarSpec:
+    hooks: str = ""
+    options: dict[str, str] = field(default_factory=dict)
+    endpoint: str = ""  # empty: a socket in the server's run directory
+    attach: bool = False  # True: one is already running there (compose, systemd): never started or stopped here
+    curve_keys: str = ""
+
+
+@dataclass
+class StageSpec:
+    name: str
+    model: str
+    build: str = ""
+    device: int | None = None
+    max_tokens: int = 64
+    placeholder_token: int = 0
+    engine: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    sidecar: SidecarSpec = field(default_factory=SidecarSpec)
+
+
+@dataclass
+class ServeConfig:
+    served_model_name: str
+    stages: dict[str, StageSpec]
+    voices: list[str] = field(default_factory=lambda: ["default"])
+    max_input_chars: int = 4096
+    speech_prompt: str = ""
+    register: list[str] = field(default_factory=list)
+    sample_rate: int = 24000
+    path: Path = Path(".")
+
+
+def load_callable(spec: str) -> Callable[..., Any]:
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ConfigError(f"{spec!r}: expected 'package.module:function'")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"{spec!r}: {exc}") from None
+
+
+def _fields(table: dict[str, Any], allowed: set[str], where: str) -> None:
+    unknown = set(table) - allowed
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+
+
+def load_config(path: str | Path) -> ServeConfig:
+    path = Path(path).resolve()
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    top = {"served_model_name", "voices", "max_input_chars", "speech_prompt", "register", "sample_rate", "stages"}
+    _fields(raw, top, str(path))
+    stages_raw = raw.get("stages", {})
+    if tuple(stages_raw) != STAGE_ORDER:
+        raise ConfigError(f"{path}: [stages] must be {' then '.join(STAGE_ORDER)} (got {list(stages_raw)})")
+    stages = {}
+    for name, table in stages_raw.items():
+        _fields(table, set(StageSpec.__dataclass_fields__) - {"name"}, f"{path} [stages.{name}]")
+        sidecar = dict(table.get("sidecar", {}))
+        _fields(sidecar, set(SidecarSpec.__dataclass_fields__), f"{path} [stages.{name}.sidecar]")
+        sidecar["options"] = {k: str(v) for k, v in sidecar.get("options", {}).items()}
+        if "model" not in table:
+            raise ConfigError(f"{path} [stages.{name}]: no model")
+        model = table["model"]
+        if model.startswith((".", "/")) or (path.parent / model).exists():
+            model = str((path.parent / model).resolve())
+        stages[name] = StageSpec(name=name, **{**table, "model": model, "sidecar": SidecarSpec(**sidecar)})
+    voices = list(raw.get("voices", ["default"]))
+    if not voices:
+        raise ConfigError(f"{path}: voices must name at least one voice")
+    if "served_model_name" not in raw or "speech_prompt" not in raw:
+        raise ConfigError(f"{path}: served_model_name and speech_prompt are required")
+    return ServeConfig(served_model_name=raw["served_model_name"], stages=stages, voices=voices,
+                       max_input_chars=int(raw.get("max_input_chars", 4096)), speech_prompt=raw["speech_prompt"],
+                       register=list(raw.get("register", [])), sample_rate=int(raw.get("sample_rate", 24000)),
+                       path=path)

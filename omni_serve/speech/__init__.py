@@ -1,0 +1,1 @@
+"""Speech synthesis over the stages: text -> talker codes -> code2wav audio, streamed."""

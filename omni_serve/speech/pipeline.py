@@ -1,0 +1,295 @@
+"""One speech request through talker -> code2wav, both stages running free.
+
+The talker request is added whole (its text is known up front) and runs as vLLM schedules it.
+Its codec frames are read from the talker's sidecar (the assembled `codes.audio`, which a hot
+upgrade hands over whole) after each of its engine outputs. Each chunk of frames becomes its own one-step code2wav request, added as
+soon as the chunk's frames are there: its payload holds a window of the frames ending with the
+chunk (its left context among them) and `meta.codec_next_chunk`, the chunk of that window the
+omni-code2wav hook set decodes. So code2wav never waits inside the engine (no step spent on a request whose
+codes are not there yet, no driver gating steps), chunks of one request overlap the talker and
+each other, and the audio comes out chunk by chunk, read from the code2wav sidecar.
+
+Upstream's streaming input (`AsyncLLM.generate` fed `StreamingInput`s; vLLM 0.15 and later) would
+hold one code2wav request between chunks instead, but with the shim as it is each resumed turn
+reaches the worker as a new request under the same id (the sidecar admits it again), the shim's
+length watch reports each turn's end as a finish, and the session's end is an abort the worker
+learns only at the engine's next step: not used here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import numpy as np
+from vllm import SamplingParams
+from vllm.logger import init_logger
+from vllm.sampling_params import RequestOutputKind
+
+from omni_serve.stages.link import RequestRejected, SidecarLink, SidecarLost
+from omni_serve.stages.payload import additional_information
+
+logger = init_logger(__name__)
+
+CODES = "codes.audio"  # the talker sidecar's assembled output: [frames, Q] codec frames
+WAVEFORM = "waveform"  # the code2wav sidecar's assembled output: [samples, 1] float32
+FOLLOW_TIMEOUT_S = 30.0  # a stage whose sidecar has not finished a request this long after its engine did
+RELEASE_TIMEOUT_S = 60.0
+ALL_SEEN = 1 << 40  # a cursor past every chunk: asks only whether the request is known and finished
+
+
+class StageFailed(RuntimeError):
+    """A stage could not serve the request (its sidecar lost, its engine failed)."""
+
+    def __init__(self, stage: str, message: str) -> None:
+        super().__init__(f"{stage}: {message}")
+        self.stage = stage
+
+
+@dataclass
+class SpeechJob:
+    """What one request asks for."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    payload: dict[str, Any]
+    max_frames: int
+    seed: int | None = None
+
+
+@dataclass
+class Stage:
+    name: str
+    engine: Any  # vllm.v1.engine.async_llm.AsyncLLM
+    link: SidecarLink
+    sampling: dict[str, Any] = field(default_factory=dict)
+    in_flight: int = 0  # requests in this stage's engine now (the talker's: one per speech request; code2wav's: one per chunk)
+
+
+@dataclass
+class Frames:
+    """The talker's frames of one request as they come."""
+
+    codes: np.ndarray | None = None  # [frames, Q]: the talker sidecar's assembled codes so far
+    ended: bool = False
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def count(self) -> int:
+        return 0 if self.codes is None else int(self.codes.shape[0])
+
+    def set(self, codes: np.ndarray | None) -> None:
+        if codes is not None and codes.shape[0] > self.count:  # frames only ever grow
+            self.codes = codes
+            self.changed.set()
+
+    def all(self) -> np.ndarray:
+        assert self.codes is not None
+        return self.codes
+
+
+async def engine_outputs(stage: "Stage", outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """A stage engine's outputs for one request; its failure as a StageFailed. Closing this closes
+    the engine's generator, which aborts the request in that engine."""
+    async with contextlib.aclosing(outputs):
+        try:
+            async for out in outputs:
+                yield out
+        except StageFailed:
+            raise
+        except Exception as exc:  # EngineDeadError, EngineGenerateError, a failed input stream
+            raise StageFailed(stage.name, f"its engine failed the request: {type(exc).__name__}: {exc}") from None
+
+
+def stop_soon(task: asyncio.Task) -> None:
+    """Cancel a task without waiting for it; whatever it ends with is read (never logged as lost)."""
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+async def patiently(stage: str, never: str) -> AsyncIterator[None]:
+    """Turns of a wait for a sidecar to finish what its engine has finished (a step's results reach
+    it just after the step): at once, then ever less often (2 ms doubling to 50 ms), so many waiting
+    requests do not flood it with queries; StageFailed after FOLLOW_TIMEOUT_S."""
+    deadline, pause = time.monotonic() + FOLLOW_TIMEOUT_S, 0.002
+    while True:
+        yield
+        if time.monotonic() > deadline:
+            raise StageFailed(stage, never)
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 0.05)
+
+
+def num_chunks(frames: int, chunk_frames: int) -> int:
+    return -(-frames // chunk_frames)
+
+
+class SpeechPipeline:
+    def __init__(self, talker: Stage, code2wav: Stage, chunk_frames: int, left_context: int,
+                 placeholder_token: int) -> None:
+        self.talker = talker
+        self.code2wav = code2wav
+        self.chunk_frames = chunk_frames
+        self.left_context = left_context
+        self.placeholder_token = placeholder_token
+        self._releases: set[asyncio.Task] = set()
+
+    @property
+    def stages(self) -> tuple[Stage, Stage]:
+        return self.talker, self.code2wav
+
+    async def synthesize(self, job: SpeechJob) -> AsyncIterator[np.ndarray]:
+        """The request's audio, float32 mono chunks in order. Stopping the iteration (a client gone)
+        aborts the request in both engines and drops what the sidecars kept for it."""
+        frames = Frames()
+        talker_task = asyncio.create_task(self._run_talker(job, frames))
+        try:
+            async with contextlib.aclosing(self._run_code2wav(job, frames, talker_task)) as audio:
+                async for chunk in audio:
+                    yield chunk
+            await talker_task  # its failure, if it failed after its last frame
+        finally:
+            # No await in here: a client gone cancels the handler's scope, and every await in it
+            # would raise again before the rest ran. The tasks end themselves (aborting their
+            # requests); the releases run on their own.
+            stop_soon(talker_task)
+            for stage in self.stages:
+                self._release(stage, job.request_id)
+
+    def _release(self, stage: Stage, request_id: str) -> None:
+        """Drop what the stage's sidecar keeps of a request once it has finished there (an aborted
+        request finishes in the sidecar only after its engine's next step)."""
+        task = asyncio.get_running_loop().create_task(self._drop_when_finished(stage, request_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _drop_when_finished(self, stage: Stage, request_id: str) -> None:
+        deadline = time.monotonic() + RELEASE_TIMEOUT_S
+        try:
+            while time.monotonic() < deadline:
+                got, _ = await stage.link.follow(request_id, ALL_SEEN)
+                if not got.found or got.finished:
+                    await stage.link.forget(request_id)
+                    return
+                await asyncio.sleep(0.05)
+            logger.warning("%s: request %s never finished in its sidecar; its outputs stay there", stage.name,
+                           request_id)
+        except (SidecarLost, RequestRejected):
+            with contextlib.suppress(SidecarLost, RequestRejected):
+                await stage.link.forget(request_id)  # a failed request's record; a lost sidecar kept nothing
+
+    async def close(self) -> None:
+        for task in list(self._releases):
+            task.cancel()
+        await asyncio.gather(*self._releases, return_exceptions=True)
+
+    async def _assembled(self, stage: Stage, request_id: str, name: str) -> tuple[np.ndarray | None, bool]:
+        try:
+            values, got = await stage.link.outputs(request_id)
+        except SidecarLost as exc:
+            raise StageFailed(stage.name, str(exc)) from None
+        except RequestRejected as exc:
+            raise StageFailed(stage.name, f"its hooks failed the request: {exc}") from None
+        return values.get(name), got.finished
+
+    async def _run_talker(self, job: SpeechJob, frames: Frames) -> None:
+        params = SamplingParams(**{**self.talker.sampling, "max_tokens": job.max_frames, "seed": job.seed,
+                                   "detokenize": False, "output_kind": RequestOutputKind.DELTA,
+                                   "extra_args": {"omni_sidecar": {"additional_information":
+                                                                   additional_information(job.payload)}}})
+        self.talker.in_flight += 1
+        try:
+            prompt = {"prompt_token_ids": job.prompt_token_ids}
+            async for out in engine_outputs(self.talker, self.talker.engine.generate(prompt, params, job.request_id)):
+                codes, _ = await self._assembled(self.talker, job.request_id, CODES)
+                frames.set(codes)
+                if out.finished and out.outputs and out.outputs[0].finish_reason not in ("length", "stop"):
+                    raise StageFailed("talker", f"the engine ended the request ({out.outputs[0].finish_reason})")
+            # The last steps' frames reach the sidecar after the engine's last output.
+            async for _ in patiently("talker", "its sidecar never finished the request's codes"):
+                codes, finished = await self._assembled(self.talker, job.request_id, CODES)
+                frames.set(codes)
+                if finished:
+                    break
+        finally:
+            self.talker.in_flight -= 1
+            frames.ended = True
+            frames.changed.set()
+
+    def _ready_chunks(self, frames: Frames) -> int:
+        return num_chunks(frames.count, self.chunk_frames) if frames.ended else frames.count // self.chunk_frames
+
+    def _chunk_payload(self, frames: Frames, k: int) -> dict[str, Any]:
+        """Chunk k's request: a window of the frames that ends with the chunk and starts the left
+        context early, rounded back to a whole chunk (so the chunk is a whole chunk index of the
+        window, `codec_next_chunk`, and the hook set cuts exactly the left context it would in
+        the whole codes): its payload stays a few chunks long however long the audio."""
+        start = k * self.chunk_frames
+        end = min(frames.count, start + self.chunk_frames)
+        back = -(-self.left_context // self.chunk_frames) * self.chunk_frames
+        first = max(0, start - back)
+        codes = frames.all()[first:end].astype(np.int64)
+        return additional_information({"codes": {"audio": codes},
+                                       "meta": {"codec_next_chunk": (start - first) // self.chunk_frames}})
+
+    def _code2wav_params(self, payload: dict[str, Any] | None) -> SamplingParams:
+        extra = {"omni_sidecar": {"additional_information": payload}} if payload is not None else None
+        return SamplingParams(**{**self.code2wav.sampling, "max_tokens": 1, "temperature": 0.0, "ignore_eos": True,
+                                 "detokenize": False, "output_kind": RequestOutputKind.DELTA, "extra_args": extra})
+
+    async def _run_code2wav(self, job: SpeechJob, frames: Frames, talker_task: asyncio.Task) -> AsyncIterator[np.ndarray]:
+        """Chunk k's audio in order, each chunk decoded by its own code2wav request, started as soon as
+        its frames are there (so chunks of one request overlap the talker and each other)."""
+        chunks: list[asyncio.Task] = []
+        try:
+            k = 0  # the next chunk to hand out
+            while True:
+                frames.changed.clear()
+                if talker_task.done() and not talker_task.cancelled() and talker_task.exception() is not None:
+                    raise talker_task.exception()  # type: ignore[misc]
+                while len(chunks) < self._ready_chunks(frames):
+                    n = len(chunks)
+                    chunks.append(asyncio.create_task(self._decode_chunk(f"{job.request_id}-c{n}",
+                                                                         self._chunk_payload(frames, n))))
+                if k < len(chunks) and chunks[k].done():
+                    for wave in chunks[k].result():
+                        yield wave.reshape(-1)
+                    k += 1
+                    continue
+                if frames.ended and k >= num_chunks(frames.count, self.chunk_frames):
+                    return
+                waits = [chunks[k]] if k < len(chunks) else []
+                if not frames.ended:
+                    waits.append(asyncio.ensure_future(frames.changed.wait()))
+                done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                for waiter in pending:
+                    if waiter not in chunks:
+                        waiter.cancel()
+        finally:
+            for task in chunks:
+                stop_soon(task)
+
+    async def _decode_chunk(self, chunk_id: str, payload: dict[str, Any]) -> list[np.ndarray]:
+        """One chunk through code2wav: a one-step request, its waveform read from the sidecar."""
+        self.code2wav.in_flight += 1
+        try:
+            prompt = {"prompt_token_ids": [self.placeholder_token]}
+            async for out in engine_outputs(self.code2wav, self.code2wav.engine.generate(
+                    prompt, self._code2wav_params(payload), chunk_id)):
+                self._check_output("code2wav", out)
+            async for _ in patiently("code2wav", "its sidecar never finished a chunk's waveform"):
+                wave, finished = await self._assembled(self.code2wav, chunk_id, WAVEFORM)
+                if finished:
+                    return [] if wave is None else [wave]
+            raise AssertionError("unreachable: patiently() raises when it gives up")
+        finally:
+            self.code2wav.in_flight -= 1
+            self._release(self.code2wav, chunk_id)
+
+    @staticmethod
+    def _check_output(stage: str, out: Any) -> None:
+        if out.finished and out.outputs and out.outputs[0].finish_reason not in ("length", "stop", None):
+            raise StageFailed(stage, f"the engine ended the request ({out.outputs[0].finish_reason})")

@@ -1,0 +1,53 @@
+"""A stage's engine: upstream `AsyncLLM` (Model Runner V2) with the shim as its worker.
+
+Async scheduling as vLLM defaults it (vLLM turns it off on CPU by itself). GPU placement per
+stage: the engine core process starts with `CUDA_VISIBLE_DEVICES` set to the stage's device;
+without one (or on CPU) nothing is set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator
+
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.logger import init_logger
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from omni_serve.config import StageSpec
+
+logger = init_logger(__name__)
+
+
+@contextlib.contextmanager
+def visible_device(device: int | None) -> Iterator[None]:
+    """The engine core process is started inside: it inherits the stage's device."""
+    if device is None:
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
+def engine_args(spec: StageSpec, endpoint: str, curve_keys: str = "") -> AsyncEngineArgs:
+    sidecar: dict[str, Any] = {"endpoint": endpoint}
+    if curve_keys:
+        sidecar["curve_keys"] = curve_keys
+    kwargs: dict[str, Any] = {"skip_tokenizer_init": True, "enable_prefix_caching": False, **spec.engine}
+    kwargs["additional_config"] = {**kwargs.get("additional_config", {}), "omni_sidecar": sidecar}
+    return AsyncEngineArgs(model=spec.model, worker_cls="worker_shim.Worker", **kwargs)
+
+
+def start_engine(spec: StageSpec, endpoint: str, curve_keys: str = "") -> AsyncLLM:
+    with visible_device(spec.device):
+        engine = AsyncLLM.from_engine_args(engine_args(spec, endpoint, curve_keys))
+    logger.info("%s engine up: %s%s", spec.name, spec.model, f" on GPU {spec.device}" if spec.device is not None else "")
+    return engine

@@ -1,0 +1,152 @@
+"""A stage's sidecar: an `omni-sidecar serve` process started and supervised here, or one attached to.
+
+Started through the sidecar's own CLI (never imported: the sidecar stays a separate, vLLM-free
+program). A supervised sidecar that exits is started again on the same endpoint (the shim
+reconnects to it; requests that were in flight fail there and here), unless a hot upgrade
+(`omni-sidecar upgrade`) handed it over to a successor: that one, answering at the endpoint, is
+adopted (stopped with the server; started again as before if it dies). An attached one belongs
+to whoever started it (compose, systemd) and is only watched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from vllm.logger import init_logger
+
+from omni_serve.config import SidecarSpec
+from omni_serve.stages.link import SidecarLink
+
+logger = init_logger(__name__)
+READY_TIMEOUT_S = 90.0
+RESTART_PAUSE_S = 0.5
+STOP_TIMEOUT_S = 15.0
+
+
+class SidecarProcess:
+    def __init__(self, stage: str, spec: SidecarSpec, run_dir: Path) -> None:
+        self.stage = stage
+        self.spec = spec
+        self.endpoint = spec.endpoint or f"ipc://{run_dir}/{stage}.sock"
+        self.log_path = run_dir / f"{stage}-sidecar.log"
+        self.proc: subprocess.Popen | None = None
+        self.successor: int = 0  # the pid a hot upgrade handed the endpoint to (not our child)
+        self.restarts = 0
+        self.stopping = False
+        self._watch: asyncio.Task | None = None
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "omni_sidecar.cli", "serve", "--endpoint", self.endpoint, "--hooks", self.spec.hooks]
+        for key, value in self.spec.options.items():
+            cmd += ["--hook-option", f"{key}={value}"]
+        return cmd
+
+    def _spawn(self) -> None:
+        log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
+
+    async def start(self) -> None:
+        if not self.spec.attach:
+            if not self.spec.hooks:
+                raise ValueError(f"stage {self.stage}: its sidecar needs hooks (or attach = true and an endpoint)")
+            self._spawn()
+        await self.wait_ready()
+        if not self.spec.attach:
+            self._watch = asyncio.create_task(self._supervise())
+        logger.info("%s sidecar %s at %s", self.stage, "attached" if self.spec.attach else
+                    f"started (pid {self.proc.pid})", self.endpoint)
+
+    async def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        link = SidecarLink(self.endpoint, timeout_s=1.0)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise RuntimeError(f"the {self.stage} sidecar exited with {self.proc.returncode} while starting "
+                                       f"(see {self.log_path})")
+                if await link.ping():
+                    return
+                await asyncio.sleep(0.05)
+        finally:
+            link.close()
+        raise RuntimeError(f"no {self.stage} sidecar answered at {self.endpoint} within {timeout_s:.0f}s")
+
+    async def _supervise(self) -> None:
+        while not self.stopping:
+            await asyncio.sleep(0.2)
+            if self.stopping or self.running:
+                continue
+            successor = await self._successor()
+            if successor:
+                logger.info("the %s sidecar at %s was handed over to pid %d (hot upgrade); supervising that one",
+                            self.stage, self.endpoint, successor)
+                self.proc, self.successor = None, successor
+                continue
+            logger.error("the %s sidecar exited (%s); starting it again", self.stage,
+                         f"pid {self.proc.pid}, status {self.proc.returncode}" if self.proc else f"pid {self.successor}")
+            await asyncio.sleep(RESTART_PAUSE_S)
+            self.restarts += 1
+            self.successor = 0
+            self._spawn()
+            try:
+                await self.wait_ready()
+            except RuntimeError as exc:
+                logger.error("%s", exc)
+
+    @property
+    def running(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return bool(self.successor) and os.path.exists(f"/proc/{self.successor}")
+
+    async def _successor(self) -> int:
+        """The pid of another sidecar that answers at the endpoint (0: none)."""
+        link = SidecarLink(self.endpoint, timeout_s=1.0)
+        try:
+            pid = (await link.status()).pid
+        except Exception:  # nothing there, or not answering: no successor
+            return 0
+        finally:
+            link.close()
+        mine = self.proc.pid if self.proc is not None else self.successor
+        return pid if pid and pid != mine else 0
+
+    async def stop(self) -> None:
+        self.stopping = True
+        if self._watch is not None:
+            self._watch.cancel()
+        if self.proc is None and self.successor:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.successor, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            while self.running and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    @property
+    def alive(self) -> bool:
+        return self.spec.attach or self.running
+
+
+def socket_dir(run_dir: Path) -> Path:
+    """The sidecars accept only a directory no one else can enter."""
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(run_dir, 0o700)
+    return run_dir

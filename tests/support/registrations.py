@@ -1,0 +1,7 @@
+"""A model registration for tests/test_serve_units.py: notes each call."""
+
+CALLS: list[str] = []
+
+
+def note() -> None:
+    CALLS.append("called")

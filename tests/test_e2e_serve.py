@@ -1,0 +1,407 @@
+"""`omni-serve` for real: one server (talker -> code2wav on the tiny models, two real vLLM V2 engines
+with the shim, two real sidecar processes it starts), real HTTP clients against it.
+
+Checked, on the one server of this module:
+- a WAV from `POST /v1/audio/speech` equals the stages run by hand on the same input
+  (tests/support/speech_reference.py: the talker's and the codec's direct forwards, outside vLLM);
+- pcm, a raw audio stream and vllm-omni's SSE stream carry the same samples; a stream's first chunk
+  arrives before the request has finished;
+- bad input (empty, over-long, unknown voice, unsupported format, bad JSON, unknown model, a field
+  this model cannot honour) gets a 4xx with one message, and the server serves the next request;
+- a client that disconnects mid-stream: its request ends in both engines and both sidecars, and
+  nothing of it is kept;
+- (`make test-slow`) a hot upgrade of either stage's sidecar while requests keep coming: every
+  answer a 200 with the same audio, the successor adopted by the server;
+- the talker's sidecar killed with requests in flight: those end with a 503 that says so, the
+  server starts it again, and the next request is served (the same audio);
+- /v1/models, /health and /metrics (time to first audio, real-time factor, per-stage requests).
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import wave
+from io import BytesIO
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.support.procs import ROOT, child_env
+from tests.support.speech_reference import pcm16, reference_samples
+
+pytestmark = pytest.mark.e2e
+CHUNK, LEFT = 4, 8
+MAX_FRAMES = 16  # chunk 3's window starts past frame 0: the payload is cut to the left context
+TEXT = "a sidecar speaks"
+START_TIMEOUT_S = 400
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(work: Path, talker: str, code2wav: str) -> Path:
+    engine = ('{ max_model_len = 128, max_num_seqs = 8, max_num_batched_tokens = 64, dtype = "float32", '
+              'enforce_eager = true, seed = 0, kv_cache_memory_bytes = 16777216 }')
+    path = work / "serve.toml"
+    path.write_text(f'''
+served_model_name = "tiny-tts"
+voices = ["default", "vivian"]
+max_input_chars = 64
+speech_prompt = "tests.tiny_models.talker:speech_prompt"
+register = ["tests.tiny_models.talker:register", "tests.tiny_models.code2wav:register"]
+sample_rate = 300
+
+[stages.talker]
+model = "{talker}"
+max_tokens = {MAX_FRAMES + 1}
+engine = {engine}
+sampling = {{ temperature = 0.0, ignore_eos = true }}
+sidecar = {{ hooks = "omni-talker" }}
+
+[stages.code2wav]
+model = "{code2wav}"
+placeholder_token = 1
+engine = {engine}
+sidecar = {{ hooks = "omni-code2wav", options = {{ chunk_frames = "{CHUNK}", left_context = "{LEFT}", codebook_size = "64" }} }}
+''')
+    return path
+
+
+class Server:
+    def __init__(self, work: Path, config: Path) -> None:
+        self.port = _free_port()
+        self.run_dir = work / "run"
+        self.log = work / "server.log"
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "omni_serve", "--pipeline", str(config), "--port", str(self.port),
+                 "--run-dir", str(self.run_dir), "--uvicorn-log-level", "warning"],
+                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env())
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"omni-serve exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if self.get("/health")[0] == 200:
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"omni-serve did not come up within {START_TIMEOUT_S}s:\n{self.tail()}")
+            time.sleep(0.5)
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def connection(self, timeout: float = 120.0) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        conn = self.connection(5.0)
+        try:
+            conn.request("GET", path)
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    def post(self, body: bytes | dict) -> tuple[int, bytes, str]:
+        conn = self.connection()
+        try:
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            conn.request("POST", "/v1/audio/speech", body=data, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            return resp.status, resp.read(), resp.getheader("Content-Type", "")
+        finally:
+            conn.close()
+
+    def endpoint(self, stage: str) -> str:
+        return f"ipc://{self.run_dir}/{stage}.sock"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from tests.tiny_models.code2wav import build_tiny_code2wav
+    from tests.tiny_models.talker import build_tiny_talker
+
+    root = tmp_path_factory.mktemp("serve-models")
+    return str(build_tiny_talker(root / "talker")), str(build_tiny_code2wav(root / "code2wav"))
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    work = tmp_path_factory.mktemp("serve")
+    srv = Server(work, _config(work, *models))
+    try:
+        yield srv
+    finally:
+        srv.stop()
+    assert srv.proc.returncode == 0, srv.tail()
+    assert not list(srv.run_dir.glob("*.sock")), "the sidecars' sockets were left behind"
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    samples = reference_samples(*models, TEXT, 1, MAX_FRAMES + 1, CHUNK, LEFT)
+    assert samples.shape == (MAX_FRAMES * 24,)  # one frame per decode step
+    return samples
+
+
+def test_a_wav_equals_the_stages_run_by_hand(server, reference):
+    status, body, kind = server.post({"model": "tiny-tts", "input": TEXT, "voice": "vivian", "response_format": "wav"})
+    assert status == 200, body[:500]
+    assert kind == "audio/wav"
+    with wave.open(BytesIO(body)) as wav:
+        assert (wav.getframerate(), wav.getnchannels(), wav.getsampwidth()) == (300, 1, 2)
+        got = np.frombuffer(wav.readframes(wav.getnframes()), dtype="<i2")
+    want = pcm16(reference)
+    assert got.shape == want.shape == (MAX_FRAMES * 24,)
+    assert np.abs(got.astype(np.int32) - want).max() <= 1  # float32 sums in another order: one LSB at most
+    assert np.abs(want).max() > 1000  # a real signal, not silence
+    # Another voice is another request: other audio.
+    status, other, _ = server.post({"input": TEXT, "voice": "default", "response_format": "pcm"})
+    assert status == 200 and other != body[44:]
+
+
+def test_streams_carry_the_same_samples_and_the_first_chunk_comes_before_the_end(server, reference):
+    status, pcm, kind = server.post({"input": TEXT, "voice": "vivian", "response_format": "pcm"})
+    assert status == 200 and kind == "audio/pcm"
+    conn = server.connection()
+    conn.request("POST", "/v1/audio/speech", body=json.dumps(
+        {"input": TEXT, "voice": "vivian", "response_format": "pcm", "stream": True, "stream_format": "audio"}),
+        headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    t0 = time.monotonic()
+    first = resp.read1(1 << 20)
+    first_at = time.monotonic()
+    rest = resp.read()
+    done_at = time.monotonic()
+    conn.close()
+    assert 0 < len(first) < len(pcm)  # one chunk, not the whole audio
+    assert first + rest == pcm
+    assert first_at - t0 < done_at - t0
+    # vllm-omni's default stream: SSE speech.audio.delta events, then speech.audio.done.
+    status, sse, kind = server.post({"input": TEXT, "voice": "vivian", "response_format": "pcm", "stream": True})
+    assert status == 200 and kind.startswith("text/event-stream")
+    events = [json.loads(line[6:]) for line in sse.decode().splitlines() if line.startswith("data: ")]
+    assert [e["type"] for e in events][-1] == "speech.audio.done"
+    deltas = [e for e in events if e["type"] == "speech.audio.delta"]
+    assert len(deltas) == MAX_FRAMES // CHUNK  # one per chunk
+    assert b"".join(base64.b64decode(e["audio"]) for e in deltas) == pcm
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    ({"input": ""}, 400, "input is empty"),
+    ({"input": "   "}, 400, "input is empty"),
+    ({"input": "x" * 65}, 400, "at most 64"),
+    ({"input": "hi", "voice": "nobody"}, 400, "unknown voice 'nobody'"),
+    ({"input": "hi", "response_format": "mp3"}, 400, "response_format 'mp3' is not supported"),
+    ({"input": "hi", "model": "gpt-4o-mini-tts"}, 404, "not served here"),
+    ({"input": "hi", "speed": 2.0}, 400, "not supported by this model: speed"),
+    ({"input": "hi", "speed": 9.0}, 400, "speed"),
+    ({"input": "hi", "ref_audio": "data:audio/wav;base64,AAAA"}, 400, "ref_audio"),
+    ({"input": "hi", "max_new_tokens": 10_000}, 400, "max_new_tokens"),
+    ({"voice": "vivian"}, 400, "input"),
+    (b"{not json", 400, "not valid JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+])
+def test_bad_input_gets_a_4xx_with_one_message(server, body, status, needle):
+    got, answer, kind = server.post(body)
+    assert got == status, answer
+    assert kind == "application/json"
+    error = json.loads(answer)["error"]
+    assert needle in error["message"] and error["code"] == status
+
+
+def test_the_server_serves_on_after_bad_input(server, reference):
+    status, pcm, _ = server.post({"input": TEXT, "voice": "vivian", "response_format": "pcm"})
+    assert status == 200
+    assert np.abs(np.frombuffer(pcm, "<i2").astype(np.int32) - pcm16(reference)).max() <= 1
+
+
+def _live(endpoint: str) -> tuple[int, int]:
+    """(requests admitted, requests finished) over the sidecar's sessions."""
+    from omni_sidecar.client import SidecarClient
+
+    with SidecarClient(endpoint) as client:
+        status = client.status()
+    return sum(s.new_requests for s in status.sessions), sum(s.finished_requests for s in status.sessions)
+
+
+def _wait_all_finished(server, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counts = {stage: _live(server.endpoint(stage)) for stage in ("talker", "code2wav")}
+        if all(new == done for new, done in counts.values()):
+            return
+        assert time.monotonic() < deadline, f"requests still live in the sidecars: {counts}"
+        time.sleep(0.1)
+
+
+def _metric(server, name: str) -> float:
+    _, text = server.get("/metrics")
+    for line in text.decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_a_client_that_disconnects_aborts_its_request_everywhere(server):
+    from omni_sidecar.client import SidecarClient
+
+    _wait_all_finished(server)
+    talker_before = _live(server.endpoint("talker"))[0]
+    conn = server.connection()
+    conn.request("POST", "/v1/audio/speech", body=json.dumps(
+        {"input": TEXT, "response_format": "pcm", "stream": True, "stream_format": "audio",
+         "max_new_tokens": MAX_FRAMES + 1}), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    rid = resp.getheader("X-Request-Id")
+    assert resp.status == 200 and resp.read1(1 << 16)
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    _wait_all_finished(server)
+    assert _live(server.endpoint("talker"))[0] == talker_before + 1
+    deadline = time.monotonic() + 10
+    for stage in ("talker", "code2wav"):  # nothing kept once the front end saw it finish there
+        with SidecarClient(server.endpoint(stage)) as client:
+            while client.outputs(rid) is not None or client.outputs(f"{rid}-c0") is not None:
+                assert time.monotonic() < deadline, f"the {stage} sidecar still keeps {rid}'s outputs"
+                time.sleep(0.05)
+    while _metric(server, 'omni_serve_stage_requests{stage="talker"}') != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert _metric(server, 'omni_serve_requests_total{outcome="aborted"}') >= 1
+
+
+@pytest.mark.slow  # about 80 s for both stages on 2 cores: `make test-slow`
+@pytest.mark.parametrize("stage, options", [
+    ("talker", []),
+    ("code2wav", [f"chunk_frames={CHUNK}", f"left_context={LEFT}", "codebook_size=64"]),
+])
+def test_a_hot_upgrade_of_a_stage_under_load_loses_nothing(server, reference, stage, options):
+    from omni_sidecar.client import SidecarClient
+
+    with SidecarClient(server.endpoint(stage)) as client:
+        before = client.status().pid
+    stop = threading.Event()
+    answers: list[tuple[int, bytes, float, float]] = []
+
+    def client_loop() -> None:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            status, body, _ = server.post({"input": TEXT, "voice": "vivian", "response_format": "pcm"})
+            answers.append((status, body, t0, time.monotonic()))
+
+    threads = [threading.Thread(target=client_loop) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        while len(answers) < 3:  # the load is on
+            time.sleep(0.05)
+        cmd = [sys.executable, "-m", "omni_sidecar.cli", "upgrade", "--endpoint", server.endpoint(stage),
+               "--log", str(server.run_dir / f"{stage}-successor.log"), "--", "--hooks", f"omni-{stage}"]
+        for option in options:
+            cmd += ["--hook-option", option]
+        t_up = time.monotonic()
+        up = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=child_env())
+        t_done = time.monotonic()
+        time.sleep(1.0)  # served by the successor for a while
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    assert up.returncode == 0, up.stdout + up.stderr
+    with SidecarClient(server.endpoint(stage)) as client:
+        assert client.status().pid != before  # the successor serves
+    assert all(status == 200 for status, *_ in answers), [(s, b[:200]) for s, b, *_ in answers if s != 200]
+    want = pcm16(reference)
+    for _, body, _, _ in answers:
+        assert np.abs(np.frombuffer(body, "<i2").astype(np.int32) - want).max() <= 1
+    across = [a for a in answers if a[2] < t_done and a[3] > t_up]
+    assert across, "no request ran while the upgrade did"
+    assert any(a[2] > t_done for a in answers)  # and some after it
+    _, health = server.get("/health")
+    assert json.loads(health)["status"] == "ok"  # the successor is adopted, not restarted over
+
+
+def test_a_killed_sidecar_fails_its_requests_with_a_503_and_the_server_serves_on(server, reference):
+    from omni_sidecar.client import SidecarClient
+
+    with SidecarClient(server.endpoint("talker")) as client:
+        pid = client.status().pid
+    answers: list[tuple[int, bytes]] = []
+
+    def post() -> None:
+        status, body, _ = server.post({"input": TEXT, "response_format": "pcm", "max_new_tokens": MAX_FRAMES + 1})
+        answers.append((status, body))
+
+    threads = [threading.Thread(target=post) for _ in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while _metric(server, 'omni_serve_stage_requests{stage="talker"}') < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    failed = [json.loads(body)["error"]["message"] for status, body in answers if status == 503]
+    assert failed, [status for status, _ in answers]  # in flight when it died: a 503 each
+    assert all("talker" in m for m in failed), failed
+    assert {status for status, _ in answers} <= {200, 503}
+    # Started again; the next requests are served, with the same audio as before.
+    deadline = time.monotonic() + 60
+    while True:
+        _, health = server.get("/health")
+        state = json.loads(health)
+        if state["status"] == "ok" and state["stages"]["talker"]["sidecar_restarts"] >= 1:
+            break
+        assert time.monotonic() < deadline, state
+        time.sleep(0.2)
+    for _ in range(2):
+        status, pcm, _ = server.post({"input": TEXT, "voice": "vivian", "response_format": "pcm"})
+        if status == 200:
+            break
+    assert status == 200, pcm
+    assert np.abs(np.frombuffer(pcm, "<i2").astype(np.int32) - pcm16(reference)).max() <= 1
+
+
+def test_models_health_and_metrics(server):
+    status, body = server.get("/v1/models")
+    assert status == 200
+    assert [m["id"] for m in json.loads(body)["data"]] == ["tiny-tts"]
+    status, body = server.get("/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+    status, body = server.get("/metrics")
+    text = body.decode()
+    assert status == 200
+    for name in ("omni_serve_time_to_first_audio_seconds_count", "omni_serve_real_time_factor_count",
+                 'omni_serve_stage_requests{stage="talker"}', 'omni_serve_stage_requests{stage="code2wav"}'):
+        assert name in text, name
+    assert _metric(server, "omni_serve_time_to_first_audio_seconds_count") >= 4
+    assert 0 < _metric(server, "omni_serve_real_time_factor_sum")

@@ -1,0 +1,160 @@
+"""omni-serve without engines: request validation, the WAV/PCM encoding, the payload and the config."""
+
+from __future__ import annotations
+
+import json
+import wave
+from io import BytesIO
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from omni_serve.api import audio
+from omni_serve.api.protocol import Refused
+from omni_serve.api.server import speech_input
+from omni_serve.config import ConfigError, ServeConfig, StageSpec, load_config
+from omni_serve.stages.payload import additional_information
+
+CONFIG = ServeConfig(served_model_name="tts", voices=["a", "b"], max_input_chars=10, speech_prompt="unused",
+                     stages={"talker": StageSpec("talker", "m", max_tokens=32),
+                             "code2wav": StageSpec("code2wav", "m")})
+
+
+def prompt(text: str, voice: int) -> tuple[list[int], dict]:
+    return [voice, len(text)], {"text": text}
+
+
+def parse(body) -> object:
+    return speech_input(body if isinstance(body, bytes) else json.dumps(body).encode(), CONFIG, prompt)
+
+
+def refusal(body) -> Refused:
+    with pytest.raises(Refused) as caught:
+        parse(body)
+    return caught.value
+
+
+def test_a_good_request_becomes_a_job_with_the_voice_and_the_limits():
+    got = parse({"model": "tts", "input": " hi ", "voice": "b", "response_format": "pcm", "max_new_tokens": 5,
+                 "seed": 3})
+    assert got.job.prompt_token_ids == [1, 2] and got.job.payload == {"text": "hi"}  # stripped, voice index 1
+    assert (got.job.max_frames, got.job.seed, got.response_format, got.stream) == (5, 3, "pcm", False)
+    defaults = parse({"input": "hi"})
+    assert defaults.job.prompt_token_ids[0] == 0 and defaults.job.max_frames == 32
+    assert defaults.response_format == "wav" and defaults.job.request_id != got.job.request_id
+    # vllm-omni's spellings: "speaker" for the voice, a voice object, explicit nulls and falses.
+    assert parse({"input": "hi", "speaker": "b"}).job.prompt_token_ids[0] == 1
+    assert parse({"input": "hi", "voice": {"id": "b"}}).job.prompt_token_ids[0] == 1
+    assert parse({"input": "hi", "instructions": None, "word_timestamps": False, "language": "Auto"}).stream is False
+    streamed = parse({"input": "hi", "stream": True})
+    assert streamed.stream and streamed.sse  # vllm-omni's default stream: SSE
+    assert not parse({"input": "hi", "stream": True, "stream_format": "audio"}).sse
+
+
+@pytest.mark.parametrize("body, status, param, needle", [
+    ({"input": ""}, 400, "input", "input is empty"),
+    ({"input": "x" * 11}, 400, "input", "11 characters; at most 10"),
+    ({"input": "hi", "voice": "c"}, 400, "voice", "unknown voice 'c'; voices: a, b"),
+    ({"input": "hi", "response_format": "flac"}, 400, "response_format", "'flac' is not supported"),
+    ({"input": "hi", "model": "other"}, 404, "model", "not served here"),
+    ({"input": "hi", "speed": 1.5}, 400, "speed", "speed"),
+    ({"input": "hi", "speed": 0.1}, 400, "speed", "greater than or equal to 0.25"),
+    ({"input": "hi", "language": "French"}, 400, "language", "not supported"),
+    ({"input": "hi", "word_timestamps": True}, 400, "word_timestamps", "word_timestamps"),
+    ({"input": "hi", "task_type": "Base"}, 400, "task_type", "task_type"),
+    ({"input": "hi", "stream_format": "audio"}, 400, "stream_format", "needs stream=true"),
+    ({"input": "hi", "max_new_tokens": 33}, 400, "max_new_tokens", "limit of 32"),
+    ({"input": "hi", "max_new_tokens": 0}, 400, "max_new_tokens", "greater than or equal to 1"),
+    ({"input": 5}, 400, "input", "valid string"),
+    ({}, 400, "input", "Field required"),
+    (b"{", 400, None, "not valid JSON"),
+    (b"\xff\xfe", 400, None, "not valid JSON"),
+    (b'"text"', 400, None, "JSON object"),
+])
+def test_bad_requests_are_refused_with_one_message(body, status, param, needle):
+    refused = refusal(body)
+    assert (refused.status, refused.param) == (status, param)
+    assert needle in str(refused) and "\n" not in str(refused)
+
+
+def test_wav_is_a_16_bit_mono_riff_of_the_samples_clipped():
+    samples = np.array([0.0, 0.5, -0.5, 1.0, -1.0, 2.0, -3.0], dtype=np.float32)
+    body = audio.wav(samples, 300)
+    with wave.open(BytesIO(body)) as wav:
+        assert (wav.getnchannels(), wav.getsampwidth(), wav.getframerate(), wav.getnframes()) == (1, 2, 300, 7)
+        got = np.frombuffer(wav.readframes(7), dtype="<i2")
+    assert got.tolist() == [0, 16384, -16384, 32767, -32767, 32767, -32767]
+    assert audio.pcm16(samples) == body[44:]
+    assert len(audio.wav(np.zeros(0, np.float32), 300)) == 44
+
+
+def test_a_streamed_wav_header_reads_as_a_wav_of_whatever_follows():
+    body = audio.wav_header(300, None) + audio.pcm16(np.full(5, 0.25, np.float32))
+    with wave.open(BytesIO(body)) as wav:  # Python's reader trusts the bytes there are
+        assert wav.getframerate() == 300
+        assert np.frombuffer(wav.readframes(100), "<i2").tolist() == [8192] * 5
+
+
+def test_the_payload_is_vllm_omnis_additional_information():
+    from omni_sidecar.hook_sets.omni.wire import decode_additional_information
+
+    codes = np.arange(12, dtype=np.int64).reshape(3, 4)
+    encoded = additional_information({"codes": {"audio": codes}, "meta": {"codec_next_chunk": 2, "final": True}})
+    decoded = decode_additional_information(msgspec.msgpack.decode(msgspec.msgpack.encode(encoded)))
+    assert torch.equal(decoded["codes"]["audio"], torch.from_numpy(codes))
+    assert decoded["meta"] == {"codec_next_chunk": 2, "final": True}
+    with pytest.raises(TypeError):
+        additional_information({"x": object()})
+
+
+def test_the_config_names_its_stages_in_order_and_refuses_unknown_keys(tmp_path):
+    good = tmp_path / "good.toml"
+    good.write_text('served_model_name = "m"\nspeech_prompt = "a:b"\n'
+                    '[stages.talker]\nmodel = "./t"\ndevice = 1\n'
+                    '[stages.code2wav]\nmodel = "org/c"\nsidecar = { hooks = "omni-code2wav", options = { chunk_frames = 4 } }\n')
+    config = load_config(good)
+    assert list(config.stages) == ["talker", "code2wav"]
+    assert config.stages["talker"].model == str(tmp_path / "t") and config.stages["talker"].device == 1
+    assert config.stages["code2wav"].model == "org/c"  # not a path: a model id, left as it is
+    assert config.stages["code2wav"].sidecar.options == {"chunk_frames": "4"}
+    for text, needle in [
+        ('served_model_name = "m"\nspeech_prompt = "a:b"\n[stages.code2wav]\nmodel = "c"\n[stages.talker]\nmodel = "t"\n',
+         "talker then code2wav"),
+        ('served_model_name = "m"\nspeech_prompt = "a:b"\n[stages.talker]\nmodel = "t"\ngpu = 1\n'
+         '[stages.code2wav]\nmodel = "c"\n', "unknown key(s) ['gpu']"),
+        ('served_model_name = "m"\n[stages.talker]\nmodel = "t"\n[stages.code2wav]\nmodel = "c"\n', "required"),
+        ("served_model_name = \n", "Invalid"),
+    ]:
+        bad = tmp_path / "bad.toml"
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=needle.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
+                           .replace(")", r"\)")):
+            load_config(bad)
+
+
+def test_the_shims_vllm_plugin_calls_the_model_registrations_it_is_given(monkeypatch):
+    from tests.support import registrations
+    from worker_shim import plugin
+
+    monkeypatch.setenv(plugin.REGISTER_ENV, "tests.support.registrations:note,tests.support.registrations:note")
+    registrations.CALLS.clear()
+    plugin.register_models()
+    assert registrations.CALLS == ["called", "called"]
+    monkeypatch.delenv(plugin.REGISTER_ENV)
+    plugin.register_models()
+    assert len(registrations.CALLS) == 2  # none named: none called
+
+
+def test_output_tensors_are_read_by_their_dtype_and_shape_and_malformed_ones_refused():
+    from omni_serve.stages.link import RequestRejected, blob_array
+    from proto.messages import TensorBlob
+
+    wave = np.arange(6, dtype=np.float32).reshape(3, 2)
+    assert np.array_equal(blob_array(TensorBlob([3, 2], "float32", wave.tobytes())), wave)
+    bf16 = torch.tensor([1.5, -2.0]).to(torch.bfloat16)
+    assert blob_array(TensorBlob([2], "bfloat16", bf16.view(torch.int16).numpy().tobytes())).tolist() == [1.5, -2.0]
+    for bad in (TensorBlob([4, 2], "float32", wave.tobytes()), TensorBlob([3], "complex64", b"")):
+        with pytest.raises(RequestRejected):
+            blob_array(bad)
