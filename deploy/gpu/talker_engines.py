@@ -13,8 +13,11 @@ omni-talker` at `job["endpoint"]`; the payload goes in `extra_args` encoded by u
 the codes come back from the sidecar (`codes.audio`).
 
 Both: the same model directory, requests, greedy sampling (code 0 by vLLM's sampler,
-codes 1..Q-1 by the model's code predictor with do_sample=False), CUDA graphs on,
-each step timed around `LLMEngine.step()`.
+codes 1..Q-1 by the model's code predictor with do_sample=False; the bench's sampled
+sets sample code 0), CUDA graphs on, each step timed around `LLMEngine.step()`.
+A bench set's decode step is the interval between consecutive steps that bring
+tokens once every request of the set has its first (prefill done): with async
+scheduling on, a `step()` may return before the forward it launched ends.
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ def common_engine_args(job: dict) -> dict:
     args = dict(model=job["model"], dtype="bfloat16", seed=0, enforce_eager=False, skip_tokenizer_init=True,
                 enable_prefix_caching=False, async_scheduling=False, max_model_len=512,
                 max_num_seqs=job["max_num_seqs"], max_num_batched_tokens=job["max_num_batched_tokens"],
-                kv_cache_memory_bytes=1 << 30, gpu_memory_utilization=0.4)  # two engines side by side on one GPU
+                kv_cache_memory_bytes=1 << 30,
+                gpu_memory_utilization=job.get("gpu_memory_utilization", 0.4))  # engines side by side on one GPU
     args.update(job.get("engine_overrides", {}))
     return args
 
@@ -97,7 +101,8 @@ def shim_engine(job: dict) -> tuple[Any, Any]:
 
     args = EngineArgs(**common_engine_args(job), worker_cls="worker_shim.Worker",
                       additional_config={"omni_sidecar": {"endpoint": job["endpoint"],
-                                                          "subtalker_sampling": GREEDY_SUBTALKER}})
+                                                          "subtalker_sampling": GREEDY_SUBTALKER,
+                                                          **job.get("shim_settings", {})}})
     engine = LLMEngine.from_engine_args(args)
 
     def add(req: dict, params: Any) -> None:
@@ -113,12 +118,13 @@ class OutputRecorder:
 
     def __init__(self, engine: Any) -> None:
         self.by_request: dict[str, list[dict]] = {}
+        self.active = True  # off for the timed rounds: reading the outputs costs host time and a sync
         core = engine.engine_core
         inner = core.get_output
 
         def get_output() -> Any:
             outs = inner()
-            for o in getattr(outs, "outputs", []) or []:
+            for o in (getattr(outs, "outputs", []) or []) if self.active else ():
                 mm = getattr(o, "multimodal_output", None)
                 external = o.request_id.rsplit("-", 1)[0]  # vLLM suffixes the client's id
                 self.by_request.setdefault(external, []).append(
@@ -153,39 +159,59 @@ def omni_codes(records: list[dict]) -> list[list[int]] | None:
     return rows or None
 
 
-def drive(engine: Any, add: Any, reqs: list[dict]) -> dict:
-    """All requests added, then `engine.step()` until done; each step timed."""
+def drive(engine: Any, add: Any, reqs: list[dict], temperature: float = 0.0) -> dict:
+    """All requests added, then `engine.step()` until done; each step timed, and the decode
+    intervals (module docstring)."""
     from vllm import SamplingParams
 
-    for req in reqs:
-        add(req, SamplingParams(max_tokens=req["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False))
+    for i, req in enumerate(reqs):
+        sampling = dict(temperature=temperature, top_k=50, seed=1000 + i) if temperature > 0 else dict(temperature=0.0)
+        add(req, SamplingParams(max_tokens=req["max_tokens"], ignore_eos=True, detokenize=False, **sampling))
     tokens: dict[str, list[int]] = {}
+    counts: dict[str, int] = {}
     step_s: list[float] = []
+    decode_s: list[float] = []
+    last_decode = None
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
         outs = engine.step()
-        step_s.append(time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        step_s.append(t1 - t0)
+        all_started = len(counts) == len(reqs)
+        grew = False
         for o in outs:
+            n = len(o.outputs[0].token_ids)
+            grew = grew or n > counts.get(o.request_id, 0)
+            counts[o.request_id] = n
             if o.finished:
                 tokens[o.request_id] = list(o.outputs[0].token_ids)
-    return {"tokens": [tokens.get(r["rid"]) for r in reqs], "step_s": step_s}
+        if grew and all_started:
+            if last_decode is not None:
+                decode_s.append(t1 - last_decode)
+            last_decode = t1
+        elif grew and len(counts) == len(reqs):
+            last_decode = t1  # the step that brought the last first token: decode intervals start here
+    return {"tokens": [tokens.get(r["rid"]) for r in reqs], "step_s": step_s, "decode_s": decode_s}
 
 
 _TURN: list = []
 
 
-def bench_turn(job: dict, kind: str) -> None:
+def bench_ready(job: dict, kind: str) -> None:
     """Engines start side by side (start-up is most of the wall time) but time their bench
-    runs one at a time: wait until every engine has done its codes run (or gave up), then
-    take the bench lock."""
+    rounds one at a time: wait until every engine has done its codes run (or gave up)."""
+    work = Path(job["workdir"])
+    (work / f"ready-{job['name']}").touch()
+    deadline = time.monotonic() + job.get("barrier_s", 300)
+    while time.monotonic() < deadline and not all((work / f"ready-{k}").exists() for k in job["engines"]):
+        time.sleep(0.2)
+
+
+def bench_turn(job: dict) -> None:
+    """One timed round at a time across the engines (a lock file in the shared work folder)."""
     import fcntl
 
-    work = Path(job["workdir"])
-    (work / f"ready-{kind}").touch()
-    deadline = time.monotonic() + job.get("barrier_s", 300)
-    while time.monotonic() < deadline and not all((work / f"ready-{k}").exists() for k in job["kinds"]):
-        time.sleep(0.2)
-    lock = open(work / "bench.lock", "w")
+    lock = open(Path(job["workdir"]) / "bench.lock", "w")
     fcntl.flock(lock, fcntl.LOCK_EX)
     _TURN.append(lock)
 
@@ -196,12 +222,52 @@ def release_bench_turn() -> None:
     _TURN.clear()
 
 
+def start_profile(job: dict) -> Any:
+    """py-spy on this process for the profiled set's first round (when py-spy is on PATH)."""
+    import shutil
+    import subprocess
+
+    prof = job.get("profile") or {}
+    exe = shutil.which("py-spy")
+    if not prof or exe is None:
+        return None
+    out = Path(job["workdir"]) / f"{job['name']}.pyspy.txt"
+    return subprocess.Popen([exe, "record", "--pid", str(os.getpid()), "--rate", str(prof.get("rate", 400)),
+                             "--duration", str(prof["seconds"]), "--format", "raw", "--nonblocking",
+                             "--output", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def bench(engine: Any, add: Any, job: dict) -> dict:
+    """Every bench set, `rounds` times, each round holding the bench turn."""
+    results: dict = {}
+    prof = job.get("profile") or {}
+    for spec in job["bench_sets"]:
+        rounds = []
+        for r in range(spec.get("rounds", 1)):
+            reqs = talker_requests(spec["reqs"], f"{spec['name']}-{r}-")
+            bench_turn(job)
+            profiler = start_profile(job) if spec["name"] == prof.get("set") and r == 0 else None
+            try:
+                run = drive(engine, add, reqs, spec.get("temperature", 0.0))
+                if profiler is not None:
+                    # Keep it sampling steps of this set: repeat the set until py-spy is done.
+                    while profiler.poll() is None:
+                        drive(engine, add, talker_requests(spec["reqs"], f"{spec['name']}-p{r}-"),
+                              spec.get("temperature", 0.0))
+            finally:
+                release_bench_turn()
+            rounds.append({"decode_s": run["decode_s"], "steps": len(run["step_s"]),
+                           "wall_s": sum(run["step_s"])})
+        results[spec["name"]] = rounds
+    return results
+
+
 def main(job_path: str, result_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     kind = job["kind"]
     for key, value in job.get("env", {}).items():
         os.environ[key] = str(value)
-    result: dict = {"ok": False, "kind": kind}
+    result: dict = {"ok": False, "kind": kind, "name": job["name"]}
     engine = None
     try:
         t0 = time.monotonic()
@@ -209,31 +275,27 @@ def main(job_path: str, result_path: str) -> None:
         result["start_s"] = time.monotonic() - t0
         recorder = OutputRecorder(engine)
         drive(engine, add, talker_requests(job["warmup"], "warm-"))  # compiles the code predictor
-        runs = {}
-        for name in ("codes", "bench"):
-            reqs = talker_requests(job[name], f"{name}-")
-            if name == "bench":
-                bench_turn(job, kind)
-            run = drive(engine, add, reqs)
-            if kind == "omni":
-                run["codes"] = [omni_codes(recorder.by_request.get(r["rid"], [])) for r in reqs]
-                if name == "codes":
-                    run["raw_outputs"] = {r["rid"]: recorder.by_request.get(r["rid"], [])[:3] for r in reqs[:2]}
-            else:
-                from omni_sidecar.client import SidecarClient
+        reqs = talker_requests(job["codes"], "codes-")
+        run = drive(engine, add, reqs)
+        if kind == "omni":
+            run["codes"] = [omni_codes(recorder.by_request.get(r["rid"], [])) for r in reqs]
+        else:
+            from omni_sidecar.client import SidecarClient
 
-                with SidecarClient(job["endpoint"]) as client:
-                    got = [client.outputs(r["rid"]) or {} for r in reqs]
-                run["codes"] = [g["codes.audio"].tolist() if "codes.audio" in g else None for g in got]
-            runs[name] = run
-        release_bench_turn()
-        result["runs"] = runs
+            with SidecarClient(job["endpoint"]) as client:
+                got = [client.outputs(r["rid"]) or {} for r in reqs]
+            run["codes"] = [g["codes.audio"].tolist() if "codes.audio" in g else None for g in got]
+        result["codes"] = run
+        recorder.by_request.clear()
+        recorder.active = False
+        bench_ready(job, kind)
+        result["bench"] = bench(engine, add, job)
         if kind == "shim":
             result["shim_stats"] = engine.collective_rpc("omni_sidecar_stats")
         result["ok"] = True
     except BaseException as exc:  # the check reads the error
         release_bench_turn()
-        Path(job["workdir"], f"ready-{kind}").touch()  # the other engine need not wait for this one
+        Path(job["workdir"], f"ready-{job['name']}").touch()  # the others need not wait for this one
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()[-6000:]
     Path(result_path).write_text(json.dumps(result))
