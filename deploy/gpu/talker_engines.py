@@ -48,7 +48,7 @@ def talker_requests(specs: list[dict], prefix: str) -> list[dict]:
     import numpy as np
     import torch
 
-    from tiny_qwen3_tts import IM_END, IM_START, TEXT_VOCAB
+    from tests.tiny_models.qwen3_tts import IM_END, IM_START, TEXT_VOCAB
 
     out = []
     for i, spec in enumerate(specs):

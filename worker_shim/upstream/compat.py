@@ -94,6 +94,55 @@ MODEL_HOOK_SEAMS = [
     "have_multimodal_outputs",
 ]
 OMNI_OUTPUT_FIELDS = ["text_hidden_states", "multimodal_outputs"]
+# vllm-omni's model classes loaded without its package's __init__ (worker_shim/omni_models/): the
+# package is stood in by a bare module whose __path__ is its installed folder, and these are
+# imported from it, subclassed where upstream needs more, and registered with upstream.
+VLLM_OMNI_PACKAGE = "vllm_omni"
+QWEN3_TTS_MODULE = "vllm_omni.model_executor.models.qwen3_tts"
+QWEN3_TTS_NAMES = [
+    ("configuration_qwen3_tts", "Qwen3TTSConfig"),  # subclassed: registered with AutoConfig
+    ("configuration_qwen3_tts", "Qwen3TTSTalkerConfig"),  # the nested configs, pickled by our reducer
+    ("configuration_qwen3_tts", "Qwen3TTSTalkerCodePredictorConfig"),
+    ("configuration_qwen3_tts", "Qwen3TTSSpeakerEncoderConfig"),
+    ("qwen3_tts_talker", "Qwen3TTSTalkerForConditionalGeneration"),  # subclassed: + SupportsMRoPE
+    ("qwen3_tts_code2wav", "Qwen3TTSCode2Wav"),
+]
+QWEN3_TTS_MODEL_TYPE = "qwen3_tts"  # config.json's model_type, as vllm-omni registers it
+# The upstream seams the loader uses: transformers' AutoConfig.register, vLLM's
+# ModelRegistry.register_model ("module:Class", imported lazily, also in the registry's
+# inspection subprocess) and the M-RoPE interface V2's get_rope_state asserts.
+VLLM_OMNI_LOADER_NAMES: list[tuple[str, str]] = [
+    ("transformers", "AutoConfig.register"),
+    ("vllm", "ModelRegistry.register_model"),
+    ("vllm", "ModelRegistry.get_supported_archs"),
+    ("vllm.model_executor.models.interfaces", "SupportsMRoPE.get_mrope_input_positions"),
+]
+# What vllm-omni's patch.py (and its parsers, imported by its __init__) replaces in vLLM
+# (docs/research/vllm-omni-loading.md, section 1, read from the 0.26 and 0.30 wheels): none of it
+# may come from vllm_omni where the shim runs (worker_shim/omni_models/patches.py checks). Objects,
+# as (module, dotted attribute), whose __module__ (or a cached_property's .func's) is checked:
+VLLM_OMNI_PATCH_TARGETS: list[tuple[str, str]] = [
+    ("vllm.config", "ModelConfig.is_mm_prefix_lm"),
+    ("vllm.model_executor.layers.quantization.modelopt", "ModelOptNvFp4LinearMethod.process_weights_after_loading"),
+    ("transformers.models.glm_image.configuration_glm_image", "GlmImageTextConfig.__init__"),
+    ("vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel", "ScaledMMLinearKernel.apply_weights"),
+    ("vllm.model_executor.kernels.linear.scaled_mm.flashinfer", "FlashInferFP8ScaledMMLinearKernel.apply_scaled_mm"),
+    ("torch._inductor.sizevars", "SizeVarAllocator.statically_known_multiple_of"),
+    ("vllm.device_allocator.cumem", "CuMemAllocator._python_free_callback"),
+]
+# Dict entries it adds or replaces: (module, dict name, key).
+VLLM_OMNI_PATCH_ENTRIES: list[tuple[str, str, str]] = [
+    ("vllm.transformers_utils.chat_templates.registry", "_MODEL_TYPE_TO_CHAT_TEMPLATE_FALLBACK", "qwen3_omni_moe"),
+    ("vllm.transformers_utils.config", "_CONFIG_FORMAT_TO_CONFIG_PARSER", "mistral"),
+]
+# Enum members it adds to vllm.v1.request.RequestStatus.
+VLLM_OMNI_REQUEST_STATUS = ("vllm.v1.request", "RequestStatus", ("WAITING_FOR_CHUNK", "WAITING_FOR_INPUT"))
+# Names it rebinds to its own classes in every loaded module whose name contains "vllm".
+VLLM_OMNI_REBOUND_NAMES = ("EngineCoreOutput", "EngineCoreOutputs", "TokensPrompt", "MRotaryEmbedding", "Request",
+                           "StreamingUpdate", "EngineCoreRequest")
+VLLM_OMNI_PATCH_MODULE = "vllm_omni.patch"
+# vLLM's plugin filter: a comma-separated list of the general plugins a process may load.
+VLLM_PLUGINS_ENV = "VLLM_PLUGINS"
 # Read at the end of every step (worker_shim/step/link.py).
 EXECUTE_MODEL_STATE_FIELDS = ["input_batch", "hidden_states"]
 # Read on every scheduler output (worker_shim/upstream/runner.py).

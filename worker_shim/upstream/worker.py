@@ -26,6 +26,7 @@ from worker_shim.step.batch import BatchReader, PayloadTracker
 from worker_shim.upstream.compat import (ShimCompatError, check_upstream, has_own_prefill_flags,
                                          upstream_request_ids_suffixed, vllm_version, welcome_refusal)
 from worker_shim.config import ArenaChoice, ShimConfig
+from worker_shim.omni_models.patches import patches_applied, require_unpatched
 from worker_shim.step.link import SidecarLink
 from worker_shim.upstream.runner import SidecarRunnerMixin, swap_class
 from worker_shim.step.tp import TensorParallelFollower, TensorParallelSync
@@ -43,6 +44,7 @@ class ShimWorkerMixin:
 
     def init_device(self) -> None:
         check_upstream(self.omni_platform)
+        require_unpatched("the worker starting")
         super().init_device()  # type: ignore[misc]
         if not getattr(self, "use_v2_model_runner", False):
             raise ShimCompatError(
@@ -66,6 +68,11 @@ class ShimWorkerMixin:
         runner.omni_link = link
         runner.omni_tp = tp
         swap_class(runner, SidecarRunnerMixin)
+
+    def load_model(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().load_model(*args, **kwargs)  # type: ignore[misc]
+        require_unpatched("the worker, its model loaded")  # a model's imports may have pulled vllm_omni in
+        return result
 
     def compile_or_warm_up_model(self, *args: Any, **kwargs: Any) -> Any:
         """Upstream's warm-up runs real steps with requests of its own (V2 `warmup_kernels`,
@@ -175,6 +182,11 @@ class ShimWorkerMixin:
         embeds = getattr(getattr(self, "model_runner", None), "omni_embeds", None)
         stats["embeds_graph_replays"] = embeds.graph_replays if embeds is not None else 0  # worker_shim/model/embeds.py
         return stats
+
+    def omni_sidecar_vllm_omni_patches(self) -> list[str]:
+        """For `llm.collective_rpc("omni_sidecar_vllm_omni_patches")`: vllm-omni's patches found in this
+        worker's process (worker_shim/omni_models/patches.py); [] when upstream vLLM is untouched."""
+        return patches_applied()
 
     def omni_sidecar_mirror_waiting(self) -> int:
         """For `llm.collective_rpc("omni_sidecar_mirror_waiting")`, between steps: how many appends
