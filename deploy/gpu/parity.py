@@ -1,17 +1,25 @@
-"""GPU parity of vllm-omni's own Qwen3-TTS talker through shim + sidecar on upstream V2 against
-vllm-omni's own runner: codes, and decode step times.
+"""GPU parity of vllm-omni's own Qwen3-TTS classes through shim + sidecar on unpatched upstream V2
+against vllm-omni's own runners: talker codes, code2wav waveform, no vllm-omni patch in the
+shim's engines, and the talker's decode step times.
 
-Engines, one process each (deploy/gpu/talker_engines.py), on the same tiny random checkpoint,
-all started side by side on one GPU, per async-scheduling setting:
-  omni: vllm-omni 0.26's AR worker and runner (vLLM 0.26's V1 runner under it),
-  shim: upstream vLLM 0.26 V2 + the shim + `omni-sidecar serve --hooks omni-talker`,
-  shim-eager-mtp (with --variants): the same with the shim's talker_mtp graphs off.
-Checks: code 0 (the sampled tokens) and codes 1..Q-1 (the code predictor's, per decode step)
-identical per request for 8 requests of different lengths (streaming and non-streaming text,
-a prompt longer than a step: chunked prefill); FULL CUDA graphs captured. Figures: per bench set
-(8, 16, 64 concurrent requests; greedy, and code 0 sampled), each engine's decode step
+Engines, one process each, on the same tiny random checkpoint of the published layout
+(tests/tiny_models/qwen3_tts.py), all started side by side on one GPU:
+  omni-async-{off,on}: vllm-omni 0.26's AR worker and runner (vLLM 0.26's V1 runner under it),
+  shim-async-{off,on}: upstream vLLM 0.26 V2 + the shim (vllm-omni's class loaded without its
+    patches, VLLM_PLUGINS=omni_sidecar_shim) + `omni-sidecar serve --hooks omni-talker`,
+  shim-eager-mtp-* (with --variants): the same with the shim's talker_mtp graphs off,
+    (deploy/gpu/talker_engines.py);
+  omni-code2wav / shim-code2wav: vllm-omni's generation runner / V2 + shim + `--hooks omni-code2wav`
+    (deploy/gpu/code2wav_engines.py).
+Checks: talker code 0 (the sampled tokens) and codes 1..Q-1 (the code predictor's, per decode step)
+identical per request for 8 requests of different lengths (streaming and non-streaming text, a
+prompt longer than a step: chunked prefill), async scheduling off and on; FULL CUDA graphs
+captured; the code2wav waveform of the shim (the codes whole, and streamed in chunks with left
+context) within CODE2WAV_ATOL of vllm-omni's on the same codes; no vllm-omni patch in any of the
+shim's engine processes (and, as a control, found in vllm-omni's own). Figures: per bench set (8,
+16, 64 concurrent requests; greedy, and code 0 sampled), each engine's decode step
 (talker_engines.drive), the ratio shim / omni of their medians, with the spread (each round's
-ratio; each engine's p25-p75); py-spy stacks of the shim engine on one set, summarised.
+ratio; the rounds alternate between the engines); py-spy stacks of the shim engines on one set.
 
   PYTHONPATH=.:SITE python3 deploy/gpu/parity.py --model DIR --out OUT
 """
@@ -33,9 +41,17 @@ sys.path.insert(0, str(HERE))
 
 from acceptance import FULL_GRAPHS, Check, sidecar  # noqa: E402
 from tests.support.procs import run_engine  # noqa: E402
-from tiny_qwen3_tts import CODEBOOK  # noqa: E402
+from tests.tiny_models.qwen3_tts import CODEBOOK  # noqa: E402
 
 ENGINES = HERE / "talker_engines.py"
+CODE2WAV_ENGINES = HERE / "code2wav_engines.py"
+# bf16 weights and activations: a waveform sample differs by a few bf16 ulps where the two runners
+# order the same reductions differently (their graphs, their batch shapes).
+CODE2WAV_ATOL = 2e-2
+CODE2WAV_REQUESTS = [dict(frames=n, seed=s) for n, s in ((40, 1), (75, 2), (130, 3))]
+# The shim streams each request's codes twice: whole (one chunk) and as vllm-omni's deploy streams them.
+CODE2WAV_CHUNKINGS = [{"codec_chunk_frames": 4096, "codec_left_context_frames": 0},
+                      {"codec_chunk_frames": 25, "codec_left_context_frames": 72}]
 # Streaming requests take one text row per decode step; 70 text rows non-streaming make a
 # 79-row prompt, over max_num_batched_tokens=64 (chunked prefill).
 CODES = [dict(text_len=n, streaming=s, max_tokens=t, seed=i)
@@ -75,26 +91,34 @@ def bench_sets(concurrency: list[int], rounds: int, max_tokens: int) -> list[dic
 
 
 def engine_specs(args: argparse.Namespace) -> list[dict]:
-    """One spec per engine: (kind, async scheduling, shim settings)."""
+    """One spec per engine: (kind, async scheduling, shim settings, script, sidecar hooks)."""
     out = []
     for mode in args.async_scheduling.split(","):
         on = mode == "on"
-        out.append({"name": f"omni-async-{mode}", "kind": "omni", "async": on})
+        out.append({"name": f"omni-async-{mode}", "kind": "omni", "async": on, "script": ENGINES})
         for variant in args.variants.split(","):
             settings = {"talker_mtp_graphs": "off"} if variant == "shim-eager-mtp" else {}
-            out.append({"name": f"{variant}-async-{mode}", "kind": "shim", "async": on, "shim_settings": settings})
+            out.append({"name": f"{variant}-async-{mode}", "kind": "shim", "async": on, "shim_settings": settings,
+                        "script": ENGINES, "hooks": "omni-talker"})
+    if args.code2wav:
+        out.append({"name": "omni-code2wav", "kind": "omni", "async": False, "script": CODE2WAV_ENGINES})
+        out.append({"name": "shim-code2wav", "kind": "shim", "async": False, "script": CODE2WAV_ENGINES,
+                    "hooks": "omni-code2wav"})
     return out
 
 
 def run(spec: dict, job: dict, work: Path, c: Check, gpus: str, timeout_s: float) -> dict:
-    # vllm-omni's worker forces the V1 runner; the shim's engine is upstream's V2.
+    # vllm-omni's worker forces the V1 runner; the shim's engine is upstream's V2, and only the
+    # shim's plugin runs there (vllm-omni's own entry point would import its package and patch.py).
     env = {"CUDA_VISIBLE_DEVICES": gpus, "VLLM_USE_V2_MODEL_RUNNER": int(spec["kind"] == "shim")}
+    if spec["kind"] == "shim":
+        env["VLLM_PLUGINS"] = "omni_sidecar_shim"
     overrides = {**job["engine_overrides"], "async_scheduling": spec["async"]}
     full = {**job, "kind": spec["kind"], "env": env, "engine_overrides": overrides,
             "shim_settings": spec.get("shim_settings", {}), "endpoint": spec.get("endpoint", ""),
-            "profile": job["profile"] if spec["kind"] == "shim" and spec["name"].startswith("shim-") else None}
+            "profile": job["profile"] if spec["kind"] == "shim" and spec["script"] == ENGINES else None}
     try:
-        res = run_engine(full, work, spec["name"], timeout_s=timeout_s, script=ENGINES)
+        res = run_engine(full, work, spec["name"], timeout_s=timeout_s, script=spec["script"])
     except Exception as exc:  # died or timed out: its log says how far it got
         res = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[-2000:]}",
                "log_path": str(work / f"{spec['name']}.log")}
@@ -122,6 +146,27 @@ def compare_codes(omni: dict, shim: dict, name: str, c: Check) -> dict:
         c.expect(bool(codes) and len(codes) == len(toks) - 1, f"{name}: one codes row per decode step expected")
     return {"code0_identical": f"{same_tokens}/{n}", "codes_identical": f"{same_codes}/{n}",
             "code_rows": [len(x or []) for x in b["codes"]]}
+
+
+def compare_waves(omni: dict, shim: dict, c: Check) -> dict:
+    """Each shim waveform (per chunking) against vllm-omni's for the same codes: max abs diff."""
+    import numpy as np
+
+    out: dict = {}
+    for i in range(len(CODE2WAV_REQUESTS)):
+        ref = omni["waveforms"].get(f"c2w-{i}-whole")
+        for chunking in CODE2WAV_CHUNKINGS:
+            name = f"c2w-{i}-{chunking['codec_chunk_frames']}"
+            got = shim["waveforms"].get(name)
+            if ref is None or got is None or len(ref) != len(got):
+                c.expect(False, f"code2wav {name}: waveform missing or of another length "
+                                f"({None if ref is None else len(ref)} vs {None if got is None else len(got)})")
+                out[name] = None
+                continue
+            diff = float(np.max(np.abs(np.asarray(ref, dtype=np.float64) - np.asarray(got, dtype=np.float64))))
+            out[name] = {"samples": len(ref), "max_abs_diff": diff, "ref_max_abs": float(np.max(np.abs(ref)))}
+            c.expect(diff <= CODE2WAV_ATOL, f"code2wav {name}: max abs diff {diff:.3g} > {CODE2WAV_ATOL}")
+    return out
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -184,7 +229,7 @@ def summarise_profile(path: Path, top: int = 45) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="a directory made by tiny_qwen3_tts.py")
+    ap.add_argument("--model", required=True, help="a directory made by tests/tiny_models/qwen3_tts.py")
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="omni-parity-"))
     ap.add_argument("--async-scheduling", default="off,on", help="off, on or off,on")
     ap.add_argument("--variants", default="shim", help="shim engines: shim, shim-eager-mtp (talker_mtp graphs off)")
@@ -194,6 +239,9 @@ def main() -> None:
     ap.add_argument("--profile-set", default="c64-greedy", help="the bench set py-spy samples ('' for none)")
     ap.add_argument("--profile-s", type=float, default=6.0)
     ap.add_argument("--engine-timeout-s", type=float, default=420)
+    ap.add_argument("--no-code2wav", dest="code2wav", action="store_false", help="talker engines only")
+    ap.add_argument("--result", default="", help="also write the parity summary (docs/bench/gpu/vllm-omni-parity.json)"
+                    " and the BENCHMARKS.md rows beside it")
     ap.add_argument("--gpus", default="0")
     args = ap.parse_args()
     out = Path(args.out)
@@ -203,8 +251,9 @@ def main() -> None:
     specs = engine_specs(args)
     job = {"model": args.model, "max_num_seqs": max(concurrency), "max_num_batched_tokens": 64, "warmup": WARMUP,
            "codes": CODES, "bench_sets": bench_sets(concurrency, args.rounds, args.max_tokens),
-           "engine_overrides": {}, "engines": [s["name"] for s in specs],
-           "gpu_memory_utilization": round(0.8 / len(specs), 3),
+           "engine_overrides": {}, "engines": [s["name"] for s in specs if s["script"] == ENGINES],
+           "barrier": [s["name"] for s in specs], "gpu_memory_utilization": round(0.8 / len(specs), 3),
+           "requests": CODE2WAV_REQUESTS, "chunkings": CODE2WAV_CHUNKINGS,
            "profile": {"set": args.profile_set, "seconds": args.profile_s} if args.profile_set else None}
     c = Check("talker: vllm-omni's Qwen3TTSTalkerForConditionalGeneration, shim + sidecar on V2 vs its own runner")
     t0 = time.monotonic()
@@ -213,7 +262,7 @@ def main() -> None:
     try:
         for spec in specs:
             if spec["kind"] == "shim":
-                sidecars[spec["name"]] = sidecar(out, f"{spec['name']}-sidecar", "omni-talker", args.gpus)
+                sidecars[spec["name"]] = sidecar(out, f"{spec['name']}-sidecar", spec["hooks"], args.gpus)
                 spec["endpoint"] = sidecars[spec["name"]].endpoint
         with ThreadPoolExecutor(len(specs)) as pool:
             futures = {s["name"]: pool.submit(run, s, job, out, c, args.gpus, args.engine_timeout_s) for s in specs}
@@ -221,21 +270,27 @@ def main() -> None:
     finally:
         for sc in sidecars.values():
             sc.stop()
-    report: dict = {"engines": {}, "codes": {}, "steps": {}}
+    report: dict = {"engines": {}, "codes": {}, "steps": {}, "code2wav": None, "patches": {}}
     for spec in specs:
         res = results.get(spec["name"], {})
         log = Path(res.get("log_path", "")).read_text() if Path(res.get("log_path", "") or "/-").is_file() else ""
         report["engines"][spec["name"]] = {
             "ok": res.get("ok"), "error": res.get("error"), "start_s": res.get("start_s"),
             "async_scheduling": spec["async"], "shim_settings": spec.get("shim_settings"),
-            "graphs": sorted({ln[ln.index("Capturing CUDA graphs"):][:80] for ln in log.splitlines()
+            "graphs": sorted({ln[ln.index("Capturing CUDA graphs"):].split(":")[0] for ln in log.splitlines()
                               if "Capturing CUDA graphs" in ln}),
             "shim_stats": res.get("shim_stats")}
+        if res.get("ok"):
+            report["patches"][spec["name"]] = {"engine": res.get("patches_engine"), "workers": res.get("patches_workers")}
         if spec["kind"] == "shim" and res.get("ok"):
             c.expect("Using V2 Model Runner" in log, f"{spec['name']}: the V2 runner was not used")
-            c.expect(FULL_GRAPHS in log, f"{spec['name']}: no FULL CUDA graphs captured")
-        if spec["kind"] != "shim":
+            c.expect(not res.get("patches_engine") and not any(res.get("patches_workers") or []),
+                     f"{spec['name']}: vllm-omni patches found in the engine: {res.get('patches_engine')} "
+                     f"{res.get('patches_workers')}")
+        if spec["kind"] != "shim" or spec["script"] != ENGINES:
             continue
+        if res.get("ok"):
+            c.expect(FULL_GRAPHS in log, f"{spec['name']}: no FULL CUDA graphs captured")
         omni = results.get(f"omni-async-{'on' if spec['async'] else 'off'}", {})
         if omni.get("ok") and res.get("ok"):
             report["codes"][spec["name"]] = compare_codes(omni, res, spec["name"], c)
@@ -243,6 +298,9 @@ def main() -> None:
         prof = out / f"{spec['name']}.pyspy.txt"
         if prof.is_file():
             (out / f"profile-{spec['name']}.txt").write_text(summarise_profile(prof))
+    c2w_omni, c2w_shim = results.get("omni-code2wav", {}), results.get("shim-code2wav", {})
+    if c2w_omni.get("ok") and c2w_shim.get("ok"):
+        report["code2wav"] = compare_waves(c2w_omni, c2w_shim, c)
     report["check"] = c.report()
     report["wall_s"] = round(time.monotonic() - t0, 1)
     (out / "parity.json").write_text(json.dumps(report, indent=1))
@@ -250,6 +308,88 @@ def main() -> None:
         for set_name, r in sets.items():
             print(f"{name:28s} {set_name:12s} omni {r['omni']['median_ms']:7.3f} ms  shim {r['shim']['median_ms']:7.3f} "
                   f"ms  ratio {r['ratio']:.3f}  rounds {r['round_ratios']}", flush=True)
+    if args.result:
+        summary = parity_summary(report, concurrency)
+        Path(args.result).write_text(json.dumps(summary, indent=1) + "\n")
+        rows = benchmark_rows(summary)
+        Path(args.result).with_suffix(".rows.md").write_text(rows)
+        print(rows, flush=True)
+
+
+def parity_summary(report: dict, concurrency: list[int]) -> dict:
+    """docs/bench/gpu/vllm-omni-parity.json: the acceptance figures, the runs behind them, versions."""
+    import importlib.metadata as md
+    import platform
+    import shutil
+    import subprocess
+
+    codes = [v["codes_identical"] for k, v in report["codes"].items() if not k.startswith("shim-eager")]
+    same = sum(int(x.split("/")[0]) for x in codes)
+    total = sum(int(x.split("/")[1]) for x in codes)
+    runs = {k: v for k, v in report["steps"].items() if not k.startswith("shim-eager")}
+    by_async = {("on" if k.endswith("async-on") else "off"): v for k, v in runs.items()}
+    worst = {}
+    for n in concurrency:
+        found = [sets[f"c{n}-{mode}"]["ratio"] for sets in by_async.values() for mode in ("greedy", "sampled")
+                 if f"c{n}-{mode}" in sets]
+        worst[str(n)] = max(found) if found else None
+    patches = sorted({p for name, found in report["patches"].items() if name.startswith("shim")
+                      for p in [*(found.get("engine") or []), *[q for w in (found.get("workers") or []) for q in w]]})
+    waves = report.get("code2wav") or {}
+    diffs = [v["max_abs_diff"] for v in waves.values() if v]
+
+    def version(dist: str) -> str | None:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return None
+
+    smi = shutil.which("nvidia-smi")
+    gpu = subprocess.run([smi, "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip() if smi else None
+    commit = (HERE.parents[1] / ".commit")
+    return {
+        "talker_codes_identical": f"{same}/{total}",
+        "code2wav_max_abs_diff": max(diffs) if len(diffs) == 2 * len(CODE2WAV_REQUESTS) else None,
+        "code2wav_tolerance": CODE2WAV_ATOL,
+        "code2wav_waveforms": waves,
+        "vllm_omni_patches_applied": patches,
+        "vllm_omni_patches_found_in_its_own_engines": {k: v.get("engine") for k, v in report["patches"].items()
+                                                       if k.startswith("omni")},
+        "talker_step_ratio": worst,
+        "talker_step_ratio_is": "shim / vllm-omni decode step medians; per concurrency the largest of greedy and "
+                                "code-0-sampled, async scheduling off and on",
+        "async_scheduling": {mode: {name: {"ratio": r["ratio"], "round_ratios": r["round_ratios"],
+                                           "omni_ms": r["omni"]["median_ms"], "shim_ms": r["shim"]["median_ms"],
+                                           "omni_round_ms": r["omni"]["round_medians_ms"],
+                                           "shim_round_ms": r["shim"]["round_medians_ms"]}
+                                    for name, r in sets.items()} for mode, sets in by_async.items()},
+        "check": report["check"],
+        "versions": {"vllm": version("vllm"), "vllm_omni": version("vllm-omni"), "torch": version("torch"),
+                     "python": platform.python_version(), "gpu": gpu},
+        "commit": commit.read_text().strip() if commit.is_file() else None,
+        "command": "sh deploy/gpu/run_parity.sh BUNDLE OUT (bundle: BUNDLE_SM=90 BUNDLE_NO_JIT_HEADERS=1 "
+                   "BUNDLE_OMNI=1 BUNDLE_PROFILER=1 deploy/gpu/build_bundle.sh BUNDLE)",
+    }
+
+
+def benchmark_rows(summary: dict) -> str:
+    """BENCHMARKS.md's GPU talker rows: per async setting and concurrency, the decode steps and ratios."""
+    lines = ["| async scheduling | requests | vllm-omni greedy (ms) | shim greedy (ms) | ratio greedy (rounds) "
+             "| vllm-omni sampled (ms) | shim sampled (ms) | ratio sampled (rounds) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for mode, sets in summary["async_scheduling"].items():
+        for n in sorted({int(k.split("-")[0][1:]) for k in sets}):
+            g, s = sets.get(f"c{n}-greedy"), sets.get(f"c{n}-sampled")
+
+            def cells(r: dict | None) -> str:
+                if r is None:
+                    return "– | – | –"
+                return (f"{r['omni_ms']:.2f} | {r['shim_ms']:.2f} | **{r['ratio']:.2f}** "
+                        f"({', '.join(f'{x:.2f}' for x in r['round_ratios'])})")
+
+            lines.append(f"| {mode} | {n} | {cells(g)} | {cells(s)} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

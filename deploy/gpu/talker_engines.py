@@ -8,16 +8,18 @@ runner, its `OmniARScheduler`, its `subtalker_sampling_params`) and its request
 builder (`build_engine_core_request_from_tokens`, its payload serializer). The codes
 it produces are read from its engine-core outputs (`multimodal_output`).
 
-`shim`: upstream vLLM V2 with the shim as worker and an `omni-sidecar serve --hooks
-omni-talker` at `job["endpoint"]`; the payload goes in `extra_args` encoded by us,
-the codes come back from the sidecar (`codes.audio`).
+`shim`: upstream vLLM V2 with the shim as worker (vllm-omni's class loaded without its
+patches: worker_shim/omni_models/) and an `omni-sidecar serve --hooks omni-talker` at
+`job["endpoint"]`; the payload goes in `extra_args` encoded by us, the codes come back from
+the sidecar (`codes.audio`). Each engine reports the vllm-omni patches found in its processes.
 
 Both: the same model directory, requests, greedy sampling (code 0 by vLLM's sampler,
 codes 1..Q-1 by the model's code predictor with do_sample=False; the bench's sampled
 sets sample code 0), CUDA graphs on, each step timed around `LLMEngine.step()`.
-A bench set's decode step is the interval between consecutive steps that bring
-tokens once every request of the set has its first (prefill done): with async
-scheduling on, a `step()` may return before the forward it launched ends.
+A bench set's decode step, per request: the time from the step that brought the set's last
+first token (every prefill done) to the request's last token, over the tokens it got
+meanwhile (a step may bring no tokens, or some requests' only: async scheduling, an engine
+splitting its batch). The engines' timed rounds alternate in a fixed order (Turns).
 """
 
 from __future__ import annotations
@@ -160,8 +162,8 @@ def omni_codes(records: list[dict]) -> list[list[int]] | None:
 
 
 def drive(engine: Any, add: Any, reqs: list[dict], temperature: float = 0.0) -> dict:
-    """All requests added, then `engine.step()` until done; each step timed, and the decode
-    intervals (module docstring)."""
+    """All requests added, then `engine.step()` until done; each step timed, and each request's
+    decode step (module docstring)."""
     from vllm import SamplingParams
 
     for i, req in enumerate(reqs):
@@ -169,57 +171,88 @@ def drive(engine: Any, add: Any, reqs: list[dict], temperature: float = 0.0) -> 
         add(req, SamplingParams(max_tokens=req["max_tokens"], ignore_eos=True, detokenize=False, **sampling))
     tokens: dict[str, list[int]] = {}
     counts: dict[str, int] = {}
+    last: dict[str, tuple[float, int]] = {}  # per request: when its count last grew, and to what
+    start: tuple[float, dict[str, int]] | None = None  # when every request had its first token, their counts
     step_s: list[float] = []
-    decode_s: list[float] = []
-    last_decode = None
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
         outs = engine.step()
         t1 = time.perf_counter()
         step_s.append(t1 - t0)
-        all_started = len(counts) == len(reqs)
-        grew = False
         for o in outs:
             n = len(o.outputs[0].token_ids)
-            grew = grew or n > counts.get(o.request_id, 0)
+            if n > counts.get(o.request_id, 0):
+                last[o.request_id] = (t1, n)
             counts[o.request_id] = n
             if o.finished:
                 tokens[o.request_id] = list(o.outputs[0].token_ids)
-        if grew and all_started:
-            if last_decode is not None:
-                decode_s.append(t1 - last_decode)
-            last_decode = t1
-        elif grew and len(counts) == len(reqs):
-            last_decode = t1  # the step that brought the last first token: decode intervals start here
+        if start is None and len(counts) == len(reqs):
+            start = (t1, dict(counts))
+    decode_s = []
+    if start is not None:
+        t_all, base = start
+        for req_id, (t, n) in last.items():
+            if n > base.get(req_id, n) and t > t_all:
+                decode_s.append((t - t_all) / (n - base[req_id]))
     return {"tokens": [tokens.get(r["rid"]) for r in reqs], "step_s": step_s, "decode_s": decode_s}
 
 
-_TURN: list = []
+def mark_ready(job: dict) -> None:
+    Path(job["workdir"], f"ready-{job['name']}").touch()
 
 
-def bench_ready(job: dict, kind: str) -> None:
+def bench_ready(job: dict) -> None:
     """Engines start side by side (start-up is most of the wall time) but time their bench
-    rounds one at a time: wait until every engine has done its codes run (or gave up)."""
+    rounds one at a time: wait until every engine of the run has done its untimed work (or gave up)."""
+    mark_ready(job)
     work = Path(job["workdir"])
-    (work / f"ready-{job['name']}").touch()
     deadline = time.monotonic() + job.get("barrier_s", 300)
-    while time.monotonic() < deadline and not all((work / f"ready-{k}").exists() for k in job["engines"]):
+    while time.monotonic() < deadline and not all((work / f"ready-{k}").exists() for k in job["barrier"]):
         time.sleep(0.2)
 
 
-def bench_turn(job: dict) -> None:
-    """One timed round at a time across the engines (a lock file in the shared work folder)."""
-    import fcntl
+class Turns:
+    """The timed rounds of all bench engines in one fixed order (per set, per round, each engine in
+    turn), so that the engines compared alternate round by round. A file holds the index of the round
+    whose turn it is; an engine that is gone (`gone-NAME`) loses its turns; a wait longer than
+    `turn_wait_s` runs the round anyway (a slow engine may then overlap another's)."""
 
-    lock = open(Path(job["workdir"]) / "bench.lock", "w")
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    _TURN.append(lock)
+    def __init__(self, job: dict) -> None:
+        self.work = Path(job["workdir"])
+        self.order = [f"{e}|{s['name']}|{r}" for s in job["bench_sets"] for r in range(s.get("rounds", 1))
+                      for e in job["engines"]]
+        self.wait_s = job.get("turn_wait_s", 90)
 
+    def _index(self) -> int:
+        try:
+            return int((self.work / "turn").read_text() or 0)
+        except (OSError, ValueError):
+            return 0
 
-def release_bench_turn() -> None:
-    for lock in _TURN:
-        lock.close()  # closing releases the flock
-    _TURN.clear()
+    def _advance(self, to: int) -> None:
+        import fcntl
+
+        with open(self.work / "turn.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if to > self._index():
+                tmp = self.work / f"turn.{os.getpid()}"
+                tmp.write_text(str(to))
+                os.replace(tmp, self.work / "turn")
+
+    def wait(self, key: str) -> None:
+        deadline = time.monotonic() + self.wait_s
+        while time.monotonic() < deadline:
+            i = self._index()
+            if i >= len(self.order) or self.order[i] == key or key not in self.order[i:]:
+                return
+            if (self.work / f"gone-{self.order[i].split('|')[0]}").exists():
+                self._advance(i + 1)
+                continue
+            time.sleep(0.002)
+
+    def done(self, key: str) -> None:
+        if key in self.order:
+            self._advance(self.order.index(key) + 1)
 
 
 def start_profile(job: dict) -> Any:
@@ -232,20 +265,23 @@ def start_profile(job: dict) -> Any:
     if not prof or exe is None:
         return None
     out = Path(job["workdir"]) / f"{job['name']}.pyspy.txt"
-    return subprocess.Popen([exe, "record", "--pid", str(os.getpid()), "--rate", str(prof.get("rate", 400)),
-                             "--duration", str(prof["seconds"]), "--format", "raw", "--nonblocking",
-                             "--output", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    with open(out.with_suffix(".log"), "w") as log:  # a refused ptrace says so there
+        return subprocess.Popen([exe, "record", "--pid", str(os.getpid()), "--rate", str(prof.get("rate", 400)),
+                                 "--duration", str(prof["seconds"]), "--format", "raw", "--nonblocking",
+                                 "--output", str(out)], stdout=log, stderr=subprocess.STDOUT)
 
 
 def bench(engine: Any, add: Any, job: dict) -> dict:
-    """Every bench set, `rounds` times, each round holding the bench turn."""
+    """Every bench set, `rounds` times, each round in its turn (Turns)."""
     results: dict = {}
     prof = job.get("profile") or {}
+    turns = Turns(job)
     for spec in job["bench_sets"]:
         rounds = []
         for r in range(spec.get("rounds", 1)):
             reqs = talker_requests(spec["reqs"], f"{spec['name']}-{r}-")
-            bench_turn(job)
+            key = f"{job['name']}|{spec['name']}|{r}"
+            turns.wait(key)
             profiler = start_profile(job) if spec["name"] == prof.get("set") and r == 0 else None
             try:
                 run = drive(engine, add, reqs, spec.get("temperature", 0.0))
@@ -255,9 +291,8 @@ def bench(engine: Any, add: Any, job: dict) -> dict:
                         drive(engine, add, talker_requests(spec["reqs"], f"{spec['name']}-p{r}-"),
                               spec.get("temperature", 0.0))
             finally:
-                release_bench_turn()
-            rounds.append({"decode_s": run["decode_s"], "steps": len(run["step_s"]),
-                           "wall_s": sum(run["step_s"])})
+                turns.done(key)
+            rounds.append({"decode_s": run["decode_s"], "steps": len(run["step_s"]), "wall_s": sum(run["step_s"])})
         results[spec["name"]] = rounds
     return results
 
@@ -288,16 +323,21 @@ def main(job_path: str, result_path: str) -> None:
         result["codes"] = run
         recorder.by_request.clear()
         recorder.active = False
-        bench_ready(job, kind)
+        from worker_shim.omni_models.patches import patches_applied
+
+        result["patches_engine"] = patches_applied()  # vllm-omni's own engine: its patches, found
+        if kind == "shim":
+            result["patches_workers"] = engine.collective_rpc("omni_sidecar_vllm_omni_patches")
+        bench_ready(job)
         result["bench"] = bench(engine, add, job)
         if kind == "shim":
             result["shim_stats"] = engine.collective_rpc("omni_sidecar_stats")
         result["ok"] = True
     except BaseException as exc:  # the check reads the error
-        release_bench_turn()
-        Path(job["workdir"], f"ready-{job['name']}").touch()  # the others need not wait for this one
+        mark_ready(job)  # the others need not wait for this one
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()[-6000:]
+    Path(job["workdir"], f"gone-{job['name']}").touch()
     Path(result_path).write_text(json.dumps(result))
     sys.stdout.flush()
     os._exit(0)
