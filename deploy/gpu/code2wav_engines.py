@@ -142,6 +142,9 @@ def main(job_path: str, result_path: str) -> None:
             engine.step()
         if kind == "omni":
             result["waveforms"] = {rid: omni_waveform(recorder.by_request.get(rid, [])) for rid in rids}
+            first = next(iter(recorder.by_request.values()), [])
+            result["output_layout"] = repr([{k: (type(v).__name__, (v.get("shape") if isinstance(v, dict) else None))
+                                             for k, v in (r["mm"] or {}).items()} for r in first])[:2000]
         else:
             from omni_sidecar.client import SidecarClient
 
