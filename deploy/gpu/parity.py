@@ -15,7 +15,7 @@ Checks: talker code 0 (the sampled tokens) and codes 1..Q-1 (the code predictor'
 identical per request for 8 requests of different lengths (streaming and non-streaming text, a
 prompt longer than a step: chunked prefill), async scheduling off and on; FULL CUDA graphs
 captured; the code2wav waveform of the shim (the codes whole, and streamed in chunks with left
-context) within CODE2WAV_ATOL of vllm-omni's on the same codes; no vllm-omni patch in any of the
+context) within CODE2WAV_RTOL of the peak of vllm-omni's on the same codes; no vllm-omni patch in any of the
 shim's engine processes (and, as a control, found in vllm-omni's own). Figures: per bench set (8,
 16, 64 concurrent requests; greedy, and code 0 sampled), each engine's decode step
 (talker_engines.drive), the ratio shim / omni of their medians, with the spread (each round's
@@ -45,9 +45,11 @@ from tests.tiny_models.qwen3_tts import CODEBOOK  # noqa: E402
 
 ENGINES = HERE / "talker_engines.py"
 CODE2WAV_ENGINES = HERE / "code2wav_engines.py"
-# bf16 weights and activations: a waveform sample differs by a few bf16 ulps where the two runners
-# order the same reductions differently (their graphs, their batch shapes).
-CODE2WAV_ATOL = 2e-2
+# bf16 weights and activations (8 significant bits, a relative rounding of 2^-8 per op, compounded
+# through the decoder's layers): a waveform differs where the two runners order the same reductions
+# differently (their graphs, their batch shapes). Bound: max abs diff <= CODE2WAV_RTOL x the peak
+# of vllm-omni's waveform.
+CODE2WAV_RTOL = 0.05
 CODE2WAV_REQUESTS = [dict(frames=n, seed=s) for n, s in ((40, 1), (75, 2), (130, 3))]
 # The shim streams each request's codes twice: whole (one chunk) and as vllm-omni's deploy streams them.
 CODE2WAV_CHUNKINGS = [{"codec_chunk_frames": 4096, "codec_left_context_frames": 0},
@@ -164,8 +166,11 @@ def compare_waves(omni: dict, shim: dict, c: Check) -> dict:
                 out[name] = None
                 continue
             diff = float(np.max(np.abs(np.asarray(ref, dtype=np.float64) - np.asarray(got, dtype=np.float64))))
-            out[name] = {"samples": len(ref), "max_abs_diff": diff, "ref_max_abs": float(np.max(np.abs(ref)))}
-            c.expect(diff <= CODE2WAV_ATOL, f"code2wav {name}: max abs diff {diff:.3g} > {CODE2WAV_ATOL}")
+            peak = float(np.max(np.abs(ref)))
+            out[name] = {"samples": len(ref), "max_abs_diff": diff, "ref_peak": peak,
+                         "relative_to_peak": diff / peak if peak else None}
+            c.expect(diff <= CODE2WAV_RTOL * peak, f"code2wav {name}: max abs diff {diff:.3g} > "
+                                                   f"{CODE2WAV_RTOL} x the peak {peak:.3g}")
     return out
 
 
@@ -351,7 +356,7 @@ def parity_summary(report: dict, concurrency: list[int]) -> dict:
     return {
         "talker_codes_identical": f"{same}/{total}",
         "code2wav_max_abs_diff": max(diffs) if len(diffs) == 2 * len(CODE2WAV_REQUESTS) else None,
-        "code2wav_tolerance": CODE2WAV_ATOL,
+        "code2wav_tolerance": f"max abs diff <= {CODE2WAV_RTOL} x the peak of vllm-omni's waveform (bf16)",
         "code2wav_waveforms": waves,
         "vllm_omni_patches_applied": patches,
         "vllm_omni_patches_found_in_its_own_engines": {k: v.get("engine") for k, v in report["patches"].items()
