@@ -225,15 +225,16 @@ class ModelBridge:
         if hooks.preprocess is None:
             return
         ids = input_batch.input_ids[: int(input_batch.num_tokens)]
-        qsl = input_batch.query_start_loc_np
-        computed = input_batch.num_computed_tokens_np
+        n = len(input_batch.req_ids)
+        qsl = input_batch.query_start_loc_np[: n + 1].tolist()  # Python ints: indexed per request
+        computed = input_batch.num_computed_tokens_np[:n].tolist()
         decode: list[tuple[str, int, dict[str, Any]]] = []  # (request, row, info) for the batch path
         mtp: list[MtpRows] = []  # the step's decode rows, in batch order, for one talker_mtp call
         for i, req_id in enumerate(input_batch.req_ids):
             if req_id in self.mirror.unserved:
                 continue
-            s, e = int(qsl[i]), int(qsl[i + 1])
-            info = self._info(req_id, int(computed[i]))
+            s, e = qsl[i], qsl[i + 1]
+            info = self._info(req_id, computed[i])
             is_decode = hooks.talker_mtp is not None and e - s == 1 and not info["_omni_is_prefill"]
             if is_decode and hooks.decode_batch is not None:
                 decode.append((req_id, s, info))
@@ -303,30 +304,35 @@ class ModelBridge:
         Returns the requests whose postprocess raised (vllm-omni logs and goes on; here the
         request fails for its clients, the others go on)."""
         extras, self.forward_extras = self.forward_extras, None
-        qsl = input_batch.query_start_loc_np
-        computed = input_batch.num_computed_tokens_np
         req_ids = input_batch.req_ids
+        n = len(req_ids)
+        qsl = input_batch.query_start_loc_np[: n + 1].tolist()  # Python ints: indexed per request
         if extras:
             for i, req_id in enumerate(req_ids):
-                mine = per_request(extras, i, int(qsl[i]), int(qsl[i + 1]), len(req_ids), int(qsl[len(req_ids)]))
+                mine = per_request(extras, i, qsl[i], qsl[i + 1], n, qsl[n])
                 if mine:
                     self.mirror.add_output(req_id, mine)
         post = self.hooks.postprocess
         errors: dict[str, str] = {}
         if post is None or hidden is None:
             return errors
+        computed = input_batch.num_computed_tokens_np[:n].tolist()
+        # One copy of the step's hidden rows for every request's postprocess (the forward's buffer is
+        # overwritten by the next step): the rows a request's update keeps are views of it, stored as
+        # they are (vllm-omni copies each request's on its own).
+        private = hidden[: qsl[n]].detach().clone()
         for i, req_id in enumerate(req_ids):
             if req_id in self.mirror.unserved or req_id not in self.mirror:
                 continue
-            info = self._info(req_id, int(computed[i]))
+            info = self._info(req_id, computed[i])
             info.pop("hidden_states", None)  # vllm-omni: the positional argument's name
             try:
-                update = post(hidden[int(qsl[i]) : int(qsl[i + 1])], multimodal_outputs=extras, **info)
+                update = post(private[qsl[i] : qsl[i + 1]], multimodal_outputs=extras, **info)
             except Exception as exc:
                 log.error("model postprocess failed for request %s", req_id, exc_info=True)
                 errors[req_id] = f"model postprocess: {exc!r}"
                 continue
-            self.mirror.merge(req_id, update)
+            self.mirror.merge(req_id, update, private=private)
         return errors
 
     def take_step(self) -> tuple[dict[str, Any], dict[str, Any]]:
