@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from talker_engines import OutputRecorder, common_engine_args  # noqa: E402
+from talker_engines import OutputRecorder, common_engine_args, load_job  # noqa: E402
 
 ARCH = "Qwen3TTSCode2Wav"
 
@@ -116,11 +116,8 @@ def _flat(values: Any) -> list[float]:
 
 
 def main(job_path: str, result_path: str) -> None:
-    job = json.loads(Path(job_path).read_text())
+    job, result = load_job(job_path)
     kind = job["kind"]
-    for key, value in job.get("env", {}).items():
-        os.environ[key] = str(value)
-    result: dict = {"ok": False, "kind": kind, "name": job["name"]}
     try:
         from vllm import SamplingParams
 

@@ -1,6 +1,6 @@
 #!/bin/sh
 # The GPU parity check in one go on a bare GPU host (docs/ARCHITECTURE.md, "GPU bundle"):
-#   deploy/gpu/run_parity.sh BUNDLE_DIR OUT_DIR [SECONDS] [parity.py options...]
+#   [PARITY_LIMIT_S=560] deploy/gpu/run_parity.sh BUNDLE_DIR OUT_DIR [parity.py options...]
 # installs the bundle (built with BUNDLE_SM=90 BUNDLE_NO_JIT_HEADERS=1 BUNDLE_OMNI=1, and
 # BUNDLE_PROFILER=1 for the py-spy summary) into /tmp/omni-site, builds the tiny checkpoint of the
 # published layout (tests/tiny_models/qwen3_tts.py), runs the CUDA-only tests (skipped on CPU), then
@@ -8,10 +8,8 @@
 # BENCHMARKS.md rows, parity.json (every figure), parity.log, the profile summaries, tests.log and
 # the engines' log tails.
 set -u
-B=$1
-OUT=$2
-LIMIT=${3:-560}
-[ $# -ge 3 ] && shift 3 || shift $#
+B=$1 OUT=$2 LIMIT=${PARITY_LIMIT_S:-560}  # the whole run, install included
+shift 2
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
 SITE=/tmp/omni-site
 mkdir -p "$OUT"

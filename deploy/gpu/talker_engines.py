@@ -297,12 +297,17 @@ def bench(engine: Any, add: Any, job: dict) -> dict:
     return results
 
 
-def main(job_path: str, result_path: str) -> None:
+def load_job(job_path: str) -> tuple[dict, dict]:
+    """The job, with its environment applied (before vLLM is imported), and the result it starts."""
     job = json.loads(Path(job_path).read_text())
-    kind = job["kind"]
     for key, value in job.get("env", {}).items():
         os.environ[key] = str(value)
-    result: dict = {"ok": False, "kind": kind, "name": job["name"]}
+    return job, {"ok": False, "kind": job["kind"], "name": job["name"]}
+
+
+def main(job_path: str, result_path: str) -> None:
+    job, result = load_job(job_path)
+    kind = job["kind"]
     engine = None
     try:
         t0 = time.monotonic()
