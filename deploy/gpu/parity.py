@@ -118,6 +118,7 @@ def run(spec: dict, job: dict, work: Path, c: Check, gpus: str, timeout_s: float
     overrides = {**job["engine_overrides"], "async_scheduling": spec["async"]}
     full = {**job, "kind": spec["kind"], "env": env, "engine_overrides": overrides,
             "shim_settings": spec.get("shim_settings", {}), "endpoint": spec.get("endpoint", ""),
+            "sidecar_pid": spec.get("sidecar_pid"),
             "profile": job["profile"] if spec["kind"] == "shim" and spec["script"] == ENGINES else None}
     try:
         res = run_engine(full, work, spec["name"], timeout_s=timeout_s, script=spec["script"])
@@ -269,6 +270,7 @@ def main() -> None:
             if spec["kind"] == "shim":
                 sidecars[spec["name"]] = sidecar(out, f"{spec['name']}-sidecar", spec["hooks"], args.gpus)
                 spec["endpoint"] = sidecars[spec["name"]].endpoint
+                spec["sidecar_pid"] = sidecars[spec["name"]].proc.pid
         with ThreadPoolExecutor(len(specs)) as pool:
             futures = {s["name"]: pool.submit(run, s, job, out, c, args.gpus, args.engine_timeout_s) for s in specs}
             results = {name: f.result() for name, f in futures.items()}
@@ -300,9 +302,10 @@ def main() -> None:
         if omni.get("ok") and res.get("ok"):
             report["codes"][spec["name"]] = compare_codes(omni, res, spec["name"], c)
             report["steps"][spec["name"]] = ratios(omni, res)
-        prof = out / f"{spec['name']}.pyspy.txt"
-        if prof.is_file():
-            (out / f"profile-{spec['name']}.txt").write_text(summarise_profile(prof))
+        for who in (spec["name"], f"{spec['name']}-sidecar"):
+            prof = out / f"{who}.pyspy.txt"
+            if prof.is_file():
+                (out / f"profile-{who}.txt").write_text(summarise_profile(prof))
     c2w_omni, c2w_shim = results.get("omni-code2wav", {}), results.get("shim-code2wav", {})
     if c2w_omni.get("ok") and c2w_shim.get("ok"):
         report["code2wav"] = compare_waves(c2w_omni, c2w_shim, c)

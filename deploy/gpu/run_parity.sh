@@ -5,7 +5,7 @@
 # BUNDLE_PROFILER=1 for the py-spy summary) into /tmp/omni-site, builds the tiny checkpoint of the
 # published layout (tests/tiny_models/qwen3_tts.py), runs the CUDA-only tests (skipped on CPU), then
 # deploy/gpu/parity.py, and leaves in OUT_DIR: vllm-omni-parity.json (docs/bench/gpu/) and its
-# BENCHMARKS.md rows, parity.json (every figure), parity.log, the profile summaries, tests.log and
+# BENCHMARKS.md rows, parity.json (every figure), parity.log, profiles.txt (py-spy), tests.log and
 # the engines' log tails.
 set -u
 B=$1 OUT=$2 LIMIT=${PARITY_LIMIT_S:-560}  # the whole run, install included
@@ -41,7 +41,7 @@ wait $TESTS
 tail -3 "$OUT/tests.log"
 grep -v '^\[W' "$OUT/parity.log" | tail -40
 cp "$W/parity.json" "$OUT/" 2>/dev/null
-for f in "$W"/profile-*.txt; do [ -f "$f" ] && cp "$f" "$OUT/"; done
+for f in "$W"/profile-*.txt; do [ -f "$f" ] && { echo "=== $(basename "$f")"; cat "$f"; echo; }; done > "$OUT/profiles.txt"
 for f in "$W"/*.log; do echo "=== $(basename "$f")"; grep -E "patch|Error|error|Traceback|Capturing|talker_mtp|py-spy" "$f" | tail -40; tail -25 "$f"; done \
   > "$OUT/engine-logs.txt" 2>/dev/null
 rm -f "$OUT/install.log" "$OUT/model.log"

@@ -256,7 +256,8 @@ class Turns:
 
 
 def start_profile(job: dict) -> Any:
-    """py-spy on this process for the profiled set's first round (when py-spy is on PATH)."""
+    """py-spy on this process (and on its sidecar, `sidecar_pid`) for the profiled set's first round,
+    when py-spy is on PATH; returns the engine's sampler."""
     import shutil
     import subprocess
 
@@ -264,11 +265,16 @@ def start_profile(job: dict) -> Any:
     exe = shutil.which("py-spy")
     if not prof or exe is None:
         return None
-    out = Path(job["workdir"]) / f"{job['name']}.pyspy.txt"
-    with open(out.with_suffix(".log"), "w") as log:  # a refused ptrace says so there
-        return subprocess.Popen([exe, "record", "--pid", str(os.getpid()), "--rate", str(prof.get("rate", 400)),
-                                 "--duration", str(prof["seconds"]), "--format", "raw", "--nonblocking",
-                                 "--output", str(out)], stdout=log, stderr=subprocess.STDOUT)
+    procs = []
+    for pid, name in ((os.getpid(), job["name"]), (job.get("sidecar_pid"), f"{job['name']}-sidecar")):
+        if not pid:
+            continue
+        out = Path(job["workdir"]) / f"{name}.pyspy.txt"
+        with open(out.with_suffix(".log"), "w") as log:  # a refused ptrace says so there
+            procs.append(subprocess.Popen([exe, "record", "--pid", str(pid), "--rate", str(prof.get("rate", 400)),
+                                           "--duration", str(prof["seconds"]), "--format", "raw", "--nonblocking",
+                                           "--output", str(out)], stdout=log, stderr=subprocess.STDOUT))
+    return procs[0]
 
 
 def bench(engine: Any, add: Any, job: dict) -> dict:
