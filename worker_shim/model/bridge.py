@@ -132,6 +132,7 @@ class MtpRows:
     ids: torch.Tensor  # [k]
     last_hidden: torch.Tensor  # [k, H]
     text_step: torch.Tensor  # [k, H]
+    index: torch.Tensor | None = None  # the offsets as an index on the embeds' device, when made already
 
     @staticmethod
     def joined(parts: list["MtpRows"]) -> "MtpRows":
@@ -267,7 +268,8 @@ class ModelBridge:
         out_ids = out_ids.reshape(-1)
         ids.index_copy_(0, rows, out_ids.to(ids.dtype))
         req_ids = [req_id for req_id, _, _ in decode]
-        mtp.append(MtpRows(req_ids, offsets, out_ids, last_hidden, text_step))
+        mtp.append(MtpRows(req_ids, offsets, out_ids, last_hidden, text_step, rows if rows.device == embeds.device
+                           else None))
         for req_id, update in zip(req_ids, updates, strict=True):
             self.mirror.merge(req_id, update)
         decode.clear()
@@ -282,7 +284,7 @@ class ModelBridge:
     def _talker_mtp(self, mtp: list["MtpRows"], embeds: torch.Tensor) -> None:
         """One talker_mtp call over the step's decode rows (vllm-omni's `_talker_mtp_forward`)."""
         one = mtp[0] if len(mtp) == 1 else MtpRows.joined(mtp)
-        rows = self._row_index(one.offsets, embeds.device)
+        rows = one.index if one.index is not None else self._row_index(one.offsets, embeds.device)
         run = self.mtp_graphs if self.mtp_graphs is not None else functools.partial(self.hooks.talker_mtp,
                                                                                      **self.mtp_kwargs)
         out_embeds, codes = run(one.ids, embeds.index_select(0, rows), one.last_hidden, one.text_step)
