@@ -351,10 +351,6 @@ def run_config(name: str, work: Path, sizes: Sizes, budget: Budget, starts: list
     return res
 
 
-COLLECTOR_KEYS = ("collections_between_steps", "collections_idle", "collections_overdue", "collections_elsewhere",
-                  "collection_pause_us_max")
-
-
 def _sidecar_sessions(endpoint: str) -> list[dict]:
     """What the sidecar counted per session (the shim's and the in-process engine's are not its):
     steps, plans built ahead and used (a steady decode step whose plan was ready when its StepBegin
@@ -367,7 +363,8 @@ def _sidecar_sessions(endpoint: str) -> list[dict]:
     try:
         with SidecarClient(endpoint) as client:
             status = client.status()
-        collector = {k: getattr(status, k) for k in COLLECTOR_KEYS}
+        collector = {**{f"collections_{where}": n for where, n in status.collections.items()},
+                     "collection_pause_us_max": status.collection_pause_us_max}
         return [{**{k: getattr(s, k) for k in keep}, **collector} for s in status.sessions]
     except Exception as exc:  # a figure less, not a failed configuration
         return [{"error": f"{type(exc).__name__}: {exc}"[:300]}]

@@ -66,6 +66,9 @@ class HeldSlot:
     def put(self, tensor: torch.Tensor, steady: bool = False) -> HeldRef:
         return HeldRef(tensor.detach())
 
+    def put_stack(self, rows: list[torch.Tensor]) -> HeldRef:
+        return HeldRef(torch.stack([r.detach() for r in rows]))
+
     def put_layers(self, layers: dict[int, torch.Tensor] | None) -> dict[int, HeldRef]:
         return {n: self.put(rows) for n, rows in (layers or {}).items()}
 

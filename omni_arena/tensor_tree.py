@@ -61,6 +61,20 @@ class TreeEncoder:
             self._kinds.clear()
             self._stacks.clear()
 
+    def unfit(self, value: dict[Any, Tree]) -> dict[Any, str]:
+        """The entries of `value` whose tree msgpack cannot carry (`encode`'s TypeError), each walked
+        alone and nothing put, with why."""
+        out = {}
+        for key, tree in value.items():
+            try:
+                self._encoder.encode(tree)
+            except TypeError as exc:
+                out[key] = str(exc)
+            finally:
+                self._kinds.clear()
+                self._stacks.clear()
+        return out
+
     def _mark(self, tensor: Any) -> msgspec.msgpack.Ext:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"a tree cannot hold a {type(tensor).__name__}")

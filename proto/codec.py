@@ -7,6 +7,8 @@ take a server loop down. Schemas only: nothing received is ever executed.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import msgspec
 
 from proto.errors import ProtoError
@@ -26,11 +28,9 @@ class FrameError(ProtoError, ValueError):
 class Codec:
     def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         self.max_frame_bytes = max_frame_bytes
-        self._encoder = msgspec.msgpack.Encoder()
+        # msgspec's own encode, not a method around it: a Python call less on every message sent.
+        self.encode: Callable[[Message], bytes] = msgspec.msgpack.Encoder().encode
         self._decoder = msgspec.msgpack.Decoder(Message)
-
-    def encode(self, msg: Message) -> bytes:
-        return self._encoder.encode(msg)
 
     def decode(self, frame: bytes | memoryview) -> Message:
         if len(frame) > self.max_frame_bytes:

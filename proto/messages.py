@@ -134,13 +134,10 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     rejected_frames: Count
     sessions: list[SessionStatus] = []
     pid: int = 0
-    # Python's cycle collections in the sidecar (omni_sidecar/serve/collector.py): run between steps (no
-    # shim waiting), while idle, on a loop turn far overdue, by the interpreter or a hook
-    # elsewhere; and the longest pause of any.
-    collections_between_steps: Count = 0
-    collections_idle: Count = 0
-    collections_overdue: Count = 0
-    collections_elsewhere: Count = 0
+    # Python's cycle collections in the sidecar by where they ran (omni_sidecar/serve/collector.py:
+    # between_steps with no shim waiting, idle, overdue on a loop turn, elsewhere by the interpreter
+    # or a hook), and the longest pause of any.
+    collections: Annotated[dict[Name, Count], msgspec.Meta(max_length=16)] = {}
     collection_pause_us_max: float = 0.0
 
 

@@ -110,13 +110,6 @@ class StepLayout:
         layout._packed = packed
         return layout
 
-    def check(self) -> None:
-        """LayoutError unless the lists fit the request count (a layout made of lists; `unpacking`
-        checks its arrays)."""
-        n = len(self.req_ids)
-        if not (len(self.query_start_loc) == n + 1 and len(self.num_computed_tokens) == n == len(self.prefill_lens)):
-            raise LayoutError("batch layout lists have inconsistent lengths")
-
     def packed(self) -> BatchLayout:
         """The wire's form, request ids included."""
         return packed_layout(self.req_ids, self.query_start_loc, self.num_computed_tokens, self.prefill_lens,

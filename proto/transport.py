@@ -96,7 +96,9 @@ class RingTransport:
         self._send_socket = send_socket
         self._kick = kick
         self._max_queued = max_queued
-        self._queue: collections.deque[tuple[bytes, bool]] = collections.deque()
+        # Frames (and whether each is control) waiting for room, in order; read-only outside. The deque
+        # itself, not a property: the serving loop and a step's send look at it every message.
+        self.queued: collections.deque[tuple[bytes, bool]] = collections.deque()
         self.closed = False
         self.kicks_sent = 0
 
@@ -122,7 +124,7 @@ class RingTransport:
         if how == "socket":
             self._send_socket(frame)
             return
-        if not self._queue:  # the usual case: nothing waits, no queue to go through
+        if not self.queued:  # the usual case: nothing waits, no queue to go through
             outcome = self.duplex.send(frame, how == "marked")
             if outcome == "socket":
                 self._send_socket(frame)  # the peer wakes on this frame itself
@@ -130,17 +132,24 @@ class RingTransport:
                 self.kicks_sent += 1
             if outcome != "full":
                 return
-        self._queue.append((frame, how == "marked"))
+        self.queued.append((frame, how == "marked"))
         self.flush(wake)
-        if len(self._queue) > self._max_queued:
-            raise RingOverflow(f"{len(self._queue)} replies wait for room in the peer's ring")
+        if len(self.queued) > self._max_queued:
+            raise RingOverflow(f"{len(self.queued)} replies wait for room in the peer's ring")
+
+    def send_message(self, frame: bytes, msg: object) -> None:
+        """`msg`, encoded as `frame`, as `route` and `wakes` say: a step message in one ring write
+        (`send_now`) while it fits and nothing waits before it, else through `send`."""
+        how, wake = route(msg), wakes(msg)
+        if how != "ring" or not self.send_now(frame, wake):
+            self.send(frame, how, wake=wake)
 
     def send_now(self, frame: bytes, wake: bool = True) -> bool:
         """A ring-routed frame in one ring write, kicking a sleeping reader if `wake`; False when it
         must take `send` (something queued first, too big, or no room). The per-step path: `send`'s
         routing and queue layers cost more than the write itself."""
         tx = self.duplex.tx
-        if self._queue or len(frame) > tx.max_record or not tx.try_write(frame):
+        if self.queued or len(frame) > tx.max_record or not tx.try_write(frame):
             return False
         if wake and tx.peer_sleeping() and self._kick():
             self.kicks_sent += 1
@@ -159,7 +168,7 @@ class RingTransport:
         """Send what the ring has room for now (RingError: the ring is broken); kick a sleeping
         reader unless `wake` is False."""
         wrote = False
-        queue = self._queue
+        queue = self.queued
         while queue:
             frame, control = queue[0]
             outcome = self.duplex.send(frame, control)
@@ -172,10 +181,6 @@ class RingTransport:
                 wrote = True
         if wrote and wake and self.duplex.peer_sleeping() and self._kick():
             self.kicks_sent += 1
-
-    @property
-    def queued(self) -> int:
-        return len(self._queue)
 
     # -- receiving ---------------------------------------------------------------
 
@@ -207,8 +212,8 @@ class RingTransport:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            if self._queue:
-                log.warning("closing a ring transport with %d unsent message(s)", len(self._queue))
+            if self.queued:
+                log.warning("closing a ring transport with %d unsent message(s)", len(self.queued))
             self.duplex.close()
 
 

@@ -115,7 +115,7 @@ def test_a_sidecar_stepping_a_shim_collects_only_between_its_steps(tmp_path, pac
     finally:
         if shim is not None:
             shim.close()
-    stepping = (status.collections_between_steps, status.collections_overdue, status.collections_elsewhere)
+    stepping = tuple(status.collections[where] for where in ("between_steps", "overdue", "elsewhere"))
     if paced:
         assert stepping[0] >= 1 and stepping[1:] == (0, 0), stepping
     else:

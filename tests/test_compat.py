@@ -34,7 +34,8 @@ class FakeVllm:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, version: str) -> None:
         self.monkeypatch = monkeypatch
         self.modules: dict[str, types.ModuleType] = {}
-        for module, dotted in compat.UPSTREAM_NAMES + compat.CPU_NAMES + compat.CUDA_NAMES:
+        for module, dotted in (compat.UPSTREAM_NAMES + compat.VLLM_OMNI_LOADER_NAMES + compat.CPU_NAMES
+                               + compat.CUDA_NAMES):
             self._define(module, dotted)
         self.modules["vllm"].__version__ = version
         for name, mod in self.modules.items():
@@ -83,7 +84,7 @@ def test_every_declared_seam_present_passes_without_a_warning(fake_vllm, caplog)
     assert caplog.records == []
 
 
-@pytest.mark.parametrize("module, dotted", compat.UPSTREAM_NAMES[1:] + compat.CPU_NAMES)
+@pytest.mark.parametrize("module, dotted", compat.UPSTREAM_NAMES[1:] + compat.VLLM_OMNI_LOADER_NAMES + compat.CPU_NAMES)
 def test_a_missing_upstream_name_is_refused_naming_it_and_the_version(fake_vllm, module, dotted):
     fake_vllm("0.30.0").drop(module, dotted)
     with pytest.raises(ShimCompatError) as err:

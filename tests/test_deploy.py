@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from omni_sidecar.serve.config import ConfigError, load_config
+from omni_sidecar.serve.config import HELP, ConfigError, ServeConfig, load_config, settings
 from tests.support.procs import ROOT, SidecarProcess, child_env
 
 DEPLOY = ROOT / "deploy"
@@ -124,6 +124,13 @@ def test_readme_deployment_section_matches_the_files():
     for f in ("docker-compose.yml", "docker-compose.cpu.yml", "Dockerfile.vllm", "Dockerfile.sidecar",
               "k8s/omni.yaml", "systemd/omni-sidecar.service", "upgrade.sh", "sidecar.toml"):
         assert f"deploy/{f}" in section, f"README's deployment section does not mention deploy/{f}"
+
+
+def test_every_setting_has_its_help_and_every_help_its_setting():
+    assert set(HELP) == set(ServeConfig.__struct_fields__)
+    assert all(text for text in HELP.values())
+    assert [s.flag for s in settings()][:2] == ["--endpoint", "--hooks"]  # declaration order
+    assert next(s for s in settings() if s.field == "log_format").choices == ("json", "plain")
 
 
 def test_config_precedence(tmp_path):

@@ -18,6 +18,7 @@ from proto.tensors import TensorRef
 from proto.version import PROTOCOL_MAJOR
 from tests.support.procs import SidecarProcess
 from tests.support.vllm_omni_payload import as_its_wire, vllm_omni_payload_code
+from tests.test_shim_units import write_hidden
 from tests.test_sidecar import Peer
 from worker_shim.errors import SidecarError
 from worker_shim.model.embeds import EmbedsBuffer, embeds_width, wanted
@@ -83,7 +84,7 @@ def test_hidden_slots_carry_the_layers_after_the_hidden_states():
     try:
         slots = HiddenSlots(arena, 2)
         hidden, layers = torch.randn(3, H), {0: torch.randn(3, H), 2: torch.randn(3, H)}
-        ref, layer_refs, event = slots.write(0, hidden, lambda s: None, layers)
+        ref, layer_refs, event = write_hidden(slots, 0, hidden, lambda s: None, layers)
         assert event == -1 and sorted(layer_refs) == [0, 2]
         from omni_arena.views import arena_tensor
 
@@ -95,20 +96,20 @@ def test_hidden_slots_carry_the_layers_after_the_hidden_states():
         assert [r.offset for r in (ref, layer_refs[0], layer_refs[2])] == [ref.offset + k * ref.nbytes for k in range(3)]
         views = len(slots._views)
         hidden2 = torch.randn(3, H)
-        ref2, layer_refs2, _ = slots.write(2, hidden2, lambda s: None, layers)  # slot 0 again: its view kept
+        ref2, layer_refs2, _ = write_hidden(slots, 2, hidden2, lambda s: None, layers)  # slot 0 again: its view kept
         assert ref2 == ref and layer_refs2 == layer_refs and len(slots._views) == views
         torch.testing.assert_close(arena_tensor(arena, ref2), hidden2)
         # Rows of another shape: one copy each, each block aligned.
         odd = {0: torch.randn(3, H), 1: torch.randn(2, H)}
-        ref3, layer_refs3, _ = slots.write(1, hidden, lambda s: None, odd)
+        ref3, layer_refs3, _ = write_hidden(slots, 1, hidden, lambda s: None, odd)
         for n, layer_ref in layer_refs3.items():
             assert layer_ref.offset % 64 == 0
             torch.testing.assert_close(arena_tensor(arena, layer_ref), odd[n])
         torch.testing.assert_close(arena_tensor(arena, ref3), hidden)
         with pytest.raises(SidecarError, match="exceed the arena slot"):
-            slots.write(3, hidden, lambda s: None, {n: torch.zeros(200, H) for n in range(2)})
+            write_hidden(slots, 3, hidden, lambda s: None, {n: torch.zeros(200, H) for n in range(2)})
         with pytest.raises(SidecarError, match="exceed the arena slot"):
-            slots.write(5, torch.zeros(200, H), lambda s: None, {n: torch.zeros(200, H) for n in range(2)})
+            write_hidden(slots, 5, torch.zeros(200, H), lambda s: None, {n: torch.zeros(200, H) for n in range(2)})
     finally:
         arena.close()
 

@@ -119,7 +119,7 @@ def test_no_shim_to_update_is_a_refusal_and_a_lost_session_answers():
     answers: list = []
     _append(session, 2, 1, "a", answers)
     session.close()
-    assert answers[0].code == "session_ended" and session.appends.unacked == 0
+    assert answers[0].code == "session_ended" and not session.appends.unacked
 
 
 class MirrorConnection(FakeConnection):

@@ -331,7 +331,7 @@ def test_the_sidecar_sends_states_with_int_keys_merges_updates_and_assembles_cod
             end = StepEnd(step=step, num_tokens=1, batch=packed_layout(None, [0, 1], [1 + step], [2]),
                           model_updates=updates, model_outputs=outputs, tensors=tensors)
             assert session.step_end(end).errors == []
-            slots.sent(step)
+            slot.sent()
         assert hooks.state.get("r")["codes"]["audio"].tolist() == [[2, 5, 6]]  # merged, a copy
         assert hooks.get_outputs("r")["codes.audio"].tolist() == [[1, 5, 6], [2, 5, 6]]
         bad = StepEnd(step=3, num_tokens=1, model_outputs=msgspec.msgpack.encode({"r": {"x": whole_mark(0)}}),

@@ -48,8 +48,6 @@ def test_step_layout_checks_lengths_and_unpacks_on_access():
             StepLayout.unpacking(["a", "b"], bad)
     with pytest.raises(LayoutError):
         StepLayout.unpacking(["a"], BatchLayout(None, pack_u32([0, 1]), pack_u32([0]), pack_u32([1]), b"\0\0"))
-    with pytest.raises(LayoutError, match="inconsistent"):
-        StepLayout(["a"], [0, 1], [0, 0], [1]).check()
 
 
 class _Reading(OmniHooks):

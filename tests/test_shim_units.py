@@ -88,18 +88,27 @@ def test_layout_carries_input_ids_only_when_the_hooks_ask():
     assert unpack_u32(BatchReader().layout(b, None, with_input_ids=True).input_ids) == [11, 12]
 
 
+def write_hidden(slots: HiddenSlots, step: int, hidden: torch.Tensor, wait_answered, layers=None):
+    """`hidden` (then each captured layer's rows) alone in `step`'s slot, as a StepEnd puts them, the
+    slot then sent: their refs and the slot's ready event."""
+    slot = slots.claim(step, wait_answered)
+    ref, layer_refs = slot.put_hidden(hidden, layers)
+    event = slot.seal()
+    slot.sent()
+    return ref, layer_refs, event
+
+
 def test_hidden_slots_wait_for_the_previous_reader_before_reuse():
     arena = ShmArena.create(4096, prefix="omni-test-hidden")
     try:
         slots = HiddenSlots(arena, 2)
         waited: list[int] = []
         for step in range(3):
-            ref, _, event = slots.write(step, torch.full((2, 4), float(step)), waited.append)
-            slots.sent(step)
+            ref, _, event = write_hidden(slots, step, torch.full((2, 4), float(step)), waited.append)
             assert event == -1 and ref.offset == (step % 2) * (4096 // 2)
         assert waited == [0]  # step 2 reuses step 0's slot: only after step 0's result
         with pytest.raises(SidecarError, match="exceed the arena slot"):
-            slots.write(3, torch.zeros(1024), waited.append)
+            write_hidden(slots, 3, torch.zeros(1024), waited.append)
     finally:
         arena.close()
 
@@ -124,14 +133,12 @@ def test_steady_steps_reuse_their_slot_views_and_the_bytes_still_land_where_the_
         for step in range(6):
             hidden = torch.full((3, 4), float(step))
             layers = {1: torch.full((3, 4), 100.0 + step), 2: torch.full((3, 4), 200.0 + step)}
-            ref, layer_refs, _ = slots.write(step, hidden, lambda s: None, layers)
-            slots.sent(step)
+            ref, layer_refs, _ = write_hidden(slots, step, hidden, lambda s: None, layers)
             for want, r in ((hidden, ref), (layers[1], layer_refs[1]), (layers[2], layer_refs[2])):
                 assert torch.equal(arena_tensor(arena, r), want)
         assert len(made) == 2  # one view per slot (hidden and layer rows stacked), made on the first two steps
         for step in range(6, 6 + slots_module.VIEWS_KEPT):  # prefill-like: a new shape each step
-            slots.write(step, torch.zeros(1, step % 50 + 1), lambda s: None)
-            slots.sent(step)
+            write_hidden(slots, step, torch.zeros(1, step % 50 + 1), lambda s: None)
         assert len(slots._views) <= slots_module.VIEWS_KEPT
     finally:
         slots = None
@@ -231,3 +238,29 @@ def test_per_step_timings_stay_bounded_and_keep_the_latest():
         assert len(samples) <= 2 * TIMINGS_KEPT
     assert samples[-1] == 5 * TIMINGS_KEPT - 1 and len(samples) >= TIMINGS_KEPT
     assert samples == [float(i) for i in range(5 * TIMINGS_KEPT - len(samples), 5 * TIMINGS_KEPT)]
+
+
+def test_model_results_stack_straight_into_the_slot_and_an_unsendable_tree_fails_only_its_request(monkeypatch):
+    """A kind's rows are stacked in the slot itself (no stacked copy put after); a request whose tree
+    msgpack cannot carry (a 9-dimensional tensor) fails alone, the others' results go."""
+    from omni_arena.tensor_tree import TreeDecoder
+    from omni_arena.views import arena_tensor
+    from worker_shim.session.requests import FailureReports
+    from worker_shim.step.step_end import StepEnds
+
+    arena = ShmArena.create(1 << 16, prefix="omni-test-results")
+    try:
+        slot = HiddenSlots(arena, 2).claim(0, lambda s: None)
+        monkeypatch.setattr(slot, "put", lambda *a, **k: pytest.fail("a stack was put as a tensor of its own"))
+        failures = FailureReports()
+        ends = StepEnds(None, None, failures, None)  # type: ignore[arg-type]  # _encode reads only the failures
+        tensors: list[TensorRef] = []
+        trees = {"a": {"x": torch.full((3,), 1.0)}, "b": {"x": torch.full((3,), 2.0)}, "bad": {"x": torch.zeros([1] * 9)}}
+        data = ends._encode(trees, slot, tensors)
+        assert [e.req_id for e in failures.pending] == ["bad"] and "9 dimensions" in failures.pending[0].message
+        assert len(tensors) == 1 and tensors[0].shape == [2, 3]  # a's and b's rows: one stack
+        decoded = TreeDecoder(len(tensors), lambda k: arena_tensor(arena, tensors[k]), own=True,
+                              copy_budget=tensors[0].nbytes).decode(data, dict)
+        assert set(decoded) == {"a", "b"} and decoded["b"]["x"].tolist() == [2.0] * 3
+    finally:
+        arena.close()

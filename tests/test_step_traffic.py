@@ -102,9 +102,9 @@ def sidecar(tmp_path, request):
 
 @pytest.mark.parametrize("sidecar", ["passthrough"], indirect=True)
 def test_a_pass_through_step_sends_one_fixed_size_record_and_wakes_nobody(sidecar, monkeypatch):
-    from worker_shim.step import link
+    from worker_shim.session import recovery
 
-    monkeypatch.setattr(link, "STEP_START_ANSWER_S", 3600.0)  # a stalled test host asks no answers here
+    monkeypatch.setattr(recovery, "STEP_START_ANSWER_S", 3600.0)  # a stalled test host asks no answers here
     shim = RecordedLink(sidecar.endpoint)
     codec = Codec()
     try:

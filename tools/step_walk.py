@@ -317,6 +317,34 @@ def _report(per_round: list[dict[str, Any]], ring: bool) -> dict[str, Any]:
     return out
 
 
+# What each file a StepBegin -> StepPlan walks through owns: the closing note's rooms, one line each.
+ROOM_NOTES = {
+    "worker_shim/step/link.py": "the runner's side of a step: vLLM's hooks call in here; protocol, port and recovery",
+    "worker_shim/step/protocol.py": "the step protocol: which message a step point sends and waits for (pure); notices",
+    "worker_shim/step/batch.py": "vLLM's InputBatch read as this vLLM lays it out (prefill flags, layout arrays)",
+    "worker_shim/step/plan_read.py": "a plan landed: its tensors out of the sidecar's arena, overlays into the embeds",
+    "worker_shim/wire/connection.py": "the sidecar port over a sidecar process: what it has seen, its arenas",
+    "worker_shim/wire/channel.py": "the shim's end of the connection: sends, waiting for a reply, results stashed",
+    "omni_sidecar/serve/server.py": "the serving loop: its turns, each message routed to the room that answers it",
+    "omni_sidecar/serve/peers.py": "the shim connections: each one's session and transport; their rings served",
+    "omni_sidecar/serve/listener.py": "the ROUTER socket: frames in and out, peer credentials, disconnects",
+    "omni_sidecar/sessions/session.py": "one shim connection's requests and the hook calls of each step",
+    "omni_sidecar/sessions/arenas.py": "a session's arenas: a plan's tensors written, a StepEnd's read",
+    "omni_sidecar/hook_api/hook_set.py": "the hook API: the batch as hooks read it (StepBatch) and the OmniHooks base",
+    "omni_sidecar/hook_sets/reference.py": "the built-in reference hook sets (the walk's: overlay)",
+    "omni_sidecar/upgrade/handing_over.py": "hot upgrade, the handing-over side",
+    "omni_sidecar/upgrade/taking_over.py": "hot upgrade, the taking-over side",
+    "omni_sidecar/sessions/appends.py": "streamed payloads and mirrored-state updates between steps",
+    "proto/packed.py": "the batch layout's packed wire form (u32 arrays), unpacked lazily by the sidecar",
+    "proto/codec.py": "msgpack encoding and decoding of messages, the frame cap, bad frames as FrameError",
+    "proto/transport.py": "a connection's routing (ring, marked, socket), send queue and wait policy, both sides",
+    "proto/shmring.py": "the shared-memory single-producer/single-consumer ring: records, indices, MARKs",
+    "proto/arena.py": "shared-memory arenas: created, attached, mapped; alignment",
+    "proto/tensors.py": "tensor refs and their checks against an arena (a peer's refs are untrusted)",
+    "omni_arena/views.py": "torch views of arena memory and the wire's dtype table",
+}
+
+
 def _rooms(files: list[str]) -> dict[str, list[str]]:
     """The files of a side by the folder they lie in (a package's subfolder: its room)."""
     rooms: dict[str, list[str]] = {}
@@ -351,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {side} side, by room:")
             for room, names in _rooms(rep[side]["files"]).items():
                 print(f"    {room + '/':26s} {', '.join(names)}")
+        print("  the rooms, one line each:")
+        for path in rep["total"]["files"]:
+            print(f"    {path:38s} {ROOM_NOTES.get(path, '(no note: add one to ROOM_NOTES)')}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")

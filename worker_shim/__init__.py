@@ -14,6 +14,8 @@ Rooms:
 - wire/: one connection to one sidecar: the channel (socket and rings) and the connection;
 - session/: which sidecar serves and what it was told: recovery (loss, reconnect, hand-over)
   and the request notices;
+- omni_models/: vllm-omni's own model classes loaded without its patches, registered with
+  upstream, and the start-up check that no vllm-omni patch is in the process;
 - config.py (settings), errors.py, plugin.py (vLLM's `general_plugins` entry point).
 """
 

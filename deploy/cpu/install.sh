@@ -6,7 +6,8 @@
 #    load against CPU torch and break `transformers` imports; text models need none;
 #  - triton plus triton-cpu-stub, a `cpu` backend so vLLM enables V2 and runs its
 #    Triton kernels in Triton's interpreter (TRITON_INTERPRET=1);
-#  - vllm-omni's wheel without its dependencies, off sys.path, for the payload interop tests.
+#  - vllm-omni's wheel without its dependencies, off sys.path, for the payload interop tests
+#    and the tests of its own Qwen3-TTS classes (plus the few small packages those import).
 set -eu
 PY=${PY:-python3.11}
 VENV=${VENV:-.venv}
@@ -22,6 +23,10 @@ pip_quiet install -q ./deploy/cpu/triton_cpu_stub
 # vllm.general_plugins entry point would make every vLLM process import (and patch with) it.
 VLLM_OMNI=$("$VENV/bin/python" -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['tool']['omni-sidecar']['vllm-omni-interop'])")
 [ -d "$VENV/vllm-omni-$VLLM_OMNI" ] || pip_quiet install -q --no-deps --target "$VENV/vllm-omni-$VLLM_OMNI" "vllm-omni==$VLLM_OMNI"
+# What its Qwen3-TTS modules import that vLLM does not bring (tests/test_vllm_omni_models.py), and
+# aenum, which its patch.py needs to run at all (the test where its entry point is let in). Its
+# torchaudio import is stood in for those tests (tests/support/torchaudio_stub: no CPU build for this torch).
+pip_quiet install -q soundfile prettytable wcwidth aenum
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 rm -f "$LOG"
 # The deployment tests validate deploy/*.yml with a real compose implementation (Debian's).

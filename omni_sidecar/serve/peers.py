@@ -113,9 +113,7 @@ class ShimPeer:
         if rings is None:
             self._send_frame(frame)
             return
-        how = route(msg)
-        if how != "ring" or not rings.send_now(frame):  # send_now: a step reply's usual one write
-            rings.send(frame, how)
+        rings.send_message(frame, msg)  # a step reply: one ring write, as a rule
 
     def flush(self) -> None:
         if self.rings is not None and self.rings.queued:
@@ -178,15 +176,15 @@ class PeerTable:
         self.arena_bytes = arena_bytes
         self.rings_enabled = rings
         self._peers: dict[bytes, ShimPeer] = {}
+        # The peer by identity, or None: the dict's own get (asked twice a message; a method around it
+        # would be a Python call each time).
+        self.get: Callable[[bytes], ShimPeer | None] = self._peers.get
         self._next_session = 1
         self._next_reap = 0.0
         self._next_disconnect_check = 0.0
 
     def __len__(self) -> int:
         return len(self._peers)
-
-    def get(self, ident: bytes) -> ShimPeer | None:
-        return self._peers.get(ident)
 
     def idle(self, quiet_s: float) -> list[bytes]:
         """Identities of the peers with no step in flight for `quiet_s`."""

@@ -44,10 +44,7 @@ class Queries:
             rejected_frames=rejected_frames,
             sessions=[s.status() for s in self.peers.sessions()],
             pid=os.getpid(),
-            collections_between_steps=self.collector.counts["between_steps"],
-            collections_idle=self.collector.counts["idle"],
-            collections_overdue=self.collector.counts["overdue"],
-            collections_elsewhere=self.collector.counts["elsewhere"],
+            collections=dict(self.collector.counts),
             collection_pause_us_max=self.collector.pause_us_max,
         )
 

@@ -41,6 +41,7 @@ from omni_sidecar.serve.security import SecurityError
 from omni_sidecar.sessions.store import FinishedOutputs
 from omni_sidecar.upgrade.handing_over import HandingOver
 from omni_sidecar.upgrade.taking_over import TakingOver
+from omni_sidecar.upgrade.takeover_state import UpgradeParts
 from proto.arena import sweep_stale
 from proto.codec import Codec, FrameError
 from proto.endpoint import check_endpoint, ipc_path
@@ -96,8 +97,9 @@ class SidecarServer:
                                config.arena_bytes, config.ring)
         self.collector = CollectorPacer(config.gc_between_steps)
         self.queries = Queries(hooks, self.peers, self.finished, self.collector)
-        self.handover = HandingOver(hooks, self.finished, self.peers, self.listener, self.rejects.refuse)
-        self.takeover = TakingOver(hooks, self.finished, self.codec, self.listener, self.peers)
+        upgrade = UpgradeParts(hooks, self.finished, self.peers, self.listener)
+        self.handover = HandingOver(upgrade, self.rejects.refuse)
+        self.takeover = TakingOver(upgrade, self.codec)
         self.on_reload: Callable[[], None] | None = None  # set by the CLI: re-reads the config on SIGHUP
         self._bound = False
         self._stop = False

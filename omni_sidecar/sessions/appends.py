@@ -78,12 +78,9 @@ class AppendQueue:
         self._waiting: list[_Pending] = []
         self.to_shim: Answer | None = None  # the peer's send (MirrorUpdate), set by ShimPeer
         self._seq = 0  # the last MirrorUpdate sent on this connection
-        self._sent: dict[int, _Sent] = {}
-
-    @property
-    def unacked(self) -> int:
-        """MirrorUpdates the shim has not yet said it applied (a hand-over waits for none)."""
-        return len(self._sent)
+        # MirrorUpdates sent that the shim has not yet said it applied, by seq (a hand-over waits for
+        # none); the dict itself, not a count: the serving loop looks at it for every StepStart.
+        self.unacked: dict[int, _Sent] = {}
 
     def receive(self, msg: AppendPayload, answer: Answer) -> Message | None:
         """The reply now, or None: `answer` gets it when the step in flight has ended (or, for a
@@ -101,19 +98,19 @@ class AppendQueue:
         waiting, self._waiting = self._waiting, []
         for item in waiting:
             item.answer(self._apply(item.asked_as, item.payload))
-        for seq, sent in list(self._sent.items()):  # ended before the shim applied it: no step saw it
+        for seq, sent in list(self.unacked.items()):  # ended before the shim applied it: no step saw it
             if sent.req_id not in self.session.requests:
-                del self._sent[seq]
+                del self.unacked[seq]
                 sent.answer(unknown(sent.asked_as, self.session.finished_store))
 
     def mirror_applied(self, seq: int, step: int, final: bool = False) -> None:
         """The shim applied every MirrorUpdate up to `seq` before `step` (StepStart.mirror_seq), or,
         `final`, hands over after `step` - 1 (SwitchReady): later ones never reach its mirror."""
-        for n in sorted(self._sent):
-            sent = self._sent[n]
+        for n in sorted(self.unacked):
+            sent = self.unacked[n]
             if n > seq and not final:
                 break
-            del self._sent[n]
+            del self.unacked[n]
             if n > seq:
                 sent.answer(refused("append_refused", f"request {sent.asked_as!r}: not appended: the engine is "
                                     "handed over to a new sidecar (hot upgrade); append again"))
@@ -137,7 +134,7 @@ class AppendQueue:
         waiting, self._waiting = self._waiting, []
         for item in waiting:
             item.answer(refused("session_ended", f"request {item.asked_as!r}: not appended: {reason}"))
-        sent, self._sent = self._sent, {}
+        sent, self.unacked = self.unacked, {}
         for item in sent.values():
             item.answer(refused("session_ended", f"request {item.asked_as!r}: not appended: {reason}"))
 
@@ -149,7 +146,7 @@ class AppendQueue:
         if self.to_shim is None:
             return refused("append_refused", f"request {msg.req_id!r}: the model's own hooks read its state in "
                            "the vLLM process (the shim's mirror), and no shim connection can take the update")
-        earlier = [s.entries for s in self._sent.values() if s.req_id == req_id]
+        earlier = [s.entries for s in self.unacked.values() if s.req_id == req_id]
         try:
             entries = session.hooks.stage_mirrored_append(req_id, msg.payload, earlier)
             tree, blobs = encode_inline(entries)
@@ -160,7 +157,7 @@ class AppendQueue:
             log.error("appending to mirrored request %s failed: %r", req_id, exc, exc_info=exc)
             return refused("append_refused", f"request {msg.req_id!r}: {exc!r}")
         self._seq += 1
-        self._sent[self._seq] = _Sent(msg.req_id, req_id, entries, answer)
+        self.unacked[self._seq] = _Sent(msg.req_id, req_id, entries, answer)
         return None
 
     def _apply(self, asked_as: str, payload: bytes) -> Message:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from omni_arena.tensor_tree import Tree, TreeDecoder, TreeEncoder
-from omni_arena.views import arena_tensor, dtype_name, torch_dtype
+from omni_arena.views import TORCH_DTYPES, arena_tensor, dtype_name
 from omni_sidecar.serve.metrics import SidecarMetrics
 from proto.arena import ArenaError, ShmArena, align_up
 from proto.messages import MAX_PLAN_TENSORS, Hello, Overlay, ReqId, StepEnd
@@ -225,6 +225,8 @@ class SessionArenas:
         self.opens: Any = None  # CUDA IPC OpenCounts
         self.consumer_events: list[bytes] = []
         self.wanted_layers: list[int] = []  # the hooks' HookNeeds.hidden_layers
+        # Overlay rows go out in the shim's dtype, its Hello's (None: one `open` refuses), looked up once.
+        self.rows_dtype = TORCH_DTYPES.get(hello.dtype)
         self._ready_for: StepEnd | None = None  # the StepEnd whose slot our stream already waits for
         self._encoder = TreeEncoder()
 
@@ -320,7 +322,7 @@ class SessionArenas:
             return []
         if self.out is None:
             raise RuntimeError("hook set returned overlay rows but declared pre_forward='never'")
-        want = torch_dtype(self.hello.dtype)
+        want = self.rows_dtype
         rows = [r.detach().to(want) for _, r in pairs]
         if len(rows) > 1 and rows_alike(rows):
             refs = self.out.put_rows(rows)  # the common case: one write for the step's overlays
@@ -340,11 +342,6 @@ class SessionArenas:
     def stacks(self) -> list[TensorRef]:
         """This plan's tensors (the list a plan made keeps: `reset` starts a new one)."""
         return self.out.stacks if self.out is not None else []
-
-    @property
-    def stacked_rows(self) -> int:
-        """Tensors this plan sends as rows of a stack."""
-        return self.out.stacked_rows if self.out is not None else 0
 
 
 def _no_arena(tensors: Any) -> int:

@@ -77,8 +77,10 @@ class Session:
         # that the shim asks for every step (`pre_forward="always"`: else no StepBegin would take it).
         plans_ahead = getattr(hooks, "plans_ahead", False) and hooks.needs.pre_forward == "always"
         self.ahead = PlansAhead(self._plan, self.arenas, self.requests) if plans_ahead else None
-        # Hooks that put nothing off (the base's no-op) cost no call, ring check or list after a StepEnd.
+        # Hooks that put nothing off (the base's no-op) cost no call, ring check or list after a StepEnd;
+        # hooks that build no extra kwargs (the base's), no call in a step's plan.
         self.works_between_steps = type(hooks).between_steps is not OmniHooks.between_steps
+        self._builds_kwargs = getattr(hooks.build_extra_kwargs, "__func__", None) is not OmniHooks.build_extra_kwargs
 
     # -- set-up --------------------------------------------------------------
 
@@ -167,8 +169,9 @@ class Session:
         overlays, extra = self._plan(batch, errors)
         event = out.seal() if out is not None else -1
         self._begin_us = (time.perf_counter() - t0) * 1e6
-        errors, stacks = self._with_late(errors), self.arenas.stacks
-        self.stacked_rows += self.arenas.stacked_rows
+        errors = self._with_late(errors)
+        stacks, rows = (out.stacks, out.stacked_rows) if out is not None else ([], 0)
+        self.stacked_rows += rows
         return StepPlan(step=msg.step, overlays=overlays, extra_kwargs=extra,
                         errors=self._report(errors) if errors else [], event=event, model_states=states, stacks=stacks)
 
@@ -178,7 +181,7 @@ class Session:
         extra = b""
         try:
             overlays = self.arenas.write_overlays(self.hooks.prepare_prefill_embeds(batch))
-            kwargs = self.hooks.build_extra_kwargs(batch)
+            kwargs = self.hooks.build_extra_kwargs(batch) if self._builds_kwargs else None
             if kwargs:  # most hook sets build none: no tree to encode
                 extra = self.arenas.encode_tree(kwargs)
         except Exception as exc:  # a hook bug never escapes (what `_collect` does, without its frames)

@@ -15,12 +15,9 @@ import logging
 import secrets
 from typing import Any, Callable
 
-from omni_sidecar.hook_api.hook_set import OmniHooks
-from omni_sidecar.serve.listener import Listener
-from omni_sidecar.serve.peers import Dispatch, PeerTable, Refuse
+from omni_sidecar.serve.peers import Dispatch, Refuse
 from omni_sidecar.sessions.session import Session
-from omni_sidecar.sessions.store import FinishedOutputs
-from omni_sidecar.upgrade.takeover_state import pack
+from omni_sidecar.upgrade.takeover_state import UpgradeParts, pack
 from proto.messages import ErrorReply, Reject, SwitchAck, SwitchReady, Takeover, TakeoverState
 from proto.settings import IDLE_HANDOVER_S
 
@@ -31,21 +28,14 @@ loop_log = logging.getLogger("omni_sidecar.server")  # the serving loop's record
 class HandingOver:
     """The running sidecar's side: at most one successor at a time."""
 
-    def __init__(self, hooks: OmniHooks, finished: FinishedOutputs, peers: PeerTable, listener: Listener,
-                 refuse: Refuse) -> None:
-        self.hooks = hooks
-        self.finished = finished
-        self.peers = peers
-        self.listener = listener
+    def __init__(self, parts: UpgradeParts, refuse: Refuse) -> None:
+        self.hooks, self.finished, self.peers, self.listener = parts
         self.refuse = refuse
         self.successor: bytes | None = None  # its identity on our socket
         self.switch_to = ""  # its endpoint, told to every shim with a StepResult
-        self.handed = False  # the one TakeoverState went out: the successor reads only one
-
-    @property
-    def pending(self) -> bool:
-        """A successor waits for the state."""
-        return self.successor is not None and not self.handed
+        # A successor waits for the state (the one TakeoverState, which it reads once, not yet sent).
+        # An attribute: the serving loop reads it after every ring message.
+        self.pending = False
 
     def accept(self, ident: bytes, msg: Takeover, busy: bool) -> Reject | None:
         """Reject, or None when the successor is accepted (`busy`: a takeover or drain is on)."""
@@ -60,7 +50,7 @@ class HandingOver:
                 f"{mine!r}, the new hook set {msg.hook_set!r} accepts {list(msg.accepts_state)}; "
                 "nothing switched, the running sidecar keeps serving"
             )
-        self.successor, self.switch_to = ident, msg.new_endpoint
+        self.successor, self.switch_to, self.pending = ident, msg.new_endpoint, True
         log.info("takeover accepted: %s (hook set %r) will take over; shims switch at their next step",
                  msg.new_endpoint, msg.hook_set)
         return None
@@ -105,7 +95,7 @@ class HandingOver:
     def _state(self, sessions: dict[str, Session], forwarded: dict[str, Any]) -> TakeoverState:
         """All the successor needs, once: each session's export under its resume token (the keys
         of `sessions`), plus the forwarded resume docs."""
-        self.handed = True
+        self.pending = False
         exported = dict(forwarded)
         exported.update((token, session.export()) for token, session in sessions.items())
         doc = {"sessions": exported, "hooks": self.hooks.export_state(), "finished": self.finished.export()}

@@ -9,12 +9,28 @@ owner-only socket; it is still decoded with msgspec schemas only, and every tens
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
 
 import msgspec
 
 from omni_arena.tensor_tree import decode_inline, encode_inline
 from proto.messages import TensorBlob
+
+if TYPE_CHECKING:
+    from omni_sidecar.hook_api.hook_set import OmniHooks
+    from omni_sidecar.serve.listener import Listener
+    from omni_sidecar.serve.peers import PeerTable
+    from omni_sidecar.sessions.store import FinishedOutputs
+
+
+class UpgradeParts(NamedTuple):
+    """What a hot upgrade moves, as either side holds it: the hook set (its state), the finished
+    outputs, the sessions (the peer table) and the socket (its address)."""
+
+    hooks: OmniHooks
+    finished: FinishedOutputs
+    peers: PeerTable
+    listener: Listener
 
 
 class _Packed(msgspec.Struct, frozen=True, array_like=True):

@@ -17,11 +17,8 @@ from typing import Any, Callable
 import zmq
 
 from omni_sidecar import __version__
-from omni_sidecar.hook_api.hook_set import OmniHooks
-from omni_sidecar.serve.listener import Listener
-from omni_sidecar.serve.peers import Dispatch, PeerTable
-from omni_sidecar.sessions.store import FinishedOutputs
-from omni_sidecar.upgrade.takeover_state import unpack
+from omni_sidecar.serve.peers import Dispatch
+from omni_sidecar.upgrade.takeover_state import UpgradeParts, unpack
 from proto.codec import Codec, FrameError
 from proto.messages import Hello, Message, Reject, StatusReply, Takeover, TakeoverState
 
@@ -36,14 +33,11 @@ class TakingOver:
     """The successor's side, from its Takeover request until the state arrived (and the resume
     docs after it, until each shim claims its own)."""
 
-    def __init__(self, hooks: OmniHooks, finished: FinishedOutputs, codec: Codec, listener: Listener,
-                 peers: PeerTable) -> None:
-        self.hooks = hooks
-        self.finished = finished
+    def __init__(self, parts: UpgradeParts, codec: Codec) -> None:
+        self.hooks, self.finished, self.peers, self.listener = parts
         self.codec = codec
-        self.listener = listener
-        self.peers = peers
         self.sock: zmq.Socket | None = None  # to the running sidecar, while we wait for its state
+        self.waiting = False  # for the state (`sock` open); an attribute: the serving loop reads it per ring message
         self.endpoint = ""  # ours (the side address)
         self.old_endpoint = ""
         self.failed = ""  # why the takeover was refused (this sidecar then exits)
@@ -51,10 +45,6 @@ class TakingOver:
         self._resume: dict[str, dict[str, Any] | None] = {}  # token -> a session's exported state
         self.waiting_hellos: list[tuple[bytes, Hello, int]] = []  # (ident, Hello, fd): came before their state
         self._status_askers: list[bytes] = []  # StatusQuery senders, answered once the state is ours
-
-    @property
-    def waiting(self) -> bool:
-        return self.sock is not None
 
     def start(self, new_endpoint: str, old_endpoint: str, timeout_s: float) -> None:
         """Bound on a side address already: ask the sidecar at `old_endpoint` to hand over."""
@@ -65,7 +55,7 @@ class TakingOver:
             new_endpoint=new_endpoint, sidecar_version=__version__, hook_set=self.hooks.name,
             accepts_state=list(self.hooks.accepts_state),
         )))
-        self.sock = sock
+        self.sock, self.waiting = sock, True
         self.endpoint = new_endpoint
         self._deadline = time.monotonic() + timeout_s
         self.old_endpoint = old_endpoint
@@ -149,4 +139,4 @@ class TakingOver:
     def close(self) -> None:
         if self.sock is not None:
             self.sock.close(0)
-            self.sock = None
+            self.sock, self.waiting = None, False

@@ -81,7 +81,10 @@ TO_HF = [("model.embed_tokens.", "talker.model.codec_embedding."), ("model.", "t
          ("lm_head.", "talker.codec_head."), ("text_embedding.", "talker.model.text_embedding."),
          ("text_projection.", "talker.text_projection."), ("code_predictor.", "talker.code_predictor."),
          ("speaker_encoder.", "speaker_encoder.")]
-SPEECH_TOKENIZER_PREFIXES = ("encoder.", "decoder.")  # speech_tokenizer/model.safetensors
+SPEECH_TOKENIZER_PREFIXES = ("encoder.", "decoder.")
+# The decoder's matrices scaled down so that its waveform stays mostly inside (-1, 1), where it
+# is not clamped (a clamped sample compares equal whatever came before it).
+DECODER_SCALE = 0.5  # speech_tokenizer/model.safetensors
 STAMP = "tiny-qwen3-tts-v2"
 
 
@@ -209,8 +212,8 @@ def build(path: str | Path, seed: int = 0) -> Path:
     write_tokenizer(path)
     talker_model, code2wav_model = build_vllm_omni_models(path)
     state = random_state(talker_model, seed)
-    state.update({name: value for name, value in random_state(code2wav_model, seed + 1).items()
-                  if name.startswith("decoder.")})
+    state.update({name: value * (DECODER_SCALE if value.dim() > 1 else 1.0)
+                  for name, value in random_state(code2wav_model, seed + 1).items() if name.startswith("decoder.")})
     talker, speech = to_checkpoint(state)
     save_file(talker, str(path / "model.safetensors"))
     save_file(speech, str(path / "speech_tokenizer" / "model.safetensors"))

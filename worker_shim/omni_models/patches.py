@@ -75,11 +75,17 @@ def _loaded_attr(module_name: str, dotted: str) -> Any:
     for part in dotted.split("."):
         if obj is None:
             return None
-        obj = getattr(obj, part, None)
+        try:
+            obj = getattr(obj, part, None)
+        except Exception:  # a lazy attribute that fails to resolve holds no replacement
+            return None
     return obj
 
 
 def _from_vllm_omni(obj: Any) -> bool:
     """Defined in vllm_omni: the object itself, or the function a cached_property wraps."""
-    modules = (getattr(obj, "__module__", None), getattr(getattr(obj, "func", None), "__module__", None))
+    try:
+        modules = (getattr(obj, "__module__", None), getattr(getattr(obj, "func", None), "__module__", None))
+    except Exception:  # an object whose attributes raise is not one of vllm-omni's replacements
+        return False
     return any(isinstance(m, str) and m.startswith(VLLM_OMNI_PACKAGE) for m in modules)

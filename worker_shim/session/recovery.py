@@ -91,7 +91,7 @@ class Recovery:
         conn = self.conn
         if conn is None:
             self._try_reconnect()
-            self._announce(step)
+            self.announce(step)
             return
         gone = conn.channel.switch_ack is None and conn.channel.peer_gone()
         if self._handed_over(gone):  # before a loss: the old sidecar may have exited since
@@ -102,9 +102,10 @@ class Recovery:
             self._switch(step)
         elif gone:
             self.lose("the sidecar closed the connection (it crashed, was killed or stopped)")
-        self._announce(step)
+        self.announce(step)
 
-    def _announce(self, step: int) -> None:
+    def announce(self, step: int) -> None:
+        """The StepStart of `step` to the sidecar serving it (if any); a failure is `announce_failed`'s."""
         conn = self.conn
         if conn is None:
             return
@@ -123,7 +124,7 @@ class Recovery:
             return
         self._switch(step)
         if self.conn is not None:
-            self._announce(step)
+            self.announce(step)
 
     def fail(self, step: int, exc: Exception, conn: RecoveryPort) -> RecoveryPort | None:
         """A message of `step` to `conn` failed; returns the sidecar that serves the rest of the step
@@ -138,7 +139,7 @@ class Recovery:
         if isinstance(exc, SidecarError) and channel.switch_ack is not None and channel.pongs_due > 0:
             self.requests.notices.requeue_step()
             self._switch(step)  # a failed switch loses it: finish notices stay queued, the rest ended
-            self._announce(step)
+            self.announce(step)
             return self.conn
         self.lose(f"step {step}: {exc}")
         return None

@@ -10,7 +10,8 @@ takes the same decision from the same scheduler output.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from operator import attrgetter
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -46,11 +47,9 @@ class BatchReader:
     from the computed and prompt lengths (what upstream's array holds)."""
 
     def __init__(self, own_prefill_flags: bool = False) -> None:
-        self.prefilling = self._own_flags if own_prefill_flags else self._derived_flags
-
-    @staticmethod
-    def _own_flags(batch: Any) -> np.ndarray:
-        return batch.is_prefilling_np
+        # Upstream's own array is an attribute read (attrgetter: no Python call a step).
+        self.prefilling: Callable[[Any], np.ndarray] = (attrgetter("is_prefilling_np") if own_prefill_flags
+                                                        else self._derived_flags)
 
     @staticmethod
     def _derived_flags(batch: Any) -> np.ndarray:

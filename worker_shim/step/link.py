@@ -22,12 +22,13 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 import torch
 
 from proto.messages import HookNeeds, RequestError, StepBegin, StepEnd, StepTick
-from proto.settings import ERROR_TEXT_MAX, STEP_START_ANSWER_S, TIMINGS_KEPT
+from proto.settings import ERROR_TEXT_MAX, TIMINGS_KEPT
 from worker_shim.config import EmbedsSetting, LossPolicy
 from worker_shim.errors import SidecarError
 from worker_shim.model.bridge import ModelBridge
@@ -173,11 +174,8 @@ class SidecarLink:
         if (port is None or port.channel.switch_ack is not None or port.channel.switch_to
                 or port.channel.peer_gone()):  # one look a step: a poll costs µs
             self.recovery.at_step_start(self.step)  # lost, handed over or gone: replaced, then announced
-            return
-        try:
-            port.announce_step(self.step, STEP_START_ANSWER_S)
-        except SidecarError as exc:
-            self.recovery.announce_failed(self.step, exc, port)
+        else:
+            self.recovery.announce(self.step)
 
     def _apply_mirror_updates(self) -> None:
         """Appends to mirrored state the sidecar sent since (MirrorUpdate): into the mirror before this
@@ -314,7 +312,7 @@ class SidecarLink:
 
     def _needs_plan(self, port: SidecarPort, input_batch: Any, want: list[str]) -> bool:
         """The step protocol's answer for this batch: does a StepBegin go before the forward?"""
-        return before_forward(port.needs, input_batch.req_ids, lambda: self.batches.prefilling(input_batch),
+        return before_forward(port.needs, input_batch.req_ids, partial(self.batches.prefilling, input_batch),
                               self.payloads.payload_reqs, self.requests.live, want).send is not None
 
     @staticmethod

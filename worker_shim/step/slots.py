@@ -59,18 +59,6 @@ class HiddenSlots:
             self.arena.wait_done(slot)  # the sidecar's reads of this slot's previous use
         return StepSlot(self.arena, slot, slots.offset(slot), slots.slot_size, self._views, (slots, step))
 
-    def write(self, step: int, hidden: torch.Tensor, wait_answered: Callable[[int], None],
-              layers: dict[int, torch.Tensor] | None = None) -> tuple[TensorRef, dict[int, TensorRef], int]:
-        """`hidden` (then each captured layer's rows) alone into `step`'s slot: their refs and
-        the slot's ready event."""
-        slot = self.claim(step, wait_answered)
-        ref, layer_refs = slot.put_hidden(hidden, layers)
-        return ref, layer_refs, slot.seal()
-
-    def sent(self, step: int) -> None:
-        """`step`'s StepEnd is on its way: its slot is the sidecar's until that step's result."""
-        slots = self._slots
-        slots.owner_step[slots.slot_of(step)] = step
 
 
 class StepSlot:
@@ -149,16 +137,32 @@ class StepSlot:
         shape, dtype = list(hidden.shape), dtype_name(hidden.dtype)
         dst = self._view(TensorRef(0, self.offset, total, [len(rows), *shape], dtype), hidden.dtype,
                          (len(rows), *hidden.shape), steady=True)
-        with torch.no_grad():
-            if dst.device == hidden.device:
-                torch.stack([r.detach() for r in rows], out=dst)
-            else:  # host staging of device rows (no IPC): stacked there, one copy over
-                dst.copy_(torch.stack([r.detach() for r in rows]), non_blocking=self.arena.kind != "shm")
+        self._stack_into(dst, rows)
         refs = [TensorRef(0, self.offset + k * nbytes, nbytes, shape, dtype) for k in range(len(rows))]
         for tensor, ref in zip(rows, refs):
             self._refs[id(tensor)] = (tensor, ref)
         self.offset = align_up(self.offset + total)
         return refs[0], dict(zip((layers or {}).keys(), refs[1:]))
+
+    def put_stack(self, rows: list[torch.Tensor]) -> TensorRef:
+        """Tensors of one dtype, shape and device (a tree's kind: the model's results) stacked straight
+        into the slot, one write (no stacked copy made first)."""
+        first = rows[0]
+        shape = (len(rows), *first.shape)
+        nbytes = first.numel() * first.element_size() * len(rows)
+        self._check_room(nbytes)
+        ref = TensorRef(0, self.offset, nbytes, list(shape), dtype_name(first.dtype))
+        if nbytes:
+            self._stack_into(self._view(ref, first.dtype, shape, steady=False), rows)
+        self.offset = align_up(self.offset + max(nbytes, 1))
+        return ref
+
+    def _stack_into(self, dst: torch.Tensor, rows: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            if dst.device == rows[0].device:
+                torch.stack([r.detach() for r in rows], out=dst)
+            else:  # host staging of device rows (no IPC): stacked there, one copy over
+                dst.copy_(torch.stack([r.detach() for r in rows]), non_blocking=self.arena.kind != "shm")
 
     @property
     def used(self) -> bool:

@@ -95,15 +95,27 @@ class StepEnds:
 
     def _encode(self, tree: dict[str, Any], slot: StepSlot, tensors: list[Any]) -> bytes:
         """{req_id: tree} as the StepEnd carries it: each tensor put into the step's slot (a kind's
-        rows stacked in one put), its place in the tree a mark naming `tensors`."""
+        rows stacked there in one write), its place in the tree a mark naming `tensors`. A request
+        whose tree msgpack cannot carry (a tensor of more than MAX_TENSOR_DIMS, a value of no wire
+        type) fails alone, as a failed model hook does; the others' results go."""
         def put_whole(tensor: torch.Tensor) -> int:
             tensors.append(slot.put(tensor))
             return len(tensors) - 1
 
         def put_stack(rows: list[torch.Tensor]) -> int:
-            return put_whole(rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows))
+            tensors.append(slot.put_stack(rows))
+            return len(tensors) - 1
 
-        return self._encoder.encode(tree, put_whole, put_stack, first=len(tensors))
+        try:
+            return self._encoder.encode(tree, put_whole, put_stack, first=len(tensors))
+        except TypeError:  # raised in the walk, before anything was put
+            unfit = self._encoder.unfit(tree)
+            if not unfit:
+                raise
+        for req_id, why in unfit.items():
+            self.failures.fail(req_id, f"the model's results for this request cannot be sent: {why}")
+        fit = {req_id: value for req_id, value in tree.items() if req_id not in unfit}
+        return self._encoder.encode(fit, put_whole, put_stack, first=len(tensors))
 
     def _layer_rows(self, port: SidecarPort, num_tokens: int) -> dict[int, torch.Tensor] | None:
         """The captured layers this sidecar wants (those captured since load; a later sidecar

@@ -108,14 +108,17 @@ QWEN3_TTS_NAMES = [
     ("qwen3_tts_code2wav", "Qwen3TTSCode2Wav"),
 ]
 QWEN3_TTS_MODEL_TYPE = "qwen3_tts"  # config.json's model_type, as vllm-omni registers it
-# The upstream seams the loader uses: transformers' AutoConfig.register, vLLM's
-# ModelRegistry.register_model ("module:Class", imported lazily, also in the registry's
-# inspection subprocess) and the M-RoPE interface V2's get_rope_state asserts.
+# The upstream seams the loader uses (checked at start-up with the names above): transformers'
+# AutoConfig.register, vLLM's ModelRegistry.register_model ("module:Class", imported lazily, also
+# in the registry's inspection subprocess), the M-RoPE interface V2's get_rope_state asserts, and
+# the sizes the code2wav subclass gives V2 its hidden rows and logits in.
 VLLM_OMNI_LOADER_NAMES: list[tuple[str, str]] = [
     ("transformers", "AutoConfig.register"),
     ("vllm", "ModelRegistry.register_model"),
     ("vllm", "ModelRegistry.get_supported_archs"),
     ("vllm.model_executor.models.interfaces", "SupportsMRoPE.get_mrope_input_positions"),
+    ("vllm.config", "ModelConfig.get_hidden_size"),
+    ("vllm.config", "ModelConfig.get_vocab_size"),
 ]
 # What vllm-omni's patch.py (and its parsers, imported by its __init__) replaces in vLLM
 # (docs/research/vllm-omni-loading.md, section 1, read from the 0.26 and 0.30 wheels): none of it
@@ -166,7 +169,7 @@ def _resolve(module: str, dotted: str):
 
 def check_upstream(platform: str) -> None:
     """Start-up: every name the shim uses resolves, then the version verdict (a warning past the tested range)."""
-    names = UPSTREAM_NAMES + (CPU_NAMES if platform == "cpu" else CUDA_NAMES)
+    names = UPSTREAM_NAMES + VLLM_OMNI_LOADER_NAMES + (CPU_NAMES if platform == "cpu" else CUDA_NAMES)
     missing = []
     for module, dotted in names:
         try:

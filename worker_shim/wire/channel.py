@@ -32,7 +32,7 @@ from proto.errors import ProtoError
 from proto.messages import (ErrorReply, Hello, Message, MirrorUpdate, Ping, Pong, Reject, StepResult, StepStart, StepTick,
                             SwitchAck, Welcome)
 from proto.shmring import EMPTY, RingDuplex, RingError, ShmRing
-from proto.transport import RingTransport, WaitPolicy, apply_curve_client, reply_problem, route, set_heartbeats, wakes
+from proto.transport import RingTransport, WaitPolicy, apply_curve_client, reply_problem, set_heartbeats
 from worker_shim.config import RingConfig
 from worker_shim.errors import SidecarError
 
@@ -197,11 +197,8 @@ class SidecarChannel:
         rings = self.rings
         assert rings is not None
         try:
-            wake, how = wakes(msg), route(msg)
-            if how == "ring" and rings.send_now(frame, wake):  # every step message, unless the ring is full
-                return
-            rings.send(frame, how, wake=wake)
-            if not rings.queued:
+            rings.send_message(frame, msg)
+            if not rings.queued:  # every step message, unless the ring is full
                 return
             deadline = time.monotonic() + self.step_timeout_ms / 1000
             while rings.queued:  # the sidecar is behind on this connection
@@ -418,7 +415,9 @@ class SidecarChannel:
         """The next message in connection order, or None when there is none yet."""
         assert self.rings is not None
         try:
-            msg = self.rings.duplex.recv(self._decode)  # RingTransport.recv, one layer less per poll
+            msg = self.rings.duplex.recv(self.codec.decode)  # RingTransport.recv, one layer less per poll
+        except FrameError as exc:
+            raise SidecarError(f"bad frame from the sidecar: {exc}") from None
         except RingError as exc:
             raise SidecarError(f"bad shared-memory ring from the sidecar: {exc}") from None
         return None if msg is EMPTY else msg  # type: ignore[return-value]

@@ -133,18 +133,22 @@ class Code2WavHooks(OmniStateHooks):
 
     def build_extra_kwargs(self, batch: StepBatch) -> dict[str, Any]:
         infos: list[dict[str, Any]] = []
+        counts: list[int] = []
         lay = batch.layout
         for i, req_id in enumerate(batch.req_ids):
             state = self.state.get(req_id)
             info = None
+            start, end = batch.rows(i)
+            counts.append(end - start)
             if state is not None:
-                start, end = batch.rows(i)
                 step = lay.num_computed_tokens[i] + end - start - int(state["meta"]["prompt_len"])
                 codes, chunk, left = self.plan(state)
                 k = self._chunk_of_step(state, step, codes, chunk)
                 info = chunk_input(codes, k, chunk, left) if k is not None else None
             infos.append(info or {})
-        return {"runtime_additional_information": infos}
+        # seq_token_counts: each request's rows, as vllm-omni's runners pass them (its code2wav splits
+        # input_ids by them when a batch holds several requests).
+        return {"runtime_additional_information": infos, "seq_token_counts": counts}
 
     def _chunk_of_step(self, state: dict[str, Any], step: int, codes: torch.Tensor, chunk: int) -> int | None:
         """The chunk step `step` decodes (None: none), decided once per step and kept in the state."""

@@ -1,0 +1,7 @@
+"""A stand-in for torchaudio, on sys.path only for the tests that import vllm-omni's talker.
+
+No torchaudio build exists for the CPU torch these tests run (torch 2.13.0+cpu; PyPI's
+torchaudio wheels pull a CUDA torch), and vllm-omni's `utils/audio.py` imports
+`torchaudio.functional.melscale_fbanks` at import time. The tests never compute a mel
+spectrogram (no reference audio), so the function only says it is missing.
+"""
