@@ -48,9 +48,31 @@ def request_codes(frames: int, seed: int) -> Any:
     return torch.randint(0, CODEBOOK, (frames, TALKER["num_code_groups"]), generator=g)
 
 
+STEP_DEADLINE_S = 60  # a generation request is one step: an engine still stepping after this is stuck
+MAX_LEN = 1024  # the tiny decoder's max_position_embeddings; the longest request is Q x 130 = 520 tokens
+
+
 def engine_args(job: dict) -> dict:
-    # The whole codes of a request in one prefill (vllm-omni's deploy: max_num_batched_tokens 65536).
-    return {**common_engine_args(job), "max_model_len": 8192, "max_num_batched_tokens": 8192}
+    # The whole codes of a request in one prefill (vllm-omni's deploy: max_num_batched_tokens >= Q x frames).
+    return {**common_engine_args(job), "max_model_len": MAX_LEN, "max_num_batched_tokens": MAX_LEN}
+
+
+def direct_forward(worker: Any, specs: list[dict]) -> list[list[float]]:
+    """The reference in the shim's worker: vllm-omni's own `Qwen3TTSCode2Wav.forward` (its class, not
+    the shim's subclass, not the bridge's wrapper) on the engine's weights, each request's whole codes
+    in one call (vllm-omni's non-streaming stage input)."""
+    import torch
+    from vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_code2wav import Qwen3TTSCode2Wav
+
+    model = worker.model_runner.model
+    placeholder = torch.zeros(1, dtype=torch.long)
+    out = []
+    for spec in specs:
+        info = {"codes": {"audio": request_codes(spec["frames"], spec["seed"]).t().contiguous().reshape(-1)}}
+        with torch.no_grad():
+            wave = Qwen3TTSCode2Wav.forward(model, placeholder, placeholder, runtime_additional_information=[info])
+        out.append(wave.multimodal_outputs["model_outputs"][0].reshape(-1).float().tolist())
+    return out
 
 
 def omni_engine(job: dict) -> tuple[Any, Any]:
@@ -135,7 +157,10 @@ def main(job_path: str, result_path: str) -> None:
                 rid = f"c2w-{i}-{chunking['codec_chunk_frames'] if chunking else 'whole'}"
                 add(rid, codes, chunking or {}, params)
                 rids.append(rid)
+        deadline = time.monotonic() + STEP_DEADLINE_S
         while engine.has_unfinished_requests():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"requests unfinished after {STEP_DEADLINE_S} s of steps (one step each)")
             engine.step()
         if kind == "omni":
             result["waveforms"] = {rid: omni_waveform(recorder.by_request.get(rid, [])) for rid in rids}
@@ -150,6 +175,7 @@ def main(job_path: str, result_path: str) -> None:
             result["waveforms"] = {rid: g["waveform"].reshape(-1).float().tolist() if "waveform" in g else None
                                    for rid, g in got.items()}
             result["patches_workers"] = engine.collective_rpc("omni_sidecar_vllm_omni_patches")
+            result["direct"] = engine.collective_rpc(direct_forward, args=(job["requests"],))[0]
         result["patches_engine"] = patches_applied()
         result["ok"] = True
     except BaseException as exc:  # the check reads the error
