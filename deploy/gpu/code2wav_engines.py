@@ -102,7 +102,10 @@ def shim_engine(job: dict) -> tuple[Any, Any]:
     from omni_sidecar.hook_sets.omni.wire import encode_additional_information
     from tests.tiny_models.code2wav import PLACEHOLDER_TOKEN
 
+    # omni-code2wav passes extra forward kwargs (each request's runtime info), which FULL graph replay
+    # would drop: the shim refuses FULL graphs for it, PIECEWISE graphs stay.
     args = EngineArgs(**engine_args(job), worker_cls="worker_shim.Worker", hf_overrides={"architectures": [ARCH]},
+                      compilation_config={"cudagraph_mode": "PIECEWISE"},
                       additional_config={"omni_sidecar": {"endpoint": job["endpoint"]}})
     engine = LLMEngine.from_engine_args(args)
 
@@ -116,6 +119,14 @@ def shim_engine(job: dict) -> tuple[Any, Any]:
         engine.add_request(rid, {"prompt_token_ids": [PLACEHOLDER_TOKEN]}, params)
 
     return engine, add
+
+
+def scheduler_state(engine: Any) -> str:
+    """How many requests the in-process engine core's scheduler holds waiting and running."""
+    scheduler = getattr(getattr(engine.engine_core, "engine_core", None), "scheduler", None)
+    if scheduler is None:
+        return "not reachable"
+    return f"{len(getattr(scheduler, 'waiting', []))} waiting, {len(getattr(scheduler, 'running', []))} running"
 
 
 def omni_waveform(records: list[dict]) -> list[float] | None:
@@ -160,7 +171,8 @@ def main(job_path: str, result_path: str) -> None:
         deadline = time.monotonic() + STEP_DEADLINE_S
         while engine.has_unfinished_requests():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"requests unfinished after {STEP_DEADLINE_S} s of steps (one step each)")
+                raise TimeoutError(f"requests unfinished after {STEP_DEADLINE_S} s of steps (one step each); "
+                                   f"scheduler: {scheduler_state(engine)}")
             engine.step()
         if kind == "omni":
             result["waveforms"] = {rid: omni_waveform(recorder.by_request.get(rid, [])) for rid in rids}

@@ -258,6 +258,7 @@ class Turns:
 def start_profile(job: dict) -> Any:
     """py-spy on this process (and on its sidecar, `sidecar_pid`) for the profiled set's first round,
     when py-spy is on PATH; returns the engine's sampler."""
+    import math
     import shutil
     import subprocess
 
@@ -272,7 +273,8 @@ def start_profile(job: dict) -> Any:
         out = Path(job["workdir"]) / f"{name}.pyspy.txt"
         with open(out.with_suffix(".log"), "w") as log:  # a refused ptrace says so there
             procs.append(subprocess.Popen([exe, "record", "--pid", str(pid), "--rate", str(prof.get("rate", 400)),
-                                           "--duration", str(prof["seconds"]), "--format", "raw", "--nonblocking",
+                                           "--duration", str(math.ceil(prof["seconds"])), "--format", "raw",
+                                           "--nonblocking",
                                            "--output", str(out)], stdout=log, stderr=subprocess.STDOUT))
     return procs[0]
 
