@@ -169,11 +169,23 @@ def main(job_path: str, result_path: str) -> None:
                 add(rid, codes, chunking or {}, params)
                 rids.append(rid)
         deadline = time.monotonic() + STEP_DEADLINE_S
-        while engine.has_unfinished_requests():
+
+        def unfinished() -> bool:
+            if kind == "omni":  # every request's last engine-core output says finished
+                return not all(any(r["finished"] for r in recorder.by_request.get(rid, [])) for rid in rids)
+            return engine.has_unfinished_requests()
+
+        while unfinished():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"requests unfinished after {STEP_DEADLINE_S} s of steps (one step each); "
                                    f"scheduler: {scheduler_state(engine)}")
-            engine.step()
+            # vLLM's output processor expects tokens or a pooling output from each request (vllm-omni's
+            # orchestrator brings its own for generation stages): vllm-omni's engine core is stepped
+            # directly (in this process `get_output` runs one step).
+            if kind == "omni":
+                engine.engine_core.get_output()
+            else:
+                engine.step()
         if kind == "omni":
             result["waveforms"] = {rid: omni_waveform(recorder.by_request.get(rid, [])) for rid in rids}
             first = next(iter(recorder.by_request.values()), [])

@@ -130,7 +130,8 @@ class OutputRecorder:
                 mm = getattr(o, "multimodal_output", None)
                 external = o.request_id.rsplit("-", 1)[0]  # vLLM suffixes the client's id
                 self.by_request.setdefault(external, []).append(
-                    {"new": list(o.new_token_ids or []), "mm": _plain(mm) if mm else None})
+                    {"new": list(o.new_token_ids or []), "mm": _plain(mm) if mm else None,
+                     "finished": getattr(o, "finish_reason", None) is not None})
             return outs
 
         core.get_output = get_output
