@@ -85,6 +85,9 @@ def test_shim_config_checks_arena_and_embeds_settings(monkeypatch):
     cfg = ShimConfig.from_vllm(vcfg)
     assert (cfg.arena, cfg.embeds_buffer, cfg.embeds_graphs) == ("shm", "on", "off")
     assert ShimConfig.from_vllm(SimpleNamespace(additional_config={})).embeds_graphs == "auto"
+    assert ShimConfig.from_vllm(SimpleNamespace(additional_config={})).talker_mtp_graphs == "auto"
+    with pytest.raises(ValueError, match="talker_mtp_graphs 'on': use one of auto, off"):
+        ShimConfig.from_vllm(SimpleNamespace(additional_config={"omni_sidecar": {"talker_mtp_graphs": "on"}}))
     with pytest.raises(ValueError, match="embeds_graphs 'eager': use one of auto, off"):
         ShimConfig.from_vllm(SimpleNamespace(additional_config={"omni_sidecar": {"embeds_graphs": "eager"}}))
     assert cfg.ring.enabled  # the environment's default

@@ -188,6 +188,39 @@ def test_decode_rows_batch_through_preprocess_decode_batch_flushed_before_other_
     assert bridge.mirror.states["c"]["codes"]["audio"].tolist() == [[9, 10, 11]]
 
 
+def test_kept_rows_are_the_mirrors_own_when_the_next_step_overwrites_the_models_buffers():
+    """postprocess keeps views of its hidden rows and talker_mtp may return a graph's output buffer:
+    both are overwritten by the next step, the mirror's states and the step's updates are not."""
+    model = FakeTalker(batched=True)
+    out_codes = torch.zeros(2, 3, dtype=torch.long)  # one buffer, rewritten by every call
+
+    def talker_mtp(input_ids, input_embeds, last_talker_hidden, text_step, **_):
+        out_codes.copy_(torch.stack([input_ids, input_ids + 1, input_ids + 2], dim=1))
+        return input_embeds, out_codes[: input_ids.shape[0]]
+
+    model.talker_mtp = talker_mtp
+    model.gpu_resident_buffer_keys = {("hidden_states", "last"), ("codes", "audio")}
+    bridge = ModelBridge(model, find_model_hooks(model))
+    two = states()
+    two["c"] = two["b"]
+    for req_id in "bc":
+        bridge.note_new(req_id, 5)
+    bridge.fill_states({k: two[k] for k in "bc"}, failed=set())
+    batch = step_batch(["b", "c"], [1, 1], [5, 5], [7, 9])
+    bridge.before_forward(batch, torch.zeros(2, H))
+    hidden = torch.arange(2 * H, dtype=torch.float32).view(2, H)
+    bridge.after_forward(batch, hidden)
+    updates, outputs = bridge.take_step()
+    hidden.zero_()
+    out_codes.zero_()
+    for i, req_id in enumerate("bc"):
+        state = bridge.mirror.states[req_id]
+        assert torch.equal(state["hidden_states"]["last"], torch.arange(i * H, (i + 1) * H, dtype=torch.float32).view(1, H))
+        assert state["codes"]["audio"].tolist() == [[7 + 2 * i, 8 + 2 * i, 9 + 2 * i]]
+        assert updates[req_id]["hidden_states"]["last"] is state["hidden_states"]["last"]
+        assert outputs[req_id]["codes"]["audio"] is state["codes"]["audio"]
+
+
 def test_mirror_keeps_resident_keys_copies_the_rest_and_frees_at_finish():
     mirror = StateMirror(frozenset({("hidden_states", "last")}))
     mirror.fill("r", {"meta": {"n": 1}})

@@ -32,6 +32,9 @@ EmbedsSetting = Literal["auto", "on", "off"]
 # auto: the embeds buffer's lookup replays from CUDA graphs where vLLM runs graphs (one GPU, TP 1, no
 # LoRA); off: it runs eagerly every step (worker_shim/model/embeds.py).
 EmbedsGraphs = Literal["auto", "off"]
+# auto: a model's graph-safe talker_mtp replays from CUDA graphs of the shim's own where vLLM runs FULL
+# graphs, as vllm-omni's runner does; off: it runs eagerly every step (worker_shim/model/mtp_graphs.py).
+MtpGraphs = Literal["auto", "off"]
 # vllm-omni's `subtalker_sampling_params`: how a model's talker_mtp samples its residual codes.
 SUBTALKER_SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p")
 
@@ -100,6 +103,7 @@ class ShimConfig:
     arena: ArenaChoice = "auto"  # how tensors cross to the sidecar
     embeds_buffer: EmbedsSetting = "auto"  # persistent inputs_embeds for overlays
     embeds_graphs: EmbedsGraphs = "auto"  # its per-step lookup from CUDA graphs of the shim's own
+    talker_mtp_graphs: MtpGraphs = "auto"  # a model's talker_mtp from CUDA graphs of the shim's own
     ring: RingConfig = field(default_factory=RingConfig)  # the shared-memory ring fast path
     # Passed to a model's talker_mtp as keyword arguments, as vllm-omni's runner passes its
     # `subtalker_sampling_params`; empty: the model's own defaults (docs/ARCHITECTURE.md, "Model hooks").
@@ -134,6 +138,9 @@ class ShimConfig:
             embeds_graphs=_choice(pick("embeds_graphs", "EMBEDS_GRAPHS"), "embeds_graphs", EmbedsGraphs,
                                   "auto replays the embeds buffer's lookup from CUDA graphs where vLLM runs "
                                   "graphs (one GPU, TP 1, no LoRA); off looks up eagerly every step"),
+            talker_mtp_graphs=_choice(pick("talker_mtp_graphs", "TALKER_MTP_GRAPHS"), "talker_mtp_graphs",
+                                      MtpGraphs, "auto replays a graph-safe talker_mtp from CUDA graphs where "
+                                      "vLLM runs FULL graphs, as vllm-omni does; off runs it eagerly"),
             ring=RingConfig.from_env({**os.environ, **{env: str(mine[key]) for key, env in _RING_KEYS.items()
                                                        if key in mine}}),
             subtalker_sampling=_subtalker_sampling(mine.get("subtalker_sampling", {})),

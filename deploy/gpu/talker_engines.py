@@ -8,13 +8,18 @@ runner, its `OmniARScheduler`, its `subtalker_sampling_params`) and its request
 builder (`build_engine_core_request_from_tokens`, its payload serializer). The codes
 it produces are read from its engine-core outputs (`multimodal_output`).
 
-`shim`: upstream vLLM V2 with the shim as worker and an `omni-sidecar serve --hooks
-omni-talker` at `job["endpoint"]`; the payload goes in `extra_args` encoded by us,
-the codes come back from the sidecar (`codes.audio`).
+`shim`: upstream vLLM V2 with the shim as worker (vllm-omni's class loaded without its
+patches: worker_shim/omni_models/) and an `omni-sidecar serve --hooks omni-talker` at
+`job["endpoint"]`; the payload goes in `extra_args` encoded by us, the codes come back from
+the sidecar (`codes.audio`). Each engine reports the vllm-omni patches found in its processes.
 
 Both: the same model directory, requests, greedy sampling (code 0 by vLLM's sampler,
-codes 1..Q-1 by the model's code predictor with do_sample=False), CUDA graphs on,
-each step timed around `LLMEngine.step()`.
+codes 1..Q-1 by the model's code predictor with do_sample=False; the bench's sampled
+sets sample code 0), CUDA graphs on, each step timed around `LLMEngine.step()`.
+A bench set's decode step, per request: the time from the step that brought the set's last
+first token (every prefill done) to the request's last token, over the tokens it got
+meanwhile (a step may bring no tokens, or some requests' only: async scheduling, an engine
+splitting its batch). The engines' timed rounds alternate in a fixed order (Turns).
 """
 
 from __future__ import annotations
@@ -65,7 +70,8 @@ def common_engine_args(job: dict) -> dict:
     args = dict(model=job["model"], dtype="bfloat16", seed=0, enforce_eager=False, skip_tokenizer_init=True,
                 enable_prefix_caching=False, async_scheduling=False, max_model_len=512,
                 max_num_seqs=job["max_num_seqs"], max_num_batched_tokens=job["max_num_batched_tokens"],
-                kv_cache_memory_bytes=1 << 30, gpu_memory_utilization=0.4)  # two engines side by side on one GPU
+                kv_cache_memory_bytes=1 << 30,
+                gpu_memory_utilization=job.get("gpu_memory_utilization", 0.4))  # engines side by side on one GPU
     args.update(job.get("engine_overrides", {}))
     return args
 
@@ -97,7 +103,8 @@ def shim_engine(job: dict) -> tuple[Any, Any]:
 
     args = EngineArgs(**common_engine_args(job), worker_cls="worker_shim.Worker",
                       additional_config={"omni_sidecar": {"endpoint": job["endpoint"],
-                                                          "subtalker_sampling": GREEDY_SUBTALKER}})
+                                                          "subtalker_sampling": GREEDY_SUBTALKER,
+                                                          **job.get("shim_settings", {})}})
     engine = LLMEngine.from_engine_args(args)
 
     def add(req: dict, params: Any) -> None:
@@ -113,16 +120,18 @@ class OutputRecorder:
 
     def __init__(self, engine: Any) -> None:
         self.by_request: dict[str, list[dict]] = {}
+        self.active = True  # off for the timed rounds: reading the outputs costs host time and a sync
         core = engine.engine_core
         inner = core.get_output
 
         def get_output() -> Any:
             outs = inner()
-            for o in getattr(outs, "outputs", []) or []:
+            for o in (getattr(outs, "outputs", []) or []) if self.active else ():
                 mm = getattr(o, "multimodal_output", None)
                 external = o.request_id.rsplit("-", 1)[0]  # vLLM suffixes the client's id
                 self.by_request.setdefault(external, []).append(
-                    {"new": list(o.new_token_ids or []), "mm": _plain(mm) if mm else None})
+                    {"new": list(o.new_token_ids or []), "mm": _plain(mm) if mm else None,
+                     "finished": getattr(o, "finish_reason", None) is not None})
             return outs
 
         core.get_output = get_output
@@ -153,55 +162,161 @@ def omni_codes(records: list[dict]) -> list[list[int]] | None:
     return rows or None
 
 
-def drive(engine: Any, add: Any, reqs: list[dict]) -> dict:
-    """All requests added, then `engine.step()` until done; each step timed."""
+def drive(engine: Any, add: Any, reqs: list[dict], temperature: float = 0.0) -> dict:
+    """All requests added, then `engine.step()` until done; each step timed, and each request's
+    decode step (module docstring)."""
     from vllm import SamplingParams
 
-    for req in reqs:
-        add(req, SamplingParams(max_tokens=req["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False))
+    for i, req in enumerate(reqs):
+        sampling = dict(temperature=temperature, top_k=50, seed=1000 + i) if temperature > 0 else dict(temperature=0.0)
+        add(req, SamplingParams(max_tokens=req["max_tokens"], ignore_eos=True, detokenize=False, **sampling))
     tokens: dict[str, list[int]] = {}
+    counts: dict[str, int] = {}
+    last: dict[str, tuple[float, int]] = {}  # per request: when its count last grew, and to what
+    start: tuple[float, dict[str, int]] | None = None  # when every request had its first token, their counts
     step_s: list[float] = []
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
         outs = engine.step()
-        step_s.append(time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        step_s.append(t1 - t0)
         for o in outs:
+            n = len(o.outputs[0].token_ids)
+            if n > counts.get(o.request_id, 0):
+                last[o.request_id] = (t1, n)
+            counts[o.request_id] = n
             if o.finished:
                 tokens[o.request_id] = list(o.outputs[0].token_ids)
-    return {"tokens": [tokens.get(r["rid"]) for r in reqs], "step_s": step_s}
+        if start is None and len(counts) == len(reqs):
+            start = (t1, dict(counts))
+    decode_s = []
+    if start is not None:
+        t_all, base = start
+        for req_id, (t, n) in last.items():
+            if n > base.get(req_id, n) and t > t_all:
+                decode_s.append((t - t_all) / (n - base[req_id]))
+    return {"tokens": [tokens.get(r["rid"]) for r in reqs], "step_s": step_s, "decode_s": decode_s}
 
 
-_TURN: list = []
+def mark_ready(job: dict) -> None:
+    Path(job["workdir"], f"ready-{job['name']}").touch()
 
 
-def bench_turn(job: dict, kind: str) -> None:
+def bench_ready(job: dict) -> None:
     """Engines start side by side (start-up is most of the wall time) but time their bench
-    runs one at a time: wait until every engine has done its codes run (or gave up), then
-    take the bench lock."""
-    import fcntl
-
+    rounds one at a time: wait until every engine of the run has done its untimed work (or gave up)."""
+    mark_ready(job)
     work = Path(job["workdir"])
-    (work / f"ready-{kind}").touch()
     deadline = time.monotonic() + job.get("barrier_s", 300)
-    while time.monotonic() < deadline and not all((work / f"ready-{k}").exists() for k in job["kinds"]):
+    while time.monotonic() < deadline and not all((work / f"ready-{k}").exists() for k in job["barrier"]):
         time.sleep(0.2)
-    lock = open(work / "bench.lock", "w")
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    _TURN.append(lock)
 
 
-def release_bench_turn() -> None:
-    for lock in _TURN:
-        lock.close()  # closing releases the flock
-    _TURN.clear()
+class Turns:
+    """The timed rounds of all bench engines in one fixed order (per set, per round, each engine in
+    turn), so that the engines compared alternate round by round. A file holds the index of the round
+    whose turn it is; an engine that is gone (`gone-NAME`) loses its turns; a wait longer than
+    `turn_wait_s` runs the round anyway (a slow engine may then overlap another's)."""
+
+    def __init__(self, job: dict) -> None:
+        self.work = Path(job["workdir"])
+        self.order = [f"{e}|{s['name']}|{r}" for s in job["bench_sets"] for r in range(s.get("rounds", 1))
+                      for e in job["engines"]]
+        self.wait_s = job.get("turn_wait_s", 90)
+
+    def _index(self) -> int:
+        try:
+            return int((self.work / "turn").read_text() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    def _advance(self, to: int) -> None:
+        import fcntl
+
+        with open(self.work / "turn.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if to > self._index():
+                tmp = self.work / f"turn.{os.getpid()}"
+                tmp.write_text(str(to))
+                os.replace(tmp, self.work / "turn")
+
+    def wait(self, key: str) -> None:
+        deadline = time.monotonic() + self.wait_s
+        while time.monotonic() < deadline:
+            i = self._index()
+            if i >= len(self.order) or self.order[i] == key or key not in self.order[i:]:
+                return
+            if (self.work / f"gone-{self.order[i].split('|')[0]}").exists():
+                self._advance(i + 1)
+                continue
+            time.sleep(0.002)
+
+    def done(self, key: str) -> None:
+        if key in self.order:
+            self._advance(self.order.index(key) + 1)
+
+
+def start_profile(job: dict) -> Any:
+    """py-spy on this process (and on its sidecar, `sidecar_pid`) for the profiled set's first round,
+    when py-spy is on PATH; returns the engine's sampler."""
+    import math
+    import shutil
+    import subprocess
+
+    prof = job.get("profile") or {}
+    exe = shutil.which("py-spy")
+    if not prof or exe is None:
+        return None
+    procs = []
+    for pid, name in ((os.getpid(), job["name"]), (job.get("sidecar_pid"), f"{job['name']}-sidecar")):
+        if not pid:
+            continue
+        out = Path(job["workdir"]) / f"{name}.pyspy.txt"
+        with open(out.with_suffix(".log"), "w") as log:  # a refused ptrace says so there
+            procs.append(subprocess.Popen([exe, "record", "--pid", str(pid), "--rate", str(prof.get("rate", 400)),
+                                           "--duration", str(math.ceil(prof["seconds"])), "--format", "raw",
+                                           "--nonblocking",
+                                           "--output", str(out)], stdout=log, stderr=subprocess.STDOUT))
+    return procs[0]
+
+
+def bench(engine: Any, add: Any, job: dict) -> dict:
+    """Every bench set, `rounds` times, each round in its turn (Turns)."""
+    results: dict = {}
+    prof = job.get("profile") or {}
+    turns = Turns(job)
+    for spec in job["bench_sets"]:
+        rounds = []
+        for r in range(spec.get("rounds", 1)):
+            reqs = talker_requests(spec["reqs"], f"{spec['name']}-{r}-")
+            key = f"{job['name']}|{spec['name']}|{r}"
+            turns.wait(key)
+            profiler = start_profile(job) if spec["name"] == prof.get("set") and r == 0 else None
+            try:
+                run = drive(engine, add, reqs, spec.get("temperature", 0.0))
+                if profiler is not None:
+                    # Keep it sampling steps of this set: repeat the set until py-spy is done.
+                    while profiler.poll() is None:
+                        drive(engine, add, talker_requests(spec["reqs"], f"{spec['name']}-p{r}-"),
+                              spec.get("temperature", 0.0))
+            finally:
+                turns.done(key)
+            rounds.append({"decode_s": run["decode_s"], "steps": len(run["step_s"]), "wall_s": sum(run["step_s"])})
+        results[spec["name"]] = rounds
+    return results
+
+
+def load_job(job_path: str) -> tuple[dict, dict]:
+    """The job, with its environment applied (before vLLM is imported), and the result it starts."""
+    job = json.loads(Path(job_path).read_text())
+    for key, value in job.get("env", {}).items():
+        os.environ[key] = str(value)
+    return job, {"ok": False, "kind": job["kind"], "name": job["name"]}
 
 
 def main(job_path: str, result_path: str) -> None:
-    job = json.loads(Path(job_path).read_text())
+    job, result = load_job(job_path)
     kind = job["kind"]
-    for key, value in job.get("env", {}).items():
-        os.environ[key] = str(value)
-    result: dict = {"ok": False, "kind": kind}
     engine = None
     try:
         t0 = time.monotonic()
@@ -209,33 +324,34 @@ def main(job_path: str, result_path: str) -> None:
         result["start_s"] = time.monotonic() - t0
         recorder = OutputRecorder(engine)
         drive(engine, add, talker_requests(job["warmup"], "warm-"))  # compiles the code predictor
-        runs = {}
-        for name in ("codes", "bench"):
-            reqs = talker_requests(job[name], f"{name}-")
-            if name == "bench":
-                bench_turn(job, kind)
-            run = drive(engine, add, reqs)
-            if kind == "omni":
-                run["codes"] = [omni_codes(recorder.by_request.get(r["rid"], [])) for r in reqs]
-                if name == "codes":
-                    run["raw_outputs"] = {r["rid"]: recorder.by_request.get(r["rid"], [])[:3] for r in reqs[:2]}
-            else:
-                from omni_sidecar.client import SidecarClient
+        reqs = talker_requests(job["codes"], "codes-")
+        run = drive(engine, add, reqs)
+        if kind == "omni":
+            run["codes"] = [omni_codes(recorder.by_request.get(r["rid"], [])) for r in reqs]
+        else:
+            from omni_sidecar.client import SidecarClient
 
-                with SidecarClient(job["endpoint"]) as client:
-                    got = [client.outputs(r["rid"]) or {} for r in reqs]
-                run["codes"] = [g["codes.audio"].tolist() if "codes.audio" in g else None for g in got]
-            runs[name] = run
-        release_bench_turn()
-        result["runs"] = runs
+            with SidecarClient(job["endpoint"]) as client:
+                got = [client.outputs(r["rid"]) or {} for r in reqs]
+            run["codes"] = [g["codes.audio"].tolist() if "codes.audio" in g else None for g in got]
+        result["codes"] = run
+        recorder.by_request.clear()
+        recorder.active = False
+        from worker_shim.omni_models.patches import patches_applied
+
+        result["patches_engine"] = patches_applied()  # vllm-omni's own engine: its patches, found
+        if kind == "shim":
+            result["patches_workers"] = engine.collective_rpc("omni_sidecar_vllm_omni_patches")
+        bench_ready(job)
+        result["bench"] = bench(engine, add, job)
         if kind == "shim":
             result["shim_stats"] = engine.collective_rpc("omni_sidecar_stats")
         result["ok"] = True
     except BaseException as exc:  # the check reads the error
-        release_bench_turn()
-        Path(job["workdir"], f"ready-{kind}").touch()  # the other engine need not wait for this one
+        mark_ready(job)  # the others need not wait for this one
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()[-6000:]
+    Path(job["workdir"], f"gone-{job['name']}").touch()
     Path(result_path).write_text(json.dumps(result))
     sys.stdout.flush()
     os._exit(0)

@@ -23,12 +23,13 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from proto.messages import ModelHooks
 from worker_shim.upstream.compat import ShimCompatError
+from worker_shim.model.mtp_graphs import TalkerMtpGraphs
 from worker_shim.model.state_mirror import StateMirror
 
 log = logging.getLogger("vllm.omni_sidecar.shim.bridge")
@@ -86,8 +87,8 @@ def model_class_has_hooks(vllm_config: Any) -> bool:
     return any(callable(getattr(cls, name, None)) for name in ("preprocess", "postprocess"))
 
 
-def attach_bridge(model: Any, tp: Any, embeds_setting: str,
-                  mtp_kwargs: Mapping[str, Any] | None = None) -> "ModelBridge | None":
+def attach_bridge(model: Any, tp: Any, embeds_setting: str, mtp_kwargs: Mapping[str, Any] | None = None,
+                  mtp_graph_sizes: Sequence[int] = ()) -> "ModelBridge | None":
     """After load: the bridge for a model that carries hooks (None for a plain model)."""
     hooks = find_model_hooks(model)
     if hooks is None:
@@ -99,7 +100,12 @@ def attach_bridge(model: Any, tp: Any, embeds_setting: str,
         raise ShimCompatError("omni-sidecar: this model's preprocess writes input embeddings; "
                               "embeds_buffer=off cannot serve it (use auto or on)")
     log.info("omni-sidecar shim: the model carries vllm-omni hooks %s", hooks.wire())
-    return ModelBridge(model, hooks, mtp_kwargs)
+    return ModelBridge(model, hooks, mtp_kwargs, mtp_graph_sizes)
+
+
+def talker_mtp_graphed(model: Any) -> bool:
+    """Does the model let its talker_mtp replay from a CUDA graph (vllm-omni's `talker_mtp_graph_safe`)?"""
+    return bool(getattr(model, "talker_mtp_graph_safe", False)) and callable(getattr(model, "talker_mtp", None))
 
 
 def unwrap_forward_output(output: Any) -> tuple[Any, dict[str, Any] | None]:
@@ -117,10 +123,29 @@ def unwrap_forward_output(output: Any) -> tuple[Any, dict[str, Any] | None]:
     return output, None  # intermediate tensors (pipeline parallel) and the like: upstream's business
 
 
+@dataclass
+class MtpRows:
+    """Decode rows for talker_mtp: their requests, batch offsets and inputs (a batch's, or one row)."""
+
+    req_ids: list[str]
+    offsets: list[int]
+    ids: torch.Tensor  # [k]
+    last_hidden: torch.Tensor  # [k, H]
+    text_step: torch.Tensor  # [k, H]
+    index: torch.Tensor | None = None  # the offsets as an index on the embeds' device, when made already
+
+    @staticmethod
+    def joined(parts: list["MtpRows"]) -> "MtpRows":
+        return MtpRows([r for p in parts for r in p.req_ids], [o for p in parts for o in p.offsets],
+                       torch.cat([p.ids for p in parts]), torch.cat([p.last_hidden for p in parts]),
+                       torch.cat([p.text_step for p in parts]))
+
+
 class ModelBridge:
     """Calls one loaded model's hooks per step and keeps what they read and return."""
 
-    def __init__(self, model: Any, hooks: ModelHookSet, mtp_kwargs: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, model: Any, hooks: ModelHookSet, mtp_kwargs: Mapping[str, Any] | None = None,
+                 mtp_graph_sizes: Sequence[int] = ()) -> None:
         self.model = model
         self.hooks = hooks
         self.mtp_kwargs = dict(mtp_kwargs or {})  # the shim's `subtalker_sampling` setting
@@ -129,6 +154,11 @@ class ModelBridge:
         self.forward_extras: dict[str, Any] | None = None  # the last forward's, until after_forward
         self.host_us = 0.0  # this step's host time in the hooks so far (the runner reads and resets it)
         self.device = next((p.device for p in model.parameters()), None) if hasattr(model, "parameters") else None
+        # talker_mtp from CUDA graphs of ours where vllm-omni's runner would replay it from one (the
+        # runner passes the sizes: worker_shim/upstream/runner.py); eager otherwise.
+        self.mtp_graphs: TalkerMtpGraphs | None = None
+        if hooks.talker_mtp is not None and mtp_graph_sizes and getattr(self.device, "type", None) == "cuda":
+            self.mtp_graphs = TalkerMtpGraphs(hooks.talker_mtp, self.mtp_kwargs, mtp_graph_sizes, self.device)
         self._wrap_forward()
 
     @property
@@ -196,66 +226,79 @@ class ModelBridge:
         if hooks.preprocess is None:
             return
         ids = input_batch.input_ids[: int(input_batch.num_tokens)]
-        qsl = input_batch.query_start_loc_np
-        computed = input_batch.num_computed_tokens_np
+        n = len(input_batch.req_ids)
+        qsl = input_batch.query_start_loc_np[: n + 1].tolist()  # Python ints: indexed per request
+        computed = input_batch.num_computed_tokens_np[:n].tolist()
         decode: list[tuple[str, int, dict[str, Any]]] = []  # (request, row, info) for the batch path
-        mtp_rows: list[tuple[str, int, Any, Any, Any]] = []  # (request, row, input id, last hidden, text step)
+        mtp: list[MtpRows] = []  # the step's decode rows, in batch order, for one talker_mtp call
         for i, req_id in enumerate(input_batch.req_ids):
             if req_id in self.mirror.unserved:
                 continue
-            s, e = int(qsl[i]), int(qsl[i + 1])
-            info = self._info(req_id, int(computed[i]))
+            s, e = qsl[i], qsl[i + 1]
+            info = self._info(req_id, computed[i])
             is_decode = hooks.talker_mtp is not None and e - s == 1 and not info["_omni_is_prefill"]
             if is_decode and hooks.decode_batch is not None:
                 decode.append((req_id, s, info))
                 continue
-            self._flush_decode_batch(decode, ids, embeds, mtp_rows)
+            self._flush_decode_batch(decode, ids, embeds, mtp)
             out_ids, out_embeds, update = hooks.preprocess(input_ids=ids[s:e], input_embeds=embeds[s:e], **info)
             update = dict(update or {})
             if is_decode:
                 last_hidden, text_step = update.pop("mtp_inputs")
-                mtp_rows.append((req_id, s, out_ids.reshape(-1)[:1], last_hidden, text_step))
+                mtp.append(MtpRows([req_id], [s], out_ids.reshape(-1)[:1], last_hidden.reshape(1, -1),
+                                   text_step.reshape(1, -1)))
             self.mirror.merge(req_id, update)
             seg = min(e - s, int(out_embeds.shape[0]))
             embeds[s : s + seg].copy_(out_embeds[:seg])
             if isinstance(out_ids, torch.Tensor) and out_ids.numel() == seg:
                 ids[s : s + seg].copy_(out_ids.reshape(-1))
-        self._flush_decode_batch(decode, ids, embeds, mtp_rows)
-        if mtp_rows:
-            self._talker_mtp(mtp_rows, embeds)
+        self._flush_decode_batch(decode, ids, embeds, mtp)
+        if mtp:
+            self._talker_mtp(mtp, embeds)
 
     def _flush_decode_batch(self, decode: list[tuple[str, int, dict[str, Any]]], ids: torch.Tensor,
-                            embeds: torch.Tensor, mtp_rows: list[tuple[str, int, Any, Any, Any]]) -> None:
+                            embeds: torch.Tensor, mtp: list["MtpRows"]) -> None:
         if not decode:
             return
-        rows = torch.tensor([row for _, row, _ in decode], dtype=torch.long, device=ids.device)
+        offsets = [row for _, row, _ in decode]
+        rows = self._row_index(offsets, ids.device)
         out_ids, out_embeds, last_hidden, text_step, updates = self.hooks.decode_batch(  # type: ignore[misc]
             input_ids=ids.index_select(0, rows), req_infos=[info for _, _, info in decode])
         embeds.index_copy_(0, rows.to(embeds.device), out_embeds.to(embeds.dtype))
-        ids.index_copy_(0, rows, out_ids.reshape(-1).to(ids.dtype))
-        for k, ((req_id, row, _), update) in enumerate(zip(decode, updates, strict=True)):
-            mtp_rows.append((req_id, row, out_ids.reshape(-1)[k : k + 1], last_hidden[k : k + 1],
-                             text_step[k : k + 1]))
+        out_ids = out_ids.reshape(-1)
+        ids.index_copy_(0, rows, out_ids.to(ids.dtype))
+        req_ids = [req_id for req_id, _, _ in decode]
+        mtp.append(MtpRows(req_ids, offsets, out_ids, last_hidden, text_step, rows if rows.device == embeds.device
+                           else None))
+        for req_id, update in zip(req_ids, updates, strict=True):
             self.mirror.merge(req_id, update)
         decode.clear()
 
-    def _talker_mtp(self, mtp_rows: list[tuple[str, int, Any, Any, Any]], embeds: torch.Tensor) -> None:
+    def _row_index(self, offsets: list[int], device: Any) -> torch.Tensor:
+        """Batch rows as an index tensor on `device`, through pinned memory (no blocking copy)."""
+        host = torch.tensor(offsets, dtype=torch.long)
+        if host.numel() and getattr(device, "type", "cpu") == "cuda":
+            return host.pin_memory().to(device, non_blocking=True)
+        return host.to(device)
+
+    def _talker_mtp(self, mtp: list["MtpRows"], embeds: torch.Tensor) -> None:
         """One talker_mtp call over the step's decode rows (vllm-omni's `_talker_mtp_forward`)."""
-        rows = torch.tensor([row for _, row, *_ in mtp_rows], dtype=torch.long, device=embeds.device)
-        out_embeds, codes = self.hooks.talker_mtp(  # type: ignore[misc]
-            torch.cat([r[2].reshape(1) for r in mtp_rows]),
-            embeds.index_select(0, rows),
-            torch.cat([r[3].reshape(1, -1) for r in mtp_rows]),
-            torch.cat([r[4].reshape(1, -1) for r in mtp_rows]),
-            **self.mtp_kwargs,
-        )
+        one = mtp[0] if len(mtp) == 1 else MtpRows.joined(mtp)
+        rows = one.index if one.index is not None else self._row_index(one.offsets, embeds.device)
+        run = self.mtp_graphs if self.mtp_graphs is not None else functools.partial(self.hooks.talker_mtp,
+                                                                                     **self.mtp_kwargs)
+        out_embeds, codes = run(one.ids, embeds.index_select(0, rows), one.last_hidden, one.text_step)
         embeds.index_copy_(0, rows, out_embeds.to(embeds.dtype))
         if codes is None:
             return
         cat, qual = self.hooks.mtp_output_key
-        for k, (req_id, *_) in enumerate(mtp_rows):
-            self.mirror.merge(req_id, {cat: {qual: codes[k : k + 1]}})  # vllm-omni keeps them in state too
-            self.mirror.add_output(req_id, {cat: {qual: self.mirror.states[req_id][cat][qual]}})
+        # vllm-omni keeps them in state too; one copy for the step (the model's may be a graph's
+        # output buffer), each request's row a view of it.
+        codes = self.mirror.owned(codes, (cat, qual))
+        for k, req_id in enumerate(one.req_ids):
+            mine = {cat: {qual: codes[k : k + 1]}}
+            self.mirror.merge(req_id, mine, owned=True)
+            self.mirror.add_output(req_id, mine)
 
     def after_forward(self, input_batch: Any, hidden: torch.Tensor | None) -> dict[str, str]:
         """postprocess per request on its hidden rows; the forward's extra outputs per request.
@@ -263,30 +306,35 @@ class ModelBridge:
         Returns the requests whose postprocess raised (vllm-omni logs and goes on; here the
         request fails for its clients, the others go on)."""
         extras, self.forward_extras = self.forward_extras, None
-        qsl = input_batch.query_start_loc_np
-        computed = input_batch.num_computed_tokens_np
         req_ids = input_batch.req_ids
+        n = len(req_ids)
+        qsl = input_batch.query_start_loc_np[: n + 1].tolist()  # Python ints: indexed per request
         if extras:
             for i, req_id in enumerate(req_ids):
-                mine = per_request(extras, i, int(qsl[i]), int(qsl[i + 1]), len(req_ids), int(qsl[len(req_ids)]))
+                mine = per_request(extras, i, qsl[i], qsl[i + 1], n, qsl[n])
                 if mine:
                     self.mirror.add_output(req_id, mine)
         post = self.hooks.postprocess
         errors: dict[str, str] = {}
         if post is None or hidden is None:
             return errors
+        computed = input_batch.num_computed_tokens_np[:n].tolist()
+        # One copy of the step's hidden rows for every request's postprocess (the forward's buffer is
+        # overwritten by the next step): the rows a request's update keeps are views of it, stored as
+        # they are (vllm-omni copies each request's on its own).
+        private = hidden[: qsl[n]].detach().clone()
         for i, req_id in enumerate(req_ids):
             if req_id in self.mirror.unserved or req_id not in self.mirror:
                 continue
-            info = self._info(req_id, int(computed[i]))
+            info = self._info(req_id, computed[i])
             info.pop("hidden_states", None)  # vllm-omni: the positional argument's name
             try:
-                update = post(hidden[int(qsl[i]) : int(qsl[i + 1])], multimodal_outputs=extras, **info)
+                update = post(private[qsl[i] : qsl[i + 1]], multimodal_outputs=extras, **info)
             except Exception as exc:
                 log.error("model postprocess failed for request %s", req_id, exc_info=True)
                 errors[req_id] = f"model postprocess: {exc!r}"
                 continue
-            self.mirror.merge(req_id, update)
+            self.mirror.merge(req_id, update, private=private)
         return errors
 
     def take_step(self) -> tuple[dict[str, Any], dict[str, Any]]:

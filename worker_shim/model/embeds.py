@@ -27,6 +27,7 @@ from typing import Any, Iterable
 
 import torch
 
+from worker_shim.model.graphs import SideGraphs
 from worker_shim.upstream.compat import INPUTS_EMBEDS_SIZE_METHOD
 
 log = logging.getLogger("vllm.omni_sidecar.shim.embeds")
@@ -39,8 +40,7 @@ class EmbedsBuffer:
         # Sizes whose lookup runs from a graph of ours: only on CUDA, only sizes vLLM pads steps to.
         self._graph_sizes = frozenset(n for n in graph_sizes if 0 < n <= max_tokens) if device.type == "cuda" else frozenset()
         self._graphs: dict[int, tuple[Any, int]] = {}  # size -> (graph, the input_ids address it reads)
-        self._pool: Any = None  # one memory pool for all of them: they never run at once
-        self._side: Any = None  # the stream they are captured on
+        self._capturer = SideGraphs(device)
         self.graph_replays = 0
 
     def fill(self, model: Any, input_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -61,78 +61,15 @@ class EmbedsBuffer:
 
     def _capture(self, model: Any, input_ids: torch.Tensor, num_tokens: int) -> None:
         """This step's fill, eagerly (it is this step's; the first call of a size also warms the lookup
-        up), then the same fill captured on a side stream (a capture runs nothing; the default stream
-        cannot capture); on a failure to capture, every size fills eagerly from now on."""
+        up), then the same fill captured on a side stream; on a failure to capture, every size fills
+        eagerly from now on."""
         rows, ids = self.buf[:num_tokens], input_ids[:num_tokens]
         rows.copy_(model.embed_input_ids(ids))  # raises as the eager fill would
-        graph, failure, rng_state = torch.cuda.CUDAGraph(), None, None
-        try:
-            # The generator's seed and offset, should the capture break (`_undo_capture`).
-            rng_state = torch.cuda.default_generators[self.buf.device.index or 0].get_state()
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-                self._side = torch.cuda.Stream(self.buf.device)
-            with torch.cuda.stream(self._side):
-                # Not `torch.cuda.graph(...)`: its entry synchronizes, collects and empties the cache,
-                # mid-serving. Thread-local: vLLM's other threads may call CUDA meanwhile.
-                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-                try:
-                    rows.copy_(model.embed_input_ids(ids))
-                except Exception as exc:  # noqa: BLE001 - the cause, reported below
-                    failure = exc
-                graph.capture_end()  # raises when the capture broke inside CUDA (a host read, a sync)
-        except Exception as exc:  # noqa: BLE001 - any model's lookup: eager is always right
-            failure = failure or exc
-            self._stop_pool()
+        graph, _, failure = self._capturer.capture(lambda: rows.copy_(model.embed_input_ids(ids)))
         if failure is not None:
-            self._undo_capture(graph, rng_state)
-            first_line = (str(failure).strip().splitlines() or [""])[0]  # CUDA errors add a paragraph of advice
-            self._no_graphs(f"{type(failure).__name__}: {first_line}")
+            self._no_graphs(failure)
             return
         self._graphs[num_tokens] = (graph, input_ids.data_ptr())
-
-    def _stop_pool(self) -> None:
-        """A capture that broke inside CUDA raises from `capture_end` before torch's allocator stops
-        routing the capturing stream's allocations to our pool, and while it routes, the allocator
-        defers freeing memory that other streams used: stop it (a no-op error if it had stopped)."""
-        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-        if end is not None and self._pool is not None:
-            try:
-                end(self.buf.device.index, self._pool)
-            except Exception:  # noqa: BLE001 - already stopped
-                pass
-
-    def _undo_capture(self, graph: Any, rng_state: torch.Tensor | None) -> None:
-        """A capture that broke leaves the device's default random generator marked as capturing
-        (on torch 2.11 neither resetting the broken graph nor an empty capture of our own right
-        after cleared the mark): every random op of the process then raises ("Offset increment
-        outside graph capture encountered unexpectedly"), vLLM's sampling among them (seen on the
-        H200, torch 2.11). The generator is handed a fresh state
-        holding the seed and offset it had before the capture (`graphsafe_set_state`). Graphs
-        captured before keep the old state: one holding random ops would raise at replay (vLLM's
-        model graphs hold none; sampling runs outside them)."""
-        try:
-            graph.reset()
-        except Exception:  # noqa: BLE001 - nothing left to reset
-            pass
-        if rng_state is None or self._rng_usable():
-            return
-        try:
-            fresh = torch.Generator(device=self.buf.device)
-            fresh.set_state(rng_state)
-            torch.cuda.default_generators[self.buf.device.index or 0].graphsafe_set_state(fresh)
-        except Exception as exc:  # noqa: BLE001 - reported below
-            log.debug("could not reset the random generator: %s", exc)
-        if not self._rng_usable():
-            log.error("omni-sidecar shim: after the failed capture of the embedding lookup, random ops on "
-                      "%s still fail; restart the engine with embeds_graphs=off", self.buf.device)
-
-    def _rng_usable(self) -> bool:
-        try:
-            torch.empty(1, device=self.buf.device).uniform_()
-            return True
-        except RuntimeError:
-            return False
 
     def _no_graphs(self, exc: str) -> None:
         log.warning("omni-sidecar shim: the model's embedding lookup could not be captured in a CUDA graph "

@@ -45,20 +45,38 @@ class StateMirror:
         if initial:
             self._merge_into(self.states[req_id], initial)
 
-    def merge(self, req_id: str, update: Any) -> None:
-        """A model update: into the state the hooks read next, and into this step's update."""
+    def owned(self, value: torch.Tensor, key: tuple[str, str]) -> torch.Tensor:
+        """`value` stored as a merge under `key` would store it: a batch's tensor copied once, whose
+        per-request rows (views) then merge with `owned=True`."""
+        return self._stored(value, key in self.resident_keys)
+
+    def merge(self, req_id: str, update: Any, owned: bool = False, private: torch.Tensor | None = None) -> None:
+        """A model update: into the state the hooks read next, and into this step's update.
+        `owned`: its tensors are the mirror's already (`owned()`), stored as they are. `private`: a
+        copy made for the hook that returned `update`: resident views of it are stored as they are."""
         state = self.states.get(req_id)
         if state is None or not isinstance(update, dict) or not update:
             return
-        self._merge_into(state, update)
+        base = private.untyped_storage().data_ptr() if private is not None else None
         # The stored values, not the model's: the sidecar gets exactly what the mirror holds.
-        sent = self.step_updates.setdefault(req_id, {})
+        sent = self.step_updates.get(req_id)
+        if sent is None:
+            sent = self.step_updates[req_id] = {}
         for key, value in update.items():
             if isinstance(value, dict):
-                held = state[key]
-                sent.setdefault(key, {}).update({q: held[q] for q in value})
+                slot, out = state.get(key), sent.get(key)
+                if not isinstance(slot, dict):
+                    slot = state[key] = {}
+                if not isinstance(out, dict):
+                    out = sent[key] = {}
+                for qual, v in value.items():
+                    if not owned:
+                        resident = (key, qual) in self.resident_keys
+                        v = (v.detach() if resident and base is not None and isinstance(v, torch.Tensor)
+                             and v.untyped_storage().data_ptr() == base else self._stored(v, resident))
+                    slot[qual] = out[qual] = v
             else:
-                sent[key] = state[key]
+                state[key] = sent[key] = value if owned else self._stored(value, False)
 
     def apply_appended(self, req_id: str, entries: dict[str, Any], device: Any = None) -> None:
         """A client's append the sidecar sent (MirrorUpdate, its delta): merged as the sidecar merges it
@@ -100,16 +118,16 @@ class StateMirror:
             self.step_updates.pop(req_id, None)
             self.step_outputs.pop(req_id, None)
 
-    def _merge_into(self, state: dict[str, Any], update: dict[str, Any]) -> None:
+    def _merge_into(self, state: dict[str, Any], update: dict[str, Any], owned: bool = False) -> None:
         for key, value in update.items():
             if isinstance(value, dict):
                 slot = state.get(key)
                 if not isinstance(slot, dict):
                     slot = state[key] = {}
                 for qual, v in value.items():
-                    slot[qual] = self._stored(v, (key, qual) in self.resident_keys)
+                    slot[qual] = v if owned else self._stored(v, (key, qual) in self.resident_keys)
             else:
-                state[key] = self._stored(value, False)
+                state[key] = value if owned else self._stored(value, False)
 
     @staticmethod
     def _stored(value: Any, resident: bool) -> Any:

@@ -364,6 +364,13 @@ def graph_sizes(vllm_config) -> list[int]:
     return sorted({int(n) for n in sizes})
 
 
+def full_graph_sizes(vllm_config) -> list[int]:
+    """The token counts vLLM runs CUDA graphs at, where it runs FULL graphs ([] elsewhere): vllm-omni
+    wraps a graph-safe `talker_mtp` in a FULL graph of its own only then (worker_shim/model/mtp_graphs.py)."""
+    mode = getattr(getattr(vllm_config, "compilation_config", None), COMPILATION_GRAPH_FIELDS[0], None)
+    return graph_sizes(vllm_config) if full_cuda_graphs(mode) else []
+
+
 def full_cuda_graphs(mode) -> bool:
     """Does this CUDAGraphMode replay whole forwards (FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE)?"""
     if mode is None:

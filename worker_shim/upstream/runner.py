@@ -25,6 +25,7 @@ from worker_shim.upstream.compat import (
     RUNNER_INIT_ATTRS,
     check_instance,
     check_one_of,
+    full_graph_sizes,
     graph_sizes,
     is_dummy_run,
     prompt_len_of,
@@ -34,7 +35,7 @@ from worker_shim.config import ShimConfig
 from worker_shim.model.embeds import wanted as embeds_wanted
 from worker_shim.model.layers import LayerCapture
 from worker_shim.step.link import SidecarLink
-from worker_shim.model.bridge import ModelBridge, attach_bridge, model_class_has_hooks
+from worker_shim.model.bridge import ModelBridge, attach_bridge, model_class_has_hooks, talker_mtp_graphed
 from worker_shim.step.tp import TensorParallelFollower, TensorParallelSync
 from worker_shim.step.plan_read import model_device
 
@@ -123,7 +124,11 @@ class SidecarRunnerMixin:
         swap_class(self.model_state, SidecarModelStateMixin)
         self.model_state.omni_runner = self
         settings = ShimConfig.from_vllm(self.vllm_config)
-        self.omni_bridge = attach_bridge(self.model, self.omni_tp, link.embeds_setting, settings.subtalker_sampling)
+        # The model's talker_mtp from graphs of ours where vllm-omni's runner replays it from one.
+        mtp_sizes = (full_graph_sizes(self.vllm_config) if settings.talker_mtp_graphs == "auto"
+                     and talker_mtp_graphed(self.model) else [])
+        self.omni_bridge = attach_bridge(self.model, self.omni_tp, link.embeds_setting, settings.subtalker_sampling,
+                                         mtp_sizes)
         if self.omni_bridge is not None:
             link.mirror_sink = self.omni_bridge.apply_appended
         if self.omni_bridge is not None and not use_embeds:  # hooks set on the instance only

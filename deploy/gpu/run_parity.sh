@@ -1,0 +1,48 @@
+#!/bin/sh
+# The GPU parity check in one go on a bare GPU host (docs/ARCHITECTURE.md, "GPU bundle"):
+#   [PARITY_LIMIT_S=560] deploy/gpu/run_parity.sh BUNDLE_DIR OUT_DIR [parity.py options...]
+# installs the bundle (built with BUNDLE_SM=90 BUNDLE_NO_JIT_HEADERS=1 BUNDLE_OMNI=1, and
+# BUNDLE_PROFILER=1 for the py-spy summary) into /tmp/omni-site, builds the tiny checkpoint of the
+# published layout (tests/tiny_models/qwen3_tts.py), runs the CUDA-only tests (skipped on CPU), then
+# deploy/gpu/parity.py, and leaves in OUT_DIR: vllm-omni-parity.json (docs/bench/gpu/) and its
+# BENCHMARKS.md rows, parity.json (every figure), parity.log, profiles.txt (py-spy), tests.log and
+# the engines' log tails.
+set -u
+B=$1 OUT=$2 LIMIT=${PARITY_LIMIT_S:-560}  # the whole run, install included
+shift 2
+SRC=$(cd "$(dirname "$0")/../.." && pwd)
+SITE=/tmp/omni-site
+mkdir -p "$OUT"
+t0=$(date +%s)
+if ! sh "$SRC/deploy/gpu/install_bundle.sh" "$B" "$SITE" > "$OUT/install.log" 2>&1; then
+  tail -40 "$OUT/install.log"
+  exit 1
+fi
+echo "installed in $(( $(date +%s) - t0 )) s"
+cd "$SRC"  # `python -m` children put the working directory first on sys.path
+# py-spy: pip --target skips a bin/ the vLLM tree brought already; a folder of its own then.
+if [ ! -x "$SITE/bin/py-spy" ] && ls "$B"/wheels/py_spy-*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/omni-pyspy "$B"/wheels/py_spy-*.whl
+fi
+export PATH="$SITE/bin:/tmp/omni-pyspy/bin:$PATH" PYTHONPATH="$SRC:$SITE" VLLM_USE_FLASHINFER_SAMPLER=0 \
+  HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+W=$(mktemp -d /tmp/parity-XXXXXX)  # private: the sidecars' sockets live there
+VLLM_PLUGINS=omni_sidecar_shim python3 -m tests.tiny_models.qwen3_tts "$W/model" > "$OUT/model.log" 2>&1 \
+  || { tail -30 "$OUT/model.log"; exit 1; }
+# The CUDA-only tests (skipped on CPU), in the background while the engines start.
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_embeds_graph.py tests/test_mtp_graphs.py \
+  tests/test_plan_transfer.py tests/test_omni_columns.py > "$OUT/tests.log" 2>&1 &
+TESTS=$!
+left=$(( LIMIT - ($(date +%s) - t0) - 20 ))
+timeout "$left" python3 "$SRC/deploy/gpu/parity.py" --model "$W/model" --out "$W" \
+  --result "$OUT/vllm-omni-parity.json" "$@" > "$OUT/parity.log" 2>&1
+echo "parity.py rc=$? after $(( $(date +%s) - t0 )) s"
+wait $TESTS
+tail -3 "$OUT/tests.log"
+grep -v '^\[W' "$OUT/parity.log" | tail -40
+cp "$W/parity.json" "$OUT/" 2>/dev/null
+for f in "$W"/profile-*.txt; do [ -f "$f" ] && { echo "=== $(basename "$f")"; cat "$f"; echo; }; done > "$OUT/profiles.txt"
+for f in "$W"/*.log; do echo "=== $(basename "$f")"; grep -E "patch|Error|error|Traceback|Capturing|talker_mtp|py-spy" "$f" | tail -40; tail -25 "$f"; done \
+  > "$OUT/engine-logs.txt" 2>/dev/null
+rm -f "$OUT/install.log" "$OUT/model.log"
+exit 0
