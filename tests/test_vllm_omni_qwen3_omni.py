@@ -29,7 +29,7 @@ import torch
 
 from tests.support.procs import ROOT, SidecarProcess, run_engine
 from tests.support.vllm_omni_payload import installed_vllm_omni
-from tests.tiny_models.qwen3_omni import MROPE_SECTION
+from tests.tiny_models.qwen3_omni import MROPE_SECTION, TALKER
 
 pytestmark = pytest.mark.e2e
 JOB = ROOT / "tests" / "support" / "qwen3_omni_job.py"
@@ -76,6 +76,16 @@ def test_upstream_parses_the_published_layout(job):
     assert job["rope_parameters"]["mrope_interleaved"] is True
     assert job["upstream_class"] == ("vllm.model_executor.models.qwen3_omni_moe_thinker."
                                      "Qwen3OmniMoeThinkerForConditionalGeneration")
+
+
+def test_talker_stage_config_through_hf_overrides(job):
+    """Upstream sizes the talker stage from talker_config's text model (vllm-omni: hf_config_name
+    "talker_config"), not the thinker's, given `hf_overrides=talker_stage_config`."""
+    text = TALKER["text_config"]
+    assert job["talker_stage"] == {
+        "architectures": ["Qwen3OmniMoeTalkerStage"], "text_config_class": "Qwen3OmniMoeTalkerTextConfig",
+        "mrope_section": MROPE_SECTION, "vocab_size": text["vocab_size"], "hidden_size": text["hidden_size"],
+        "layers": text["num_hidden_layers"], "num_experts": text["num_experts"]}
 
 
 def test_loader_registers_vllm_omni_qwen3_omni_classes(job):

@@ -4,6 +4,8 @@ One process (a fork of the test session's engine server, or a fresh Python): it 
 checkpoint (tests/tiny_models/qwen3_omni.py), then writes
 - what upstream parses of its config (M-RoPE section, text config, the class upstream resolves);
 - what the shim's loader registers for Qwen3-Omni and where each name points;
+- the talker stage's config as upstream reads it with `hf_overrides=talker_stage_config` (its text
+  config and the sizes upstream's architecture convertor derives from it);
 - whether vllm-omni's Qwen3-Omni stage classes import here (vllm-omni's thinker module needs names
   of the vLLM it was built for), and the exact error if not;
 - vllm-omni's code2wav class built as its outer class builds it (`with_hf_config(code2wav_config)`),
@@ -48,6 +50,7 @@ def main(job_path: str, result_path: str) -> None:
         result["registry"] = _registry(result["registered"])
         vllm_config = _vllm_config(model)
         result.update(_parsed(vllm_config))
+        result["talker_stage"] = _talker_stage(model)
         result.update(_stage_classes())
         result.update(_code2wav(vllm_config, model, job["codes"]))
         result["patches_before_engine"] = patches_applied()
@@ -86,6 +89,23 @@ def _parsed(vllm_config) -> dict:
             "uses_mrope": bool(mc.uses_mrope), "rope_parameters": dict(mc.hf_text_config.rope_parameters),
             "upstream_class": f"{cls.__module__}.{cls.__qualname__}",
             "sections": sorted(k for k in mc.hf_config.to_dict() if k.endswith("_config"))}
+
+
+def _talker_stage(model: str) -> dict:
+    """What upstream's ModelConfig would take from the talker stage's config (the architecture's
+    inspection is left out: vllm-omni's stage class must import for that)."""
+    from vllm.transformers_utils.config import get_config, get_hf_text_config
+    from vllm.transformers_utils.model_arch_config_convertor import (MODEL_ARCH_CONFIG_CONVERTORS,
+                                                                      ModelArchConfigConvertorBase)
+
+    from worker_shim.omni_models.qwen3_omni.config import talker_stage_config
+
+    config = get_config(model, trust_remote_code=False, hf_overrides_fn=talker_stage_config)
+    text = get_hf_text_config(config)
+    arch = MODEL_ARCH_CONFIG_CONVERTORS.get(config.model_type, ModelArchConfigConvertorBase)(config, text).convert()
+    return {"architectures": config.architectures, "text_config_class": type(text).__name__,
+            "mrope_section": text.rope_parameters.get("mrope_section"), "vocab_size": arch.vocab_size,
+            "hidden_size": arch.hidden_size, "layers": arch.total_num_hidden_layers, "num_experts": arch.num_experts}
 
 
 def _stage_classes() -> dict:
