@@ -70,6 +70,13 @@ def job(tmp_path_factory):
 
 
 def test_upstream_parses_the_published_layout(job):
+    keys = set(job["checkpoint_keys"])
+    assert {k.split(".")[0] for k in keys} == {"thinker", "talker", "code2wav"}
+    assert {k.split(".")[1] for k in keys if k.startswith("thinker.")} == {"audio_tower", "visual", "model", "lm_head"}
+    # Experts one by one, as published (vLLM's loaders map these names), and the talker's shared expert.
+    assert "thinker.model.layers.0.mlp.experts.3.gate_proj.weight" in keys
+    assert "talker.model.layers.1.mlp.shared_expert.down_proj.weight" in keys
+    assert "talker.code_predictor.lm_head.14.weight" in keys  # one head per residual codebook (16 - 1)
     assert job["hf_config_class"] == "Qwen3OmniMoeConfig" and job["hf_text_config_class"] == "Qwen3OmniMoeTextConfig"
     assert job["sections"] == ["code2wav_config", "talker_config", "thinker_config"]
     assert job["uses_mrope"] and job["rope_parameters"]["mrope_section"] == MROPE_SECTION

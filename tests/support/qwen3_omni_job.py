@@ -46,6 +46,7 @@ def main(job_path: str, result_path: str) -> None:
 
         model = str(build(job["build_into"]))
         result["model"] = model
+        result["checkpoint_keys"] = _checkpoint_keys(model)
         result["registered"] = register_vllm_omni_models()
         result["registry"] = _registry(result["registered"])
         vllm_config = _vllm_config(model)
@@ -63,6 +64,13 @@ def main(job_path: str, result_path: str) -> None:
     except BaseException as exc:  # the test reads the error
         record_error(result, exc)
     exit_with(result, result_path, t0, llm)
+
+
+def _checkpoint_keys(model: str) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(Path(model) / "model.safetensors"), "pt") as f:
+        return sorted(f.keys())
 
 
 def _registry(names: list[str]) -> dict[str, str]:
