@@ -7,7 +7,8 @@ too). Upstream's ModelConfig has neither field, and upstream already owns that a
 (it resolves to upstream's own thinker). So each stage is a subclass here, under its own name,
 that sets the two fields vllm-omni's engine would before calling vllm-omni's `__init__`. The inner
 classes the outer one builds through upstream's registry (`init_vllm_registered_model` with
-vllm-omni's names, which upstream does not have) are vllm-omni's own, named from thinker.py, talker.py and code2wav.py.
+vllm-omni's names, which upstream does not have) are vllm-omni's own, named from thinker.py,
+talker.py and code2wav.py.
 """
 
 from __future__ import annotations
@@ -43,13 +44,15 @@ class Qwen3OmniMoeStage(qwen3_omni.Qwen3OmniMoeForConditionalGeneration):
 
 class Qwen3OmniMoeThinkerStage(Qwen3OmniMoeStage):
     """vllm-omni's Qwen3-Omni as its thinker stage: multimodal input, M-RoPE, MoE, and the
-    hidden layers the talker reads (its forward returns (hidden, {layer: rows}) then)."""
+    hidden layers the talker reads (its forward returns (hidden, {"hidden_states": {"layers": ...}}))."""
 
     stage = "thinker"
 
 
 class Qwen3OmniMoeTalkerStage(Qwen3OmniMoeStage):
-    """vllm-omni's Qwen3-Omni as its talker stage (preprocess / postprocess / talker_mtp hooks)."""
+    """vllm-omni's Qwen3-Omni as its talker stage (preprocess / postprocess / talker_mtp hooks).
+    Load it with `hf_overrides=config.talker_stage_config`, which gives upstream the talker's text
+    config and names this architecture."""
 
     stage = "talker"
 
