@@ -5,7 +5,8 @@ and vllm-omni (the pinned wheel, off sys.path, as tests/test_vllm_omni_models.py
 in one job (tests/support/qwen3_omni_job.py):
 - upstream parses the layout: transformers' config classes (model_type "qwen3_omni_moe" is
   transformers' own, nothing registered), the thinker's interleaved M-RoPE section, upstream's own
-  thinker for the published architecture name;
+  thinker for the published architecture name; the weight names and the tokenizer's special ids
+  are the published ones;
 - the shim's loader registers vllm-omni's Qwen3-Omni classes (one name per stage of its outer
   class, and its inner thinker / talker / code2wav names) pointing at the shim's modules;
 - vllm-omni's code2wav class, built and loaded as its outer class does, gives transformers'
@@ -83,6 +84,20 @@ def test_upstream_parses_the_published_layout(job):
     assert job["rope_parameters"]["mrope_interleaved"] is True
     assert job["upstream_class"] == ("vllm.model_executor.models.qwen3_omni_moe_thinker."
                                      "Qwen3OmniMoeThinkerForConditionalGeneration")
+
+
+def test_tokenizer_has_the_published_special_ids(job):
+    tok = job["tokenizer"]
+    assert tok["size"] == 151676  # 151643 entries, then the 33 added tokens
+    assert tok["tokens"] == {
+        "thinker_config.audio_start_token_id": "<|audio_start|>", "thinker_config.audio_end_token_id": "<|audio_end|>",
+        "thinker_config.audio_token_id": "<|audio_pad|>", "thinker_config.image_token_id": "<|image_pad|>",
+        "thinker_config.video_token_id": "<|video_pad|>", "thinker_config.vision_start_token_id": "<|vision_start|>",
+        "thinker_config.vision_end_token_id": "<|vision_end|>", "im_start_token_id": "<|im_start|>",
+        "im_end_token_id": "<|im_end|>", "tts_pad_token_id": "<tts_pad>", "tts_bos_token_id": "<tts_text_bos>",
+        "tts_eos_token_id": "<tts_text_eod>"}
+    assert len(tok["text_ids"]) == len("hi there") and max(tok["text_ids"]) < 256  # bytes, no merges
+    assert tok["chat"] == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_talker_stage_config_through_hf_overrides(job):

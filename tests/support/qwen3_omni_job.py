@@ -47,6 +47,7 @@ def main(job_path: str, result_path: str) -> None:
         model = str(build(job["build_into"]))
         result["model"] = model
         result["checkpoint_keys"] = _checkpoint_keys(model)
+        result["tokenizer"] = _tokenizer(model)
         result["registered"] = register_vllm_omni_models()
         result["registry"] = _registry(result["registered"])
         vllm_config = _vllm_config(model)
@@ -71,6 +72,23 @@ def _checkpoint_keys(model: str) -> list[str]:
 
     with safe_open(str(Path(model) / "model.safetensors"), "pt") as f:
         return sorted(f.keys())
+
+
+def _tokenizer(model: str) -> dict:
+    """The checkpoint's tokenizer as vLLM and vllm-omni load it: the tokens at the config's ids."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    config = AutoConfig.from_pretrained(model)
+    named = {f"thinker_config.{k}": getattr(config.thinker_config, k) for k in
+             ("audio_start_token_id", "audio_end_token_id", "audio_token_id", "image_token_id", "video_token_id",
+              "vision_start_token_id", "vision_end_token_id")}
+    named.update({k: getattr(config, k) for k in ("im_start_token_id", "im_end_token_id", "tts_pad_token_id",
+                                                  "tts_bos_token_id", "tts_eos_token_id")})
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                         tokenize=False)
+    return {"size": len(tokenizer), "tokens": {k: tokenizer.convert_ids_to_tokens(v) for k, v in named.items()},
+            "text_ids": tokenizer("hi there")["input_ids"], "chat": chat}
 
 
 def _registry(names: list[str]) -> dict[str, str]:

@@ -12,8 +12,10 @@ seeded random init, `save_pretrained`), every size shrunk (about 50 MB, a few se
 codec ids stay the published ones (vllm-omni's Qwen3-Omni code has some of them written in), so
 the thinker keeps the published vocabulary size. Fields the published file has that transformers
 no longer declares (the vision encoder's `image_size`, the text models' `tie_word_embeddings`,
-...) are written too: upstream vLLM reads them. The text tokenizer and the multimodal processor
-files are not written: the engines here run on token ids (skip_tokenizer_init), text only.
+...) are written too: upstream vLLM reads them. The text tokenizer is the published kind (Qwen2's
+byte-level BPE, its 33 added tokens at the published ids 151643..151675, a ChatML chat template)
+with no merges and the byte alphabet as its only text tokens (ids 0..255; the ids between are
+unused entries). The multimodal processor files are not written (text-only engines here).
 
   python -m tests.tiny_models.qwen3_omni OUT_DIR
 """
@@ -82,6 +84,18 @@ CODE2WAV = dict(codebook_size=2048, codebook_dim=16, hidden_size=32, latent_dim=
 TOP = dict(enable_audio_output=True, im_start_token_id=151644, im_end_token_id=151645, tts_pad_token_id=151671,
            tts_bos_token_id=151672, tts_eos_token_id=151673, system_token_id=8948, user_token_id=872,
            assistant_token_id=77091)
+# The published tokenizer's added tokens, from id 151643 on (the config's ids above are among them).
+ADDED_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+                "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>",
+                "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+                "<tool_response>", "</tool_response>", "<think>", "</think>", "<|audio_start|>", "<|audio_end|>",
+                "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>", "<tts_text_bos_single>", "<|audio_pad|>"]
+FIRST_ADDED_ID = 151643
+NOT_SPECIAL = {"<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+               "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
+CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 STAMP = "tiny-qwen3-omni-v1"
 
 
@@ -93,6 +107,26 @@ def config():
     return cfg
 
 
+def write_tokenizer(path: Path) -> None:
+    """vocab.json / merges.txt / tokenizer_config.json as published, then transformers' own save
+    (tokenizer.json beside them, so that loading it does not rebuild the vocabulary)."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import AutoTokenizer
+
+    alphabet = sorted(ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    vocab.update({f"<|unused{i}|>": i for i in range(len(alphabet), FIRST_ADDED_ID)})
+    (path / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+    (path / "merges.txt").write_text("#version: 0.2\n")
+    added = {str(FIRST_ADDED_ID + i): dict(content=t, lstrip=False, rstrip=False, normalized=False, single_word=False,
+                                           special=t not in NOT_SPECIAL) for i, t in enumerate(ADDED_TOKENS)}
+    (path / "tokenizer_config.json").write_text(json.dumps(dict(
+        tokenizer_class="Qwen2Tokenizer", model_max_length=65536, errors="replace", clean_up_tokenization_spaces=False,
+        bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None, split_special_tokens=False,
+        added_tokens_decoder=added, chat_template=CHAT_TEMPLATE), indent=1))
+    AutoTokenizer.from_pretrained(path).save_pretrained(path)
+
+
 def build(path: str | Path, seed: int = 0) -> Path:
     import torch
     from transformers import Qwen3OmniMoeForConditionalGeneration
@@ -101,6 +135,7 @@ def build(path: str | Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = Qwen3OmniMoeForConditionalGeneration(config()).to(torch.bfloat16)
     model.save_pretrained(path)
+    write_tokenizer(path)
     (path / "omni_tiny.json").write_text(json.dumps({"stamp": STAMP, "seed": seed}))
     return path
 
