@@ -41,7 +41,8 @@ SUBTALKER_SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p")
 ENV_SELECT = "OMNI_SIDECAR"  # "1" selects the shim where the endpoint is the default one
 ENV_TRITON_INTERPRET = "TRITON_INTERPRET"  # vLLM's Triton kernels run in the interpreter
 # auto: where vllm-omni is installed and its package not imported, the shim's plugin registers its
-# Qwen3-TTS classes with upstream vLLM, loaded without its patches (worker_shim/omni_models/); off: not.
+# Qwen3-TTS and Qwen3-Omni classes with upstream vLLM, loaded without its patches
+# (worker_shim/omni_models/); off: not.
 ENV_VLLM_OMNI_MODELS = "OMNI_SIDECAR_VLLM_OMNI_MODELS"
 VllmOmniModels = Literal["auto", "off"]
 
@@ -155,8 +156,8 @@ def shim_selected() -> bool:
 def vllm_omni_models() -> VllmOmniModels:
     """`OMNI_SIDECAR_VLLM_OMNI_MODELS` (auto by default): does the plugin register vllm-omni's models?"""
     return _choice(os.environ.get(ENV_VLLM_OMNI_MODELS, "auto").strip().lower(), ENV_VLLM_OMNI_MODELS,
-                   VllmOmniModels, "auto registers vllm-omni's Qwen3-TTS classes, loaded without its patches, "
-                   "where vllm-omni is installed; off leaves them alone")
+                   VllmOmniModels, "auto registers vllm-omni's Qwen3-TTS and Qwen3-Omni classes, loaded without its "
+                   "patches, where vllm-omni is installed; off leaves them alone")
 
 
 def triton_interpreted() -> bool:

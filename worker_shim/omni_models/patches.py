@@ -54,7 +54,7 @@ def require_unpatched(where: str) -> None:
             f"omni-sidecar's shim runs on unmodified vLLM, but vllm-omni's patches are applied in this process "
             f"({where}): {shown}. vllm-omni's vllm.general_plugins entry point imports its package "
             "(and patch.py) in every vLLM process: start vLLM with VLLM_PLUGINS=omni_sidecar_shim (the shim "
-            "then loads vllm-omni's Qwen3-TTS classes without the patches), and import nothing of vllm_omni "
+            "then loads vllm-omni's model classes without the patches), and import nothing of vllm_omni "
             "yourself in the engine's processes.")
 
 

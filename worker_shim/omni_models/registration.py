@@ -1,10 +1,11 @@
-"""Registers vllm-omni's Qwen3-TTS classes with upstream vLLM, from the shim's plugin.
+"""Registers vllm-omni's Qwen3-TTS and Qwen3-Omni classes with upstream vLLM, from the shim's plugin.
 
 In every vLLM process (front-end, engine core, workers, the registry's inspection subprocess)
 the plugin calls `register_vllm_omni_models()`. Where vllm-omni is installed, its package not
 imported and `OMNI_SIDECAR_VLLM_OMNI_MODELS` is not off, it stands the package in, registers
-our config subclass with AutoConfig (config.json's model_type "qwen3_tts") and vllm-omni's three
-architecture names with upstream's ModelRegistry as "module:Class" strings naming our modules:
+our Qwen3-TTS config subclass with AutoConfig (config.json's model_type "qwen3_tts"; Qwen3-Omni's
+"qwen3_omni_moe" is transformers' own) and the architecture names below with upstream's
+ModelRegistry as "module:Class" strings naming our modules:
 vLLM imports them only when a model asks for one, in whichever process it does. Architectures
 already registered (upstream's own, a user's) are left as they are.
 """
@@ -20,11 +21,24 @@ log = logging.getLogger("vllm.omni_sidecar.shim.omni_models")
 
 _TALKER = "worker_shim.omni_models.qwen3_tts.talker:Qwen3TTSTalkerForConditionalGeneration"
 _CODE2WAV = "worker_shim.omni_models.qwen3_tts.code2wav:Qwen3TTSCode2Wav"
-# vllm-omni's architecture names for these classes (its models/registry.py, 0.26 and 0.30).
+_STAGES = "worker_shim.omni_models.qwen3_omni.stages"
+QWEN3_OMNI_TALKER_STAGE = "Qwen3OmniMoeTalkerStage"  # with hf_overrides=qwen3_omni.config.talker_stage_config
+# vllm-omni's architecture names for these classes (its models/registry.py, 0.26 and 0.30), and,
+# for Qwen3-Omni, one name per stage of its outer class (upstream owns the outer name, and the
+# stage is an engine argument there: qwen3_omni/stages.py). Its outer class builds the inner ones
+# through upstream's registry under vllm-omni's names.
 ARCHITECTURES = {
     "Qwen3TTSForConditionalGeneration": _TALKER,
     "Qwen3TTSTalkerForConditionalGeneration": _TALKER,
     "Qwen3TTSCode2Wav": _CODE2WAV,
+    "Qwen3OmniMoeThinkerStage": f"{_STAGES}:Qwen3OmniMoeThinkerStage",
+    QWEN3_OMNI_TALKER_STAGE: f"{_STAGES}:Qwen3OmniMoeTalkerStage",
+    "Qwen3OmniMoeCode2WavStage": f"{_STAGES}:Qwen3OmniMoeCode2WavStage",
+    "Qwen3OmniMoeThinkerForConditionalGeneration":
+        "worker_shim.omni_models.qwen3_omni.thinker:Qwen3OmniMoeThinkerForConditionalGeneration",
+    "Qwen3OmniMoeTalkerForConditionalGeneration":
+        "worker_shim.omni_models.qwen3_omni.talker:Qwen3OmniMoeTalkerForConditionalGeneration",
+    "Qwen3OmniMoeCode2Wav": "worker_shim.omni_models.qwen3_omni.code2wav:Qwen3OmniMoeCode2Wav",
 }
 
 

@@ -1,0 +1,15 @@
+"""vllm-omni's Qwen3-Omni code2wav (codes to waveform), unchanged.
+
+vllm-omni's outer class (stages.py) builds it through upstream's registry under vllm-omni's name;
+the name points here so that the registry's import stands vllm_omni in first.
+"""
+
+from __future__ import annotations
+
+from worker_shim.omni_models.package import install_stand_in
+
+install_stand_in()
+
+from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_code2wav import Qwen3OmniMoeCode2Wav  # noqa: E402
+
+__all__ = ["Qwen3OmniMoeCode2Wav"]
