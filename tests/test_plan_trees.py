@@ -70,7 +70,7 @@ def test_a_plans_trees_are_bytes_whose_marks_name_its_stacks(arenas):
     # A stack per kind, in the order the tree meets them (a kind met once: a stack of one row); the
     # empty tensor, which no stack can hold, a stack used whole; the tree names them all.
     assert [s.shape for s in arenas.stacks] == [[ROWS + 3, 1, 4], [1, 3], [1, 2], [3, 2], [0, 4]]
-    assert arenas.stacked_rows == ROWS + 3 + 1 + 1 + 3
+    assert arenas.out.stacked_rows == ROWS + 3 + 1 + 1 + 3
     marks = decode_tree(sent)
     assert [d["hidden_states"]["last"] for d in marks["runtime_additional_information"]] == [
         (0, i) for i in range(ROWS + 3)]
@@ -215,7 +215,7 @@ def test_zero_dim_tensors_are_rows_of_a_stack_and_read_back_as_zero_dim(arenas):
     arenas.out.reset()
     kwargs = {"temperature": torch.tensor(0.7), "per_request": [{"t": torch.tensor(float(i))} for i in range(ROWS)]}
     sent = arenas.encode_tree(kwargs)
-    assert [s.shape for s in arenas.stacks] == [[ROWS + 1]] and arenas.stacked_rows == ROWS + 1
+    assert [s.shape for s in arenas.stacks] == [[ROWS + 1]] and arenas.out.stacked_rows == ROWS + 1
     got = _read(arenas.out.arena, sent, arenas.stacks)
     assert got["temperature"].shape == () and got["temperature"].item() == pytest.approx(0.7)
     assert_same_tree(got, kwargs)
