@@ -26,7 +26,7 @@ from omni_serve.api import audio
 from omni_serve.api.metrics import SpeechMetrics
 from omni_serve.api.protocol import LANGUAGES, Refused, SpeechRequest, error_body, unsupported_fields
 from omni_serve.config import ServeConfig, load_callable
-from omni_serve.speech.pipeline import SpeechJob, SpeechPipeline, Stage, StageFailed
+from omni_serve.speech.pipeline import SpeechJob, SpeechPipeline, Stage, StageFailed, ThinkerStage
 from omni_serve.stages.link import SidecarLink
 from omni_serve.stages.sidecars import SidecarProcess
 from proto.settings import CODE2WAV_CHUNK_FRAMES, CODE2WAV_LEFT_CONTEXT_FRAMES
@@ -85,8 +85,25 @@ def speech_input(body: bytes, config: ServeConfig, prompt: Callable[[str, int], 
         raise Refused(f"max_new_tokens {frames} is above this server's limit of {talker.max_tokens}",
                       param="max_new_tokens")
     prompt_ids, payload = prompt(text, config.voices.index(voice))
-    job = SpeechJob(f"speech-{uuid.uuid4().hex}", prompt_ids, payload, frames, request.seed)
+    job = SpeechJob(f"speech-{uuid.uuid4().hex}", prompt_ids, payload, frames, request.seed,
+                    input_tokens=text_tokens(config, prompt_ids, payload))
     return SpeechInput(job, request.response_format, request.stream, request.stream_format != "audio")
+
+
+def text_tokens(config: ServeConfig, prompt_ids: list[int], payload: dict[str, Any]) -> int:
+    """The text's tokens as the first stage reads them: a thinker's prompt; a Qwen3-TTS talker's
+    text rows (`hidden_states.output`: its prompt holds only a few of them, it reads the rest
+    while it decodes), so the count follows the text, not the prompt's length."""
+    rows = payload.get("hidden_states", {}).get("output") if "thinker" not in config.stages else None
+    return int(rows.shape[0]) if isinstance(rows, np.ndarray) and rows.ndim == 2 else len(prompt_ids)
+
+
+def usage(job: SpeechJob) -> dict[str, Any]:
+    """vllm-omni's `SpeechTokenUsage` (OpenAI's speech.audio.done `usage`): output tokens are the
+    codec frames the talker made."""
+    return {"input_tokens": job.input_tokens, "output_tokens": job.frames,
+            "total_tokens": job.input_tokens + job.frames,
+            "input_token_details": {"text_tokens": job.input_tokens, "audio_tokens": 0}}
 
 
 class SpeechServer:
@@ -126,10 +143,14 @@ class SpeechServer:
                               dict(self.config.stages[name].sampling)) for name in self.config.stages}
         code2wav = self.config.stages["code2wav"]
         options = code2wav.sidecar.options  # the sidecar's chunking (its defaults where not given)
+        thinker = None
+        if "thinker" in stages:
+            thinker = ThinkerStage(stages["thinker"], self.config.stages["thinker"].max_tokens,
+                                   load_callable(self.config.talker_prompt))
         self.pipeline = SpeechPipeline(stages["talker"], stages["code2wav"],
                                        int(options.get("chunk_frames", CODE2WAV_CHUNK_FRAMES)),
                                        int(options.get("left_context", CODE2WAV_LEFT_CONTEXT_FRAMES)),
-                                       code2wav.placeholder_token)
+                                       code2wav.placeholder_token, thinker)
 
     async def stop(self) -> None:
         if self.pipeline is not None:
@@ -299,7 +320,7 @@ async def _sse(first: np.ndarray | None, chunks: AsyncIterator[np.ndarray], got:
             sent = True
             yield event("speech.audio.delta", {"audio": base64.b64encode(audio.pcm16(chunk)).decode("ascii"),
                                                "response_format": "pcm"})
-        yield event("speech.audio.done", {})
+        yield event("speech.audio.done", {"usage": usage(got.job)})
     except StageFailed as exc:
         error = {"message": str(exc), "type": "server_error", "param": None, "code": 503}
         if sent:
