@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 
 from tests.support.procs import child_env
-from tests.support.serve import Server
+from tests.support.serve import TINY_ENGINE, serving
 from tests.support.speech_reference import pcm16, reference_samples
 
 pytestmark = pytest.mark.e2e
@@ -46,8 +46,7 @@ TEXT = "a sidecar speaks"
 
 
 def _config(work: Path, talker: str, code2wav: str) -> Path:
-    engine = ('{ max_model_len = 128, max_num_seqs = 8, max_num_batched_tokens = 64, dtype = "float32", '
-              'enforce_eager = true, seed = 0, kv_cache_memory_bytes = 16777216 }')
+    engine = f"{{ {TINY_ENGINE} }}"
     path = work / "serve.toml"
     path.write_text(f'''
 served_model_name = "tiny-tts"
@@ -85,13 +84,8 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
     work = tmp_path_factory.mktemp("serve")
-    srv = Server(work, _config(work, *models))
-    try:
+    with serving(work, _config(work, *models)) as srv:
         yield srv
-    finally:
-        srv.stop()
-    assert srv.proc.returncode == 0, srv.tail()
-    assert not list(srv.run_dir.glob("*.sock")), "the sidecars' sockets were left behind"
 
 
 @pytest.fixture(scope="module")
@@ -286,24 +280,30 @@ def test_a_hot_upgrade_of_a_stage_under_load_loses_nothing(server, reference, st
     assert json.loads(health)["status"] == "ok"  # the successor is adopted, not restarted over
 
 
-def test_a_killed_sidecar_fails_its_requests_with_a_503_and_the_server_serves_on(server, reference):
-    from omni_sidecar.client import SidecarClient
-
-    with SidecarClient(server.endpoint("talker")) as client:
-        pid = client.status().pid
+def _in_flight(server, n: int) -> tuple[list[tuple[int, bytes]], list[threading.Thread]]:
+    """n speech requests posted from threads, returned once all n run in the talker's engine."""
     answers: list[tuple[int, bytes]] = []
 
     def post() -> None:
         status, body, _ = server.post({"input": TEXT, "response_format": "pcm", "max_new_tokens": MAX_FRAMES + 1})
         answers.append((status, body))
 
-    threads = [threading.Thread(target=post) for _ in range(3)]
+    threads = [threading.Thread(target=post) for _ in range(n)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
-    while _metric(server, 'omni_serve_stage_requests{stage="talker"}') < 3:
+    while _metric(server, 'omni_serve_stage_requests{stage="talker"}') < n:
         assert time.monotonic() < deadline
         time.sleep(0.01)
+    return answers, threads
+
+
+def test_a_killed_sidecar_fails_its_requests_with_a_503_and_the_server_serves_on(server, reference):
+    from omni_sidecar.client import SidecarClient
+
+    with SidecarClient(server.endpoint("talker")) as client:
+        pid = client.status().pid
+    answers, threads = _in_flight(server, 3)
     os.kill(pid, signal.SIGKILL)
     for t in threads:
         t.join(120)
@@ -355,19 +355,7 @@ def test_a_dead_stage_engine_fails_its_requests_with_a_503_and_health_says_so(se
     """Last in this module: the engine stays dead (omni-serve does not restart an engine)."""
     cores = _engine_cores(server)
     assert len(cores) == 2, [p.cmdline() for p in cores]  # one per stage
-    answers: list[tuple[int, bytes]] = []
-
-    def post() -> None:
-        status, body, _ = server.post({"input": TEXT, "response_format": "pcm", "max_new_tokens": MAX_FRAMES + 1})
-        answers.append((status, body))
-
-    threads = [threading.Thread(target=post) for _ in range(2)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 30
-    while _metric(server, 'omni_serve_stage_requests{stage="talker"}') < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    answers, threads = _in_flight(server, 2)
     cores[0].kill()  # whichever stage's: /health names it
     for t in threads:
         t.join(120)

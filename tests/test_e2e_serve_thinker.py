@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.serve import Server
+from tests.support.serve import TINY_ENGINE, serving
 from tests.support.speech_reference import pcm16, thinker_reference_samples
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -31,8 +31,7 @@ TEXT = "three stages"
 
 
 def _config(work: Path, thinker: str, talker: str, code2wav: str) -> Path:
-    engine = ('max_model_len = 128, max_num_seqs = 4, max_num_batched_tokens = 64, dtype = "float32", '
-              'enforce_eager = true, seed = 0, kv_cache_memory_bytes = 16777216')
+    engine = TINY_ENGINE
     path = work / "serve.toml"
     path.write_text(f'''
 served_model_name = "tiny-omni"
@@ -81,13 +80,8 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
     work = tmp_path_factory.mktemp("serve-thinker")
-    srv = Server(work, _config(work, *models))
-    try:
+    with serving(work, _config(work, *models)) as srv:
         yield srv
-    finally:
-        srv.stop()
-    assert srv.proc.returncode == 0, srv.tail()
-    assert not list(srv.run_dir.glob("*.sock")), "the sidecars' sockets were left behind"
 
 
 def test_a_wav_equals_the_three_stages_run_by_hand(server, models):

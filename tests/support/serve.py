@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import signal
@@ -10,10 +11,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 from tests.support.procs import ROOT, child_env
 
 START_TIMEOUT_S = 400
+# A stage engine on the tiny models (a pipeline config's `engine` table, without its braces).
+TINY_ENGINE = ('max_model_len = 128, max_num_seqs = 8, max_num_batched_tokens = 64, dtype = "float32", '
+               'enforce_eager = true, seed = 0, kv_cache_memory_bytes = 16777216')
 
 
 def free_port() -> int:
@@ -82,3 +87,15 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+@contextlib.contextmanager
+def serving(work: Path, config: Path) -> Iterator[Server]:
+    """A server for a test module; stopped cleanly after, its sidecars' sockets gone."""
+    srv = Server(work, config)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+    assert srv.proc.returncode == 0, srv.tail()
+    assert not list(srv.run_dir.glob("*.sock")), "the sidecars' sockets were left behind"
