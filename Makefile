@@ -50,10 +50,10 @@ bench: $(STAMP)
 compat:
 	$(PY) tools/compat.py $(if $(VERSIONS),--versions $(VERSIONS))
 
-# Not part of `make test` (about 7 minutes once the images are built, needs Docker): builds the images
-# on a local base and runs deploy/docker-compose.cpu.yml and the speech stack
-# (deploy/docker-compose.speech.cpu.yml) for real (tools/compose_e2e.py says what it checks). Root: it
-# may start dockerd and runs debootstrap once.
+# Not part of `make test` (needs Docker; about 5 minutes with the images built, 8 from nothing):
+# builds the images on a local base and runs deploy/docker-compose.cpu.yml and the speech stack
+# (deploy/docker-compose.speech.cpu.yml) for real (tools/compose_e2e.py says what it checks). Root:
+# it may start dockerd and runs debootstrap once.
 compose-e2e: $(STAMP)
 	$(BIN)/python tools/compose_e2e.py
 

@@ -6,7 +6,7 @@ A WAV from `POST /v1/audio/speech` equals the three stages run by hand on the sa
 (tests/support/speech_reference.py: the thinker's greedy tokens and hidden rows from a direct
 transformers forward, the talker's request made from them, the talker's and the codec's direct
 forwards); an SSE stream carries the same samples and the thinker's prompt as its input tokens.
-Slow (`make test-slow`): three engines start, about 90 s on 2 cores.
+Slow (`make test-slow`): three engines start; about 70 s on 2 idle cores, 3 to 4 minutes on busy ones.
 """
 
 from __future__ import annotations
