@@ -164,6 +164,9 @@ class SpeechServer:
         if self.pipeline is not None:
             for stage in self.pipeline.stages:
                 stage.link.close()
+        # Its stages hold the engines: freed now, not by their finalizers at interpreter exit (which
+        # run without the modules they call).
+        self.pipeline = None
         for sidecar in self.sidecars.values():
             await sidecar.stop()
 
