@@ -14,6 +14,8 @@ Checked, on the one server of this module:
   answer a 200 with the same audio, the successor adopted by the server;
 - the talker's sidecar killed with requests in flight: those end with a 503 that says so, the
   server starts it again, and the next request is served (the same audio);
+- a stage's engine core killed with requests in flight: those and the next end with a 503 naming the
+  stage, /health reports its engine down, the server starts it again and serves the same audio;
 - /v1/models, /health and /metrics (time to first audio, real-time factor, per-stage requests).
 """
 
@@ -351,8 +353,7 @@ def _engine_cores(server) -> list:
             if p.cmdline()[:1] and p.cmdline()[0].startswith("VLLM::EngineCore")]
 
 
-def test_a_dead_stage_engine_fails_its_requests_with_a_503_and_health_says_so(server):
-    """Last in this module: the engine stays dead (omni-serve does not restart an engine)."""
+def test_a_dead_stage_engine_fails_its_requests_with_a_503_and_is_started_again(server, reference):
     cores = _engine_cores(server)
     assert len(cores) == 2, [p.cmdline() for p in cores]  # one per stage
     answers, threads = _in_flight(server, 2)
@@ -374,6 +375,20 @@ def test_a_dead_stage_engine_fails_its_requests_with_a_503_and_health_says_so(se
     for _, body in answers:
         message = json.loads(body)["error"]["message"]
         assert f"{down[0]}: its engine failed the request" in message, message
-    # Later requests: a 503 at once that names the dead stage.
+    # Until it is up again, a 503 at once that names the dead stage.
     status, body, _ = server.post({"input": TEXT, "response_format": "pcm"})
     assert status == 503 and f"{down[0]}: its engine failed the request" in json.loads(body)["error"]["message"]
+    deadline = time.monotonic() + 180
+    while True:
+        _, body = server.get("/health")
+        state = json.loads(body)
+        if state["status"] == "ok":
+            break
+        assert time.monotonic() < deadline, state
+        time.sleep(0.5)
+    assert state["stages"][down[0]]["engine_restarts"] == 1, state
+    assert _metric(server, f'omni_serve_engine_restarts{{stage="{down[0]}"}}') == 1
+    status, pcm, _ = server.post({"input": TEXT, "voice": "vivian", "response_format": "pcm"})
+    assert status == 200, pcm
+    assert np.abs(np.frombuffer(pcm, "<i2").astype(np.int32) - pcm16(reference)).max() <= 1
+    assert len(_engine_cores(server)) == 2  # the dead one's place taken, nothing more

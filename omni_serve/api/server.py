@@ -32,6 +32,7 @@ from omni_serve.stages.sidecars import SidecarProcess
 from proto.settings import CODE2WAV_CHUNK_FRAMES, CODE2WAV_LEFT_CONTEXT_FRAMES
 
 logger = init_logger(__name__)
+ENGINE_WATCH_S = 0.5  # how often the stage engines are checked for one that died
 
 
 @dataclass
@@ -117,6 +118,8 @@ class SpeechServer:
         self.metrics = SpeechMetrics(list(config.stages))
         self.pipeline: SpeechPipeline | None = None
         self.engines: dict[str, Any] = {}
+        self.engine_restarts = {name: 0 for name in config.stages}
+        self._engine_watch: asyncio.Task | None = None
 
     async def start(self) -> None:
         from omni_serve.stages.engines import start_engine
@@ -151,8 +154,43 @@ class SpeechServer:
                                        int(options.get("chunk_frames", CODE2WAV_CHUNK_FRAMES)),
                                        int(options.get("left_context", CODE2WAV_LEFT_CONTEXT_FRAMES)),
                                        code2wav.placeholder_token, thinker)
+        self._engine_watch = asyncio.create_task(self._watch_engines())
+
+    async def _watch_engines(self) -> None:
+        """An engine that died (its core process gone) is started again on the same sidecar. Until
+        then its stage fails every request with a 503 and /health reports it down."""
+        while True:
+            await asyncio.sleep(ENGINE_WATCH_S)
+            for name, engine in list(self.engines.items()):
+                if engine.errored:
+                    await self._restart_engine(name, engine)
+
+    async def _restart_engine(self, name: str, dead: Any) -> None:
+        from omni_serve.stages.engines import start_engine
+
+        logger.error("the %s engine died; starting it again", name)
+        try:
+            dead.shutdown()  # what is left of it: its client's sockets and any worker still there
+        except Exception:
+            logger.exception("stopping what is left of the %s engine", name)
+        spec = self.config.stages[name]
+        try:
+            engine = await asyncio.to_thread(start_engine, spec, self.sidecars[name].endpoint, spec.sidecar.curve_keys)
+        except Exception:
+            logger.exception("starting the %s engine again failed; trying again", name)
+            await asyncio.sleep(ENGINE_WATCH_S)
+            return
+        self.engines[name] = engine
+        assert self.pipeline is not None
+        next(stage for stage in self.pipeline.stages if stage.name == name).engine = engine
+        self.engine_restarts[name] += 1
+        logger.info("the %s engine is up again", name)
 
     async def stop(self) -> None:
+        if self._engine_watch is not None:
+            self._engine_watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._engine_watch
         if self.pipeline is not None:
             await self.pipeline.close()
         for name, engine in self.engines.items():
@@ -175,7 +213,8 @@ class SpeechServer:
         for name, sidecar in self.sidecars.items():
             engine = self.engines.get(name)
             stages[name] = {"sidecar": "up" if sidecar.alive else "down", "sidecar_restarts": sidecar.restarts,
-                            "engine": "up" if engine is not None and not engine.errored else "down"}
+                            "engine": "up" if engine is not None and not engine.errored else "down",
+                            "engine_restarts": self.engine_restarts[name]}
         ok = all(s["sidecar"] == "up" and s["engine"] == "up" for s in stages.values())
         return {"status": "ok" if ok else "degraded", "stages": stages}
 
@@ -185,6 +224,7 @@ class SpeechServer:
                 self.metrics.queue.labels(stage.name).set(stage.in_flight)
         for name, sidecar in self.sidecars.items():
             self.metrics.sidecar_restarts.labels(name).set(sidecar.restarts)
+            self.metrics.engine_restarts.labels(name).set(self.engine_restarts[name])
         return self.metrics.text()
 
     async def audio(self, job: SpeechJob, arrived: float) -> AsyncIterator[np.ndarray]:
