@@ -3,7 +3,8 @@
 # of what `make test` checks a few times (20 sidecar kills under a live engine, 100k fuzzed frames
 # a case), 10 hot upgrades during a streaming batch and 15 around an idle engine, upgrades at random
 # moments, the CPU compose file's services as local processes, the talker under vLLM multiprocessing,
-# a hot upgrade of each speech stage's sidecar while omni-serve serves.
+# a hot upgrade of each speech stage's sidecar while omni-serve serves, omni-serve's three-stage
+# (thinker -> talker -> code2wav) pipeline against the stages by hand.
 # `make test-all` runs both in one session.
 # `make compat` (not part of `make test`): the vLLM compatibility matrix, COMPAT.md.
 PY ?= python3.11
@@ -49,9 +50,10 @@ bench: $(STAMP)
 compat:
 	$(PY) tools/compat.py $(if $(VERSIONS),--versions $(VERSIONS))
 
-# Not part of `make test` (minutes, needs Docker): builds the images on a local base and runs
-# deploy/docker-compose.cpu.yml for real (tools/compose_e2e.py says what it checks). Root: it may
-# start dockerd and runs debootstrap once.
+# Not part of `make test` (needs Docker; about 5 minutes with the images built, 8 from nothing):
+# builds the images on a local base and runs deploy/docker-compose.cpu.yml and the speech stack
+# (deploy/docker-compose.speech.cpu.yml) for real (tools/compose_e2e.py says what it checks). Root:
+# it may start dockerd and runs debootstrap once.
 compose-e2e: $(STAMP)
 	$(BIN)/python tools/compose_e2e.py
 

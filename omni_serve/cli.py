@@ -29,7 +29,8 @@ def parser():
                                       "model, input, voice, response_format wav|pcm, stream, stream_format "
                                       "sse|audio, max_new_tokens, seed), GET /v1/models, /health, /metrics.")
     p.add_argument("--pipeline", required=True, help="the pipeline's TOML file (deploy/speech/tiny.toml: the tiny "
-                                                   "CPU models; its comments list every key)")
+                                                   "CPU models, talker -> code2wav; deploy/speech/tiny-thinker.toml: "
+                                                   "thinker -> talker -> code2wav; omni_serve/config.py lists every key)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--run-dir", default=None, help="where the sidecars' sockets and logs go (default: a new "

@@ -7,7 +7,10 @@ max_input_chars = 4096
 speech_prompt = "pkg.module:function"     # text + voice -> the talker's prompt ids and payload
 register = ["pkg.module:function"]       # run in every vLLM process before a model loads
 sample_rate = 24000
+talker_prompt = "pkg.module:function"     # with a thinker stage: its hidden rows -> the talker's prompt and payload
 
+[stages.thinker]                          # optional: thinker, talker, code2wav (the demo's shape); speech_prompt
+                                          # then makes the thinker's prompt
 [stages.talker]                           # talker, then code2wav (the Qwen3-TTS shape)
 model = "path/or/hf-id"
 build = "pkg.module:function"             # optional: makes `model` if it is missing (tiny models)
@@ -32,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-STAGE_ORDER = ("talker", "code2wav")
+STAGE_ORDERS = (("talker", "code2wav"), ("thinker", "talker", "code2wav"))
 
 
 class ConfigError(ValueError):
@@ -70,6 +73,7 @@ class ServeConfig:
     speech_prompt: str = ""
     register: list[str] = field(default_factory=list)
     sample_rate: int = 24000
+    talker_prompt: str = ""
     path: Path = Path(".")
 
 
@@ -95,11 +99,15 @@ def load_config(path: str | Path) -> ServeConfig:
         raw = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    top = {"served_model_name", "voices", "max_input_chars", "speech_prompt", "register", "sample_rate", "stages"}
+    top = {"served_model_name", "voices", "max_input_chars", "speech_prompt", "register", "sample_rate", "stages",
+           "talker_prompt"}
     _fields(raw, top, str(path))
     stages_raw = raw.get("stages", {})
-    if tuple(stages_raw) != STAGE_ORDER:
-        raise ConfigError(f"{path}: [stages] must be {' then '.join(STAGE_ORDER)} (got {list(stages_raw)})")
+    if tuple(stages_raw) not in STAGE_ORDERS:
+        orders = " or ".join(" then ".join(order) for order in STAGE_ORDERS)
+        raise ConfigError(f"{path}: [stages] must be {orders} (got {list(stages_raw)})")
+    if ("thinker" in stages_raw) != bool(raw.get("talker_prompt")):
+        raise ConfigError(f"{path}: talker_prompt is required with a thinker stage, and only with one")
     stages = {}
     for name, table in stages_raw.items():
         _fields(table, set(StageSpec.__dataclass_fields__) - {"name"}, f"{path} [stages.{name}]")
@@ -120,4 +128,4 @@ def load_config(path: str | Path) -> ServeConfig:
     return ServeConfig(served_model_name=raw["served_model_name"], stages=stages, voices=voices,
                        max_input_chars=int(raw.get("max_input_chars", 4096)), speech_prompt=raw["speech_prompt"],
                        register=list(raw.get("register", [])), sample_rate=int(raw.get("sample_rate", 24000)),
-                       path=path)
+                       talker_prompt=raw.get("talker_prompt", ""), path=path)

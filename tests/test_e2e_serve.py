@@ -14,13 +14,14 @@ Checked, on the one server of this module:
   answer a 200 with the same audio, the successor adopted by the server;
 - the talker's sidecar killed with requests in flight: those end with a 503 that says so, the
   server starts it again, and the next request is served (the same audio);
+- a stage's engine core killed with requests in flight: those and the next end with a 503 naming the
+  stage, /health reports its engine down, the server starts it again and serves the same audio;
 - /v1/models, /health and /metrics (time to first audio, real-time factor, per-stage requests).
 """
 
 from __future__ import annotations
 
 import base64
-import http.client
 import json
 import os
 import signal
@@ -36,25 +37,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.procs import ROOT, child_env
+from tests.support.procs import child_env
+from tests.support.serve import TINY_ENGINE, serving
 from tests.support.speech_reference import pcm16, reference_samples
 
 pytestmark = pytest.mark.e2e
 CHUNK, LEFT = 4, 8
 MAX_FRAMES = 16  # chunk 3's window starts past frame 0: the payload is cut to the left context
 TEXT = "a sidecar speaks"
-START_TIMEOUT_S = 400
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(work: Path, talker: str, code2wav: str) -> Path:
-    engine = ('{ max_model_len = 128, max_num_seqs = 8, max_num_batched_tokens = 64, dtype = "float32", '
-              'enforce_eager = true, seed = 0, kv_cache_memory_bytes = 16777216 }')
+    engine = f"{{ {TINY_ENGINE} }}"
     path = work / "serve.toml"
     path.write_text(f'''
 served_model_name = "tiny-tts"
@@ -80,68 +74,6 @@ sidecar = {{ hooks = "omni-code2wav", options = {{ chunk_frames = "{CHUNK}", lef
     return path
 
 
-class Server:
-    def __init__(self, work: Path, config: Path) -> None:
-        self.port = _free_port()
-        self.run_dir = work / "run"
-        self.log = work / "server.log"
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "omni_serve", "--pipeline", str(config), "--port", str(self.port),
-                 "--run-dir", str(self.run_dir), "--uvicorn-log-level", "warning"],
-                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env())
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"omni-serve exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if self.get("/health")[0] == 200:
-                    return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"omni-serve did not come up within {START_TIMEOUT_S}s:\n{self.tail()}")
-            time.sleep(0.5)
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
-
-    def connection(self, timeout: float = 120.0) -> http.client.HTTPConnection:
-        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-
-    def get(self, path: str) -> tuple[int, bytes]:
-        conn = self.connection(5.0)
-        try:
-            conn.request("GET", path)
-            resp = conn.getresponse()
-            return resp.status, resp.read()
-        finally:
-            conn.close()
-
-    def post(self, body: bytes | dict) -> tuple[int, bytes, str]:
-        conn = self.connection()
-        try:
-            data = body if isinstance(body, bytes) else json.dumps(body).encode()
-            conn.request("POST", "/v1/audio/speech", body=data, headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            return resp.status, resp.read(), resp.getheader("Content-Type", "")
-        finally:
-            conn.close()
-
-    def endpoint(self, stage: str) -> str:
-        return f"ipc://{self.run_dir}/{stage}.sock"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     from tests.tiny_models.code2wav import build_tiny_code2wav
@@ -154,13 +86,8 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
     work = tmp_path_factory.mktemp("serve")
-    srv = Server(work, _config(work, *models))
-    try:
+    with serving(work, _config(work, *models)) as srv:
         yield srv
-    finally:
-        srv.stop()
-    assert srv.proc.returncode == 0, srv.tail()
-    assert not list(srv.run_dir.glob("*.sock")), "the sidecars' sockets were left behind"
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +139,12 @@ def test_streams_carry_the_same_samples_and_the_first_chunk_comes_before_the_end
     deltas = [e for e in events if e["type"] == "speech.audio.delta"]
     assert len(deltas) == MAX_FRAMES // CHUNK  # one per chunk
     assert b"".join(base64.b64decode(e["audio"]) for e in deltas) == pcm
+    # vllm-omni's usage: the text's tokens as the talker reads them (the tiny talker's rows: the
+    # voice's, then one per byte), the codec frames it made.
+    text_tokens = 1 + len(TEXT.encode())
+    assert events[-1]["usage"] == {"input_tokens": text_tokens, "output_tokens": MAX_FRAMES,
+                                   "total_tokens": text_tokens + MAX_FRAMES,
+                                   "input_token_details": {"text_tokens": text_tokens, "audio_tokens": 0}}
 
 
 @pytest.mark.parametrize("body, status, needle", [
@@ -349,24 +282,30 @@ def test_a_hot_upgrade_of_a_stage_under_load_loses_nothing(server, reference, st
     assert json.loads(health)["status"] == "ok"  # the successor is adopted, not restarted over
 
 
-def test_a_killed_sidecar_fails_its_requests_with_a_503_and_the_server_serves_on(server, reference):
-    from omni_sidecar.client import SidecarClient
-
-    with SidecarClient(server.endpoint("talker")) as client:
-        pid = client.status().pid
+def _in_flight(server, n: int) -> tuple[list[tuple[int, bytes]], list[threading.Thread]]:
+    """n speech requests posted from threads, returned once all n run in the talker's engine."""
     answers: list[tuple[int, bytes]] = []
 
     def post() -> None:
         status, body, _ = server.post({"input": TEXT, "response_format": "pcm", "max_new_tokens": MAX_FRAMES + 1})
         answers.append((status, body))
 
-    threads = [threading.Thread(target=post) for _ in range(3)]
+    threads = [threading.Thread(target=post) for _ in range(n)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
-    while _metric(server, 'omni_serve_stage_requests{stage="talker"}') < 3:
+    while _metric(server, 'omni_serve_stage_requests{stage="talker"}') < n:
         assert time.monotonic() < deadline
         time.sleep(0.01)
+    return answers, threads
+
+
+def test_a_killed_sidecar_fails_its_requests_with_a_503_and_the_server_serves_on(server, reference):
+    from omni_sidecar.client import SidecarClient
+
+    with SidecarClient(server.endpoint("talker")) as client:
+        pid = client.status().pid
+    answers, threads = _in_flight(server, 3)
     os.kill(pid, signal.SIGKILL)
     for t in threads:
         t.join(120)
@@ -405,3 +344,51 @@ def test_models_health_and_metrics(server):
         assert name in text, name
     assert _metric(server, "omni_serve_time_to_first_audio_seconds_count") >= 4
     assert 0 < _metric(server, "omni_serve_real_time_factor_sum")
+
+
+def _engine_cores(server) -> list:
+    import psutil
+
+    return [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+            if p.cmdline()[:1] and p.cmdline()[0].startswith("VLLM::EngineCore")]
+
+
+def test_a_dead_stage_engine_fails_its_requests_with_a_503_and_is_started_again(server, reference):
+    cores = _engine_cores(server)
+    assert len(cores) == 2, [p.cmdline() for p in cores]  # one per stage
+    answers, threads = _in_flight(server, 2)
+    cores[0].kill()  # whichever stage's: /health names it
+    for t in threads:
+        t.join(120)
+    assert [status for status, _ in answers] == [503, 503], answers
+    deadline = time.monotonic() + 30
+    while True:
+        status, body = server.get("/health")
+        state = json.loads(body)
+        down = [name for name, stage in state["stages"].items() if stage["engine"] == "down"]
+        if down:
+            break
+        assert time.monotonic() < deadline, state
+        time.sleep(0.1)
+    assert status == 503 and state["status"] == "degraded" and len(down) == 1, state
+    assert all(stage["sidecar"] == "up" for stage in state["stages"].values()), state
+    for _, body in answers:
+        message = json.loads(body)["error"]["message"]
+        assert f"{down[0]}: its engine failed the request" in message, message
+    # Until it is up again, a 503 at once that names the dead stage.
+    status, body, _ = server.post({"input": TEXT, "response_format": "pcm"})
+    assert status == 503 and f"{down[0]}: its engine failed the request" in json.loads(body)["error"]["message"]
+    deadline = time.monotonic() + 180
+    while True:
+        _, body = server.get("/health")
+        state = json.loads(body)
+        if state["status"] == "ok":
+            break
+        assert time.monotonic() < deadline, state
+        time.sleep(0.5)
+    assert state["stages"][down[0]]["engine_restarts"] == 1, state
+    assert _metric(server, f'omni_serve_engine_restarts{{stage="{down[0]}"}}') == 1
+    status, pcm, _ = server.post({"input": TEXT, "voice": "vivian", "response_format": "pcm"})
+    assert status == 200, pcm
+    assert np.abs(np.frombuffer(pcm, "<i2").astype(np.int32) - pcm16(reference)).max() <= 1
+    assert len(_engine_cores(server)) == 2  # the dead one's place taken, nothing more

@@ -375,6 +375,15 @@ class Stack:
                               capture_output=True, text=True, timeout=120)
 
 
+def first_difference(got: list[str], want: list[str]) -> str:
+    """Where the first of two lists of texts differ, for a failure's message."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            return f"request {i} at character {at}: {a[max(0, at - 20):at + 20]!r} vs {b[max(0, at - 20):at + 20]!r}"
+    return f"{len(got)} texts vs {len(want)}"
+
+
 def wait_first_tokens(results: list[dict], threads: list[threading.Thread], timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not all(r.get("first_at") for r in results):
@@ -427,6 +436,21 @@ def after_sidecar_is_back(stack: Stack, tag: str) -> None:
 
 def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm"))
+
+
+def unused(entries: set[str]) -> set[str]:
+    """The /dev/shm entries no process on the host has open or mapped: left behind, not in use
+    (on a shared host other programs' live segments come and go while this runs)."""
+    paths = {f"/dev/shm/{e}": e for e in entries}
+    used: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            used.update(e for line in open(f"/proc/{pid}/maps") for p, e in paths.items() if p in line)
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    used.update(e for p, e in paths.items() if os.readlink(f"/proc/{pid}/fd/{fd}") == p)
+    return {e for e in entries if e not in used and os.path.exists(f"/dev/shm/{e}")}
 
 
 # -- main ------------------------------------------------------------------------------------
@@ -587,8 +611,14 @@ def main() -> int:
                   f"({min(r['done_wall'] for r in res) - finished:.1f} s before the first stream ended)")
             failed_reqs = [r for r in res if r["error"] is not None or r["finish"] != "length"]
             check(not failed_reqs, f"0 failed requests of {len(res)} ({failed_reqs[:1]})")
-            check([r["pieces"] for r in res] == [r["pieces"] for r in ref],
-                  "tokens identical to the run without the upgrade")
+            # The text, not its pieces: a stream may carry two tokens in one chunk when the
+            # server's output loop falls behind (it did, on 2 busy cores, during the upgrade).
+            texts, ref_texts = ["".join(r["pieces"]) for r in res], ["".join(r["pieces"]) for r in ref]
+            check(texts == ref_texts, "tokens identical to the run without the upgrade"
+                  + ("" if texts == ref_texts else f": {first_difference(texts, ref_texts)}"))
+            coalesced = sum(len(r["pieces"]) != len(q["pieces"]) for r, q in zip(res, ref))
+            if coalesced:
+                print(f"    {coalesced} stream(s) carried some tokens together in one chunk (same text)")
             new = stack.cid("sidecar")
             check(len(new) == 1 and new[0] != old, "one sidecar container, a new one")
             check(out("docker", "ps", "-aq", "--no-trunc", "--filter", f"id={old}") == "",
@@ -670,8 +700,8 @@ def main() -> int:
                     check(out("docker", "ps", "-aq", "--filter", label) == "", "no container left")
                     check(out("docker", "volume", "ls", "-q", "--filter", label) == "", "no volume left")
                     check(out("docker", "network", "ls", "-q", "--filter", label) == "", "no network left")
-                    left = shm_entries() - shm_before
-                    check(not left, f"no new /dev/shm entry on the host ({sorted(left)[:5]})")
+                    left = unused(shm_entries() - shm_before)
+                    check(not left, f"no new /dev/shm entry on the host that nothing uses ({sorted(left)[:5]})")
                     mounts = Path("/proc/self/mountinfo").read_text()
                     check(ids and not any(i in mounts for i in ids),
                           f"no mount of the {len(ids)} containers left (the anchor's shareable /dev/shm included)")

@@ -22,9 +22,12 @@ class SpeechMetrics:
                            registry=self.registry)
         self.sidecar_restarts = Gauge(f"{PREFIX}_sidecar_restarts", "Times a stage's sidecar was started again",
                                       ["stage"], registry=self.registry)
+        self.engine_restarts = Gauge(f"{PREFIX}_engine_restarts", "Times a stage's engine was started again after it died",
+                                     ["stage"], registry=self.registry)
         for stage in stages:
             self.queue.labels(stage).set(0)
             self.sidecar_restarts.labels(stage).set(0)
+            self.engine_restarts.labels(stage).set(0)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

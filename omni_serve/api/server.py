@@ -26,12 +26,13 @@ from omni_serve.api import audio
 from omni_serve.api.metrics import SpeechMetrics
 from omni_serve.api.protocol import LANGUAGES, Refused, SpeechRequest, error_body, unsupported_fields
 from omni_serve.config import ServeConfig, load_callable
-from omni_serve.speech.pipeline import SpeechJob, SpeechPipeline, Stage, StageFailed
+from omni_serve.speech.pipeline import SpeechJob, SpeechPipeline, Stage, StageFailed, ThinkerStage
 from omni_serve.stages.link import SidecarLink
 from omni_serve.stages.sidecars import SidecarProcess
 from proto.settings import CODE2WAV_CHUNK_FRAMES, CODE2WAV_LEFT_CONTEXT_FRAMES
 
 logger = init_logger(__name__)
+ENGINE_WATCH_S = 0.5  # how often the stage engines are checked for one that died
 
 
 @dataclass
@@ -85,8 +86,25 @@ def speech_input(body: bytes, config: ServeConfig, prompt: Callable[[str, int], 
         raise Refused(f"max_new_tokens {frames} is above this server's limit of {talker.max_tokens}",
                       param="max_new_tokens")
     prompt_ids, payload = prompt(text, config.voices.index(voice))
-    job = SpeechJob(f"speech-{uuid.uuid4().hex}", prompt_ids, payload, frames, request.seed)
+    job = SpeechJob(f"speech-{uuid.uuid4().hex}", prompt_ids, payload, frames, request.seed,
+                    input_tokens=text_tokens(config, prompt_ids, payload))
     return SpeechInput(job, request.response_format, request.stream, request.stream_format != "audio")
+
+
+def text_tokens(config: ServeConfig, prompt_ids: list[int], payload: dict[str, Any]) -> int:
+    """The text's tokens as the first stage reads them: a thinker's prompt; a Qwen3-TTS talker's
+    text rows (`hidden_states.output`: its prompt holds only a few of them, it reads the rest
+    while it decodes), so the count follows the text, not the prompt's length."""
+    rows = payload.get("hidden_states", {}).get("output") if "thinker" not in config.stages else None
+    return int(rows.shape[0]) if isinstance(rows, np.ndarray) and rows.ndim == 2 else len(prompt_ids)
+
+
+def usage(job: SpeechJob) -> dict[str, Any]:
+    """vllm-omni's `SpeechTokenUsage` (OpenAI's speech.audio.done `usage`): output tokens are the
+    codec frames the talker made."""
+    return {"input_tokens": job.input_tokens, "output_tokens": job.frames,
+            "total_tokens": job.input_tokens + job.frames,
+            "input_token_details": {"text_tokens": job.input_tokens, "audio_tokens": 0}}
 
 
 class SpeechServer:
@@ -100,6 +118,8 @@ class SpeechServer:
         self.metrics = SpeechMetrics(list(config.stages))
         self.pipeline: SpeechPipeline | None = None
         self.engines: dict[str, Any] = {}
+        self.engine_restarts = {name: 0 for name in config.stages}
+        self._engine_watch: asyncio.Task | None = None
 
     async def start(self) -> None:
         from omni_serve.stages.engines import start_engine
@@ -126,12 +146,51 @@ class SpeechServer:
                               dict(self.config.stages[name].sampling)) for name in self.config.stages}
         code2wav = self.config.stages["code2wav"]
         options = code2wav.sidecar.options  # the sidecar's chunking (its defaults where not given)
+        thinker = None
+        if "thinker" in stages:
+            thinker = ThinkerStage(stages["thinker"], self.config.stages["thinker"].max_tokens,
+                                   load_callable(self.config.talker_prompt))
         self.pipeline = SpeechPipeline(stages["talker"], stages["code2wav"],
                                        int(options.get("chunk_frames", CODE2WAV_CHUNK_FRAMES)),
                                        int(options.get("left_context", CODE2WAV_LEFT_CONTEXT_FRAMES)),
-                                       code2wav.placeholder_token)
+                                       code2wav.placeholder_token, thinker)
+        self._engine_watch = asyncio.create_task(self._watch_engines())
+
+    async def _watch_engines(self) -> None:
+        """An engine that died (its core process gone) is started again on the same sidecar. Until
+        then its stage fails every request with a 503 and /health reports it down."""
+        while True:
+            await asyncio.sleep(ENGINE_WATCH_S)
+            for name, engine in list(self.engines.items()):
+                if engine.errored:
+                    await self._restart_engine(name, engine)
+
+    async def _restart_engine(self, name: str, dead: Any) -> None:
+        from omni_serve.stages.engines import start_engine
+
+        logger.error("the %s engine died; starting it again", name)
+        try:
+            dead.shutdown()  # what is left of it: its client's sockets and any worker still there
+        except Exception:
+            logger.exception("stopping what is left of the %s engine", name)
+        spec = self.config.stages[name]
+        try:
+            engine = await asyncio.to_thread(start_engine, spec, self.sidecars[name].endpoint, spec.sidecar.curve_keys)
+        except Exception:
+            logger.exception("starting the %s engine again failed; trying again", name)
+            await asyncio.sleep(ENGINE_WATCH_S)
+            return
+        self.engines[name] = engine
+        assert self.pipeline is not None
+        next(stage for stage in self.pipeline.stages if stage.name == name).engine = engine
+        self.engine_restarts[name] += 1
+        logger.info("the %s engine is up again", name)
 
     async def stop(self) -> None:
+        if self._engine_watch is not None:
+            self._engine_watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._engine_watch
         if self.pipeline is not None:
             await self.pipeline.close()
         for name, engine in self.engines.items():
@@ -143,6 +202,9 @@ class SpeechServer:
         if self.pipeline is not None:
             for stage in self.pipeline.stages:
                 stage.link.close()
+        # Its stages hold the engines: freed now, not by their finalizers at interpreter exit (which
+        # run without the modules they call).
+        self.pipeline = None
         for sidecar in self.sidecars.values():
             await sidecar.stop()
 
@@ -151,7 +213,8 @@ class SpeechServer:
         for name, sidecar in self.sidecars.items():
             engine = self.engines.get(name)
             stages[name] = {"sidecar": "up" if sidecar.alive else "down", "sidecar_restarts": sidecar.restarts,
-                            "engine": "up" if engine is not None and not engine.errored else "down"}
+                            "engine": "up" if engine is not None and not engine.errored else "down",
+                            "engine_restarts": self.engine_restarts[name]}
         ok = all(s["sidecar"] == "up" and s["engine"] == "up" for s in stages.values())
         return {"status": "ok" if ok else "degraded", "stages": stages}
 
@@ -161,6 +224,7 @@ class SpeechServer:
                 self.metrics.queue.labels(stage.name).set(stage.in_flight)
         for name, sidecar in self.sidecars.items():
             self.metrics.sidecar_restarts.labels(name).set(sidecar.restarts)
+            self.metrics.engine_restarts.labels(name).set(self.engine_restarts[name])
         return self.metrics.text()
 
     async def audio(self, job: SpeechJob, arrived: float) -> AsyncIterator[np.ndarray]:
@@ -299,7 +363,7 @@ async def _sse(first: np.ndarray | None, chunks: AsyncIterator[np.ndarray], got:
             sent = True
             yield event("speech.audio.delta", {"audio": base64.b64encode(audio.pcm16(chunk)).decode("ascii"),
                                                "response_format": "pcm"})
-        yield event("speech.audio.done", {})
+        yield event("speech.audio.done", {"usage": usage(got.job)})
     except StageFailed as exc:
         error = {"message": str(exc), "type": "server_error", "param": None, "code": 503}
         if sent:

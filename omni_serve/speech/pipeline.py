@@ -1,4 +1,11 @@
-"""One speech request through talker -> code2wav, both stages running free.
+"""One speech request through [thinker ->] talker -> code2wav, every stage running free.
+
+With a thinker stage (the demo's three-stage shape) the request's prompt is the thinker's: it runs
+whole in the thinker's engine, then its hidden rows (the thinker sidecar's assembled
+`hidden_states`, one row per token it ran) become the talker's prompt and payload
+(`talker_prompt`, the config's function), as examples/demo.py's `--by-hand` run hands them over.
+The talker therefore starts when the thinker has finished: its rows are not streamed into a
+running talker request (upstream V2 cannot hold a request waiting for its next rows).
 
 The talker request is added whole (its text is known up front) and runs as vLLM schedules it.
 Its codec frames are read from the talker's sidecar (the assembled `codes.audio`, which a hot
@@ -22,7 +29,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import numpy as np
 from vllm import SamplingParams
@@ -34,6 +41,7 @@ from omni_serve.stages.payload import additional_information
 
 logger = init_logger(__name__)
 
+HIDDEN = "hidden_states"  # the thinker sidecar's assembled output: [rows, H] its last layer's hidden states
 CODES = "codes.audio"  # the talker sidecar's assembled output: [frames, Q] codec frames
 WAVEFORM = "waveform"  # the code2wav sidecar's assembled output: [samples, 1] float32
 FOLLOW_TIMEOUT_S = 30.0  # a stage whose sidecar has not finished a request this long after its engine did
@@ -58,6 +66,8 @@ class SpeechJob:
     payload: dict[str, Any]
     max_frames: int
     seed: int | None = None
+    input_tokens: int = 0  # the text's tokens as the first stage reads them (usage)
+    frames: int = 0  # codec frames the talker made (usage), set when it has finished
 
 
 @dataclass
@@ -127,9 +137,22 @@ def num_chunks(frames: int, chunk_frames: int) -> int:
     return -(-frames // chunk_frames)
 
 
+TalkerPrompt = Callable[[np.ndarray, int], tuple[list[int], dict[str, Any]]]
+
+
+@dataclass
+class ThinkerStage:
+    """The stage before the talker and how its output becomes the talker's input."""
+
+    stage: Stage
+    max_tokens: int
+    talker_prompt: TalkerPrompt  # (its hidden rows [rows, H], its prompt length) -> the talker's prompt ids, payload
+
+
 class SpeechPipeline:
     def __init__(self, talker: Stage, code2wav: Stage, chunk_frames: int, left_context: int,
-                 placeholder_token: int) -> None:
+                 placeholder_token: int, thinker: ThinkerStage | None = None) -> None:
+        self.thinker = thinker
         self.talker = talker
         self.code2wav = code2wav
         self.chunk_frames = chunk_frames
@@ -138,15 +161,18 @@ class SpeechPipeline:
         self._releases: set[asyncio.Task] = set()
 
     @property
-    def stages(self) -> tuple[Stage, Stage]:
-        return self.talker, self.code2wav
+    def stages(self) -> tuple[Stage, ...]:
+        first = (self.thinker.stage,) if self.thinker is not None else ()
+        return (*first, self.talker, self.code2wav)
 
     async def synthesize(self, job: SpeechJob) -> AsyncIterator[np.ndarray]:
         """The request's audio, float32 mono chunks in order. Stopping the iteration (a client gone)
         aborts the request in both engines and drops what the sidecars kept for it."""
         frames = Frames()
-        talker_task = asyncio.create_task(self._run_talker(job, frames))
+        talker_task: asyncio.Task | None = None
         try:
+            talker_job = job if self.thinker is None else await self._run_thinker(job, self.thinker)
+            talker_task = asyncio.create_task(self._run_talker(talker_job, frames))
             async with contextlib.aclosing(self._run_code2wav(job, frames, talker_task)) as audio:
                 async for chunk in audio:
                     yield chunk
@@ -155,7 +181,9 @@ class SpeechPipeline:
             # No await in here: a client gone cancels the handler's scope, and every await in it
             # would raise again before the rest ran. The tasks end themselves (aborting their
             # requests); the releases run on their own.
-            stop_soon(talker_task)
+            job.frames = frames.count
+            if talker_task is not None:
+                stop_soon(talker_task)
             for stage in self.stages:
                 self._release(stage, job.request_id)
 
@@ -194,6 +222,32 @@ class SpeechPipeline:
         except RequestRejected as exc:
             raise StageFailed(stage.name, f"its hooks failed the request: {exc}") from None
         return values.get(name), got.finished
+
+    async def _run_thinker(self, job: SpeechJob, thinker: ThinkerStage) -> SpeechJob:
+        """The thinker's request, run whole; the talker's job made from its hidden rows."""
+        stage = thinker.stage
+        extra = {"omni_sidecar": {"additional_information": additional_information(job.payload)}} if job.payload else None
+        params = SamplingParams(**{**stage.sampling, "max_tokens": thinker.max_tokens, "seed": job.seed,
+                                   "detokenize": False, "output_kind": RequestOutputKind.DELTA, "extra_args": extra})
+        stage.in_flight += 1
+        try:
+            prompt_len = len(job.prompt_token_ids)
+            async for out in engine_outputs(stage, stage.engine.generate({"prompt_token_ids": job.prompt_token_ids},
+                                                                         params, job.request_id)):
+                self._check_output(stage.name, out)
+                prompt_len = len(out.prompt_token_ids or job.prompt_token_ids)
+            # Its last step's rows reach the sidecar after the engine's last output.
+            async for _ in patiently(stage.name, "its sidecar never finished the request's hidden states"):
+                rows, finished = await self._assembled(stage, job.request_id, HIDDEN)
+                if finished:
+                    break
+        finally:
+            stage.in_flight -= 1
+        if rows is None or rows.ndim != 2 or rows.shape[0] < prompt_len:
+            raise StageFailed(stage.name, f"its sidecar has no hidden rows for the request's {prompt_len} prompt "
+                                          f"tokens ({None if rows is None else list(rows.shape)})")
+        prompt_ids, payload = thinker.talker_prompt(np.ascontiguousarray(rows, dtype=np.float32), prompt_len)
+        return SpeechJob(job.request_id, prompt_ids, payload, job.max_frames, job.seed)
 
     async def _run_talker(self, job: SpeechJob, frames: Frames) -> None:
         params = SamplingParams(**{**self.talker.sampling, "max_tokens": job.max_frames, "seed": job.seed,

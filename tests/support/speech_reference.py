@@ -13,11 +13,47 @@ import torch
 
 def reference_samples(talker: str, code2wav: str, text: str, voice: int, max_tokens: int, chunk: int,
                       left: int) -> np.ndarray:
-    from tests.support.talker_reference import reference_codes
-    from tests.tiny_models.code2wav import load_decoder
     from tests.tiny_models.talker import speech_prompt
 
     prompt, payload = speech_prompt(text, voice)
+    return talker_code2wav_samples(talker, code2wav, prompt, payload, max_tokens, chunk, left)
+
+
+def thinker_reference_samples(thinker: str, talker: str, code2wav: str, text: str, voice: int, thinker_tokens: int,
+                              max_tokens: int, chunk: int, left: int) -> np.ndarray:
+    """The three stages by hand: the thinker's greedy tokens and hidden rows from a direct
+    transformers forward, the talker's request made from them (`thinker_talker_prompt`), then
+    the talker and the codec as above."""
+    from tests.tiny_models.talker import thinker_talker_prompt
+    from tests.tiny_models.vl import speech_prompt
+
+    prompt_ids, _ = speech_prompt(text, voice)
+    rows = thinker_rows(thinker, prompt_ids, thinker_tokens)
+    prompt, payload = thinker_talker_prompt(rows, len(prompt_ids))
+    return talker_code2wav_samples(talker, code2wav, prompt, payload, max_tokens, chunk, left)
+
+
+def thinker_rows(thinker: str, prompt_ids: list[int], max_tokens: int) -> np.ndarray:
+    """The tiny thinker's last-layer hidden rows (final norm applied, as vLLM's model returns them)
+    for its prompt and every greedy token but the last: what omni-thinker assembles."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    model = Qwen2VLForConditionalGeneration.from_pretrained(thinker, dtype=torch.float32).eval()
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            seq = torch.tensor([ids])
+            ids.append(int(model(input_ids=seq, attention_mask=torch.ones_like(seq)).logits[0, -1].argmax()))
+        seq = torch.tensor([ids[:-1]])
+        out = model(input_ids=seq, attention_mask=torch.ones_like(seq), output_hidden_states=True)
+    return out.hidden_states[-1][0].numpy()
+
+
+def talker_code2wav_samples(talker: str, code2wav: str, prompt: list[int], payload: dict, max_tokens: int,
+                            chunk: int, left: int) -> np.ndarray:
+    from tests.support.talker_reference import reference_codes
+    from tests.tiny_models.code2wav import load_decoder
+
     info = {"hidden_states": {"output": torch.from_numpy(payload["hidden_states"]["output"])},
             "embed": {"tts_pad": torch.from_numpy(payload["embed"]["tts_pad"])}}
     (ref,) = reference_codes(talker, [{"prompt_token_ids": prompt, "info": info, "max_tokens": max_tokens,

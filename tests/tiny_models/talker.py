@@ -299,3 +299,17 @@ def speech_prompt(text: str, voice: int) -> tuple[list[int], dict[str, Any]]:
     pad = np.random.default_rng(91).standard_normal((1, width), dtype=np.float32)
     prompt = [CODEC_BOS_ID] + [CODEC_PAD_ID] * (SPEECH_PROMPT_ROWS - 1)
     return prompt, {"hidden_states": {"output": rows}, "embed": {"tts_pad": pad}}
+
+
+def thinker_talker_prompt(rows: Any, prompt_len: int) -> tuple[list[int], dict[str, Any]]:
+    """The talker's request from a thinker's hidden rows (numpy [rows, H]: its prompt's, then one per
+    token it generated but the last), as examples/demo.py hands them over whole (its `talker_inputs`):
+    one codec row per thinker prompt row; all rows, cut to the width the talker reads, as
+    `hidden_states.output`; `embed.tts_pad` the prompt rows' mean (what omni-serve's three-stage
+    pipeline calls: deploy/speech/tiny-thinker.toml)."""
+    import numpy as np
+
+    rows = np.ascontiguousarray(rows[:, :TALKER_CONFIG["thinker_hidden_size"]], dtype=np.float32)
+    pad = rows[:prompt_len].mean(axis=0, keepdims=True, dtype=np.float32)
+    return [CODEC_BOS_ID] + [CODEC_PAD_ID] * (prompt_len - 1), {"hidden_states": {"output": rows},
+                                                                "embed": {"tts_pad": pad}}

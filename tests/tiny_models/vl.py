@@ -103,3 +103,20 @@ def tiny_image(seed: int = 0):
 
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (IMAGE_SIDE, IMAGE_SIDE, 3), dtype=np.uint8), "RGB")
+
+
+BYTE_TOKEN_BASE = 8  # past the tokenizer's special and vision tokens (ids 0..7)
+VOICE_TOKEN_BASE = BYTE_TOKEN_BASE + 256
+
+
+def speech_prompt(text: str, voice: int) -> tuple[list[int], dict]:
+    """The tiny thinker's request for a text (omni-serve's three-stage pipeline,
+    deploy/speech/tiny-thinker.toml): a voice token, then one token per UTF-8 byte (stands in for a
+    tokenizer; no image); no payload."""
+    return [VOICE_TOKEN_BASE + voice] + [BYTE_TOKEN_BASE + b for b in text.encode("utf-8")], {}
+
+
+def build_tiny_vl_thinker(path: str | Path) -> Path:
+    """The tiny Qwen2-VL as the three-stage pipeline's thinker (the vLLM class
+    tests/support/vl_model.py registers): what deploy/speech/tiny-thinker.toml builds."""
+    return build_tiny_vl(path, architecture=VLLM_ARCH)

@@ -1,0 +1,101 @@
+"""An `omni-serve` process for the e2e tests, and HTTP calls to it."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+from tests.support.procs import ROOT, child_env
+
+START_TIMEOUT_S = 400
+# A stage engine on the tiny models (a pipeline config's `engine` table, without its braces).
+TINY_ENGINE = ('max_model_len = 128, max_num_seqs = 8, max_num_batched_tokens = 64, dtype = "float32", '
+               'enforce_eager = true, seed = 0, kv_cache_memory_bytes = 16777216')
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, work: Path, config: Path) -> None:
+        self.port = free_port()
+        self.run_dir = work / "run"
+        self.log = work / "server.log"
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "omni_serve", "--pipeline", str(config), "--port", str(self.port),
+                 "--run-dir", str(self.run_dir), "--uvicorn-log-level", "warning"],
+                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env())
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"omni-serve exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if self.get("/health")[0] == 200:
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"omni-serve did not come up within {START_TIMEOUT_S}s:\n{self.tail()}")
+            time.sleep(0.5)
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def connection(self, timeout: float = 120.0) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        conn = self.connection(5.0)
+        try:
+            conn.request("GET", path)
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    def post(self, body: bytes | dict) -> tuple[int, bytes, str]:
+        conn = self.connection()
+        try:
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            conn.request("POST", "/v1/audio/speech", body=data, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            return resp.status, resp.read(), resp.getheader("Content-Type", "")
+        finally:
+            conn.close()
+
+    def endpoint(self, stage: str) -> str:
+        return f"ipc://{self.run_dir}/{stage}.sock"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@contextlib.contextmanager
+def serving(work: Path, config: Path) -> Iterator[Server]:
+    """A server for a test module; stopped cleanly after, its sidecars' sockets gone."""
+    srv = Server(work, config)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+    assert srv.proc.returncode == 0, srv.tail()
+    assert not list(srv.run_dir.glob("*.sock")), "the sidecars' sockets were left behind"
