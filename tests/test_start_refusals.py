@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +17,7 @@ from worker_shim.errors import SidecarError
 from worker_shim.model.bridge import ModelBridge, find_model_hooks
 from worker_shim.step.batch import BatchReader, PayloadTracker
 from worker_shim.upstream import worker as worker_mod
+from worker_shim.upstream.runner import SidecarRunnerMixin, swap_class
 from worker_shim.upstream.compat import model_outputs_refusal, start_refusal, welcome_refusal
 
 CUDAGraphMode = pytest.importorskip("vllm.config").CUDAGraphMode
@@ -146,35 +148,69 @@ def test_outputs_of_the_forward_without_full_graphs_start(mode):
 
 
 class _HookedModel(torch.nn.Module):
-    """A model with vllm-omni's postprocess hook whose forward returns (hidden, extra) or hidden."""
+    """A model with vllm-omni's postprocess hook whose forward returns (hidden, extra) when it
+    `returns_outputs` (in vLLM's warm-up runs already, or only once it serves a request), else hidden."""
 
     has_postprocess = True
 
-    def __init__(self, returns_outputs: bool) -> None:
+    def __init__(self, returns_outputs: bool, in_warm_up: bool = True) -> None:
         super().__init__()
-        self.returns_outputs = returns_outputs
+        self.returns_outputs, self.in_warm_up, self.serving = returns_outputs, in_warm_up, False
 
     def postprocess(self, hidden, **info):
         return {}
 
     def forward(self, x):
-        return (x, x * 2) if self.returns_outputs else x
+        outputs = self.returns_outputs and (self.in_warm_up or self.serving)
+        return (x, x * 2) if outputs else x
 
 
-class _Runner:
-    """What the worker reads of its runner: the bridge, and the warm-up flag it sets."""
+class _UpstreamRunner:
+    """What the shim's runner overrides read of upstream's: a step runs the model's forward."""
 
-    omni_warming_up = False
+    def __init__(self, model: _HookedModel, mode: str) -> None:
+        self.model, self.vllm_config = model, vllm_config(mode=CUDAGraphMode[mode])
+        self.execute_model_state = None
 
-    def __init__(self, returns_outputs: bool) -> None:
-        self.model = _HookedModel(returns_outputs)
-        self.omni_bridge = ModelBridge(self.model, find_model_hooks(self.model))
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        hidden = self.model(torch.ones(2, 3))
+        batch = SimpleNamespace(req_ids=["a"], query_start_loc_np=np.array([0, 2]),
+                                num_computed_tokens_np=np.array([0]))
+        self.execute_model_state = SimpleNamespace(input_batch=batch, hidden_states=hidden)
 
 
-def _warm_up(mode: str, returns_outputs: bool, profiled: bool) -> _Runner:
+class _Link:
+    """The runner's link, as a step uses it (no sidecar)."""
+
+    def __init__(self) -> None:
+        self.ended = 0
+        self.results = None
+
+    def begin_step(self) -> None:
+        pass
+
+    def note_model_errors(self, errors) -> None:
+        pass
+
+    def end_step(self, state, results=None) -> None:
+        self.ended += 1
+        self.results = results
+
+
+def _runner(mode: str, returns_outputs: bool, in_warm_up: bool = True):
+    model = _HookedModel(returns_outputs, in_warm_up)
+    runner = _UpstreamRunner(model, mode)
+    swap_class(runner, SidecarRunnerMixin)
+    runner.omni_bridge = ModelBridge(model, find_model_hooks(model))
+    runner.omni_bridge.note_new("a", 2)
+    runner.omni_bridge.fill_states({"a": {}}, failed=set())  # the sidecar's state for it, as a plan brings it
+    runner.omni_link = _Link()
+    return runner
+
+
+def _warm_up(runner, profiled: bool) -> None:
     """The worker's compile_or_warm_up_model over an upstream one that calls the forward as graph
     capture does (`profiled`: vLLM's profile run called it before)."""
-    runner = _Runner(returns_outputs)
     if profiled:
         runner.model(torch.ones(2, 3))
 
@@ -184,27 +220,41 @@ def _warm_up(mode: str, returns_outputs: bool, profiled: bool) -> _Runner:
             return "compilation times"
 
     worker = type("Worker", (worker_mod.ShimWorkerMixin, UpstreamWorker), {})()
-    worker.model_runner, worker.vllm_config = runner, vllm_config(mode=CUDAGraphMode[mode])
+    worker.model_runner = runner
     assert worker.compile_or_warm_up_model() == "compilation times"
-    return runner
 
 
 @pytest.mark.parametrize("profiled", [True, False])
 def test_the_worker_refuses_a_forward_returning_outputs_under_full_graphs(profiled):
     with pytest.raises(SidecarError, match="FULL CUDA graph replay would not return"):
-        _warm_up("FULL_AND_PIECEWISE", True, profiled)
+        _warm_up(_runner("FULL_AND_PIECEWISE", True), profiled)
 
 
 def test_the_worker_serves_a_forward_returning_outputs_under_piecewise_graphs():
-    runner = _warm_up("PIECEWISE", True, True)
+    runner = _runner("PIECEWISE", True)
+    _warm_up(runner, True)
     assert runner.omni_bridge.forward_returns_outputs and runner.omni_warming_up is False
-    out = runner.model(torch.ones(2, 3))  # upstream V2 gets the hidden states, the extras wait
-    assert isinstance(out, torch.Tensor) and runner.omni_bridge.forward_extras is not None
+    runner.execute_model(SimpleNamespace())
+    updates, outputs = runner.omni_link.results
+    assert runner.omni_link.ended == 1 and "model_output" in outputs["a"]  # the forward's extra, as an output
 
 
 def test_the_worker_keeps_full_graphs_for_a_hooked_model_whose_forward_returns_a_tensor():
-    runner = _warm_up("FULL_AND_PIECEWISE", False, True)
-    assert runner.omni_bridge.forward_returns_outputs is False
+    runner = _runner("FULL_AND_PIECEWISE", False)
+    _warm_up(runner, True)
+    runner.execute_model(SimpleNamespace())
+    assert runner.omni_bridge.forward_returns_outputs is False and runner.omni_link.ended == 1
+
+
+def test_outputs_first_returned_by_a_real_step_under_full_graphs_stop_that_step():
+    """A forward that returns outputs only for real requests passed the warm-up runs: the first
+    step whose forward returns them stops the engine with the same line, before its StepEnd."""
+    runner = _runner("FULL_DECODE_ONLY", True, in_warm_up=False)
+    _warm_up(runner, True)
+    runner.model.serving = True
+    with pytest.raises(SidecarError, match="FULL CUDA graph replay would not return"):
+        runner.execute_model(SimpleNamespace())
+    assert runner.omni_link.ended == 0
 
 
 # -- the shim's own settings ---------------------------------------------------------------------------

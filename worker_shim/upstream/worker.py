@@ -23,7 +23,7 @@ from worker_shim import __version__
 from worker_shim.errors import SidecarError
 from worker_shim.wire.connection import SidecarConnection
 from worker_shim.step.batch import BatchReader, PayloadTracker
-from worker_shim.upstream.compat import (ShimCompatError, check_upstream, has_own_prefill_flags, model_outputs_refusal,
+from worker_shim.upstream.compat import (ShimCompatError, check_upstream, has_own_prefill_flags,
                                          parallel_sizes, start_refusal, upstream_request_ids_suffixed, vllm_version,
                                          welcome_refusal)
 from worker_shim.model.bridge import model_class_has_hooks
@@ -79,26 +79,17 @@ class ShimWorkerMixin:
         kernel warm-ups; worker_shim/upstream/compat.py): the runner marks every request added meanwhile
         as vLLM's, so model hooks skip them, whatever their ids."""
         runner = getattr(self, "model_runner", None)
-        self._refuse_lost_outputs(runner)  # the profile run called the forward
         if runner is not None:
+            runner.omni_refuse_lost_outputs()  # the profile run called the forward
             runner.omni_warming_up = True
         try:
             out = super().compile_or_warm_up_model(*args, **kwargs)  # type: ignore[misc]
         finally:
             if runner is not None:
                 runner.omni_warming_up = False
-        self._refuse_lost_outputs(runner)  # graph capture called it (before the engine takes requests)
+        if runner is not None:
+            runner.omni_refuse_lost_outputs()  # graph capture called it (before the engine takes requests)
         return out
-
-    def _refuse_lost_outputs(self, runner: Any) -> None:
-        """A model whose forward returned outputs beside its hidden states, under FULL CUDA graphs:
-        refused (compat's `model_outputs_refusal`)."""
-        bridge = getattr(runner, "omni_bridge", None)
-        if bridge is None or not bridge.forward_returns_outputs:
-            return
-        refusal = model_outputs_refusal(self.vllm_config)  # type: ignore[attr-defined]
-        if refusal:
-            raise SidecarError(refusal)
 
     def _connect_sidecar(self, payloads: PayloadTracker, batches: BatchReader) -> SidecarLink:
         stale = sweep_stale()
