@@ -2,11 +2,11 @@
 it reads the last step's output; the shim's step path is the same, and no step waits for the
 sidecar's work on the step before it (docs/ARCHITECTURE.md, "Async scheduling").
 
-The CPU platform forces async scheduling off, so this drives the shim's real link, connection and
-rings against a real sidecar process with vLLM's batch faked, as the engine's calls come with it on:
-each step's execute_model, then its sample_tokens returning V2's AsyncOutput (not yet copied to the
-host), then the next step's. The GPU check (async on and off, the same outputs and step times) is
-deploy/gpu's.
+This drives the shim's real link, connection and rings against a real sidecar process with vLLM's
+batch faked, as the engine's calls come with it on: each step's execute_model, then its
+sample_tokens returning V2's AsyncOutput (not yet copied to the host), then the next step's.
+tests/test_e2e_async_scheduling.py runs a real engine with it on; the step times with it on and off
+are the GPU's to show (deploy/gpu).
 """
 
 from __future__ import annotations
