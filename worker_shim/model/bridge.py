@@ -127,9 +127,9 @@ class ModelBridge:
         self.mirror = StateMirror(hooks.resident_keys)
         self.prompt_lens: dict[str, int] = {}
         self.forward_extras: dict[str, Any] | None = None  # the last forward's, until after_forward
-        # A forward returned a tuple or an OmniOutput (also in vLLM's profile and capture runs): FULL CUDA
-        # graph replay would lose its outputs, so the worker refuses FULL graphs then (compat's
-        # `model_outputs_refusal`).
+        # A forward returned a tuple or an OmniOutput (vLLM's profile and capture runs call it too): FULL
+        # CUDA graph replay would lose its outputs, so the runner refuses FULL graphs then (its
+        # `omni_refuse_lost_outputs`).
         self.forward_returns_outputs = False
         self.host_us = 0.0  # this step's host time in the hooks so far (the runner reads and resets it)
         self.device = next((p.device for p in model.parameters()), None) if hasattr(model, "parameters") else None

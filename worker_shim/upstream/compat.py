@@ -342,8 +342,7 @@ def welcome_refusal(needs, hook_set: str, vllm_config) -> str | None:
 
 def model_outputs_refusal(vllm_config) -> str | None:
     """Why vLLM must not serve a model whose forward returns outputs beside its hidden states (a
-    tuple or an OmniOutput, seen by the shim's forward wrapper while vLLM profiled and captured) in
-    this configuration, or None: a FULL CUDA graph replays the captured forward without calling the
+    tuple or an OmniOutput, seen by the shim's forward wrapper) in this configuration, or None: a FULL CUDA graph replays the captured forward without calling the
     model, so the outputs would be missing from every replayed step (docs/ARCHITECTURE.md, "Model
     hooks")."""
     mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
