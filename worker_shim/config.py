@@ -127,7 +127,7 @@ class ShimConfig:
             endpoint=endpoint,
             connect_timeout_s=float(pick("connect_timeout_s", "CONNECT_TIMEOUT")),
             step_timeout_s=float(pick("step_timeout_s", "STEP_TIMEOUT")),
-            hidden_slots=int(pick("hidden_slots", "HIDDEN_SLOTS")),
+            hidden_slots=_hidden_slots(int(pick("hidden_slots", "HIDDEN_SLOTS"))),
             model_io_mib=float(pick("model_io_mib", "MODEL_IO_MIB")),
             loss_policy=_loss_policy(pick("loss_policy", "LOSS_POLICY")),
             curve_keys=curve_keys,
@@ -171,6 +171,15 @@ def _loss_policy(value: str) -> LossPolicy:
             "fail-payload (only requests carrying a sidecar payload fail; others run on unhooked)"
         )
     return value  # type: ignore[return-value]
+
+
+def _hidden_slots(value: int) -> int:
+    # A step's slot is rewritten only once the sidecar answered the step that last used it: with one
+    # slot every step would wait for the sidecar's work on the step before (with two, the one before that).
+    if value < 2:
+        raise ValueError(f"omni_sidecar hidden_slots {value}: use 2 or more (with one slot each step "
+                         "would wait for the sidecar's work on the previous step)")
+    return value
 
 
 def _subtalker_sampling(value: Any) -> dict[str, Any]:

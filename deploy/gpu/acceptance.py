@@ -11,7 +11,8 @@ Checks: identity (plain V2 vs shim + pass-through, bf16, graphs; plus decode
 throughput of both), overlay (shim + overlay hooks vs the V1 runner's
 prompt_embeds, which V2 0.26 refuses), capture (hidden states vs a direct
 transformers forward, bf16; CUDA IPC opens counted), staging (the same capture
-through host shared memory, the XPU/NPU path), tp (TP=2 identity and overlay).
+through host shared memory, the path of CUDA-alike devices without CUDA IPC), tp (TP=2
+identity and overlay).
 """
 
 from __future__ import annotations

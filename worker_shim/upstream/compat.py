@@ -334,13 +334,47 @@ def v2_takes_prompt_embeds(version: str) -> bool:
     return minor is None or minor >= V2_PROMPT_EMBEDS_SINCE
 
 
+# What to pass vLLM instead of FULL CUDA graphs (the refusals below say it).
+NO_FULL_GRAPHS = "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' or --enforce-eager"
+
+
+def parallel_sizes(vllm_config) -> tuple[int, int]:
+    """(tensor parallel size, pipeline parallel size) of this engine."""
+    pc = vllm_config.parallel_config
+    return int(getattr(pc, "tensor_parallel_size", 1)), int(getattr(pc, "pipeline_parallel_size", 1))
+
+
+def start_refusal(vllm_config, model_hooks: bool) -> str | None:
+    """Why vLLM must not start with the shim in this configuration whatever the hooks (one line), or
+    None. Asked on every rank before the sidecar is: a refused rank leaves no other waiting for it.
+
+    Pipeline parallel: the shim hooks one runner's step, but with PP > 1 each stage's worker runs
+    only its layers and only the last samples, so every stage would open a session of its own and
+    the hooks would see each request once per stage, the plan landing on the first stage and the
+    hidden states on the last. Model hooks (`model_hooks`: the model's class carries vllm-omni's)
+    with TP > 1: they are model code every rank would have to run on its shard, while the state
+    mirror lives on rank 0 only (docs/ARCHITECTURE.md, "Platforms").
+    """
+    tp, pp = parallel_sizes(vllm_config)
+    if pp > 1:
+        return (f"omni-sidecar's shim runs with pipeline parallel size 1 only (here {pp}): each stage would "
+                "hook its own part of a step; start vLLM with --pipeline-parallel-size 1 "
+                "(--tensor-parallel-size spreads a model over GPUs with the shim).")
+    if model_hooks and tp > 1:
+        return (f"omni-sidecar: this model carries its own vllm-omni hooks, which the shim runs with tensor "
+                f"parallel size 1 only (here {tp}; its state mirror lives on one rank): start vLLM with "
+                "--tensor-parallel-size 1.")
+    return None
+
+
 def welcome_refusal(needs, hook_set: str, vllm_config) -> str | None:
     """Why vLLM must not start with these hooks and this configuration (one line), or None.
 
     Prefix caching with hooks that overlay prompt embeddings (KV of one request reused by
     another); extra forward kwargs with FULL CUDA graphs: a FULL graph replays the forward it
     captured without calling the model, so kwargs the graph did not capture would be dropped
-    without a word (docs/ARCHITECTURE.md, "Extra kwargs and CUDA graphs").
+    without a word (docs/ARCHITECTURE.md, "Extra kwargs and CUDA graphs"); extra forward kwargs
+    with TP > 1: rank 0 broadcasts JSON-like kwargs only, and the omni sets' carry tensors.
     """
     if not needs.prefix_cache_safe and vllm_config.cache_config.enable_prefix_caching:
         return (f"hook set {hook_set!r} overlays prompt embeddings, so KV cached for one request must not "
@@ -349,8 +383,25 @@ def welcome_refusal(needs, hook_set: str, vllm_config) -> str | None:
     mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
     if getattr(needs, "extra_kwargs", False) and full_cuda_graphs(mode):
         return (f"hook set {hook_set!r} passes extra forward kwargs, which FULL CUDA graph replay would "
-                f"drop (cudagraph_mode={getattr(mode, 'name', mode)}): start vLLM with "
-                "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' or --enforce-eager.")
+                f"drop (cudagraph_mode={getattr(mode, 'name', mode)}): start vLLM with {NO_FULL_GRAPHS}.")
+    tp, _ = parallel_sizes(vllm_config)
+    if getattr(needs, "extra_kwargs", False) and tp > 1:
+        return (f"hook set {hook_set!r} passes extra forward kwargs, whose tensors tensor parallel ranks "
+                f"other than 0 would not get (tensor parallel size {tp}): start vLLM with "
+                "--tensor-parallel-size 1, or the hook set without extra kwargs.")
+    return None
+
+
+def model_outputs_refusal(vllm_config) -> str | None:
+    """Why vLLM must not serve a model whose forward returns outputs beside its hidden states (a
+    tuple or an OmniOutput, seen by the shim's forward wrapper) in this configuration, or None: a FULL CUDA graph replays the captured forward without calling the
+    model, so the outputs would be missing from every replayed step (docs/ARCHITECTURE.md, "Model
+    hooks")."""
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    if full_cuda_graphs(mode):
+        return ("omni-sidecar: this model's forward returns outputs beside its hidden states, which FULL "
+                f"CUDA graph replay would not return (cudagraph_mode={getattr(mode, 'name', mode)}): start "
+                f"vLLM with {NO_FULL_GRAPHS}.")
     return None
 
 

@@ -28,8 +28,10 @@ from worker_shim.upstream.compat import (
     full_graph_sizes,
     graph_sizes,
     is_dummy_run,
+    model_outputs_refusal,
     prompt_len_of,
 )
+from worker_shim.errors import SidecarError
 from worker_shim.model.embeds import LAYERS_GRAPH_KEY, EmbedsBuffer, embeds_width, mark_compiled_graph
 from worker_shim.config import ShimConfig
 from worker_shim.model.embeds import wanted as embeds_wanted
@@ -48,6 +50,7 @@ class SidecarRunnerMixin:
     omni_tp: TensorParallelSync | None = None  # TP>1: rank 0 drives, others follow
     omni_bridge: ModelBridge | None = None  # the model carries its own vllm-omni hooks
     omni_warming_up = False  # inside the worker's compile_or_warm_up_model: requests are vLLM's own
+    omni_outputs_checked = False  # a forward that returned outputs was checked against the graph mode
 
     def finish_requests(self, scheduler_output: Any) -> None:
         self.omni_link.note_finished(scheduler_output.finished_req_ids, scheduler_output.preempted_req_ids)
@@ -81,12 +84,26 @@ class SidecarRunnerMixin:
             t0 = time.perf_counter()
             self.omni_link.note_model_errors(bridge.after_forward(state.input_batch, state.hidden_states))
             results = bridge.take_step()
+            if bridge.forward_returns_outputs and not self.omni_outputs_checked:
+                self.omni_refuse_lost_outputs()  # a forward that returned none in vLLM's warm-up runs
             if isinstance(self.omni_link, SidecarLink):  # model hooks run with TP size 1 only
                 counters = self.omni_link.counters
                 counters.record_timing(counters.model_hook_us, bridge.host_us + (time.perf_counter() - t0) * 1e6)
             bridge.host_us = 0.0
         self.omni_link.end_step(state, results)
         return out
+
+    def omni_refuse_lost_outputs(self) -> None:
+        """A forward that returned outputs beside its hidden states, under FULL CUDA graphs: refused
+        (compat's `model_outputs_refusal`). Asked after vLLM's profile run and graph capture (start-up),
+        and at the first real step whose forward returned outputs where those runs' did not."""
+        bridge = self.omni_bridge
+        if self.omni_outputs_checked or bridge is None or not bridge.forward_returns_outputs:
+            return
+        refusal = model_outputs_refusal(self.vllm_config)
+        if refusal:
+            raise SidecarError(refusal)
+        self.omni_outputs_checked = True
 
     def prepare_inputs(self, *args: Any, **kwargs: Any) -> Any:
         """The step's batch, as vLLM built it: its StepBegin goes now, when it needs a plan, and

@@ -24,7 +24,9 @@ from worker_shim.errors import SidecarError
 from worker_shim.wire.connection import SidecarConnection
 from worker_shim.step.batch import BatchReader, PayloadTracker
 from worker_shim.upstream.compat import (ShimCompatError, check_upstream, has_own_prefill_flags,
-                                         upstream_request_ids_suffixed, vllm_version, welcome_refusal)
+                                         parallel_sizes, start_refusal, upstream_request_ids_suffixed, vllm_version,
+                                         welcome_refusal)
+from worker_shim.model.bridge import model_class_has_hooks
 from worker_shim.config import ArenaChoice, ShimConfig
 from worker_shim.omni_models.patches import patches_applied, require_unpatched
 from worker_shim.step.link import SidecarLink
@@ -45,6 +47,11 @@ class ShimWorkerMixin:
     def init_device(self) -> None:
         check_upstream(self.omni_platform)
         require_unpatched("the worker starting")
+        vcfg = self.vllm_config  # type: ignore[attr-defined]
+        tp_size, _ = parallel_sizes(vcfg)
+        refusal = start_refusal(vcfg, tp_size > 1 and model_class_has_hooks(vcfg))
+        if refusal:
+            raise SidecarError(refusal)
         super().init_device()  # type: ignore[misc]
         if not getattr(self, "use_v2_model_runner", False):
             raise ShimCompatError(
@@ -80,12 +87,16 @@ class ShimWorkerMixin:
         as vLLM's, so model hooks skip them, whatever their ids."""
         runner = getattr(self, "model_runner", None)
         if runner is not None:
+            runner.omni_refuse_lost_outputs()  # the profile run called the forward
             runner.omni_warming_up = True
         try:
-            return super().compile_or_warm_up_model(*args, **kwargs)  # type: ignore[misc]
+            out = super().compile_or_warm_up_model(*args, **kwargs)  # type: ignore[misc]
         finally:
             if runner is not None:
                 runner.omni_warming_up = False
+        if runner is not None:
+            runner.omni_refuse_lost_outputs()  # graph capture called it (before the engine takes requests)
+        return out
 
     def _connect_sidecar(self, payloads: PayloadTracker, batches: BatchReader) -> SidecarLink:
         stale = sweep_stale()

@@ -15,7 +15,11 @@ hidden_states.last, as vllm-omni's talkers declare it; `resident_keys=` for none
 request's outputs then hold those decoder layers' hidden states, token aligned,
 as `hidden_states.layer_N`: vllm-omni's `hidden_states["layers"][N]` once
 unflattened, omni/keys.py), plan_ahead=0 (never build a steady decode step's plan
-before its StepBegin comes: omni_sidecar/sessions/plan_ahead.py).
+before its StepBegin comes: omni_sidecar/sessions/plan_ahead.py), replace_appends=1
+(an appended payload replaces the request's state instead of merging into it,
+keeping `meta.num_processed_tokens` and `meta.resumable`: what vllm-omni's runner
+does for a model that declares `replace_runtime_additional_information`, e.g.
+MiniCPM-o's code2wav; not for a model whose state the shim mirrors).
 """
 
 from __future__ import annotations
@@ -52,9 +56,10 @@ class OmniStateHooks(OmniHooks):
 
     def __init__(
         self, extra_kwargs: str = "0", state_cap_mib: str = "256", resident_keys: str = DEFAULT_RESIDENT_KEYS,
-        hidden_layers: str = "", plan_ahead: str = "1",
+        hidden_layers: str = "", plan_ahead: str = "1", replace_appends: str = "0",
     ) -> None:
         self.send_extra_kwargs = str(extra_kwargs).lower() in _TRUE
+        self.replace_appends = str(replace_appends).lower() in _TRUE
         # This set's plans are pure (they read the batch and the state); a subclass that overrides
         # how they are built plans ahead only if it says so (`plans_ahead = True` on its class).
         cls = type(self)
@@ -260,11 +265,11 @@ class OmniStateHooks(OmniHooks):
     def on_payload_appended(self, req_id: str, payload: bytes) -> None:
         """Entries streamed into a running request (vllm-omni's "async chunk"): decoded like a prompt's
         additional_information and merged with the state rules (`embed.decode` spans in order, overlap
-        trimmed, a gap refused), all or nothing."""
+        trimmed, a gap refused), all or nothing; with `replace_appends`, in place of the state."""
         if self.state.get(req_id) is None:
             raise RequestHookError(req_id, "the request has no state to append to (its payload failed)")
         try:
-            self.state.merge(req_id, decode_additional_information(payload))
+            self.state.merge(req_id, decode_additional_information(payload), replace=self.replace_appends)
         except (PayloadError, StateError) as exc:
             raise RequestHookError(req_id, f"append refused: {exc}") from None
 
@@ -273,6 +278,9 @@ class OmniStateHooks(OmniHooks):
         (both sides then merge the same delta into the same state)."""
         if self.state.get(req_id) is None:
             raise RequestHookError(req_id, "the request has no state to append to (its payload failed)")
+        if self.replace_appends:  # the shim's mirror takes deltas to merge, never a replacement
+            raise RequestHookError(req_id, "append refused: replace_appends=1 cannot reach the state the shim "
+                                           "mirrors for a model with its own hooks")
         try:
             return self.state.trial_merge(req_id, earlier, decode_additional_information(payload))
         except (PayloadError, StateError) as exc:

