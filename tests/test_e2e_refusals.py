@@ -13,6 +13,7 @@ from tests.support.procs import run_engine
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.slow  # two engine processes, about 17 s; tests/test_start_refusals.py checks the refusal itself
 def test_pipeline_parallel_stops_the_engines_start(tiny_model, e2e_dir, tmp_path):
     res = run_engine(
         {"model": tiny_model, "prompts": [{"token_ids": [5, 6, 7]}], "shim": True, "mp": 1,

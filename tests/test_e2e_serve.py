@@ -353,6 +353,7 @@ def _engine_cores(server) -> list:
             if p.cmdline()[:1] and p.cmdline()[0].startswith("VLLM::EngineCore")]
 
 
+@pytest.mark.slow  # an engine's restart, about 27 s on 2 cores: `make test-slow`
 def test_a_dead_stage_engine_fails_its_requests_with_a_503_and_is_started_again(server, reference):
     cores = _engine_cores(server)
     assert len(cores) == 2, [p.cmdline() for p in cores]  # one per stage

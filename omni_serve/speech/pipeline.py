@@ -149,16 +149,15 @@ class ThinkerStage:
     talker_prompt: TalkerPrompt  # (its hidden rows [rows, H], its prompt length) -> the talker's prompt ids, payload
 
 
+@dataclass
 class SpeechPipeline:
-    def __init__(self, talker: Stage, code2wav: Stage, chunk_frames: int, left_context: int,
-                 placeholder_token: int, thinker: ThinkerStage | None = None) -> None:
-        self.thinker = thinker
-        self.talker = talker
-        self.code2wav = code2wav
-        self.chunk_frames = chunk_frames
-        self.left_context = left_context
-        self.placeholder_token = placeholder_token
-        self._releases: set[asyncio.Task] = set()
+    talker: Stage
+    code2wav: Stage
+    chunk_frames: int
+    left_context: int
+    placeholder_token: int
+    thinker: ThinkerStage | None = None
+    _releases: set[asyncio.Task] = field(default_factory=set, init=False, repr=False)
 
     @property
     def stages(self) -> tuple[Stage, ...]:
