@@ -5,7 +5,8 @@
 # moments, the CPU compose file's services as local processes, the talker under vLLM multiprocessing,
 # a hot upgrade of each speech stage's sidecar while omni-serve serves, omni-serve's three-stage
 # (thinker -> talker -> code2wav) pipeline against the stages by hand, a speech stage's engine
-# killed and restarted, a real pipeline-parallel engine refused at start.
+# killed and restarted, a real pipeline-parallel engine refused at start, `make demo` checked
+# against its stages by hand.
 # `make test-all` runs both in one session.
 # `make compat` (not part of `make test`): the vLLM compatibility matrix, COMPAT.md.
 PY ?= python3.11

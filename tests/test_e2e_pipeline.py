@@ -26,7 +26,9 @@ import pytest
 
 from tests.support.procs import ROOT
 
-pytestmark = pytest.mark.e2e
+# `make test-slow` (about 45 s, three engines): `make demo` runs the same; make test's serve e2e
+# checks the talker -> code2wav path over HTTP.
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 REQUESTS = 2
 ATOL = 1e-5  # the codec decodes each chunk in a different batch streamed and by hand
 # The thinker slower than the talker (as real ones are): the talker must wait for its rows.
