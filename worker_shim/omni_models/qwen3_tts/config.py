@@ -2,15 +2,14 @@
 
 The subclass is ours so that a pickled config (vLLM passes the VllmConfig to the processes it
 spawns) names this module: unpickling it imports this module first, which stands vllm_omni in
-before vllm-omni's config module loads. The nested configs (talker, code predictor, speaker
-encoder) are vllm-omni's own classes; a copyreg reducer makes their pickles name this module
-first too, so the order in which vLLM pickles them does not matter.
+before vllm-omni's config module loads. Its nested configs (talker, code predictor, speaker
+encoder) are vllm-omni's own classes, pickled inside it and so met after it; a process where
+vllm-omni's real package loaded anyway is stopped by the start-up patch check (patches.py).
 """
 
 from __future__ import annotations
 
-import copyreg
-from typing import Any, Callable
+from typing import Any
 
 from worker_shim.omni_models.package import install_stand_in
 
@@ -27,17 +26,3 @@ class Qwen3TTSConfig(vllm_omni_config.Qwen3TTSConfig):
         # every keyword is set as an attribute afterwards: the nested configs would be dicts again.
         super().__init__(**kwargs)
 
-
-def rebuilt(make: Callable[..., Any], args: tuple) -> Any:
-    """Unpickling a nested config: this module is imported (vllm_omni stood in) before its class."""
-    return make(*args)
-
-
-def _reduce(config: Any) -> tuple:
-    make, args, *rest = config.__reduce_ex__(2)
-    return (rebuilt, (make, args), *rest)
-
-
-for _nested in (vllm_omni_config.Qwen3TTSTalkerConfig, vllm_omni_config.Qwen3TTSTalkerCodePredictorConfig,
-                vllm_omni_config.Qwen3TTSSpeakerEncoderConfig):
-    copyreg.pickle(_nested, _reduce)
