@@ -41,6 +41,8 @@ CPU_NAMES: list[tuple[str, str]] = [
 ]
 CUDA_NAMES: list[tuple[str, str]] = [
     ("vllm.v1.worker.gpu_worker", "Worker.init_device"),
+    # Overridden where V2's kernel warm-up cannot take a model without KV cache (V2_WARMUP_WITHOUT_KV_SINCE).
+    ("vllm.v1.worker.gpu_worker", "Worker.compile_or_warm_up_model"),
 ]
 # plugin.py routes top-k/top-p to torch when Triton runs interpreted; skipped when absent
 # (start-up must not fail on it).
@@ -267,6 +269,15 @@ V2_PROMPT_EMBEDS_SINCE: Minor = (0, 29)
 # parameters in every tested minor; later ones came and went (context_len 0.28,
 # valid_dummy_state_slots 0.30, randomize_inputs 0.31) and pass through untouched.
 DUMMY_RUN_ARG = ("dummy_run", 1)  # keyword, index among the arguments after scheduler_output
+# V2's kernel warm-up (`warmup_kernels`, vllm/v1/worker/gpu/warmup.py), which the CUDA worker's
+# `compile_or_warm_up_model` runs where the worker's V2 flag is set (else that method's V1 branch: a
+# dummy forward and a sampler run, what the profile run did already), caps its batch by the KV
+# blocks a request needs and divides by them: 0.26 (its wheel, warmup.py l.214-222) raises
+# ZeroDivisionError for a runner whose KV cache config has no groups (a generation-only model:
+# code2wav); 0.28 skips the cap then. 0.27 was not read: taken as 0.26.
+V2_WARMUP_WITHOUT_KV_SINCE: Minor = (0, 28)
+WORKER_V2_FLAG = "use_v2_model_runner"  # the CUDA worker's attribute choosing that branch
+RUNNER_KV_CACHE_CONFIG = ("kv_cache_config", "kv_cache_groups")  # set on the runner before the warm-up
 
 
 def minor_of(version: str) -> Minor | None:
@@ -327,6 +338,17 @@ def has_own_prefill_flags() -> bool:
     from vllm.v1.worker.gpu.input_batch import InputBatch
 
     return PREFILL_FLAGS_FIELD in _fields_of(InputBatch)
+
+
+def v2_warmup_fails_without_kv_cache(worker) -> bool:
+    """Would this vLLM's V2 kernel warm-up divide by zero for the worker's runner, V2 and without KV
+    cache groups (V2_WARMUP_WITHOUT_KV_SINCE)? Asked by the CUDA shim worker before the warm-up."""
+    minor = minor_of(vllm_version())
+    if minor is None or minor >= V2_WARMUP_WITHOUT_KV_SINCE or not getattr(worker, WORKER_V2_FLAG, False):
+        return False
+    config_attr, groups_attr = RUNNER_KV_CACHE_CONFIG
+    config = getattr(getattr(worker, "model_runner", None), config_attr, None)
+    return config is not None and not getattr(config, groups_attr)
 
 
 def v2_takes_prompt_embeds(version: str) -> bool:
