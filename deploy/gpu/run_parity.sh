@@ -1,6 +1,8 @@
 #!/bin/sh
 # The GPU parity check in one go on a bare GPU host (docs/ARCHITECTURE.md, "GPU bundle"):
-#   [PARITY_LIMIT_S=560] deploy/gpu/run_parity.sh BUNDLE_DIR OUT_DIR [parity.py options...]
+#   [PARITY_LIMIT_S=510] deploy/gpu/run_parity.sh BUNDLE_DIR OUT_DIR [parity.py options...]
+# (`--part talker` / `--part code2wav` for half of the engines each; their parity.json files merge
+# with `python3 deploy/gpu/parity.py --merge A/parity.json B/parity.json --result FILE`)
 # installs the bundle (built with BUNDLE_SM=90 BUNDLE_NO_JIT_HEADERS=1 BUNDLE_OMNI=1, and
 # BUNDLE_PROFILER=1 for the py-spy summary) into /tmp/omni-site, builds the tiny checkpoint of the
 # published layout (tests/tiny_models/qwen3_tts.py), runs the CUDA-only tests (skipped on CPU), then
@@ -8,7 +10,7 @@
 # BENCHMARKS.md rows, parity.json (every figure), parity.log, profiles.txt (py-spy), tests.log and
 # the engines' log tails.
 set -u
-B=$1 OUT=$2 LIMIT=${PARITY_LIMIT_S:-560}  # the whole run, install included
+B=$1 OUT=$2 LIMIT=${PARITY_LIMIT_S:-510}  # the whole run, install included
 shift 2
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
 SITE=/tmp/omni-site
@@ -34,7 +36,9 @@ timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_embeds_graph.py 
   tests/test_plan_transfer.py tests/test_omni_columns.py > "$OUT/tests.log" 2>&1 &
 TESTS=$!
 left=$(( LIMIT - ($(date +%s) - t0) - 20 ))
+# Timed rounds stop 45 s before the end and a stuck engine is killed 25 s before it: the report is written.
 timeout "$left" python3 "$SRC/deploy/gpu/parity.py" --model "$W/model" --out "$W" \
+  --deadline-s $(( left - 45 )) --engine-timeout-s $(( left - 25 )) \
   --result "$OUT/vllm-omni-parity.json" "$@" > "$OUT/parity.log" 2>&1
 echo "parity.py rc=$? after $(( $(date +%s) - t0 )) s"
 wait $TESTS

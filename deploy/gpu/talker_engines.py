@@ -214,14 +214,22 @@ def bench_ready(job: dict) -> None:
 
 class Turns:
     """The timed rounds of all bench engines in one fixed order (per set, per round, each engine in
-    turn), so that the engines compared alternate round by round. A file holds the index of the round
-    whose turn it is; an engine that is gone (`gone-NAME`) loses its turns; a wait longer than
-    `turn_wait_s` runs the round anyway (a slow engine may then overlap another's)."""
+    turn, the engines' order reversed every other round: ABBA), so that the engines compared alternate
+    round by round; after a set's rounds, the untimed profile pass of each engine in `job["profiled"]`
+    when the set is the profiled one. A file holds the index of the turn now; an engine that is gone
+    (`gone-NAME`) loses its turns; a wait longer than `turn_wait_s` runs the round anyway (a slow
+    engine may then overlap another's)."""
 
     def __init__(self, job: dict) -> None:
         self.work = Path(job["workdir"])
-        self.order = [f"{e}|{s['name']}|{r}" for s in job["bench_sets"] for r in range(s.get("rounds", 1))
-                      for e in job["engines"]]
+        engines = list(job["engines"])
+        profile_set = (job.get("profile") or {}).get("set")
+        self.order = []
+        for s in job["bench_sets"]:
+            for r in range(s.get("rounds", 1)):
+                self.order += [f"{e}|{s['name']}|{r}" for e in (engines if r % 2 == 0 else engines[::-1])]
+            if s["name"] == profile_set:
+                self.order += [f"{e}|{s['name']}|profile" for e in job.get("profiled", [])]
         self.wait_s = job.get("turn_wait_s", 90)
 
     def _index(self) -> int:
@@ -257,8 +265,8 @@ class Turns:
 
 
 def start_profile(job: dict) -> Any:
-    """py-spy on this process (and on its sidecar, `sidecar_pid`) for the profiled set's first round,
-    when py-spy is on PATH; returns the engine's sampler."""
+    """py-spy on this process (and on its sidecar, `sidecar_pid`) for `profile["seconds"]` (whole
+    seconds: py-spy refuses a fraction), when py-spy is on PATH; returns the engine's sampler."""
     import math
     import shutil
     import subprocess
@@ -280,30 +288,47 @@ def start_profile(job: dict) -> Any:
     return procs[0]
 
 
-def bench(engine: Any, add: Any, job: dict) -> dict:
-    """Every bench set, `rounds` times, each round in its turn (Turns)."""
+def past_deadline(job: dict) -> bool:
+    """No more timed rounds: the run's time is nearly up (its report must still be written)."""
+    return "deadline_unix" in job and time.time() > job["deadline_unix"]
+
+
+def bench(engine: Any, add: Any, job: dict) -> tuple[dict, int]:
+    """Every bench set, `rounds` times, each round in its turn (Turns), then, for the profiled set and
+    an engine in `job["profiled"]`, py-spy over repeats of the set in a turn of its own (its timed
+    rounds unperturbed). Past the run's deadline no round starts; returns the rounds and how many
+    were cut."""
     results: dict = {}
+    cut = 0
     prof = job.get("profile") or {}
     turns = Turns(job)
     for spec in job["bench_sets"]:
         rounds = []
         for r in range(spec.get("rounds", 1)):
-            reqs = talker_requests(spec["reqs"], f"{spec['name']}-{r}-")
             key = f"{job['name']}|{spec['name']}|{r}"
+            if past_deadline(job):  # the others are past it too: no turn to keep
+                cut += 1
+                continue
+            reqs = talker_requests(spec["reqs"], f"{spec['name']}-{r}-")
             turns.wait(key)
-            profiler = start_profile(job) if spec["name"] == prof.get("set") and r == 0 else None
             try:
                 run = drive(engine, add, reqs, spec.get("temperature", 0.0))
-                if profiler is not None:
-                    # Keep it sampling steps of this set: repeat the set until py-spy is done.
-                    while profiler.poll() is None:
-                        drive(engine, add, talker_requests(spec["reqs"], f"{spec['name']}-p{r}-"),
-                              spec.get("temperature", 0.0))
             finally:
                 turns.done(key)
             rounds.append({"decode_s": run["decode_s"], "steps": len(run["step_s"]), "wall_s": sum(run["step_s"])})
         results[spec["name"]] = rounds
-    return results
+        key = f"{job['name']}|{spec['name']}|profile"
+        if spec["name"] == prof.get("set") and job["name"] in job.get("profiled", []) and not past_deadline(job):
+            turns.wait(key)
+            try:
+                profiler = start_profile(job)
+                k = 0
+                while profiler is not None and profiler.poll() is None:  # repeats of the set until py-spy is done
+                    drive(engine, add, talker_requests(spec["reqs"], f"{spec['name']}-p{k}-"), spec.get("temperature", 0.0))
+                    k += 1
+            finally:
+                turns.done(key)
+    return results, cut
 
 
 def load_job(job_path: str) -> tuple[dict, dict]:
@@ -343,7 +368,7 @@ def main(job_path: str, result_path: str) -> None:
         if kind == "shim":
             result["patches_workers"] = engine.collective_rpc("omni_sidecar_vllm_omni_patches")
         bench_ready(job)
-        result["bench"] = bench(engine, add, job)
+        result["bench"], result["bench_rounds_cut"] = bench(engine, add, job)
         if kind == "shim":
             result["shim_stats"] = engine.collective_rpc("omni_sidecar_stats")
         result["ok"] = True

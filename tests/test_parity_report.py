@@ -1,0 +1,176 @@
+"""The GPU parity command's CPU side (deploy/gpu/parity.py, talker_engines.py): its arguments, the
+engines of each part, the turn order of the timed rounds, and the report of two parts' runs merged
+into vllm-omni-parity.json and its BENCHMARKS.md rows, from engine results as the engines write them."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+
+from tests.support.procs import ROOT
+
+sys.path.insert(0, str(ROOT / "deploy" / "gpu"))
+
+import parity  # noqa: E402
+import talker_engines  # noqa: E402
+from acceptance import Check  # noqa: E402
+
+TALKERS = ["omni-async-off", "shim-async-off", "omni-async-on", "shim-async-on"]
+
+
+def test_arguments_and_the_engines_of_each_part():
+    args = parity.parse_args(["--model", "m"])
+    assert (args.part, args.rounds, args.profile_set, args.profile_s) == ("all", 4, "c8-greedy", 6)
+    names = {part: [s["name"] for s in parity.engine_specs(parity.parse_args(["--model", "m", "--part", part]))]
+             for part in parity.PARTS}
+    assert names["talker"] == TALKERS
+    assert names["code2wav"] == ["omni-code2wav", "shim-code2wav"]
+    assert names["all"] == TALKERS + names["code2wav"]
+    for bad in (["--merge", "a.json"], [], ["--model", "m", "--part", "both"], ["--model", "m", "--profile-s", "4.5"]):
+        with pytest.raises(SystemExit):
+            parity.parse_args(bad)
+
+
+def test_timed_rounds_alternate_abba_and_the_profile_pass_has_turns_of_its_own(tmp_path):
+    sets = parity.bench_sets([8, 16], rounds=2, max_tokens=4)
+    job = {"workdir": str(tmp_path), "bench_sets": sets, "engines": ["a", "b"], "profiled": ["b"],
+           "profile": {"set": "c8-greedy", "seconds": 6}}
+    order = talker_engines.Turns(job).order
+    assert order[:6] == ["a|c8-greedy|0", "b|c8-greedy|0", "b|c8-greedy|1", "a|c8-greedy|1",
+                         "b|c8-greedy|profile", "a|c8-sampled|0"]
+    assert len(order) == 4 * 4 + 1 and order.count("b|c8-greedy|profile") == 1
+    assert not talker_engines.past_deadline({}) and talker_engines.past_deadline({"deadline_unix": time.time() - 1})
+    assert not talker_engines.past_deadline({"deadline_unix": time.time() + 60})
+
+
+def talker_result(step_ms: float, rounds: int, shim: bool) -> dict:
+    """An engine's result as talker_engines.main writes it: 8 requests' tokens and codes rows (code 0
+    of the step before, then the residual codes), timed rounds."""
+    tokens = [[3 + i, 4 + i, 5 + i] for i in range(8)]
+    codes = [[[t, 1, 2, 3] for t in toks[:-1]] for toks in tokens]
+    bench = {s["name"]: [{"decode_s": [step_ms * (1 + 0.05 * r) * 1e-3] * 8} for r in range(rounds)]
+             for s in parity.bench_sets([8, 16, 64], rounds, 4)}
+    return {"ok": True, "codes": {"tokens": tokens, "codes": codes}, "bench": bench,
+            "patches_engine": [] if shim else ["vllm_omni.patch"], "patches_workers": [[]] if shim else None}
+
+
+def part_report(part: str, commit: str) -> dict:
+    """What run_part writes for a part, from engine results (the real comparisons)."""
+    c = Check(f"part {part}")
+    report = {"part": part, "concurrency": [8, 16, 64], "rounds": 4, "max_tokens": 48, "engines": {}, "codes": {},
+              "steps": {}, "code2wav": None, "patches": {}, "profiles": {}, "profile_set": "c8-greedy",
+              "versions": {"vllm": "0.26.0", "vllm_omni": "0.26.0"}, "commit": commit, "wall_s": 1.0}
+    if part == "talker":
+        for mode in ("off", "on"):
+            omni, shim = talker_result(4.0, 4, False), talker_result(3.6, 4, True)
+            report["codes"][f"shim-async-{mode}"] = parity.compare_codes(omni, shim, f"shim-async-{mode}", c)
+            report["steps"][f"shim-async-{mode}"] = parity.ratios(omni, shim)
+            report["patches"][f"shim-async-{mode}"] = {"engine": [], "workers": [[]]}
+            report["patches"][f"omni-async-{mode}"] = {"engine": ["vllm_omni.patch"], "workers": None}
+            report["engines"][f"shim-async-{mode}"] = {"ok": True, "shim_stats": [{"step_end_cpu_us_p50": 470.0}]}
+        report["profiles"]["shim-async-off"] = "py-spy samples: 10\n\nphases:\n  5 50.0% link\n\ninclusive:\n  x"
+    else:
+        wave = [0.0, 0.5, -0.25, 0.125]
+        omni = {"ok": True, "waveforms": {f"c2w-{i}-whole": wave for i in range(len(parity.CODE2WAV_REQUESTS))}}
+        shim = {"ok": True, "direct": [wave] * len(parity.CODE2WAV_REQUESTS),
+                "waveforms": {f"c2w-{i}-{ch['codec_chunk_frames']}": [x + 0.01 for x in wave]
+                              for i in range(len(parity.CODE2WAV_REQUESTS)) for ch in parity.CODE2WAV_CHUNKINGS}}
+        report["code2wav"] = parity.compare_waves(omni, shim, c)
+        report["code2wav_runner"] = {"ok": True, "error": None}
+        report["patches"]["shim-code2wav"] = {"engine": [], "workers": [[]]}
+    report["check"] = c.report()
+    return report
+
+
+def test_two_parts_merge_into_one_summary_and_its_rows(tmp_path):
+    paths = []
+    for part in ("talker", "code2wav"):
+        path = tmp_path / part / "parity.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps(part_report(part, "abc123")))
+        paths.append(str(path))
+    result = tmp_path / "vllm-omni-parity.json"
+    parity.main(["--merge", *paths, "--result", str(result)])
+    summary = json.loads(result.read_text())
+    assert summary["talker_codes_identical"] == "16/16"
+    assert summary["code2wav_max_abs_diff"] == pytest.approx(0.01)
+    assert summary["vllm_omni_patches_applied"] == []
+    assert summary["vllm_omni_patches_found_in_its_own_engines"] == {"omni-async-off": ["vllm_omni.patch"],
+                                                                     "omni-async-on": ["vllm_omni.patch"]}
+    assert summary["talker_step_ratio"] == {"8": 0.9, "16": 0.9, "64": 0.9}
+    spread = summary["talker_step_ratio_spread"]["8"]["async off, greedy"]
+    assert spread["rounds"] == 4 and spread["min"] == spread["max"] == spread["median"] == 0.9
+    assert spread["ci95"] == [0.9, 0.9] and spread["resolved"] is True
+    assert set(summary["async_scheduling"]) == {"off", "on"}
+    assert summary["check"]["ok"] and summary["commit"] == "abc123" and summary["versions"]["vllm"] == "0.26.0"
+    assert summary["parts"] == "talker+code2wav"
+    assert summary["profile"]["phases"]["shim-async-off"].endswith("5 50.0% link")
+    rows = result.with_suffix(".rows.md").read_text()
+    assert "| off | 8 | 4.30 | 3.87 | **0.90** (0.90; 0.90..0.90) |" in rows  # rounds at 4.0 .. 4.6 ms, pooled
+    assert "- talker codes identical: **16/16**" in rows and "patches in the shim's engines: **[]**" in rows
+    assert "8: 0.90, 16: 0.90, 64: 0.90" in rows and "commit abc123" in rows and "- check: ok" in rows
+
+
+def test_a_merge_keeps_each_parts_failures_and_differing_commits(tmp_path):
+    talker, code2wav = part_report("talker", "abc123"), part_report("code2wav", "def456")
+    code2wav["check"] = {"name": "part code2wav", "ok": False, "figures": {}, "failures": ["shim-code2wav: died"]}
+    merged = parity.merge_reports([talker, code2wav])
+    assert merged["check"]["ok"] is False and merged["check"]["failures"] == ["shim-code2wav: died"]
+    assert merged["commit"] == ["abc123", "def456"]
+    rows = parity.benchmark_rows(parity.parity_summary(merged))
+    assert "- check: failed: shim-code2wav: died" in rows
+
+
+def test_a_run_of_both_parts_writes_its_report_with_engines_faked(tmp_path, monkeypatch):
+    """run_part as on the GPU host, the engine processes and sidecars replaced by fakes that write
+    what the engines write (result, log, py-spy stacks): the report, the summary and the rows."""
+    from types import SimpleNamespace
+
+    code2wav = part_report("code2wav", "")
+    jobs = {}
+
+    def fake_run(spec, job, work, c, gpus, timeout_s):
+        jobs[spec["name"]] = (job, timeout_s)
+        shim = spec["kind"] == "shim"
+        log = work / f"{spec['name']}.log"
+        log.write_text("Using V2 Model Runner\n" + (parity.FULL_GRAPHS + ": 100%\n" if shim else ""))
+        if spec["name"] == "shim-async-off":
+            (work / "shim-async-off.pyspy.txt").write_text(
+                "<module> (a.py:1);execute_model (b.py:2);end_step (c.py:3) 30\n"
+                "<module> (a.py:1);execute_model (b.py:2);before_forward (d.py:4) 70\n")
+        if spec["script"] == parity.CODE2WAV_ENGINES:
+            wave = [0.0, 0.5, -0.25, 0.125]
+            res = ({"ok": True, "direct": [wave] * 3,
+                    "waveforms": {f"c2w-{i}-{ch['codec_chunk_frames']}": wave for i in range(3)
+                                  for ch in parity.CODE2WAV_CHUNKINGS}} if shim else
+                   {"ok": True, "waveforms": {f"c2w-{i}-whole": wave for i in range(3)}})
+        else:
+            res = talker_result(3.0 if shim else 4.0, job["bench_sets"][0]["rounds"], shim)
+        if shim:
+            res.update(patches_engine=[], patches_workers=[[]])
+        return {**res, "log_path": str(log)}
+
+    monkeypatch.setattr(parity, "run", fake_run)
+    monkeypatch.setattr(parity, "sidecar", lambda work, name, hooks, gpus: SimpleNamespace(
+        endpoint=f"ipc://{work}/{name}.sock", proc=SimpleNamespace(pid=4242), stop=lambda: None))
+    out = tmp_path / "work"
+    result = tmp_path / "vllm-omni-parity.json"
+    parity.main(["--model", "m", "--out", str(out), "--result", str(result), "--deadline-s", "300"])
+    job, timeout_s = jobs["shim-async-off"]
+    assert job["profiled"] == ["shim-async-off", "shim-async-on"] and job["profile"] == {"set": "c8-greedy",
+                                                                                         "seconds": 6}
+    assert job["engines"] == TALKERS and timeout_s == 360 and jobs["shim-code2wav"][1] == parity.CODE2WAV_TIMEOUT_S
+    assert 290 < job["deadline_unix"] - time.time() <= 300
+    report = json.loads((out / "parity.json").read_text())
+    assert report["part"] == "all" and report["check"]["ok"], report["check"]
+    assert report["versions"]["python"] and "commit" in report
+    assert "     30   30.0%  link: end_step (StepEnd)" in report["profiles"]["shim-async-off"]
+    assert report["profiles"]["shim-async-on"].startswith("no profile: ")
+    summary = json.loads(result.read_text())
+    assert summary["talker_codes_identical"] == "16/16" and summary["code2wav_max_abs_diff"] == 0.0
+    assert summary["talker_step_ratio"] == {"8": 0.75, "16": 0.75, "64": 0.75}
+    merged = parity.merge_reports([report, code2wav])  # a part run again later replaces its engines' figures
+    assert merged["code2wav"] == code2wav["code2wav"] and merged["steps"] == report["steps"]
