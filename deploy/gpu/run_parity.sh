@@ -46,7 +46,7 @@ tail -3 "$OUT/tests.log"
 grep -v '^\[W' "$OUT/parity.log" | tail -40
 cp "$W/parity.json" "$OUT/" 2>/dev/null
 for f in "$W"/profile-*.txt; do [ -f "$f" ] && { echo "=== $(basename "$f")"; cat "$f"; echo; }; done > "$OUT/profiles.txt"
-for f in "$W"/*.log; do echo "=== $(basename "$f")"; grep -E "patch|Error|error|Traceback|Capturing|talker_mtp|py-spy" "$f" | tail -40; tail -25 "$f"; done \
+for f in "$W"/*.log; do echo "=== $(basename "$f")"; grep -E "patch|Error|error|Traceback|Capturing|talker_mtp|py-spy|warm-up" "$f" | tail -40; tail -25 "$f"; done \
   > "$OUT/engine-logs.txt" 2>/dev/null
 rm -f "$OUT/install.log" "$OUT/model.log"
 exit 0
