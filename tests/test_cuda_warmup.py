@@ -1,7 +1,8 @@
-"""The CUDA shim worker's warm-up for a model without KV cache (code2wav) where vLLM's V2 kernel warm-up
-divides by the KV blocks a request needs (0.26): the real ShimCUDAWorker over upstream's CUDA worker,
-whose `compile_or_warm_up_model` is replaced by a fake of 0.26's branch between its V2 and V1 warm-ups
-(a CUDA engine cannot start here)."""
+"""A model without KV cache (code2wav) on vLLM 0.26's V2 runner, which cannot take one in two places:
+its kernel warm-up divides by the KV blocks a request needs (the real ShimCUDAWorker over upstream's CUDA
+worker, whose `compile_or_warm_up_model` is replaced by a fake of 0.26's branch between its V2 and V1
+warm-ups), and its block tables assert on a fused writer they build only for two groups or more (the
+shim's runner overrides on a fake of 0.26's runner and BlockTables). A CUDA engine cannot start here."""
 
 from __future__ import annotations
 
@@ -78,3 +79,66 @@ def test_the_v2_flag_comes_back_when_the_warm_up_fails(worker, monkeypatch):
     with pytest.raises(RuntimeError, match="warm-up failed"):
         w.compile_or_warm_up_model()
     assert w.use_v2_model_runner is True
+
+
+class BlockTablesAs026:
+    """vLLM 0.26's V2 `BlockTables`, reduced to what decides `apply_staged_writes`
+    (vllm/v1/worker/gpu/block_table.py l.58-63, l.121-131): the fused writer exists for two groups or
+    more, and every count but one takes the fused branch, which asserts on it."""
+
+    def __init__(self, block_sizes: list[int]):
+        self.num_kv_cache_groups = len(block_sizes)
+        self.fused_writer = "fused writer" if self.num_kv_cache_groups > 1 else None
+        self.writes: list[str] = []
+
+    def apply_staged_writes(self) -> None:
+        if self.num_kv_cache_groups == 1:
+            self.writes.append("one table")
+        else:
+            assert self.fused_writer is not None
+            self.writes.append("fused")
+        self.writes.append("num_blocks to uva")
+
+
+class RunnerAs026:
+    """The upstream runner's `initialize_kv_cache`: builds its block tables, one group per KV cache group."""
+
+    def __init__(self, groups: list):
+        self.groups = groups
+
+    def initialize_kv_cache(self, kv_cache_config):
+        self.block_tables = BlockTablesAs026([g.block_size for g in self.groups])
+        return "kv cache initialized"
+
+
+def shim_runner(groups: list):
+    from worker_shim.upstream.runner import SidecarRunnerMixin, swap_class
+
+    runner = RunnerAs026(groups)
+    swap_class(runner, SidecarRunnerMixin)
+    assert runner.initialize_kv_cache("config") == "kv cache initialized"
+    return runner
+
+
+def test_block_tables_without_kv_cache_on_0_26_skip_the_staged_writes(monkeypatch):
+    monkeypatch.setattr(compat, "vllm_version", lambda: "0.26.0")
+    tables = shim_runner([]).block_tables
+    tables.apply_staged_writes()  # upstream's asserts on the fused writer (below)
+    assert tables.writes == []
+    with pytest.raises(AssertionError):
+        BlockTablesAs026([]).apply_staged_writes()
+
+
+@pytest.mark.parametrize("groups, writes", [([16], ["one table"]), ([16, 32], ["fused"])])
+def test_block_tables_with_kv_cache_write_as_upstream(monkeypatch, groups, writes):
+    monkeypatch.setattr(compat, "vllm_version", lambda: "0.26.0")
+    tables = shim_runner([SimpleNamespace(block_size=b) for b in groups]).block_tables
+    assert type(tables) is BlockTablesAs026  # tables with KV cache groups keep upstream's class
+    tables.apply_staged_writes()
+    assert tables.writes == [*writes, "num_blocks to uva"]
+
+
+def test_block_tables_stay_upstreams_where_vllm_skips_no_groups(monkeypatch):
+    for version in ("0.32.0", "0.33.0.dev1+g1234"):
+        monkeypatch.setattr(compat, "vllm_version", lambda: version)
+        assert type(shim_runner([]).block_tables) is BlockTablesAs026

@@ -22,6 +22,10 @@ UPSTREAM_NAMES: list[tuple[str, str]] = [
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.sample_tokens"),
     # Returns the step's InputBatch before the attention metadata is built: the StepBegin goes then.
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.prepare_inputs"),
+    # Where the block tables of a model without KV cache need their staged writes skipped
+    # (STAGED_WRITES_WITHOUT_KV_SINCE).
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.initialize_kv_cache"),
+    ("vllm.v1.worker.gpu.block_table", "BlockTables.apply_staged_writes"),
     # Read at shutdown only (worker_shim/step/finishes.py), each with a fallback.
     ("vllm.v1.worker.gpu.async_utils", "AsyncOutput"),
     ("vllm.sampling_params", "SamplingParams.eos_token_id"),
@@ -278,6 +282,16 @@ DUMMY_RUN_ARG = ("dummy_run", 1)  # keyword, index among the arguments after sch
 V2_WARMUP_WITHOUT_KV_SINCE: Minor = (0, 28)
 WORKER_V2_FLAG = "use_v2_model_runner"  # the CUDA worker's attribute choosing that branch
 RUNNER_KV_CACHE_CONFIG = ("kv_cache_config", "kv_cache_groups")  # set on the runner before the warm-up
+# V2's BlockTables.apply_staged_writes, which execute_model calls every step: 0.26 (its wheel,
+# block_table.py l.121-131) takes its multi-group branch for a runner without KV cache groups and
+# asserts on the fused writer it builds only for two groups or more (AssertionError on the first
+# step of a generation-only model: code2wav); 0.32 returns first for no groups. 0.27 ... 0.31 were
+# not read: taken as 0.26. The other per-step calls with no groups launch their Triton kernels on a
+# grid of 0 groups (no launch) and return empty tables (gather_block_tables, compute_slot_mappings);
+# dummy runs and graph capture read the tables without a kernel: they stay upstream's.
+STAGED_WRITES_WITHOUT_KV_SINCE: Minor = (0, 32)
+RUNNER_BLOCK_TABLES = "block_tables"  # set by the runner's initialize_kv_cache
+BLOCK_TABLES_GROUPS = "num_kv_cache_groups"
 
 
 def minor_of(version: str) -> Minor | None:
@@ -349,6 +363,15 @@ def v2_warmup_fails_without_kv_cache(worker) -> bool:
     config_attr, groups_attr = RUNNER_KV_CACHE_CONFIG
     config = getattr(getattr(worker, "model_runner", None), config_attr, None)
     return config is not None and not getattr(config, groups_attr)
+
+
+def staged_writes_fail_without_kv_cache(block_tables) -> bool:
+    """Would this vLLM's V2 block tables fail to apply their (empty) staged writes, having no KV cache
+    groups (STAGED_WRITES_WITHOUT_KV_SINCE)? Asked by the shim's runner once its tables exist."""
+    minor = minor_of(vllm_version())
+    if minor is None or minor >= STAGED_WRITES_WITHOUT_KV_SINCE:
+        return False
+    return getattr(block_tables, BLOCK_TABLES_GROUPS, None) == 0
 
 
 def v2_takes_prompt_embeds(version: str) -> bool:

@@ -22,6 +22,7 @@ from worker_shim.upstream.compat import (
     MODEL_STATE_EMBEDS_METHODS,
     MODEL_STATE_METHODS,
     RUNNER_ATTRS,
+    RUNNER_BLOCK_TABLES,
     RUNNER_INIT_ATTRS,
     check_instance,
     check_one_of,
@@ -30,6 +31,7 @@ from worker_shim.upstream.compat import (
     is_dummy_run,
     model_outputs_refusal,
     prompt_len_of,
+    staged_writes_fail_without_kv_cache,
 )
 from worker_shim.errors import SidecarError
 from worker_shim.model.embeds import LAYERS_GRAPH_KEY, EmbedsBuffer, embeds_width, mark_compiled_graph
@@ -104,6 +106,15 @@ class SidecarRunnerMixin:
         if refusal:
             raise SidecarError(refusal)
         self.omni_outputs_checked = True
+
+    def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> Any:
+        """Upstream's; for a model without KV cache on a vLLM whose block tables cannot apply their
+        staged writes then (compat's STAGED_WRITES_WITHOUT_KV_SINCE), the tables' writes are skipped."""
+        out = _up(self).initialize_kv_cache(*args, **kwargs)  # type: ignore[misc]
+        block_tables = getattr(self, RUNNER_BLOCK_TABLES, None)
+        if block_tables is not None and staged_writes_fail_without_kv_cache(block_tables):
+            swap_class(block_tables, BlockTablesWithoutKVMixin)
+        return out
 
     def prepare_inputs(self, *args: Any, **kwargs: Any) -> Any:
         """The step's batch, as vLLM built it: its StepBegin goes now, when it needs a plan, and
@@ -230,6 +241,16 @@ class SidecarModelStateMixin:
         if buffer is not None and inputs.get("inputs_embeds") is None:
             inputs = {**inputs, "inputs_embeds": buffer.rows(num_tokens)}
         return inputs
+
+
+class BlockTablesWithoutKVMixin:
+    """On upstream's V2 BlockTables of a runner without KV cache groups, where that vLLM's
+    `apply_staged_writes` takes its multi-group branch then: no table, nothing to write."""
+
+    def apply_staged_writes(self, *args: Any, **kwargs: Any) -> Any:
+        if self.num_kv_cache_groups == 0:  # type: ignore[attr-defined]
+            return None
+        return _up(self).apply_staged_writes(*args, **kwargs)  # type: ignore[misc]
 
 
 def _up(obj: Any) -> Any:
