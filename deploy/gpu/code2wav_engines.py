@@ -3,7 +3,8 @@
   python deploy/gpu/code2wav_engines.py job.json result.json     (job["kind"]: omni or shim)
 
 `omni`: vllm-omni 0.26's own generation stage (`OmniEngineArgs`: generation worker and runner on
-vLLM's V1 runner, its generation scheduler) fed as its non-streaming Qwen3-TTS pipeline feeds it
+vLLM's V1 runner, its generation scheduler), as the first stage of its pipeline (no connector to
+wait for), fed what its non-streaming Qwen3-TTS pipeline hands that stage
 (`talker2code2wav_token_only` / `_full_payload`): one prompt of Q x frames tokens, the codes
 codebook-major flat in `codes.audio` (and as the prompt's ids), the waveform read from its
 engine-core output (`multimodal_output`).
@@ -80,7 +81,12 @@ def omni_engine(job: dict) -> tuple[Any, Any]:
     from vllm_omni.engine.arg_utils import OmniEngineArgs
     from vllm_omni.engine.orchestrator import build_engine_core_request_from_tokens
 
-    args = OmniEngineArgs(**engine_args(job), stage_id=1, model_stage="code2wav", model_arch=ARCH,
+    # Stage 0: its scheduler parks a request of a later stage (Qwen3-TTS's code2wav is stage 1) until
+    # vllm-omni's connector delivers its full payload from the talker stage
+    # (`uses_full_payload_input_coordinator`, core/sched/omni_scheduling_coordinator.py), which no
+    # producer here sends; a first stage takes its input in the request: the codes below, which its
+    # runner decodes from the request's additional_information (worker/gpu_model_runner.py).
+    args = OmniEngineArgs(**engine_args(job), stage_id=0, model_stage="code2wav", model_arch=ARCH,
                           worker_type="generation", engine_output_type="audio",
                           disable_hybrid_kv_cache_manager=True,
                           scheduler_cls="vllm_omni.core.sched.omni_generation_scheduler.OmniGenerationScheduler")
@@ -126,7 +132,11 @@ def scheduler_state(engine: Any) -> str:
     scheduler = getattr(getattr(engine.engine_core, "engine_core", None), "scheduler", None)
     if scheduler is None:
         return "not reachable"
-    return f"{len(getattr(scheduler, 'waiting', []))} waiting, {len(getattr(scheduler, 'running', []))} running"
+    waiting = list(getattr(scheduler, "waiting", []))
+    statuses = sorted({str(getattr(r, "status", "?")) for r in waiting})
+    parked = len(getattr(getattr(scheduler, "input_coordinator", None), "_waiting_for_input", []))
+    return (f"{len(waiting)} waiting ({', '.join(statuses) or '-'}), {len(getattr(scheduler, 'running', []))} "
+            f"running, {parked} parked for a connector's input")
 
 
 def omni_waveform(records: list[dict]) -> list[float] | None:
