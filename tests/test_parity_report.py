@@ -23,7 +23,7 @@ TALKERS = ["omni-async-off", "shim-async-off", "omni-async-on", "shim-async-on"]
 
 def test_arguments_and_the_engines_of_each_part():
     args = parity.parse_args(["--model", "m"])
-    assert (args.part, args.rounds, args.profile_set, args.profile_s) == ("all", 4, "c8-greedy", 6)
+    assert (args.part, args.rounds, args.profile_set, args.profile_s) == ("all", 4, "", 4)  # py-spy off by default
     names = {part: [s["name"] for s in parity.engine_specs(parity.parse_args(["--model", "m", "--part", part]))]
              for part in parity.PARTS}
     assert names["talker"] == TALKERS
@@ -34,16 +34,54 @@ def test_arguments_and_the_engines_of_each_part():
             parity.parse_args(bad)
 
 
-def test_timed_rounds_alternate_abba_and_the_profile_pass_has_turns_of_its_own(tmp_path):
+def test_timed_rounds_go_round_by_round_abba_and_the_profile_pass_comes_after_them(tmp_path):
     sets = parity.bench_sets([8, 16], rounds=2, max_tokens=4)
     job = {"workdir": str(tmp_path), "bench_sets": sets, "engines": ["a", "b"], "profiled": ["b"],
            "profile": {"set": "c8-greedy", "seconds": 6}}
     order = talker_engines.Turns(job).order
-    assert order[:6] == ["a|c8-greedy|0", "b|c8-greedy|0", "b|c8-greedy|1", "a|c8-greedy|1",
-                         "b|c8-greedy|profile", "a|c8-sampled|0"]
-    assert len(order) == 4 * 4 + 1 and order.count("b|c8-greedy|profile") == 1
+    assert order[:10] == ["a|c8-greedy|0", "b|c8-greedy|0", "a|c8-sampled|0", "b|c8-sampled|0",
+                          "a|c16-greedy|0", "b|c16-greedy|0", "a|c16-sampled|0", "b|c16-sampled|0",
+                          "b|c8-greedy|1", "a|c8-greedy|1"]
+    assert order[-2:] == ["a|c16-sampled|1", "b|c8-greedy|profile"] and len(order) == 4 * 4 + 1
+    assert "profile" not in "".join(talker_engines.Turns({**job, "profile": None}).order)
     assert not talker_engines.past_deadline({}) and talker_engines.past_deadline({"deadline_unix": time.time() - 1})
     assert not talker_engines.past_deadline({"deadline_unix": time.time() + 60})
+
+
+def test_a_deadline_cuts_the_last_rounds_of_every_set_alike(tmp_path, monkeypatch):
+    """bench() of two engines side by side (threads), drive() faked; the deadline passes after the
+    engines' second round: every set keeps two rounds, each waited for its turn, none a whole timeout."""
+    import threading
+
+    sets = parity.bench_sets([8, 64], rounds=4, max_tokens=4)
+    done: list[str] = []
+
+    def drive(engine, add, reqs, temperature=0.0):
+        done.append(reqs[0]["rid"])
+        time.sleep(0.01)
+        return {"decode_s": [0.004], "step_s": [0.01]}
+
+    monkeypatch.setattr(talker_engines, "drive", drive)
+    monkeypatch.setattr(talker_engines, "talker_requests", lambda specs, prefix: [{"rid": prefix}])
+    rounds_before_deadline = 2
+    monkeypatch.setattr(talker_engines, "past_deadline",
+                        lambda job: sum(r.endswith("-1-") for r in done) >= 2 * len(sets))
+    results = {}
+
+    def engine(name):
+        job = {"workdir": str(tmp_path), "bench_sets": sets, "engines": ["a", "b"], "name": name, "turn_wait_s": 20}
+        results[name] = talker_engines.bench(None, None, job)
+
+    threads = [threading.Thread(target=engine, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name, (bench, cut) in results.items():
+        assert {s: len(r) for s, r in bench.items()} == {s["name"]: rounds_before_deadline for s in sets}
+        assert cut == (4 - rounds_before_deadline) * len(sets)
+        assert all(r["turn_wait_s"] < 10 for rs in bench.values() for r in rs)
+    assert done[:4] == ["c8-greedy-0-", "c8-greedy-0-", "c8-sampled-0-", "c8-sampled-0-"]
 
 
 def talker_result(step_ms: float, rounds: int, shim: bool) -> dict:
@@ -158,10 +196,11 @@ def test_a_run_of_both_parts_writes_its_report_with_engines_faked(tmp_path, monk
         endpoint=f"ipc://{work}/{name}.sock", proc=SimpleNamespace(pid=4242), stop=lambda: None))
     out = tmp_path / "work"
     result = tmp_path / "vllm-omni-parity.json"
-    parity.main(["--model", "m", "--out", str(out), "--result", str(result), "--deadline-s", "300"])
+    parity.main(["--model", "m", "--out", str(out), "--result", str(result), "--deadline-s", "300",
+                 "--profile-set", "c8-greedy"])
     job, timeout_s = jobs["shim-async-off"]
     assert job["profiled"] == ["shim-async-off", "shim-async-on"] and job["profile"] == {"set": "c8-greedy",
-                                                                                         "seconds": 6}
+                                                                                         "seconds": 4}
     assert job["engines"] == TALKERS and timeout_s == 360 and jobs["shim-code2wav"][1] == parity.CODE2WAV_TIMEOUT_S
     assert 290 < job["deadline_unix"] - time.time() <= 300
     report = json.loads((out / "parity.json").read_text())

@@ -19,8 +19,8 @@ context) within CODE2WAV_RTOL of the peak of vllm-omni's on the same codes; no v
 shim's engine processes (and, as a control, found in vllm-omni's own). Figures: per bench set (8,
 16, 64 concurrent requests; greedy, and code 0 sampled), each engine's decode step
 (talker_engines.drive), the ratio shim / omni of their medians, with the spread (each round's
-ratio; the rounds alternate between the engines); py-spy stacks of the shim engines on one set, in
-an untimed pass after its timed rounds.
+ratio; the rounds alternate between the engines, every set in each round); with --profile-set, py-spy
+stacks of the shim engines on one set, in an untimed pass after the timed rounds.
 
   PYTHONPATH=.:SITE python3 deploy/gpu/parity.py --model DIR --out OUT [--part talker|code2wav]
   python3 deploy/gpu/parity.py --merge A/parity.json B/parity.json --result docs/bench/gpu/vllm-omni-parity.json
@@ -261,9 +261,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--concurrency", default="8,16,64")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--profile-set", default="c8-greedy",
-                    help="the bench set py-spy samples, in an untimed pass after its timed rounds ('' for none)")
-    ap.add_argument("--profile-s", type=int, default=6, help="whole seconds (py-spy takes no fraction)")
+    ap.add_argument("--profile-set", default="",
+                    help="a bench set (c8-greedy) py-spy samples on the shim engines, in an untimed pass after "
+                         "the timed rounds (none by default)")
+    ap.add_argument("--profile-s", type=int, default=4, help="whole seconds (py-spy takes no fraction)")
     ap.add_argument("--deadline-s", type=float, default=400,
                     help="seconds from the start after which the talker engines start no more timed rounds")
     ap.add_argument("--engine-timeout-s", type=float, default=0,
@@ -344,7 +345,10 @@ def run_part(args: argparse.Namespace) -> dict:
             "async_scheduling": spec["async"], "shim_settings": spec.get("shim_settings"),
             "graphs": sorted({ln[ln.index("Capturing CUDA graphs"):].split(":")[0] for ln in log.splitlines()
                               if "Capturing CUDA graphs" in ln}),
-            "bench_rounds_cut": res.get("bench_rounds_cut"), "shim_stats": res.get("shim_stats")}
+            "bench_rounds_cut": res.get("bench_rounds_cut"), "shim_stats": res.get("shim_stats"),
+            # the longest an engine waited for a timed round's turn (Turns gives up at TURN_WAIT_S)
+            "turn_wait_s_max": max((r.get("turn_wait_s", 0.0) for rounds in (res.get("bench") or {}).values()
+                                    for r in rounds), default=None)}
         if res.get("ok"):
             report["patches"][spec["name"]] = {"engine": res.get("patches_engine"), "workers": res.get("patches_workers")}
         if spec["kind"] == "shim" and res.get("ok"):

@@ -7,8 +7,11 @@
 # BUNDLE_PROFILER=1 for the py-spy summary) into /tmp/omni-site, builds the tiny checkpoint of the
 # published layout (tests/tiny_models/qwen3_tts.py), runs the CUDA-only tests (skipped on CPU), then
 # deploy/gpu/parity.py, and leaves in OUT_DIR: vllm-omni-parity.json (docs/bench/gpu/) and its
-# BENCHMARKS.md rows, parity.json (every figure), parity.log, profiles.txt (py-spy), tests.log and
-# the engines' log tails.
+# BENCHMARKS.md rows, parity.json (every figure), parity.log, profiles.txt (py-spy, with
+# `--profile-set c8-greedy`), tests.log and the engines' log tails.
+# Time on the H200: install and checkpoint ~75 s; `--part talker` ~2 min of engine start (vllm-omni's
+# talker_mtp graphs and code predictor compile) then 4 timed rounds of every setting in ~1-2 min;
+# `--part code2wav` ~1 min after the install.
 set -u
 B=$1 OUT=$2 LIMIT=${PARITY_LIMIT_S:-510}  # the whole run, install included
 shift 2

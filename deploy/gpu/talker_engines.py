@@ -212,25 +212,30 @@ def bench_ready(job: dict) -> None:
         time.sleep(0.2)
 
 
+TURN_WAIT_S = 30  # a round takes a second or two: an engine this late is stuck or gone
+
+
 class Turns:
-    """The timed rounds of all bench engines in one fixed order (per set, per round, each engine in
-    turn, the engines' order reversed every other round: ABBA), so that the engines compared alternate
-    round by round; after a set's rounds, the untimed profile pass of each engine in `job["profiled"]`
-    when the set is the profiled one. A file holds the index of the turn now; an engine that is gone
-    (`gone-NAME`) loses its turns; a wait longer than `turn_wait_s` runs the round anyway (a slow
-    engine may then overlap another's)."""
+    """The timed rounds of all bench engines in one fixed order: round by round, in each round every
+    bench set, each engine in turn, the engines' order reversed every other round (ABBA), so that the
+    engines compared alternate and a deadline cuts the last rounds of every set alike; after the
+    last round, the untimed profile pass of each engine in `job["profiled"]` on the profiled set. A
+    file holds the index of the turn now; an engine that is gone (`gone-NAME`) loses its turns; a
+    wait longer than `turn_wait_s` runs the round anyway (a slow engine may then overlap another's)."""
 
     def __init__(self, job: dict) -> None:
         self.work = Path(job["workdir"])
         engines = list(job["engines"])
-        profile_set = (job.get("profile") or {}).get("set")
+        sets = job["bench_sets"]
         self.order = []
-        for s in job["bench_sets"]:
-            for r in range(s.get("rounds", 1)):
-                self.order += [f"{e}|{s['name']}|{r}" for e in (engines if r % 2 == 0 else engines[::-1])]
-            if s["name"] == profile_set:
-                self.order += [f"{e}|{s['name']}|profile" for e in job.get("profiled", [])]
-        self.wait_s = job.get("turn_wait_s", 90)
+        for r in range(max((s.get("rounds", 1) for s in sets), default=0)):
+            for s in sets:
+                if r < s.get("rounds", 1):
+                    self.order += [f"{e}|{s['name']}|{r}" for e in (engines if r % 2 == 0 else engines[::-1])]
+        profile_set = (job.get("profile") or {}).get("set")
+        if any(s["name"] == profile_set for s in sets):
+            self.order += [f"{e}|{profile_set}|profile" for e in job.get("profiled", [])]
+        self.wait_s = job.get("turn_wait_s", TURN_WAIT_S)
 
     def _index(self) -> int:
         try:
@@ -248,16 +253,18 @@ class Turns:
                 tmp.write_text(str(to))
                 os.replace(tmp, self.work / "turn")
 
-    def wait(self, key: str) -> None:
-        deadline = time.monotonic() + self.wait_s
-        while time.monotonic() < deadline:
+    def wait(self, key: str) -> float:
+        """Until `key`'s turn (or `wait_s`); returns the seconds waited."""
+        t0 = time.monotonic()
+        while time.monotonic() < t0 + self.wait_s:
             i = self._index()
             if i >= len(self.order) or self.order[i] == key or key not in self.order[i:]:
-                return
+                break
             if (self.work / f"gone-{self.order[i].split('|')[0]}").exists():
                 self._advance(i + 1)
                 continue
             time.sleep(0.002)
+        return time.monotonic() - t0
 
     def done(self, key: str) -> None:
         if key in self.order:
@@ -293,41 +300,54 @@ def past_deadline(job: dict) -> bool:
     return "deadline_unix" in job and time.time() > job["deadline_unix"]
 
 
+WARM_SET_TOKENS = 4  # enough for every request of a set to decode together
+
+
+def warm_bench_sets(engine: Any, add: Any, job: dict) -> None:
+    """Each bench set once, untimed and short, before the barrier (engines side by side): what a set
+    meets first (its batch sizes' graphs, the sampler's kernels) is compiled outside the timed rounds."""
+    for spec in job["bench_sets"]:
+        reqs = [{**r, "max_tokens": WARM_SET_TOKENS} for r in spec["reqs"]]
+        drive(engine, add, talker_requests(reqs, f"{spec['name']}-warm-"), spec.get("temperature", 0.0))
+
+
 def bench(engine: Any, add: Any, job: dict) -> tuple[dict, int]:
-    """Every bench set, `rounds` times, each round in its turn (Turns), then, for the profiled set and
-    an engine in `job["profiled"]`, py-spy over repeats of the set in a turn of its own (its timed
-    rounds unperturbed). Past the run's deadline no round starts; returns the rounds and how many
-    were cut."""
-    results: dict = {}
+    """The timed rounds in their turns (Turns: round by round, every set in each), then, for an engine
+    in `job["profiled"]`, py-spy over repeats of the profiled set in a turn of its own (the timed rounds
+    unperturbed). Past the run's deadline no round starts; returns each set's rounds and how many were
+    cut."""
+    results: dict = {s["name"]: [] for s in job["bench_sets"]}
     cut = 0
     prof = job.get("profile") or {}
     turns = Turns(job)
-    for spec in job["bench_sets"]:
-        rounds = []
-        for r in range(spec.get("rounds", 1)):
+    for r in range(max((s.get("rounds", 1) for s in job["bench_sets"]), default=0)):
+        for spec in job["bench_sets"]:
+            if r >= spec.get("rounds", 1):
+                continue
             key = f"{job['name']}|{spec['name']}|{r}"
             if past_deadline(job):  # the others are past it too: no turn to keep
                 cut += 1
                 continue
             reqs = talker_requests(spec["reqs"], f"{spec['name']}-{r}-")
-            turns.wait(key)
+            waited = turns.wait(key)
             try:
                 run = drive(engine, add, reqs, spec.get("temperature", 0.0))
             finally:
                 turns.done(key)
-            rounds.append({"decode_s": run["decode_s"], "steps": len(run["step_s"]), "wall_s": sum(run["step_s"])})
-        results[spec["name"]] = rounds
+            results[spec["name"]].append({"decode_s": run["decode_s"], "steps": len(run["step_s"]),
+                                          "wall_s": sum(run["step_s"]), "turn_wait_s": waited})
+    spec = next((s for s in job["bench_sets"] if s["name"] == prof.get("set")), None)
+    if spec is not None and job["name"] in job.get("profiled", []) and not past_deadline(job):
         key = f"{job['name']}|{spec['name']}|profile"
-        if spec["name"] == prof.get("set") and job["name"] in job.get("profiled", []) and not past_deadline(job):
-            turns.wait(key)
-            try:
-                profiler = start_profile(job)
-                k = 0
-                while profiler is not None and profiler.poll() is None:  # repeats of the set until py-spy is done
-                    drive(engine, add, talker_requests(spec["reqs"], f"{spec['name']}-p{k}-"), spec.get("temperature", 0.0))
-                    k += 1
-            finally:
-                turns.done(key)
+        turns.wait(key)
+        try:
+            profiler = start_profile(job)
+            k = 0
+            while profiler is not None and profiler.poll() is None:  # repeats of the set until py-spy is done
+                drive(engine, add, talker_requests(spec["reqs"], f"{spec['name']}-p{k}-"), spec.get("temperature", 0.0))
+                k += 1
+        finally:
+            turns.done(key)
     return results, cut
 
 
@@ -367,6 +387,7 @@ def main(job_path: str, result_path: str) -> None:
         result["patches_engine"] = patches_applied()  # vllm-omni's own engine: its patches, found
         if kind == "shim":
             result["patches_workers"] = engine.collective_rpc("omni_sidecar_vllm_omni_patches")
+        warm_bench_sets(engine, add, job)
         bench_ready(job)
         result["bench"], result["bench_rounds_cut"] = bench(engine, add, job)
         if kind == "shim":
