@@ -48,6 +48,19 @@ def test_timed_rounds_go_round_by_round_abba_and_the_profile_pass_comes_after_th
     assert not talker_engines.past_deadline({"deadline_unix": time.time() + 60})
 
 
+def test_every_engine_counts_the_same_turns(tmp_path):
+    """The turn file holds an index into the order: engines whose jobs gave them orders of different
+    lengths (vllm-omni's engines without the shim's profile turns) would wait out every turn."""
+    args = parity.parse_args(["--model", "m", "--part", "talker", "--profile-set", "c8-greedy"])
+    specs = parity.engine_specs(args)
+    job = {"workdir": str(tmp_path), "bench_sets": parity.bench_sets([8, 64], 2, 4), "engine_overrides": {},
+           "engines": [s["name"] for s in specs], "profiled": ["shim-async-off", "shim-async-on"],
+           "profile": {"set": "c8-greedy", "seconds": 4}}
+    orders = {s["name"]: talker_engines.Turns(parity.engine_job(s, job, "0")).order for s in specs}
+    assert len({tuple(o) for o in orders.values()}) == 1
+    assert orders["omni-async-off"][-2:] == ["shim-async-off|c8-greedy|profile", "shim-async-on|c8-greedy|profile"]
+
+
 def test_a_deadline_cuts_the_last_rounds_of_every_set_alike(tmp_path, monkeypatch):
     """bench() of two engines side by side (threads), drive() faked; the deadline passes after the
     engines' second round: every set keeps two rounds, each waited for its turn, none a whole timeout."""

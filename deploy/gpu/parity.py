@@ -119,19 +119,24 @@ def engine_specs(args: argparse.Namespace) -> list[dict]:
     return out
 
 
-def run(spec: dict, job: dict, work: Path, c: Check, gpus: str, timeout_s: float) -> dict:
+def engine_job(spec: dict, job: dict, gpus: str) -> dict:
+    """The run's job as one engine gets it. Everything the timed rounds' turn order reads (the bench
+    sets, the engines, the profiled ones and the profile) stays the run's: every engine must count
+    the same turns (who profiles is `job["profiled"]`)."""
     # vllm-omni's worker forces the V1 runner; the shim's engine is upstream's V2, and only the
     # shim's plugin runs there (vllm-omni's own entry point would import its package and patch.py).
     env = {"CUDA_VISIBLE_DEVICES": gpus, "VLLM_USE_V2_MODEL_RUNNER": int(spec["kind"] == "shim")}
     if spec["kind"] == "shim":
         env["VLLM_PLUGINS"] = "omni_sidecar_shim"
     overrides = {**job["engine_overrides"], "async_scheduling": spec["async"]}
-    full = {**job, "kind": spec["kind"], "env": env, "engine_overrides": overrides,
+    return {**job, "kind": spec["kind"], "env": env, "engine_overrides": overrides,
             "shim_settings": spec.get("shim_settings", {}), "endpoint": spec.get("endpoint", ""),
-            "sidecar_pid": spec.get("sidecar_pid"),
-            "profile": job["profile"] if spec["kind"] == "shim" and spec["script"] == ENGINES else None}
+            "sidecar_pid": spec.get("sidecar_pid")}
+
+
+def run(spec: dict, job: dict, work: Path, c: Check, gpus: str, timeout_s: float) -> dict:
     try:
-        res = run_engine(full, work, spec["name"], timeout_s=timeout_s, script=spec["script"])
+        res = run_engine(engine_job(spec, job, gpus), work, spec["name"], timeout_s=timeout_s, script=spec["script"])
     except Exception as exc:  # died or timed out: its log says how far it got
         res = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[-2000:]}",
                "log_path": str(work / f"{spec['name']}.log")}
