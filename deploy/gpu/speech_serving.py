@@ -13,8 +13,8 @@ vllm-omni: `python3 -m vllm_omni.entrypoints.cli.main serve DIR --omni --deploy-
 `vllm-omni` console script), Y its own deploy/qwen3_tts.yaml (talker -> code2wav through its
 shared-memory connector, async chunk, its first audio chunk after 1 frame) with these changes:
 memory fractions small (both servers share the GPU), greedy everywhere (code 0 by the sampler,
-the code predictor's codes with do_sample false) and `ignore_eos` with the request's
-max_new_tokens as the talker's max_tokens (every request makes exactly --frames frames on both).
+the code predictor's codes with do_sample false) and exactly --frames frames a request on both
+(`exact_frames`: the request's max_new_tokens, min_tokens, the codec EOS a stop token).
 Its processes are vllm-omni's own, its patches applied.
 
 ours: `python3 -m omni_serve --pipeline T`, T a talker -> code2wav config for vllm-omni's own
@@ -85,7 +85,16 @@ def with_speakers(model: Path) -> None:
     path.write_text(json.dumps(config, indent=1))
 
 
-def vllm_omni_deploy(work: Path, frames: int) -> Path:
+def exact_frames(model: Path, frames: int) -> dict:
+    """Sampling that makes exactly `frames` frames, none of them the codec's EOS: the EOS a stop
+    token, masked until `min_tokens` (vLLM's, V1 and V2 alike); the talker class masks the other
+    specials itself. (With `ignore_eos` a greedy random talker would sample the EOS mid-stream, and
+    an EOS frame is no code the decoder can take.)"""
+    eos = json.loads((model / "config.json").read_text())["talker_config"]["codec_eos_token_id"]
+    return {"max_tokens": frames, "min_tokens": frames, "stop_token_ids": [int(eos)]}
+
+
+def vllm_omni_deploy(work: Path, model: Path, frames: int) -> Path:
     """vllm-omni's own deploy/qwen3_tts.yaml, changed as the module's docstring says."""
     import yaml
 
@@ -100,15 +109,15 @@ def vllm_omni_deploy(work: Path, frames: int) -> Path:
     # ran at 1024 in deploy/gpu/parity.py); a request's flat codec stream stays well under it.
     talker.update(max_model_len=1024, max_num_batched_tokens=4096)
     code2wav.update(max_model_len=1024, max_num_batched_tokens=1024)
-    talker["default_sampling_params"] = dict(temperature=0.0, top_k=-1, top_p=1.0, max_tokens=frames, min_tokens=0,
-                                             repetition_penalty=1.0, ignore_eos=True)
+    talker["default_sampling_params"] = dict(temperature=0.0, top_k=-1, top_p=1.0, repetition_penalty=1.0,
+                                             **exact_frames(model, frames))
     talker["subtalker_sampling_params"] = dict(do_sample=False)
     out = work / "vllm-omni-qwen3_tts.yaml"
     out.write_text(yaml.safe_dump(deploy, sort_keys=False))
     return out
 
 
-def ours_pipeline(work: Path, model: Path, frames: int) -> Path:
+def ours_pipeline(work: Path, model: Path, frames: int, chunk_frames: int) -> Path:
     """talker -> code2wav for vllm-omni's classes through the shim, on GPU 0, CUDA graphs on."""
     engine = ('max_num_seqs = 64, seed = 0, gpu_memory_utilization = 0.12, dtype = "bfloat16", '
               'trust_remote_code = true')
@@ -125,7 +134,7 @@ model = "{model}"
 device = 0
 max_tokens = {frames}
 engine = {{ {engine}, max_model_len = 1024, max_num_batched_tokens = 4096, additional_config = {{ omni_sidecar = {{ subtalker_sampling = {{ do_sample = false }} }} }} }}
-sampling = {{ temperature = 0.0, ignore_eos = true }}
+sampling = {{ temperature = 0.0, min_tokens = {frames}, stop_token_ids = {json.dumps(exact_frames(model, frames)["stop_token_ids"])} }}
 sidecar = {{ hooks = "omni-talker" }}
 
 [stages.code2wav]
@@ -133,7 +142,7 @@ model = "{model}"
 device = 0
 placeholder_token = 1
 engine = {{ {engine}, max_model_len = 1024, max_num_batched_tokens = 1024, hf_overrides = {{ architectures = ["Qwen3TTSCode2Wav"] }} }}
-sidecar = {{ hooks = "omni-code2wav", options = {{ chunk_frames = "25", left_context = "72", codebook_size = "64" }} }}
+sidecar = {{ hooks = "omni-code2wav", options = {{ chunk_frames = "{chunk_frames}", left_context = "72", codebook_size = "64" }} }}
 """
     out = work / "ours-qwen3_tts.toml"
     out.write_text(text)
@@ -173,14 +182,14 @@ def start_servers(args, work: Path) -> dict[str, ServerProcess]:
     if "vllm-omni" in args.servers:
         port = free_port()
         cmd = [sys.executable, "-m", "vllm_omni.entrypoints.cli.main", "serve", str(args.model), "--omni",
-               "--host", "127.0.0.1", "--port", str(port), "--deploy-config", str(vllm_omni_deploy(work, args.frames)),
+               "--host", "127.0.0.1", "--port", str(port), "--deploy-config", str(vllm_omni_deploy(work, args.model, args.frames)),
                "--stage-init-timeout", str(START_TIMEOUT_S)]
         # vllm-omni's own plugins (its entry point) load in its processes: its patches, as it is meant to run.
         servers["vllm-omni"] = launch("vllm-omni", cmd, work / "vllm-omni.log",
                                       {k: v for k, v in env.items() if k != "VLLM_PLUGINS"}, port)
     if "ours" in args.servers:
         port = free_port()
-        pipeline = args.ours_pipeline or ours_pipeline(work, args.model, args.frames)
+        pipeline = args.ours_pipeline or ours_pipeline(work, args.model, args.frames, args.ours_chunk_frames)
         cmd = [sys.executable, "-m", "omni_serve", "--pipeline", str(pipeline), "--host", "127.0.0.1", "--port",
                str(port), "--run-dir", str(work / "ours-run"), "--uvicorn-log-level", "warning"]
         extra = {"VLLM_PLUGINS": "omni_sidecar_shim", MODEL_ENV: str(args.model),
@@ -416,6 +425,8 @@ def main() -> int:
     p.add_argument("--levels", default=",".join(map(str, LEVELS)))
     p.add_argument("--frames", type=int, default=48, help="codec frames per request (12.5 a second of audio)")
     p.add_argument("--ours-pipeline", type=Path, default=None)
+    p.add_argument("--ours-chunk-frames", type=int, default=25,
+                   help="omni-serve's code2wav chunk (vllm-omni's steady chunk: 25; its first is 1 frame)")
     p.add_argument("--sample-rate", type=int, default=SAMPLE_RATE, help="the servers' pcm rate (the CPU check's: 300)")
     args = p.parse_args()
     args.servers = [s for s in args.servers.split(",") if s]
