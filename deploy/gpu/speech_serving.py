@@ -12,7 +12,7 @@ answers only with `instructions`, which omni-serve's speech API refuses).
 vllm-omni: `python3 -m vllm_omni.entrypoints.cli.main serve DIR --omni --deploy-config Y` (its
 `vllm-omni` console script), Y its own deploy/qwen3_tts.yaml (talker -> code2wav through its
 shared-memory connector, async chunk, its first audio chunk after 1 frame) with these changes:
-memory fractions small (both servers share the GPU), greedy everywhere (code 0 by the sampler,
+memory fractions small and KV caches of a fixed size (both servers share the GPU), greedy everywhere (code 0 by the sampler,
 the code predictor's codes with do_sample false) and exactly --frames frames a request on both
 (`exact_frames`: the request's max_new_tokens, min_tokens, the codec EOS a stop token).
 Its processes are vllm-omni's own, its patches applied.
@@ -64,7 +64,11 @@ TEXTS = ["Hello there, this is a test of the speech server.", "Short one.",
          "The quick brown fox jumps over the lazy dog, twice, to be sure.", "Numbers: one two three four five."]
 START_TIMEOUT_S = 300
 SAMPLE_RATE = 24000  # both servers' pcm: 16-bit mono at the codec's rate
-STOP_RESERVE_S = 25  # kept back from the limit for stopping the servers and writing the results
+STOP_RESERVE_S = 25
+# Fixed KV cache sizes: four engines start at once on one GPU, and vLLM's memory profiling of one
+# would count the others' allocations as its own (deploy/gpu/parity.py starts its engines so too).
+TALKER_KV_BYTES = 1 << 30
+CODE2WAV_KV_BYTES = 1 << 29  # kept back from the limit for stopping the servers and writing the results
 
 
 def free_port() -> int:
@@ -103,12 +107,13 @@ def vllm_omni_deploy(work: Path, model: Path, frames: int) -> Path:
     shipped = Path(list(spec.submodule_search_locations)[0]) / "deploy" / "qwen3_tts.yaml"
     deploy = yaml.safe_load(shipped.read_text())
     talker, code2wav = deploy["stages"]
-    for stage in (talker, code2wav):
-        stage.update(gpu_memory_utilization=0.12, max_num_seqs=64)
+    for stage, kv_bytes in ((talker, TALKER_KV_BYTES), (code2wav, CODE2WAV_KV_BYTES)):
+        stage.update(gpu_memory_utilization=0.12, max_num_seqs=64, kv_cache_memory_bytes=kv_bytes)
     # The tiny checkpoint's talker and decoder have 1024 positions (vllm-omni's own code2wav engine
     # ran at 1024 in deploy/gpu/parity.py); a request's flat codec stream stays well under it.
     talker.update(max_model_len=1024, max_num_batched_tokens=4096)
     code2wav.update(max_model_len=1024, max_num_batched_tokens=1024)
+    code2wav["default_sampling_params"]["max_tokens"] = 1024  # as shipped: its max_model_len
     talker["default_sampling_params"] = dict(temperature=0.0, top_k=-1, top_p=1.0, repetition_penalty=1.0,
                                              **exact_frames(model, frames))
     talker["subtalker_sampling_params"] = dict(do_sample=False)
@@ -121,6 +126,7 @@ def ours_pipeline(work: Path, model: Path, frames: int, chunk_frames: int) -> Pa
     """talker -> code2wav for vllm-omni's classes through the shim, on GPU 0, CUDA graphs on."""
     engine = ('max_num_seqs = 64, seed = 0, gpu_memory_utilization = 0.12, dtype = "bfloat16", '
               'trust_remote_code = true')
+    kv = {"talker": TALKER_KV_BYTES, "code2wav": CODE2WAV_KV_BYTES}
     text = f"""# written by deploy/gpu/speech_serving.py
 served_model_name = "{model}"
 voices = {json.dumps(list(VOICES))}
@@ -133,7 +139,7 @@ sample_rate = {SAMPLE_RATE}
 model = "{model}"
 device = 0
 max_tokens = {frames}
-engine = {{ {engine}, max_model_len = 1024, max_num_batched_tokens = 4096, additional_config = {{ omni_sidecar = {{ subtalker_sampling = {{ do_sample = false }} }} }} }}
+engine = {{ {engine}, kv_cache_memory_bytes = {kv["talker"]}, max_model_len = 1024, max_num_batched_tokens = 4096, additional_config = {{ omni_sidecar = {{ subtalker_sampling = {{ do_sample = false }} }} }} }}
 sampling = {{ temperature = 0.0, min_tokens = {frames}, stop_token_ids = {json.dumps(exact_frames(model, frames)["stop_token_ids"])} }}
 sidecar = {{ hooks = "omni-talker" }}
 
@@ -141,7 +147,7 @@ sidecar = {{ hooks = "omni-talker" }}
 model = "{model}"
 device = 0
 placeholder_token = 1
-engine = {{ {engine}, max_model_len = 1024, max_num_batched_tokens = 1024, hf_overrides = {{ architectures = ["Qwen3TTSCode2Wav"] }} }}
+engine = {{ {engine}, kv_cache_memory_bytes = {kv["code2wav"]}, max_model_len = 1024, max_num_batched_tokens = 1024, hf_overrides = {{ architectures = ["Qwen3TTSCode2Wav"] }} }}
 sidecar = {{ hooks = "omni-code2wav", options = {{ chunk_frames = "{chunk_frames}", left_context = "72", codebook_size = "64" }} }}
 """
     out = work / "ours-qwen3_tts.toml"
