@@ -226,7 +226,8 @@ def test_a_client_that_disconnects_aborts_its_request_everywhere(server):
             while client.outputs(rid) is not None or client.outputs(f"{rid}-c0") is not None:
                 assert time.monotonic() < deadline, f"the {stage} sidecar still keeps {rid}'s outputs"
                 time.sleep(0.05)
-    while any(_metric(server, f'omni_serve_stage_requests{{stage="{stage}"}}') != 0 for stage in ("talker", "code2wav")):
+    while any(_metric(server, f'omni_serve_stage_requests{{stage="{stage}"}}') != 0
+              for stage in ("talker", "code2wav")):
         assert time.monotonic() < deadline
         time.sleep(0.1)
     assert _metric(server, 'omni_serve_requests_total{outcome="aborted"}') >= 1

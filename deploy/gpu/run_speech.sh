@@ -1,8 +1,9 @@
 #!/bin/sh
 # Speech serving side by side on one GPU (deploy/gpu/speech_serving.py says what and how):
 #   deploy/gpu/run_speech.sh BUNDLE_DIR OUT_DIR [LIMIT_S] [speech_serving.py options...]
-# installs the bundle (built with BUNDLE_SM=90 BUNDLE_NO_JIT_HEADERS=1 BUNDLE_OMNI=1 BUNDLE_SERVE=1)
-# into /tmp/omni-site, builds the tiny Qwen3-TTS checkpoint of the published layout, checks that
+# installs the bundle (built with BUNDLE_SM=90 BUNDLE_NO_JIT_HEADERS=1 BUNDLE_OMNI=1 BUNDLE_SERVE=1,
+# or an older one with the serving wheels in the repository's .whl/) into /tmp/omni-site
+# (deploy/gpu/site.sh), builds the tiny Qwen3-TTS checkpoint of the published layout, checks that
 # both servers' modules import (imports.txt: what is missing, if anything), serves the checkpoint
 # with vllm-omni 0.26's own server and with omni-serve, and leaves in OUT_DIR:
 # speech-serving.json (docs/bench/gpu/), speech-serving-rows.md (BENCHMARKS.md), speech.log and
@@ -12,18 +13,11 @@ B=$1 OUT=$2 LIMIT=${3:-470}
 shift 2
 [ $# -gt 0 ] && shift
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
-SITE=/tmp/omni-site
 mkdir -p "$OUT"
 rm -f "$OUT/imports.txt"
 t0=$(date +%s)
-if ! sh "$SRC/deploy/gpu/install_bundle.sh" "$B" "$SITE" > "$OUT/install.log" 2>&1; then
-  tail -40 "$OUT/install.log"
-  exit 1
-fi
+. "$SRC/deploy/gpu/site.sh"  # the bundle, the .whl/ wheels (uvicorn, ... where the bundle lacks them), the environment
 echo "installed in $(( $(date +%s) - t0 )) s"
-cd "$SRC"
-export PYTHONPATH="$SRC:$SITE" VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
-  PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 W=$(mktemp -d /tmp/speech-XXXXXX)  # private: the sidecars' sockets live there
 VLLM_PLUGINS=omni_sidecar_shim python3 -m tests.tiny_models.qwen3_tts "$W/model" > "$OUT/model.log" 2>&1 \
   || { tail -30 "$OUT/model.log"; exit 1; }

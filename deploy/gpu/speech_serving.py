@@ -12,9 +12,10 @@ answers only with `instructions`, which omni-serve's speech API refuses).
 vllm-omni: `python3 -m vllm_omni.entrypoints.cli.main serve DIR --omni --deploy-config Y` (its
 `vllm-omni` console script), Y its own deploy/qwen3_tts.yaml (talker -> code2wav through its
 shared-memory connector, async chunk, its first audio chunk after 1 frame) with these changes:
-memory fractions small and KV caches of a fixed size (both servers share the GPU), greedy everywhere (code 0 by the sampler,
-the code predictor's codes with do_sample false) and exactly --frames frames a request on both
-(`exact_frames`: the request's max_new_tokens, min_tokens, the codec EOS a stop token).
+memory fractions small and KV caches of a fixed size (both servers share the GPU), greedy
+everywhere (code 0 by the sampler, the code predictor's codes with do_sample false) and exactly
+--frames frames a request on both (`exact_frames`: the request's max_new_tokens, min_tokens, the
+codec EOS a stop token).
 Its processes are vllm-omni's own, its patches applied.
 
 ours: `python3 -m omni_serve --pipeline T`, T a talker -> code2wav config for vllm-omni's own
@@ -187,18 +188,20 @@ def start_servers(args, work: Path) -> dict[str, ServerProcess]:
     servers: dict[str, ServerProcess] = {}
     if "vllm-omni" in args.servers:
         port = free_port()
+        deploy = vllm_omni_deploy(work, args.model, args.frames)
         cmd = [sys.executable, "-m", "vllm_omni.entrypoints.cli.main", "serve", str(args.model), "--omni",
-               "--host", "127.0.0.1", "--port", str(port), "--deploy-config", str(vllm_omni_deploy(work, args.model, args.frames)),
+               "--host", "127.0.0.1", "--port", str(port), "--deploy-config", str(deploy),
                "--stage-init-timeout", str(START_TIMEOUT_S)]
         # vllm-omni's own plugins (its entry point) load in its processes: its patches, as it is meant to run.
+        own = {k: v for k, v in env.items() if k != "VLLM_PLUGINS"}
         servers["vllm-omni"] = launch("vllm-omni", cmd, work / "vllm-omni.log",
-                                      {k: v for k, v in env.items() if k != "VLLM_PLUGINS"}, port)
+                                      {**own, "VLLM_USE_V2_MODEL_RUNNER": "0"}, port)  # its runners are V1's
     if "ours" in args.servers:
         port = free_port()
         pipeline = args.ours_pipeline or ours_pipeline(work, args.model, args.frames, args.ours_chunk_frames)
         cmd = [sys.executable, "-m", "omni_serve", "--pipeline", str(pipeline), "--host", "127.0.0.1", "--port",
                str(port), "--run-dir", str(work / "ours-run"), "--uvicorn-log-level", "warning"]
-        extra = {"VLLM_PLUGINS": "omni_sidecar_shim", MODEL_ENV: str(args.model),
+        extra = {"VLLM_PLUGINS": "omni_sidecar_shim", "VLLM_USE_V2_MODEL_RUNNER": "1", MODEL_ENV: str(args.model),
                  "PYTHONPATH": os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])}
         servers["ours"] = launch("ours", cmd, work / "ours.log", {**env, **extra}, port)
     return servers
