@@ -65,7 +65,8 @@ for spec in pydantic==2.14.4 pydantic_core==2.50.5 annotated_types typing_inspec
 done
 if [ "${BUNDLE_SERVE:-0}" = 1 ]; then
   for spec in uvicorn h11 uvloop anyio idna annotated-doc python-multipart pillow httpx httpcore certifi aiohttp \
-      aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl tiktoken email-validator dnspython; do
+      aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl tiktoken email-validator dnspython einops \
+      antlr4-python3-runtime; do
     $DL -d "$OUT/wheels" "$spec"
   done
 fi
