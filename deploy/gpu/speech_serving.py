@@ -65,11 +65,12 @@ TEXTS = ["Hello there, this is a test of the speech server.", "Short one.",
          "The quick brown fox jumps over the lazy dog, twice, to be sure.", "Numbers: one two three four five."]
 START_TIMEOUT_S = 300
 SAMPLE_RATE = 24000  # both servers' pcm: 16-bit mono at the codec's rate
-STOP_RESERVE_S = 25
+STOP_RESERVE_S = 25  # kept back from the limit for stopping the servers and writing the results
+STOP_WAIT_S = 15  # a server not gone this long after SIGINT (its engines included) is killed
 # Fixed KV cache sizes: four engines start at once on one GPU, and vLLM's memory profiling of one
 # would count the others' allocations as its own (deploy/gpu/parity.py starts its engines so too).
 TALKER_KV_BYTES = 1 << 30
-CODE2WAV_KV_BYTES = 1 << 29  # kept back from the limit for stopping the servers and writing the results
+CODE2WAV_KV_BYTES = 1 << 29
 
 
 def free_port() -> int:
@@ -166,14 +167,25 @@ class ServerProcess:
     def tail(self, n: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-n:]
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)  # its own process group: the engines it started too
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+
+
+def stop_all(servers: list[ServerProcess]) -> None:
+    """SIGINT to each server's process group (its own session: the engines it started too), then
+    SIGKILL to the groups of those still there after STOP_WAIT_S."""
+    for server in servers:
+        if server.proc.poll() is None:
+            os.killpg(server.proc.pid, signal.SIGINT)
+    deadline = time.monotonic() + STOP_WAIT_S
+    for server in servers:
+        try:
+            server.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(server.proc.pid, signal.SIGKILL)  # what is left of the group, if anything
+        except ProcessLookupError:
+            pass
+        server.proc.wait(10)
 
 
 def launch(name: str, cmd: list[str], log: Path, env: dict[str, str], port: int) -> ServerProcess:
@@ -298,15 +310,16 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
-async def level(port: int, concurrency: int, total: int, frames: int, rate: int) -> dict:
-    """`total` streaming requests, `concurrency` at a time."""
+async def level(port: int, concurrency: int, total: int, frames: int, rate: int, deadline: float) -> dict:
+    """`total` streaming requests, `concurrency` at a time, none past the deadline."""
     gate = asyncio.Semaphore(concurrency)
     voices = list(VOICES)
 
     async def one(i: int) -> Answer:
         async with gate:
             return await request(port, "POST", "/v1/audio/speech",
-                                 speech_body(TEXTS[i % len(TEXTS)], voices[i % len(voices)], frames, True))
+                                 speech_body(TEXTS[i % len(TEXTS)], voices[i % len(voices)], frames, True),
+                                 timeout_s=max(1.0, deadline - time.monotonic()))
 
     t0 = time.perf_counter()
     answers = await asyncio.gather(*(one(i) for i in range(total)), return_exceptions=True)
@@ -327,7 +340,7 @@ async def level(port: int, concurrency: int, total: int, frames: int, rate: int)
     return out
 
 
-async def compare_waveforms(servers: dict[str, ServerProcess], frames: int) -> dict:
+async def compare_waveforms(servers: dict[str, ServerProcess], frames: int, deadline: float) -> dict:
     """The same non-streaming requests to both, one at a time; samples compared."""
     import numpy as np
 
@@ -336,7 +349,8 @@ async def compare_waveforms(servers: dict[str, ServerProcess], frames: int) -> d
     for text, voice in pairs:
         waves = {}
         for name in ("vllm-omni", "ours"):
-            got = await request(servers[name].port, "POST", "/v1/audio/speech", speech_body(text, voice, frames, False))
+            got = await request(servers[name].port, "POST", "/v1/audio/speech", speech_body(text, voice, frames, False),
+                                timeout_s=max(1.0, deadline - time.monotonic()))
             if got.status != 200:
                 failures.append(f"{name}: {got.status} {got.error}")
                 break
@@ -391,9 +405,10 @@ async def run(args) -> dict:
         print(f"servers up after {results['start_s']} s", flush=True)
         for server in servers.values():  # warm-up: first requests compile, capture, load tokenizers
             for voice in VOICES:
-                await request(server.port, "POST", "/v1/audio/speech", speech_body(TEXTS[0], voice, args.frames, True))
+                await request(server.port, "POST", "/v1/audio/speech", speech_body(TEXTS[0], voice, args.frames, True),
+                              timeout_s=max(1.0, deadline - time.monotonic()))
         if len(servers) == 2:
-            compared = await compare_waveforms(servers, args.frames)
+            compared = await compare_waveforms(servers, args.frames, deadline)
             results["waveform"] = compared
             results["waveform_max_abs_diff"] = compared["waveform_max_abs_diff"]
             print(f"waveforms: {json.dumps(compared)}", flush=True)
@@ -404,17 +419,19 @@ async def run(args) -> dict:
                     results["notes"].append(f"stopped at the limit before {name} at concurrency {c}")
                     return results
                 results[name][str(c)] = await level(servers[name].port, c, max(2 * c, 8), args.frames,
-                                                     args.sample_rate)
+                                                     args.sample_rate, deadline)
                 print(f"{name} @ {c}: {json.dumps(results[name][str(c)])}", flush=True)
         results["complete"] = True
         return results
-    except (RuntimeError, TimeoutError, OSError) as exc:
+    except (RuntimeError, TimeoutError, OSError, asyncio.TimeoutError) as exc:
         results["notes"].append(f"{type(exc).__name__}: {exc}"[:4000])
         return results
+    except asyncio.CancelledError:  # SIGTERM (the shell's timeout): what there is, servers stopped
+        results["notes"].append("stopped by SIGTERM")
+        return results
     finally:
+        stop_all(list(servers.values()))
         results["elapsed_s"] = round(time.monotonic() - t_start, 1)
-        for server in servers.values():
-            server.stop()
 
 
 def benchmarks_rows(results: dict) -> str:
@@ -422,6 +439,14 @@ def benchmarks_rows(results: dict) -> str:
              f"Waveforms (same requests, non-streaming): max abs diff {results.get('waveform_max_abs_diff')} "
              f"({json.dumps(results.get('waveform', {}))}); codes: {results['codes_note']}."]
     return "\n".join(lines)
+
+
+async def main_task(args) -> dict:
+    """run(), cancelled by SIGTERM (so its servers are stopped and its results kept)."""
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    return await run(args)
 
 
 def main() -> int:
@@ -445,7 +470,7 @@ def main() -> int:
     assert args.ours_pipeline is None or args.servers == ["ours"], "--ours-pipeline serves ours alone"
     if args.model is not None:
         args.model = args.model.resolve()
-    results = asyncio.run(run(args))
+    results = asyncio.run(main_task(args))
     args.result.parent.mkdir(parents=True, exist_ok=True)
     args.result.write_text(json.dumps(results, indent=1) + "\n")
     rows = benchmarks_rows(results)
