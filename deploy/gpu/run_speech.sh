@@ -9,9 +9,9 @@
 # speech-serving.json (docs/bench/gpu/), speech-serving-rows.md (BENCHMARKS.md), speech.log and
 # the servers' log tails. LIMIT_S (default 470) bounds the whole run, install included.
 set -u
-B=$1 OUT=$2 LIMIT=${3:-470}
+B=$1 OUT=$2 LIMIT=470
 shift 2
-[ $# -gt 0 ] && shift
+case "${1:-}" in [0-9]*) LIMIT=$1; shift ;; esac  # the options follow, with or without LIMIT_S
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
 mkdir -p "$OUT"
 rm -f "$OUT/imports.txt"
