@@ -34,13 +34,13 @@ for probe in "ours:import uvicorn, fastapi, omni_serve.api.server" \
   fi
 done
 cat "$OUT/imports.txt"
-[ -n "$SERVERS" ] || exit 1
+[ -n "$SERVERS" ] || { rm -rf "$W"; exit 1; }
 left=$(( LIMIT - ($(date +%s) - t0) - 15 ))
 timeout "$left" python3 "$SRC/deploy/gpu/speech_serving.py" --model "$W/model" --work "$W" --servers "$SERVERS" \
   --result "$OUT/speech-serving.json" --limit-s "$(( left - 10 ))" "$@" > "$OUT/speech.log" 2>&1
 echo "speech_serving.py rc=$? after $(( $(date +%s) - t0 )) s"
 grep -v '^\[W' "$OUT/speech.log" | tail -40
-for f in "$W"/*.log; do echo "=== $(basename "$f")"; grep -E "patch|Error|error|Traceback" "$f" | tail -30; tail -30 "$f"; done \
+for f in "$W"/*.log "$W"/ours-run/*.log; do echo "=== $(basename "$f")"; grep -E "patch|Error|error|Traceback" "$f" | tail -30; tail -30 "$f"; done \
   > "$OUT/server-logs.txt" 2>/dev/null
 rm -f "$OUT/install.log" "$OUT/model.log"
 rm -rf "$W"
