@@ -1,9 +1,11 @@
 """`omni-serve`: start a speech pipeline from a config and serve it over HTTP.
 
-    omni-serve --pipeline deploy/speech/tiny.toml --port 8000
+    omni-serve --pipeline deploy/speech/tiny.toml --port 8000    # = make serve
     curl -s localhost:8000/v1/audio/speech -H 'Content-Type: application/json' \\
          -d '{"input": "hello", "voice": "default"}' -o hello.wav
 
+The tiny models' classes live under the repository's tests/: run it from the repository root
+with PYTHONPATH=. (their checkpoints are built under .cache/ on the first start).
 Arguments follow vLLM's conventions (`--host`, `--port`, `--uvicorn-log-level`; dashes or
 underscores; `VLLM_LOGGING_LEVEL` for the log level). Each stage of the config runs its own
 upstream AsyncLLM (V2, the shim as its worker) with its own sidecar, started here unless the

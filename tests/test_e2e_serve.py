@@ -12,8 +12,9 @@ Checked, on the one server of this module:
   nothing of it is kept;
 - (`make test-slow`) a hot upgrade of either stage's sidecar while requests keep coming: every
   answer a 200 with the same audio, the successor adopted by the server;
-- the talker's sidecar killed with requests in flight: those end with a 503 that says so, the
-  server starts it again, and the next request is served (the same audio);
+- a stage's sidecar killed with requests in flight (the talker's; the code2wav's in
+  `make test-slow`): those end with a 503 naming the stage, the server starts it again, and the
+  next request is served (the same audio);
 - a stage's engine core killed with requests in flight: those and the next end with a 503 naming the
   stage, /health reports its engine down, the server starts it again and serves the same audio;
 - /v1/models, /health and /metrics (time to first audio, real-time factor, per-stage requests).
@@ -225,7 +226,8 @@ def test_a_client_that_disconnects_aborts_its_request_everywhere(server):
             while client.outputs(rid) is not None or client.outputs(f"{rid}-c0") is not None:
                 assert time.monotonic() < deadline, f"the {stage} sidecar still keeps {rid}'s outputs"
                 time.sleep(0.05)
-    while _metric(server, 'omni_serve_stage_requests{stage="talker"}') != 0:
+    while any(_metric(server, f'omni_serve_stage_requests{{stage="{stage}"}}') != 0
+              for stage in ("talker", "code2wav")):
         assert time.monotonic() < deadline
         time.sleep(0.1)
     assert _metric(server, 'omni_serve_requests_total{outcome="aborted"}') >= 1
@@ -300,25 +302,32 @@ def _in_flight(server, n: int) -> tuple[list[tuple[int, bytes]], list[threading.
     return answers, threads
 
 
-def test_a_killed_sidecar_fails_its_requests_with_a_503_and_the_server_serves_on(server, reference):
+@pytest.mark.parametrize("stage", ["talker", pytest.param("code2wav", marks=pytest.mark.slow)])  # slow: about 20 s
+def test_a_killed_sidecar_fails_its_requests_with_a_503_and_the_server_serves_on(server, reference, stage):
     from omni_sidecar.client import SidecarClient
 
-    with SidecarClient(server.endpoint("talker")) as client:
+    with SidecarClient(server.endpoint(stage)) as client:
         pid = client.status().pid
+    restarts = json.loads(server.get("/health")[1])["stages"][stage]["sidecar_restarts"]
     answers, threads = _in_flight(server, 3)
+    if stage == "code2wav":  # their chunks in flight there too
+        deadline = time.monotonic() + 30
+        while _metric(server, 'omni_serve_stage_requests{stage="code2wav"}') < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
     os.kill(pid, signal.SIGKILL)
     for t in threads:
         t.join(120)
     failed = [json.loads(body)["error"]["message"] for status, body in answers if status == 503]
     assert failed, [status for status, _ in answers]  # in flight when it died: a 503 each
-    assert all("talker" in m for m in failed), failed
+    assert all(stage in m for m in failed), failed
     assert {status for status, _ in answers} <= {200, 503}
     # Started again; the next requests are served, with the same audio as before.
     deadline = time.monotonic() + 60
     while True:
         _, health = server.get("/health")
         state = json.loads(health)
-        if state["status"] == "ok" and state["stages"]["talker"]["sidecar_restarts"] >= 1:
+        if state["status"] == "ok" and state["stages"][stage]["sidecar_restarts"] > restarts:
             break
         assert time.monotonic() < deadline, state
         time.sleep(0.2)

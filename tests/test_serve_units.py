@@ -145,6 +145,22 @@ def test_the_config_names_its_stages_in_order_and_refuses_unknown_keys(tmp_path)
             load_config(bad)
 
 
+def test_a_stages_engine_keeps_the_configs_shim_settings_next_to_its_sidecar(monkeypatch):
+    from types import SimpleNamespace
+
+    from omni_serve.stages import engines
+
+    monkeypatch.setattr(engines, "AsyncEngineArgs", lambda **kwargs: SimpleNamespace(**kwargs))  # no model lookup
+
+    spec = StageSpec("talker", "m", engine={"max_model_len": 64, "additional_config": {
+        "omni_sidecar": {"subtalker_sampling": {"do_sample": False}, "endpoint": "ipc:///elsewhere"}, "other": 1}})
+    args = engines.engine_args(spec, "ipc:///run/talker.sock", curve_keys="keys")
+    assert args.additional_config == {"other": 1, "omni_sidecar": {
+        "subtalker_sampling": {"do_sample": False}, "endpoint": "ipc:///run/talker.sock", "curve_keys": "keys"}}
+    assert args.max_model_len == 64 and args.worker_cls == "worker_shim.Worker"
+    assert spec.engine["additional_config"]["omni_sidecar"]["endpoint"] == "ipc:///elsewhere"  # the spec untouched
+
+
 def test_the_shims_vllm_plugin_calls_the_model_registrations_it_is_given(monkeypatch):
     from tests.support import registrations
     from worker_shim import plugin

@@ -10,6 +10,8 @@
 #   (FlashAttention 3 stays: vllm.vllm_flash_attn refuses to import without FA2 or FA3, and the
 #   model loader imports it)
 #   BUNDLE_OMNI=1       add vllm-omni 0.26.0 (its package, minus sample audio) and what it needs to import
+#   BUNDLE_SERVE=1      add what HTTP serving imports beyond the engines (omni-serve's and vllm-omni's front
+#                       ends: deploy/gpu/run_speech.sh; its imports.txt names anything still missing)
 #   BUNDLE_PROFILER=1   add py-spy (`python -m bench.gpu --profile-s N`; installed into TARGET_DIR/bin)
 set -eu
 OUT=${1:-gpu-bundle}
@@ -61,6 +63,13 @@ for spec in pydantic==2.14.4 pydantic_core==2.50.5 annotated_types typing_inspec
     httpcore2 jiter setproctitle prometheus_client blake3; do
   $DL -d "$OUT/wheels" "$spec"
 done
+if [ "${BUNDLE_SERVE:-0}" = 1 ]; then
+  for spec in uvicorn h11 uvloop anyio idna annotated-doc python-multipart pillow httpx httpcore certifi aiohttp \
+      aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl tiktoken email-validator dnspython einops \
+      antlr4-python3-runtime; do
+    $DL -d "$OUT/wheels" "$spec"
+  done
+fi
 [ "${BUNDLE_PROFILER:-0}" = 1 ] && $DL -d "$OUT/wheels" py-spy
 # The project itself, as a wheel (no dependencies: the host has them from above).
 $PY -m pip wheel -q --no-deps -w "$OUT/wheels" "$(dirname "$0")/../.."

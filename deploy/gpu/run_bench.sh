@@ -13,27 +13,15 @@ OUT=$2
 LIMIT=${3:-470}
 [ $# -ge 3 ] && shift 3 || shift $#
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
-SITE=${OMNI_SITE:-/tmp/omni-site}  # where the bundle goes (a marker file skips a second install)
 mkdir -p "$OUT"
 t0=$(date +%s)
-if [ -f "$SITE/.omni-installed" ]; then
-  echo "bundle already installed in $SITE"
-elif sh "$SRC/deploy/gpu/install_bundle.sh" "$B" "$SITE" > "$OUT/install.log" 2>&1; then
-  touch "$SITE/.omni-installed"
-else
-  tail -40 "$OUT/install.log"
-  exit 1
-fi
-# Wheels a bundle built before it listed them (blake3: vLLM hashes multimodal inputs with it), and
-# py-spy for `--profile-s`: a folder of their own (pip --target skips a bin/ that exists already).
-EXTRA="$SITE/.extra"
-[ -d "$SRC/.whl" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target "$EXTRA" "$SRC"/.whl/*.whl
+# The bundle into OMNI_SITE (default /tmp/omni-site), the .whl/ wheels (blake3: vLLM hashes
+# multimodal inputs with it; py-spy for `--profile-s`), the environment.
+. "$SRC/deploy/gpu/site.sh"
 used=$(( $(date +%s) - t0 ))
 BUDGET=$(( LIMIT - used - 35 ))
 echo "installed in $used s; bench budget $BUDGET s"
-cd "$SRC"  # `python -m` children put the working directory first on sys.path
-export PATH="$EXTRA/bin:$SITE/bin:$PATH" PYTHONPATH="$SRC:$SITE:$EXTRA" VLLM_USE_V2_MODEL_RUNNER=1 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
-  VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export VLLM_USE_V2_MODEL_RUNNER=1
 W=$(mktemp -d /tmp/bench-XXXXXX)  # this run's work folder (models, sockets, sidecar logs)
 TMPDIR=$W timeout $(( BUDGET + 30 )) python3 -m bench.gpu --budget-s "$BUDGET" --out "$OUT" --raw "$OUT" \
   --benchmarks "$OUT/BENCHMARKS.md" "$@" > "$OUT/bench.log" 2>&1

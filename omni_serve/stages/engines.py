@@ -38,11 +38,13 @@ def visible_device(device: int | None) -> Iterator[None]:
 
 
 def engine_args(spec: StageSpec, endpoint: str, curve_keys: str = "") -> AsyncEngineArgs:
-    sidecar: dict[str, Any] = {"endpoint": endpoint}
+    kwargs: dict[str, Any] = {"skip_tokenizer_init": True, "enable_prefix_caching": False, **spec.engine}
+    additional = dict(kwargs.get("additional_config", {}))
+    # The shim's own settings from the config (subtalker_sampling, ...) stay; where its sidecar is, is ours.
+    sidecar: dict[str, Any] = {**additional.get("omni_sidecar", {}), "endpoint": endpoint}
     if curve_keys:
         sidecar["curve_keys"] = curve_keys
-    kwargs: dict[str, Any] = {"skip_tokenizer_init": True, "enable_prefix_caching": False, **spec.engine}
-    kwargs["additional_config"] = {**kwargs.get("additional_config", {}), "omni_sidecar": sidecar}
+    kwargs["additional_config"] = {**additional, "omni_sidecar": sidecar}
     return AsyncEngineArgs(model=spec.model, worker_cls="worker_shim.Worker", **kwargs)
 
 

@@ -1,0 +1,47 @@
+#!/bin/sh
+# Speech serving side by side on one GPU (deploy/gpu/speech_serving.py says what and how):
+#   deploy/gpu/run_speech.sh BUNDLE_DIR OUT_DIR [LIMIT_S] [speech_serving.py options...]
+# installs the bundle (built with BUNDLE_SM=90 BUNDLE_NO_JIT_HEADERS=1 BUNDLE_OMNI=1 BUNDLE_SERVE=1,
+# or an older one with the serving wheels in the repository's .whl/) into /tmp/omni-site
+# (deploy/gpu/site.sh), builds the tiny Qwen3-TTS checkpoint of the published layout, checks that
+# both servers' modules import (imports.txt: what is missing, if anything), serves the checkpoint
+# with vllm-omni 0.26's own server and with omni-serve, and leaves in OUT_DIR:
+# speech-serving.json (docs/bench/gpu/), speech-serving-rows.md (BENCHMARKS.md), speech.log and
+# the servers' log tails. LIMIT_S (default 470) bounds the whole run, install included.
+set -u
+B=$1 OUT=$2 LIMIT=470
+shift 2
+case "${1:-}" in [0-9]*) LIMIT=$1; shift ;; esac  # the options follow, with or without LIMIT_S
+SRC=$(cd "$(dirname "$0")/../.." && pwd)
+mkdir -p "$OUT"
+rm -f "$OUT/imports.txt"
+t0=$(date +%s)
+. "$SRC/deploy/gpu/site.sh"  # the bundle, the .whl/ wheels (uvicorn, ... where the bundle lacks them), the environment
+echo "installed in $(( $(date +%s) - t0 )) s"
+W=$(mktemp -d /tmp/speech-XXXXXX)  # private: the sidecars' sockets live there
+VLLM_PLUGINS=omni_sidecar_shim python3 -m tests.tiny_models.qwen3_tts "$W/model" > "$OUT/model.log" 2>&1 \
+  || { tail -30 "$OUT/model.log"; exit 1; }
+# Each server's front end imports, each in a process of its own (vllm-omni's patches stay in its);
+# a server that cannot is left out of the run (imports.txt: the first module it misses).
+SERVERS=""
+for probe in "ours:import uvicorn, fastapi, omni_serve.api.server" \
+             "vllm-omni:import uvloop, vllm_omni.entrypoints.openai.api_server, vllm_omni.entrypoints.cli.serve"; do
+  name=${probe%%:*}
+  if python3 -c "${probe#*:}" > "$W/probe.txt" 2>&1; then
+    echo "$name: imports" >> "$OUT/imports.txt"; SERVERS="$SERVERS${SERVERS:+,}$name"
+  else
+    echo "$name: $(grep -E 'Error' "$W/probe.txt" | tail -1)" >> "$OUT/imports.txt"
+  fi
+done
+cat "$OUT/imports.txt"
+[ -n "$SERVERS" ] || { rm -rf "$W"; exit 1; }
+left=$(( LIMIT - ($(date +%s) - t0) - 15 ))
+timeout "$left" python3 "$SRC/deploy/gpu/speech_serving.py" --model "$W/model" --work "$W" --servers "$SERVERS" \
+  --result "$OUT/speech-serving.json" --limit-s "$(( left - 10 ))" "$@" > "$OUT/speech.log" 2>&1
+echo "speech_serving.py rc=$? after $(( $(date +%s) - t0 )) s"
+grep -v '^\[W' "$OUT/speech.log" | tail -40
+for f in "$W"/*.log "$W"/ours-run/*.log; do echo "=== $(basename "$f")"; grep -E "patch|Error|error|Traceback" "$f" | tail -30; tail -30 "$f"; done \
+  > "$OUT/server-logs.txt" 2>/dev/null
+rm -f "$OUT/install.log" "$OUT/model.log"
+rm -rf "$W"
+exit 0

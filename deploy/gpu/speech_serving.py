@@ -1,0 +1,485 @@
+"""Speech serving side by side: vllm-omni 0.26's own server and omni-serve, one GPU, same requests.
+
+  python3 deploy/gpu/speech_serving.py --model DIR --work DIR --result OUT/speech-serving.json
+      [--limit-s S] [--servers vllm-omni,ours] [--levels 1,16,64] [--frames N]
+      [--ours-pipeline TOML]   (ours on that config instead: the CPU check, deploy/speech/tiny.toml)
+
+The model: the tiny Qwen3-TTS checkpoint of the published layout (tests/tiny_models/qwen3_tts.py),
+given two CustomVoice speakers here (`with_speakers`), so a plain {"input", "voice"} request is
+valid on both servers (the checkpoint as built is a VoiceDesign one, whose requests vllm-omni
+answers only with `instructions`, which omni-serve's speech API refuses).
+
+vllm-omni: `python3 -m vllm_omni.entrypoints.cli.main serve DIR --omni --deploy-config Y` (its
+`vllm-omni` console script), Y its own deploy/qwen3_tts.yaml (talker -> code2wav through its
+shared-memory connector, async chunk, its first audio chunk after 1 frame) with these changes:
+memory fractions small and KV caches of a fixed size (both servers share the GPU), greedy
+everywhere (code 0 by the sampler, the code predictor's codes with do_sample false) and exactly
+--frames frames a request on both (`exact_frames`: the request's max_new_tokens, min_tokens, the
+codec EOS a stop token).
+Its processes are vllm-omni's own, its patches applied.
+
+ours: `python3 -m omni_serve --pipeline T`, T a talker -> code2wav config for vllm-omni's own
+classes through the shim (VLLM_PLUGINS=omni_sidecar_shim: no vllm-omni patch), each stage an
+AsyncLLM (V2, async scheduling as vLLM defaults it) with its sidecar (`omni-talker`,
+`omni-code2wav` decoding vllm-omni's steady chunks: 25 frames, 72 of left context), the prompt
+built as vllm-omni's server builds it (deploy/gpu/speech_qwen3_tts.py).
+
+Checks and figures:
+- the same requests (non-streaming pcm, one at a time) to both: the waveforms compared sample by
+  sample (max abs diff over int16 full scale; bound WAVEFORM_RTOL x vllm-omni's peak). Codes
+  cannot be read from either server over HTTP: `codes_identical` is null, the waveforms stand in;
+- per concurrency level (1, 16, 64 streaming requests at once, `stream_format: audio`, pcm), per
+  server, the two servers alternating (which goes first swaps each level): TTFA p50/p95 (POST to
+  the first audio bytes), audio seconds per second (all requests' audio over the level's wall
+  time) and RTF (median of each request's time over its audio's length).
+The run stops cleanly at --limit-s with what it has (`complete`: false), the servers stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+from speech_qwen3_tts import MODEL_ENV, VOICES  # noqa: E402
+
+SERVERS = ("ours", "vllm-omni")
+LEVELS = (1, 16, 64)
+WAVEFORM_RTOL = 0.05  # bf16 decoders on different batch shapes (deploy/gpu/parity.py's CODE2WAV_RTOL)
+TEXTS = ["Hello there, this is a test of the speech server.", "Short one.",
+         "The quick brown fox jumps over the lazy dog, twice, to be sure.", "Numbers: one two three four five."]
+START_TIMEOUT_S = 300
+SAMPLE_RATE = 24000  # both servers' pcm: 16-bit mono at the codec's rate
+STOP_RESERVE_S = 25  # kept back from the limit for stopping the servers and writing the results
+STOP_WAIT_S = 15  # a server not gone this long after SIGINT (its engines included) is killed
+# Fixed KV cache sizes: four engines start at once on one GPU, and vLLM's memory profiling of one
+# would count the others' allocations as its own (deploy/gpu/parity.py starts its engines so too).
+TALKER_KV_BYTES = 1 << 30
+CODE2WAV_KV_BYTES = 1 << 29
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- the model and the two servers' configs ----
+
+def with_speakers(model: Path) -> None:
+    """The checkpoint as a CustomVoice one with VOICES (their codec rows are in the talker's embedding)."""
+    path = model / "config.json"
+    config = json.loads(path.read_text())
+    config["tts_model_type"] = "custom_voice"
+    config["talker_config"]["spk_id"] = dict(VOICES)
+    config["talker_config"]["spk_is_dialect"] = {name: False for name in VOICES}
+    path.write_text(json.dumps(config, indent=1))
+
+
+def exact_frames(model: Path, frames: int) -> dict:
+    """Sampling that makes exactly `frames` frames, none of them the codec's EOS: the EOS a stop
+    token, masked until `min_tokens` (vLLM's, V1 and V2 alike); the talker class masks the other
+    specials itself. (With `ignore_eos` a greedy random talker would sample the EOS mid-stream, and
+    an EOS frame is no code the decoder can take.)"""
+    eos = json.loads((model / "config.json").read_text())["talker_config"]["codec_eos_token_id"]
+    return {"max_tokens": frames, "min_tokens": frames, "stop_token_ids": [int(eos)]}
+
+
+def vllm_omni_deploy(work: Path, model: Path, frames: int) -> Path:
+    """vllm-omni's own deploy/qwen3_tts.yaml, changed as the module's docstring says."""
+    import yaml
+
+    spec = importlib.util.find_spec("vllm_omni")  # its folder; the package itself is not imported here
+    assert spec is not None and spec.submodule_search_locations, "vllm-omni is not installed"
+    shipped = Path(list(spec.submodule_search_locations)[0]) / "deploy" / "qwen3_tts.yaml"
+    deploy = yaml.safe_load(shipped.read_text())
+    talker, code2wav = deploy["stages"]
+    for stage, kv_bytes in ((talker, TALKER_KV_BYTES), (code2wav, CODE2WAV_KV_BYTES)):
+        stage.update(gpu_memory_utilization=0.12, max_num_seqs=64, kv_cache_memory_bytes=kv_bytes)
+    # The tiny checkpoint's talker and decoder have 1024 positions (vllm-omni's own code2wav engine
+    # ran at 1024 in deploy/gpu/parity.py); a request's flat codec stream stays well under it.
+    talker.update(max_model_len=1024, max_num_batched_tokens=4096)
+    code2wav.update(max_model_len=1024, max_num_batched_tokens=1024)
+    code2wav["default_sampling_params"]["max_tokens"] = 1024  # as shipped: its max_model_len
+    talker["default_sampling_params"] = dict(temperature=0.0, top_k=-1, top_p=1.0, repetition_penalty=1.0,
+                                             **exact_frames(model, frames))
+    talker["subtalker_sampling_params"] = dict(do_sample=False)
+    out = work / "vllm-omni-qwen3_tts.yaml"
+    out.write_text(yaml.safe_dump(deploy, sort_keys=False))
+    return out
+
+
+def ours_pipeline(work: Path, model: Path, frames: int, chunk_frames: int) -> Path:
+    """talker -> code2wav for vllm-omni's classes through the shim, on GPU 0, CUDA graphs on."""
+    engine = ('max_num_seqs = 64, seed = 0, gpu_memory_utilization = 0.12, dtype = "bfloat16", '
+              'trust_remote_code = true')
+    kv = {"talker": TALKER_KV_BYTES, "code2wav": CODE2WAV_KV_BYTES}
+    text = f"""# written by deploy/gpu/speech_serving.py
+served_model_name = "{model}"
+voices = {json.dumps(list(VOICES))}
+max_input_chars = 2000
+speech_prompt = "speech_qwen3_tts:speech_prompt"
+register = ["worker_shim.omni_models.registration:register_vllm_omni_models"]
+sample_rate = {SAMPLE_RATE}
+
+[stages.talker]
+model = "{model}"
+device = 0
+max_tokens = {frames}
+engine = {{ {engine}, kv_cache_memory_bytes = {kv["talker"]}, max_model_len = 1024, max_num_batched_tokens = 4096, additional_config = {{ omni_sidecar = {{ subtalker_sampling = {{ do_sample = false }} }} }} }}
+sampling = {{ temperature = 0.0, min_tokens = {frames}, stop_token_ids = {json.dumps(exact_frames(model, frames)["stop_token_ids"])} }}
+sidecar = {{ hooks = "omni-talker" }}
+
+[stages.code2wav]
+model = "{model}"
+device = 0
+placeholder_token = 1
+engine = {{ {engine}, kv_cache_memory_bytes = {kv["code2wav"]}, max_model_len = 1024, max_num_batched_tokens = 1024, hf_overrides = {{ architectures = ["Qwen3TTSCode2Wav"] }} }}
+sidecar = {{ hooks = "omni-code2wav", options = {{ chunk_frames = "{chunk_frames}", left_context = "72", codebook_size = "64" }} }}
+"""
+    out = work / "ours-qwen3_tts.toml"
+    out.write_text(text)
+    return out
+
+
+@dataclass
+class ServerProcess:
+    name: str
+    port: int
+    proc: subprocess.Popen
+    log: Path
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+
+
+def stop_all(servers: list[ServerProcess]) -> None:
+    """SIGINT to each server's process group (its own session: the engines it started too), then
+    SIGKILL to the groups of those still there after STOP_WAIT_S."""
+    for server in servers:
+        if server.proc.poll() is None:
+            os.killpg(server.proc.pid, signal.SIGINT)
+    deadline = time.monotonic() + STOP_WAIT_S
+    for server in servers:
+        try:
+            server.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(server.proc.pid, signal.SIGKILL)  # what is left of the group, if anything
+        except ProcessLookupError:
+            pass
+        server.proc.wait(10)
+
+
+def launch(name: str, cmd: list[str], log: Path, env: dict[str, str], port: int) -> ServerProcess:
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+    print(f"{name}: {' '.join(cmd)}", flush=True)
+    return ServerProcess(name, port, proc, log)
+
+
+def start_servers(args, work: Path) -> dict[str, ServerProcess]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    servers: dict[str, ServerProcess] = {}
+    if "vllm-omni" in args.servers:
+        port = free_port()
+        deploy = vllm_omni_deploy(work, args.model, args.frames)
+        cmd = [sys.executable, "-m", "vllm_omni.entrypoints.cli.main", "serve", str(args.model), "--omni",
+               "--host", "127.0.0.1", "--port", str(port), "--deploy-config", str(deploy),
+               "--stage-init-timeout", str(START_TIMEOUT_S)]
+        # vllm-omni's own plugins (its entry point) load in its processes: its patches, as it is meant to run.
+        own = {k: v for k, v in env.items() if k != "VLLM_PLUGINS"}
+        servers["vllm-omni"] = launch("vllm-omni", cmd, work / "vllm-omni.log",
+                                      {**own, "VLLM_USE_V2_MODEL_RUNNER": "0"}, port)  # its runners are V1's
+    if "ours" in args.servers:
+        port = free_port()
+        pipeline = args.ours_pipeline or ours_pipeline(work, args.model, args.frames, args.ours_chunk_frames)
+        cmd = [sys.executable, "-m", "omni_serve", "--pipeline", str(pipeline), "--host", "127.0.0.1", "--port",
+               str(port), "--run-dir", str(work / "ours-run"), "--uvicorn-log-level", "warning"]
+        extra = {"VLLM_PLUGINS": "omni_sidecar_shim", "VLLM_USE_V2_MODEL_RUNNER": "1", MODEL_ENV: str(args.model),
+                 "PYTHONPATH": os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])}
+        servers["ours"] = launch("ours", cmd, work / "ours.log", {**env, **extra}, port)
+    return servers
+
+
+async def wait_healthy(server: ServerProcess, deadline: float) -> None:
+    while True:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"{server.name} exited with {server.proc.returncode}:\n{server.tail()}")
+        try:
+            got = await request(server.port, "GET", "/health", None)
+            if got.status == 200:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{server.name} not healthy in time:\n{server.tail()}")
+        await asyncio.sleep(1.0)
+
+
+# ---- the load client: HTTP/1.1 over asyncio streams (no client library needed on the host) ----
+
+@dataclass
+class Answer:
+    status: int
+    body: bytes = b""
+    t_first_audio: float | None = None  # seconds from the request's start to its first body bytes (200 only)
+    t_total: float = 0.0
+    error: str = ""
+
+
+async def request(port: int, method: str, path: str, payload: dict | None, timeout_s: float = 600.0) -> Answer:
+    t0 = time.perf_counter()
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 10)
+    try:
+        data = json.dumps(payload).encode() if payload is not None else b""
+        head = (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
+        writer.write(head.encode() + data)
+        await writer.drain()
+        return await asyncio.wait_for(_response(reader, t0), timeout_s)
+    finally:
+        writer.close()
+        try:
+            await writer.wait_closed()
+        except OSError:
+            pass
+
+
+async def _response(reader: asyncio.StreamReader, t0: float) -> Answer:
+    status = int((await reader.readline()).split()[1])
+    headers = {}
+    while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+        key, _, value = line.decode("latin-1").partition(":")
+        headers[key.strip().lower()] = value.strip()
+    answer = Answer(status)
+    parts: list[bytes] = []
+
+    def got(chunk: bytes) -> None:
+        if chunk and answer.t_first_audio is None:
+            answer.t_first_audio = time.perf_counter() - t0
+        parts.append(chunk)
+
+    if "chunked" in headers.get("transfer-encoding", ""):
+        while True:
+            size = int((await reader.readline()).split(b";")[0], 16)
+            if size == 0:
+                await reader.readline()
+                break
+            got(await reader.readexactly(size))
+            await reader.readline()
+    elif "content-length" in headers:
+        got(await reader.readexactly(int(headers["content-length"])))
+    else:
+        while chunk := await reader.read(1 << 16):
+            got(chunk)
+    answer.body = b"".join(parts)
+    answer.t_total = time.perf_counter() - t0
+    if status != 200:
+        answer.error = answer.body[:300].decode(errors="replace")
+        answer.t_first_audio = None
+    return answer
+
+
+def speech_body(text: str, voice: str, frames: int, stream: bool) -> dict:
+    body = {"input": text, "voice": voice, "response_format": "pcm", "max_new_tokens": frames}
+    if stream:
+        body.update(stream=True, stream_format="audio")
+    return body
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+async def level(port: int, concurrency: int, total: int, frames: int, rate: int, deadline: float) -> dict:
+    """`total` streaming requests, `concurrency` at a time, none past the deadline."""
+    gate = asyncio.Semaphore(concurrency)
+    voices = list(VOICES)
+
+    async def one(i: int) -> Answer:
+        async with gate:
+            return await request(port, "POST", "/v1/audio/speech",
+                                 speech_body(TEXTS[i % len(TEXTS)], voices[i % len(voices)], frames, True),
+                                 timeout_s=max(1.0, deadline - time.monotonic()))
+
+    t0 = time.perf_counter()
+    answers = await asyncio.gather(*(one(i) for i in range(total)), return_exceptions=True)
+    wall = time.perf_counter() - t0
+    ok = [a for a in answers if isinstance(a, Answer) and a.status == 200 and a.body]
+    errors = [a.error if isinstance(a, Answer) else f"{type(a).__name__}: {a}" for a in answers
+              if not (isinstance(a, Answer) and a.status == 200 and a.body)]
+    audio_s = [len(a.body) / 2 / rate for a in ok]
+    ttfa = [a.t_first_audio * 1000 for a in ok]
+    out = {"requests": total, "ok": len(ok), "wall_s": round(wall, 3)}
+    if ok:
+        out.update(ttfa_ms_p50=round(percentile(ttfa, 50), 2), ttfa_ms_p95=round(percentile(ttfa, 95), 2),
+                   audio_s_per_s=round(sum(audio_s) / wall, 3),
+                   rtf=round(statistics.median(a.t_total / s for a, s in zip(ok, audio_s)), 4),
+                   audio_s_per_request=round(statistics.median(audio_s), 3))
+    if errors:
+        out["errors"] = errors[:3]
+    return out
+
+
+async def compare_waveforms(servers: dict[str, ServerProcess], frames: int, deadline: float) -> dict:
+    """The same non-streaming requests to both, one at a time; samples compared."""
+    import numpy as np
+
+    diffs, equal_len, peaks, failures = [], 0, [], []
+    pairs = [(text, voice) for text in TEXTS for voice in VOICES]
+    for text, voice in pairs:
+        waves = {}
+        for name in ("vllm-omni", "ours"):
+            got = await request(servers[name].port, "POST", "/v1/audio/speech", speech_body(text, voice, frames, False),
+                                timeout_s=max(1.0, deadline - time.monotonic()))
+            if got.status != 200:
+                failures.append(f"{name}: {got.status} {got.error}")
+                break
+            waves[name] = np.frombuffer(got.body, "<i2").astype(np.float64) / 32768.0
+        if len(waves) < 2:
+            continue
+        a, b = waves["vllm-omni"], waves["ours"]
+        equal_len += int(a.shape == b.shape)
+        n = min(a.size, b.size)
+        diffs.append(float(np.abs(a[:n] - b[:n]).max()) if n else 0.0)
+        peaks.append(float(np.abs(a).max()) if a.size else 0.0)
+    out = {"requests": len(pairs), "compared": len(diffs), "same_length": f"{equal_len}/{len(pairs)}",
+           "waveform_max_abs_diff": max(diffs) if diffs else None,
+           "tolerance": round(WAVEFORM_RTOL * max(peaks), 6) if peaks else None}
+    out["within_tolerance"] = (f"{sum(d <= WAVEFORM_RTOL * max(peaks) for d in diffs)}/{len(pairs)}"
+                               if peaks else f"0/{len(pairs)}")
+    if failures:
+        out["failures"] = failures[:4]
+    return out
+
+
+# ---- the run ----
+
+def table(results: dict) -> str:
+    rows = ["| server | concurrency | TTFA p50 ms | TTFA p95 ms | audio s/s | RTF | ok/requests |",
+            "|---|---|---|---|---|---|---|"]
+    for name in SERVERS:
+        for c, got in results.get(name, {}).items():
+            rows.append(f"| {name} | {c} | {got.get('ttfa_ms_p50', '-')} | {got.get('ttfa_ms_p95', '-')} | "
+                        f"{got.get('audio_s_per_s', '-')} | {got.get('rtf', '-')} | {got['ok']}/{got['requests']} |")
+    return "\n".join(rows)
+
+
+async def run(args) -> dict:
+    t_start = time.monotonic()
+    deadline = t_start + args.limit_s - STOP_RESERVE_S
+    work = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    if args.model is not None:
+        with_speakers(args.model)
+    results: dict = {"servers": list(args.servers), "levels": list(args.levels), "frames_per_request": args.frames,
+                     "codes_identical": None,
+                     "codes_note": "neither server returns codec codes over HTTP: the waveforms are compared",
+                     "waveform_max_abs_diff": None, "complete": False, "notes": []}
+    for name in args.servers:
+        results[name] = {}
+    servers = start_servers(args, work)
+    try:
+        await asyncio.gather(*(wait_healthy(s, min(deadline, time.monotonic() + START_TIMEOUT_S))
+                               for s in servers.values()))
+        results["start_s"] = round(time.monotonic() - t_start, 1)
+        print(f"servers up after {results['start_s']} s", flush=True)
+        for server in servers.values():  # warm-up: first requests compile, capture, load tokenizers
+            for voice in VOICES:
+                await request(server.port, "POST", "/v1/audio/speech", speech_body(TEXTS[0], voice, args.frames, True),
+                              timeout_s=max(1.0, deadline - time.monotonic()))
+        if len(servers) == 2:
+            compared = await compare_waveforms(servers, args.frames, deadline)
+            results["waveform"] = compared
+            results["waveform_max_abs_diff"] = compared["waveform_max_abs_diff"]
+            print(f"waveforms: {json.dumps(compared)}", flush=True)
+        for i, c in enumerate(args.levels):
+            order = list(servers) if i % 2 == 0 else list(servers)[::-1]
+            for name in order:
+                if time.monotonic() > deadline:
+                    results["notes"].append(f"stopped at the limit before {name} at concurrency {c}")
+                    return results
+                results[name][str(c)] = await level(servers[name].port, c, max(2 * c, 8), args.frames,
+                                                     args.sample_rate, deadline)
+                print(f"{name} @ {c}: {json.dumps(results[name][str(c)])}", flush=True)
+        results["complete"] = True
+        return results
+    except (RuntimeError, TimeoutError, OSError, asyncio.TimeoutError) as exc:
+        results["notes"].append(f"{type(exc).__name__}: {exc}"[:4000])
+        return results
+    except asyncio.CancelledError:  # SIGTERM (the shell's timeout): what there is, servers stopped
+        results["notes"].append("stopped by SIGTERM")
+        return results
+    finally:
+        stop_all(list(servers.values()))
+        results["elapsed_s"] = round(time.monotonic() - t_start, 1)
+
+
+def benchmarks_rows(results: dict) -> str:
+    lines = [table(results), "",
+             f"Waveforms (same requests, non-streaming): max abs diff {results.get('waveform_max_abs_diff')} "
+             f"({json.dumps(results.get('waveform', {}))}); codes: {results['codes_note']}."]
+    return "\n".join(lines)
+
+
+async def main_task(args) -> dict:
+    """run(), cancelled by SIGTERM (so its servers are stopped and its results kept)."""
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    return await run(args)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=None, help="the tiny Qwen3-TTS checkpoint (not with --ours-pipeline)")
+    p.add_argument("--work", type=Path, required=True)
+    p.add_argument("--result", type=Path, required=True)
+    p.add_argument("--limit-s", type=float, default=440)
+    p.add_argument("--servers", default=",".join(SERVERS))
+    p.add_argument("--levels", default=",".join(map(str, LEVELS)))
+    p.add_argument("--frames", type=int, default=48, help="codec frames per request (12.5 a second of audio)")
+    p.add_argument("--ours-pipeline", type=Path, default=None)
+    p.add_argument("--ours-chunk-frames", type=int, default=25,
+                   help="omni-serve's code2wav chunk (vllm-omni's steady chunk: 25; its first is 1 frame)")
+    p.add_argument("--sample-rate", type=int, default=SAMPLE_RATE, help="the servers' pcm rate (the CPU check's: 300)")
+    args = p.parse_args()
+    args.servers = [s for s in args.servers.split(",") if s]
+    assert set(args.servers) <= set(SERVERS), args.servers
+    args.levels = [int(c) for c in args.levels.split(",")]
+    assert (args.model is None) == (args.ours_pipeline is not None), "--model, or --ours-pipeline and no vllm-omni"
+    assert args.ours_pipeline is None or args.servers == ["ours"], "--ours-pipeline serves ours alone"
+    if args.model is not None:
+        args.model = args.model.resolve()
+    results = asyncio.run(main_task(args))
+    args.result.parent.mkdir(parents=True, exist_ok=True)
+    args.result.write_text(json.dumps(results, indent=1) + "\n")
+    rows = benchmarks_rows(results)
+    args.result.with_name("speech-serving-rows.md").write_text(rows + "\n")
+    print(rows)
+    for note in results["notes"]:
+        print("note:", note)
+    return 0 if results["complete"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""deploy/gpu/speech_serving.py's load client and figures, against a stand-in HTTP server (the GPU run
+serves both real servers; `python deploy/gpu/speech_serving.py --ours-pipeline deploy/speech/tiny.toml
+--servers ours --sample-rate 300 ...` runs the whole driver against omni-serve on CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy" / "gpu"))
+
+import speech_serving as serving  # noqa: E402
+
+RATE = 100
+AUDIO = bytes(range(200)) * 2  # 400 bytes: 200 samples, 2 s at RATE
+
+
+async def _stand_in(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """POST: the audio, chunked in two parts a little apart; GET: a JSON body with a length; a
+    request whose voice is "nobody": a 400."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    length = int(next(line.split(b":")[1] for line in lines if line.lower().startswith(b"content-length")))
+    body = json.loads(await reader.readexactly(length)) if length else None
+    if body is None:
+        data = b'{"status": "ok"}'
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+    elif body.get("voice") == "nobody":
+        data = b'{"error": {"message": "unknown voice"}}'
+        writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+    else:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for part in (AUDIO[:100], AUDIO[100:]):
+            writer.write(b"%x\r\n" % len(part) + part + b"\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        writer.write(b"0\r\n\r\n")
+    await writer.drain()
+    writer.close()
+
+
+async def _serving(test):
+    server = await asyncio.start_server(_stand_in, "127.0.0.1", 0)
+    try:
+        return await test(server.sockets[0].getsockname()[1])
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def test_a_stream_is_read_whole_and_its_first_audio_timed_before_its_end():
+    async def test(port):
+        got = await serving.request(port, "POST", "/v1/audio/speech", serving.speech_body("hi", "vivian", 8, True))
+        health = await serving.request(port, "GET", "/health", None)
+        refused = await serving.request(port, "POST", "/v1/audio/speech", serving.speech_body("hi", "nobody", 8, False))
+        return got, health, refused
+
+    got, health, refused = asyncio.run(_serving(test))
+    assert got.status == 200 and got.body == AUDIO
+    assert 0 < got.t_first_audio < got.t_total and got.t_total - got.t_first_audio >= 0.04
+    assert health.status == 200 and json.loads(health.body) == {"status": "ok"}
+    assert refused.status == 400 and "unknown voice" in refused.error and refused.t_first_audio is None
+
+
+def test_a_level_reports_ttfa_audio_seconds_per_second_and_rtf():
+    async def test(port):
+        return await serving.level(port, 4, 8, 8, RATE, time.monotonic() + 60)
+
+    got = asyncio.run(_serving(test))
+    assert got["requests"] == 8 and got["ok"] == 8 and "errors" not in got
+    assert got["audio_s_per_request"] == 2.0
+    assert got["audio_s_per_s"] == pytest.approx(16.0 / got["wall_s"], rel=0.01)
+    assert 0 < got["ttfa_ms_p50"] <= got["ttfa_ms_p95"]
+    assert 0 < got["rtf"] < 1  # ~0.1 s for 2 s of audio
+    rows = serving.table({"ours": {"4": got}})
+    assert rows.splitlines()[2].startswith("| ours | 4 | ")
+
+
+def test_percentiles_pick_the_nearest_rank():
+    values = list(range(1, 101))
+    assert serving.percentile(values, 50) == 51 and serving.percentile(values, 95) == 95
+    assert serving.percentile([7.0], 95) == 7.0
+
+
+def test_the_speakers_and_exact_frames_come_from_the_checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"tts_model_type": "voice_design", "talker_config": {
+        "codec_eos_token_id": 66, "spk_id": {}, "spk_is_dialect": {}}}))
+    serving.with_speakers(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["tts_model_type"] == "custom_voice"
+    assert config["talker_config"]["spk_id"] == {"vivian": 72, "ryan": 73}
+    assert serving.exact_frames(tmp_path, 48) == {"max_tokens": 48, "min_tokens": 48, "stop_token_ids": [66]}
