@@ -54,6 +54,8 @@ OMNI_STAGE_ARGS = {
                      enable_chunked_prefill=False,
                      scheduler_cls="vllm_omni.core.sched.omni_generation_scheduler.OmniGenerationScheduler"),
 }
+# code2wav runs eager in both pipelines: vllm-omni sizes its inner CUDA graph from its connector's chunk
+# settings, which a stage driven without its orchestrator does not have.
 # The whole codes in one chunk (vllm-omni's non-streaming code2wav input); its model then decodes
 # them in its own chunks (chunked_decode), the same in both pipelines.
 WHOLE_CODES = {"codec_chunk_frames": 1 << 16, "codec_left_context_frames": 0}
@@ -179,7 +181,8 @@ class Pipeline:
     def _omni_args(self, stage: str) -> Any:
         from vllm_omni.engine.arg_utils import OmniEngineArgs
 
-        return OmniEngineArgs(**{**engine_args(self.job, stage), **OMNI_STAGE_ARGS[stage]}, model_arch=OUTER_ARCH)
+        eager = {"enforce_eager": True} if stage == "code2wav" else {}
+        return OmniEngineArgs(**{**engine_args(self.job, stage), **OMNI_STAGE_ARGS[stage], **eager}, model_arch=OUTER_ARCH)
 
     def _shim_args(self, stage: str) -> Any:
         from vllm.engine.arg_utils import EngineArgs
@@ -189,12 +192,9 @@ class Pipeline:
 
         overrides: Any = (talker_stage_config if stage == "talker"
                           else {"architectures": [QWEN3_OMNI_STAGES[stage]]})
-        extra: dict = {}
-        if stage == "code2wav":
-            # Its codes come as forward kwargs each step, which a FULL graph's replay would drop.
-            extra["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
-        return EngineArgs(**engine_args(self.job, stage), worker_cls="worker_shim.Worker", hf_overrides=overrides,
-                          additional_config={"omni_sidecar": {"endpoint": self.job["endpoints"][stage]}}, **extra)
+        extra: dict = {"enforce_eager": True} if stage == "code2wav" else {}
+        return EngineArgs(**{**engine_args(self.job, stage), **extra}, worker_cls="worker_shim.Worker", hf_overrides=overrides,
+                          additional_config={"omni_sidecar": {"endpoint": self.job["endpoints"][stage]}})
 
     def _tts_embeds(self) -> dict[str, Any]:
         """The thinker's embeddings of tts_bos / tts_eos / tts_pad (vllm-omni's thinker stage computes
