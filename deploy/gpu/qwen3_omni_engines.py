@@ -302,7 +302,7 @@ def code2wav_input(pipe: Pipeline, rid: str, raw_codes: Any, tokens: list[int]) 
         return None
     flat = payload["codes"]["audio"]
     if pipe.kind == "omni":
-        return list(flat), payload
+        return list(flat), {**payload, "codes": {"audio": torch.tensor(flat, dtype=torch.long)}}
     q = int(raw_codes.shape[-1])
     frames = torch.tensor(flat, dtype=torch.long).reshape(q, -1).t().contiguous()  # [frames, Q]
     return [CODE2WAV_PLACEHOLDER], {"codes": {"audio": frames}, "meta": dict(WHOLE_CODES)}
@@ -424,7 +424,7 @@ def code2wav_direct(pipe: Pipeline, job: dict, deadline: float) -> dict:
     codes = torch.randint(0, CODE2WAV["codebook_size"], (spec["frames"], NUM_CODE_GROUPS), generator=g)
     flat = codes.t().contiguous().reshape(-1).tolist()
     if pipe.kind == "omni":
-        prompt, payload = flat, {"codes": {"audio": flat}, "meta": {"finished": torch.tensor(True)}}
+        prompt, payload = flat, {"codes": {"audio": torch.tensor(flat)}, "meta": {"finished": torch.tensor(True)}}
     else:
         prompt, payload = [CODE2WAV_PLACEHOLDER], {"codes": {"audio": codes}, "meta": dict(WHOLE_CODES)}
     rid = "direct0"

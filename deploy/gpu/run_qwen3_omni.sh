@@ -24,7 +24,12 @@ if [ ! -f "$SITE/.omni-installed" ]; then
 fi
 echo "installed in $(( $(date +%s) - t0 )) s"
 if ! ls "$SITE"/vllm/_moe_C*.so > /dev/null 2>&1; then
-  echo "this bundle has no vllm/_moe_C (built without BUNDLE_KEEP_MOE=1): the MoE thinker and talker cannot run"
+  # vLLM's CUDA MoE path calls torch.ops._moe_C (topk_softmax, moe_align_block_size): no engine would run.
+  why="the bundle has no vllm/_moe_C (build it with BUNDLE_KEEP_MOE=1): the MoE thinker and talker cannot run"
+  echo "$why"
+  printf '{"error": "%s", "command": "sh deploy/gpu/run_qwen3_omni.sh BUNDLE OUT [LIMIT_S]"}\n' "$why" \
+    > "$OUT/qwen3-omni-parity.json"
+  exit 1
 fi
 cd "$SRC"  # `python -m` children put the working directory first on sys.path
 export PYTHONPATH="$SRC:$SITE" VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
