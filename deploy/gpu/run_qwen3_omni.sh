@@ -15,13 +15,7 @@ SRC=$(cd "$(dirname "$0")/../.." && pwd)
 SITE=/tmp/omni-site
 mkdir -p "$OUT"
 t0=$(date +%s)
-if [ ! -f "$SITE/.omni-installed" ]; then
-  if ! sh "$SRC/deploy/gpu/install_bundle.sh" "$B" "$SITE" > "$OUT/install.log" 2>&1; then
-    tail -40 "$OUT/install.log"
-    exit 1
-  fi
-  touch "$SITE/.omni-installed"
-fi
+sh "$SRC/deploy/gpu/install_once.sh" "$B" "$OUT" || exit 1
 echo "installed in $(( $(date +%s) - t0 )) s"
 if ! ls "$SITE"/vllm/_moe_C*.so > /dev/null 2>&1; then
   # vLLM's CUDA MoE path calls torch.ops._moe_C (topk_softmax, moe_align_block_size): no engine would run.
