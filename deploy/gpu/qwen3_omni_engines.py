@@ -193,6 +193,10 @@ class Pipeline:
         overrides: Any = (talker_stage_config if stage == "talker"
                           else {"architectures": [QWEN3_OMNI_STAGES[stage]]})
         extra: dict = {"enforce_eager": True} if stage == "code2wav" else {}
+        if stage == "thinker":
+            # Its forward returns the captured layers beside its hidden states, which a FULL graph's
+            # replay would not return (the shim refuses FULL graphs then).
+            extra["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
         return EngineArgs(**{**engine_args(self.job, stage), **extra}, worker_cls="worker_shim.Worker", hf_overrides=overrides,
                           additional_config={"omni_sidecar": {"endpoint": self.job["endpoints"][stage]}})
 
