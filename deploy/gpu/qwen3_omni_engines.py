@@ -126,17 +126,20 @@ def _detached(obj: Any) -> Any:
 
 
 def pooled(records: list[dict]) -> dict[str, Any]:
-    """A request's per-step multimodal outputs as vllm-omni's full-payload accumulator joins them:
-    flat dotted keys, tensors concatenated along rows in step order (the last value otherwise)."""
+    """A request's per-step multimodal outputs joined as vllm-omni's full-payload accumulator joins them
+    (its `accumulate_full_payload_output`): flat dotted keys; a tensor of 2+ dims is concatenated along
+    rows with the earlier ones of the same trailing shape, anything else replaced by the latest."""
     import torch
 
     out: dict[str, Any] = {}
     for rec in records:
         for key, value in _flat(rec).items():
-            if isinstance(value, list) and value and all(isinstance(v, torch.Tensor) for v in value):
-                value = torch.cat([v.reshape(-1, v.shape[-1]) if v.dim() else v.reshape(1, 1) for v in value])
-            if isinstance(value, torch.Tensor) and isinstance(out.get(key), torch.Tensor) and value.dim() >= 1:
-                out[key] = torch.cat([out[key], value.reshape(-1, *out[key].shape[1:])])
+            if isinstance(value, list) and len(value) == 1 and isinstance(value[0], torch.Tensor):
+                value = value[0]  # one request's entry of a per-request list
+            before = out.get(key)
+            if (isinstance(value, torch.Tensor) and value.dim() >= 2 and isinstance(before, torch.Tensor)
+                    and before.dim() >= 2 and before.shape[1:] == value.shape[1:]):
+                out[key] = torch.cat([before, value])
             else:
                 out[key] = value
     return out
