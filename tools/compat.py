@@ -108,6 +108,7 @@ def _make_venv(cache: Path, version: str) -> Path:
     if stamp.exists():
         alias_vllm_dist(venv, version, logfile)  # idempotent; venvs made before it existed get it too
         add_vllm_omni(venv, logfile)
+        add_paired_vllm_omni(venv, version, logfile)
         return venv
     if venv.exists():
         shutil.rmtree(venv)  # a half-made one from an interrupted run
@@ -125,6 +126,7 @@ def _make_venv(cache: Path, version: str) -> Path:
     _run([*pip, str(ROOT / "deploy" / "cpu" / "triton_cpu_stub")], logfile)
     alias_vllm_dist(venv, version, logfile)
     add_vllm_omni(venv, logfile)
+    add_paired_vllm_omni(venv, version, logfile)
     _run([py, "-c", "import vllm, torch, worker_shim; print('vllm', vllm.__version__, 'torch', torch.__version__)"],
          logfile, env=_env())
     stamp.write_text(version)
@@ -163,6 +165,27 @@ def add_vllm_omni(venv: Path, logfile: Path) -> None:
     shutil.rmtree(target, ignore_errors=True)  # a half-made one from an interrupted run
     _run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
           f"vllm-omni=={version}"], logfile)
+
+
+# The vllm-omni release built for a vLLM release, where its model classes import only against that one
+# (tests/test_vllm_omni_qwen3_omni_pipeline.py runs in such a venv), and what its Qwen3-Omni modules
+# import that vLLM does not bring.
+PAIRED_VLLM_OMNI = {"0.26.0": "0.26.0"}
+PAIRED_VLLM_OMNI_NEEDS = ["prettytable"]
+
+
+def add_paired_vllm_omni(venv: Path, version: str, logfile: Path) -> None:
+    """The paired vllm-omni beside the interop one, off sys.path as well: <venv>/vllm-omni-<release>."""
+    paired = PAIRED_VLLM_OMNI.get(version)
+    if paired is None:
+        return
+    target = venv / f"vllm-omni-{paired}"
+    if any(target.glob(f"vllm_omni-{paired}.dist-info")):
+        return
+    shutil.rmtree(target, ignore_errors=True)  # a half-made one from an interrupted run
+    py = str(venv / "bin" / "python")
+    _run([py, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), f"vllm-omni=={paired}"], logfile)
+    _run([py, "-m", "pip", "install", "-q", *PAIRED_VLLM_OMNI_NEEDS], logfile)
 
 
 def _name(requirement: str) -> str:

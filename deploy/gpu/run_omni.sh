@@ -14,13 +14,7 @@ SRC=$(cd "$(dirname "$0")/../.." && pwd)
 SITE=/tmp/omni-site
 mkdir -p "$OUT"
 t0=$(date +%s)
-if [ ! -f "$SITE/.omni-installed" ]; then
-  if ! sh "$SRC/deploy/gpu/install_bundle.sh" "$B" "$SITE" > "$OUT/install.log" 2>&1; then
-    tail -40 "$OUT/install.log"
-    exit 1
-  fi
-  touch "$SITE/.omni-installed"
-fi
+sh "$SRC/deploy/gpu/install_once.sh" "$B" "$OUT" || exit 1
 # Wheels a bundle built before it listed them (blake3: vLLM hashes multimodal inputs with it).
 [ -d "$SRC/.whl" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$SRC"/.whl/*.whl
 echo "installed in $(( $(date +%s) - t0 )) s"

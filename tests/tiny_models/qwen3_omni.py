@@ -36,8 +36,11 @@ THINKER_ROPE = {"interleaved": True, "mrope_interleaved": True, "mrope_section":
                 "rope_theta": 1000000, "rope_type": "default"}
 TALKER_ROPE = {"interleaved": True, "mrope_section": MROPE_SECTION, "rope_theta": 1000000, "rope_type": "default"}
 THINKER_HIDDEN = 64
-THINKER_LAYERS = 4
-ACCEPT_HIDDEN_LAYER = 2  # the thinker layer the talker reads (published: 24 of 48)
+# The thinker layer the talker reads, as published: vllm-omni's thinker -> talker hand-over has the
+# key "24" written in (its stage_input_processors/qwen3_omni.py), so the tiny thinker keeps it and
+# has one layer past it (published: 48 layers).
+ACCEPT_HIDDEN_LAYER = 24
+THINKER_LAYERS = ACCEPT_HIDDEN_LAYER + 1
 NUM_CODE_GROUPS = 16  # published; vllm-omni's code2wav reshapes its input by 16
 # Published special ids (thinker vocabulary, and the talker's codec vocabulary).
 TOKEN_IDS = dict(audio_start_token_id=151669, audio_end_token_id=151670, audio_token_id=151675,
@@ -92,11 +95,12 @@ ADDED_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_sta
                 "<tool_response>", "</tool_response>", "<think>", "</think>", "<|audio_start|>", "<|audio_end|>",
                 "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>", "<tts_text_bos_single>", "<|audio_pad|>"]
 FIRST_ADDED_ID = 151643
+NEWLINE_ID = 198  # "\n" (byte-level "Ċ"): the published id, and this vocabulary's (its sorted byte alphabet)
 NOT_SPECIAL = {"<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
                "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
 CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-STAMP = "tiny-qwen3-omni-v1"
+STAMP = "tiny-qwen3-omni-v2"
 
 
 def config():

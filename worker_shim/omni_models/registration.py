@@ -23,6 +23,9 @@ _TALKER = "worker_shim.omni_models.qwen3_tts.talker:Qwen3TTSTalkerForConditional
 _CODE2WAV = "worker_shim.omni_models.qwen3_tts.code2wav:Qwen3TTSCode2Wav"
 _STAGES = "worker_shim.omni_models.qwen3_omni.stages"
 QWEN3_OMNI_TALKER_STAGE = "Qwen3OmniMoeTalkerStage"  # with hf_overrides=qwen3_omni.config.talker_stage_config
+# The architecture to name per Qwen3-Omni stage (the talker's through talker_stage_config).
+QWEN3_OMNI_STAGES = {"thinker": "Qwen3OmniMoeThinkerStage", "talker": QWEN3_OMNI_TALKER_STAGE,
+                     "code2wav": "Qwen3OmniMoeCode2WavStage"}
 # vllm-omni's architecture names for these classes (its models/registry.py, 0.26 and 0.30), and,
 # for Qwen3-Omni, one name per stage of its outer class (upstream owns the outer name, and the
 # stage is an engine argument there: qwen3_omni/stages.py). Its outer class builds the inner ones
@@ -31,9 +34,7 @@ ARCHITECTURES = {
     "Qwen3TTSForConditionalGeneration": _TALKER,
     "Qwen3TTSTalkerForConditionalGeneration": _TALKER,
     "Qwen3TTSCode2Wav": _CODE2WAV,
-    "Qwen3OmniMoeThinkerStage": f"{_STAGES}:Qwen3OmniMoeThinkerStage",
-    QWEN3_OMNI_TALKER_STAGE: f"{_STAGES}:Qwen3OmniMoeTalkerStage",
-    "Qwen3OmniMoeCode2WavStage": f"{_STAGES}:Qwen3OmniMoeCode2WavStage",
+    **{arch: f"{_STAGES}:{arch}" for arch in QWEN3_OMNI_STAGES.values()},
     "Qwen3OmniMoeThinkerForConditionalGeneration":
         "worker_shim.omni_models.qwen3_omni.thinker:Qwen3OmniMoeThinkerForConditionalGeneration",
     "Qwen3OmniMoeTalkerForConditionalGeneration":

@@ -113,6 +113,14 @@ QWEN3_TTS_NAMES = [
     ("qwen3_tts_talker", "Qwen3TTSTalkerForConditionalGeneration"),  # subclassed: + SupportsMRoPE
     ("qwen3_tts_code2wav", "Qwen3TTSCode2Wav"),
 ]
+QWEN3_OMNI_MODULE = "vllm_omni.model_executor.models.qwen3_omni"
+QWEN3_OMNI_NAMES = [
+    ("qwen3_omni", "Qwen3OmniMoeForConditionalGeneration"),  # subclassed once per stage
+    ("qwen3_omni", "OmniOutput"),  # what the thinker and code2wav stages return
+    ("qwen3_omni_moe_thinker", "Qwen3OmniMoeThinkerForConditionalGeneration"),
+    ("qwen3_omni_moe_talker", "Qwen3OmniMoeTalkerForConditionalGeneration"),
+    ("qwen3_omni_code2wav", "Qwen3OmniMoeCode2Wav"),
+]
 QWEN3_TTS_MODEL_TYPE = "qwen3_tts"  # config.json's model_type, as vllm-omni registers it
 # The upstream seams the loader uses (checked at start-up with the names above): transformers'
 # AutoConfig.register, vLLM's ModelRegistry.register_model ("module:Class", imported lazily, also
@@ -125,6 +133,10 @@ VLLM_OMNI_LOADER_NAMES: list[tuple[str, str]] = [
     ("vllm.model_executor.models.interfaces", "SupportsMRoPE.get_mrope_input_positions"),
     ("vllm.config", "ModelConfig.get_hidden_size"),
     ("vllm.config", "ModelConfig.get_vocab_size"),
+    ("vllm.config", "ModelConfig.get_head_size"),
+    # One unused attention layer gives an attention-free stage (Qwen3-Omni's code2wav) the KV-cache
+    # group vLLM 0.26's V2 block tables need (they assert with none; 0.32 accepts none).
+    ("vllm.model_executor.layers.attention", "Attention"),
 ]
 # What vllm-omni's patch.py (and its parsers, imported by its __init__) replaces in vLLM
 # (docs/research/vllm-omni-loading.md, section 1, read from the 0.26 and 0.30 wheels): none of it

@@ -43,6 +43,9 @@ class ThinkerHooks(OmniStateHooks):
 
 class TalkerHooks(OmniStateHooks):
     name = "omni-talker"
+    # The model's own preprocess reads `embed.prefill` (Qwen3-Omni's talker: the thinker's rows, not
+    # one per talker prompt row) and writes the prompt's embeddings itself.
+    prefill_overlays_prompt = False
 
     def __init__(self, state_cap_mib: str = "256", resident_keys: str = DEFAULT_RESIDENT_KEYS) -> None:
         super().__init__(state_cap_mib=state_cap_mib, resident_keys=resident_keys)

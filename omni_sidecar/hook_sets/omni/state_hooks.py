@@ -53,6 +53,8 @@ class OmniStateHooks(OmniHooks):
     name = "omni"
     state_version = "omni/1"
     accepts_state = ("omni/1",)
+    # A payload's `embed.prefill` overlays the prompt's embeddings (it must be [prompt_len, hidden]).
+    prefill_overlays_prompt = True
 
     def __init__(
         self, extra_kwargs: str = "0", state_cap_mib: str = "256", resident_keys: str = DEFAULT_RESIDENT_KEYS,
@@ -360,6 +362,7 @@ class OmniStateHooks(OmniHooks):
         embeds = None
         if "prompt_embeds" in payload:
             embeds = decode_tensor_spec(payload["prompt_embeds"], "prompt_embeds")
-        elif isinstance(initial.get("embed"), dict) and isinstance(initial["embed"].get("prefill"), torch.Tensor):
+        elif (self.prefill_overlays_prompt and isinstance(initial.get("embed"), dict)
+              and isinstance(initial["embed"].get("prefill"), torch.Tensor)):
             embeds = initial["embed"]["prefill"]
         return initial, embeds

@@ -1,0 +1,536 @@
+"""One Qwen3-Omni pipeline, thinker -> talker -> code2wav, its three engines in one process.
+
+  python deploy/gpu/qwen3_omni_engines.py job.json result.json     (job["kind"]: omni or shim)
+
+`omni`: vllm-omni 0.26's own stages (`OmniEngineArgs` per stage, as its Qwen3-Omni pipeline
+config names them: AR worker and runner for the thinker and talker, the generation worker and
+runner for code2wav, on vLLM's V1 runner, its schedulers), each stage's outputs read from its
+engine-core outputs (`multimodal_output`).
+
+`shim`: upstream vLLM V2 with the shim as worker for each stage (vllm-omni's Qwen3-Omni class
+loaded without its patches, one registered architecture per stage: worker_shim/omni_models/
+qwen3_omni/) and one `omni-sidecar serve` per stage at `job["endpoints"]` (thinker: `omni`, its
+captured layers as outputs; talker: `omni-talker`; code2wav: `omni-code2wav`), each stage's
+outputs read from its sidecar.
+
+Both: the same checkpoint (tests/tiny_models/qwen3_omni.py), prompts, greedy sampling, and the same
+hand-overs: vllm-omni's non-streaming ones (its `async_chunk: false` mode: a request moves on
+when it finishes), built by vllm-omni's own functions (`thinker2talker_full_payload`,
+`_compute_talker_prompt_ids_length`, `talker2code2wav_full_payload`) from each pipeline's stage
+outputs. The process steps the three engines in turn and moves each request on as its stage
+finishes it; per request it records the thinker's tokens, the talker's codes, the waveform and the
+time from its arrival to its audio (TTFA: the code2wav step that returned its waveform).
+Each engine of a pipeline reports the vllm-omni patches found in its process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine cores in this process: their outputs are readable
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+STAGES = ("thinker", "talker", "code2wav")
+OUTER_ARCH = "Qwen3OmniMoeForConditionalGeneration"
+# vllm-omni's Qwen3-Omni pipeline (its models/qwen3_omni/pipeline.py) per stage: model_stage, worker,
+# output type, the config section its ModelConfig reads, its scheduler.
+OMNI_STAGE_ARGS = {
+    "thinker": dict(stage_id=0, model_stage="thinker", worker_type="ar", engine_output_type="latent",
+                    hf_config_name="thinker_config",
+                    scheduler_cls="vllm_omni.core.sched.omni_ar_scheduler.OmniARScheduler"),
+    "talker": dict(stage_id=1, model_stage="talker", worker_type="ar", engine_output_type="latent",
+                   hf_config_name="talker_config",
+                   scheduler_cls="vllm_omni.core.sched.omni_ar_scheduler.OmniARScheduler"),
+    "code2wav": dict(stage_id=2, model_stage="code2wav", worker_type="generation", engine_output_type="audio",
+                     hf_config_name="thinker_config", disable_hybrid_kv_cache_manager=True,
+                     enable_chunked_prefill=False,
+                     scheduler_cls="vllm_omni.core.sched.omni_generation_scheduler.OmniGenerationScheduler"),
+}
+# code2wav runs eager in both pipelines: vllm-omni sizes its inner CUDA graph from its connector's chunk
+# settings, which a stage driven without its orchestrator does not have.
+# The whole codes in one chunk (vllm-omni's non-streaming code2wav input); its model then decodes
+# them in its own chunks (chunked_decode), the same in both pipelines.
+WHOLE_CODES = {"codec_chunk_frames": 1 << 16, "codec_left_context_frames": 0}
+CODE2WAV_PLACEHOLDER = 0  # the shim's code2wav prompt token: a clock (docs/ARCHITECTURE.md, "Generation-only stages")
+TEXT_ONLY = {"image": 0, "video": 0, "audio": 0}  # the tiny checkpoint has no processor files
+STEP_DEADLINE_S = 120  # no output from any stage for this long: stuck
+
+
+def thinker_prompt(text_len: int, seed: int) -> list[int]:
+    """A one-turn chat as the published template writes it, with the published role ids (vllm-omni's
+    thinker -> talker hand-over finds the user and assistant turns by them): <|im_start|>user\\n TEXT
+    <|im_end|>\\n<|im_start|>assistant\\n, TEXT random byte tokens."""
+    import numpy as np
+
+    from tests.tiny_models.qwen3_omni import NEWLINE_ID, TOP
+
+    text = np.random.default_rng(seed).integers(0, 256, text_len).tolist()
+    im_start, im_end = TOP["im_start_token_id"], TOP["im_end_token_id"]
+    return ([im_start, TOP["user_token_id"], NEWLINE_ID] + text
+            + [im_end, NEWLINE_ID, im_start, TOP["assistant_token_id"], NEWLINE_ID])
+
+
+def engine_args(job: dict, stage: str) -> dict:
+    limits = job["limits"][stage]
+    args = dict(model=job["model"], dtype=job["dtype"], seed=0, enforce_eager=job["enforce_eager"],
+                skip_tokenizer_init=True, enable_prefix_caching=False, async_scheduling=False,
+                max_model_len=limits["max_model_len"], max_num_seqs=job["max_num_seqs"],
+                max_num_batched_tokens=limits["max_num_batched_tokens"],
+                kv_cache_memory_bytes=job["kv_cache_memory_bytes"], limit_mm_per_prompt=TEXT_ONLY)
+    if job.get("gpu_memory_utilization"):
+        args["gpu_memory_utilization"] = job["gpu_memory_utilization"]
+    return args
+
+
+class Recorder:
+    """An in-process engine core's outputs per request: new tokens, multimodal outputs (tensors kept)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.mm: dict[str, list[dict]] = {}
+        self.finished: set[str] = set()
+        core = engine.engine_core
+        inner = core.get_output
+
+        def get_output() -> Any:
+            outs = inner()
+            for o in getattr(outs, "outputs", []) or []:
+                rid = o.request_id.rsplit("-", 1)[0]  # vLLM suffixes the client's id (ours have no "-")
+                mm = getattr(o, "multimodal_output", None) or getattr(o, "pooling_output", None)
+                if isinstance(mm, dict) and mm:
+                    self.mm.setdefault(rid, []).append(_detached(mm))
+                if getattr(o, "finish_reason", None) is not None:
+                    self.finished.add(rid)
+            return outs
+
+        core.get_output = get_output
+
+
+def _detached(obj: Any) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _detached(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_detached(v) for v in obj]
+    return obj
+
+
+def pooled(records: list[dict]) -> dict[str, Any]:
+    """A request's per-step multimodal outputs joined as vllm-omni's full-payload accumulator joins them
+    (its `accumulate_full_payload_output`): flat dotted keys; a tensor of 2+ dims is concatenated along
+    rows with the earlier ones of the same trailing shape, anything else replaced by the latest."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for rec in records:
+        for key, value in _flat(rec).items():
+            if isinstance(value, list) and len(value) == 1 and isinstance(value[0], torch.Tensor):
+                value = value[0]  # one request's entry of a per-request list
+            before = out.get(key)
+            if (isinstance(value, torch.Tensor) and value.dim() >= 2 and isinstance(before, torch.Tensor)
+                    and before.dim() >= 2 and before.shape[1:] == value.shape[1:]):
+                out[key] = torch.cat([before, value])
+            else:
+                out[key] = value
+    return out
+
+
+def _flat(node: dict, prefix: str = "") -> dict[str, Any]:
+    """{"hidden_states": {"layers": {0: t}}} -> {"hidden_states.layer_0": t}; other nesting -> dotted keys."""
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "layers" and isinstance(value, dict):
+            out.update({f"{prefix}layer_{int(k)}": v for k, v in value.items()})
+        elif isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+class Pipeline:
+    """The three engines of one kind, and how a request enters each stage and leaves it."""
+
+    def __init__(self, job: dict) -> None:
+        self.job = job
+        self.kind = job["kind"]
+        self.engines: dict[str, Any] = {}
+        self.recorders: dict[str, Recorder] = {}
+        self.clients: dict[str, Any] = {}
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        for stage in STAGES:
+            t0 = time.monotonic()
+            args = self._omni_args(stage) if self.kind == "omni" else self._shim_args(stage)
+            self.engines[stage] = LLMEngine.from_engine_args(args)
+            self.recorders[stage] = Recorder(self.engines[stage])
+            job.setdefault("start_s", {})[stage] = round(time.monotonic() - t0, 1)
+        if self.kind == "shim":
+            from omni_sidecar.client import SidecarClient
+
+            self.clients = {stage: SidecarClient(job["endpoints"][stage]) for stage in STAGES}
+        self.tts_embeds = self._tts_embeds() if self.kind == "shim" else None
+
+    def _omni_args(self, stage: str) -> Any:
+        from vllm_omni.engine.arg_utils import OmniEngineArgs
+
+        eager = {"enforce_eager": True} if stage == "code2wav" else {}
+        return OmniEngineArgs(**{**engine_args(self.job, stage), **OMNI_STAGE_ARGS[stage], **eager}, model_arch=OUTER_ARCH)
+
+    def _shim_args(self, stage: str) -> Any:
+        from vllm.engine.arg_utils import EngineArgs
+
+        from worker_shim.omni_models.qwen3_omni.config import talker_stage_config
+        from worker_shim.omni_models.registration import QWEN3_OMNI_STAGES
+
+        overrides: Any = (talker_stage_config if stage == "talker"
+                          else {"architectures": [QWEN3_OMNI_STAGES[stage]]})
+        extra: dict = {"enforce_eager": True} if stage == "code2wav" else {}
+        if stage == "thinker":
+            # Its forward returns the captured layers beside its hidden states, which a FULL graph's
+            # replay would not return (the shim refuses FULL graphs then).
+            extra["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
+        return EngineArgs(**{**engine_args(self.job, stage), **extra}, worker_cls="worker_shim.Worker", hf_overrides=overrides,
+                          additional_config={"omni_sidecar": {"endpoint": self.job["endpoints"][stage]}})
+
+    def _tts_embeds(self) -> dict[str, Any]:
+        """The thinker's embeddings of tts_bos / tts_eos / tts_pad (vllm-omni's thinker stage computes
+        them in its forward's outputs from the same table; a text token's embedding is its row)."""
+        import torch
+        from safetensors import safe_open
+
+        from tests.tiny_models.qwen3_omni import TOP
+
+        dtype = getattr(torch, self.job["dtype"])
+        with safe_open(str(Path(self.job["model"]) / "model.safetensors"), "pt") as f:
+            table = f.get_tensor("thinker.model.embed_tokens.weight")
+        return {f"embed.{name}": table[TOP[f"{name}_token_id"]].to(dtype).reshape(1, 1, -1)
+                for name in ("tts_bos", "tts_eos", "tts_pad")}
+
+    # -- entering a stage ------------------------------------------------------------------
+
+    def add(self, stage: str, rid: str, prompt: list[int], params: Any, payload: dict | None) -> None:
+        engine = self.engines[stage]
+        if self.kind == "omni":
+            from vllm_omni.engine.orchestrator import build_engine_core_request_from_tokens
+
+            tokens: dict[str, Any] = {"prompt_token_ids": prompt}
+            if payload is not None:
+                tokens["additional_information"] = payload
+            engine.add_request(rid, build_engine_core_request_from_tokens(rid, tokens, params), params)
+            return
+        if payload is not None:
+            from omni_sidecar.hook_sets.omni.wire import encode_additional_information
+
+            params = params.clone()
+            params.extra_args = {"omni_sidecar": {"additional_information": encode_additional_information(payload)}}
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+
+    # -- leaving a stage -------------------------------------------------------------------
+
+    def stage_outputs(self, stage: str, rid: str) -> dict[str, Any]:
+        """The request's multimodal outputs of a stage, as flat dotted keys."""
+        if self.kind == "omni":
+            return pooled(self.recorders[stage].mm.get(rid, []))
+        import torch
+
+        # The sidecar may hand float rows back in another float type than the model's (bf16 <-> fp32
+        # is exact); the next stage's model takes its own.
+        dtype = getattr(torch, self.job["dtype"])
+        return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                for k, v in (self.clients[stage].outputs(rid) or {}).items()}
+
+    def close(self) -> None:
+        for client in self.clients.values():
+            client.close()
+
+
+def sampling(max_tokens: int, stop: list[int] | None = None) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=not stop, stop_token_ids=stop or None,
+                          detokenize=False)
+
+
+def talker_input(pipe: Pipeline, rid: str, prompt: list[int], tokens: list[int]) -> tuple[list[int], dict] | None:
+    """vllm-omni's thinker -> talker hand-over: its payload from the thinker's outputs, and the
+    talker's placeholder prompt of the length it computes."""
+    import torch
+    from vllm_omni.model_executor.stage_input_processors import qwen3_omni as handover
+
+    out = pipe.stage_outputs("thinker", rid)
+    if pipe.tts_embeds is not None:
+        out = {**pipe.tts_embeds, **out}
+    request = SimpleNamespace(request_id=rid, external_req_id=rid, prompt_token_ids=list(prompt),
+                              output_token_ids=list(tokens), all_token_ids=list(prompt) + list(tokens),
+                              additional_information=None)
+    payload = handover.thinker2talker_full_payload(None, out, request)
+    if payload is None:
+        return None
+    length = handover._compute_talker_prompt_ids_length(
+        {"ids": {"all": request.all_token_ids, "prompt": request.prompt_token_ids}}, device="cpu")
+    payload["meta"] = {"finished": torch.tensor(True)}
+    return [0] * length, payload
+
+
+def talker_codes(pipe: Pipeline, rid: str, prompt_len: int) -> Any:
+    """The talker's codes.audio rows of the request, as vllm-omni's pooled output holds them: a zero row
+    per prompt row (its preprocess writes those in prefill), then one row per decode step."""
+    import torch
+
+    out = pipe.stage_outputs("talker", rid)
+    codes = out.get("codes.audio")
+    if not isinstance(codes, torch.Tensor):
+        return None
+    codes = codes.reshape(-1, codes.shape[-1]).to(torch.long)
+    if pipe.kind == "shim":  # the sidecar assembles the decode steps' rows only
+        codes = torch.cat([torch.zeros(prompt_len, codes.shape[-1], dtype=torch.long), codes])
+    return codes
+
+
+def code2wav_input(pipe: Pipeline, rid: str, raw_codes: Any, tokens: list[int]) -> tuple[list[int], dict] | None:
+    """vllm-omni's talker -> code2wav hand-over: the valid codec rows, codebook-major, flat."""
+    import torch
+    from vllm_omni.model_executor.stage_input_processors import qwen3_omni as handover
+
+    request = SimpleNamespace(request_id=rid, output_token_ids=list(tokens))
+    payload = handover.talker2code2wav_full_payload(None, {"codes.audio": raw_codes}, request)
+    if payload is None:
+        return None
+    flat = payload["codes"]["audio"]
+    if pipe.kind == "omni":
+        return list(flat), {**payload, "codes": {"audio": torch.tensor(flat, dtype=torch.long)}}
+    q = int(raw_codes.shape[-1])
+    frames = torch.tensor(flat, dtype=torch.long).reshape(q, -1).t().contiguous()  # [frames, Q]
+    return [CODE2WAV_PLACEHOLDER], {"codes": {"audio": frames}, "meta": dict(WHOLE_CODES)}
+
+
+def waveform(pipe: Pipeline, rid: str) -> Any:
+    import torch
+
+    out = pipe.stage_outputs("code2wav", rid)
+    for key in ("waveform", "model_outputs", "audio"):
+        value = out.get(key)
+        if isinstance(value, list):
+            value = torch.cat([v.reshape(-1) for v in value if isinstance(v, torch.Tensor)]) if value else None
+        if isinstance(value, torch.Tensor):
+            return value.reshape(-1).float()
+    return None
+
+
+def run_requests(pipe: Pipeline, reqs: list[dict], job: dict, keep: bool, deadline: float,
+                 state: dict[str, dict]) -> dict:
+    """Every request enters the thinker at once; the engines step in turn; each request moves on as
+    its stage finishes it. Per request, into `state` (the caller keeps what a failure leaves): tokens,
+    codes, waveform (when `keep`), TTFA."""
+    limits = job["max_tokens"]
+    t0 = time.perf_counter()
+    for r in reqs:
+        state[r["rid"]] = {"prompt": r["prompt"], "t_in": time.perf_counter()}
+        pipe.add("thinker", r["rid"], r["prompt"], sampling(limits["thinker"]), None)
+    audio_samples = 0
+    last_progress = time.monotonic()
+    errors: dict[str, str] = {}
+    open_reqs: dict[str, set[str]] = {"thinker": {r["rid"] for r in reqs}, "talker": set(), "code2wav": set()}
+    while any(open_reqs.values()):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the run's limit came first")
+        if time.monotonic() - last_progress > STEP_DEADLINE_S:
+            raise TimeoutError(f"no stage finished a request for {STEP_DEADLINE_S} s")
+        for stage in STAGES:
+            if not open_reqs[stage]:
+                continue
+            engine = pipe.engines[stage]
+            if pipe.kind == "omni" and stage == "code2wav":
+                # vLLM's output processor wants tokens or a pooling output from each request; vllm-omni's
+                # orchestrator brings its own for generation stages: its engine core is stepped directly.
+                engine.engine_core.get_output()
+                done = open_reqs[stage] & pipe.recorders[stage].finished
+                outs = [SimpleNamespace(request_id=rid, finished=True, outputs=[SimpleNamespace(token_ids=[])])
+                        for rid in sorted(done)]
+            else:
+                outs = engine.step()
+            now = time.perf_counter()
+            for o in outs:
+                if not o.finished:
+                    continue
+                last_progress = time.monotonic()
+                rid, st = o.request_id, state.get(o.request_id)
+                if st is None or rid not in open_reqs[stage]:
+                    continue
+                open_reqs[stage].discard(rid)
+                tokens = list(o.outputs[0].token_ids)
+                try:
+                    if stage == "thinker":
+                        st["thinker_tokens"] = tokens
+                        handed = talker_input(pipe, rid, st["prompt"], tokens)
+                        if handed is None:
+                            raise RuntimeError("no thinker -> talker payload (thinker outputs missing)")
+                        st["talker_prompt_len"] = len(handed[0])
+                        pipe.add("talker", rid, handed[0], sampling(limits["talker"], [job["codec_eos"]]), handed[1])
+                        open_reqs["talker"].add(rid)
+                        st["stage"] = "talker"
+                    elif stage == "talker":
+                        st["talker_tokens"] = tokens
+                        raw = talker_codes(pipe, rid, st["talker_prompt_len"])
+                        if raw is None:
+                            raise RuntimeError("no talker codes")
+                        st["raw_codes"] = raw
+                        handed = code2wav_input(pipe, rid, raw, tokens)
+                        if handed is None:
+                            raise RuntimeError("no talker -> code2wav payload (no valid codec rows)")
+                        st["codes"] = handed[1]["codes"]["audio"]
+                        pipe.add("code2wav", rid, handed[0], sampling(1), handed[1])
+                        open_reqs["code2wav"].add(rid)
+                        st["stage"] = "code2wav"
+                    else:
+                        st["t_audio"] = now
+                        st["stage"] = "done"
+                        wave = waveform(pipe, rid)
+                        if wave is None:
+                            raise RuntimeError("no waveform")
+                        audio_samples += int(wave.numel())
+                        if keep:
+                            st["waveform"] = wave
+                except Exception as exc:  # this request stops here; the others go on
+                    errors[rid] = f"{stage}: {type(exc).__name__}: {exc}"
+                    st["t_audio"] = now
+    wall = time.perf_counter() - t0
+    ttfa = [st["t_audio"] - st["t_in"] for rid, st in state.items() if "t_audio" in st and rid not in errors]
+    return {"state": state, "errors": errors, "wall_s": wall, "ttfa_s": ttfa, "audio_samples": audio_samples}
+
+
+def parity_record(st: dict) -> dict:
+    codes = st.get("codes")
+    if codes is not None and not isinstance(codes, list):
+        codes = codes.t().reshape(-1).tolist()  # [frames, Q] -> codebook-major flat, as vllm-omni's
+    return {"stage": st.get("stage", "thinker"), "thinker_tokens": st.get("thinker_tokens"),
+            "talker_tokens": st.get("talker_tokens"), "talker_prompt_len": st.get("talker_prompt_len"),
+            "codes": codes, "code_rows": int(st["raw_codes"].shape[0]) if st.get("raw_codes") is not None else None,
+            "waveform": st["waveform"].tolist() if st.get("waveform") is not None else None}
+
+
+def code2wav_direct(pipe: Pipeline, job: dict, deadline: float) -> dict:
+    """The code2wav stage alone on the same random codes in both pipelines (it needs no talker)."""
+    import torch
+
+    from tests.tiny_models.qwen3_omni import CODE2WAV, NUM_CODE_GROUPS
+
+    spec = job["code2wav_direct"]
+    g = torch.Generator().manual_seed(spec["seed"])
+    codes = torch.randint(0, CODE2WAV["codebook_size"], (spec["frames"], NUM_CODE_GROUPS), generator=g)
+    flat = codes.t().contiguous().reshape(-1).tolist()
+    if pipe.kind == "omni":
+        prompt, payload = flat, {"codes": {"audio": torch.tensor(flat)}, "meta": {"finished": torch.tensor(True)}}
+    else:
+        prompt, payload = [CODE2WAV_PLACEHOLDER], {"codes": {"audio": codes}, "meta": dict(WHOLE_CODES)}
+    rid = "direct0"
+    pipe.add("code2wav", rid, prompt, sampling(1), payload)
+    engine = pipe.engines["code2wav"]
+    t0 = time.perf_counter()
+    while True:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the run's limit came first")
+        if pipe.kind == "omni":
+            engine.engine_core.get_output()
+            if rid in pipe.recorders["code2wav"].finished:
+                break
+        elif any(o.finished for o in engine.step() if o.request_id == rid):
+            break
+    wave = waveform(pipe, rid)
+    return {"frames": spec["frames"], "seed": spec["seed"], "codes": flat, "wall_s": time.perf_counter() - t0,
+            "waveform": wave.tolist() if wave is not None else None}
+
+
+def wait_turn(job: dict) -> None:
+    """The pipelines start side by side but time their runs one at a time, in `job["bench_order"]`:
+    this one's turn comes when each one before it has benched (or is gone)."""
+    work = Path(job["workdir"])
+    order = job.get("bench_order", [job["name"]])
+    before = order[: order.index(job["name"])] if job["name"] in order else []
+    end = time.monotonic() + job.get("turn_wait_s", 300)
+    while time.monotonic() < end and not all((work / f"benched-{name}").exists() for name in before):
+        time.sleep(0.05)
+
+
+def patches(pipe: Pipeline) -> dict:
+    from worker_shim.omni_models.patches import patches_applied
+
+    found = {"process": patches_applied()}
+    if pipe.kind == "shim":
+        found["workers"] = {s: e.collective_rpc("omni_sidecar_vllm_omni_patches") for s, e in pipe.engines.items()}
+    return found
+
+
+def main(job_path: str, result_path: str) -> None:
+    job = json.loads(Path(job_path).read_text())
+    for key, value in job.get("env", {}).items():
+        os.environ[key] = str(value)
+    result: dict = {"ok": False, "kind": job["kind"], "name": job["name"], "runs": {}}
+    deadline = time.monotonic() + job["limit_s"]
+    pipe = None
+    try:
+        t0 = time.monotonic()
+        pipe = Pipeline(job)
+        result["start_s"] = job.get("start_s")
+        result["start_total_s"] = round(time.monotonic() - t0, 1)
+        prompts = {r["rid"]: thinker_prompt(r["text_len"], r["seed"]) for r in job["requests"]}
+        result["code2wav_direct"] = code2wav_direct(pipe, job, deadline)
+        reqs = [{"rid": rid, "prompt": p} for rid, p in prompts.items()]
+        state: dict[str, dict] = {}
+        try:
+            run = run_requests(pipe, reqs, job, True, deadline, state)
+        finally:
+            result["parity"] = {rid: parity_record(st) for rid, st in state.items()}
+        result["errors"] = run["errors"]
+        result["patches"] = patches(pipe)
+        result["ok"] = not run["errors"]
+        sr = job["sample_rate"]
+        wait_turn(job)
+        for n in job["concurrency"]:
+            if time.monotonic() > deadline - job.get("bench_reserve_s", 0):
+                result["runs"][str(n)] = {"skipped": "the run's limit"}
+                continue
+            reqs = [{"rid": f"c{n}r{i}", "prompt": prompts[job["requests"][i % len(job["requests"])]["rid"]]}
+                    for i in range(n)]
+            try:
+                run = run_requests(pipe, reqs, job, False, deadline, {})
+            except TimeoutError as exc:
+                result["runs"][str(n)] = {"skipped": str(exc)}
+                break
+            ttfa = sorted(run["ttfa_s"])
+            result["runs"][str(n)] = {
+                "requests": n, "errors": run["errors"], "wall_s": round(run["wall_s"], 4),
+                "ttfa_median_s": round(ttfa[len(ttfa) // 2], 4) if ttfa else None,
+                "ttfa_max_s": round(ttfa[-1], 4) if ttfa else None,
+                "audio_s": round(run["audio_samples"] / sr, 4),
+                "audio_s_per_s": round(run["audio_samples"] / sr / run["wall_s"], 3) if run["wall_s"] else None}
+    except BaseException as exc:  # the driver reads the error
+        if pipe is not None and "patches" not in result:
+            try:
+                result["patches"] = patches(pipe)
+            except Exception as why:  # an engine that died answers no RPC
+                result["patches_error"] = repr(why)
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()[-6000:]
+    finally:
+        Path(job["workdir"], f"benched-{job['name']}").touch()  # the next pipeline's turn
+        if pipe is not None:
+            pipe.close()
+    Path(result_path).write_text(json.dumps(result))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

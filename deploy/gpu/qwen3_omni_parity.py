@@ -1,0 +1,217 @@
+"""Qwen3-Omni parity: vllm-omni 0.26's own pipeline (V1 runner) against ours (three V2 engines + the
+shim + a sidecar per stage), on the same tiny checkpoint of the published layout and the same
+requests: thinker tokens, talker codes, waveform, the vllm-omni patches in our engines, and time to
+first audio and audio seconds per second at each concurrency.
+
+Each pipeline runs in a process of its own (deploy/gpu/qwen3_omni_engines.py: its three engines,
+the stages stepped in turn, vllm-omni's own non-streaming hand-overs); both start side by side on one
+GPU, do the parity requests, then time their runs one after the other (vllm-omni's first).
+
+  PYTHONPATH=.:SITE python3 deploy/gpu/qwen3_omni_parity.py --model DIR --out WORK --result OUT.json
+  (--cpu --kinds shim: our pipeline alone on CPU, eager; bf16 as on the GPU: vllm-omni's talker keeps
+  some of its weights in the checkpoint's dtype whatever the engine's)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+
+from tests.support.procs import SidecarProcess, run_engine  # noqa: E402
+from tests.tiny_models.qwen3_omni import CODEC_IDS, NUM_CODE_GROUPS  # noqa: E402
+
+ENGINES = HERE / "qwen3_omni_engines.py"
+# Text requests of different lengths (the text + image ones need the processor files, which the tiny
+# checkpoint does not have: reported as not run).
+REQUESTS = [dict(rid=f"p{i}", text_len=n, seed=i) for i, n in enumerate((6, 17, 33, 50))]
+MAX_TOKENS = {"thinker": 12, "talker": 40}
+SAMPLE_RATE = 24000  # vllm-omni's default for Qwen3-Omni's code2wav (metrics.definitions); the same for both
+# bf16 (8 significant bits, compounded through the decoder): a waveform differs where the two
+# runners order the same reductions differently. Bound: max abs diff <= this x the peak of vllm-omni's.
+WAVE_RTOL = 0.05
+CODE2WAV_DIRECT = {"frames": 30, "seed": 5}  # code2wav alone, the same random codes in both pipelines
+SIDECARS = {"thinker": ("omni", []), "talker": ("omni-talker", []),
+            "code2wav": ("omni-code2wav", [f"codebook_size={2048}"])}
+
+
+def limits(max_num_seqs: int) -> dict:
+    frames = MAX_TOKENS["talker"]
+    return {"thinker": {"max_model_len": 256, "max_num_batched_tokens": 256},
+            "talker": {"max_model_len": 256, "max_num_batched_tokens": 256},
+            # vllm-omni's code2wav takes a request's whole codes in one prefill (Q x frames tokens).
+            "code2wav": {"max_model_len": NUM_CODE_GROUPS * frames + 16,
+                         "max_num_batched_tokens": max(NUM_CODE_GROUPS * frames + 16, 256) * (1 if max_num_seqs == 1
+                                                                                            else 4)}}
+
+
+def compare(omni: dict, shim: dict) -> dict:
+    import numpy as np
+
+    a, b = omni.get("parity") or {}, shim.get("parity") or {}
+    rids = sorted(set(a) | set(b))
+    n = len(rids)
+    same_tokens = sum(a.get(r, {}).get("thinker_tokens") is not None
+                      and a[r]["thinker_tokens"] == b.get(r, {}).get("thinker_tokens") for r in rids)
+    same_codes = sum(a.get(r, {}).get("codes") is not None and a[r]["codes"] == b.get(r, {}).get("codes")
+                     for r in rids)
+    same_talker = sum(a.get(r, {}).get("talker_tokens") is not None
+                      and a[r]["talker_tokens"] == b.get(r, {}).get("talker_tokens") for r in rids)
+    waves: dict = {}
+    for r in rids:
+        x, y = a.get(r, {}).get("waveform"), b.get(r, {}).get("waveform")
+        if x is None or y is None or len(x) != len(y):
+            waves[r] = {"samples": [None if x is None else len(x), None if y is None else len(y)]}
+            continue
+        x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+        peak = float(np.max(np.abs(x))) if x.size else 0.0
+        waves[r] = {"samples": int(x.size), "max_abs_diff": float(np.max(np.abs(x - y))) if x.size else 0.0,
+                    "ref_peak": peak}
+    x, y = ((r.get("code2wav_direct") or {}).get("waveform") for r in (omni, shim))
+    direct = None
+    if x is not None and y is not None and len(x) == len(y) and x:
+        x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+        direct = {"samples": int(x.size), "max_abs_diff": float(np.max(np.abs(x - y))),
+                  "ref_peak": float(np.max(np.abs(x)))}
+    diffs = [w.get("max_abs_diff") for w in waves.values()]
+    return {"thinker_tokens_identical": f"{same_tokens}/{n}", "talker_tokens_identical": f"{same_talker}/{n}",
+            "talker_codes_identical": f"{same_codes}/{n}",
+            "waveform_max_abs_diff": max(diffs) if diffs and all(d is not None for d in diffs) else None,
+            "waveforms": waves, "code2wav_same_codes": direct}
+
+
+def figures(res: dict) -> dict:
+    return {n: {k: v for k, v in run.items() if k != "errors"} | ({"errors": len(run["errors"])}
+                                                                   if run.get("errors") else {})
+            for n, run in (res.get("runs") or {}).items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="a directory made by tests/tiny_models/qwen3_omni.py")
+    ap.add_argument("--out", required=True, help="work directory (sockets, logs)")
+    ap.add_argument("--result", default="", help="write the summary here (docs/bench/gpu/qwen3-omni-parity.json)")
+    ap.add_argument("--kinds", default="omni,shim")
+    ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--limit-s", type=float, default=420, help="the whole run; each pipeline stops cleanly by then")
+    ap.add_argument("--cpu", action="store_true", help="eager, no GPU (our pipeline only)")
+    ap.add_argument("--gpus", default="0")
+    args = ap.parse_args()
+    t0 = time.monotonic()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    out.chmod(0o700)  # the sidecars' sockets live there
+    kinds = args.kinds.split(",")
+    concurrency = [int(n) for n in args.concurrency.split(",")]
+    env = {} if args.cpu else {"CUDA_VISIBLE_DEVICES": args.gpus}
+    job = {"model": args.model, "requests": REQUESTS, "max_tokens": MAX_TOKENS, "codec_eos": CODEC_IDS["codec_eos_token_id"],
+           "concurrency": concurrency, "max_num_seqs": max(concurrency), "limits": limits(max(concurrency)),
+           "dtype": "bfloat16", "enforce_eager": args.cpu,
+           "kv_cache_memory_bytes": (64 << 20) if args.cpu else (1 << 30),
+           "gpu_memory_utilization": None if args.cpu else round(0.8 / (3 * len(kinds)), 3),
+           "sample_rate": SAMPLE_RATE, "code2wav_direct": CODE2WAV_DIRECT, "bench_order": [k for k in ("omni", "shim") if k in kinds],
+           "limit_s": max(30.0, args.limit_s - (time.monotonic() - t0) - 30)}
+    sidecars: dict[str, SidecarProcess] = {}
+    results: dict = {}
+    try:
+        if "shim" in kinds:
+            for stage, (hooks, options) in SIDECARS.items():
+                sidecars[stage] = SidecarProcess(f"ipc://{out}/{stage}.sock", hooks, out / f"sidecar-{stage}.log",
+                                                 options=options, env=env)
+        endpoints = {stage: sc.endpoint for stage, sc in sidecars.items()}
+
+        def one(kind: str) -> dict:
+            run_env = {**env, "VLLM_USE_V2_MODEL_RUNNER": int(kind == "shim")}
+            if kind == "shim":
+                run_env["VLLM_PLUGINS"] = "omni_sidecar_shim"  # only the shim's plugin (vllm-omni's would patch)
+            try:
+                return run_engine({**job, "kind": kind, "env": run_env, "endpoints": endpoints}, out, kind,
+                                  timeout_s=job["limit_s"] + 20, script=ENGINES)
+            except Exception as exc:  # died or timed out: its log says how far it got
+                return {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[-3000:]}",
+                        "log_path": str(out / f"{kind}.log")}
+
+        with ThreadPoolExecutor(len(kinds)) as pool:
+            results = dict(zip(kinds, pool.map(one, kinds)))
+    finally:
+        for sc in sidecars.values():
+            sc.stop()
+    report = summary(results, kinds, concurrency, args)
+    report["wall_s"] = round(time.monotonic() - t0, 1)
+    (out / "qwen3-omni-report.json").write_text(json.dumps({"summary": report, "results": results}, default=str))
+    if args.result:
+        Path(args.result).write_text(json.dumps(report, indent=1) + "\n")
+    print(table(report), flush=True)
+
+
+def summary(results: dict, kinds: list[str], concurrency: list[int], args: argparse.Namespace) -> dict:
+    import importlib.metadata as md
+    import platform
+    import shutil
+    import subprocess
+
+    def version(dist: str) -> str | None:
+        for name in (dist, f"{dist}-cpu"):
+            try:
+                return md.version(name)
+            except md.PackageNotFoundError:
+                continue
+        return None
+
+    omni, shim = results.get("omni", {}), results.get("shim", {})
+    found = (shim.get("patches") or {})
+    ours = sorted({*found.get("process", []), *[p for per in (found.get("workers") or {}).values()
+                                                 for w in per for p in w]})
+    report: dict = {}
+    if "omni" in kinds and "shim" in kinds:
+        report.update(compare(omni, shim))
+    report["waveform_tolerance"] = f"max abs diff <= {WAVE_RTOL} x the peak of vllm-omni's waveform (bf16)"
+    report["vllm_omni_patches_applied"] = ours if shim.get("patches") is not None else None
+    report["vllm_omni_patches_found_in_its_own_pipeline"] = (omni.get("patches") or {}).get("process")
+    report["ttfa_and_audio_rate"] = {kind: figures(results.get(kind, {})) for kind in kinds}
+    report["pipelines"] = {kind: {"ok": results.get(kind, {}).get("ok"), "error": results.get(kind, {}).get("error"),
+                                  "request_errors": results.get(kind, {}).get("errors"),
+                                  "start_s": results.get(kind, {}).get("start_s"),
+                                  "traceback": (results.get(kind, {}).get("traceback") or "")[-1500:] or None}
+                           for kind in kinds}
+    report["requests"] = {"text": [dict(r) for r in REQUESTS], "max_tokens": MAX_TOKENS,
+                          "text_and_image": "not run: the tiny checkpoint has no multimodal processor files"}
+    report["hand_overs"] = ("vllm-omni's non-streaming ones (async_chunk false): thinker2talker_full_payload, "
+                            "talker2code2wav_full_payload, whole requests")
+    smi = shutil.which("nvidia-smi")
+    gpu = subprocess.run([smi, "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip() if smi else None
+    commit = HERE.parents[1] / ".commit"
+    report["versions"] = {"vllm": version("vllm"), "vllm_omni": version("vllm-omni"), "torch": version("torch"),
+                          "python": platform.python_version(), "gpu": gpu, "cpu_only": args.cpu}
+    report["commit"] = commit.read_text().strip() if commit.is_file() else None
+    report["command"] = "sh deploy/gpu/run_qwen3_omni.sh BUNDLE OUT [LIMIT_S]"
+    return report
+
+
+def table(report: dict) -> str:
+    lines = []
+    for key in ("thinker_tokens_identical", "talker_tokens_identical", "talker_codes_identical",
+                "waveform_max_abs_diff", "vllm_omni_patches_applied"):
+        if key in report:
+            lines.append(f"{key:32s} {report[key]}")
+    lines.append("| pipeline | requests | TTFA median (s) | TTFA max (s) | audio s / s | wall (s) |")
+    lines.append("|---|---|---|---|---|---|")
+    for kind, runs in report["ttfa_and_audio_rate"].items():
+        for n, run in runs.items():
+            lines.append(f"| {kind} | {n} | {run.get('ttfa_median_s', '–')} | {run.get('ttfa_max_s', '–')} | "
+                         f"{run.get('audio_s_per_s', '–')} | {run.get('wall_s', run.get('skipped', '–'))} |")
+    for kind, p in report["pipelines"].items():
+        if not p["ok"]:
+            lines.append(f"{kind}: {p['error'] or p['request_errors']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
