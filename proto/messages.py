@@ -28,7 +28,7 @@ from typing import Annotated, Any, Union
 import msgspec
 
 from proto.capabilities import ArenaInfo, ArenaKind, Count, CudaIpcInfo, HookNeeds, IpcHandle, ModelHooks, Name, Text
-from proto.steps import (BatchLayout, MAX_BATCH, MAX_ID_LEN, MAX_PLAN_TENSORS, MAX_STEP_TOKENS, NewRequest,
+from proto.steps import (BatchLayout, Discarded, MAX_BATCH, MAX_ID_LEN, MAX_PLAN_TENSORS, MAX_STEP_TOKENS, NewRequest,
                          Overlay, ReqId, RequestError, StepBegin, StepEnd, StepPlan, StepResult, StepStart, StepTick,
                          U32_BYTES)
 from proto.upgrade import SwitchAck, SwitchReady, Takeover, TakeoverState
@@ -223,7 +223,7 @@ class ErrorReply(msgspec.Struct, tag="error", frozen=True):
 __all__ = ["ArenaInfo", "ArenaKind", "CudaIpcInfo", "HookNeeds", "IpcHandle", "ModelHooks",  # re-exported
            "SwitchAck", "SwitchReady", "Takeover", "TakeoverState",
            "MAX_BATCH", "MAX_ID_LEN", "MAX_PLAN_TENSORS", "MAX_STEP_TOKENS", "U32_BYTES",  # proto.steps
-           "BatchLayout", "NewRequest", "Overlay", "ReqId", "RequestError", "StepBegin", "StepEnd",
+           "BatchLayout", "Discarded", "NewRequest", "Overlay", "ReqId", "RequestError", "StepBegin", "StepEnd",
            "StepPlan", "StepResult", "StepStart", "StepTick"]
 
 Message = Union[

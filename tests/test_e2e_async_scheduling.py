@@ -4,8 +4,9 @@ turns it off; tests/support/async_job.py sets it back), the shim and a capture s
 With it on, the engine launches step N+1 before it reads step N's output, as on a GPU. Requests
 that finish by length give the same tokens and the same captured hidden states as with it off.
 A request that stops on a stop token runs one more forward with it on (vLLM scheduled the next step
-before it read the stop, and discards that sample), which the hooks see: its captured rows have one
-more than with it off (docs/ARCHITECTURE.md, "Async scheduling"); marked as the known gap it is.
+before it read the stop, and discards that sample); the shim names that forward with the request's
+finish notice and the sidecar withdraws its rows, so the captured states equal those with it off
+(docs/ARCHITECTURE.md, "Async scheduling").
 """
 
 from __future__ import annotations
@@ -78,8 +79,6 @@ def test_a_stop_token_ends_the_request_at_the_same_token(runs):
     assert on["finish_reasons"][-1] == off_stop["finish_reasons"][0] == "stop"
 
 
-@pytest.mark.xfail(strict=True, reason="async scheduling runs a stopped request once more and the hooks see "
-                                       "that forward (docs/ARCHITECTURE.md, 'Async scheduling')")
 def test_a_stop_token_gives_the_same_captured_states(runs):
     _, on, off_stop = runs
     a, b = _captured(off_stop, 0), _captured(on, len(PROMPT_LENS))

@@ -157,9 +157,11 @@ class ShimWorkerMixin:
         )
         # With speculative decoding a row's sample count is known only after verification.
         length_finishes = getattr(vcfg, "speculative_config", None) is None
+        # vLLM launches a step before it reads the last one's samples: a finish may discard a forward.
+        async_scheduling = bool(getattr(vcfg.scheduler_config, "async_scheduling", False))
         return SidecarLink(connect, first, cfg.loss_policy, cfg.embeds_buffer,
                            suffixed_ids=upstream_request_ids_suffixed(), payloads=payloads,
-                           length_finishes=length_finishes, batches=batches)
+                           length_finishes=length_finishes, batches=batches, async_scheduling=async_scheduling)
 
     def _arena_choice(self, setting: ArenaChoice) -> tuple[Any, ArenaKind]:
         """CUDA IPC on CUDA GPUs; host shared memory (staging) on CPU and accelerators without it."""

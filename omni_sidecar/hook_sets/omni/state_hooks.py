@@ -178,7 +178,7 @@ class OmniStateHooks(OmniHooks):
                 chunk = per_req[i]
                 if outputs:  # an override's outputs may alias the shim's rows
                     chunk.update({k: own_copy(v) for k, v in outputs.items()})
-                self.log.add(req_id, chunk, owned=True)
+                self.log.add(req_id, chunk, batch.step, owned=True)
             except (StateError, PayloadError, ValueError) as exc:
                 errors[req_id] = f"postprocess: {exc}"
         return errors
@@ -197,7 +197,7 @@ class OmniStateHooks(OmniHooks):
             self.state.own_storage(req_id)
         self._row_views = set(req_ids).difference(refused)
         stateless = self.state.missing(req_ids)  # their payload failed: no outputs, as ever
-        self.log.add_step(req_ids, owned, batch.layout.query_start_loc, rows, stateless.union(refused))
+        self.log.add_step(req_ids, owned, batch.layout.query_start_loc, rows, stateless.union(refused), batch.step)
         return {r: f"postprocess: {m}" for r, m in refused.items()}
 
     def between_steps(self) -> None:
@@ -256,7 +256,7 @@ class OmniStateHooks(OmniHooks):
         for req_id, output in outputs.items():
             try:
                 if req_id not in errors:
-                    self.log.add(req_id, dotted_outputs(output))
+                    self.log.add(req_id, dotted_outputs(output), self.current_step)
             except ValueError as exc:
                 errors[req_id] = f"model outputs: {exc}"
         if errors:
@@ -312,6 +312,11 @@ class OmniStateHooks(OmniHooks):
             return accumulate(chunks), chunks
 
         return made
+
+    def on_discarded(self, steps: dict[str, int]) -> None:
+        """The discarded step's outputs leave the request's log (its state goes with its finish)."""
+        for req_id, step in steps.items():
+            self.log.withdraw(req_id, step)
 
     def on_preempted(self, req_ids: list[str]) -> None:
         self.preempted.update(req_ids)
