@@ -57,6 +57,19 @@ def test_a_step_that_raised_leaves_nothing_to_discard():
     assert watch.discarded({"a"}) == []
 
 
+def test_length_finishes_wait_a_step_for_vllms_notices_with_async_scheduling():
+    watch = DiscardWatch(True)
+    watch.note_step(8, ["a", "b", "c"])
+    assert watch.hold(["a", "b"]) == []  # their last forward by max_tokens, step 8: told with step 9's notices
+    watch.note_step(9, None)  # vLLM ran step 9 before it read step 8's samples
+    # Step 9's notice names b: b ended in step 7 (a stop string at its second-to-last token), so its
+    # finish is that notice's and its forward in step 8 was discarded; a finished by length.
+    named = watch.take_held({"b", "x"})
+    assert named == {"b"} and watch.release() == ["a"] and watch.release() == []
+    off = DiscardWatch(False)
+    assert off.hold(["a"]) == ["a"] and off.take_held({"a"}) == set() and off.release() == []
+
+
 def _req(req_id, eos=2):
     return SimpleNamespace(req_id=req_id, sampling_params=SimpleNamespace(max_tokens=50, eos_token_id=eos,
                                                                           stop_token_ids=[]))

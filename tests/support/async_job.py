@@ -46,7 +46,7 @@ def _generate(job: dict, result: dict) -> object:
     result["scheduler"] = type(core.scheduler).__name__
     result["batch_queue"] = core.batch_queue is not None
     params = [SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True,
-                             stop_token_ids=p.get("stop_token_ids")) for p in job["prompts"]]
+                             stop_token_ids=p.get("stop_token_ids"), stop=p.get("stop")) for p in job["prompts"]]
     outs = llm.generate([{"prompt_token_ids": p["token_ids"]} for p in job["prompts"]], params, use_tqdm=False)
     result["request_ids"] = [o.request_id for o in outs]
     result["tokens"] = [list(o.outputs[0].token_ids) for o in outs]

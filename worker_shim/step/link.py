@@ -138,6 +138,7 @@ class SidecarLink:
         if not finished and not preempted:  # most steps: nothing to note
             return
         news = set(finished) - self.finishes.already_told(finished)  # some the sidecar has from us
+        news |= self.discards.take_held(finished)  # told by length, not yet sent: ended a step earlier
         self.counters.finished_requests += len(news)
         self.payloads.note_finished(finished)
         self.requests.note_finished(news, preempted or ())
@@ -326,6 +327,7 @@ class SidecarLink:
         return bridge.missing_states(input_batch.req_ids) if bridge is not None and port.needs.model_states else []
 
     def _step_begin(self, port: SidecarPort, input_batch: Any, want: list[str], bridge: ModelBridge | None) -> StepBegin:
+        self._release_length_finishes()
         new, finished, preempted, discarded = self.notices.take()
         self._layout_to = port
         return StepBegin(step=self.step, batch=self.batches.layout(input_batch, port.peer_req_ids, port.needs.input_ids),
@@ -342,6 +344,7 @@ class SidecarLink:
         t0 = time.perf_counter()
         counters = self.counters
         batch = state.input_batch if state is not None else None
+        self._release_length_finishes()  # the previous step's, held for vLLM's notices of this one
         self.discards.note_step(self.step, batch.req_ids if batch is not None else None)
         num_tokens = 0
         if batch is not None:
@@ -355,7 +358,8 @@ class SidecarLink:
             self.step += 1
             return
         if batch is not None:
-            ending = self.finishes.by_length(batch)  # their last sample is this step's
+            # Their last sample is this step's; with async scheduling told with the next step's notices.
+            ending = self.discards.hold(self.finishes.by_length(batch))
             if ending:
                 counters.finished_requests += len(ending)
                 self.requests.note_finished(ending, ())
@@ -385,6 +389,12 @@ class SidecarLink:
             self._last_post_us = post_us = (time.perf_counter() - t0) * 1e6
             counters.record_timing(counters.post_us, post_us)
 
+    def _release_length_finishes(self) -> None:
+        held = self.discards.release()
+        if held:
+            self.counters.finished_requests += len(held)
+            self.requests.note_finished(held, ())
+
     # -- results and stats ---------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -412,6 +422,7 @@ class SidecarLink:
         Requests whose last sampled token was a stop token completed; the rest were cut short by
         the shutdown and fail (docs/ARCHITECTURE.md, "Finish notices"). With async scheduling, those
         that stopped in the step before the last and ran in the last had that forward discarded."""
+        self._release_length_finishes()
         port = self.conn
         live = sorted(self.requests.live)
         if port is not None and live:
