@@ -8,7 +8,8 @@ learn of the finish late or never. So the shim watches what it can see itself
 
 - length: a row whose sample this step brings the request to `max_tokens`
   finishes with this step, whatever token it samples; the StepEnd of this step
-  already says so (the sidecar finishes it after this step's hooks ran);
+  already says so (the sidecar finishes it after this step's hooks ran), or with
+  async scheduling the next step's (worker_shim/step/discards.py);
 - stop tokens: the last step's sampled ids, read only at shutdown (so no step
   ever waits for the device), tell which live requests ended on EOS or a stop
   token id; at a clean shutdown those are complete, the rest were cut short.
