@@ -5,7 +5,7 @@ one (its output log: hidden states and a per-step trace).
 With it on, the engine launches step N+1 before it reads step N's output, as on a GPU. Requests
 that finish by length give the same tokens and the same captured hidden states as with it off.
 A request that stops on a stop token, or on a stop string (matched by vLLM's front end, which then
-aborts it), runs one more forward with it on (vLLM scheduled the next step before it read the stop,
+aborts it), or that its client aborts, runs one more forward with it on (vLLM scheduled the next step before it read the stop,
 and discards that sample); the shim names that forward with the request's finish notice and the
 sidecar withdraws its rows, so the outputs equal those with it off (docs/ARCHITECTURE.md, "Async
 scheduling").
@@ -25,7 +25,7 @@ ASYNC_JOB = ROOT / "tests" / "support" / "async_job.py"
 PROMPT_LENS = [3, 12, 33]
 MAX_TOKENS = 10
 STOP_AT = 4  # the stop requests end on the token their greedy run samples at this index
-ENDINGS = ["stop token", "stop string"]  # the stop requests, of prompts 0 and 1
+ENDINGS = ["stop token", "stop string", "abort"]  # the requests ended early, of prompts 0, 1 and 2
 
 
 def _prompts() -> list[dict]:
@@ -57,7 +57,8 @@ def runs(request, tiny_model, tmp_path_factory):
     first = off["tokens"][0]
     assert first[STOP_AT] not in first[:STOP_AT], "pick another STOP_AT: the stop token comes earlier"
     stops = [{**_prompts()[0], "stop_token_ids": [first[STOP_AT]]},
-             {**_prompts()[1], "stop": [_stop_string(tiny_model, off["tokens"][1])]}]
+             {**_prompts()[1], "stop": [_stop_string(tiny_model, off["tokens"][1])]},
+             {**_prompts()[2], "abort_after": STOP_AT + 1}]
     on = _run(tiny_model, work, hooks, "on", True, [*_prompts(), *stops])
     off_stop = _run(tiny_model, work, hooks, "off-stop", False, stops)
     return off, on, off_stop
@@ -89,17 +90,17 @@ def test_length_finishes_give_the_same_tokens_and_captured_states(runs):
 
 
 @pytest.mark.parametrize("ending", range(len(ENDINGS)), ids=ENDINGS)
-def test_a_stop_ends_the_request_at_the_same_token(runs, ending):
+def test_an_early_end_comes_at_the_same_token(runs, ending):
     _, on, off_stop = runs
     i = len(PROMPT_LENS) + ending
     assert on["tokens"][i] == off_stop["tokens"][ending]
-    assert on["finish_reasons"][i] == off_stop["finish_reasons"][ending] == "stop"
+    assert on["finish_reasons"][i] == off_stop["finish_reasons"][ending] == ("abort" if ending == 2 else "stop")
     # The stop string is matched on vLLM's own detokenization: at the token chosen or a later one.
-    assert len(off_stop["tokens"][ending]) == STOP_AT + 1 if ending == 0 else len(off_stop["tokens"][ending]) < MAX_TOKENS
+    assert len(off_stop["tokens"][ending]) == STOP_AT + 1 if ending != 1 else len(off_stop["tokens"][ending]) < MAX_TOKENS
 
 
 @pytest.mark.parametrize("ending", range(len(ENDINGS)), ids=ENDINGS)
-def test_a_stop_gives_the_same_outputs(runs, ending):
+def test_an_early_end_gives_the_same_outputs(runs, ending):
     _, on, off_stop = runs
     i = len(PROMPT_LENS) + ending
     a, b = _captured(off_stop, ending), _captured(on, i)
@@ -109,5 +110,9 @@ def test_a_stop_gives_the_same_outputs(runs, ending):
     torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
     names = set(off_stop["outputs"][off_stop["request_ids"][ending]])
     assert set(on["outputs"][on["request_ids"][i]]) == names
-    for name in names - {"hidden_states"}:  # the omni set's per-step trace: one entry a forward
-        assert torch.equal(_captured(on, i, name), _captured(off_stop, ending, name)), name
+    if "processed_trace" in names:  # the omni set's per-step trace: [rows before, rows] a forward
+        c, d = _captured(on, i, "processed_trace"), _captured(off_stop, ending, "processed_trace")
+        assert c[:, 1].sum() == d[:, 1].sum() == a.shape[0]
+        # The decode steps' entries alike; the prompt's chunks follow each run's batches.
+        decode = PROMPT_LENS[ending]
+        assert torch.equal(c[c[:, 0] >= decode], d[d[:, 0] >= decode])
