@@ -61,6 +61,8 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     # process is gone and ends its session (ZeroMQ tells a ROUTER nothing per peer).
     pid: Count = 0
     pid_namespace: Name = ""
+    # vLLM schedules asynchronously: a request's latest step may yet be discarded (StepEnd.discarded).
+    async_scheduling: bool = False
 
 
 class Welcome(msgspec.Struct, tag="welcome", frozen=True):

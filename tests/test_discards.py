@@ -196,3 +196,36 @@ def test_the_session_withdraws_before_the_finish_hands_the_outputs_out(message):
         session.step_end(StepEnd(2, None, finished=["a"], discarded=discarded))
     assert hooks.calls == [("discarded", 2, {"a": 1}), ("finished", 2, ["a"])]
     session.close()
+
+
+def test_streaming_reads_of_a_running_request_stop_before_its_latest_step_with_async_scheduling():
+    from omni_sidecar.hook_sets.omni.state_hooks import OmniStateHooks
+
+    hooks = OmniStateHooks()
+    hooks.on_new_requests([RequestInfo("a", 1, [1])])
+    for step in (0, 1):
+        hooks.current_step = step
+        hooks.log.add("a", _chunk(step), step)
+        hooks.log.add_step(["a"], {"x": torch.tensor([[step + 0.5]])}, [0, 1], {}, set(), step)
+    assert [c["x"].item() for c in hooks.output_chunks("a")] == [0.0, 0.5, 1.0, 1.5]  # off: all at once
+    hooks.async_scheduling = True
+    # Step 1 is the last the session handled: its entries wait for step 2's messages (a discard of
+    # step 1 would come with them).
+    assert [c["x"].item() for c in hooks.output_chunks("a")] == [0.0, 0.5]
+    assert hooks.get_outputs("a")["x"].flatten().tolist() == [0.0, 0.5]
+    hooks.current_step = 2
+    assert [c["x"].item() for c in hooks.output_chunks("a")] == [0.0, 0.5, 1.0, 1.5]
+    assert hooks.log.before_step("unknown", 2) == 0
+
+
+def test_the_session_tells_the_hooks_whether_the_engine_schedules_asynchronously():
+    from omni_sidecar.serve.metrics import SidecarMetrics
+    from omni_sidecar.sessions.session import Session
+    from omni_sidecar.sessions.store import FinishedOutputs
+
+    for on in (True, False):
+        hooks = _Recording()
+        hello = Hello(PROTOCOL_MAJOR, 0, "test", "none", "cpu", 0, 1, "m", 4, "float32", 16, [], async_scheduling=on)
+        session = Session(1, hello, hooks, FinishedOutputs(10), SidecarMetrics())
+        assert hooks.async_scheduling is on
+        session.close()

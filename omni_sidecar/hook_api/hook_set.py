@@ -127,6 +127,10 @@ class OmniHooks:
     # The step whose messages the hooks are handling (set by the session before that step's first
     # hook call): `on_model_results` and `on_discarded` name outputs by it.
     current_step = -1
+    # The engine schedules asynchronously (its Hello; set by the session): a running request's
+    # outputs of the latest step may yet be withdrawn (`on_discarded`), so streaming reads of a
+    # running request stop before them.
+    async_scheduling = False
 
     def export_state(self) -> dict[str, Any]:
         """Everything a successor needs to go on serving the live requests."""

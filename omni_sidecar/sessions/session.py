@@ -52,6 +52,7 @@ class Session:
         self.id = session_id
         self.hello = hello
         self.hooks = hooks
+        hooks.async_scheduling = hello.async_scheduling
         self.finished_store = finished
         self.metrics = metrics
         self.arenas = SessionArenas(session_id, hello, metrics)

@@ -171,6 +171,16 @@ class OutputLog:
         if mark is None or mark[0] != step:
             self._latest[req_id] = (step, index)
 
+    def before_step(self, req_id: str, step: int) -> int:
+        """How many of the request's entries came before `step` (its latest step's first entry, when
+        that step is `step` or later; else all)."""
+        if self._steps:
+            self.settle()
+        mark, log = self._latest.get(req_id), self._chunks.get(req_id)
+        if log is None:
+            return 0
+        return mark[1] if mark is not None and mark[0] >= step else len(log)
+
     def withdraw(self, req_id: str, step: int) -> None:
         """The request's entries of `step`, its latest, taken out (vLLM discarded that forward)."""
         if self._steps:

@@ -290,11 +290,16 @@ class OmniStateHooks(OmniHooks):
         self.state.merge(req_id, entries)
 
     def get_outputs(self, req_id: str) -> dict[str, Any] | None:
-        chunks = self.log.chunks(req_id)
+        chunks = self.output_chunks(req_id)
         return accumulate(chunks) if chunks is not None else None
 
     def output_chunks(self, req_id: str) -> list[dict[str, Any]] | None:
-        return self.log.chunks(req_id)
+        """The request's chunks; with async scheduling, those of its steps before the one the session
+        handles last (that step's may yet be withdrawn: `on_discarded` comes with the next step)."""
+        chunks = self.log.chunks(req_id)
+        if chunks is None or not self.async_scheduling:
+            return chunks
+        return chunks[:self.log.before_step(req_id, self.current_step)]
 
     def deferred_outputs(self, req_id: str) -> Callable[[], tuple[dict[str, Any] | None, list[dict[str, Any]] | None]] | None:
         """The request's chunks, cut when read, and their accumulation: only where `get_outputs` and
