@@ -28,7 +28,7 @@ from typing import Annotated, Any, Union
 import msgspec
 
 from proto.capabilities import ArenaInfo, ArenaKind, Count, CudaIpcInfo, HookNeeds, IpcHandle, ModelHooks, Name, Text
-from proto.steps import (BatchLayout, MAX_BATCH, MAX_ID_LEN, MAX_PLAN_TENSORS, MAX_STEP_TOKENS, NewRequest,
+from proto.steps import (BatchLayout, Discarded, MAX_BATCH, MAX_ID_LEN, MAX_PLAN_TENSORS, MAX_STEP_TOKENS, NewRequest,
                          Overlay, ReqId, RequestError, StepBegin, StepEnd, StepPlan, StepResult, StepStart, StepTick,
                          U32_BYTES)
 from proto.upgrade import SwitchAck, SwitchReady, Takeover, TakeoverState
@@ -61,6 +61,8 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     # process is gone and ends its session (ZeroMQ tells a ROUTER nothing per peer).
     pid: Count = 0
     pid_namespace: Name = ""
+    # vLLM schedules asynchronously: a request's latest step may yet be discarded (StepEnd.discarded).
+    async_scheduling: bool = False
 
 
 class Welcome(msgspec.Struct, tag="welcome", frozen=True):
@@ -223,7 +225,7 @@ class ErrorReply(msgspec.Struct, tag="error", frozen=True):
 __all__ = ["ArenaInfo", "ArenaKind", "CudaIpcInfo", "HookNeeds", "IpcHandle", "ModelHooks",  # re-exported
            "SwitchAck", "SwitchReady", "Takeover", "TakeoverState",
            "MAX_BATCH", "MAX_ID_LEN", "MAX_PLAN_TENSORS", "MAX_STEP_TOKENS", "U32_BYTES",  # proto.steps
-           "BatchLayout", "NewRequest", "Overlay", "ReqId", "RequestError", "StepBegin", "StepEnd",
+           "BatchLayout", "Discarded", "NewRequest", "Overlay", "ReqId", "RequestError", "StepBegin", "StepEnd",
            "StepPlan", "StepResult", "StepStart", "StepTick"]
 
 Message = Union[

@@ -57,6 +57,16 @@ class BatchLayout(msgspec.Struct, frozen=True, array_like=True):
     input_ids: Annotated[bytes, msgspec.Meta(max_length=U32_BYTES * MAX_STEP_TOKENS)] | None = None
 
 
+class Discarded(msgspec.Struct, frozen=True, array_like=True):
+    """A request's forward whose sample vLLM discarded: with async scheduling vLLM launches step N+1
+    before it reads step N's samples, so a request that step N finished (a stop token, a stop string,
+    an abort) ran once more in `step`. What that step added to the request's outputs is not the
+    request's; it comes with the request's finish notice (docs/ARCHITECTURE.md, "Async scheduling")."""
+
+    req_id: ReqId
+    step: Count
+
+
 class StepBegin(msgspec.Struct, tag="step_begin", frozen=True):
     step: Count
     batch: BatchLayout
@@ -68,6 +78,7 @@ class StepBegin(msgspec.Struct, tag="step_begin", frozen=True):
     # Hello goes out before vLLM loads the model (only then are its hooks known).
     want_states: Annotated[list[ReqId], msgspec.Meta(max_length=MAX_BATCH)] = []
     model_hooks: ModelHooks | None = None
+    discarded: Annotated[list[Discarded], msgspec.Meta(max_length=MAX_BATCH)] = []
 
 
 class Overlay(msgspec.Struct, frozen=True, array_like=True):
@@ -139,6 +150,7 @@ class StepEnd(msgspec.Struct, tag="step_end", frozen=True):
     model_outputs: bytes = b""
     # The trees' tensors: refs into the step's hidden slot, after the hidden rows.
     tensors: Annotated[list[TensorRef], msgspec.Meta(max_length=MAX_PLAN_TENSORS)] = []
+    discarded: Annotated[list[Discarded], msgspec.Meta(max_length=MAX_BATCH)] = []
 
 
 class StepTick(msgspec.Struct, tag="step_tick", frozen=True):

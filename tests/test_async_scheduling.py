@@ -11,6 +11,7 @@ are the GPU's to show (deploy/gpu).
 
 from __future__ import annotations
 
+import json
 import os
 from types import SimpleNamespace
 
@@ -21,7 +22,7 @@ import torch
 from bench.step_cost import decode_state
 from proto.messages import Hello
 from proto.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
-from tests.support.procs import SidecarProcess
+from tests.support.procs import ROOT, SidecarProcess
 
 HIDDEN = 8
 SLOTS = 2  # the shim's default hidden_slots
@@ -96,3 +97,98 @@ def test_no_step_waits_for_the_sidecars_work_on_the_step_before(link):
     assert sum(o.waited for o in outputs) == 0  # no sampled ids read while the engine runs
     stats = link.stats()
     assert stats["steps"] == 12 and stats["blocking_exchanges"] == 0 and stats["losses"] == 0
+
+
+# -- deploy/gpu/async_scheduling.py: the GPU check's argument handling and comparison, on made-up results
+
+
+def _gpu_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("async_scheduling_check", ROOT / "deploy/gpu/async_scheduling.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _llama_result(tmp_path, name, async_on, rows, tokens=None, reasons=None, ms=(5.0, 5.0, 5.0)):
+    import numpy as np
+
+    tokens = tokens or [[1, 2, 3], [4, 5]]
+    reasons = reasons or ["length", "stop"]
+    outputs = {}
+    for i, n in enumerate(rows):
+        path = tmp_path / f"{name}-{i}.npy"
+        np.save(path, np.full((n, 4), float(i), dtype=np.float32), allow_pickle=False)
+        outputs[f"check-{i}"] = {"hidden_states": str(path)}
+    return {"ok": True, "async_scheduling": async_on,
+            "run": {"ids": [f"check-{i}" for i in range(len(rows))], "tokens": tokens, "finish_reasons": reasons,
+                    "outputs": outputs},
+            "rounds": [{"ms_per_step": m} for m in ms]}
+
+
+def test_the_gpu_checks_arguments_and_plan(capsys):
+    check = _gpu_check()
+    assert check.main(["--plan", "--sets", "capture,talker"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert [(e["name"], e["async"], e["hooks"]) for e in plan] == [
+        ("capture-async-on", True, "capture"), ("capture-async-off", False, "capture"),
+        ("talker-async-on", True, "omni-talker"), ("talker-async-off", False, "omni-talker")]
+    assert len(check.engine_specs(check.SETS)) == 12
+    for bad in (["--plan", "--sets", "capture,nope"], ["--sets", "capture"], ["--out", "x", "--sets", "talker"],
+                ["--plan", "--rounds", "0"]):
+        with pytest.raises(SystemExit):
+            check.parse(bad)
+
+
+def test_the_gpu_check_passes_identical_results_and_names_what_differs(tmp_path):
+    check = _gpu_check()
+    same = check.report({"capture-async-on": _llama_result(tmp_path, "a", True, [5, 3]),
+                         "capture-async-off": _llama_result(tmp_path, "b", False, [5, 3])}, ["capture"], 0.05)
+    assert same["all_ok"], same
+    assert same["sets"][0]["figures"] == {"identical_tokens": "2/2", "stopped_by_token": 1, "outputs_compared": 2,
+                                          "outputs_max_abs_diff": 0.0}
+    cases = {
+        # the stopped request's discarded forward kept: one row more with it on
+        "shape [4, 4] with async scheduling on, [3, 4] off": dict(rows=[5, 4]),
+        "tokens differ": dict(tokens=[[1, 2, 3], [4, 6]]),
+        "finish reasons differ": dict(reasons=["length", "length"]),
+        "more than 5% slower": dict(ms=(6.0, 6.0, 6.0)),
+    }
+    for why, changed in cases.items():
+        on = _llama_result(tmp_path, "c", True, **{"rows": [5, 3], **changed})
+        got = check.report({"capture-async-on": on, "capture-async-off": _llama_result(tmp_path, "d", False, [5, 3])},
+                           ["capture"], 0.05)
+        assert not got["all_ok"] and any(why in f for f in got["sets"][0]["failures"]), (why, got)
+    off_as_on = check.report({"capture-async-on": _llama_result(tmp_path, "e", False, [5, 3]),
+                              "capture-async-off": _llama_result(tmp_path, "f", False, [5, 3])}, ["capture"], 0.05)
+    assert any("async scheduling was" in f for f in off_as_on["sets"][0]["failures"])
+    no_stop = check.report({"capture-async-on": _llama_result(tmp_path, "g", True, [5, 3], reasons=["length"] * 2),
+                            "capture-async-off": _llama_result(tmp_path, "h", False, [5, 3], reasons=["length"] * 2)},
+                           ["capture"], 0.05)
+    assert any("no request ended on a stop token" in f for f in no_stop["sets"][0]["failures"])
+    missing = check.report({"capture-async-on": {"ok": False, "error": "died"}}, ["capture"], 0.05)
+    assert missing["sets"][0]["failures"] == ["async on: died", "async off: no result"]
+    table = check.table(same)
+    assert "| capture | 2/2 | 1 | 5.0 | 5.0 | 1.0 | PASS |" in table
+    json.dumps(same)  # what async-scheduling.json holds
+
+
+def test_the_gpu_check_compares_talker_codes_and_code2wav_waveforms():
+    check = _gpu_check()
+    codes = {"tokens": [[1] * 24, [2] * 7], "codes": [[[1, 2]] * 24, [[3, 4]] * 7],
+             "decode_s": [], "step_s": []}
+    talker = {"ok": True, "codes": codes, "bench": {"timed": [{"decode_s": [0.004, 0.005]}]}}
+    waves = {"ok": True, "waveforms": {"c2w-0-25": [0.0, 0.5, -1.0]}}
+    results = {"talker-async-on": {**talker, "async_scheduling": True}, "talker-async-off": {**talker, "async_scheduling": False},
+               "code2wav-async-on": {**waves, "async_scheduling": True},
+               "code2wav-async-off": {**waves, "async_scheduling": False}}
+    summary = check.report(results, ["talker", "code2wav"], 0.05)
+    assert summary["all_ok"], summary
+    assert summary["sets"][0]["timing"] == {"on_ms": 4.5, "off_ms": 4.5, "ratio": 1.0, "ok": True}
+    extra = {**codes, "codes": [[[1, 2]] * 24, [[3, 4]] * 8]}  # one frame more for the stopped request
+    longer = {"ok": True, "waveforms": {"c2w-0-25": [0.0, 0.5, -1.0, 0.2]}}
+    bad = check.report({**results, "talker-async-on": {**talker, "codes": extra, "async_scheduling": True},
+                        "code2wav-async-on": {**longer, "async_scheduling": True}}, ["talker", "code2wav"], 0.05)
+    assert bad["sets"][0]["failures"] == ["request 1: codes differ (8 frames on, 7 off)"]
+    assert "shape [4] with async scheduling on, [3] off" in bad["sets"][1]["failures"][0]

@@ -50,8 +50,8 @@ def test_length_detection_off_and_stop_tokens_at_shutdown():
     watch.note_new(_req("b", 9, eos=None, stop=[7]), prompt_len=2)
     watch.note_new(_req("c", 9, eos=None), prompt_len=2)  # ignore_eos: eos_token_id is None
     out = SimpleNamespace(req_ids=["a", "b", "c"], sampled_token_ids=[[2], [7], [2]])
-    watch.note_sampled(out)
-    assert watch.stopped_by_token() == {"a", "b"}
+    watch.note_sampled(7, out)
+    assert watch.stopped_by_token() == ({"a", "b"}, [])
 
 
 def test_a_steady_decode_batch_finishes_each_request_in_its_own_step():

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from proto.messages import HookNeeds, NewRequest, Pong, StepBegin, StepEnd, StepPlan, StepStart, StepTick
+from proto.messages import Discarded, HookNeeds, NewRequest, Pong, StepBegin, StepEnd, StepPlan, StepStart, StepTick
 from proto.settings import STEP_START_ANSWER_S
 from worker_shim.step.batch import PayloadTracker
 from worker_shim.step.protocol import Exchange, Notices, StepNews, after_forward, before_forward, step_start
@@ -104,19 +104,22 @@ def test_the_step_ends_with_a_step_end_a_step_tick_or_nothing(needs, step_news, 
 
 def test_notices_ride_the_next_step_message_and_a_step_handed_over_unread_gets_them_back_in_order():
     notices = Notices()
-    assert not notices.pending and notices.take() == ([], [], [])
+    assert not notices.pending and notices.take() == ([], [], [], [])
     first, second = NewRequest("a", 1, [1]), NewRequest("b", 1, [2])
     notices.new.append(first)
     notices.finished.append("old")
+    notices.discarded.append(Discarded("old", 3))
     assert notices.pending
-    assert notices.take() == ([first], ["old"], [])  # the StepBegin's
+    assert notices.take() == ([first], ["old"], [], [Discarded("old", 3)])  # the StepBegin's
     notices.new.append(second)
     notices.preempted.append("p")
-    assert notices.take() == ([second], [], ["p"])  # the StepEnd's
+    assert notices.take() == ([second], [], ["p"], [])  # the StepEnd's
     assert not notices.pending
     notices.finished.append("later")  # queued after the step's messages went
+    notices.discarded.append(Discarded("later", 3))
     notices.requeue_step()  # the sidecar handed the session over before it read them
     assert (notices.new, notices.finished, notices.preempted) == ([first, second], ["old", "later"], ["p"])
+    assert notices.discarded == [Discarded("old", 3), Discarded("later", 3)]
     notices.take()
     notices.step_started()  # a new step: the last one's notices were read, nothing to give back
     notices.requeue_step()

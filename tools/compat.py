@@ -341,13 +341,14 @@ def write_matrix(cache: Path, target: Path) -> None:
 
 
 # What a release's venv cannot do that the others can (not the shim: the same without it).
-NO_TORCHVISION = ("its Qwen2-VL processor loads transformers' video processor, which needs torchvision, and "
-                  "vLLM's torchvision pin is a CUDA build this set-up drops: the M-RoPE column's engine stops "
-                  "there (0.26.0, 0.27.1 and 0.32.0 do not load it)")
+HOST_IMAGE_NORM = ("its Qwen2-VL builds the on-device image normalization from transformers' whole processor, "
+                   "whose video half needs torchvision (vLLM's pin is a CUDA build this set-up drops): the M-RoPE "
+                   "column's engines normalize images on the host (`mm_device_do_normalize` off; "
+                   "tests/support/vl_model.py)")
 KNOWN_LIMITS = {
     "0.26.0": "Triton 3.6 (torch 2.11's pin) cannot interpret V2's random sampler kernel "
               "(`tldevice.log1p` is None there): greedy sampling only on this CPU set-up",
-    **dict.fromkeys(["0.28.0", "0.29.0", "0.30.0", "0.31.0"], NO_TORCHVISION),
+    "0.31.0": HOST_IMAGE_NORM,
 }
 
 

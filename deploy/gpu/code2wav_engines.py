@@ -169,6 +169,7 @@ def main(job_path: str, result_path: str) -> None:
         t0 = time.monotonic()
         engine, add = (omni_engine if kind == "omni" else shim_engine)(job)
         result["start_s"] = time.monotonic() - t0
+        result["async_scheduling"] = bool(getattr(engine.vllm_config.scheduler_config, "async_scheduling", False))
         recorder = OutputRecorder(engine)
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
         rids = []

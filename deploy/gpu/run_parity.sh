@@ -15,16 +15,7 @@
 set -u
 B=$1 OUT=$2 LIMIT=${PARITY_LIMIT_S:-510}  # the whole run, install included
 shift 2
-SRC=$(cd "$(dirname "$0")/../.." && pwd)
-SITE=/tmp/omni-site
-mkdir -p "$OUT"
-t0=$(date +%s)
-if ! sh "$SRC/deploy/gpu/install_bundle.sh" "$B" "$SITE" > "$OUT/install.log" 2>&1; then
-  tail -40 "$OUT/install.log"
-  exit 1
-fi
-echo "installed in $(( $(date +%s) - t0 )) s"
-cd "$SRC"  # `python -m` children put the working directory first on sys.path
+. "$(dirname "$0")/bundle_setup.sh"  # SRC, SITE, t0; the bundle installed; in $SRC
 # py-spy: pip --target skips a bin/ the vLLM tree brought already; a folder of its own then.
 if [ ! -x "$SITE/bin/py-spy" ] && ls "$B"/wheels/py_spy-*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/omni-pyspy "$B"/wheels/py_spy-*.whl

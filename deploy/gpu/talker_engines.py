@@ -30,7 +30,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: its outputs are readable
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +62,7 @@ def talker_requests(specs: list[dict], prefix: str) -> list[dict]:
         info = {"_qwen3_tts_text_ids": torch.tensor([ids], dtype=torch.long), "task_type": ["VoiceDesign"],
                 "non_streaming_mode": [not streaming]}
         out.append({"rid": f"{prefix}{i}", "prompt_token_ids": [5] * prompt_len, "info": info,
-                    "max_tokens": spec["max_tokens"]})
+                    "max_tokens": spec["max_tokens"], "stop_token_ids": spec.get("stop_token_ids")})
     return out
 
 
@@ -169,7 +169,8 @@ def drive(engine: Any, add: Any, reqs: list[dict], temperature: float = 0.0) -> 
 
     for i, req in enumerate(reqs):
         sampling = dict(temperature=temperature, top_k=50, seed=1000 + i) if temperature > 0 else dict(temperature=0.0)
-        add(req, SamplingParams(max_tokens=req["max_tokens"], ignore_eos=True, detokenize=False, **sampling))
+        add(req, SamplingParams(max_tokens=req["max_tokens"], ignore_eos=True, detokenize=False,
+                                stop_token_ids=req.get("stop_token_ids"), **sampling))
     tokens: dict[str, list[int]] = {}
     counts: dict[str, int] = {}
     last: dict[str, tuple[float, int]] = {}  # per request: when its count last grew, and to what
@@ -359,42 +360,16 @@ def load_job(job_path: str) -> tuple[dict, dict]:
     return job, {"ok": False, "kind": job["kind"], "name": job["name"]}
 
 
-def main(job_path: str, result_path: str) -> None:
+def run_job(job_path: str, result_path: str, work: Callable[[dict, dict], None]) -> None:
+    """An engine's job: `work(job, result)` fills the result; if it raises, its error goes there (and
+    the others need not wait for this engine). The result is written and the process ends at once
+    (vLLM's threads would keep it alive)."""
     job, result = load_job(job_path)
-    kind = job["kind"]
-    engine = None
     try:
-        t0 = time.monotonic()
-        engine, add = (omni_engine if kind == "omni" else shim_engine)(job)
-        result["start_s"] = time.monotonic() - t0
-        recorder = OutputRecorder(engine)
-        drive(engine, add, talker_requests(job["warmup"], "warm-"))  # compiles the code predictor
-        reqs = talker_requests(job["codes"], "codes-")
-        run = drive(engine, add, reqs)
-        if kind == "omni":
-            run["codes"] = [omni_codes(recorder.by_request.get(r["rid"], [])) for r in reqs]
-        else:
-            from omni_sidecar.client import SidecarClient
-
-            with SidecarClient(job["endpoint"]) as client:
-                got = [client.outputs(r["rid"]) or {} for r in reqs]
-            run["codes"] = [g["codes.audio"].tolist() if "codes.audio" in g else None for g in got]
-        result["codes"] = run
-        recorder.by_request.clear()
-        recorder.active = False
-        from worker_shim.omni_models.patches import patches_applied
-
-        result["patches_engine"] = patches_applied()  # vllm-omni's own engine: its patches, found
-        if kind == "shim":
-            result["patches_workers"] = engine.collective_rpc("omni_sidecar_vllm_omni_patches")
-        warm_bench_sets(engine, add, job)
-        bench_ready(job)
-        result["bench"], result["bench_rounds_cut"] = bench(engine, add, job)
-        if kind == "shim":
-            result["shim_stats"] = engine.collective_rpc("omni_sidecar_stats")
+        work(job, result)
         result["ok"] = True
     except BaseException as exc:  # the check reads the error
-        mark_ready(job)  # the others need not wait for this one
+        mark_ready(job)
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()[-6000:]
     Path(job["workdir"], f"gone-{job['name']}").touch()
@@ -403,5 +378,38 @@ def main(job_path: str, result_path: str) -> None:
     os._exit(0)
 
 
+def talker_job(job: dict, result: dict) -> None:
+    kind = job["kind"]
+    t0 = time.monotonic()
+    engine, add = (omni_engine if kind == "omni" else shim_engine)(job)
+    result["start_s"] = time.monotonic() - t0
+    result["async_scheduling"] = bool(getattr(engine.vllm_config.scheduler_config, "async_scheduling", False))
+    recorder = OutputRecorder(engine)
+    drive(engine, add, talker_requests(job["warmup"], "warm-"))  # compiles the code predictor
+    reqs = talker_requests(job["codes"], "codes-")
+    run = drive(engine, add, reqs)
+    if kind == "omni":
+        run["codes"] = [omni_codes(recorder.by_request.get(r["rid"], [])) for r in reqs]
+    else:
+        from omni_sidecar.client import SidecarClient
+
+        with SidecarClient(job["endpoint"]) as client:
+            got = [client.outputs(r["rid"]) or {} for r in reqs]
+        run["codes"] = [g["codes.audio"].tolist() if "codes.audio" in g else None for g in got]
+    result["codes"] = run
+    recorder.by_request.clear()
+    recorder.active = False
+    from worker_shim.omni_models.patches import patches_applied
+
+    result["patches_engine"] = patches_applied()  # vllm-omni's own engine: its patches, found
+    if kind == "shim":
+        result["patches_workers"] = engine.collective_rpc("omni_sidecar_vllm_omni_patches")
+    warm_bench_sets(engine, add, job)
+    bench_ready(job)
+    result["bench"], result["bench_rounds_cut"] = bench(engine, add, job)
+    if kind == "shim":
+        result["shim_stats"] = engine.collective_rpc("omni_sidecar_stats")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    run_job(sys.argv[1], sys.argv[2], talker_job)

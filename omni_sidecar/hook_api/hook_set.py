@@ -4,7 +4,8 @@ Per step the shim's traffic drives, in order: `on_new_requests`,
 `model_states` (a model with its own hooks asks for new requests' states),
 `prepare_prefill_embeds` and `build_extra_kwargs` (only when `needs.pre_forward`
 says so), the upstream forward in vLLM (and the model's own hooks around it),
-`on_model_results`, `process_model_output`, and `on_finished`. `get_outputs` serves clients asking for a request's outputs.
+`on_model_results`, `process_model_output`, and `on_finished` (just before it, with async
+scheduling, `on_discarded` for the finished requests' forwards vLLM discarded). `get_outputs` serves clients asking for a request's outputs.
 Between two steps, `on_payload_appended` takes what a client appended to a running request.
 
 Errors: raise `RequestHookError` (one request) or `HookErrors` (several) to
@@ -123,6 +124,13 @@ class OmniHooks:
     plans_ahead = False
     state_version = "stateless/1"
     accepts_state: tuple[str, ...] = ("stateless/1",)
+    # The step whose messages the hooks are handling (set by the session before that step's first
+    # hook call): `on_model_results` and `on_discarded` name outputs by it.
+    current_step = -1
+    # The engine schedules asynchronously (its Hello; set by the session): a running request's
+    # outputs of the latest step may yet be withdrawn (`on_discarded`), so streaming reads of a
+    # running request stop before them.
+    async_scheduling = False
 
     def export_state(self) -> dict[str, Any]:
         """Everything a successor needs to go on serving the live requests."""
@@ -189,6 +197,14 @@ class OmniHooks:
 
     def commit_mirrored_append(self, req_id: str, entries: dict[str, Any]) -> None:
         """The shim applied `entries` (from `stage_mirrored_append`) before a step: now the state's too."""
+
+    def on_discarded(self, steps: dict[str, int]) -> None:
+        """req_id -> a step whose forward of that request vLLM discarded: with async scheduling vLLM
+        launches a step before it reads the last one's samples, so a request finished by them (a
+        stop token, a stop string, an abort) ran once more; its finish notice comes with this call.
+        Withdraw what that step added to the request's outputs (its last step), so they equal those
+        with async scheduling off (docs/ARCHITECTURE.md, "Async scheduling"). Hook sets that keep
+        per-step outputs override it."""
 
     def on_preempted(self, req_ids: list[str]) -> None:
         """vLLM preempted these; they come back later through `on_new_requests`."""

@@ -36,6 +36,7 @@ class CaptureHiddenHooks(OmniHooks):
 
     def __init__(self) -> None:
         self._rows: dict[str, list[torch.Tensor]] = {}
+        self._last_step: dict[str, int] = {}  # the step of each request's last rows
 
     def on_new_requests(self, requests: list[RequestInfo]) -> None:
         for req in requests:
@@ -45,9 +46,18 @@ class CaptureHiddenHooks(OmniHooks):
     def process_model_output(self, batch: StepBatch, hidden_states: torch.Tensor | None) -> None:
         if hidden_states is None:
             return
+        last = self._last_step
         for i, req_id in enumerate(batch.req_ids):
             start, end = batch.rows(i)
             self._rows.setdefault(req_id, []).append(hidden_states[start:end].clone())
+            last[req_id] = batch.step
+
+    def on_discarded(self, steps: dict[str, int]) -> None:
+        for req_id, step in steps.items():
+            rows = self._rows.get(req_id)
+            if rows and self._last_step.get(req_id) == step:
+                rows.pop()
+                self._last_step.pop(req_id)
 
     def get_outputs(self, req_id: str) -> dict[str, torch.Tensor] | None:
         rows = self._rows.get(req_id)
@@ -58,6 +68,7 @@ class CaptureHiddenHooks(OmniHooks):
     def on_finished(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
             self._rows.pop(req_id, None)
+            self._last_step.pop(req_id, None)
 
 
 def check_prompt_embeds(embeds: torch.Tensor, prompt_len: int) -> torch.Tensor:

@@ -22,6 +22,7 @@ from omni_sidecar.sessions.replays import SeenPositions, take_rows
 from omni_sidecar.sessions.store import FinishedEntry, FinishedOutputs
 from proto.messages import (
     BatchLayout,
+    Discarded,
     Hello,
     ModelHooks,
     NewRequest,
@@ -51,6 +52,7 @@ class Session:
         self.id = session_id
         self.hello = hello
         self.hooks = hooks
+        hooks.async_scheduling = hello.async_scheduling
         self.finished_store = finished
         self.metrics = metrics
         self.arenas = SessionArenas(session_id, hello, metrics)
@@ -146,6 +148,8 @@ class Session:
         t0 = time.perf_counter()
         errors: dict[str, str] = {}
         self.in_step = True  # appends wait for its StepEnd
+        self.hooks.current_step = msg.step
+        self._discard(msg.discarded, errors)
         self._admit(msg.new_requests, msg.finished, msg.preempted, errors)
         layout = self._layout(msg.batch)
         self._last_layout = layout
@@ -216,6 +220,8 @@ class Session:
         t0 = time.perf_counter()
         errors: dict[str, str] = {}
         self.drop_plan_ahead()
+        self.hooks.current_step = msg.step
+        self._discard(msg.discarded, errors)
         for failure in msg.failed:  # failed by the shim while no sidecar served them
             self.errors_by_request.setdefault(failure.req_id, failure.message)
             if failure.client_req_id and failure.req_id not in self.requests:
@@ -286,6 +292,17 @@ class Session:
         m.arena_used_bytes.labels("shim_to_sidecar").set(msg.hidden.nbytes if isinstance(msg, StepEnd) and msg.hidden else 0)
         if self.arenas.out is not None:
             m.arena_used_bytes.labels("sidecar_to_shim").set(self.arenas.out.offset)
+
+    def _discard(self, discarded: list[Discarded], errors: dict[str, str]) -> None:
+        """Forwards vLLM discarded (async scheduling ran them before it read the request's finish):
+        the hooks withdraw what those steps added to the requests' outputs, before the finish
+        notices that come with them hand the outputs out."""
+        if not discarded:
+            return
+        steps = {d.req_id: d.step for d in discarded if d.req_id in self.requests}
+        if steps:
+            with collect_hook_errors(errors, None, "on_discarded", list(steps)):
+                self.hooks.on_discarded(steps)
 
     def _admit(
         self, new: list[NewRequest], finished: list[str], preempted: list[str], errors: dict[str, str]

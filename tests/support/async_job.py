@@ -38,7 +38,7 @@ def _generate(job: dict, result: dict) -> object:
     if job["async_scheduling"]:
         _keep_async_scheduling()
     llm = LLM(model=job["model"], dtype="float32", max_model_len=512, max_num_batched_tokens=64,
-              max_num_seqs=16, kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0,
+              max_num_seqs=16, kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0, enable_prefix_caching=False,
               worker_cls="worker_shim.Worker", async_scheduling=job["async_scheduling"])
     result["llm"] = llm  # main pops it: the engine is shut down when the run fails too
     core = llm.llm_engine.engine_core.engine_core  # in this process: multiprocessing off
@@ -46,11 +46,10 @@ def _generate(job: dict, result: dict) -> object:
     result["scheduler"] = type(core.scheduler).__name__
     result["batch_queue"] = core.batch_queue is not None
     params = [SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True,
-                             stop_token_ids=p.get("stop_token_ids")) for p in job["prompts"]]
-    outs = llm.generate([{"prompt_token_ids": p["token_ids"]} for p in job["prompts"]], params, use_tqdm=False)
-    result["request_ids"] = [o.request_id for o in outs]
-    result["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
-    result["finish_reasons"] = [o.outputs[0].finish_reason for o in outs]
+                             stop_token_ids=p.get("stop_token_ids"), stop=p.get("stop")) for p in job["prompts"]]
+    ids, tokens, reasons = _step([{"prompt_token_ids": p["token_ids"]} for p in job["prompts"]], params,
+                                 [p.get("abort_after") for p in job["prompts"]], llm.llm_engine)
+    result["request_ids"], result["tokens"], result["finish_reasons"] = ids, tokens, reasons
     # Finished ids reach the worker on the next step: one more request delivers them.
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
     client = SidecarClient(job["endpoint"])
@@ -59,6 +58,26 @@ def _generate(job: dict, result: dict) -> object:
     finally:
         client.close()
     return llm
+
+
+def _step(prompts: list[dict], params: list, abort_after: list[int | None], engine) -> tuple[list, list, list]:
+    """LLM.generate's loop, by hand: a request with `abort_after` is aborted by its client once it
+    got that many tokens (between two steps, as an offline client can)."""
+    ids = [f"req-{i}" for i in range(len(prompts))]
+    for rid, prompt, sp in zip(ids, prompts, params):
+        engine.add_request(rid, prompt, sp)
+    limit = {rid: n for rid, n in zip(ids, abort_after) if n}
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str | None] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+            if out.finished:
+                reasons[out.request_id] = out.outputs[0].finish_reason
+            elif out.request_id in limit and len(tokens[out.request_id]) >= limit[out.request_id]:
+                engine.abort_request([out.request_id])
+                reasons[out.request_id] = "abort"
+    return ids, [tokens.get(r, []) for r in ids], [reasons.get(r) for r in ids]
 
 
 def main(job_path: str, result_path: str) -> int:

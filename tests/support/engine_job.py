@@ -78,15 +78,16 @@ def main(job_path: str, result_path: str) -> int:
             from tests.support.kwargs_model import register
 
             register()
-        if job.get("register_vl_model"):
-            from tests.support.vl_model import register as register_vl
-
-            register_vl()
-
         kwargs = dict(
             model=job["model"], dtype="float32", max_model_len=512, max_num_batched_tokens=64,
             max_num_seqs=16, kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0,
         )
+        if job.get("register_vl_model"):
+            from tests.support.vl_model import engine_kwargs as vl_engine_kwargs
+            from tests.support.vl_model import register as register_vl
+
+            register_vl()
+            kwargs.update(vl_engine_kwargs())
         kwargs.update(job.get("llm_kwargs", {}))
         if job.get("shim"):
             kwargs["worker_cls"] = "worker_shim.Worker"

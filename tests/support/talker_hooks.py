@@ -28,4 +28,4 @@ class StateDigestTalkerHooks(TalkerHooks):
                 digest["state.codes"] = codes.reshape(-1)
             if "probe" in state.get("meta", {}):  # appended mid-stream (test_e2e_talker)
                 digest["state.probe"] = torch.tensor(int(state["meta"]["probe"]))
-            self.log.add(req_id, digest)
+            self.log.add(req_id, digest, self.current_step)

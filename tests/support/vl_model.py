@@ -50,6 +50,19 @@ class OmniTinyQwen2VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     pass
 
 
+def engine_kwargs() -> dict:
+    """vLLM settings the tiny model needs on this install. vLLM 0.31 builds its on-device image
+    normalization from transformers' whole processor, whose video half needs torchvision (absent
+    beside CPU torch): there the image processor normalizes on the host instead."""
+    if importlib.util.find_spec("torchvision") is not None:
+        return {}
+    try:
+        from vllm.model_executor.layers.fusion import mm_input_norm
+    except ImportError:  # before 0.31: the norm's parameters come from the processor config
+        return {}
+    return {"mm_device_do_normalize": False} if hasattr(mm_input_norm, "cached_get_processor") else {}
+
+
 def register() -> None:
     from vllm import ModelRegistry
 

@@ -77,6 +77,13 @@ def _save_processor(path: Path) -> None:
 
     pixels = IMAGE_SIDE * IMAGE_SIDE
     Qwen2VLImageProcessorPil(min_pixels=pixels, max_pixels=pixels).save_pretrained(path)
+    # Named as a hub checkpoint names it: vLLM 0.28-0.31 read the image normalization from a
+    # processor config only when it names its processor class, else they load transformers' whole
+    # processor, whose video half needs torchvision (absent on CPU torch).
+    config_file = path / "preprocessor_config.json"
+    config = json.loads(config_file.read_text())
+    config["processor_class"] = "Qwen2VLProcessor"
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def image_only_processor_class() -> type:

@@ -8,10 +8,14 @@ learn of the finish late or never. So the shim watches what it can see itself
 
 - length: a row whose sample this step brings the request to `max_tokens`
   finishes with this step, whatever token it samples; the StepEnd of this step
-  already says so (the sidecar finishes it after this step's hooks ran);
+  already says so (the sidecar finishes it after this step's hooks ran), or with
+  async scheduling the next step's (worker_shim/step/discards.py);
 - stop tokens: the last step's sampled ids, read only at shutdown (so no step
   ever waits for the device), tell which live requests ended on EOS or a stop
   token id; at a clean shutdown those are complete, the rest were cut short.
+  With async scheduling a request that stopped in the step before the last may
+  have run once more in the last (worker_shim/step/discards.py): the two last
+  steps' ids tell, and that forward is reported discarded.
 
 Stop strings are matched by vLLM's detokenizer in the front end; the worker
 cannot see them, so such requests finish on vLLM's own finish notice.
@@ -26,6 +30,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from proto.messages import Discarded
+
 log = logging.getLogger("vllm.omni_sidecar.shim.finishes")
 _NEVER = np.iinfo(np.int64).max
 
@@ -36,7 +42,9 @@ class FinishWatch:
         self._stop_ids: dict[str, frozenset[int]] = {}
         self._last_position: dict[str, int] = {}
         self.told_early: set[str] = set()  # finishes the sidecar already has from us
-        self._last_sampled: Any = None  # the last step's sampler output (ids read at shutdown)
+        # The last two steps' sampler outputs with their step numbers (ids read at shutdown).
+        self._last_sampled: tuple[int, Any] | None = None
+        self._sampled_before: tuple[int, Any] | None = None
         # The batch's last positions in row order, kept while the batch's rows stay the same
         # requests (steady decode): rebuilding them costs a dict look-up per row every step.
         self._rows_ids: list[str] | None = None
@@ -127,13 +135,27 @@ class FinishWatch:
         self.forget_rows()
         return told
 
-    def note_sampled(self, output: Any) -> None:
-        self._last_sampled = output
+    def note_sampled(self, step: int, output: Any) -> None:
+        self._sampled_before, self._last_sampled = self._last_sampled, (step, output)
 
-    def stopped_by_token(self) -> set[str]:
-        """Requests whose last sampled token (in the last step) was a stop token id."""
-        sampled = _sampled_ids(self._last_sampled)
-        return {r for r, tok in sampled.items() if tok is not None and tok in self._stop_ids.get(r, ())}
+    def stopped_by_token(self, async_scheduling: bool = False) -> tuple[set[str], list[Discarded]]:
+        """Requests whose last kept sample was a stop token id, and the discarded forwards among
+        the last step's: with `async_scheduling`, a request that sampled a stop token in the step
+        before the last and ran in the last too (that sample vLLM discards)."""
+        if self._last_sampled is None:
+            return set(), []
+        step, output = self._last_sampled
+        last = _sampled_ids(output)
+        stopped = {r for r, tok in last.items() if self._stops(r, tok)}
+        if not async_scheduling or self._sampled_before is None:
+            return stopped, []
+        before = _sampled_ids(self._sampled_before[1])
+        ran_on = sorted(r for r, tok in before.items() if self._stops(r, tok) and r in last)
+        stopped.update(r for r, tok in before.items() if self._stops(r, tok))
+        return stopped, [Discarded(r, step) for r in ran_on]
+
+    def _stops(self, req_id: str, token: int | None) -> bool:
+        return token is not None and token in self._stop_ids.get(req_id, ())
 
 
 def _sampled_ids(output: Any) -> dict[str, int | None]:

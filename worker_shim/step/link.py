@@ -35,6 +35,7 @@ from worker_shim.model.bridge import ModelBridge
 from worker_shim.session.recovery import STEP_FAILURES, Recovery
 from worker_shim.session.requests import FailureReports, SessionRequests
 from worker_shim.step.batch import BatchReader, PayloadTracker, new_request, payload_of
+from worker_shim.step.discards import DiscardWatch
 from worker_shim.step.finishes import FinishWatch
 from worker_shim.step.port import Connect, RecoveryPort, SidecarPort
 from worker_shim.step.protocol import StepNews, after_forward, before_forward
@@ -93,7 +94,7 @@ class SidecarLink:
     def __init__(self, connect: Connect, first: RecoveryPort, loss_policy: LossPolicy = "fail-all",
                  embeds_setting: EmbedsSetting = "auto", suffixed_ids: bool = True,
                  payloads: PayloadTracker | None = None, length_finishes: bool = True,
-                 batches: BatchReader | None = None) -> None:
+                 batches: BatchReader | None = None, async_scheduling: bool = False) -> None:
         self.embeds_setting = embeds_setting  # read by the runner when it loads the model
         self.payloads = payloads if payloads is not None else PayloadTracker()
         self.batches = batches if batches is not None else BatchReader()  # how this vLLM's batch reads
@@ -101,6 +102,7 @@ class SidecarLink:
         self.notices = self.requests.notices  # what the next step message tells the sidecar
         self.failures = FailureReports(lambda req_id: client_request_id(req_id, suffixed_ids))
         self.finishes = FinishWatch(length_finishes)
+        self.discards = DiscardWatch(async_scheduling)
         self.recovery = Recovery(connect, first, self.requests, self.failures, loss_policy)
         self.counters = StepCounters()
         self.ends = StepEnds(self.notices, self.batches, self.failures, self.counters)
@@ -136,9 +138,12 @@ class SidecarLink:
         if not finished and not preempted:  # most steps: nothing to note
             return
         news = set(finished) - self.finishes.already_told(finished)  # some the sidecar has from us
+        news |= self.discards.take_held(finished)  # told by length, not yet sent: ended a step earlier
         self.counters.finished_requests += len(news)
         self.payloads.note_finished(finished)
         self.requests.note_finished(news, preempted or ())
+        if news:
+            self.notices.discarded.extend(self.discards.discarded(news))
 
     def note_new(self, new_reqs: list[Any]) -> None:
         if new_reqs and self.conn is None:
@@ -159,8 +164,8 @@ class SidecarLink:
             self.failures.fail(req_id, message)
 
     def note_sampled(self, output: Any) -> None:
-        """The step's sampler output (upstream sample_tokens); read only at shutdown."""
-        self.finishes.note_sampled(output)
+        """The sampler output of the step that just ended (upstream sample_tokens); read only at shutdown."""
+        self.finishes.note_sampled(self.step - 1, output)
 
     # -- the step ---------------------------------------------------------------
 
@@ -239,6 +244,7 @@ class SidecarLink:
         """Upstream raised inside execute_model: no StepEnd for this step (a plan asked early is
         taken and dropped: the next answer read must be the next message's)."""
         self._in_step = False
+        self.discards.note_step(self.step, None)
         self._drop_early()
 
     def pre_forward(self, input_batch: Any, model: Any, embeds: torch.Tensor | None = None,
@@ -321,11 +327,12 @@ class SidecarLink:
         return bridge.missing_states(input_batch.req_ids) if bridge is not None and port.needs.model_states else []
 
     def _step_begin(self, port: SidecarPort, input_batch: Any, want: list[str], bridge: ModelBridge | None) -> StepBegin:
-        new, finished, preempted = self.notices.take()
+        self._release_length_finishes()
+        new, finished, preempted, discarded = self.notices.take()
         self._layout_to = port
         return StepBegin(step=self.step, batch=self.batches.layout(input_batch, port.peer_req_ids, port.needs.input_ids),
                          new_requests=new, finished=finished, preempted=preempted, want_states=want,
-                         model_hooks=bridge.wire if want and bridge is not None else None)
+                         model_hooks=bridge.wire if want and bridge is not None else None, discarded=discarded)
 
     def end_step(self, state: Any, model_results: ModelResults | None = None) -> None:
         """After upstream execute_model: the step's record, with what the sidecar has not seen yet.
@@ -337,6 +344,8 @@ class SidecarLink:
         t0 = time.perf_counter()
         counters = self.counters
         batch = state.input_batch if state is not None else None
+        self._release_length_finishes()  # the previous step's, held for vLLM's notices of this one
+        self.discards.note_step(self.step, batch.req_ids if batch is not None else None)
         num_tokens = 0
         if batch is not None:
             num_tokens = int(batch.num_tokens)
@@ -349,7 +358,8 @@ class SidecarLink:
             self.step += 1
             return
         if batch is not None:
-            ending = self.finishes.by_length(batch)  # their last sample is this step's
+            # Their last sample is this step's; with async scheduling told with the next step's notices.
+            ending = self.discards.hold(self.finishes.by_length(batch))
             if ending:
                 counters.finished_requests += len(ending)
                 self.requests.note_finished(ending, ())
@@ -379,6 +389,12 @@ class SidecarLink:
             self._last_post_us = post_us = (time.perf_counter() - t0) * 1e6
             counters.record_timing(counters.post_us, post_us)
 
+    def _release_length_finishes(self) -> None:
+        held = self.discards.release()
+        if held:
+            self.counters.finished_requests += len(held)
+            self.requests.note_finished(held, ())
+
     # -- results and stats ---------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -404,18 +420,21 @@ class SidecarLink:
         """Worker shutdown: tell the sidecar how each live request ended, then disconnect.
 
         Requests whose last sampled token was a stop token completed; the rest were cut short by
-        the shutdown and fail (docs/ARCHITECTURE.md, "Finish notices")."""
+        the shutdown and fail (docs/ARCHITECTURE.md, "Finish notices"). With async scheduling, those
+        that stopped in the step before the last and ran in the last had that forward discarded."""
+        self._release_length_finishes()
         port = self.conn
         live = sorted(self.requests.live)
         if port is not None and live:
-            completed = self.finishes.stopped_by_token()
+            completed, discarded = self.finishes.stopped_by_token(self.discards.async_scheduling)
+            self.notices.discarded.extend(d for d in discarded if d.req_id in self.requests.live)
             message = "vLLM shut down before the request finished"
             cut_short = [RequestError(r, message[:ERROR_TEXT_MAX]) for r in live if r not in completed]
             self.requests.note_finished(live, ())
-            new, finished, preempted = self.notices.take()
+            new, finished, preempted, discarded = self.notices.take()
             try:
                 port.send(StepEnd(step=self.step, new_requests=new, finished=finished, preempted=preempted,
-                                  failed=self.failures.take_pending() + cut_short))
+                                  failed=self.failures.take_pending() + cut_short, discarded=discarded))
                 self.step += 1
                 self.flush()
             except (SidecarError, ValueError) as exc:

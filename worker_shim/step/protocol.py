@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from proto.messages import HookNeeds, NewRequest, Pong, StepBegin, StepEnd, StepPlan, StepStart, StepTick
+from proto.messages import Discarded, HookNeeds, NewRequest, Pong, StepBegin, StepEnd, StepPlan, StepStart, StepTick
 from proto.settings import STEP_START_ANSWER_S
 
 
@@ -100,24 +100,26 @@ def after_forward(needs: HookNeeds, news: StepNews) -> Exchange:
 
 
 class Notices:
-    """What the sidecar has yet to be told of vLLM's requests (new, finished, preempted), queued for
-    the next step message that carries them. A step's taken notices are kept until the next step:
-    the sidecar may hand the session over before it reads them (`requeue_step`)."""
+    """What the sidecar has yet to be told of vLLM's requests (new, finished, preempted, and the
+    finished ones' discarded forwards), queued for the next step message that carries them. A step's
+    taken notices are kept until the next step: the sidecar may hand the session over before it
+    reads them (`requeue_step`)."""
 
     def __init__(self) -> None:
         self.new: list[NewRequest] = []
         self.finished: list[str] = []
         self.preempted: list[str] = []
-        self.taken_this_step: list[tuple[list[NewRequest], list[str], list[str]]] = []
+        self.discarded: list[Discarded] = []
+        self.taken_this_step: list[StepNotices] = []
 
     @property
     def pending(self) -> bool:
-        return bool(self.new or self.finished or self.preempted)
+        return bool(self.new or self.finished or self.preempted or self.discarded)
 
-    def take(self) -> tuple[list[NewRequest], list[str], list[str]]:
-        notices = self.new, self.finished, self.preempted
-        self.new, self.finished, self.preempted = [], [], []
-        if notices[0] or notices[1] or notices[2]:
+    def take(self) -> StepNotices:
+        notices = StepNotices(self.new, self.finished, self.preempted, self.discarded)
+        self.new, self.finished, self.preempted, self.discarded = [], [], [], []
+        if notices.new or notices.finished or notices.preempted or notices.discarded:
             self.taken_this_step.append(notices)
         return notices
 
@@ -127,9 +129,19 @@ class Notices:
     def requeue_step(self) -> None:
         """This step's notices, taken for messages the sidecar never read: back in front of the
         queue, in their order, for the successor."""
-        for new, finished, preempted in reversed(self.taken_this_step):
-            self.new[:0], self.finished[:0], self.preempted[:0] = new, finished, preempted
+        for taken in reversed(self.taken_this_step):
+            self.new[:0], self.finished[:0] = taken.new, taken.finished
+            self.preempted[:0], self.discarded[:0] = taken.preempted, taken.discarded
         self.taken_this_step.clear()
 
 
-__all__ = ["Exchange", "NOTHING", "Notices", "StepNews", "after_forward", "before_forward", "step_start"]
+class StepNotices(NamedTuple):
+    """The notices one step message carries."""
+
+    new: list[NewRequest]
+    finished: list[str]
+    preempted: list[str]
+    discarded: list[Discarded]
+
+
+__all__ = ["Exchange", "NOTHING", "Notices", "StepNews", "StepNotices", "after_forward", "before_forward", "step_start"]

@@ -68,7 +68,7 @@ class StepEnds:
             model_updates = self._encode(updates, slot, tensors)
             model_outputs = self._encode(outputs, slot, tensors)
             hidden_event = slot.seal()
-        new, finished, preempted = self.notices.take()
+        new, finished, preempted, discarded = self.notices.take()
         layout = (self.batches.layout(batch, port.peer_req_ids, port.needs.input_ids)
                   if batch is not None and with_layout else None)
         port.send(StepEnd(
@@ -87,6 +87,7 @@ class StepEnds:
             shim_exchange_us=exchange_us,
             shim_post_us=post_us,
             failed=self.failures.take_pending(),
+            discarded=discarded,
         ))
         if slot is not None:
             slot.sent()

@@ -109,6 +109,8 @@ class ShimWorkerMixin:
         hidden_size = int(mcfg.get_hidden_size())
         max_tokens = int(vcfg.scheduler_config.max_num_batched_tokens)
         layer_room = [0]  # captured layers a slot has room for: what the last sidecar wanted
+        # vLLM launches a step before it reads the last one's samples: a finish may discard a forward.
+        async_scheduling = bool(getattr(vcfg.scheduler_config, "async_scheduling", False))
         hello = Hello(
             protocol_major=PROTOCOL_MAJOR,
             protocol_minor=PROTOCOL_MINOR,
@@ -124,6 +126,7 @@ class ShimWorkerMixin:
             arenas=[],
             pid=os.getpid(),
             pid_namespace=pid_namespace(),
+            async_scheduling=async_scheduling,
         )
 
         device, arena_kind = self._arena_choice(cfg.arena)
@@ -159,7 +162,7 @@ class ShimWorkerMixin:
         length_finishes = getattr(vcfg, "speculative_config", None) is None
         return SidecarLink(connect, first, cfg.loss_policy, cfg.embeds_buffer,
                            suffixed_ids=upstream_request_ids_suffixed(), payloads=payloads,
-                           length_finishes=length_finishes, batches=batches)
+                           length_finishes=length_finishes, batches=batches, async_scheduling=async_scheduling)
 
     def _arena_choice(self, setting: ArenaChoice) -> tuple[Any, ArenaKind]:
         """CUDA IPC on CUDA GPUs; host shared memory (staging) on CPU and accelerators without it."""

@@ -208,7 +208,7 @@ class Code2WavHooks(OmniStateHooks):
             chunk = {WAVEFORM: wave.to(torch.float32).reshape(-1, 1)}
             if isinstance(output.get("sr"), torch.Tensor):
                 chunk["sr"] = output["sr"]
-            self.log.add(req_id, chunk)
+            self.log.add(req_id, chunk, self.current_step)
         if errors:
             raise HookErrors(errors)
 

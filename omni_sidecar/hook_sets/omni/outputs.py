@@ -121,43 +121,77 @@ class OutputLog:
     request's chunk every step (a view per request and output) was most of the sidecar's work
     between two steps on a GPU host, and a client may never read them. `settle`, between steps,
     only notes which requests a logged step belongs to; every read and write settles first, so
-    order and contents are those of cutting at once."""
+    order and contents are those of cutting at once. Each request's entries of its latest step are
+    marked, so that step can be withdrawn (`withdraw`: a forward vLLM discarded)."""
 
     def __init__(self) -> None:
         self._chunks: dict[str, list[Logged]] = {}
         self._cut_upto: dict[str, int] = {}  # entries before this index are chunks already
-        self._steps: list[tuple[list[str], _LoggedStep, set[str]]] = []
+        self._steps: list[tuple[list[str], _LoggedStep, set[str], int]] = []
+        self._latest: dict[str, tuple[int, int]] = {}  # req_id -> (its latest step, that step's first entry)
 
     def start(self, req_id: str) -> None:
         self._chunks.setdefault(req_id, [])
 
-    def add(self, req_id: str, chunk: dict[str, Any], owned: bool = False) -> None:
-        """`chunk` joins the request's step outputs; its tensors are copied unless `owned` (the
+    def add(self, req_id: str, chunk: dict[str, Any], step: int, owned: bool = False) -> None:
+        """`chunk` joins the request's outputs of `step`; its tensors are copied unless `owned` (the
         caller copied them already, e.g. once for the whole step)."""
         if self._steps:
             self.settle()
-        if chunk and req_id in self._chunks:
-            self._chunks[req_id].append(chunk if owned else {k: own_copy(v) for k, v in chunk.items()})
+        log = self._chunks.get(req_id)
+        if chunk and log is not None:
+            self._mark(req_id, step, len(log))
+            log.append(chunk if owned else {k: own_copy(v) for k, v in chunk.items()})
 
     def add_step(self, req_ids: list[str], outputs: dict[str, Any], query_start_loc: list[int],
-                 rows: dict[str, Callable[[], torch.Tensor]], skip: set[str]) -> None:
+                 rows: dict[str, Callable[[], torch.Tensor]], skip: set[str], step: int) -> None:
         """A step's outputs for every request of `req_ids` but `skip`: the batch-level `outputs`
         (owned; `slice_per_request`'s rules) and `rows`, each made when first read (its row i,
         kept 2-d, is request i's). At most one step waits to be settled."""
         if self._steps:
             self.settle()
-        self._steps.append((req_ids, _LoggedStep(outputs, query_start_loc, len(req_ids), rows), skip))
+        self._steps.append((req_ids, _LoggedStep(outputs, query_start_loc, len(req_ids), rows), skip, step))
 
     def settle(self) -> None:
         """Steps logged whole, noted in each request's log (a step that raises is dropped: its
         error fails the requests of the call, as any hook error does)."""
         while self._steps:
-            req_ids, step, skip = self._steps.pop(0)
-            logs = self._chunks
+            req_ids, logged, skip, step = self._steps.pop(0)
+            logs, latest = self._chunks, self._latest
             for i, req_id in enumerate(req_ids):
                 log = logs.get(req_id)
                 if log is not None and req_id not in skip:
-                    log.append((step, i))
+                    mark = latest.get(req_id)
+                    if mark is None or mark[0] != step:
+                        latest[req_id] = (step, len(log))
+                    log.append((logged, i))
+
+    def _mark(self, req_id: str, step: int, index: int) -> None:
+        mark = self._latest.get(req_id)
+        if mark is None or mark[0] != step:
+            self._latest[req_id] = (step, index)
+
+    def before_step(self, req_id: str, step: int) -> int:
+        """How many of the request's entries came before `step` (its latest step's first entry, when
+        that step is `step` or later; else all)."""
+        if self._steps:
+            self.settle()
+        mark, log = self._latest.get(req_id), self._chunks.get(req_id)
+        if log is None:
+            return 0
+        return mark[1] if mark is not None and mark[0] >= step else len(log)
+
+    def withdraw(self, req_id: str, step: int) -> None:
+        """The request's entries of `step`, its latest, taken out (vLLM discarded that forward)."""
+        if self._steps:
+            self.settle()
+        mark, log = self._latest.get(req_id), self._chunks.get(req_id)
+        if mark is None or log is None or mark[0] != step:
+            return
+        del log[mark[1]:]
+        del self._latest[req_id]
+        if self._cut_upto.get(req_id, 0) > mark[1]:
+            self._cut_upto[req_id] = mark[1]
 
     def chunks(self, req_id: str) -> list[dict[str, Any]] | None:
         if self._steps:
@@ -174,6 +208,7 @@ class OutputLog:
             self.settle()
         log = self._chunks.pop(req_id, None)
         start = self._cut_upto.pop(req_id, 0)
+        self._latest.pop(req_id, None)
         if log is None:
             return None
 
@@ -188,6 +223,7 @@ class OutputLog:
             self.settle()
         self._chunks.pop(req_id, None)
         self._cut_upto.pop(req_id, None)
+        self._latest.pop(req_id, None)
 
     def export(self) -> dict[str, list[dict[str, Any]]]:
         return {r: self.chunks(r) for r in list(self._chunks)}  # type: ignore[misc]
@@ -197,6 +233,7 @@ class OutputLog:
         for req_id, log in chunks.items():
             self._chunks[req_id] = log
             self._cut_upto.pop(req_id, None)
+            self._latest.pop(req_id, None)
 
 
 def own_copy(value: Any) -> Any:

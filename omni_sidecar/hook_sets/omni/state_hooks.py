@@ -180,7 +180,7 @@ class OmniStateHooks(OmniHooks):
                 chunk = per_req[i]
                 if outputs:  # an override's outputs may alias the shim's rows
                     chunk.update({k: own_copy(v) for k, v in outputs.items()})
-                self.log.add(req_id, chunk, owned=True)
+                self.log.add(req_id, chunk, batch.step, owned=True)
             except (StateError, PayloadError, ValueError) as exc:
                 errors[req_id] = f"postprocess: {exc}"
         return errors
@@ -199,7 +199,7 @@ class OmniStateHooks(OmniHooks):
             self.state.own_storage(req_id)
         self._row_views = set(req_ids).difference(refused)
         stateless = self.state.missing(req_ids)  # their payload failed: no outputs, as ever
-        self.log.add_step(req_ids, owned, batch.layout.query_start_loc, rows, stateless.union(refused))
+        self.log.add_step(req_ids, owned, batch.layout.query_start_loc, rows, stateless.union(refused), batch.step)
         return {r: f"postprocess: {m}" for r, m in refused.items()}
 
     def between_steps(self) -> None:
@@ -258,7 +258,7 @@ class OmniStateHooks(OmniHooks):
         for req_id, output in outputs.items():
             try:
                 if req_id not in errors:
-                    self.log.add(req_id, dotted_outputs(output))
+                    self.log.add(req_id, dotted_outputs(output), self.current_step)
             except ValueError as exc:
                 errors[req_id] = f"model outputs: {exc}"
         if errors:
@@ -292,11 +292,16 @@ class OmniStateHooks(OmniHooks):
         self.state.merge(req_id, entries)
 
     def get_outputs(self, req_id: str) -> dict[str, Any] | None:
-        chunks = self.log.chunks(req_id)
+        chunks = self.output_chunks(req_id)
         return accumulate(chunks) if chunks is not None else None
 
     def output_chunks(self, req_id: str) -> list[dict[str, Any]] | None:
-        return self.log.chunks(req_id)
+        """The request's chunks; with async scheduling, those of its steps before the one the session
+        handles last (that step's may yet be withdrawn: `on_discarded` comes with the next step)."""
+        chunks = self.log.chunks(req_id)
+        if chunks is None or not self.async_scheduling:
+            return chunks
+        return chunks[:self.log.before_step(req_id, self.current_step)]
 
     def deferred_outputs(self, req_id: str) -> Callable[[], tuple[dict[str, Any] | None, list[dict[str, Any]] | None]] | None:
         """The request's chunks, cut when read, and their accumulation: only where `get_outputs` and
@@ -314,6 +319,11 @@ class OmniStateHooks(OmniHooks):
             return accumulate(chunks), chunks
 
         return made
+
+    def on_discarded(self, steps: dict[str, int]) -> None:
+        """The discarded step's outputs leave the request's log (its state goes with its finish)."""
+        for req_id, step in steps.items():
+            self.log.withdraw(req_id, step)
 
     def on_preempted(self, req_ids: list[str]) -> None:
         self.preempted.update(req_ids)
