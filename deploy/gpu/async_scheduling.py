@@ -77,14 +77,14 @@ def job_for(spec: dict, args: argparse.Namespace, llama: str, embeds_files: list
     timed = [s for s in engine_specs(args.sets) if s["set"] != "code2wav"]
     bench = [{"name": "timed", "rounds": args.rounds, "temperature": 0.0,
               "reqs": [dict(text_len=16 + (i % 5) * 4, streaming=True, max_tokens=32, seed=100 + i) for i in range(4)]}]
-    env = {"CUDA_VISIBLE_DEVICES": args.gpu, "VLLM_USE_V2_MODEL_RUNNER": 1}
+    # vllm-omni is installed beside vLLM here: its plugin would patch every engine (the shim refuses that)
+    env = {"CUDA_VISIBLE_DEVICES": args.gpu, "VLLM_USE_V2_MODEL_RUNNER": 1, "VLLM_PLUGINS": "omni_sidecar_shim"}
     common = {"endpoint": spec["endpoint"], "env": env, "engines": [s["name"] for s in timed],
               "barrier": [s["name"] for s in timed], "bench_sets": bench,
               "gpu_memory_utilization": round(0.8 / n_engines, 3)}
     if spec["set"] in LLAMA_SETS:
         return {**common, "kind": "shim", "model": llama, "async": spec["async"],
                 "requests": llama_requests(embeds_files if spec["set"] == "overlay" else None)}
-    env["VLLM_PLUGINS"] = "omni_sidecar_shim"
     tts = {**common, "kind": "shim", "model": args.tts_model, "engine_overrides": {"async_scheduling": spec["async"]},
            "shim_settings": {}, "profile": None, "max_num_seqs": 8, "max_num_batched_tokens": 64}
     if spec["set"] == "talker":
