@@ -111,7 +111,18 @@ def _gpu_check():
     return module
 
 
-def _llama_result(tmp_path, name, async_on, rows, tokens=None, reasons=None, ms=(5.0, 5.0, 5.0)):
+def _rounds(ms, forwards=40, t0=1000.0, on_first=True):
+    """Timed rounds as async_engines.py records them: every request's decode time per token (s) around
+    the round's `ms`; rounds 10 s apart, the on engine's turn first in even rounds (ABBA)."""
+    out = []
+    for r, m in enumerate(ms):
+        first = (r % 2 == 0) == on_first
+        out.append({"decode_s": [m * 1e-3 * f for f in (0.99, 1.0, 1.01)], "steps": forwards + 2, "forwards": forwards,
+                    "wall_s": 0.2, "start_unix": t0 + 10 * r + (0 if first else 1), "turn_wait_s": 0.0})
+    return out
+
+
+def _llama_result(tmp_path, name, async_on, rows, tokens=None, reasons=None, ms=(5.0,) * 8, forwards=40):
     import numpy as np
 
     tokens = tokens or [[1, 2, 3], [4, 5]]
@@ -124,7 +135,7 @@ def _llama_result(tmp_path, name, async_on, rows, tokens=None, reasons=None, ms=
     return {"ok": True, "async_scheduling": async_on,
             "run": {"ids": [f"check-{i}" for i in range(len(rows))], "tokens": tokens, "finish_reasons": reasons,
                     "outputs": outputs},
-            "rounds": [{"ms_per_step": m} for m in ms]}
+            "rounds": _rounds(ms, forwards, on_first=async_on)}
 
 
 def test_the_gpu_checks_arguments_and_plan(capsys):
@@ -135,10 +146,44 @@ def test_the_gpu_checks_arguments_and_plan(capsys):
         ("capture-async-on", True, "capture"), ("capture-async-off", False, "capture"),
         ("talker-async-on", True, "omni-talker"), ("talker-async-off", False, "omni-talker")]
     assert len(check.engine_specs(check.SETS)) == 12
+    assert check.parse(["--plan"]).rounds == check.ROUNDS >= 6
     for bad in (["--plan", "--sets", "capture,nope"], ["--sets", "capture"], ["--out", "x", "--sets", "talker"],
                 ["--plan", "--rounds", "0"]):
         with pytest.raises(SystemExit):
             check.parse(bad)
+
+
+def test_the_gpu_checks_timed_rounds_alternate_each_sets_engines_and_time_the_same_work(tmp_path):
+    """Every engine's job: the timed engines in one order, each set's on and off side by side, so
+    Turns runs each pair's rounds on, off then off, on (ABBA); every timed engine decodes
+    TIMED_REQUESTS requests of TIMED_TOKENS tokens, none with stop tokens."""
+    check = _gpu_check()
+    from talker_engines import Turns
+
+    args = check.parse(["--out", str(tmp_path), "--tts-model", "tts"])
+    specs = check.engine_specs(args.sets)
+    embeds = [str(tmp_path / f"e{i}.npy") for i in range(3)]
+    jobs = {s["name"]: check.job_for({**s, "endpoint": "ipc://x"}, args, "llama", embeds, len(specs), 123.0)
+            for s in specs}
+    orders = {json.dumps(Turns({**job, "workdir": str(tmp_path)}).order) for job in jobs.values()}
+    assert len(orders) == 1  # every engine counts the same turns
+    order = json.loads(orders.pop())
+    assert len(order) == 10 * args.rounds  # code2wav is not timed
+    for s in check.TIMED_SETS:
+        for r in range(args.rounds):
+            keys = [f"{s}-async-{m}|timed|{r}" for m in (("on", "off") if r % 2 == 0 else ("off", "on"))]
+            i = order.index(keys[0])
+            assert order[i + 1] == keys[1], (s, r)
+    for name, job in jobs.items():
+        assert job["deadline_unix"] == 123.0
+        if name.startswith(("talker", "code2wav")):
+            reqs = job["bench_sets"][0]["reqs"]
+            assert job["max_num_seqs"] >= len(reqs) == check.TIMED_REQUESTS
+        else:
+            reqs = job["timed_requests"]
+            assert all(("embeds_file" in r) == name.startswith("overlay") for r in reqs)
+        assert len(reqs) == check.TIMED_REQUESTS
+        assert all(r["max_tokens"] == check.TIMED_TOKENS and not r.get("stop_token_ids") for r in reqs)
 
 
 def test_the_gpu_check_passes_identical_results_and_names_what_differs(tmp_path):
@@ -153,7 +198,6 @@ def test_the_gpu_check_passes_identical_results_and_names_what_differs(tmp_path)
         "shape [4, 4] with async scheduling on, [3, 4] off": dict(rows=[5, 4]),
         "tokens differ": dict(tokens=[[1, 2, 3], [4, 6]]),
         "finish reasons differ": dict(reasons=["length", "length"]),
-        "more than 5% slower": dict(ms=(6.0, 6.0, 6.0)),
     }
     for why, changed in cases.items():
         on = _llama_result(tmp_path, "c", True, **{"rows": [5, 3], **changed})
@@ -169,23 +213,71 @@ def test_the_gpu_check_passes_identical_results_and_names_what_differs(tmp_path)
     assert any("no request ended on a stop token" in f for f in no_stop["sets"][0]["failures"])
     missing = check.report({"capture-async-on": {"ok": False, "error": "died"}}, ["capture"], 0.05)
     assert missing["sets"][0]["failures"] == ["async on: died", "async off: no result"]
+    assert missing["sets"][0]["timing"]["verdict"] == "not measured"
     table = check.table(same)
-    assert "| capture | 2/2 | 1 | 5.0 | 5.0 | 1.0 | PASS |" in table
+    assert ("| capture | 2/2 | 1 | 5.0 | 5.0 | 1.000; 1.000..1.000; 1.000..1.000 | 8 | on no worse than off | PASS |"
+            in table), table
     json.dumps(same)  # what async-scheduling.json holds
+
+
+def test_the_gpu_checks_timing_is_the_median_of_round_ratios_with_its_interval_and_a_verdict(tmp_path):
+    """Per round on / off of the decode time per token; the verdict from the bootstrap interval of
+    their median; a verdict, never a failure of the set's results."""
+    check = _gpu_check()
+    off_ms = (5.0, 5.2, 4.9, 5.1, 5.0, 5.3, 4.8, 5.0)
+
+    def timed(on_ms, off=off_ms, on_forwards=40):
+        got = check.report({"capture-async-on": _llama_result(tmp_path, "on", True, [5, 3], ms=on_ms,
+                                                              forwards=on_forwards),
+                            "capture-async-off": _llama_result(tmp_path, "off", False, [5, 3], ms=off)},
+                           ["capture"], 0.05)
+        assert got["all_ok"], got  # the results are the same whatever the timing says
+        return got["sets"][0]["timing"]
+
+    # Async on runs more forwards for the same tokens (and its engine steps differ): the decode time per
+    # token a client sees is what is compared, not time per forward.
+    same = timed([m * 1.01 for m in off_ms], on_forwards=48)
+    assert same["verdict"] == "on no worse than off"
+    assert same["rounds"] == 8 and same["ratio"] == pytest.approx(1.01, abs=1e-3)
+    assert same["ci95"][1] <= 1.05 and same["min"] <= same["ratio"] <= same["max"]
+    # Every round of both engines kept, with its order: on first, then off first (ABBA).
+    assert [r["decode_ms"] for r in same["off_rounds"]] == pytest.approx(list(off_ms))
+    assert [r["forwards"] for r in same["on_rounds"]] == [48] * 8 and [r["forwards"] for r in same["off_rounds"]] == [40] * 8
+    assert same["first"] == ["on", "off"] * 4
+    assert same["round_ratios"] == pytest.approx([1.01] * 8, abs=1e-3)
+
+    slower = timed([m * 1.3 for m in off_ms])
+    assert slower["verdict"] == "on slower than off" and slower["ci95"][0] > 1.05
+    # Rounds that disagree (noise larger than the tolerance): the interval straddles 1 + tolerance.
+    noisy = timed([m * f for m, f in zip(off_ms, (0.85, 1.3, 0.95, 1.2, 1.0, 1.25, 0.9, 1.15))])
+    assert noisy["verdict"] == "not resolved" and noisy["ci95"][0] <= 1.05 < noisy["ci95"][1]
+    few = timed(off_ms[:3], off=off_ms[:3])
+    assert few["rounds"] == 3 and few["ratio"] == 1.0 and few["verdict"] == "not resolved"
+    # Rounds pair by index: the off engine's rounds cut by the deadline leave the on engine's extra unpaired.
+    cut = timed(off_ms, off=off_ms[:5])
+    assert cut["rounds"] == 5 and len(cut["on_rounds"]) == 8
+    summary = check.report({"capture-async-on": _llama_result(tmp_path, "a", True, [5, 3], ms=[m * 1.3 for m in off_ms]),
+                            "capture-async-off": _llama_result(tmp_path, "b", False, [5, 3], ms=off_ms)},
+                           ["capture"], 0.05)
+    assert summary["timing_verdicts"] == {"on slower than off": 1}
+    assert "| on slower than off | PASS |" in check.table(summary)
 
 
 def test_the_gpu_check_compares_talker_codes_and_code2wav_waveforms():
     check = _gpu_check()
     codes = {"tokens": [[1] * 24, [2] * 7], "codes": [[[1, 2]] * 24, [[3, 4]] * 7],
              "decode_s": [], "step_s": []}
-    talker = {"ok": True, "codes": codes, "bench": {"timed": [{"decode_s": [0.004, 0.005]}]}}
+    talker = {"ok": True, "codes": codes, "bench": {"timed": _rounds((4.5,) * 6)}}
     waves = {"ok": True, "waveforms": {"c2w-0-25": [0.0, 0.5, -1.0]}}
     results = {"talker-async-on": {**talker, "async_scheduling": True}, "talker-async-off": {**talker, "async_scheduling": False},
                "code2wav-async-on": {**waves, "async_scheduling": True},
                "code2wav-async-off": {**waves, "async_scheduling": False}}
     summary = check.report(results, ["talker", "code2wav"], 0.05)
     assert summary["all_ok"], summary
-    assert summary["sets"][0]["timing"] == {"on_ms": 4.5, "off_ms": 4.5, "ratio": 1.0, "ok": True}
+    timing = summary["sets"][0]["timing"]
+    assert (timing["on_ms"], timing["off_ms"], timing["ratio"], timing["rounds"]) == (4.5, 4.5, 1.0, 6)
+    assert timing["verdict"] == "on no worse than off"
+    assert summary["sets"][1]["timing"]["verdict"] == "not measured"  # code2wav: a step per chunk
     extra = {**codes, "codes": [[[1, 2]] * 24, [[3, 4]] * 8]}  # one frame more for the stopped request
     longer = {"ok": True, "waveforms": {"c2w-0-25": [0.0, 0.5, -1.0, 0.2]}}
     bad = check.report({**results, "talker-async-on": {**talker, "codes": extra, "async_scheduling": True},

@@ -7,8 +7,11 @@ graphs on, and an `omni-sidecar serve` of the job's hook set at `job["endpoint"]
 requests (each with its own stop token ids, so some end on a stop token: the case async scheduling
 runs once more) are stepped through `LLMEngine.step()`; their tokens, finish reasons and the
 sidecar's outputs (.npy files) are the result. Then, once every engine of the run is ready, its
-timed rounds (the same requests again) in their turn (talker_engines.Turns): the wall time of a
-round over the forwards it ran (the shim's step count).
+timed rounds of `job["timed_requests"]` (of one length, no stop tokens: every request decodes to
+the end) in their turn (talker_engines.Turns): each request's decode time per token as the client
+sees it (talker_engines.drive), the same measure with async scheduling on and off, which run
+different numbers of forwards and engine steps for the same tokens; each round's forwards (the
+shim's count) and engine steps are kept beside it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from talker_engines import Turns, bench_ready, run_job  # noqa: E402
+import talker_engines  # noqa: E402
+from talker_engines import Turns, bench_ready, past_deadline, run_job  # noqa: E402
 
 
 def engine(job: dict) -> Any:
@@ -40,7 +44,7 @@ def engine(job: dict) -> Any:
     return LLMEngine.from_engine_args(args)
 
 
-def requests(job: dict, prefix: str) -> list[tuple[str, dict, Any]]:
+def requests(specs: list[dict], prefix: str) -> list[tuple[str, dict, Any]]:
     import numpy as np
     import torch
     from vllm import SamplingParams
@@ -48,7 +52,7 @@ def requests(job: dict, prefix: str) -> list[tuple[str, dict, Any]]:
     from omni_sidecar.payload import sidecar_extra_args
 
     out = []
-    for i, spec in enumerate(job["requests"]):
+    for i, spec in enumerate(specs):
         extra = None
         if "embeds_file" in spec:  # the overlay set: placeholders, the rows from the payload
             embeds = torch.from_numpy(np.load(spec["embeds_file"], allow_pickle=False))
@@ -106,22 +110,41 @@ def save_outputs(job: dict, ids: list[str]) -> dict[str, dict[str, str]]:
     return files
 
 
-def timed_rounds(llm: Any, job: dict) -> list[dict]:
-    """The same requests again, each round in its turn; ms per forward the shim counted."""
+def timed_round(llm: Any, specs: list[dict], prefix: str) -> dict:
+    """The requests through talker_engines.drive (each added with its own prompt and sampling
+    params): every request's decode time per token, and the engine steps it took."""
+    table = {rid: (prompt, params) for rid, prompt, params in requests(specs, prefix)}
+    reqs = [{"rid": rid, "max_tokens": params.max_tokens} for rid, (_, params) in table.items()]
+    return talker_engines.drive(llm, lambda req, _params: llm.add_request(req["rid"], *table[req["rid"]]), reqs)
+
+
+def forwards(llm: Any) -> int:
+    """The forwards the shim ran so far (its stats wait for the sidecar's work: read outside the timing)."""
+    return llm.collective_rpc("omni_sidecar_stats")[0]["steps"]
+
+
+def timed_rounds(llm: Any, job: dict) -> tuple[list[dict], int]:
+    """The timed requests, each round in its turn; past the run's deadline no round starts.
+    Returns the rounds and how many were cut."""
     turns = Turns(job)
-    rounds = []
+    rounds, cut = [], 0
     for spec in job["bench_sets"]:
         for r in range(spec.get("rounds", 1)):
             key = f"{job['name']}|{spec['name']}|{r}"
-            turns.wait(key)
+            if past_deadline(job):  # the others are past it too: no turn to keep
+                cut += 1
+                continue
+            waited = turns.wait(key)
             try:
-                before = llm.collective_rpc("omni_sidecar_stats")[0]["steps"]
-                run = drive(llm, requests(job, f"{spec['name']}-{r}-"))
-                steps = llm.collective_rpc("omni_sidecar_stats")[0]["steps"] - before - 1  # less the notice's
+                before = forwards(llm)
+                start_unix = time.time()
+                run = timed_round(llm, job["timed_requests"], f"{spec['name']}-{r}-")
+                ran = forwards(llm) - before
             finally:
                 turns.done(key)
-            rounds.append({"wall_s": run["wall_s"], "steps": steps, "ms_per_step": 1e3 * run["wall_s"] / max(steps, 1)})
-    return rounds
+            rounds.append({"decode_s": run["decode_s"], "steps": len(run["step_s"]), "forwards": ran,
+                           "wall_s": sum(run["step_s"]), "start_unix": start_unix, "turn_wait_s": waited})
+    return rounds, cut
 
 
 def llama_job(job: dict, result: dict) -> None:
@@ -129,12 +152,14 @@ def llama_job(job: dict, result: dict) -> None:
     llm = engine(job)
     result["start_s"] = time.monotonic() - t0
     result["async_scheduling"] = bool(getattr(llm.vllm_config.scheduler_config, "async_scheduling", False))
-    drive(llm, requests(job, "warm-"))  # compiles and warms what the first round would
-    run = drive(llm, requests(job, "check-"))
+    drive(llm, requests(job["requests"], "warm-"))  # compiles and warms what the first round would
+    run = drive(llm, requests(job["requests"], "check-"))
     run["outputs"] = save_outputs(job, run["ids"])
     result["run"] = run
+    # The timed batch once, short and untimed: its batch sizes met before the rounds.
+    timed_round(llm, [{**r, "max_tokens": talker_engines.WARM_SET_TOKENS} for r in job["timed_requests"]], "warm-timed-")
     bench_ready(job)
-    result["rounds"] = timed_rounds(llm, job)
+    result["rounds"], result["bench_rounds_cut"] = timed_rounds(llm, job)
     result["shim_stats"] = llm.collective_rpc("omni_sidecar_stats")
 
 

@@ -332,11 +332,13 @@ def bench(engine: Any, add: Any, job: dict) -> tuple[dict, int]:
             reqs = talker_requests(spec["reqs"], f"{spec['name']}-{r}-")
             waited = turns.wait(key)
             try:
+                start_unix = time.time()
                 run = drive(engine, add, reqs, spec.get("temperature", 0.0))
             finally:
                 turns.done(key)
             results[spec["name"]].append({"decode_s": run["decode_s"], "steps": len(run["step_s"]),
-                                          "wall_s": sum(run["step_s"]), "turn_wait_s": waited})
+                                          "wall_s": sum(run["step_s"]), "start_unix": start_unix,
+                                          "turn_wait_s": waited})
     spec = next((s for s in job["bench_sets"] if s["name"] == prof.get("set")), None)
     if spec is not None and job["name"] in job.get("profiled", []) and not past_deadline(job):
         key = f"{job['name']}|{spec['name']}|profile"
