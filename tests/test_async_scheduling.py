@@ -43,14 +43,14 @@ class PendingOutput:
         self.waited += 1
 
 
-@pytest.fixture
-def link(tmp_path):
+def _open_link(tmp_path, hooks: str, **settings):
+    """A SidecarLink over the shim's real connection and rings to a sidecar serving `hooks`; returns
+    (link, sidecar)."""
     from worker_shim.config import RingConfig
     from worker_shim.step.link import SidecarLink
     from worker_shim.wire.connection import SidecarConnection
 
-    sidecar = SidecarProcess(f"ipc://{tmp_path}/sc.sock", "tests.support.slow_reader_hooks:SlowReaderHooks",
-                             tmp_path / "sidecar.log")
+    sidecar = SidecarProcess(f"ipc://{tmp_path}/sc.sock", hooks, tmp_path / "sidecar.log")
     hello = Hello(PROTOCOL_MAJOR, PROTOCOL_MINOR, "test", "none", "cpu", 0, 1, "m", HIDDEN, "float32", 64, [],
                   pid=os.getpid())
 
@@ -58,9 +58,18 @@ def link(tmp_path):
         return SidecarConnection(endpoint, 10.0, msgspec.structs.replace(hello, resume_token=resume_token),
                                  1 << 16, SLOTS, arena_prefix="omni-test-async", ring=RingConfig())
 
-    conn = connect()
-    conn.connect(10.0)
-    link = SidecarLink(connect, conn, length_finishes=False)
+    try:
+        conn = connect()
+        conn.connect(10.0)
+    except BaseException:
+        sidecar.stop()
+        raise
+    return SidecarLink(connect, conn, **settings), sidecar
+
+
+@pytest.fixture
+def link(tmp_path):
+    link, sidecar = _open_link(tmp_path, "tests.support.slow_reader_hooks:SlowReaderHooks", length_finishes=False)
     try:
         yield link
     finally:
@@ -97,6 +106,40 @@ def test_no_step_waits_for_the_sidecars_work_on_the_step_before(link):
     assert sum(o.waited for o in outputs) == 0  # no sampled ids read while the engine runs
     stats = link.stats()
     assert stats["steps"] == 12 and stats["blocking_exchanges"] == 0 and stats["losses"] == 0
+
+
+def test_the_pass_through_step_path_reads_no_device_value_with_async_scheduling_on(tmp_path):
+    """The pass-through set's steps as the worker runs them with async scheduling on (length finishes
+    watched, stop tokens, the AsyncOutput of each step): the batch's input ids and the hidden rows
+    are meta tensors, whose every host read (`.cpu()`, `.item()`, `.tolist()`, truth value) raises,
+    and no AsyncOutput is waited for. A step then neither syncs the device nor waits for one."""
+    link, sidecar = _open_link(tmp_path, "passthrough", async_scheduling=True)
+    try:
+        req_ids = [f"cmpl-{i}-abcdef12" for i in range(4)]
+        link.note_new([SimpleNamespace(req_id=r, prompt_token_ids=[1, 2, 3], prompt_len=3,
+                                       sampling_params=SimpleNamespace(extra_args=None, stop_token_ids=[7],
+                                                                       eos_token_id=None, max_tokens=6))
+                       for r in req_ids])
+        outputs = []
+        for step in range(8):
+            finished = set(req_ids) if step == 6 else set()  # vLLM's notices of the length finishes
+            link.note_finished(finished, None)
+            link.begin_step()
+            state = decode_state(req_ids if step < 6 else [], step, torch.empty((4, HIDDEN), device="meta"))
+            state.input_batch.input_ids = torch.empty(4, dtype=torch.int64, device="meta")
+            with pytest.raises(NotImplementedError):  # what any host read of them does
+                state.input_batch.input_ids.tolist()
+            assert link.pre_forward(state.input_batch, None) == {}
+            link.end_step(state)
+            outputs.append(PendingOutput(state.input_batch.req_ids, 7 if step == 4 else 5))
+            link.note_sampled(outputs[-1])
+        stats = link.stats()
+        assert stats["steps"] == 8 and stats["blocking_exchanges"] == 0 and stats["losses"] == 0
+        assert stats["finished_requests"] == 4
+        assert sum(o.waited for o in outputs) == 0  # no sampled ids read while the engine runs
+    finally:
+        link.close()
+        sidecar.stop()
 
 
 # -- deploy/gpu/async_scheduling.py: the GPU check's argument handling and comparison, on made-up results
