@@ -191,7 +191,7 @@ def test_the_gpu_checks_arguments_and_plan(capsys):
     assert len(check.engine_specs(check.SETS)) == 12
     assert check.parse(["--plan"]).rounds == check.ROUNDS >= 6
     for bad in (["--plan", "--sets", "capture,nope"], ["--sets", "capture"], ["--out", "x", "--sets", "talker"],
-                ["--plan", "--rounds", "0"]):
+                ["--plan", "--rounds", "0"], ["--plan", "--tokens", "4"], ["--plan", "--tokens", "1000"]):
         with pytest.raises(SystemExit):
             check.parse(bad)
 
@@ -227,6 +227,11 @@ def test_the_gpu_checks_timed_rounds_alternate_each_sets_engines_and_time_the_sa
             assert all(("embeds_file" in r) == name.startswith("overlay") for r in reqs)
         assert len(reqs) == check.TIMED_REQUESTS
         assert all(r["max_tokens"] == check.TIMED_TOKENS and not r.get("stop_token_ids") for r in reqs)
+    longer = check.parse(["--out", str(tmp_path), "--tts-model", "tts", "--tokens", "128"])
+    for spec in (specs[0], specs[-4]):  # a Llama set's engine, the talker's
+        job = check.job_for({**spec, "endpoint": "ipc://x"}, longer, "llama", embeds, len(specs), 123.0)
+        reqs = job.get("timed_requests") or job["bench_sets"][0]["reqs"]
+        assert {r["max_tokens"] for r in reqs} == {128}
 
 
 def test_the_gpu_check_passes_identical_results_and_names_what_differs(tmp_path):

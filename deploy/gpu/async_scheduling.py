@@ -16,7 +16,7 @@ waveform within 5% of its peak); at least one request ended on a stop token wher
 stop tokens; each engine ran as asked (on / off). A set passes on these.
 
 Timing (every set but code2wav, a step per chunk): timed rounds of TIMED_REQUESTS requests of
-TIMED_TOKENS tokens each (no stop tokens), every engine's round in its turn, the turns of a set's two
+`--tokens` tokens each (no stop tokens), every engine's round in its turn, the turns of a set's two
 engines adjacent and their order reversed every other round (ABBA; talker_engines.Turns). The
 measure is the same for both modes: each request's decode time per token as its client sees it
 (talker_engines.drive), a round's figure their median; async scheduling runs another number of
@@ -66,10 +66,12 @@ TALKER_WARMUP = [dict(text_len=4, streaming=True, max_tokens=4, seed=90),
 CODE2WAV_REQUESTS = [dict(frames=n, seed=s) for n, s in ((40, 1), (75, 2))]
 CODE2WAV_CHUNKINGS = [{"codec_chunk_frames": 25, "codec_left_context_frames": 72}]
 # The timed rounds: a round decodes TIMED_TOKENS steps of TIMED_REQUESTS requests (~0.2-0.4 s on the
-# H200 for the tiny models, far above the turn hand-over's ms), ROUNDS of them by default.
+# H200 for the tiny models, ~3 ms a step: far above the turn hand-over's ms), ROUNDS of them by
+# default (~3 s a round for the ten timed engines).
 TIMED_REQUESTS = 16
 TIMED_TOKENS = 64
-ROUNDS = 8
+MAX_TIMED_TOKENS = 400  # the engines' max_model_len (512) less the longest prompt (PROMPT_LENS)
+ROUNDS = 10
 MIN_ROUNDS = 4  # fewer paired rounds resolve nothing
 REPORT_S = 30  # of --limit-s, kept for the engines' results and the report once the rounds are cut
 TIMED_SETS = [s for s in SETS if s != "code2wav"]
@@ -85,16 +87,16 @@ def llama_requests(embeds_files: list[str] | None) -> list[dict]:
              **({"stop_token_ids": LLAMA_STOPS} if i % 2 == 0 else {})} for i, n in enumerate(PROMPT_LENS)]
 
 
-def llama_timed_requests(embeds_files: list[str] | None) -> list[dict]:
-    """TIMED_REQUESTS requests of TIMED_TOKENS tokens, no stop tokens: the prompt lengths (or, for
-    the overlay set, the embeds files) in turn."""
+def llama_timed_requests(embeds_files: list[str] | None, tokens: int = TIMED_TOKENS) -> list[dict]:
+    """TIMED_REQUESTS requests of `tokens` tokens, no stop tokens: the prompt lengths (or, for the
+    overlay set, the embeds files) in turn."""
     import numpy as np
 
     if embeds_files is not None:
-        return [{"embeds_file": embeds_files[i % len(embeds_files)], "max_tokens": TIMED_TOKENS}
+        return [{"embeds_file": embeds_files[i % len(embeds_files)], "max_tokens": tokens}
                 for i in range(TIMED_REQUESTS)]
     rng = np.random.default_rng(2)
-    return [{"token_ids": rng.integers(4, 380, PROMPT_LENS[i % len(PROMPT_LENS)]).tolist(), "max_tokens": TIMED_TOKENS}
+    return [{"token_ids": rng.integers(4, 380, PROMPT_LENS[i % len(PROMPT_LENS)]).tolist(), "max_tokens": tokens}
             for i in range(TIMED_REQUESTS)]
 
 
@@ -110,7 +112,7 @@ def job_for(spec: dict, args: argparse.Namespace, llama: str, embeds_files: list
     two adjacent (on, off): Turns runs them so, reversed every other round."""
     timed = [s for s in engine_specs(args.sets) if s["set"] in TIMED_SETS]
     bench = [{"name": "timed", "rounds": args.rounds, "temperature": 0.0,
-              "reqs": [dict(text_len=16 + (i % 5) * 4, streaming=True, max_tokens=TIMED_TOKENS, seed=100 + i)
+              "reqs": [dict(text_len=16 + (i % 5) * 4, streaming=True, max_tokens=args.tokens, seed=100 + i)
                        for i in range(TIMED_REQUESTS)]}]
     # vllm-omni is installed beside vLLM here: its plugin would patch every engine (the shim refuses that)
     env = {"CUDA_VISIBLE_DEVICES": args.gpu, "VLLM_USE_V2_MODEL_RUNNER": 1, "VLLM_PLUGINS": "omni_sidecar_shim"}
@@ -120,7 +122,7 @@ def job_for(spec: dict, args: argparse.Namespace, llama: str, embeds_files: list
     if spec["set"] in LLAMA_SETS:
         overlay = embeds_files if spec["set"] == "overlay" else None
         return {**common, "kind": "shim", "model": llama, "async": spec["async"],
-                "requests": llama_requests(overlay), "timed_requests": llama_timed_requests(overlay)}
+                "requests": llama_requests(overlay), "timed_requests": llama_timed_requests(overlay, args.tokens)}
     tts = {**common, "kind": "shim", "model": args.tts_model, "engine_overrides": {"async_scheduling": spec["async"]},
            "shim_settings": {}, "profile": None, "max_num_seqs": TIMED_REQUESTS, "max_num_batched_tokens": 64}
     if spec["set"] == "talker":
@@ -261,10 +263,9 @@ def report(results: dict[str, dict], sets: list[str], tolerance: float) -> dict:
     timed = [r["timing"]["verdict"] for r in rows if r["set"] in TIMED_SETS]
     return {"sets": rows, "all_ok": bool(rows) and all(r["ok"] for r in rows), "tolerance": tolerance,
             "timing_verdicts": {v: timed.count(v) for v in dict.fromkeys(timed)},
-            "timing_is": f"decode time per token a client sees (each round: its requests' median; "
-                         f"{TIMED_REQUESTS} requests x {TIMED_TOKENS} tokens), async on / off per round "
-                         f"(rounds alternate on, off / off, on): median, min..max, bootstrap 95 % interval; "
-                         f"'on no worse than off' when the interval's upper end <= {1 + tolerance:g}"}
+            "timing_is": f"decode time per token a client sees (each round: its requests' median), async "
+                         f"on / off per round (rounds alternate on, off / off, on): median, min..max, bootstrap "
+                         f"95 % interval; 'on no worse than off' when the interval's upper end <= {1 + tolerance:g}"}
 
 
 def table(summary: dict) -> str:
@@ -328,6 +329,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tts-model", default="", help="the tiny Qwen3-TTS checkpoint (python -m tests.tiny_models.qwen3_tts)")
     ap.add_argument("--sets", default=",".join(SETS), help=f"comma-separated, of {', '.join(SETS)}")
     ap.add_argument("--rounds", type=int, default=ROUNDS, help="timed rounds per engine")
+    ap.add_argument("--tokens", type=int, default=TIMED_TOKENS,
+                    help=f"tokens of each of the {TIMED_REQUESTS} requests of a timed round")
     ap.add_argument("--tolerance", type=float, default=0.05, help="on may be this much slower than off")
     ap.add_argument("--limit-s", type=float, default=300, help="the engines' wall time, start-up included")
     ap.add_argument("--gpu", default="0")
@@ -339,6 +342,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"unknown set(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(SETS)}")
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    if not 8 <= args.tokens <= MAX_TIMED_TOKENS:
+        ap.error(f"--tokens must be 8..{MAX_TIMED_TOKENS}")
     if not args.plan and not args.out:
         ap.error("--out is required")
     if not args.plan and any(s in ("talker", "code2wav") for s in args.sets) and not args.tts_model:
@@ -359,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     from parity import run_commit, run_versions
 
     summary.update(versions=run_versions(), commit=run_commit(), wall_s=round(time.monotonic() - t0, 1),
-                   rounds_asked=args.rounds,
+                   rounds_asked=args.rounds, timed_requests=TIMED_REQUESTS, timed_tokens=args.tokens,
                    engines={name: {k: res.get(k) for k in ("ok", "error", "start_s", "async_scheduling",
                                                             "bench_rounds_cut")}
                             for name, res in results.items()})
