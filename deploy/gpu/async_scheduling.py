@@ -210,22 +210,24 @@ def compare_set(name: str, on: dict, off: dict) -> dict:
     return {"set": name, "ok": not failures, "failures": failures, "figures": figures}
 
 
-def timed_rounds(name: str, res: dict) -> list[dict]:
+def round_figures(name: str, res: dict) -> list[dict]:
     """An engine's timed rounds, in order: each round's decode time per token (the median of its
-    requests', ms), when it started, and the engine steps (and, Llama sets, forwards) it took;
+    requests', ms), when it started, its wall time in the engine's steps, and the engine steps (and,
+    Llama sets, forwards) it took;
     [] for code2wav (a step per chunk, nothing to time) or a failed engine."""
     if not res.get("ok"):
         return []
     rounds = (res.get("bench") or {}).get("timed", []) if name == "talker" else res.get("rounds") or []
     return [{"decode_ms": round(1e3 * statistics.median(r["decode_s"]), 4) if r.get("decode_s") else None,
-             "start_unix": r.get("start_unix"), "steps": r.get("steps"), "forwards": r.get("forwards")}
+             "start_unix": r.get("start_unix"), "wall_s": round(r["wall_s"], 4) if r.get("wall_s") else None,
+             "steps": r.get("steps"), "forwards": r.get("forwards")}
             for r in rounds]
 
 
 def timing(name: str, on: dict, off: dict, tolerance: float) -> dict:
     """On against off over the rounds both ran: the per-round ratios, their median, min..max and
     bootstrap 95 % interval, the verdict (module docstring), and every round's figures."""
-    a, b = timed_rounds(name, on), timed_rounds(name, off)
+    a, b = round_figures(name, on), round_figures(name, off)
     pairs = [(x, y) for x, y in zip(a, b) if x["decode_ms"] and y["decode_ms"]]
     out: dict[str, Any] = {"on_rounds": a, "off_rounds": b, "rounds": len(pairs), "ratio": None, "verdict": "not measured"}
     if not pairs:  # code2wav: nothing to time; else an engine failed (its failure says so) or no round ran
