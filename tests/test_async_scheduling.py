@@ -234,6 +234,56 @@ def test_the_gpu_checks_timed_rounds_alternate_each_sets_engines_and_time_the_sa
         assert {r["max_tokens"] for r in reqs} == {128}
 
 
+def test_the_gpu_checks_llama_engines_time_their_rounds_in_turn_and_a_deadline_cuts_them_alike(tmp_path, monkeypatch):
+    """async_engines.timed_rounds of a set's two engines side by side (threads), the round itself
+    faked: on, off, then off, on; each round's forwards counted; the deadline passes after the second
+    round: both keep two rounds, neither waits a whole turn timeout for the other."""
+    import importlib.util
+    import threading
+    import time
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # what the engine script sets, restored after
+    spec = importlib.util.spec_from_file_location("async_engines_check", ROOT / "deploy/gpu/async_engines.py")
+    engines = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(engines)
+    started: list[str] = []
+
+    class Engine:
+        def __init__(self, name: str) -> None:
+            self.name, self.forwards = name, 0
+
+        def collective_rpc(self, method: str) -> list[dict]:
+            assert method == "omni_sidecar_stats"
+            return [{"steps": self.forwards}]
+
+    def timed_round(llm, specs, prefix):
+        started.append(f"{llm.name}|{prefix}")
+        time.sleep(0.01)
+        llm.forwards += 7
+        return {"decode_s": [0.004], "step_s": [0.001] * 5}
+
+    monkeypatch.setattr(engines, "timed_round", timed_round)
+    monkeypatch.setattr(engines, "past_deadline", lambda job: sum(s.endswith("-1-") for s in started) >= 2)
+    names = ["p-async-on", "p-async-off"]
+    results = {}
+
+    def run(name):
+        job = {"workdir": str(tmp_path), "name": name, "engines": names, "turn_wait_s": 20, "timed_requests": [],
+               "bench_sets": [{"name": "timed", "rounds": 4}]}
+        results[name] = engines.timed_rounds(Engine(name), job)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert started == ["p-async-on|timed-0-", "p-async-off|timed-0-", "p-async-off|timed-1-", "p-async-on|timed-1-"]
+    for rounds, cut in results.values():
+        assert len(rounds) == 2 and cut == 2
+        assert [r["forwards"] for r in rounds] == [7, 7] and all(r["steps"] == 5 for r in rounds)
+        assert all(r["turn_wait_s"] < 10 for r in rounds)
+
+
 def test_the_gpu_check_passes_identical_results_and_names_what_differs(tmp_path):
     check = _gpu_check()
     same = check.report({"capture-async-on": _llama_result(tmp_path, "a", True, [5, 3]),

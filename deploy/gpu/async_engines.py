@@ -131,10 +131,11 @@ def timed_rounds(llm: Any, job: dict) -> tuple[list[dict], int]:
     for spec in job["bench_sets"]:
         for r in range(spec.get("rounds", 1)):
             key = f"{job['name']}|{spec['name']}|{r}"
-            if past_deadline(job):  # the others are past it too: no turn to keep
+            waited = 0.0 if past_deadline(job) else turns.wait(key)
+            if past_deadline(job):  # no round starts past it, also after a wait: the others skip our turns
+                turns.leave(job["name"])
                 cut += 1
                 continue
-            waited = turns.wait(key)
             try:
                 before = forwards(llm)
                 start_unix = time.time()

@@ -271,6 +271,10 @@ class Turns:
         if key in self.order:
             self._advance(self.order.index(key) + 1)
 
+    def leave(self, engine: str) -> None:
+        """`engine` takes no more turns (gone, or past the run's deadline): the others skip them."""
+        (self.work / f"gone-{engine}").touch()
+
 
 def start_profile(job: dict) -> Any:
     """py-spy on this process (and on its sidecar, `sidecar_pid`) for `profile["seconds"]` (whole
@@ -326,11 +330,12 @@ def bench(engine: Any, add: Any, job: dict) -> tuple[dict, int]:
             if r >= spec.get("rounds", 1):
                 continue
             key = f"{job['name']}|{spec['name']}|{r}"
-            if past_deadline(job):  # the others are past it too: no turn to keep
+            waited = 0.0 if past_deadline(job) else turns.wait(key)
+            if past_deadline(job):  # no round starts past it, also after a wait: the others skip our turns
+                turns.leave(job["name"])
                 cut += 1
                 continue
             reqs = talker_requests(spec["reqs"], f"{spec['name']}-{r}-")
-            waited = turns.wait(key)
             try:
                 start_unix = time.time()
                 run = drive(engine, add, reqs, spec.get("temperature", 0.0))
@@ -374,7 +379,7 @@ def run_job(job_path: str, result_path: str, work: Callable[[dict, dict], None])
         mark_ready(job)
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()[-6000:]
-    Path(job["workdir"], f"gone-{job['name']}").touch()
+    Path(job["workdir"], f"gone-{job['name']}").touch()  # as Turns.leave: the others skip its turns
     Path(result_path).write_text(json.dumps(result))
     sys.stdout.flush()
     os._exit(0)
