@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import talker_engines  # noqa: E402
-from talker_engines import Turns, bench_ready, past_deadline, run_job  # noqa: E402
+from talker_engines import Turns, bench_ready, run_job  # noqa: E402
 
 
 def engine(job: dict) -> Any:
@@ -131,9 +131,8 @@ def timed_rounds(llm: Any, job: dict) -> tuple[list[dict], int]:
     for spec in job["bench_sets"]:
         for r in range(spec.get("rounds", 1)):
             key = f"{job['name']}|{spec['name']}|{r}"
-            waited = 0.0 if past_deadline(job) else turns.wait(key)
-            if past_deadline(job):  # no round starts past it, also after a wait: the others skip our turns
-                turns.leave(job["name"])
+            waited = turns.take(key)
+            if waited is None:  # past the deadline: the others are too, or skip our turns
                 cut += 1
                 continue
             try:

@@ -225,6 +225,7 @@ class Turns:
     wait longer than `turn_wait_s` runs the round anyway (a slow engine may then overlap another's)."""
 
     def __init__(self, job: dict) -> None:
+        self.job = job
         self.work = Path(job["workdir"])
         engines = list(job["engines"])
         sets = job["bench_sets"]
@@ -274,6 +275,15 @@ class Turns:
     def leave(self, engine: str) -> None:
         """`engine` takes no more turns (gone, or past the run's deadline): the others skip them."""
         (self.work / f"gone-{engine}").touch()
+
+    def take(self, key: str) -> float | None:
+        """`wait` for `key`'s turn, unless the run's deadline passed (before or while waiting): then no
+        round starts, this engine leaves the turns and None comes back; else the seconds waited."""
+        waited = 0.0 if past_deadline(self.job) else self.wait(key)
+        if past_deadline(self.job):
+            self.leave(key.split("|")[0])
+            return None
+        return waited
 
 
 def start_profile(job: dict) -> Any:
@@ -330,9 +340,8 @@ def bench(engine: Any, add: Any, job: dict) -> tuple[dict, int]:
             if r >= spec.get("rounds", 1):
                 continue
             key = f"{job['name']}|{spec['name']}|{r}"
-            waited = 0.0 if past_deadline(job) else turns.wait(key)
-            if past_deadline(job):  # no round starts past it, also after a wait: the others skip our turns
-                turns.leave(job["name"])
+            waited = turns.take(key)
+            if waited is None:  # past the deadline: the others are too, or skip our turns
                 cut += 1
                 continue
             reqs = talker_requests(spec["reqs"], f"{spec['name']}-{r}-")
