@@ -244,6 +244,58 @@ def test_a_reconnect_attempt_without_welcome_is_replaced_after_the_retry_window(
     assert link.conn is fresh and link.recovery.reconnects == 1
 
 
+def test_a_reconnect_attempt_whose_sidecar_went_away_unanswered_is_replaced_at_once():
+    """Its Hello went with the connection: waiting out the retry window would wait for nothing."""
+    silent, fresh = FakeConnection(ready=False), FakeConnection()
+    link, first = served_link("fail-all", Factory(silent, fresh))
+    first.gone = True
+    link.begin_step()
+    link.end_step(None)
+    silent.gone = True
+    run_step(link, [])
+    assert silent.hello_sent and silent.closed and link.recovery.state == "lost"
+    run_step(link, [])
+    assert link.conn is fresh and link.recovery.reconnects == 1
+
+
+def test_an_idle_link_takes_up_a_restarted_sidecar_and_tells_it_the_failures_at_once():
+    second = FakeConnection()
+    link, first = served_link("fail-all", Factory(second))
+    first.gone = True
+    link.begin_step()  # lost: "plain" and "carrier" fail
+    link.end_step(None)
+    assert link.reconnect_idle() and link.conn is second and link.recovery.reconnects == 1
+    (end,) = second.sent  # no step ran: a StepEnd of no forward carries them
+    assert {e.req_id for e in end.failed} == {"plain", "carrier"} and end.batch is None and end.num_tokens == 0
+    assert link.failures.pending == []
+    run_step(link, [])
+    assert second.sent[-1].step == end.step + 1  # the next step numbers on
+
+
+def test_an_idle_reconnect_leaves_a_step_in_progress_and_a_live_sidecar_alone():
+    link, first = served_link()
+    assert link.reconnect_idle() and link.conn is first and first.sent[-1].step == 0
+    silent = FakeConnection(ready=False)
+    link, first = served_link("fail-all", Factory(silent))
+    first.gone = True
+    link.begin_step()  # in the step: left to its end
+    assert not link.reconnect_idle() and not silent.hello_sent
+    link.end_step(None)
+    assert not link.reconnect_idle() and silent.hello_sent and link.failures.pending
+
+
+def test_failures_an_idle_reconnect_could_not_send_wait_for_the_next_sidecar():
+    broken, fresh = FakeConnection(), FakeConnection()
+    broken.fail_send = SidecarError("omni-sidecar closed the connection")
+    link, first = served_link("fail-all", Factory(broken, fresh))
+    first.gone = True
+    link.begin_step()
+    link.end_step(None)
+    assert not link.reconnect_idle() and broken.closed and link.recovery.state == "lost"
+    assert {e.req_id for e in link.failures.pending} == {"plain", "carrier"}
+    assert link.reconnect_idle() and {e.req_id for e in fresh.sent[-1].failed} == {"plain", "carrier"}
+
+
 def test_switch_to_moves_the_session_to_the_successor_at_the_next_step_boundary():
     successor = FakeConnection(endpoint="ipc:///nonexistent/successor.sock")
     factory = Factory(successor)

@@ -13,7 +13,9 @@ or sends garbage is dropped at once; vLLM keeps serving. The requests it was
 serving fail explicitly (logged, in `omni_sidecar_stats`, and reported to the
 next sidecar so clients get `RequestFailed`); which others fail meanwhile is
 the `loss_policy`. The shim reconnects in the background (a Hello waits in
-the socket until a sidecar binds) and switches over at a step boundary.
+the socket until a sidecar binds) and switches over at a step boundary, or
+between steps when asked (`SidecarLink.reconnect_idle`: an idle engine runs no
+step, and the failures wait for the next sidecar).
 
 The link's steady step never calls in here: it enters only when its port reports a
 loss or a hand-over, at a step boundary (no port, a kept SwitchAck, a result's
@@ -273,8 +275,11 @@ class Recovery:
                 "reported to it", pending.endpoint, pending.hook_set, pending.welcome.session,
                 len(self.failures.pending),
             )
-        elif time.monotonic() - pending.started > RETRY_AFTER_S:
-            pending.close()  # a fresh socket and arena next step
+        elif pending.channel.peer_gone() or time.monotonic() - pending.started > RETRY_AFTER_S:
+            # Unanswered: a Hello sent to a sidecar that went away before answering is lost with its
+            # connection (ZeroMQ does not send it again to the next one), so a fresh socket and arena
+            # next time; one that never connected is tried again after the retry window.
+            pending.close()
             self._pending = None
 
     def close(self) -> None:

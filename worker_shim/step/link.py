@@ -204,6 +204,21 @@ class SidecarLink:
             return 0
         return len(port.channel.mirror_updates)
 
+    def reconnect_idle(self) -> bool:
+        """Between steps, while the sidecar is lost: take up one that was started again now, not at the
+        next step (an idle engine runs none), and tell it at once how the requests its predecessor's
+        loss ended failed, so their clients learn it while vLLM idles. True when connected."""
+        if self._in_step or self.conn is not None:
+            return self.conn is not None
+        if not self.recovery.reconnect_now():
+            return False
+        port = self.conn
+        try:
+            self._send_notices(port, [])
+        except (SidecarError, ValueError) as exc:
+            self.recovery.lose(f"between steps: {exc}")
+        return self.conn is not None
+
     def ask_early(self, input_batch: Any, bridge: ModelBridge | None = None) -> None:
         """The StepBegin, sent as soon as vLLM has built the step's batch (the runner's
         `prepare_inputs`), when the batch needs a plan; `pre_forward` takes the plan."""
@@ -379,6 +394,21 @@ class SidecarLink:
             self._last_post_us = post_us = (time.perf_counter() - t0) * 1e6
             counters.record_timing(counters.post_us, post_us)
 
+    def _send_notices(self, port: RecoveryPort, failed: list[RequestError]) -> None:
+        """Between steps: a StepEnd of no forward with the queued notices and failures (and `failed`),
+        and one round trip behind it. SidecarError or ValueError when the sidecar could not take it
+        (the queued failures kept for the next one)."""
+        new, finished, preempted = self.notices.take()
+        pending = self.failures.take_pending()
+        try:
+            port.send(StepEnd(step=self.step, new_requests=new, finished=finished, preempted=preempted,
+                              failed=pending + failed))
+        except (SidecarError, ValueError):
+            self.failures.pending[:0] = pending
+            raise
+        self.step += 1
+        self.flush()
+
     # -- results and stats ---------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -412,12 +442,8 @@ class SidecarLink:
             message = "vLLM shut down before the request finished"
             cut_short = [RequestError(r, message[:ERROR_TEXT_MAX]) for r in live if r not in completed]
             self.requests.note_finished(live, ())
-            new, finished, preempted = self.notices.take()
             try:
-                port.send(StepEnd(step=self.step, new_requests=new, finished=finished, preempted=preempted,
-                                  failed=self.failures.take_pending() + cut_short))
-                self.step += 1
-                self.flush()
+                self._send_notices(port, cut_short)
             except (SidecarError, ValueError) as exc:
                 log.warning("could not tell the sidecar how %d live request(s) ended: %s", len(live), exc)
             log.info("shutdown: told the sidecar %d live request(s) completed, %d were cut short",
