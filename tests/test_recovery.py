@@ -9,6 +9,7 @@ comes in answer to the step's StepStart; connected -> lost on an unanswered Step
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -275,13 +276,29 @@ def test_an_idle_link_takes_up_a_restarted_sidecar_and_tells_it_the_failures_at_
 def test_an_idle_reconnect_leaves_a_step_in_progress_and_a_live_sidecar_alone():
     link, first = served_link()
     assert link.reconnect_idle() and link.conn is first and first.sent[-1].step == 0
-    silent = FakeConnection(ready=False)
-    link, first = served_link("fail-all", Factory(silent))
+    silent, still_silent = FakeConnection(ready=False), FakeConnection(ready=False)
+    link, first = served_link("fail-all", Factory(silent, still_silent))
     first.gone = True
     link.begin_step()  # in the step: left to its end
     assert not link.reconnect_idle() and not silent.hello_sent
     link.end_step(None)
-    assert not link.reconnect_idle() and silent.hello_sent and link.failures.pending
+    assert not link.reconnect_idle() and link.failures.pending  # no sidecar answers: still lost
+    assert silent.closed and still_silent.hello_sent and still_silent.closed  # each tried, then given up
+
+
+def test_an_idle_reconnect_whose_pending_hello_went_unanswered_tries_a_fresh_one_at_once():
+    """A step sent the Hello before the sidecar was up and it never reached it: asked between
+    steps (the supervisor knows the sidecar answers), a fresh attempt follows in the same call."""
+    silent, fresh = FakeConnection(ready=False), FakeConnection()
+    silent.started = time.monotonic()  # within its retry window
+    link, first = served_link("fail-all", Factory(silent, fresh))
+    first.gone = True
+    link.begin_step()
+    link.end_step(None)
+    run_step(link, [])  # a step's attempt: its Hello unanswered
+    assert silent.hello_sent and not silent.closed
+    assert link.reconnect_idle() and silent.closed and link.conn is fresh
+    assert {e.req_id for e in fresh.sent[-1].failed} == {"plain", "carrier"}
 
 
 def test_failures_an_idle_reconnect_could_not_send_wait_for_the_next_sidecar():

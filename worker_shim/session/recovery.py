@@ -48,6 +48,7 @@ from worker_shim.step.port import Connect, RecoveryPort
 log = logging.getLogger("vllm.omni_sidecar.shim.recovery")
 RETRY_AFTER_S = 10.0
 RECONNECT_WAIT_MS = 200
+IDLE_RECONNECT_WAIT_MS = 1000  # between steps, a sidecar known to answer: its Welcome within this
 MIN_SWITCH_CONNECT_S = 5.0
 
 RecoveryState = Literal["connected", "lost", "switching"]
@@ -170,6 +171,20 @@ class Recovery:
             self._try_reconnect()
         return self.conn is not None
 
+    def reconnect_waiting(self, wait_ms: int) -> bool:
+        """Lost, between steps, with a sidecar that answers there (its supervisor says so): wait up to
+        `wait_ms` for its Welcome. A Hello still unanswered then never reached it (the attempt's
+        connection broke before the sidecar bound, or a step already waited for this socket): one
+        fresh attempt, waited for alike. True when connected."""
+        for _ in range(2):
+            if self.state != "lost":
+                break
+            self._try_reconnect(wait_ms)
+            if self.conn is None and self._pending is not None:
+                self._pending.close()
+                self._pending = None
+        return self.conn is not None
+
     def refuse(self, req_id: str, has_payload: bool) -> None:
         """A request vLLM admitted while no sidecar was connected: fail it if the policy says so."""
         if self.loss_policy == "fail-all" or has_payload:
@@ -244,7 +259,7 @@ class Recovery:
                     raise
         raise AssertionError("unreachable")
 
-    def _try_reconnect(self) -> None:
+    def _try_reconnect(self, wait_ms: int | None = None) -> None:
         pending = self._pending
         if pending is None:
             try:
@@ -255,13 +270,15 @@ class Recovery:
                 self._pending = None
                 return
         # A freshly bound sidecar answers within milliseconds: wait that long, once per new
-        # socket, and never for the dead sidecar's leftover socket file.
-        ident = socket_identity(pending.endpoint)
-        wait = ident is not None and ident not in self._waited_sockets
-        if wait:
-            self._waited_sockets.add(ident)
+        # socket, and never for the dead sidecar's leftover socket file (`wait_ms`: as long as asked).
+        if wait_ms is None:
+            ident = socket_identity(pending.endpoint)
+            wait = ident is not None and ident not in self._waited_sockets
+            if wait:
+                self._waited_sockets.add(ident)
+            wait_ms = RECONNECT_WAIT_MS if wait else 0
         try:
-            ready = pending.poll(RECONNECT_WAIT_MS if wait else 0)
+            ready = pending.poll(wait_ms)
         except (SidecarError, ValueError) as exc:
             log.error("omni-sidecar refused the reconnect: %s", exc)
             pending.close()

@@ -32,7 +32,7 @@ from proto.settings import ERROR_TEXT_MAX, TIMINGS_KEPT
 from worker_shim.config import EmbedsSetting, LossPolicy
 from worker_shim.errors import SidecarError
 from worker_shim.model.bridge import ModelBridge
-from worker_shim.session.recovery import STEP_FAILURES, Recovery
+from worker_shim.session.recovery import IDLE_RECONNECT_WAIT_MS, STEP_FAILURES, Recovery
 from worker_shim.session.requests import FailureReports, SessionRequests
 from worker_shim.step.batch import BatchReader, PayloadTracker, new_request, payload_of
 from worker_shim.step.finishes import FinishWatch
@@ -205,12 +205,13 @@ class SidecarLink:
         return len(port.channel.mirror_updates)
 
     def reconnect_idle(self) -> bool:
-        """Between steps, while the sidecar is lost: take up one that was started again now, not at the
-        next step (an idle engine runs none), and tell it at once how the requests its predecessor's
-        loss ended failed, so their clients learn it while vLLM idles. True when connected."""
+        """Between steps, while the sidecar is lost: take up one that was started again and answers
+        (its supervisor asks) now, not at the next step (an idle engine runs none), and tell it at
+        once how the requests its predecessor's loss ended failed, so their clients learn it while
+        vLLM idles. True when connected."""
         if self._in_step or self.conn is not None:
             return self.conn is not None
-        if not self.recovery.reconnect_now():
+        if not self.recovery.reconnect_waiting(IDLE_RECONNECT_WAIT_MS):
             return False
         port = self.conn
         try:
