@@ -273,6 +273,21 @@ def test_an_idle_link_takes_up_a_restarted_sidecar_and_tells_it_the_failures_at_
     assert second.sent[-1].step == end.step + 1  # the next step numbers on
 
 
+def test_a_sidecar_gone_while_vllm_idled_is_replaced_between_steps():
+    second = FakeConnection()
+    link, first = served_link("fail-all", Factory(second))
+    first.gone = True  # no step ran since
+    assert link.reconnect_idle() and first.closed and link.conn is second
+    assert link.recovery.losses == 1 and {e.req_id for e in second.sent[-1].failed} == {"plain", "carrier"}
+
+
+def test_an_idle_reconnect_leaves_a_session_handed_over_to_the_next_step():
+    link, first = served_link()
+    first.gone = True
+    first.results = [StepResult(step=0, switch_to="ipc:///nonexistent/successor.sock")]  # read when gone
+    assert link.reconnect_idle() and link.conn is first and link.recovery.losses == 0
+
+
 def test_an_idle_reconnect_leaves_a_step_in_progress_and_a_live_sidecar_alone():
     link, first = served_link()
     assert link.reconnect_idle() and link.conn is first and first.sent[-1].step == 0

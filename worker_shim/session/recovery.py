@@ -171,6 +171,16 @@ class Recovery:
             self._try_reconnect()
         return self.conn is not None
 
+    def drop_if_gone(self) -> None:
+        """Between steps: a sidecar that went away while vLLM idled is lost now (as the next step
+        would find it), unless it handed the session over first (the next step switches)."""
+        conn = self.conn
+        if conn is None or conn.channel.switch_ack is not None or conn.channel.switch_to:
+            return
+        if (conn.channel.peer_gone() and not self._handed_over(True) and self.conn is not None
+                and self.state != "switching"):  # its last results asked for a switch: the next step makes it
+            self.lose("the sidecar closed the connection (it crashed, was killed or stopped)")
+
     def reconnect_waiting(self, wait_ms: int) -> bool:
         """Lost, between steps, with a sidecar that answers there (its supervisor says so): wait up to
         `wait_ms` for its Welcome. A Hello still unanswered then never reached it (the attempt's

@@ -205,12 +205,15 @@ class SidecarLink:
         return len(port.channel.mirror_updates)
 
     def reconnect_idle(self) -> bool:
-        """Between steps, while the sidecar is lost: take up one that was started again and answers
-        (its supervisor asks) now, not at the next step (an idle engine runs none), and tell it at
-        once how the requests its predecessor's loss ended failed, so their clients learn it while
-        vLLM idles. True when connected."""
-        if self._in_step or self.conn is not None:
+        """Between steps, with the sidecar lost (or gone while vLLM idled): take up one that was
+        started again and answers (its supervisor asks) now, not at the next step (an idle engine
+        runs none), and tell it at once how the requests its predecessor's loss ended failed, so
+        their clients learn it while vLLM idles. True when connected."""
+        if self._in_step:
             return self.conn is not None
+        self.recovery.drop_if_gone()
+        if self.conn is not None:
+            return True
         if not self.recovery.reconnect_waiting(IDLE_RECONNECT_WAIT_MS):
             return False
         port = self.conn
