@@ -9,6 +9,7 @@ comes in answer to the step's StepStart; connected -> lost on an unanswered Step
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -242,6 +243,89 @@ def test_a_reconnect_attempt_without_welcome_is_replaced_after_the_retry_window(
     monkeypatch.setattr(recovery, "RETRY_AFTER_S", 10.0)
     run_step(link, [])
     assert link.conn is fresh and link.recovery.reconnects == 1
+
+
+def test_a_reconnect_attempt_whose_sidecar_went_away_unanswered_is_replaced_at_once():
+    """Its Hello went with the connection: waiting out the retry window would wait for nothing."""
+    silent, fresh = FakeConnection(ready=False), FakeConnection()
+    link, first = served_link("fail-all", Factory(silent, fresh))
+    first.gone = True
+    link.begin_step()
+    link.end_step(None)
+    silent.gone = True
+    run_step(link, [])
+    assert silent.hello_sent and silent.closed and link.recovery.state == "lost"
+    run_step(link, [])
+    assert link.conn is fresh and link.recovery.reconnects == 1
+
+
+def test_an_idle_link_takes_up_a_restarted_sidecar_and_tells_it_the_failures_at_once():
+    second = FakeConnection()
+    link, first = served_link("fail-all", Factory(second))
+    first.gone = True
+    link.begin_step()  # lost: "plain" and "carrier" fail
+    link.end_step(None)
+    assert link.reconnect_idle() and link.conn is second and link.recovery.reconnects == 1
+    (end,) = second.sent  # no step ran: a StepEnd of no forward carries them
+    assert {e.req_id for e in end.failed} == {"plain", "carrier"} and end.batch is None and end.num_tokens == 0
+    assert link.failures.pending == []
+    run_step(link, [])
+    assert second.sent[-1].step == end.step + 1  # the next step numbers on
+
+
+def test_a_sidecar_gone_while_vllm_idled_is_replaced_between_steps():
+    second = FakeConnection()
+    link, first = served_link("fail-all", Factory(second))
+    first.gone = True  # no step ran since
+    assert link.reconnect_idle() and first.closed and link.conn is second
+    assert link.recovery.losses == 1 and {e.req_id for e in second.sent[-1].failed} == {"plain", "carrier"}
+
+
+def test_an_idle_reconnect_leaves_a_session_handed_over_to_the_next_step():
+    link, first = served_link()
+    first.gone = True
+    first.results = [StepResult(step=0, switch_to="ipc:///nonexistent/successor.sock")]  # read when gone
+    assert link.reconnect_idle() and link.conn is first and link.recovery.losses == 0
+
+
+def test_an_idle_reconnect_leaves_a_step_in_progress_and_a_live_sidecar_alone():
+    link, first = served_link()
+    assert link.reconnect_idle() and link.conn is first and first.sent[-1].step == 0
+    silent, still_silent = FakeConnection(ready=False), FakeConnection(ready=False)
+    link, first = served_link("fail-all", Factory(silent, still_silent))
+    first.gone = True
+    link.begin_step()  # in the step: left to its end
+    assert not link.reconnect_idle() and not silent.hello_sent
+    link.end_step(None)
+    assert not link.reconnect_idle() and link.failures.pending  # no sidecar answers: still lost
+    assert silent.closed and still_silent.hello_sent and still_silent.closed  # each tried, then given up
+
+
+def test_an_idle_reconnect_whose_pending_hello_went_unanswered_tries_a_fresh_one_at_once():
+    """A step sent the Hello before the sidecar was up and it never reached it: asked between
+    steps (the supervisor knows the sidecar answers), a fresh attempt follows in the same call."""
+    silent, fresh = FakeConnection(ready=False), FakeConnection()
+    silent.started = time.monotonic()  # within its retry window
+    link, first = served_link("fail-all", Factory(silent, fresh))
+    first.gone = True
+    link.begin_step()
+    link.end_step(None)
+    run_step(link, [])  # a step's attempt: its Hello unanswered
+    assert silent.hello_sent and not silent.closed
+    assert link.reconnect_idle() and silent.closed and link.conn is fresh
+    assert {e.req_id for e in fresh.sent[-1].failed} == {"plain", "carrier"}
+
+
+def test_failures_an_idle_reconnect_could_not_send_wait_for_the_next_sidecar():
+    broken, fresh = FakeConnection(), FakeConnection()
+    broken.fail_send = SidecarError("omni-sidecar closed the connection")
+    link, first = served_link("fail-all", Factory(broken, fresh))
+    first.gone = True
+    link.begin_step()
+    link.end_step(None)
+    assert not link.reconnect_idle() and broken.closed and link.recovery.state == "lost"
+    assert {e.req_id for e in link.failures.pending} == {"plain", "carrier"}
+    assert link.reconnect_idle() and {e.req_id for e in fresh.sent[-1].failed} == {"plain", "carrier"}
 
 
 def test_switch_to_moves_the_session_to_the_successor_at_the_next_step_boundary():

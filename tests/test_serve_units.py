@@ -185,3 +185,70 @@ def test_output_tensors_are_read_by_their_dtype_and_shape_and_malformed_ones_ref
     for bad in (TensorBlob([4, 2], "float32", wave.tobytes()), TensorBlob([3], "complex64", b"")):
         with pytest.raises(RequestRejected):
             blob_array(bad)
+
+
+def test_a_reply_names_the_query_it_answers():
+    from omni_serve.stages.link import answers
+    from proto.messages import OutputsQuery, OutputsReply, Ping, Pong
+
+    assert answers(OutputsQuery("a"), OutputsReply("a", True)) and not answers(OutputsQuery("a"), OutputsReply("b", True))
+    assert answers(Ping(1), Pong(1)) and not answers(Ping(1), Pong(2))
+
+
+def test_a_query_cancelled_before_its_reply_leaves_no_reply_for_the_next(tmp_path):
+    """A request's task stopped while its query waited: the reply that still comes is never read as
+    the next query's (which would hand one request's outputs to another)."""
+    import asyncio
+    import threading
+
+    import zmq
+
+    from omni_serve.stages.link import SidecarLink
+    from proto.codec import Codec
+    from proto.messages import OutputsReply
+
+    endpoint = f"ipc://{tmp_path}/sidecar.sock"
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(endpoint)
+    asked: list[str] = []
+    release, stop = threading.Event(), threading.Event()
+
+    def sidecar() -> None:  # one query at a time, answered with the request it names; "a" once released
+        codec = Codec()
+        while not stop.is_set():
+            if not router.poll(20):
+                continue
+            ident, frame = router.recv_multipart()
+            query = codec.decode(frame)
+            asked.append(query.req_id)
+            if query.req_id == "a":
+                release.wait(5)
+            reply = OutputsReply(query.req_id, found=True, values={"for": query.req_id})
+            router.send_multipart([ident, codec.encode(reply)])
+
+    thread = threading.Thread(target=sidecar)
+    thread.start()
+
+    async def run() -> dict:
+        link = SidecarLink(endpoint, timeout_s=5.0)
+        try:
+            first = asyncio.create_task(link.outputs("a"))
+            while not asked:
+                await asyncio.sleep(0.01)
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            release.set()  # a's reply goes out before b's query is read
+            values, _ = await link.outputs("b")
+            return values
+        finally:
+            link.close()
+
+    try:
+        assert asyncio.run(run()) == {"for": "b"}
+        assert asked == ["a", "b"]  # b asked once: a's reply was never read on b's socket
+    finally:
+        stop.set()
+        thread.join()
+        router.close(0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import json
 import time
 import uuid
@@ -33,6 +34,7 @@ from proto.settings import CODE2WAV_CHUNK_FRAMES, CODE2WAV_LEFT_CONTEXT_FRAMES
 
 logger = init_logger(__name__)
 ENGINE_WATCH_S = 0.5  # how often the stage engines are checked for one that died
+RECONNECT_TIMEOUT_S = 10.0  # a shim's reconnect waits a fraction of a second; an engine deep in a step, longer
 
 
 @dataclass
@@ -154,7 +156,22 @@ class SpeechServer:
                                        int(options.get("chunk_frames", CODE2WAV_CHUNK_FRAMES)),
                                        int(options.get("left_context", CODE2WAV_LEFT_CONTEXT_FRAMES)),
                                        code2wav.placeholder_token, thinker)
+        for name, sidecar in self.sidecars.items():
+            sidecar.on_restart = functools.partial(self._reconnect, name)
         self._engine_watch = asyncio.create_task(self._watch_engines())
+
+    async def _reconnect(self, name: str) -> None:
+        """The stage's sidecar was started again: its engine's shim connects to it now."""
+        engine = self.engines.get(name)
+        if engine is None or engine.errored:
+            return  # an engine started again connects at its start
+        try:
+            connected = await engine.collective_rpc("omni_sidecar_reconnect", timeout=RECONNECT_TIMEOUT_S)
+        except Exception as exc:  # its next step connects it then
+            logger.warning("the %s engine did not take up its restarted sidecar now: %s", name, exc)
+            return
+        logger.info("the %s engine %s its restarted sidecar", name,
+                    "connected to" if all(connected) else "will connect at its next step to")
 
     async def _watch_engines(self) -> None:
         """An engine that died (its core process gone) is started again on the same sidecar. Until

@@ -16,6 +16,7 @@ import msgspec
 import numpy as np
 import zmq
 import zmq.asyncio
+from vllm.logger import init_logger
 
 from proto.codec import Codec, FrameError
 from proto.messages import (AppendPayload, AppendReply, ErrorReply, Message, OutputsQuery, OutputsReply, Ping,
@@ -26,6 +27,7 @@ NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.floa
                 "int32": np.int32, "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_}
 
 
+logger = init_logger(__name__)
 RESEND_AFTER_S = 1.0  # a live sidecar answers a query in milliseconds
 
 
@@ -57,6 +59,15 @@ def blob_array(blob: TensorBlob) -> np.ndarray:
         return np.frombuffer(blob.data, dtype=NUMPY_DTYPES[blob.dtype]).reshape(blob.shape)
     except ValueError as exc:
         raise RequestRejected(f"a malformed output tensor ({blob.dtype}, shape {list(blob.shape)}): {exc}") from None
+
+
+def answers(query: Message, reply: Message) -> bool:
+    """Is `reply` the answer to `query` (as far as the reply says: the request or nonce it names)?"""
+    if isinstance(reply, (OutputsReply, AppendReply)):
+        return reply.req_id == query.req_id  # type: ignore[union-attr]
+    if isinstance(reply, Pong):
+        return isinstance(query, Ping) and reply.nonce == query.nonce
+    return True
 
 
 class SidecarLink:
@@ -95,13 +106,25 @@ class SidecarLink:
                     await sock.send(self.codec.encode(msg))
                     if await sock.poll(max(1, int(wait * 1000))):
                         reply = self.codec.decode(await sock.recv())
-                        break
+                        if answers(msg, reply):
+                            break
+                        # Another query's: never taken for this one's (a fresh socket, asked again if it may be).
+                        logger.warning("the sidecar at %s answered another query (%s to %s)", self.endpoint,
+                                       type(reply).__name__, type(msg).__name__)
+                        if not again:
+                            self._drop()
+                            raise SidecarLost(f"the sidecar at {self.endpoint} answered another query")
                 except FrameError as exc:
                     self._drop()
                     raise SidecarLost(f"the sidecar at {self.endpoint} sent a bad reply: {exc}") from None
                 except zmq.ZMQError as exc:
                     self._drop()
                     raise SidecarLost(f"the sidecar at {self.endpoint}: {exc}") from None
+                except BaseException:
+                    # Cancelled (a request's task stopped) between the query and its reply: the reply
+                    # still comes, and the next query on this socket would read it as its own.
+                    self._drop()
+                    raise
                 self._drop()
                 if time.monotonic() >= deadline:
                     raise SidecarLost(f"the sidecar at {self.endpoint} did not answer within {self.timeout_s:.0f}s")

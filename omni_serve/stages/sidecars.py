@@ -1,8 +1,8 @@
 """A stage's sidecar: an `omni-sidecar serve` process started and supervised here, or one attached to.
 
 Started through the sidecar's own CLI (never imported: the sidecar stays a separate, vLLM-free
-program). A supervised sidecar that exits is started again on the same endpoint (the shim
-reconnects to it; requests that were in flight fail there and here), unless a hot upgrade
+program). A supervised sidecar that exits is started again on the same endpoint (once it answers, its
+stage's engine is asked to connect to it at once; requests that were in flight fail there and here), unless a hot upgrade
 (`omni-sidecar upgrade`) handed it over to a successor: that one, answering at the endpoint, is
 adopted (stopped with the server; started again as before if it dies). An attached one belongs
 to whoever started it (compose, systemd) and is only watched.
@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Awaitable, Callable
 
 from vllm.logger import init_logger
 
@@ -40,6 +41,10 @@ class SidecarProcess:
         self.successor: int = 0  # the pid a hot upgrade handed the endpoint to (not our child)
         self.restarts = 0
         self.stopping = False
+        # Called once a sidecar started again answers: its stage's engine takes it up now (an idle
+        # engine's shim would only at its next step, and the requests the loss failed wait for that).
+        self.on_restart: Callable[[], Awaitable[None]] | None = None
+        self.restarting = False  # found dead, until the one started again answers and its engine was told
         self._watch: asyncio.Task | None = None
 
     def command(self) -> list[str]:
@@ -92,14 +97,19 @@ class SidecarProcess:
                 continue
             logger.error("the %s sidecar exited (%s); starting it again", self.stage,
                          f"pid {self.proc.pid}, status {self.proc.returncode}" if self.proc else f"pid {self.successor}")
+            self.restarting = True
             await asyncio.sleep(RESTART_PAUSE_S)
             self.restarts += 1
             self.successor = 0
             self._spawn()
             try:
                 await self.wait_ready()
+                if self.on_restart is not None:
+                    await self.on_restart()
             except RuntimeError as exc:
                 logger.error("%s", exc)
+            finally:
+                self.restarting = False
 
     @property
     def running(self) -> bool:
@@ -142,7 +152,7 @@ class SidecarProcess:
 
     @property
     def alive(self) -> bool:
-        return self.spec.attach or self.running
+        return self.spec.attach or (self.running and not self.restarting)
 
 
 def socket_dir(run_dir: Path) -> Path:

@@ -13,7 +13,9 @@ or sends garbage is dropped at once; vLLM keeps serving. The requests it was
 serving fail explicitly (logged, in `omni_sidecar_stats`, and reported to the
 next sidecar so clients get `RequestFailed`); which others fail meanwhile is
 the `loss_policy`. The shim reconnects in the background (a Hello waits in
-the socket until a sidecar binds) and switches over at a step boundary.
+the socket until a sidecar binds) and switches over at a step boundary, or
+between steps when asked (`SidecarLink.reconnect_idle`: an idle engine runs no
+step, and the failures wait for the next sidecar).
 
 The link's steady step never calls in here: it enters only when its port reports a
 loss or a hand-over, at a step boundary (no port, a kept SwitchAck, a result's
@@ -46,6 +48,7 @@ from worker_shim.step.port import Connect, RecoveryPort
 log = logging.getLogger("vllm.omni_sidecar.shim.recovery")
 RETRY_AFTER_S = 10.0
 RECONNECT_WAIT_MS = 200
+IDLE_RECONNECT_WAIT_MS = 1000  # between steps, a sidecar known to answer: its Welcome within this
 MIN_SWITCH_CONNECT_S = 5.0
 
 RecoveryState = Literal["connected", "lost", "switching"]
@@ -168,6 +171,30 @@ class Recovery:
             self._try_reconnect()
         return self.conn is not None
 
+    def drop_if_gone(self) -> None:
+        """Between steps: a sidecar that went away while vLLM idled is lost now (as the next step
+        would find it), unless it handed the session over first (the next step switches)."""
+        conn = self.conn
+        if conn is None or conn.channel.switch_ack is not None or conn.channel.switch_to:
+            return
+        if (conn.channel.peer_gone() and not self._handed_over(True) and self.conn is not None
+                and self.state != "switching"):  # its last results asked for a switch: the next step makes it
+            self.lose("the sidecar closed the connection (it crashed, was killed or stopped)")
+
+    def reconnect_waiting(self, wait_ms: int) -> bool:
+        """Lost, between steps, with a sidecar that answers there (its supervisor says so): wait up to
+        `wait_ms` for its Welcome. A Hello still unanswered then never reached it (the attempt's
+        connection broke before the sidecar bound, or a step already waited for this socket): one
+        fresh attempt, waited for alike. True when connected."""
+        for _ in range(2):
+            if self.state != "lost":
+                break
+            self._try_reconnect(wait_ms)
+            if self.conn is None and self._pending is not None:
+                self._pending.close()
+                self._pending = None
+        return self.conn is not None
+
     def refuse(self, req_id: str, has_payload: bool) -> None:
         """A request vLLM admitted while no sidecar was connected: fail it if the policy says so."""
         if self.loss_policy == "fail-all" or has_payload:
@@ -242,7 +269,7 @@ class Recovery:
                     raise
         raise AssertionError("unreachable")
 
-    def _try_reconnect(self) -> None:
+    def _try_reconnect(self, wait_ms: int | None = None) -> None:
         pending = self._pending
         if pending is None:
             try:
@@ -253,13 +280,15 @@ class Recovery:
                 self._pending = None
                 return
         # A freshly bound sidecar answers within milliseconds: wait that long, once per new
-        # socket, and never for the dead sidecar's leftover socket file.
-        ident = socket_identity(pending.endpoint)
-        wait = ident is not None and ident not in self._waited_sockets
-        if wait:
-            self._waited_sockets.add(ident)
+        # socket, and never for the dead sidecar's leftover socket file (`wait_ms`: as long as asked).
+        if wait_ms is None:
+            ident = socket_identity(pending.endpoint)
+            wait = ident is not None and ident not in self._waited_sockets
+            if wait:
+                self._waited_sockets.add(ident)
+            wait_ms = RECONNECT_WAIT_MS if wait else 0
         try:
-            ready = pending.poll(RECONNECT_WAIT_MS if wait else 0)
+            ready = pending.poll(wait_ms)
         except (SidecarError, ValueError) as exc:
             log.error("omni-sidecar refused the reconnect: %s", exc)
             pending.close()
@@ -273,8 +302,11 @@ class Recovery:
                 "reported to it", pending.endpoint, pending.hook_set, pending.welcome.session,
                 len(self.failures.pending),
             )
-        elif time.monotonic() - pending.started > RETRY_AFTER_S:
-            pending.close()  # a fresh socket and arena next step
+        elif pending.channel.peer_gone() or time.monotonic() - pending.started > RETRY_AFTER_S:
+            # Unanswered: a Hello sent to a sidecar that went away before answering is lost with its
+            # connection (ZeroMQ does not send it again to the next one), so a fresh socket and arena
+            # next time; one that never connected is tried again after the retry window.
+            pending.close()
             self._pending = None
 
     def close(self) -> None:

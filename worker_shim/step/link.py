@@ -32,7 +32,7 @@ from proto.settings import ERROR_TEXT_MAX, TIMINGS_KEPT
 from worker_shim.config import EmbedsSetting, LossPolicy
 from worker_shim.errors import SidecarError
 from worker_shim.model.bridge import ModelBridge
-from worker_shim.session.recovery import STEP_FAILURES, Recovery
+from worker_shim.session.recovery import IDLE_RECONNECT_WAIT_MS, STEP_FAILURES, Recovery
 from worker_shim.session.requests import FailureReports, SessionRequests
 from worker_shim.step.batch import BatchReader, PayloadTracker, new_request, payload_of
 from worker_shim.step.discards import DiscardWatch
@@ -208,6 +208,25 @@ class SidecarLink:
             self.recovery.lose(f"between steps: {exc}")
             return 0
         return len(port.channel.mirror_updates)
+
+    def reconnect_idle(self) -> bool:
+        """Between steps, with the sidecar lost (or gone while vLLM idled): take up one that was
+        started again and answers (its supervisor asks) now, not at the next step (an idle engine
+        runs none), and tell it at once how the requests its predecessor's loss ended failed, so
+        their clients learn it while vLLM idles. True when connected."""
+        if self._in_step:
+            return self.conn is not None
+        self.recovery.drop_if_gone()
+        if self.conn is not None:
+            return True
+        if not self.recovery.reconnect_waiting(IDLE_RECONNECT_WAIT_MS):
+            return False
+        port = self.conn
+        try:
+            self._send_notices(port, [])
+        except (SidecarError, ValueError) as exc:
+            self.recovery.lose(f"between steps: {exc}")
+        return self.conn is not None
 
     def ask_early(self, input_batch: Any, bridge: ModelBridge | None = None) -> None:
         """The StepBegin, sent as soon as vLLM has built the step's batch (the runner's
@@ -395,6 +414,21 @@ class SidecarLink:
             self.counters.finished_requests += len(held)
             self.requests.note_finished(held, ())
 
+    def _send_notices(self, port: RecoveryPort, failed: list[RequestError]) -> None:
+        """Between steps: a StepEnd of no forward with the queued notices and failures (and `failed`),
+        and one round trip behind it. SidecarError or ValueError when the sidecar could not take it
+        (the queued failures kept for the next one)."""
+        new, finished, preempted, discarded = self.notices.take()
+        pending = self.failures.take_pending()
+        try:
+            port.send(StepEnd(step=self.step, new_requests=new, finished=finished, preempted=preempted,
+                              failed=pending + failed, discarded=discarded))
+        except (SidecarError, ValueError):
+            self.failures.pending[:0] = pending
+            raise
+        self.step += 1
+        self.flush()
+
     # -- results and stats ---------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -431,12 +465,8 @@ class SidecarLink:
             message = "vLLM shut down before the request finished"
             cut_short = [RequestError(r, message[:ERROR_TEXT_MAX]) for r in live if r not in completed]
             self.requests.note_finished(live, ())
-            new, finished, preempted, discarded = self.notices.take()
             try:
-                port.send(StepEnd(step=self.step, new_requests=new, finished=finished, preempted=preempted,
-                                  failed=self.failures.take_pending() + cut_short, discarded=discarded))
-                self.step += 1
-                self.flush()
+                self._send_notices(port, cut_short)
             except (SidecarError, ValueError) as exc:
                 log.warning("could not tell the sidecar how %d live request(s) ended: %s", len(live), exc)
             log.info("shutdown: told the sidecar %d live request(s) completed, %d were cut short",

@@ -154,6 +154,9 @@ class TensorParallelFollower:
     def mirror_updates_waiting(self) -> int:
         return 0  # rank 0's link receives them
 
+    def reconnect_idle(self) -> bool:
+        return True  # rank 0's link connects
+
     def stats(self) -> dict[str, Any]:
         return {"role": "tp-follower", "steps": self.steps, "connected": False,
                 "hook_set": self.hook_set, "request_errors": {}}

@@ -210,6 +210,14 @@ class ShimWorkerMixin:
         assert self.omni_link is not None
         return self.omni_link.mirror_updates_waiting()
 
+    def omni_sidecar_reconnect(self) -> bool:
+        """For `llm.collective_rpc("omni_sidecar_reconnect")`, between steps: a sidecar started again
+        after a loss (omni-serve's supervisor asks once it answers) is taken up now rather than at the
+        next step, which an idle engine does not run; the requests the loss failed are told to it at
+        once. True when connected (a tensor-parallel follower: always, rank 0 connects)."""
+        assert self.omni_link is not None
+        return self.omni_link.reconnect_idle()
+
     def shutdown(self) -> None:
         if self.omni_link is not None:
             self.omni_link.close()
