@@ -252,3 +252,145 @@ def test_a_query_cancelled_before_its_reply_leaves_no_reply_for_the_next(tmp_pat
         stop.set()
         thread.join()
         router.close(0)
+
+
+class FakeEngine:
+    """A stage engine that ends each request with one finished output, or holds it until closed."""
+
+    def __init__(self, finish: bool = True) -> None:
+        self.finish = finish
+        self.done: list[str] = []  # request ids whose generator ran out
+        self.closed: list[str] = []  # request ids whose generator was closed (the engine aborts those)
+
+    async def generate(self, prompt, params, request_id):
+        import asyncio
+        from types import SimpleNamespace
+
+        try:
+            if not self.finish:
+                await asyncio.Event().wait()
+            yield SimpleNamespace(finished=True, outputs=[SimpleNamespace(finish_reason="length")],
+                                  prompt_token_ids=prompt["prompt_token_ids"])
+            self.done.append(request_id)
+        finally:
+            self.closed.append(request_id)
+
+
+class ForgetfulLink:
+    """A sidecar started again: it never heard of the request."""
+
+    async def outputs(self, request_id):
+        from omni_serve.stages.link import Followed
+
+        return {}, Followed()
+
+    async def follow(self, request_id, cursor):
+        from omni_serve.stages.link import Followed
+
+        return Followed(), cursor
+
+    async def forget(self, request_id):
+        pass
+
+
+def speech_pipeline(talker_engine: FakeEngine):
+    from omni_serve.speech.pipeline import SpeechPipeline, Stage
+
+    return SpeechPipeline(Stage("talker", talker_engine, ForgetfulLink()), Stage("code2wav", FakeEngine(), ForgetfulLink()),
+                          chunk_frames=4, left_context=0, placeholder_token=0)
+
+
+@pytest.mark.parametrize("engine_finished", [True, False])
+def test_a_lost_sidecar_fails_its_stages_requests_at_once_and_aborts_them_in_the_engine(engine_finished):
+    """Whether its engine had finished the request (its last step's results died with the sidecar:
+    the one started again never hears of it) or was still running it: the request fails now, naming
+    the stage and why, not when the wait on the sidecar gives up (FOLLOW_TIMEOUT_S)."""
+    import asyncio
+
+    from omni_serve.speech.pipeline import FOLLOW_TIMEOUT_S, SpeechJob, StageFailed
+
+    engine = FakeEngine(finish=engine_finished)
+    pipeline = speech_pipeline(engine)
+
+    async def run() -> tuple[StageFailed, float]:
+        async def speech() -> list:
+            return [c async for c in pipeline.synthesize(SpeechJob("r1", [1, 2], {}, max_frames=8))]
+
+        task = asyncio.create_task(speech())
+        while pipeline.talker.in_flight == 0 or (engine_finished and not engine.done):  # waiting on its sidecar
+            await asyncio.sleep(0.01)
+        lost = asyncio.get_running_loop().time()
+        pipeline.talker.sidecar_lost("its sidecar exited")
+        with pytest.raises(StageFailed) as failed:
+            await asyncio.wait_for(task, FOLLOW_TIMEOUT_S / 3)
+        took = asyncio.get_running_loop().time() - lost
+        await asyncio.sleep(0.05)  # the cancelled work closes its engine generator
+        await pipeline.close()
+        return failed.value, took
+
+    failed, took = asyncio.run(run())
+    assert str(failed) == "talker: its sidecar exited" and failed.stage == "talker"
+    assert took < 1.0
+    assert engine.closed == ["r1"] and engine.done == (["r1"] if engine_finished else [])
+    assert pipeline.talker.in_flight == 0
+
+
+def test_a_lost_sidecar_fails_only_what_its_stage_serves_now():
+    import asyncio
+
+    from omni_serve.speech.pipeline import Stage, StageFailed
+
+    talker, code2wav = Stage("talker", None, ForgetfulLink()), Stage("code2wav", None, ForgetfulLink())
+
+    async def run() -> None:
+        release = asyncio.Event()
+
+        async def work(value: str) -> str:
+            await release.wait()
+            return value
+
+        talker_work = asyncio.create_task(talker.serve(work("talker")))
+        code2wav_work = asyncio.create_task(code2wav.serve(work("code2wav")))
+        await asyncio.sleep(0.01)
+        talker.sidecar_lost("its sidecar exited")
+        with pytest.raises(StageFailed, match="^talker: its sidecar exited$"):
+            await talker_work
+        later = asyncio.create_task(talker.serve(work("later")))  # a request after the loss is served
+        release.set()
+        assert await code2wav_work == "code2wav"
+        assert await later == "later"
+
+    asyncio.run(run())
+
+
+def test_a_supervised_sidecar_found_dead_fails_its_stages_requests_before_it_is_started_again(tmp_path, monkeypatch):
+    import asyncio
+    import subprocess
+    import sys
+
+    from omni_serve.config import SidecarSpec
+    from omni_serve.stages.sidecars import SidecarProcess
+
+    sidecar = SidecarProcess("talker", SidecarSpec(hooks="unused"), tmp_path)
+    sidecar.proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    sidecar.proc.wait()  # killed
+    happened: list[str] = []
+
+    async def no_successor() -> int:
+        return 0
+
+    def spawn() -> None:
+        happened.append("started again")
+        sidecar.stopping = True  # one round
+
+    async def ready(timeout_s: float = 0) -> None:
+        happened.append("answers")
+
+    monkeypatch.setattr(sidecar, "_successor", no_successor)
+    monkeypatch.setattr(sidecar, "_spawn", spawn)
+    monkeypatch.setattr(sidecar, "wait_ready", ready)
+    sidecar.on_lost = happened.append
+    asyncio.run(asyncio.wait_for(sidecar._supervise(), 10))
+    pid = sidecar.proc.pid
+    assert happened == [f"its sidecar exited (pid {pid}, status 0) with the request in flight; it is being started again",
+                        "started again", "answers"]

@@ -158,6 +158,7 @@ class SpeechServer:
                                        code2wav.placeholder_token, thinker)
         for name, sidecar in self.sidecars.items():
             sidecar.on_restart = functools.partial(self._reconnect, name)
+            sidecar.on_lost = stages[name].sidecar_lost
         self._engine_watch = asyncio.create_task(self._watch_engines())
 
     async def _reconnect(self, name: str) -> None:

@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import numpy as np
 from vllm import SamplingParams
@@ -47,6 +47,7 @@ WAVEFORM = "waveform"  # the code2wav sidecar's assembled output: [samples, 1] f
 FOLLOW_TIMEOUT_S = 30.0  # a stage whose sidecar has not finished a request this long after its engine did
 RELEASE_TIMEOUT_S = 60.0
 ALL_SEEN = 1 << 40  # a cursor past every chunk: asks only whether the request is known and finished
+T = TypeVar("T")
 
 
 class StageFailed(RuntimeError):
@@ -77,6 +78,33 @@ class Stage:
     link: SidecarLink
     sampling: dict[str, Any] = field(default_factory=dict)
     in_flight: int = 0  # requests in this stage's engine now (the talker's: one per speech request; code2wav's: one per chunk)
+    # Resolved with the reason when the stage's sidecar is lost: every request served meanwhile fails.
+    _loss: asyncio.Future[str] | None = field(default=None, init=False, repr=False)
+
+    async def serve(self, work: Awaitable[T]) -> T:
+        """One request's work in this stage. If the stage's sidecar is lost meanwhile, StageFailed at
+        once (what the sidecar held of the request is gone; its engine finishing it would leave the
+        request waiting on a sidecar that never heard of it) and the work is cancelled, which closes
+        its engine generator and so aborts the request in the engine."""
+        if self._loss is None:
+            self._loss = asyncio.get_running_loop().create_future()
+        loss, task = self._loss, asyncio.ensure_future(work)
+        try:
+            await asyncio.wait((task, loss), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            stop_soon(task)
+            raise
+        if not task.done():
+            stop_soon(task)
+            raise StageFailed(self.name, loss.result())
+        return task.result()
+
+    def sidecar_lost(self, reason: str) -> None:
+        """The stage's sidecar is gone: every request being served in the stage fails now with the
+        reason; later ones are served as usual."""
+        if self._loss is not None and not self._loss.done():
+            self._loss.set_result(reason)
+        self._loss = None
 
 
 @dataclass
@@ -228,8 +256,8 @@ class SpeechPipeline:
         extra = {"omni_sidecar": {"additional_information": additional_information(job.payload)}} if job.payload else None
         params = SamplingParams(**{**stage.sampling, "max_tokens": thinker.max_tokens, "seed": job.seed,
                                    "detokenize": False, "output_kind": RequestOutputKind.DELTA, "extra_args": extra})
-        stage.in_flight += 1
-        try:
+
+        async def hidden_rows() -> tuple[np.ndarray | None, int]:
             prompt_len = len(job.prompt_token_ids)
             async for out in engine_outputs(stage, stage.engine.generate({"prompt_token_ids": job.prompt_token_ids},
                                                                          params, job.request_id)):
@@ -239,7 +267,12 @@ class SpeechPipeline:
             async for _ in patiently(stage.name, "its sidecar never finished the request's hidden states"):
                 rows, finished = await self._assembled(stage, job.request_id, HIDDEN)
                 if finished:
-                    break
+                    return rows, prompt_len
+            raise AssertionError("unreachable: patiently() raises when it gives up")
+
+        stage.in_flight += 1
+        try:
+            rows, prompt_len = await stage.serve(hidden_rows())
         finally:
             stage.in_flight -= 1
         if rows is None or rows.ndim != 2 or rows.shape[0] < prompt_len:
@@ -253,8 +286,8 @@ class SpeechPipeline:
                                    "detokenize": False, "output_kind": RequestOutputKind.DELTA,
                                    "extra_args": {"omni_sidecar": {"additional_information":
                                                                    additional_information(job.payload)}}})
-        self.talker.in_flight += 1
-        try:
+
+        async def all_frames() -> None:
             prompt = {"prompt_token_ids": job.prompt_token_ids}
             async for out in engine_outputs(self.talker, self.talker.engine.generate(prompt, params, job.request_id)):
                 codes, _ = await self._assembled(self.talker, job.request_id, CODES)
@@ -267,6 +300,10 @@ class SpeechPipeline:
                 frames.set(codes)
                 if finished:
                     break
+
+        self.talker.in_flight += 1
+        try:
+            await self.talker.serve(all_frames())
         finally:
             self.talker.in_flight -= 1
             frames.ended = True
@@ -327,8 +364,8 @@ class SpeechPipeline:
 
     async def _decode_chunk(self, chunk_id: str, payload: dict[str, Any]) -> list[np.ndarray]:
         """One chunk through code2wav: a one-step request, its waveform read from the sidecar."""
-        self.code2wav.in_flight += 1
-        try:
+
+        async def waveform() -> list[np.ndarray]:
             prompt = {"prompt_token_ids": [self.placeholder_token]}
             async for out in engine_outputs(self.code2wav, self.code2wav.engine.generate(
                     prompt, self._code2wav_params(payload), chunk_id)):
@@ -338,6 +375,10 @@ class SpeechPipeline:
                 if finished:
                     return [] if wave is None else [wave]
             raise AssertionError("unreachable: patiently() raises when it gives up")
+
+        self.code2wav.in_flight += 1
+        try:
+            return await self.code2wav.serve(waveform())
         finally:
             self.code2wav.in_flight -= 1
             self._release(self.code2wav, chunk_id)

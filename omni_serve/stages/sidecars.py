@@ -1,10 +1,11 @@
 """A stage's sidecar: an `omni-sidecar serve` process started and supervised here, or one attached to.
 
 Started through the sidecar's own CLI (never imported: the sidecar stays a separate, vLLM-free
-program). A supervised sidecar that exits is started again on the same endpoint (once it answers, its
-stage's engine is asked to connect to it at once; requests that were in flight fail there and here), unless a hot upgrade
-(`omni-sidecar upgrade`) handed it over to a successor: that one, answering at the endpoint, is
-adopted (stopped with the server; started again as before if it dies). An attached one belongs
+program). A supervised sidecar that exits is started again on the same endpoint (its stage's
+requests in flight fail at once, what it held of them being gone; once it answers, its stage's
+engine is asked to connect to it at once), unless a hot upgrade (`omni-sidecar upgrade`) handed it
+over to a successor: that one, answering at the endpoint, is adopted (stopped with the server;
+started again as before if it dies). An attached one belongs
 to whoever started it (compose, systemd) and is only watched.
 """
 
@@ -44,6 +45,9 @@ class SidecarProcess:
         # Called once a sidecar started again answers: its stage's engine takes it up now (an idle
         # engine's shim would only at its next step, and the requests the loss failed wait for that).
         self.on_restart: Callable[[], Awaitable[None]] | None = None
+        # Called when a supervised sidecar is found dead, with what happened: its stage's requests in
+        # flight fail now (what it held of them is gone), not when they give up waiting on it.
+        self.on_lost: Callable[[str], None] | None = None
         self.restarting = False  # found dead, until the one started again answers and its engine was told
         self._watch: asyncio.Task | None = None
 
@@ -95,9 +99,11 @@ class SidecarProcess:
                             self.stage, self.endpoint, successor)
                 self.proc, self.successor = None, successor
                 continue
-            logger.error("the %s sidecar exited (%s); starting it again", self.stage,
-                         f"pid {self.proc.pid}, status {self.proc.returncode}" if self.proc else f"pid {self.successor}")
+            how = f"pid {self.proc.pid}, status {self.proc.returncode}" if self.proc else f"pid {self.successor}"
+            logger.error("the %s sidecar exited (%s); starting it again", self.stage, how)
             self.restarting = True
+            if self.on_lost is not None:
+                self.on_lost(f"its sidecar exited ({how}) with the request in flight; it is being started again")
             await asyncio.sleep(RESTART_PAUSE_S)
             self.restarts += 1
             self.successor = 0
