@@ -13,9 +13,10 @@ Checked, on the one server of this module:
 - (`make test-slow`) a hot upgrade of either stage's sidecar while requests keep coming: every
   answer a 200 with the same audio, the successor adopted by the server;
 - a stage's sidecar killed with requests in flight (the talker's; the code2wav's in
-  `make test-slow`): those end with a 503 naming the stage (as soon as the sidecar started again
-  is taken up by its engine), any that were served carry the same audio, the server starts it
-  again, and the first request once /health says so is served (the same audio);
+  `make test-slow`): those end with a 503 naming the stage as soon as the server finds it dead
+  (well before the front end would give up waiting on it), any that were served carry the same
+  audio, the server starts it again, and the first request once /health says so is served (the
+  same audio);
 - a stage's engine core killed with requests in flight: those and the next end with a 503 naming the
   stage, /health reports its engine down, the server starts it again and serves the same audio;
 - /v1/models, /health and /metrics (time to first audio, real-time factor, per-stage requests).
@@ -328,9 +329,9 @@ def test_a_killed_sidecar_fails_its_requests_with_a_503_and_the_server_serves_on
     killed = time.monotonic()
     for t in threads:
         t.join(120)
-    # Told by the stage's engine once it took up the sidecar started again, not found missing when the
-    # front end gives up on a request (FOLLOW_TIMEOUT_S).
-    assert time.monotonic() - killed < FOLLOW_TIMEOUT_S
+    # Failed when the server finds the sidecar dead (it looks every 0.2 s), not when the front end
+    # gives up waiting on it (FOLLOW_TIMEOUT_S); the bound leaves a loaded 2-core host room.
+    assert time.monotonic() - killed < FOLLOW_TIMEOUT_S / 3
     failed = [json.loads(body)["error"]["message"] for status, body in answers if status == 503]
     assert failed, [status for status, _ in answers]  # in flight when it died: a 503 each
     assert all(stage in m for m in failed), failed
