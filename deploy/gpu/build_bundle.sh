@@ -12,7 +12,11 @@
 #   BUNDLE_OMNI=1       add vllm-omni 0.26.0 (its package, minus sample audio) and what it needs to import
 #   BUNDLE_SERVE=1      add what HTTP serving imports beyond the engines (omni-serve's and vllm-omni's front
 #                       ends: deploy/gpu/run_speech.sh; its imports.txt names anything still missing)
+#   BUNDLE_KEEP_MOE=1   keep vLLM's MoE ops (vllm/_moe_C*: Qwen3-Omni's thinker and talker,
+#                       deploy/gpu/run_qwen3_omni.sh)
 #   BUNDLE_PROFILER=1   add py-spy (`python -m bench.gpu --profile-s N`; installed into TARGET_DIR/bin)
+#   BUNDLE_PACK_WHEELS=1  unpack the wheels (but the project's own and any with a .data folder) into the
+#                       tree: ~8 MB smaller, what a MoE bundle needs to fit the 64 MiB
 set -eu
 OUT=${1:-gpu-bundle}
 PART_MIB=${2:-60}
@@ -53,24 +57,45 @@ if [ "${BUNDLE_OMNI:-0}" = 1 ]; then
   done
   for w in "$OUT"/work/omni/*.whl; do $PY -m zipfile -e "$w" "$T"; done
 fi
-tar -C "$T" -cJf "$OUT/vllm-0.26.0-tree.tar.xz" .
-split -b "${PART_MIB}m" -d "$OUT/vllm-0.26.0-tree.tar.xz" "$OUT/vllm-tree.part-"
-rm -f "$OUT/vllm-0.26.0-tree.tar.xz"
-# What the host lacks (its Python 3.12 has torch 2.11.0+cu130 and little else).
+# What the host lacks (its Python 3.12 has torch 2.11.0+cu130 and little else); einops: vLLM's Qwen2-VL /
+# Qwen2.5-VL encoders (Qwen3-Omni's thinker) and vllm-omni's server import it at the top; truststore:
+# httpx2 and httpcore2 (openai's client) import it at the top.
 for spec in pydantic==2.14.4 pydantic_core==2.50.5 annotated_types typing_inspection pyzmq==27.3.0 \
     msgspec==0.23.0 cbor2 pybase64 cachetools openai httpx2 sniffio openai_harmony llguidance==1.7.6 \
     xgrammar==0.2.7 apache_tvm_ffi==0.1.10 partial_json_parser fastapi==0.136.3 starlette==1.10.0 \
-    httpcore2 jiter setproctitle prometheus_client blake3; do
+    httpcore2 truststore jiter setproctitle prometheus_client blake3 einops; do
   $DL -d "$OUT/wheels" "$spec"
 done
+# uvloop, pillow, aiohttp (and its multidict, yarl, frozenlist, ...) and tiktoken are the host's: every
+# engine run imports them at start (vllm.v1.utils, vllm.multimodal, vllm_omni's tokenizer configs), and
+# carrying them (15 MiB) would put a bundle that serves over the 64 MiB a device call carries.
 if [ "${BUNDLE_SERVE:-0}" = 1 ]; then
-  for spec in uvicorn h11 uvloop anyio idna annotated-doc python-multipart pillow httpx httpcore certifi aiohttp \
-      aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl tiktoken email-validator dnspython einops \
-      antlr4-python3-runtime; do
+  # vllm-omni's api_server imports at the top: watchfiles (vllm.entrypoints.launcher's SSL refresher),
+  # model-hosting-container-standards and jmespath (vLLM's SageMaker and LoRA routers), and through
+  # vllm.tokenizers.mistral mistral_common with jsonschema, pydantic-extra-types, pycountry, ijson,
+  # pydantic-settings, python-dotenv.
+  for spec in uvicorn h11 anyio idna annotated-doc python-multipart httpx httpcore certifi email-validator dnspython \
+      antlr4-python3-runtime watchfiles model-hosting-container-standards jmespath jsonschema referencing rpds-py \
+      jsonschema-specifications pydantic-extra-types ijson pydantic-settings python-dotenv; do
     $DL -d "$OUT/wheels" "$spec"
   done
+  # Into the tree without their data (mistral's own tokenizer files, pycountry's translations: 35 MiB
+  # the Qwen3-TTS runs never read).
+  $DL -d "$OUT/work/serve" mistral_common pycountry
+  for w in "$OUT"/work/serve/*.whl; do $PY -m zipfile -e "$w" "$T"; done
+  rm -rf "$T/mistral_common/data" "$T/pycountry/locales" "$T/pycountry/tests"
 fi
 [ "${BUNDLE_PROFILER:-0}" = 1 ] && $DL -d "$OUT/wheels" py-spy
+if [ "${BUNDLE_PACK_WHEELS:-0}" = 1 ]; then
+  # Wheels without a .data folder unpack to what pip --target installs; xz packs them ~40% tighter.
+  for w in "$OUT"/wheels/*.whl; do
+    if ! $PY -m zipfile -l "$w" | grep -q '\.data/'; then $PY -m zipfile -e "$w" "$T" && rm -f "$w"; fi
+  done
+fi
+# xz -9: its 64 MiB window spans the big kernel libraries' repeats (FA3 packs to 8 MB, not 10.6 at -6)
+XZ_OPT=${XZ_OPT:--9} tar -C "$T" -cJf "$OUT/vllm-0.26.0-tree.tar.xz" .
+split -b "${PART_MIB}m" -d "$OUT/vllm-0.26.0-tree.tar.xz" "$OUT/vllm-tree.part-"
+rm -f "$OUT/vllm-0.26.0-tree.tar.xz"
 # The project itself, as a wheel (no dependencies: the host has them from above).
 $PY -m pip wheel -q --no-deps -w "$OUT/wheels" "$(dirname "$0")/../.."
 rm -rf "$OUT/work"

@@ -9,6 +9,11 @@
 # side by side. LIMIT_S (default 470) bounds the whole run, install included; each pipeline stops
 # cleanly by then and reports what it has. Leaves in OUT_DIR: qwen3-omni-parity.json
 # (docs/bench/gpu/), qwen3-omni.log (the table), the pipelines' and sidecars' log tails.
+# Recipe (the bundle 58.3 MiB, with the 2.4 MB tree within the 64 MiB a device call carries):
+#   here:  BUNDLE_SM=90 BUNDLE_NO_JIT_HEADERS=1 BUNDLE_OMNI=1 BUNDLE_KEEP_MOE=1 BUNDLE_PACK_WHEELS=1 \
+#            deploy/gpu/build_bundle.sh .gpu-bundle-moe         (an ignored folder; no BUNDLE_PROFILER)
+#   there: carry [".gpu-bundle-moe"], timeout_s 560,
+#            sh deploy/gpu/run_qwen3_omni.sh .gpu-bundle-moe $OUT 500
 set -u
 B=$1 OUT=$2 LIMIT=${3:-470}
 SRC=$(cd "$(dirname "$0")/../.." && pwd)

@@ -8,6 +8,11 @@
 # with vllm-omni 0.26's own server and with omni-serve, and leaves in OUT_DIR:
 # speech-serving.json (docs/bench/gpu/), speech-serving-rows.md (BENCHMARKS.md), speech.log and
 # the servers' log tails. LIMIT_S (default 470) bounds the whole run, install included.
+# Recipe (the bundle 55.1 MiB, with the 2.4 MB tree within the 64 MiB a device call carries):
+#   here:  BUNDLE_SM=90 BUNDLE_NO_JIT_HEADERS=1 BUNDLE_OMNI=1 BUNDLE_SERVE=1 \
+#            deploy/gpu/build_bundle.sh .gpu-bundle-serve       (an ignored folder; no BUNDLE_PROFILER)
+#   there: carry [".gpu-bundle-serve"], timeout_s 560,
+#            sh deploy/gpu/run_speech.sh .gpu-bundle-serve $OUT 500
 set -u
 B=$1 OUT=$2 LIMIT=470
 shift 2
