@@ -133,10 +133,6 @@ VLLM_OMNI_LOADER_NAMES: list[tuple[str, str]] = [
     ("vllm.model_executor.models.interfaces", "SupportsMRoPE.get_mrope_input_positions"),
     ("vllm.config", "ModelConfig.get_hidden_size"),
     ("vllm.config", "ModelConfig.get_vocab_size"),
-    ("vllm.config", "ModelConfig.get_head_size"),
-    # One unused attention layer gives an attention-free stage (Qwen3-Omni's code2wav) the KV-cache
-    # group vLLM 0.26's V2 block tables need (they assert with none; 0.32 accepts none).
-    ("vllm.model_executor.layers.attention", "Attention"),
 ]
 # What vllm-omni's patch.py (and its parsers, imported by its __init__) replaces in vLLM
 # (docs/research/vllm-omni-loading.md, section 1, read from the 0.26 and 0.30 wheels): none of it

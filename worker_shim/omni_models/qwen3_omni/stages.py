@@ -23,8 +23,6 @@ install_stand_in()
 
 from vllm_omni.model_executor.models.qwen3_omni import qwen3_omni  # noqa: E402
 
-# vLLM binds KV caches by the one layer index in a layer's name.
-CLOCK_ATTENTION = "clock_attention.0"
 # vllm-omni's engine-argument default (OmniEngineArgs.async_chunk): whole-request hand-overs.
 ASYNC_CHUNK = False
 
@@ -100,22 +98,12 @@ class Qwen3OmniMoeCode2WavStage(Qwen3OmniMoeStage):
     `omni-code2wav` sidecar hands each request's codes for the step in
     `runtime_additional_information` (`codes.audio`, the same flat layout). So the forward here
     gives vllm-omni's forward those codes as its input_ids and counts, and gives V2 zero hidden
-    rows and equal (zero) logits, as the Qwen3-TTS code2wav does (qwen3_tts/code2wav.py). The
-    waveforms are vllm-omni's, one per request of the step (empty for one with no codes)."""
+    rows and equal (zero) logits, as the Qwen3-TTS code2wav does (qwen3_tts/code2wav.py); with no
+    attention layer it has no KV cache, which the shim's runner and worker take on every vLLM
+    (compat's STAGED_WRITES_WITHOUT_KV_SINCE, V2_WARMUP_WITHOUT_KV_SINCE). The waveforms are
+    vllm-omni's, one per request of the step (empty for one with no codes)."""
 
     stage = "code2wav"
-
-    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        # vllm-omni's code2wav has no vLLM attention layer, so V2 would make no KV-cache group, and
-        # vLLM 0.26's V2 block tables assert on none (0.32 accepts none). One attention layer that the
-        # forward never calls gives the stage one group (a block per request: its placeholder token).
-        from vllm.model_executor.layers.attention import Attention
-
-        head = vllm_config.model_config.get_head_size()
-        self.clock_attention = Attention(num_heads=1, head_size=head, scale=head ** -0.5, num_kv_heads=1,
-                                         cache_config=vllm_config.cache_config,
-                                         prefix=CLOCK_ATTENTION if not prefix else f"{prefix}.{CLOCK_ATTENTION}")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *args: Any,
                 runtime_additional_information: list[dict[str, Any]] | None = None, **kwargs: Any) -> Any:
