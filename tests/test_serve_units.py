@@ -161,6 +161,27 @@ def test_a_stages_engine_keeps_the_configs_shim_settings_next_to_its_sidecar(mon
     assert spec.engine["additional_config"]["omni_sidecar"]["endpoint"] == "ipc:///elsewhere"  # the spec untouched
 
 
+def test_a_stage_whose_hooks_pass_kwargs_gets_piecewise_graphs_unless_its_config_chose(monkeypatch):
+    from types import SimpleNamespace
+
+    from omni_serve.config import StageSpec
+    from omni_serve.stages import engines
+    from proto.capabilities import HookNeeds
+
+    monkeypatch.setattr(engines, "AsyncEngineArgs", lambda **kwargs: SimpleNamespace(**kwargs))  # no model lookup
+    kwargs, layers, plain = HookNeeds(extra_kwargs=True), HookNeeds(hidden_states=True, hidden_layers=[0, 2]), HookNeeds()
+
+    def mode(engine, needs):
+        args = engines.engine_args(StageSpec("code2wav", "m", engine=engine), "ipc:///s", needs=needs)
+        return str(getattr(args, "compilation_config", {}).get("cudagraph_mode"))
+
+    assert "PIECEWISE" in mode({}, kwargs) and "PIECEWISE" in mode({}, layers)
+    assert "PIECEWISE" not in mode({}, plain) and "PIECEWISE" not in mode({}, None)  # vLLM's default stays
+    assert "FULL_DECODE_ONLY" in mode({"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}, kwargs)
+    eager = engines.engine_args(StageSpec("code2wav", "m", engine={"enforce_eager": True}), "ipc:///s", needs=kwargs)
+    assert eager.enforce_eager and "PIECEWISE" not in mode({"enforce_eager": True}, kwargs)
+
+
 def test_the_shims_vllm_plugin_calls_the_model_registrations_it_is_given(monkeypatch):
     from tests.support import registrations
     from worker_shim import plugin

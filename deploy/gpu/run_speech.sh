@@ -45,7 +45,7 @@ timeout "$left" python3 "$SRC/deploy/gpu/speech_serving.py" --model "$W/model" -
   --result "$OUT/speech-serving.json" --limit-s "$(( left - 10 ))" "$@" > "$OUT/speech.log" 2>&1
 echo "speech_serving.py rc=$? after $(( $(date +%s) - t0 )) s"
 grep -v '^\[W' "$OUT/speech.log" | tail -40
-for f in "$W"/*.log "$W"/ours-run/*.log; do echo "=== $(basename "$f")"; grep -E "patch|Error|error|Traceback" "$f" | tail -30; tail -30 "$f"; done \
+for f in "$W"/*.log "$W"/ours-run/*.log; do echo "=== $(basename "$f")"; grep -E "patch|Error|error|Traceback" "$f" | tail -30; grep -A60 "Error raised in subprocess" "$f" | head -80; tail -30 "$f"; done \
   > "$OUT/server-logs.txt" 2>/dev/null
 rm -f "$OUT/install.log" "$OUT/model.log"
 rm -rf "$W"

@@ -399,8 +399,15 @@ async def run(args) -> dict:
         results[name] = {}
     servers = start_servers(args, work)
     try:
-        await asyncio.gather(*(wait_healthy(s, min(deadline, time.monotonic() + START_TIMEOUT_S))
-                               for s in servers.values()))
+        started = await asyncio.gather(*(wait_healthy(s, min(deadline, time.monotonic() + START_TIMEOUT_S))
+                                         for s in servers.values()), return_exceptions=True)
+        for (name, server), outcome in zip(list(servers.items()), started):
+            if isinstance(outcome, BaseException):  # the other server still runs: its figures stand alone
+                results["notes"].append(f"{name} did not start: {type(outcome).__name__}: {outcome}"[:4000])
+                stop_all([server])
+                del servers[name]
+        if not servers:
+            return results
         results["start_s"] = round(time.monotonic() - t_start, 1)
         print(f"servers up after {results['start_s']} s", flush=True)
         for server in servers.values():  # warm-up: first requests compile, capture, load tokenizers

@@ -136,8 +136,9 @@ class SpeechServer:
         specs = list(self.config.stages.values())
 
         async def start(spec) -> None:
-            self.engines[spec.name] = await asyncio.to_thread(start_engine, spec, self.sidecars[spec.name].endpoint,
-                                                              spec.sidecar.curve_keys)
+            sidecar = self.sidecars[spec.name]
+            self.engines[spec.name] = await asyncio.to_thread(start_engine, spec, sidecar.endpoint,
+                                                              spec.sidecar.curve_keys, await sidecar.needs())
 
         if any(spec.device is not None for spec in specs):  # each placed through the environment: one at a time
             for spec in specs:

@@ -25,6 +25,7 @@ from vllm.logger import init_logger
 
 from omni_serve.config import SidecarSpec
 from omni_serve.stages.link import SidecarLink
+from proto.capabilities import HookNeeds
 
 logger = init_logger(__name__)
 READY_TIMEOUT_S = 90.0
@@ -87,6 +88,14 @@ class SidecarProcess:
         finally:
             link.close()
         raise RuntimeError(f"no {self.stage} sidecar answered at {self.endpoint} within {timeout_s:.0f}s")
+
+    async def needs(self) -> HookNeeds:
+        """What the sidecar's hook set needs of the shim (its engine's settings follow from it)."""
+        link = SidecarLink(self.endpoint)
+        try:
+            return (await link.status()).needs
+        finally:
+            link.close()
 
     async def _supervise(self) -> None:
         while not self.stopping:
