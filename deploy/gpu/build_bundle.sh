@@ -73,10 +73,12 @@ if [ "${BUNDLE_SERVE:-0}" = 1 ]; then
   # vllm-omni's api_server imports at the top: watchfiles (vllm.entrypoints.launcher's SSL refresher),
   # model-hosting-container-standards and jmespath (vLLM's SageMaker and LoRA routers), and through
   # vllm.tokenizers.mistral mistral_common with jsonschema, pydantic-extra-types, pycountry, ijson,
-  # pydantic-settings, python-dotenv.
+  # pydantic-settings, python-dotenv; when it builds its app, prometheus-fastapi-instrumentator (vLLM's
+  # /metrics router).
   for spec in uvicorn h11 anyio idna annotated-doc python-multipart httpx httpcore certifi email-validator dnspython \
       antlr4-python3-runtime watchfiles model-hosting-container-standards jmespath jsonschema referencing rpds-py \
-      jsonschema-specifications pydantic-extra-types ijson pydantic-settings python-dotenv; do
+      jsonschema-specifications pydantic-extra-types ijson pydantic-settings python-dotenv \
+      prometheus-fastapi-instrumentator; do
     $DL -d "$OUT/wheels" "$spec"
   done
   # Into the tree without their data (mistral's own tokenizer files, pycountry's translations: 35 MiB

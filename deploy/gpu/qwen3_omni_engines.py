@@ -42,14 +42,18 @@ STAGES = ("thinker", "talker", "code2wav")
 OUTER_ARCH = "Qwen3OmniMoeForConditionalGeneration"
 # vllm-omni's Qwen3-Omni pipeline (its models/qwen3_omni/pipeline.py) per stage: model_stage, worker,
 # output type, the config section its ModelConfig reads, its scheduler.
+# Every vllm-omni stage is stage 0 here: its schedulers park a request of a later stage (talker,
+# code2wav without async_chunk) in WAITING_FOR_INPUT until its orchestrator's connector delivers the
+# previous stage's payload (vllm_omni/core/sched/omni_scheduling_coordinator.py); this driver hands
+# the payload over with the request itself, as the shim's pipeline does.
 OMNI_STAGE_ARGS = {
     "thinker": dict(stage_id=0, model_stage="thinker", worker_type="ar", engine_output_type="latent",
                     hf_config_name="thinker_config",
                     scheduler_cls="vllm_omni.core.sched.omni_ar_scheduler.OmniARScheduler"),
-    "talker": dict(stage_id=1, model_stage="talker", worker_type="ar", engine_output_type="latent",
+    "talker": dict(stage_id=0, model_stage="talker", worker_type="ar", engine_output_type="latent",
                    hf_config_name="talker_config",
                    scheduler_cls="vllm_omni.core.sched.omni_ar_scheduler.OmniARScheduler"),
-    "code2wav": dict(stage_id=2, model_stage="code2wav", worker_type="generation", engine_output_type="audio",
+    "code2wav": dict(stage_id=0, model_stage="code2wav", worker_type="generation", engine_output_type="audio",
                      hf_config_name="thinker_config", disable_hybrid_kv_cache_manager=True,
                      enable_chunked_prefill=False,
                      scheduler_cls="vllm_omni.core.sched.omni_generation_scheduler.OmniGenerationScheduler"),

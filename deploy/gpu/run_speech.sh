@@ -30,7 +30,7 @@ VLLM_PLUGINS=omni_sidecar_shim python3 -m tests.tiny_models.qwen3_tts "$W/model"
 # a server that cannot is left out of the run (imports.txt: the first module it misses).
 SERVERS=""
 for probe in "ours:import uvicorn, fastapi, omni_serve.api.server" \
-             "vllm-omni:import uvloop, vllm_omni.entrypoints.openai.api_server, vllm_omni.entrypoints.cli.serve"; do
+             "vllm-omni:import uvloop, vllm_omni.entrypoints.openai.api_server, vllm_omni.entrypoints.cli.serve, vllm.entrypoints.serve.instrumentator.metrics"; do
   name=${probe%%:*}
   if python3 -c "${probe#*:}" > "$W/probe.txt" 2>&1; then
     echo "$name: imports" >> "$OUT/imports.txt"; SERVERS="$SERVERS${SERVERS:+,}$name"
