@@ -42,6 +42,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -217,6 +218,12 @@ def start_servers(args, work: Path) -> dict[str, ServerProcess]:
                  "PYTHONPATH": os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])}
         servers["ours"] = launch("ours", cmd, work / "ours.log", {**env, **extra}, port)
     return servers
+
+
+def last_line(text: str) -> str:
+    """The last line of a log tail or traceback (the error itself), without terminal colours."""
+    lines = [line for line in re.sub(r"\x1b\[[0-9;]*m", "", text).splitlines() if line.strip()]
+    return lines[-1].split(")", 1)[-1].strip() if lines and lines[-1].startswith("(") else (lines[-1] if lines else "")
 
 
 async def wait_healthy(server: ServerProcess, deadline: float) -> None:
@@ -397,13 +404,16 @@ async def run(args) -> dict:
                      "waveform_max_abs_diff": None, "complete": False, "notes": []}
     for name in args.servers:
         results[name] = {}
+    from parity import run_commit, run_versions  # deploy/gpu/ is this script's folder
+
+    results["versions"], results["commit"] = run_versions(), run_commit()
     servers = start_servers(args, work)
     try:
         started = await asyncio.gather(*(wait_healthy(s, min(deadline, time.monotonic() + START_TIMEOUT_S))
                                          for s in servers.values()), return_exceptions=True)
         for (name, server), outcome in zip(list(servers.items()), started):
             if isinstance(outcome, BaseException):  # the other server still runs: its figures stand alone
-                results["notes"].append(f"{name} did not start: {type(outcome).__name__}: {outcome}"[:4000])
+                results["notes"].append(f"{name} did not start: {type(outcome).__name__}: {last_line(str(outcome))}")
                 stop_all([server])
                 del servers[name]
         if not servers:
