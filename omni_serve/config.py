@@ -22,7 +22,9 @@ sidecar = { hooks = "omni-talker" }       # started here; or endpoint = "ipc://.
 
 [stages.code2wav]
 placeholder_token = 1
-sidecar = { hooks = "omni-code2wav", options = { chunk_frames = "4", left_context = "8" } }
+# the sidecar's hook options, which the server cuts the codes by too: chunk_frames, left_context and
+# initial_chunk_frames (a shorter first chunk: the first audio after that many frames)
+sidecar = { hooks = "omni-code2wav", options = { chunk_frames = "4", left_context = "8", initial_chunk_frames = "1" } }
 ```
 Relative paths (model, build target) are relative to the config file's directory.
 """

@@ -58,6 +58,28 @@ def test_left_context_covering_the_receptive_field_gives_the_whole_decode(decode
         assert (diff < 1e-5) == equal, (chunk, left, diff)
 
 
+def test_a_shorter_first_chunk_moves_every_later_chunk_and_keeps_the_whole_decode(decoder):
+    from proto.chunk_grid import ChunkGrid
+
+    grid = ChunkGrid(4, initial=1)
+    assert [(grid.start(k), grid.end(k)) for k in range(4)] == [(0, 1), (1, 5), (5, 9), (9, 13)]
+    assert [grid.count(f) for f in (0, 1, 2, 5, 6, 13)] == [0, 1, 2, 2, 3, 4]
+    assert [grid.complete(f) for f in (0, 1, 4, 5, 9)] == [0, 1, 1, 2, 3]
+    assert grid.ready(1, 3, final=True) and not grid.ready(1, 3, final=False) and grid.ready(1, 5, final=False)
+    assert [grid.span(k, 11, 8) for k in range(5)] == [(0, 0, 1), (0, 1, 5), (0, 5, 9), (1, 9, 11), None]
+    assert grid.last_start_at_or_before(0) == 0 and grid.last_start_at_or_before(4) == 1
+    assert grid.last_start_at_or_before(5) == 2 and ChunkGrid(4).first == ChunkGrid(4, initial=4).first == 4
+    with pytest.raises(ValueError):
+        ChunkGrid(0)
+    c = codes(17, 3)
+    full = whole(decoder, c)
+    for initial in (1, 2, 6):
+        n = num_chunks(17, 4, initial)
+        waves = [decode_runtime_info(decoder, chunk_input(c, k, 4, 8, initial)) for k in range(n)]
+        assert waves[0].shape[0] == initial * decoder.samples_per_frame
+        assert float((torch.cat(waves) - full).abs().max()) < 1e-5, initial
+
+
 def layout(rows: list[tuple[str, int, int]], prefill_lens: list[int] | None = None) -> StepLayout:
     """rows: (request, computed tokens, scheduled rows)."""
     qsl = [0]

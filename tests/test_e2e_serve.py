@@ -40,13 +40,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from proto.chunk_grid import ChunkGrid
 from tests.support.procs import child_env
 from tests.support.serve import TINY_ENGINE, serving
 from tests.support.speech_reference import pcm16, reference_samples
 
 pytestmark = pytest.mark.e2e
 CHUNK, LEFT = 4, 8
-MAX_FRAMES = 16  # chunk 3's window starts past frame 0: the payload is cut to the left context
+INITIAL = 1  # the first chunk a frame long, then chunks of CHUNK: the audio is the same
+MAX_FRAMES = 16  # the last chunk's window starts past frame 0: the payload is cut to the left context
 UPGRADE_TIMEOUT_S = 240
 TEXT = "a sidecar speaks"
 
@@ -73,7 +75,7 @@ sidecar = {{ hooks = "omni-talker" }}
 model = "{code2wav}"
 placeholder_token = 1
 engine = {engine}
-sidecar = {{ hooks = "omni-code2wav", options = {{ chunk_frames = "{CHUNK}", left_context = "{LEFT}", codebook_size = "64" }} }}
+sidecar = {{ hooks = "omni-code2wav", options = {{ chunk_frames = "{CHUNK}", left_context = "{LEFT}", initial_chunk_frames = "{INITIAL}", codebook_size = "64" }} }}
 ''')
     return path
 
@@ -141,7 +143,8 @@ def test_streams_carry_the_same_samples_and_the_first_chunk_comes_before_the_end
     events = [json.loads(line[6:]) for line in sse.decode().splitlines() if line.startswith("data: ")]
     assert [e["type"] for e in events][-1] == "speech.audio.done"
     deltas = [e for e in events if e["type"] == "speech.audio.delta"]
-    assert len(deltas) == MAX_FRAMES // CHUNK  # one per chunk
+    assert len(deltas) == ChunkGrid(CHUNK, INITIAL).count(MAX_FRAMES)  # one per chunk
+    assert len(base64.b64decode(deltas[0]["audio"])) == INITIAL * 24 * 2  # the short first chunk: 24 samples a frame
     assert b"".join(base64.b64decode(e["audio"]) for e in deltas) == pcm
     # vllm-omni's usage: the text's tokens as the talker reads them (the tiny talker's rows: the
     # voice's, then one per byte), the codec frames it made.

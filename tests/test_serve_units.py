@@ -316,9 +316,10 @@ class ForgetfulLink:
 
 def speech_pipeline(talker_engine: FakeEngine):
     from omni_serve.speech.pipeline import SpeechPipeline, Stage
+    from proto.chunk_grid import ChunkGrid
 
     return SpeechPipeline(Stage("talker", talker_engine, ForgetfulLink()), Stage("code2wav", FakeEngine(), ForgetfulLink()),
-                          chunk_frames=4, left_context=0, placeholder_token=0)
+                          chunks=ChunkGrid(4), left_context=0, placeholder_token=0)
 
 
 @pytest.mark.parametrize("engine_finished", [True, False])

@@ -21,7 +21,7 @@ Its processes are vllm-omni's own, its patches applied.
 ours: `python3 -m omni_serve --pipeline T`, T a talker -> code2wav config for vllm-omni's own
 classes through the shim (VLLM_PLUGINS=omni_sidecar_shim: no vllm-omni patch), each stage an
 AsyncLLM (V2, async scheduling as vLLM defaults it) with its sidecar (`omni-talker`,
-`omni-code2wav` decoding vllm-omni's steady chunks: 25 frames, 72 of left context), the prompt
+`omni-code2wav` decoding vllm-omni's chunks: the first a frame long, then 25 frames, 72 of left context), the prompt
 built as vllm-omni's server builds it (deploy/gpu/speech_qwen3_tts.py).
 
 Checks and figures:
@@ -151,7 +151,7 @@ model = "{model}"
 device = 0
 placeholder_token = 1
 engine = {{ {engine}, kv_cache_memory_bytes = {kv["code2wav"]}, max_model_len = 1024, max_num_batched_tokens = 1024, hf_overrides = {{ architectures = ["Qwen3TTSCode2Wav"] }} }}
-sidecar = {{ hooks = "omni-code2wav", options = {{ chunk_frames = "{chunk_frames}", left_context = "72", codebook_size = "64" }} }}
+sidecar = {{ hooks = "omni-code2wav", options = {{ chunk_frames = "{chunk_frames}", initial_chunk_frames = "1", left_context = "72", codebook_size = "64" }} }}
 """
     out = work / "ours-qwen3_tts.toml"
     out.write_text(text)

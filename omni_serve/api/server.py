@@ -30,6 +30,7 @@ from omni_serve.config import ServeConfig, load_callable
 from omni_serve.speech.pipeline import SpeechJob, SpeechPipeline, Stage, StageFailed, ThinkerStage
 from omni_serve.stages.link import SidecarLink
 from omni_serve.stages.sidecars import SidecarProcess
+from proto.chunk_grid import ChunkGrid
 from proto.settings import CODE2WAV_CHUNK_FRAMES, CODE2WAV_LEFT_CONTEXT_FRAMES
 
 logger = init_logger(__name__)
@@ -154,7 +155,8 @@ class SpeechServer:
             thinker = ThinkerStage(stages["thinker"], self.config.stages["thinker"].max_tokens,
                                    load_callable(self.config.talker_prompt))
         self.pipeline = SpeechPipeline(stages["talker"], stages["code2wav"],
-                                       int(options.get("chunk_frames", CODE2WAV_CHUNK_FRAMES)),
+                                       ChunkGrid(int(options.get("chunk_frames", CODE2WAV_CHUNK_FRAMES)),
+                                                 int(options.get("initial_chunk_frames", 0))),
                                        int(options.get("left_context", CODE2WAV_LEFT_CONTEXT_FRAMES)),
                                        code2wav.placeholder_token, thinker)
         for name, sidecar in self.sidecars.items():

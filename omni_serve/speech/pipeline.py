@@ -38,6 +38,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from omni_serve.stages.link import RequestRejected, SidecarLink, SidecarLost
 from omni_serve.stages.payload import additional_information
+from proto.chunk_grid import ChunkGrid
 
 logger = init_logger(__name__)
 
@@ -161,10 +162,6 @@ async def patiently(stage: str, never: str) -> AsyncIterator[None]:
         pause = min(pause * 2, 0.05)
 
 
-def num_chunks(frames: int, chunk_frames: int) -> int:
-    return -(-frames // chunk_frames)
-
-
 TalkerPrompt = Callable[[np.ndarray, int], tuple[list[int], dict[str, Any]]]
 
 
@@ -181,7 +178,7 @@ class ThinkerStage:
 class SpeechPipeline:
     talker: Stage
     code2wav: Stage
-    chunk_frames: int
+    chunks: ChunkGrid  # how the codes are cut (the code2wav sidecar's chunk_frames, initial_chunk_frames)
     left_context: int
     placeholder_token: int
     thinker: ThinkerStage | None = None
@@ -310,20 +307,22 @@ class SpeechPipeline:
             frames.changed.set()
 
     def _ready_chunks(self, frames: Frames) -> int:
-        return num_chunks(frames.count, self.chunk_frames) if frames.ended else frames.count // self.chunk_frames
+        return self.chunks.count(frames.count) if frames.ended else self.chunks.complete(frames.count)
 
     def _chunk_payload(self, frames: Frames, k: int) -> dict[str, Any]:
         """Chunk k's request: a window of the frames that ends with the chunk and starts the left
-        context early, rounded back to a whole chunk (so the chunk is a whole chunk index of the
-        window, `codec_next_chunk`, and the hook set cuts exactly the left context it would in
-        the whole codes): its payload stays a few chunks long however long the audio."""
-        start = k * self.chunk_frames
-        end = min(frames.count, start + self.chunk_frames)
-        back = -(-self.left_context // self.chunk_frames) * self.chunk_frames
-        first = max(0, start - back)
+        context early, at the start of a chunk (so the chunk is a whole chunk index of the window,
+        `codec_next_chunk`, and the hook set cuts exactly the left context it would in the whole
+        codes): its payload stays a few chunks long however long the audio."""
+        start, end = self.chunks.start(k), min(frames.count, self.chunks.end(k))
+        i = self.chunks.last_start_at_or_before(max(0, start - self.left_context))
+        first = self.chunks.start(i)
         codes = frames.all()[first:end].astype(np.int64)
+        # From the window's first frame on, its chunks: the stream's own (i = 0), else all of one size.
+        initial = self.chunks.first if i == 0 else self.chunks.size
         return additional_information({"codes": {"audio": codes},
-                                       "meta": {"codec_next_chunk": (start - first) // self.chunk_frames}})
+                                       "meta": {"codec_next_chunk": k - i, "codec_chunk_frames": self.chunks.size,
+                                                "initial_codec_chunk_frames": initial}})
 
     def _code2wav_params(self, payload: dict[str, Any] | None) -> SamplingParams:
         extra = {"omni_sidecar": {"additional_information": payload}} if payload is not None else None
@@ -349,7 +348,7 @@ class SpeechPipeline:
                         yield wave.reshape(-1)
                     k += 1
                     continue
-                if frames.ended and k >= num_chunks(frames.count, self.chunk_frames):
+                if frames.ended and k >= self.chunks.count(frames.count):
                     return
                 waits = [chunks[k]] if k < len(chunks) else []
                 if not frames.ended:

@@ -12,7 +12,8 @@ chunks (`num_chunks`), `ignore_eos`; the model's logits make any token fine and 
 sampled token is read. This hook set does the rest, with no weights:
 - on admission, the request's payload (vllm-omni's `additional_information`) gives
   `codes.audio` [frames, Q] (the talker's assembled codes), optionally
-  `meta.codec_chunk_frames` / `meta.codec_left_context_frames` for this request, and
+  `meta.codec_chunk_frames` / `meta.initial_codec_chunk_frames` (a shorter first chunk, so the
+  first audio comes sooner) / `meta.codec_left_context_frames` for this request, and
   `meta.codec_next_chunk`, the chunk it decodes first (0; omni-serve sends one request per
   chunk, each a window of the codes whose chunk k is the new one);
 - before each forward (one blocking exchange per step with a code2wav request), each
@@ -43,6 +44,7 @@ import torch
 
 from omni_sidecar.hook_api.hook_set import HookErrors, RequestHookError, RequestInfo, StepBatch
 from omni_sidecar.hook_sets.omni.state_hooks import OmniStateHooks
+from proto.chunk_grid import ChunkGrid
 from proto.messages import HookNeeds
 from proto.settings import CODE2WAV_CHUNK_FRAMES, CODE2WAV_LEFT_CONTEXT_FRAMES
 
@@ -53,29 +55,26 @@ WAVEFORM = "waveform"  # assembled output: [samples, 1] float32
 MODEL_WAVEFORM = "model_outputs"  # vllm-omni's code2wav output key: one 1-dim waveform per request
 
 
-def num_chunks(frames: int, chunk_frames: int) -> int:
+def num_chunks(frames: int, chunk_frames: int, initial_chunk_frames: int = 0) -> int:
     """Chunks of a request of `frames` code frames: its `max_tokens` (one chunk per step)."""
-    return -(-frames // chunk_frames)
+    return ChunkGrid(chunk_frames, initial_chunk_frames).count(frames)
 
 
-def chunk_span(k: int, frames: int, chunk_frames: int, left_context: int) -> tuple[int, int, int] | None:
+def chunk_span(k: int, frames: int, chunk_frames: int, left_context: int,
+               initial_chunk_frames: int = 0) -> tuple[int, int, int] | None:
     """(first, start, end) of chunk k: frames [first, end) are decoded, [start, end) are new
     (first = start - min(left_context, start)); None past the last chunk or before the first."""
-    start = k * chunk_frames
-    if k < 0 or start >= frames:
-        return None
-    return start - min(left_context, start), start, min(frames, start + chunk_frames)
+    return ChunkGrid(chunk_frames, initial_chunk_frames).span(k, frames, left_context)
 
 
-def chunk_ready(codes: torch.Tensor, k: int, chunk_frames: int, final: bool) -> bool:
-    """Chunk k can be decoded: all its frames are there, or the codes are final and it has some."""
-    frames = int(codes.shape[0])
-    return k * chunk_frames < frames and (final or (k + 1) * chunk_frames <= frames)
-
-
-def chunk_input(codes: torch.Tensor, k: int, chunk_frames: int, left_context: int) -> dict[str, Any] | None:
+def chunk_input(codes: torch.Tensor, k: int, chunk_frames: int, left_context: int,
+                initial_chunk_frames: int = 0) -> dict[str, Any] | None:
     """Chunk k of codes [frames, Q] as the model's runtime info (vllm-omni's code2wav input)."""
-    span = chunk_span(k, int(codes.shape[0]), chunk_frames, left_context)
+    return grid_input(codes, k, ChunkGrid(chunk_frames, initial_chunk_frames), left_context)
+
+
+def grid_input(codes: torch.Tensor, k: int, grid: ChunkGrid, left_context: int) -> dict[str, Any] | None:
+    span = grid.span(k, int(codes.shape[0]), left_context)
     if span is None:
         return None
     first, start, end = span
@@ -88,26 +87,30 @@ class Code2WavHooks(OmniStateHooks):
 
     def __init__(self, chunk_frames: str = str(CODE2WAV_CHUNK_FRAMES),
                  left_context: str = str(CODE2WAV_LEFT_CONTEXT_FRAMES), state_cap_mib: str = "256",
-                 codebook_size: str = "0") -> None:
+                 codebook_size: str = "0", initial_chunk_frames: str = "0") -> None:
         super().__init__(state_cap_mib=state_cap_mib)
         self.chunk_frames = int(chunk_frames)
+        # The first chunk's frames (0: chunk_frames): fewer make the first audio come sooner.
+        self.initial_chunk_frames = int(initial_chunk_frames)
         self.left_context = int(left_context)
         # The codec's codebook size (0: unchecked): a code outside it fails its request here,
         # not the codec's forward (which would fail the whole step).
         self.codebook_size = int(codebook_size)
-        if self.chunk_frames < 1 or self.left_context < 0:
-            raise ValueError(f"chunk_frames must be >= 1 and left_context >= 0, got {chunk_frames}, {left_context}")
+        if self.chunk_frames < 1 or self.left_context < 0 or self.initial_chunk_frames < 0:
+            raise ValueError(f"chunk_frames must be >= 1, left_context and initial_chunk_frames >= 0, got "
+                             f"{chunk_frames}, {left_context}, {initial_chunk_frames}")
         # The chunk must reach the forward: one exchange per step that runs a request with a payload.
         # Its chunks are forward kwargs: no FULL CUDA graph may replay a forward without them (refused).
         self.needs = HookNeeds(pre_forward="always", pre_forward_scope="payload", hidden_states=False,
                                prefix_cache_safe=False, model_states=True, extra_kwargs=True)
 
-    def plan(self, state: dict[str, Any]) -> tuple[torch.Tensor, int, int]:
-        """(codes [frames, Q], chunk frames, left context) of a request."""
+    def plan(self, state: dict[str, Any]) -> tuple[torch.Tensor, ChunkGrid, int]:
+        """(codes [frames, Q], its chunks, left context) of a request."""
         meta = state.get("meta", {})
-        chunk = int(meta.get("codec_chunk_frames", self.chunk_frames))
+        grid = ChunkGrid(int(meta.get("codec_chunk_frames", self.chunk_frames)),
+                         int(meta.get("initial_codec_chunk_frames", self.initial_chunk_frames)))
         left = int(meta.get("codec_left_context_frames", self.left_context))
-        return state["codes"]["audio"], chunk, left
+        return state["codes"]["audio"], grid, left
 
     def on_new_requests(self, requests: list[RequestInfo]) -> None:
         errors: dict[str, str] = {}
@@ -144,22 +147,22 @@ class Code2WavHooks(OmniStateHooks):
             counts.append(end - start)
             if state is not None:
                 step = lay.num_computed_tokens[i] + end - start - int(state["meta"]["prompt_len"])
-                codes, chunk, left = self.plan(state)
-                k = self._chunk_of_step(state, step, codes, chunk)
-                info = chunk_input(codes, k, chunk, left) if k is not None else None
+                codes, grid, left = self.plan(state)
+                k = self._chunk_of_step(state, step, codes, grid)
+                info = grid_input(codes, k, grid, left) if k is not None else None
             infos.append(info or {})
         # seq_token_counts: each request's rows, as vllm-omni's runners pass them (its code2wav splits
         # input_ids by them when a batch holds several requests).
         return {"runtime_additional_information": infos, "seq_token_counts": counts}
 
-    def _chunk_of_step(self, state: dict[str, Any], step: int, codes: torch.Tensor, chunk: int) -> int | None:
+    def _chunk_of_step(self, state: dict[str, Any], step: int, codes: torch.Tensor, grid: ChunkGrid) -> int | None:
         """The chunk step `step` decodes (None: none), decided once per step and kept in the state."""
         meta = state["meta"]
         if step == meta.get(STEP_SEEN, -1):
             return meta.get(STEP_CHUNK)
         k = int(meta.get(NEXT_CHUNK, 0))
         final = not meta.get("codec_streaming", False) or bool(meta.get("codec_final", False))
-        decided = k if chunk_ready(codes, k, chunk, final) else None
+        decided = k if grid.ready(k, int(codes.shape[0]), final) else None
         # Three ints into the state's own meta: not a merge, which re-sizes the whole state (its codes
         # included) against the cap and snapshots it for all-or-nothing, on every step.
         meta.update({STEP_SEEN: step, STEP_CHUNK: decided, NEXT_CHUNK: k + (decided is not None)})
@@ -184,8 +187,8 @@ class Code2WavHooks(OmniStateHooks):
         for req_id in req_ids:
             state = self.state.get(req_id)
             if state is not None and req_id not in self.preempted and _check(state, self) is None:
-                codes, chunk, _ = self.plan(state)
-                left = num_chunks(int(codes.shape[0]), chunk) - int(state["meta"].get(NEXT_CHUNK, 0))
+                codes, grid, _ = self.plan(state)
+                left = grid.count(int(codes.shape[0])) - int(state["meta"].get(NEXT_CHUNK, 0))
                 if left > 0:
                     log.warning("code2wav request %s finished with %d of its chunks undecoded: its clock "
                                 "(max_tokens) ran out while its codes were still coming; give it more",
@@ -225,11 +228,11 @@ def _check(state: dict[str, Any], hooks: Code2WavHooks) -> str | None:
         return (f"code2wav: codes.audio holds codes outside the codebook [0, {size}): "
                 f"{int(codes.min())} .. {int(codes.max())}")
     try:
-        _, chunk, left = hooks.plan(state)
+        _, _, left = hooks.plan(state)
     except (TypeError, ValueError) as exc:
-        return f"code2wav: meta.codec_chunk_frames / codec_left_context_frames: {exc}"
-    if chunk < 1 or left < 0:
-        return f"code2wav: chunk frames must be >= 1 and left context >= 0, got {chunk}, {left}"
+        return f"code2wav: meta.codec_chunk_frames / initial_codec_chunk_frames / codec_left_context_frames: {exc}"
+    if left < 0:
+        return f"code2wav: left context must be >= 0, got {left}"
     return None
 
 
