@@ -65,11 +65,11 @@ TALKER_WARMUP = [dict(text_len=4, streaming=True, max_tokens=4, seed=90),
                  dict(text_len=6, streaming=False, max_tokens=4, seed=91)]
 CODE2WAV_REQUESTS = [dict(frames=n, seed=s) for n, s in ((40, 1), (75, 2))]
 CODE2WAV_CHUNKINGS = [{"codec_chunk_frames": 25, "codec_left_context_frames": 72}]
-# The timed rounds: a round decodes TIMED_TOKENS steps of TIMED_REQUESTS requests (~0.2-0.4 s on the
-# H200 for the tiny models, ~3 ms a step: far above the turn hand-over's ms), ROUNDS of them by
-# default (~3 s a round for the ten timed engines).
+# The timed rounds: a round decodes TIMED_TOKENS steps of TIMED_REQUESTS requests (~0.5-0.8 s on the
+# H200 for the tiny models, ~3 ms a step; rounds of 64 steps, 0.2 s, moved a round's ratio by up to
+# 0.5), ROUNDS of them by default.
 TIMED_REQUESTS = 16
-TIMED_TOKENS = 64
+TIMED_TOKENS = 192
 MAX_TIMED_TOKENS = 400  # the engines' max_model_len (512) less the longest prompt (PROMPT_LENS)
 ROUNDS = 10
 MIN_ROUNDS = 4  # fewer paired rounds resolve nothing
