@@ -51,10 +51,21 @@ def cpu_host_defaults() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def vllm_logging() -> None:
+    """vLLM's logger set up in this process, as its own CLI does: newer vLLMs do it from the parsed
+    arguments (VLLM_LOGGING_LEVEL and the rest from the environment), older ones on import."""
+    from vllm import logger as vllm_logger
+
+    configure = getattr(vllm_logger, "configure_logging_from_args", None)
+    if configure is not None:
+        configure(argparse.Namespace())
+
+
 def main(argv: list[str] | None = None) -> int:
     # vLLM's parser lists only option groups on a bare --help; ours are few: show them all.
     argv = ["--help=all" if arg in ("-h", "--help") else arg for arg in (sys.argv[1:] if argv is None else argv)]
     args = parser().parse_args(argv)
+    vllm_logging()
     from omni_serve.config import ConfigError, load_config
 
     try:

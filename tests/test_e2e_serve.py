@@ -370,6 +370,10 @@ def test_models_health_and_metrics(server):
         assert name in text, name
     assert _metric(server, "omni_serve_time_to_first_audio_seconds_count") >= 4
     assert 0 < _metric(server, "omni_serve_real_time_factor_sum")
+    # The server's own start-up in its log, in vLLM's format (its loggers are vLLM's children).
+    log = server.log.read_text(errors="replace")
+    for stage in ("talker", "code2wav"):
+        assert f"{stage} sidecar started (pid" in log and f"{stage} engine up:" in log, stage
 
 
 def _engine_cores(server) -> list:

@@ -33,7 +33,7 @@ from omni_serve.stages.sidecars import SidecarProcess
 from proto.chunk_grid import ChunkGrid
 from proto.settings import CODE2WAV_CHUNK_FRAMES, CODE2WAV_LEFT_CONTEXT_FRAMES
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL
 ENGINE_WATCH_S = 0.5  # how often the stage engines are checked for one that died
 RECONNECT_TIMEOUT_S = 10.0  # a shim's reconnect waits a fraction of a second; an engine deep in a step, longer
 

@@ -40,7 +40,7 @@ from omni_serve.stages.link import RequestRejected, SidecarLink, SidecarLost
 from omni_serve.stages.payload import additional_information
 from proto.chunk_grid import ChunkGrid
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL
 
 HIDDEN = "hidden_states"  # the thinker sidecar's assembled output: [rows, H] its last layer's hidden states
 CODES = "codes.audio"  # the talker sidecar's assembled output: [frames, Q] codec frames

@@ -18,7 +18,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from omni_serve.config import StageSpec
 from proto.capabilities import HookNeeds
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL
 # Where a stage's hooks pass extra forward kwargs or capture layers, a FULL CUDA graph's replay would
 # lose them and the shim refuses FULL graphs: such a stage runs piecewise graphs unless its config
 # chooses (enforce_eager, or compilation_config's cudagraph_mode).

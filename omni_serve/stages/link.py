@@ -27,7 +27,7 @@ NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.floa
                 "int32": np.int32, "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_}
 
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL
 RESEND_AFTER_S = 1.0  # a live sidecar answers a query in milliseconds
 
 

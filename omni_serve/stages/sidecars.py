@@ -27,7 +27,7 @@ from omni_serve.config import SidecarSpec
 from omni_serve.stages.link import SidecarLink
 from proto.capabilities import HookNeeds
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL
 READY_TIMEOUT_S = 90.0
 RESTART_PAUSE_S = 0.5
 STOP_TIMEOUT_S = 15.0
