@@ -416,3 +416,32 @@ def test_a_supervised_sidecar_found_dead_fails_its_stages_requests_before_it_is_
     pid = sidecar.proc.pid
     assert happened == [f"its sidecar exited (pid {pid}, status 0) with the request in flight; it is being started again",
                         "started again", "answers"]
+
+
+def test_an_attached_sidecar_that_stops_answering_fails_its_requests_and_is_taken_up_when_back(tmp_path, monkeypatch):
+    import asyncio
+
+    from omni_serve.config import SidecarSpec
+    from omni_serve.stages import sidecars
+
+    answers = iter([True, False, True, False, False, False, True])  # one miss is no loss; two are
+    happened: list[str] = []
+    sidecar = sidecars.SidecarProcess("code2wav", SidecarSpec(endpoint="ipc:///nowhere", attach=True), tmp_path)
+
+    async def ping(self) -> bool:
+        up = next(answers)
+        happened.append(f"alive={sidecar.alive}")
+        return up
+
+    async def back() -> None:
+        happened.append("reconnect")
+        sidecar.stopping = True
+
+    monkeypatch.setattr(sidecars, "CHECK_EVERY_S", 0)
+    monkeypatch.setattr(sidecars.SidecarLink, "ping", ping)
+    sidecar.on_lost = happened.append
+    sidecar.on_restart = back
+    asyncio.run(asyncio.wait_for(sidecar._watch_attached(), 10))
+    assert happened == ["alive=True"] * 5 + ["its sidecar stopped answering with the request in flight",
+                                             "alive=False", "alive=False", "reconnect"]
+    assert sidecar.alive and sidecar.restarts == 1

@@ -30,6 +30,7 @@ from omni_serve.config import ServeConfig, load_callable
 from omni_serve.speech.pipeline import SpeechJob, SpeechPipeline, Stage, StageFailed, ThinkerStage
 from omni_serve.stages.link import SidecarLink
 from omni_serve.stages.sidecars import SidecarProcess
+from proto.capabilities import HookNeeds
 from proto.chunk_grid import ChunkGrid
 from proto.settings import CODE2WAV_CHUNK_FRAMES, CODE2WAV_LEFT_CONTEXT_FRAMES
 
@@ -121,6 +122,7 @@ class SpeechServer:
         self.metrics = SpeechMetrics(list(config.stages))
         self.pipeline: SpeechPipeline | None = None
         self.engines: dict[str, Any] = {}
+        self.needs: dict[str, HookNeeds] = {}  # each stage's hooks' needs (its engine's settings follow from them)
         self.engine_restarts = {name: 0 for name in config.stages}
         self._engine_watch: asyncio.Task | None = None
 
@@ -138,8 +140,9 @@ class SpeechServer:
 
         async def start(spec) -> None:
             sidecar = self.sidecars[spec.name]
+            self.needs[spec.name] = await sidecar.needs()
             self.engines[spec.name] = await asyncio.to_thread(start_engine, spec, sidecar.endpoint,
-                                                              spec.sidecar.curve_keys, await sidecar.needs())
+                                                              spec.sidecar.curve_keys, self.needs[spec.name])
 
         if any(spec.device is not None for spec in specs):  # each placed through the environment: one at a time
             for spec in specs:
@@ -196,7 +199,8 @@ class SpeechServer:
             logger.exception("stopping what is left of the %s engine", name)
         spec = self.config.stages[name]
         try:
-            engine = await asyncio.to_thread(start_engine, spec, self.sidecars[name].endpoint, spec.sidecar.curve_keys)
+            engine = await asyncio.to_thread(start_engine, spec, self.sidecars[name].endpoint, spec.sidecar.curve_keys,
+                                             self.needs.get(name))
         except Exception:
             logger.exception("starting the %s engine again failed; trying again", name)
             await asyncio.sleep(ENGINE_WATCH_S)

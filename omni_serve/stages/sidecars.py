@@ -6,7 +6,8 @@ requests in flight fail at once, what it held of them being gone; once it answer
 engine is asked to connect to it at once), unless a hot upgrade (`omni-sidecar upgrade`) handed it
 over to a successor: that one, answering at the endpoint, is adopted (stopped with the server;
 started again as before if it dies). An attached one belongs
-to whoever started it (compose, systemd) and is only watched.
+to whoever started it (compose, systemd) and is only watched: found not answering, its stage's
+requests in flight fail at once, and its engine reconnects once one answers there again.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ from proto.capabilities import HookNeeds
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL
 READY_TIMEOUT_S = 90.0
 RESTART_PAUSE_S = 0.5
+# An attached sidecar is asked this often whether it answers; unanswered this many times in a row
+# (each within CHECK_TIMEOUT_S), it is taken as gone: a hot upgrade's hand-over is a few ms, a
+# busy sidecar answers between its steps.
+CHECK_EVERY_S = 0.5
+CHECK_TIMEOUT_S = 1.0
+CHECK_MISSES = 2
 STOP_TIMEOUT_S = 15.0
 
 
@@ -69,8 +76,7 @@ class SidecarProcess:
                 raise ValueError(f"stage {self.stage}: its sidecar needs hooks (or attach = true and an endpoint)")
             self._spawn()
         await self.wait_ready()
-        if not self.spec.attach:
-            self._watch = asyncio.create_task(self._supervise())
+        self._watch = asyncio.create_task(self._watch_attached() if self.spec.attach else self._supervise())
         logger.info("%s sidecar %s at %s", self.stage, "attached" if self.spec.attach else
                     f"started (pid {self.proc.pid})", self.endpoint)
 
@@ -126,6 +132,36 @@ class SidecarProcess:
             finally:
                 self.restarting = False
 
+    async def _watch_attached(self) -> None:
+        """An attached sidecar belongs to whoever started it (compose restarts it): found gone, its
+        stage's requests in flight fail now; once one answers at the endpoint again, its engine is
+        asked to take it up at once."""
+        link = SidecarLink(self.endpoint, timeout_s=CHECK_TIMEOUT_S)
+        misses = 0
+        try:
+            while not self.stopping:
+                await asyncio.sleep(CHECK_EVERY_S)
+                if await link.ping():
+                    misses = 0
+                    if self.restarting:
+                        logger.info("the attached %s sidecar at %s answers again; its engine takes it up",
+                                    self.stage, self.endpoint)
+                        self.restarts += 1
+                        if self.on_restart is not None:
+                            await self.on_restart()
+                        self.restarting = False
+                    continue
+                misses += 1
+                if misses == CHECK_MISSES and not self.restarting:
+                    logger.error("the attached %s sidecar at %s stopped answering: its requests in flight fail; "
+                                 "its stage serves again once whoever runs it has it answering there", self.stage,
+                                 self.endpoint)
+                    self.restarting = True
+                    if self.on_lost is not None:
+                        self.on_lost("its sidecar stopped answering with the request in flight")
+        finally:
+            link.close()
+
     @property
     def running(self) -> bool:
         if self.proc is not None:
@@ -167,7 +203,7 @@ class SidecarProcess:
 
     @property
     def alive(self) -> bool:
-        return self.spec.attach or (self.running and not self.restarting)
+        return not self.restarting and (self.spec.attach or self.running)
 
 
 def socket_dir(run_dir: Path) -> Path:
