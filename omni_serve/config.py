@@ -7,7 +7,7 @@ max_input_chars = 4096
 speech_prompt = "pkg.module:function"     # text + voice -> the talker's prompt ids and payload
 register = ["pkg.module:function"]       # run in every vLLM process before a model loads
 sample_rate = 24000
-talker_prompt = "pkg.module:function"     # with a thinker stage: its hidden rows -> the talker's prompt and payload
+talker_prompt = "pkg.module:function"     # with a thinker stage: its ThinkerOutput -> the talker's prompt and payload
 
 [stages.thinker]                          # optional: thinker, talker, code2wav (the demo's shape); speech_prompt
                                           # then makes the thinker's prompt
@@ -16,7 +16,8 @@ model = "path/or/hf-id"
 build = "pkg.module:function"             # optional: makes `model` if it is missing (tiny models)
 device = 0                                # optional GPU index (CUDA_VISIBLE_DEVICES of its engine)
 max_tokens = 64                           # codec frames a request may make at most
-engine = { max_model_len = 256 }          # vLLM engine arguments (AsyncEngineArgs fields)
+engine = { max_model_len = 256 }          # vLLM engine arguments (AsyncEngineArgs fields); hf_overrides
+                                          # may name a function ("pkg.module:function") as vLLM takes one
 sampling = { temperature = 0.0 }          # SamplingParams fields
 sidecar = { hooks = "omni-talker" }       # started here; or endpoint = "ipc://..." + attach = true
 

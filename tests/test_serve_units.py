@@ -161,6 +161,23 @@ def test_a_stages_engine_keeps_the_configs_shim_settings_next_to_its_sidecar(mon
     assert spec.engine["additional_config"]["omni_sidecar"]["endpoint"] == "ipc:///elsewhere"  # the spec untouched
 
 
+def test_a_stages_hf_overrides_may_name_a_function(monkeypatch):
+    from types import SimpleNamespace
+
+    from omni_serve.stages import engines
+    from worker_shim.omni_models.qwen3_omni.config import talker_stage_config
+
+    monkeypatch.setattr(engines, "AsyncEngineArgs", lambda **kwargs: SimpleNamespace(**kwargs))  # no model lookup
+    named = StageSpec("talker", "m", engine={
+        "hf_overrides": "worker_shim.omni_models.qwen3_omni.config:talker_stage_config"})
+    assert engines.engine_args(named, "ipc:///s").hf_overrides is talker_stage_config
+    table = StageSpec("code2wav", "m", engine={"hf_overrides": {"architectures": ["X"]}})
+    assert engines.engine_args(table, "ipc:///s").hf_overrides == {"architectures": ["X"]}
+    with pytest.raises(ConfigError, match="no_such_function"):
+        engines.engine_args(StageSpec("talker", "m", engine={"hf_overrides": "omni_serve.config:no_such_function"}),
+                            "ipc:///s")
+
+
 def test_a_stage_whose_hooks_pass_kwargs_gets_piecewise_graphs_unless_its_config_chose(monkeypatch):
     from types import SimpleNamespace
 

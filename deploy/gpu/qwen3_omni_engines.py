@@ -16,7 +16,8 @@ outputs read from its sidecar.
 Both: the same checkpoint (tests/tiny_models/qwen3_omni.py), prompts, greedy sampling, and the same
 hand-overs: vllm-omni's non-streaming ones (its `async_chunk: false` mode: a request moves on
 when it finishes), built by vllm-omni's own functions (`thinker2talker_full_payload`,
-`_compute_talker_prompt_ids_length`, `talker2code2wav_full_payload`) from each pipeline's stage
+`_compute_talker_prompt_ids_length`, `talker2code2wav_full_payload`, called through
+worker_shim/omni_models/qwen3_omni/handover.py, as omni-serve calls them) from each pipeline's stage
 outputs. The process steps the three engines in turn and moves each request on as its stage
 finishes it; per request it records the thinker's tokens, the talker's codes, the waveform and the
 time from its arrival to its audio (TTFA: the code2wav step that returned its waveform).
@@ -69,17 +70,12 @@ STEP_DEADLINE_S = 120  # no output from any stage for this long: stuck
 
 
 def thinker_prompt(text_len: int, seed: int) -> list[int]:
-    """A one-turn chat as the published template writes it, with the published role ids (vllm-omni's
-    thinker -> talker hand-over finds the user and assistant turns by them): <|im_start|>user\\n TEXT
-    <|im_end|>\\n<|im_start|>assistant\\n, TEXT random byte tokens."""
+    """A one-turn chat (tests/tiny_models/qwen3_omni.py's `chat_prompt`) of TEXT_LEN random byte tokens."""
     import numpy as np
 
-    from tests.tiny_models.qwen3_omni import NEWLINE_ID, TOP
+    from tests.tiny_models.qwen3_omni import chat_prompt
 
-    text = np.random.default_rng(seed).integers(0, 256, text_len).tolist()
-    im_start, im_end = TOP["im_start_token_id"], TOP["im_end_token_id"]
-    return ([im_start, TOP["user_token_id"], NEWLINE_ID] + text
-            + [im_end, NEWLINE_ID, im_start, TOP["assistant_token_id"], NEWLINE_ID])
+    return chat_prompt(np.random.default_rng(seed).integers(0, 256, text_len).tolist())
 
 
 def engine_args(job: dict, stage: str) -> dict:
@@ -209,17 +205,12 @@ class Pipeline:
 
     def _tts_embeds(self) -> dict[str, Any]:
         """The thinker's embeddings of tts_bos / tts_eos / tts_pad (vllm-omni's thinker stage computes
-        them in its forward's outputs from the same table; a text token's embedding is its row)."""
+        them in its forward's outputs from the same table; the shim's returns token rows only)."""
         import torch
-        from safetensors import safe_open
 
-        from tests.tiny_models.qwen3_omni import TOP
+        from worker_shim.omni_models.qwen3_omni.handover import tts_embeddings
 
-        dtype = getattr(torch, self.job["dtype"])
-        with safe_open(str(Path(self.job["model"]) / "model.safetensors"), "pt") as f:
-            table = f.get_tensor("thinker.model.embed_tokens.weight")
-        return {f"embed.{name}": table[TOP[f"{name}_token_id"]].to(dtype).reshape(1, 1, -1)
-                for name in ("tts_bos", "tts_eos", "tts_pad")}
+        return tts_embeddings(self.job["model"], getattr(torch, self.job["dtype"]))
 
     # -- entering a stage ------------------------------------------------------------------
 
@@ -268,23 +259,15 @@ def sampling(max_tokens: int, stop: list[int] | None = None) -> Any:
 
 def talker_input(pipe: Pipeline, rid: str, prompt: list[int], tokens: list[int]) -> tuple[list[int], dict] | None:
     """vllm-omni's thinker -> talker hand-over: its payload from the thinker's outputs, and the
-    talker's placeholder prompt of the length it computes."""
-    import torch
-    from vllm_omni.model_executor.stage_input_processors import qwen3_omni as handover
+    talker's placeholder prompt of the length it computes. Imported here, not at the top: the omni
+    pipeline has loaded vllm-omni's own package by then (the module would otherwise stand in for it)."""
+    from worker_shim.omni_models.qwen3_omni.handover import accept_hidden_layer
+    from worker_shim.omni_models.qwen3_omni.handover import talker_input as handed_over
 
     out = pipe.stage_outputs("thinker", rid)
     if pipe.tts_embeds is not None:
         out = {**pipe.tts_embeds, **out}
-    request = SimpleNamespace(request_id=rid, external_req_id=rid, prompt_token_ids=list(prompt),
-                              output_token_ids=list(tokens), all_token_ids=list(prompt) + list(tokens),
-                              additional_information=None)
-    payload = handover.thinker2talker_full_payload(None, out, request)
-    if payload is None:
-        return None
-    length = handover._compute_talker_prompt_ids_length(
-        {"ids": {"all": request.all_token_ids, "prompt": request.prompt_token_ids}}, device="cpu")
-    payload["meta"] = {"finished": torch.tensor(True)}
-    return [0] * length, payload
+    return handed_over(out, prompt, tokens, rid, hidden_layer=accept_hidden_layer(pipe.job["model"]))
 
 
 def talker_codes(pipe: Pipeline, rid: str, prompt_len: int) -> Any:
@@ -305,15 +288,15 @@ def talker_codes(pipe: Pipeline, rid: str, prompt_len: int) -> Any:
 def code2wav_input(pipe: Pipeline, rid: str, raw_codes: Any, tokens: list[int]) -> tuple[list[int], dict] | None:
     """vllm-omni's talker -> code2wav hand-over: the valid codec rows, codebook-major, flat."""
     import torch
-    from vllm_omni.model_executor.stage_input_processors import qwen3_omni as handover
 
-    request = SimpleNamespace(request_id=rid, output_token_ids=list(tokens))
-    payload = handover.talker2code2wav_full_payload(None, {"codes.audio": raw_codes}, request)
-    if payload is None:
+    from worker_shim.omni_models.qwen3_omni.handover import codec_codes
+
+    flat = codec_codes(raw_codes, tokens, rid)
+    if flat is None:
         return None
-    flat = payload["codes"]["audio"]
     if pipe.kind == "omni":
-        return list(flat), {**payload, "codes": {"audio": torch.tensor(flat, dtype=torch.long)}}
+        return flat, {"codes": {"audio": torch.tensor(flat, dtype=torch.long)},
+                      "meta": {"finished": torch.tensor(True, dtype=torch.bool)}}
     q = int(raw_codes.shape[-1])
     frames = torch.tensor(flat, dtype=torch.long).reshape(q, -1).t().contiguous()  # [frames, Q]
     return [CODE2WAV_PLACEHOLDER], {"codes": {"audio": frames}, "meta": dict(WHOLE_CODES)}

@@ -2,7 +2,8 @@
 
   python3 deploy/gpu/speech_serving.py --model DIR --work DIR --result OUT/speech-serving.json
       [--limit-s S] [--servers vllm-omni,ours] [--levels 1,16,64] [--frames N]
-      [--ours-pipeline TOML]   (ours on that config instead: the CPU check, deploy/speech/tiny.toml)
+      [--ours-pipeline TOML [--voices A,B]]   (ours on that config instead, with its voices: the CPU
+      check, deploy/speech/tiny.toml; Qwen3-Omni, deploy/speech/qwen3-omni-gpu.toml from run_qwen3_omni.sh)
 
 The model: the tiny Qwen3-TTS checkpoint of the published layout (tests/tiny_models/qwen3_tts.py),
 given two CustomVoice speakers here (`with_speakers`), so a plain {"input", "voice"} request is
@@ -317,10 +318,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
-async def level(port: int, concurrency: int, total: int, frames: int, rate: int, deadline: float) -> dict:
-    """`total` streaming requests, `concurrency` at a time, none past the deadline."""
+async def level(port: int, concurrency: int, total: int, frames: int, rate: int, deadline: float,
+                voices: tuple[str, ...] = tuple(VOICES)) -> dict:
+    """`total` streaming requests, `concurrency` at a time (the voices in turn), none past the deadline."""
     gate = asyncio.Semaphore(concurrency)
-    voices = list(VOICES)
 
     async def one(i: int) -> Answer:
         async with gate:
@@ -421,7 +422,7 @@ async def run(args) -> dict:
         results["start_s"] = round(time.monotonic() - t_start, 1)
         print(f"servers up after {results['start_s']} s", flush=True)
         for server in servers.values():  # warm-up: first requests compile, capture, load tokenizers
-            for voice in VOICES:
+            for voice in args.voices:
                 await request(server.port, "POST", "/v1/audio/speech", speech_body(TEXTS[0], voice, args.frames, True),
                               timeout_s=max(1.0, deadline - time.monotonic()))
         if len(servers) == 2:
@@ -436,7 +437,7 @@ async def run(args) -> dict:
                     results["notes"].append(f"stopped at the limit before {name} at concurrency {c}")
                     return results
                 results[name][str(c)] = await level(servers[name].port, c, max(2 * c, 8), args.frames,
-                                                     args.sample_rate, deadline)
+                                                     args.sample_rate, deadline, tuple(args.voices))
                 print(f"{name} @ {c}: {json.dumps(results[name][str(c)])}", flush=True)
         results["complete"] = True
         return results
@@ -479,10 +480,13 @@ def main() -> int:
     p.add_argument("--ours-chunk-frames", type=int, default=25,
                    help="omni-serve's code2wav chunk (vllm-omni's steady chunk: 25; its first is 1 frame)")
     p.add_argument("--sample-rate", type=int, default=SAMPLE_RATE, help="the servers' pcm rate (the CPU check's: 300)")
+    p.add_argument("--voices", default=",".join(VOICES),
+                   help="the voices requests name, in turn (with --ours-pipeline: that config's)")
     args = p.parse_args()
     args.servers = [s for s in args.servers.split(",") if s]
     assert set(args.servers) <= set(SERVERS), args.servers
     args.levels = [int(c) for c in args.levels.split(",")]
+    args.voices = [v for v in args.voices.split(",") if v]
     assert (args.model is None) == (args.ours_pipeline is not None), "--model, or --ours-pipeline and no vllm-omni"
     assert args.ours_pipeline is None or args.servers == ["ours"], "--ours-pipeline serves ours alone"
     if args.model is not None:
@@ -491,7 +495,7 @@ def main() -> int:
     args.result.parent.mkdir(parents=True, exist_ok=True)
     args.result.write_text(json.dumps(results, indent=1) + "\n")
     rows = benchmarks_rows(results)
-    args.result.with_name("speech-serving-rows.md").write_text(rows + "\n")
+    args.result.with_name(f"{args.result.stem}-rows.md").write_text(rows + "\n")
     print(rows)
     for note in results["notes"]:
         print("note:", note)

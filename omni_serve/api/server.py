@@ -155,13 +155,15 @@ class SpeechServer:
         options = code2wav.sidecar.options  # the sidecar's chunking (its defaults where not given)
         thinker = None
         if "thinker" in stages:
-            thinker = ThinkerStage(stages["thinker"], self.config.stages["thinker"].max_tokens,
-                                   load_callable(self.config.talker_prompt))
+            first = self.config.stages["thinker"]
+            thinker = ThinkerStage(stages["thinker"], first.max_tokens, load_callable(self.config.talker_prompt),
+                                   first.model)
         self.pipeline = SpeechPipeline(stages["talker"], stages["code2wav"],
                                        ChunkGrid(int(options.get("chunk_frames", CODE2WAV_CHUNK_FRAMES)),
                                                  int(options.get("initial_chunk_frames", 0))),
                                        int(options.get("left_context", CODE2WAV_LEFT_CONTEXT_FRAMES)),
-                                       code2wav.placeholder_token, thinker)
+                                       code2wav.placeholder_token, thinker,
+                                       int(options.get("codebook_size", 0)))
         for name, sidecar in self.sidecars.items():
             sidecar.on_restart = functools.partial(self._reconnect, name)
             sidecar.on_lost = stages[name].sidecar_lost

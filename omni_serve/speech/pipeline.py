@@ -1,9 +1,11 @@
 """One speech request through [thinker ->] talker -> code2wav, every stage running free.
 
 With a thinker stage (the demo's three-stage shape) the request's prompt is the thinker's: it runs
-whole in the thinker's engine, then its hidden rows (the thinker sidecar's assembled
-`hidden_states`, one row per token it ran) become the talker's prompt and payload
-(`talker_prompt`, the config's function), as examples/demo.py's `--by-hand` run hands them over.
+whole in the thinker's engine, then what it made (a `ThinkerOutput`: its sidecar's assembled
+outputs, such as the last layer's `hidden_states` or the captured layers `hidden_states.layer_N`,
+one row per token it ran, and its prompt and output ids) becomes the talker's prompt and payload
+(`talker_prompt`, the config's function), as examples/demo.py's `--by-hand` run and vllm-omni's
+non-streaming thinker -> talker hand-over hand them over.
 The talker therefore starts when the thinker has finished: its rows are not streamed into a
 running talker request (upstream V2 cannot hold a request waiting for its next rows).
 
@@ -29,20 +31,20 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 import numpy as np
 from vllm import SamplingParams
 from vllm.logger import init_logger
 from vllm.sampling_params import RequestOutputKind
 
+from omni_serve.speech.handover import TalkerPrompt, ThinkerOutput
 from omni_serve.stages.link import RequestRejected, SidecarLink, SidecarLost
 from omni_serve.stages.payload import additional_information
 from proto.chunk_grid import ChunkGrid
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL
 
-HIDDEN = "hidden_states"  # the thinker sidecar's assembled output: [rows, H] its last layer's hidden states
 CODES = "codes.audio"  # the talker sidecar's assembled output: [frames, Q] codec frames
 WAVEFORM = "waveform"  # the code2wav sidecar's assembled output: [samples, 1] float32
 FOLLOW_TIMEOUT_S = 30.0  # a stage whose sidecar has not finished a request this long after its engine did
@@ -112,15 +114,20 @@ class Stage:
 class Frames:
     """The talker's frames of one request as they come."""
 
-    codes: np.ndarray | None = None  # [frames, Q]: the talker sidecar's assembled codes so far
+    codes: np.ndarray | None = None  # [frames, Q]: the talker sidecar's assembled codes so far (in the codebook)
     ended: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # The codec's codebook size (0: every frame is one): a frame with a code outside it is not
+    # audio (a talker's stop frame, as vllm-omni's talker -> code2wav hand-overs drop it).
+    codebook_size: int = 0
 
     @property
     def count(self) -> int:
         return 0 if self.codes is None else int(self.codes.shape[0])
 
     def set(self, codes: np.ndarray | None) -> None:
+        if codes is not None and self.codebook_size and codes.ndim == 2:
+            codes = codes[((codes >= 0) & (codes < self.codebook_size)).all(axis=1)]
         if codes is not None and codes.shape[0] > self.count:  # frames only ever grow
             self.codes = codes
             self.changed.set()
@@ -162,16 +169,14 @@ async def patiently(stage: str, never: str) -> AsyncIterator[None]:
         pause = min(pause * 2, 0.05)
 
 
-TalkerPrompt = Callable[[np.ndarray, int], tuple[list[int], dict[str, Any]]]
-
-
 @dataclass
 class ThinkerStage:
     """The stage before the talker and how its output becomes the talker's input."""
 
     stage: Stage
     max_tokens: int
-    talker_prompt: TalkerPrompt  # (its hidden rows [rows, H], its prompt length) -> the talker's prompt ids, payload
+    talker_prompt: TalkerPrompt  # its ThinkerOutput -> the talker's prompt ids, payload
+    model: str  # its checkpoint (ThinkerOutput.model)
 
 
 @dataclass
@@ -182,6 +187,7 @@ class SpeechPipeline:
     left_context: int
     placeholder_token: int
     thinker: ThinkerStage | None = None
+    codebook_size: int = 0  # the code2wav sidecar's (its option; 0: unchecked): Frames.codebook_size
     _releases: set[asyncio.Task] = field(default_factory=set, init=False, repr=False)
 
     @property
@@ -192,7 +198,7 @@ class SpeechPipeline:
     async def synthesize(self, job: SpeechJob) -> AsyncIterator[np.ndarray]:
         """The request's audio, float32 mono chunks in order. Stopping the iteration (a client gone)
         aborts the request in both engines and drops what the sidecars kept for it."""
-        frames = Frames()
+        frames = Frames(codebook_size=self.codebook_size)
         talker_task: asyncio.Task | None = None
         try:
             talker_job = job if self.thinker is None else await self._run_thinker(job, self.thinker)
@@ -238,44 +244,59 @@ class SpeechPipeline:
             task.cancel()
         await asyncio.gather(*self._releases, return_exceptions=True)
 
-    async def _assembled(self, stage: Stage, request_id: str, name: str) -> tuple[np.ndarray | None, bool]:
+    async def _outputs(self, stage: Stage, request_id: str) -> tuple[dict[str, Any], bool]:
+        """The request's assembled outputs in the stage's sidecar so far, and whether it has finished there."""
         try:
             values, got = await stage.link.outputs(request_id)
         except SidecarLost as exc:
             raise StageFailed(stage.name, str(exc)) from None
         except RequestRejected as exc:
             raise StageFailed(stage.name, f"its hooks failed the request: {exc}") from None
-        return values.get(name), got.finished
+        return values, got.finished
+
+    async def _assembled(self, stage: Stage, request_id: str, name: str) -> tuple[np.ndarray | None, bool]:
+        values, finished = await self._outputs(stage, request_id)
+        return values.get(name), finished
 
     async def _run_thinker(self, job: SpeechJob, thinker: ThinkerStage) -> SpeechJob:
-        """The thinker's request, run whole; the talker's job made from its hidden rows."""
+        """The thinker's request, run whole; the talker's job made from what it made."""
         stage = thinker.stage
         extra = {"omni_sidecar": {"additional_information": additional_information(job.payload)}} if job.payload else None
         params = SamplingParams(**{**stage.sampling, "max_tokens": thinker.max_tokens, "seed": job.seed,
                                    "detokenize": False, "output_kind": RequestOutputKind.DELTA, "extra_args": extra})
 
-        async def hidden_rows() -> tuple[np.ndarray | None, int]:
-            prompt_len = len(job.prompt_token_ids)
+        async def outputs() -> ThinkerOutput:
+            prompt_ids, output_ids = list(job.prompt_token_ids), []
             async for out in engine_outputs(stage, stage.engine.generate({"prompt_token_ids": job.prompt_token_ids},
                                                                          params, job.request_id)):
                 self._check_output(stage.name, out)
-                prompt_len = len(out.prompt_token_ids or job.prompt_token_ids)
+                prompt_ids = list(out.prompt_token_ids or prompt_ids)
+                if out.outputs:
+                    output_ids += out.outputs[0].token_ids  # deltas
             # Its last step's rows reach the sidecar after the engine's last output.
             async for _ in patiently(stage.name, "its sidecar never finished the request's hidden states"):
-                rows, finished = await self._assembled(stage, job.request_id, HIDDEN)
+                values, finished = await self._outputs(stage, job.request_id)
                 if finished:
-                    return rows, prompt_len
+                    arrays = {name: np.ascontiguousarray(v, dtype=np.float32) if v.dtype.kind == "f" else v
+                              for name, v in values.items() if isinstance(v, np.ndarray)}
+                    return ThinkerOutput(arrays, prompt_ids, output_ids, thinker.model, dict(job.payload))
             raise AssertionError("unreachable: patiently() raises when it gives up")
 
         stage.in_flight += 1
         try:
-            rows, prompt_len = await stage.serve(hidden_rows())
+            made = await stage.serve(outputs())
         finally:
             stage.in_flight -= 1
-        if rows is None or rows.ndim != 2 or rows.shape[0] < prompt_len:
+        rows = made.rows()
+        prompt_len = len(made.prompt_ids)
+        if not any(v.shape[0] >= prompt_len for v in rows.values()):
+            shapes = {name: list(v.shape) for name, v in made.outputs.items()}
             raise StageFailed(stage.name, f"its sidecar has no hidden rows for the request's {prompt_len} prompt "
-                                          f"tokens ({None if rows is None else list(rows.shape)})")
-        prompt_ids, payload = thinker.talker_prompt(np.ascontiguousarray(rows, dtype=np.float32), prompt_len)
+                                          f"tokens ({shapes})")
+        try:
+            prompt_ids, payload = thinker.talker_prompt(made)
+        except ValueError as exc:
+            raise StageFailed(stage.name, f"its hand-over to the talker failed: {exc}") from None
         return SpeechJob(job.request_id, prompt_ids, payload, job.max_frames, job.seed)
 
     async def _run_talker(self, job: SpeechJob, frames: Frames) -> None:

@@ -15,7 +15,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.logger import init_logger
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from omni_serve.config import StageSpec
+from omni_serve.config import StageSpec, load_callable
 from proto.capabilities import HookNeeds
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL
@@ -58,6 +58,8 @@ def graphs_for(spec: StageSpec, needs: HookNeeds | None) -> dict[str, Any]:
 def engine_args(spec: StageSpec, endpoint: str, curve_keys: str = "",
                 needs: HookNeeds | None = None) -> AsyncEngineArgs:
     kwargs: dict[str, Any] = {"skip_tokenizer_init": True, "enable_prefix_caching": False, **spec.engine}
+    if isinstance(kwargs.get("hf_overrides"), str):  # vLLM takes a function of the loaded config too
+        kwargs["hf_overrides"] = load_callable(kwargs["hf_overrides"])
     compilation = graphs_for(spec, needs)
     if compilation:
         kwargs["compilation_config"] = compilation

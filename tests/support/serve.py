@@ -28,7 +28,7 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, work: Path, config: Path) -> None:
+    def __init__(self, work: Path, config: Path, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.run_dir = work / "run"
         self.log = work / "server.log"
@@ -36,7 +36,7 @@ class Server:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "omni_serve", "--pipeline", str(config), "--port", str(self.port),
                  "--run-dir", str(self.run_dir), "--uvicorn-log-level", "warning"],
-                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env())
+                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env(**(env or {})))
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if self.proc.poll() is not None:
@@ -90,9 +90,10 @@ class Server:
 
 
 @contextlib.contextmanager
-def serving(work: Path, config: Path) -> Iterator[Server]:
-    """A server for a test module; stopped cleanly after, its sidecars' sockets gone."""
-    srv = Server(work, config)
+def serving(work: Path, config: Path, env: dict[str, str] | None = None) -> Iterator[Server]:
+    """A server for a test module (`env`: its environment's changes); stopped cleanly after, its
+    sidecars' sockets gone."""
+    srv = Server(work, config, env)
     try:
         yield srv
     finally:

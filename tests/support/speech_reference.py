@@ -24,18 +24,20 @@ def thinker_reference_samples(thinker: str, talker: str, code2wav: str, text: st
     """The three stages by hand: the thinker's greedy tokens and hidden rows from a direct
     transformers forward, the talker's request made from them (`thinker_talker_prompt`), then
     the talker and the codec as above."""
+    from omni_serve.speech.handover import HIDDEN, ThinkerOutput
     from tests.tiny_models.talker import thinker_talker_prompt
     from tests.tiny_models.vl import speech_prompt
 
-    prompt_ids, _ = speech_prompt(text, voice)
-    rows = thinker_rows(thinker, prompt_ids, thinker_tokens)
-    prompt, payload = thinker_talker_prompt(rows, len(prompt_ids))
+    prompt_ids, payload = speech_prompt(text, voice)
+    rows, output_ids = thinker_rows(thinker, prompt_ids, thinker_tokens)
+    prompt, payload = thinker_talker_prompt(ThinkerOutput({HIDDEN: rows}, prompt_ids, output_ids, thinker, payload))
     return talker_code2wav_samples(talker, code2wav, prompt, payload, max_tokens, chunk, left)
 
 
-def thinker_rows(thinker: str, prompt_ids: list[int], max_tokens: int) -> np.ndarray:
+def thinker_rows(thinker: str, prompt_ids: list[int], max_tokens: int) -> tuple[np.ndarray, list[int]]:
     """The tiny thinker's last-layer hidden rows (final norm applied, as vLLM's model returns them)
-    for its prompt and every greedy token but the last: what omni-thinker assembles."""
+    for its prompt and every greedy token but the last (what omni-thinker assembles), and its
+    greedy tokens."""
     from transformers import Qwen2VLForConditionalGeneration
 
     model = Qwen2VLForConditionalGeneration.from_pretrained(thinker, dtype=torch.float32).eval()
@@ -46,7 +48,7 @@ def thinker_rows(thinker: str, prompt_ids: list[int], max_tokens: int) -> np.nda
             ids.append(int(model(input_ids=seq, attention_mask=torch.ones_like(seq)).logits[0, -1].argmax()))
         seq = torch.tensor([ids[:-1]])
         out = model(input_ids=seq, attention_mask=torch.ones_like(seq), output_hidden_states=True)
-    return out.hidden_states[-1][0].numpy()
+    return out.hidden_states[-1][0].numpy(), ids[len(prompt_ids):]
 
 
 def talker_code2wav_samples(talker: str, code2wav: str, prompt: list[int], payload: dict, max_tokens: int,

@@ -103,6 +103,33 @@ CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}
 STAMP = "tiny-qwen3-omni-v2"
 
 
+def chat_prompt(text_ids: list[int]) -> list[int]:
+    """A one-turn chat as the published template writes it, with the published role ids (vllm-omni's
+    thinker -> talker hand-over finds the user and assistant turns by them):
+    <|im_start|>user\n TEXT <|im_end|>\n<|im_start|>assistant\n."""
+    im_start, im_end = TOP["im_start_token_id"], TOP["im_end_token_id"]
+    return ([im_start, TOP["user_token_id"], NEWLINE_ID] + list(text_ids)
+            + [im_end, NEWLINE_ID, im_start, TOP["assistant_token_id"], NEWLINE_ID])
+
+
+def text_ids(text: str) -> list[int]:
+    """The text as this vocabulary tokenizes it (byte-level, no merges: one id per UTF-8 byte, the
+    byte's character's place in the sorted byte alphabet)."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    place = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
+    char = bytes_to_unicode()
+    return [place[char[b]] for b in text.encode("utf-8")]
+
+
+def speech_prompt(text: str, voice: int) -> tuple[list[int], dict]:
+    """omni-serve's thinker request for a text (deploy/speech/qwen3-omni-gpu.toml): the chat prompt
+    of the text, and the voice as vllm-omni's `speaker` (the talker's speaker ids, in the order the
+    config's voices list them)."""
+    return chat_prompt(text_ids(text)), {"speaker": [list(SPEAKER_IDS)[voice]]}
+
+
 def config():
     from transformers import Qwen3OmniMoeConfig
 

@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from omni_serve.speech.handover import ThinkerOutput
 
 ARCH = "OmniTinyTalkerForConditionalGeneration"
 CODEBOOK_SIZE = 64
@@ -301,15 +304,18 @@ def speech_prompt(text: str, voice: int) -> tuple[list[int], dict[str, Any]]:
     return prompt, {"hidden_states": {"output": rows}, "embed": {"tts_pad": pad}}
 
 
-def thinker_talker_prompt(rows: Any, prompt_len: int) -> tuple[list[int], dict[str, Any]]:
-    """The talker's request from a thinker's hidden rows (numpy [rows, H]: its prompt's, then one per
-    token it generated but the last), as examples/demo.py hands them over whole (its `talker_inputs`):
-    one codec row per thinker prompt row; all rows, cut to the width the talker reads, as
-    `hidden_states.output`; `embed.tts_pad` the prompt rows' mean (what omni-serve's three-stage
-    pipeline calls: deploy/speech/tiny-thinker.toml)."""
+def thinker_talker_prompt(thinker: "ThinkerOutput") -> tuple[list[int], dict[str, Any]]:
+    """The talker's request from a thinker's last-layer rows (numpy [rows, H]: its prompt's, then one
+    per token it generated but the last), as examples/demo.py hands them over whole (its
+    `talker_inputs`): one codec row per thinker prompt row; all rows, cut to the width the talker
+    reads, as `hidden_states.output`; `embed.tts_pad` the prompt rows' mean (what omni-serve's
+    three-stage pipeline calls: deploy/speech/tiny-thinker.toml)."""
     import numpy as np
 
-    rows = np.ascontiguousarray(rows[:, :TALKER_CONFIG["thinker_hidden_size"]], dtype=np.float32)
+    from omni_serve.speech.handover import HIDDEN
+
+    prompt_len = len(thinker.prompt_ids)
+    rows = np.ascontiguousarray(thinker.outputs[HIDDEN][:, :TALKER_CONFIG["thinker_hidden_size"]], dtype=np.float32)
     pad = rows[:prompt_len].mean(axis=0, keepdims=True, dtype=np.float32)
     return [CODEC_BOS_ID] + [CODEC_PAD_ID] * (prompt_len - 1), {"hidden_states": {"output": rows},
                                                                 "embed": {"tts_pad": pad}}

@@ -27,9 +27,9 @@ from vllm_omni.model_executor.models.qwen3_omni import qwen3_omni  # noqa: E402
 ASYNC_CHUNK = False
 
 
-def _set_stage_fields(model_config: Any, stage: str) -> None:
+def _set_stage_fields(model_config: Any, stage: str, async_chunk: bool) -> None:
     """The fields vllm-omni's OmniModelConfig adds, on upstream's ModelConfig (this process's copy)."""
-    for name, value in (("model_stage", stage), ("async_chunk", ASYNC_CHUNK)):
+    for name, value in (("model_stage", stage), ("async_chunk", async_chunk)):
         if getattr(model_config, name, None) is None:
             object.__setattr__(model_config, name, value)
 
@@ -38,9 +38,10 @@ class Qwen3OmniMoeStage(qwen3_omni.Qwen3OmniMoeForConditionalGeneration):
     """vllm-omni's Qwen3-Omni class, built as the stage `stage` names."""
 
     stage: str
+    async_chunk = ASYNC_CHUNK
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
-        _set_stage_fields(vllm_config.model_config, self.stage)
+        _set_stage_fields(vllm_config.model_config, self.stage, self.async_chunk)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
 
 
@@ -101,9 +102,16 @@ class Qwen3OmniMoeCode2WavStage(Qwen3OmniMoeStage):
     rows and equal (zero) logits, as the Qwen3-TTS code2wav does (qwen3_tts/code2wav.py); with no
     attention layer it has no KV cache, which the shim's runner and worker take on every vLLM
     (compat's STAGED_WRITES_WITHOUT_KV_SINCE, V2_WARMUP_WITHOUT_KV_SINCE). The waveforms are
-    vllm-omni's, one per request of the step (empty for one with no codes)."""
+    vllm-omni's, one per request of the step (empty for one with no codes).
+
+    The sidecar may hand a request its codes chunk by chunk, each with frames of left context
+    (`meta.left_context_size`, omni-serve's chunk requests), whose samples vllm-omni's decoder cuts
+    only in its streaming decode (`async_chunk`); so this stage decodes that way. A request's whole
+    codes (left context 0) decode the same either way up to vllm-omni's non-streaming chunk of 300
+    frames (one forward over them all)."""
 
     stage = "code2wav"
+    async_chunk = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *args: Any,
                 runtime_additional_information: list[dict[str, Any]] | None = None, **kwargs: Any) -> Any:

@@ -1,0 +1,157 @@
+"""`omni-serve` with vllm-omni 0.26's Qwen3-Omni stages on vLLM 0.26's V2 through the shim, on CPU:
+deploy/speech/qwen3-omni-gpu.toml's pipeline (thinker -> talker -> code2wav, the tiny checkpoint of
+the published layout) as far as CPU goes.
+
+Runs beside vllm-omni 0.26 on vLLM 0.26 (tests/support/paired_vllm_omni.py); elsewhere it is
+skipped, saying why. A text request runs the thinker (vllm-omni's MoE thinker, its layers 0 and 24
+captured), vllm-omni's own thinker -> talker hand-over in the server (omni_serve/speech/qwen3_omni.py)
+and the talker's prefill; the talker's first decode step is the CPU limit (its code predictor asks
+vllm-omni's platform for torch inductor, which vllm-omni 0.26 has no CPU platform to answer), so
+the request fails there, at the talker, with a 503, and the server starts the talker's engine
+again. The H200 run (deploy/gpu/run_qwen3_omni.sh, its serve part) goes on to audio.
+The code2wav hand-over the CPU does reach on its own: the server's code2wav part
+(tests/support/qwen3_omni_code2wav_job.py: a chunk request per chunk, a one-frame first chunk, left
+context) on vllm-omni's code2wav stage gives, chunk by chunk, transformers' `Qwen3OmniMoeCode2Wav`
+on the same window of frames, cut as vllm-omni's streaming decode cuts it (the left context's
+samples, less the few the causal decoder held back at the previous chunk's end), so the chunks
+join into one stream with nothing twice.
+Three engines and three sidecars start: about 90 s on 2 busy cores (in `make test` of such a venv,
+as the pipeline test).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.paired_vllm_omni import build_tiny_qwen3_omni, paired_pythonpath, skip_unless_paired
+from tests.support.procs import child_env
+from tests.support.serve import serving
+
+pytestmark = pytest.mark.e2e
+CPU_LIMIT = "supports_torch_inductor"
+RESTART_TIMEOUT_S = 300
+ENGINE = ('max_model_len = 256, max_num_seqs = 4, max_num_batched_tokens = 256, dtype = "bfloat16", seed = 0, '
+          'enforce_eager = true, kv_cache_memory_bytes = 67108864, limit_mm_per_prompt = { image = 0, video = 0, audio = 0 }')
+
+
+def _config(work: Path, model: Path) -> Path:
+    """deploy/speech/qwen3-omni-gpu.toml's stages, sized for CPU (eager, no device)."""
+    path = work / "serve.toml"
+    path.write_text(f'''
+served_model_name = "qwen3-omni-tiny"
+voices = ["chelsie", "ethan", "aiden"]
+max_input_chars = 64
+speech_prompt = "tests.tiny_models.qwen3_omni:speech_prompt"
+talker_prompt = "omni_serve.speech.qwen3_omni:talker_prompt"
+register = ["worker_shim.omni_models.registration:register_vllm_omni_models"]
+sample_rate = 24000
+
+[stages.thinker]
+model = "{model}"
+max_tokens = 4
+engine = {{ {ENGINE}, hf_overrides = {{ architectures = ["Qwen3OmniMoeThinkerStage"] }} }}
+sampling = {{ temperature = 0.0, ignore_eos = true }}
+sidecar = {{ hooks = "omni" }}
+
+[stages.talker]
+model = "{model}"
+max_tokens = 8
+engine = {{ {ENGINE}, hf_overrides = "worker_shim.omni_models.qwen3_omni.config:talker_stage_config" }}
+sampling = {{ temperature = 0.0, stop_token_ids = [2150] }}
+sidecar = {{ hooks = "omni-talker" }}
+
+[stages.code2wav]
+model = "{model}"
+placeholder_token = 0
+engine = {{ {ENGINE}, hf_overrides = {{ architectures = ["Qwen3OmniMoeCode2WavStage"] }} }}
+sidecar = {{ hooks = "omni-code2wav", options = {{ chunk_frames = "4", left_context = "4", codebook_size = "2048" }} }}
+''')
+    return path
+
+
+def _env() -> dict[str, str]:
+    return {"PYTHONPATH": paired_pythonpath(), "VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_PLUGINS": "omni_sidecar_shim"}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    skip_unless_paired()
+    return build_tiny_qwen3_omni(tmp_path_factory.mktemp("qwen3-omni-model") / "model")
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    work = tmp_path_factory.mktemp("serve-qwen3-omni")
+    with serving(work, _config(work, model), _env()) as srv:
+        yield srv
+
+
+def test_a_text_request_runs_the_thinker_and_vllm_omnis_hand_over_up_to_the_talkers_decode(server):
+    status, body, _ = server.post({"input": "Hi there", "voice": "ethan", "response_format": "pcm"})
+    assert status == 503, body[:2000]
+    message = json.loads(body)["error"]["message"]
+    # The thinker stage served the request and its hand-over made the talker's: the failure is the talker's.
+    assert "pipeline failed this request: talker: its engine failed the request" in message, message
+    log = server.log.read_text(errors="replace")
+    assert "talker_mtp" in log and CPU_LIMIT in log, log[-4000:]
+    # The server starts the talker's engine again; then it reports healthy.
+    deadline = time.monotonic() + RESTART_TIMEOUT_S
+    while server.get("/health")[0] != 200:
+        assert time.monotonic() < deadline, server.tail()
+        time.sleep(1.0)
+    _, health = server.get("/health")
+    assert json.loads(health)["stages"]["talker"]["engine_restarts"] == 1
+
+
+def test_the_servers_code2wav_chunks_are_transformers_decoder_on_each_window(model, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
+
+    from proto.chunk_grid import ChunkGrid
+    from tests.tiny_models.qwen3_omni import NUM_CODE_GROUPS
+
+    frames, chunk, left, first = 11, 4, 3, 1
+    codes = torch.randint(0, 2048, (frames, NUM_CODE_GROUPS), generator=torch.Generator().manual_seed(4))
+    # One chunk a step: vllm-omni's decoder runs a step's windows as one zero-padded batch, where a shorter
+    # window's last samples see the padding (its own behaviour, not what is checked here).
+    engine = {"max_model_len": 64, "max_num_seqs": 1, "max_num_batched_tokens": 64, "dtype": "bfloat16", "seed": 0,
+              "enforce_eager": True, "kv_cache_memory_bytes": 16 << 20,
+              "limit_mm_per_prompt": {"image": 0, "video": 0, "audio": 0},
+              "hf_overrides": {"architectures": ["Qwen3OmniMoeCode2WavStage"]}}
+    job = {"model": str(model), "engine": engine, "codes": codes.tolist(), "chunk_frames": chunk, "left_context": left,
+           "initial_chunk_frames": first}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    subprocess.run([sys.executable, "-m", "tests.support.qwen3_omni_code2wav_job", str(tmp_path / "job.json"),
+                    str(tmp_path / "result.json")], env=child_env(**_env()), timeout=600, capture_output=True)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert "error" not in result, result.get("traceback")
+    grid = ChunkGrid(chunk, first)
+    assert len(result["chunks"]) == grid.count(frames) == 4  # 1 + 4 + 4 + 2 frames
+
+    config = AutoConfig.from_pretrained(model).code2wav_config
+    reference = Qwen3OmniMoeCode2Wav._from_config(config, dtype=torch.bfloat16).eval()
+    reference.load_state_dict({k[len("code2wav."):]: v for k, v in load_file(str(model / "model.safetensors")).items()
+                               if k.startswith("code2wav.")}, strict=True)
+    spf = int(reference.total_upsample)
+    held_back = 0
+    for k, got in enumerate(result["chunks"]):
+        lo, start, end = grid.span(k, frames, left)
+        with torch.no_grad():
+            window = reference(codes[lo:end].t().unsqueeze(0)).reshape(-1).float()
+        tail = (end - lo) * spf - window.numel()  # what the causal decoder holds back at the window's end
+        want = window[max(0, (start - lo) * spf - tail):]
+        got = torch.tensor(got)
+        # The chunk's frames' samples, plus those the previous chunk held back, less its own held back.
+        assert got.numel() == want.numel() == (end - start) * spf + held_back - tail, (k, got.numel(), want.numel())
+        held_back = tail
+        assert float(want.std()) > 1e-2, "a silent chunk proves nothing"
+        # Both bf16 on the same weights and frames; the engine's decoder may order reductions otherwise.
+        assert float((got - want).abs().max()) <= 0.05 * float(want.abs().max()), k
