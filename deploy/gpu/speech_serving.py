@@ -172,22 +172,35 @@ class ServerProcess:
 
 
 def stop_all(servers: list[ServerProcess]) -> None:
-    """SIGINT to each server's process group (its own session: the engines it started too), then
-    SIGKILL to the groups of those still there after STOP_WAIT_S."""
+    """SIGINT to each server (it stops its engines: a signal to their processes too would race its
+    own shutdown, and an engine core killed mid-teardown leaves its shared-memory queue in
+    /dev/shm), then SIGKILL to what is left of each one's process group after STOP_WAIT_S."""
     for server in servers:
         if server.proc.poll() is None:
-            os.killpg(server.proc.pid, signal.SIGINT)
+            server.proc.send_signal(signal.SIGINT)
     deadline = time.monotonic() + STOP_WAIT_S
     for server in servers:
         try:
             server.proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
+        while group_alive(server.proc.pid) and time.monotonic() < deadline:  # its engines' own teardown
+            time.sleep(0.1)
         try:
             os.killpg(server.proc.pid, signal.SIGKILL)  # what is left of the group, if anything
         except ProcessLookupError:
             pass
         server.proc.wait(10)
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 def launch(name: str, cmd: list[str], log: Path, env: dict[str, str], port: int) -> ServerProcess:
