@@ -4,7 +4,7 @@
 # installs the bundle into /tmp/omni-site (once per machine, deploy/gpu/site.sh: the repository's
 # .whl/ wheels too; built with BUNDLE_OMNI=1 and BUNDLE_KEEP_MOE=1: Qwen3-Omni's thinker and talker
 # are MoE models, whose CUDA path needs vLLM's _moe_C), builds the tiny Qwen3-Omni checkpoint of
-# the published layout (tests/tiny_models/qwen3_omni.py), then runs PARTS (default parity,serve;
+# the published layout (tests/tiny_models/qwen3_omni.py), then runs PARTS (default parity; parity,serve runs both,
 # the serve part only with SERVE_NEEDS_S left, which the parity part leaves it):
 # - parity: deploy/gpu/qwen3_omni_parity.py: vllm-omni 0.26's own three stages (V1 runner) and ours
 #   (three V2 engines + shim + a sidecar each), the same requests, side by side;
@@ -23,12 +23,12 @@
 #          mkdir -p .whl && for w in uvicorn h11 anyio idna annotated_doc; do \
 #            cp .gpu-bundle-serve/wheels/$w-*.whl .whl/; done   (or pip download them: --no-deps, cp312)
 #   there: carry [".gpu-bundle-moe", ".whl"], timeout_s 560,
-#            sh deploy/gpu/run_qwen3_omni.sh .gpu-bundle-moe $OUT 500          (both parts)
+#            sh deploy/gpu/run_qwen3_omni.sh .gpu-bundle-moe $OUT 500          (the parity part)
 #            sh deploy/gpu/run_qwen3_omni.sh .gpu-bundle-moe $OUT 500 serve    (the serve part alone)
 set -u
-B=$1 OUT=$2 LIMIT=${3:-470} PARTS=${4:-parity,serve}
+B=$1 OUT=$2 LIMIT=${3:-470} PARTS=${4:-parity}  # parity,serve in one call leaves each too little time
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
-SERVE_NEEDS_S=180  # the serve part: three engines started one after another, warm-up, two levels
+SERVE_NEEDS_S=320  # the serve part: three engines started one after another (~170 s on the H200), warm-up, two levels
 mkdir -p "$OUT"
 t0=$(date +%s)
 . "$SRC/deploy/gpu/site.sh"  # the bundle, the .whl/ wheels, the environment; the working directory is SRC

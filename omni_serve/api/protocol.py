@@ -59,7 +59,7 @@ def unsupported_fields(request: SpeechRequest) -> list[str]:
 UNSUPPORTED = {
     "instructions": None, "sample_rate": None, "task_type": None, "ref_audio": None, "ref_text": None,
     "x_vector_only_mode": None, "speaker_embedding": None, "extra_params": None, "non_streaming_mode": None,
-    "speed": 1.0,
+    "speed": 1.0, "initial_codec_chunk_frames": None,  # the first chunk is the code2wav sidecar's option here
 }
 LANGUAGES = (None, "Auto", "auto")
 

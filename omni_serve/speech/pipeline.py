@@ -294,7 +294,8 @@ class SpeechPipeline:
             raise StageFailed(stage.name, f"its sidecar has no hidden rows for the request's {prompt_len} prompt "
                                           f"tokens ({shapes})")
         try:
-            prompt_ids, payload = thinker.talker_prompt(made)
+            # Off the event loop: it may read the thinker's checkpoint and run vllm-omni's hand-over.
+            prompt_ids, payload = await asyncio.to_thread(thinker.talker_prompt, made)
         except ValueError as exc:
             raise StageFailed(stage.name, f"its hand-over to the talker failed: {exc}") from None
         return SpeechJob(job.request_id, prompt_ids, payload, job.max_frames, job.seed)
@@ -343,7 +344,8 @@ class SpeechPipeline:
         initial = self.chunks.first if i == 0 else self.chunks.size
         return additional_information({"codes": {"audio": codes},
                                        "meta": {"codec_next_chunk": k - i, "codec_chunk_frames": self.chunks.size,
-                                                "initial_codec_chunk_frames": initial}})
+                                                "initial_codec_chunk_frames": initial,
+                                                "codec_left_context_frames": self.left_context}})
 
     def _code2wav_params(self, payload: dict[str, Any] | None) -> SamplingParams:
         extra = {"omni_sidecar": {"additional_information": payload}} if payload is not None else None

@@ -38,7 +38,11 @@ def talker_prompt(thinker: ThinkerOutput) -> tuple[list[int], dict[str, Any]]:
 
     from worker_shim.omni_models.qwen3_omni.handover import talker_input
 
-    tts, layer = _checkpoint(thinker.model)
+    try:
+        tts, layer = _checkpoint(thinker.model)
+    except (OSError, KeyError) as exc:  # a hub id, not a local checkpoint; a file missing from it
+        raise ValueError(f"the thinker's checkpoint {thinker.model!r} must be a local folder with its "
+                         f"config.json and safetensors ({type(exc).__name__}: {exc})") from None
     outputs = {**tts, **{name: torch.from_numpy(rows) for name, rows in thinker.rows().items()}}
     speaker = thinker.payload.get(SPEAKER)
     if isinstance(speaker, (list, tuple)):

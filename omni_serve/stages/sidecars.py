@@ -36,7 +36,7 @@ RESTART_PAUSE_S = 0.5
 # busy sidecar answers between its steps.
 CHECK_EVERY_S = 0.5
 CHECK_TIMEOUT_S = 1.0
-CHECK_MISSES = 2
+CHECK_MISSES = 3
 STOP_TIMEOUT_S = 15.0
 
 
