@@ -151,18 +151,7 @@ def main() -> None:
 
 
 def summary(results: dict, kinds: list[str], concurrency: list[int], args: argparse.Namespace) -> dict:
-    import importlib.metadata as md
-    import platform
-    import shutil
-    import subprocess
-
-    def version(dist: str) -> str | None:
-        for name in (dist, f"{dist}-cpu"):
-            try:
-                return md.version(name)
-            except md.PackageNotFoundError:
-                continue
-        return None
+    from parity import run_commit, run_versions  # deploy/gpu/ is this script's folder
 
     omni, shim = results.get("omni", {}), results.get("shim", {})
     found = (shim.get("patches") or {})
@@ -184,13 +173,8 @@ def summary(results: dict, kinds: list[str], concurrency: list[int], args: argpa
                           "text_and_image": "not run: the tiny checkpoint has no multimodal processor files"}
     report["hand_overs"] = ("vllm-omni's non-streaming ones (async_chunk false): thinker2talker_full_payload, "
                             "talker2code2wav_full_payload, whole requests")
-    smi = shutil.which("nvidia-smi")
-    gpu = subprocess.run([smi, "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True).stdout.strip() if smi else None
-    commit = HERE.parents[1] / ".commit"
-    report["versions"] = {"vllm": version("vllm"), "vllm_omni": version("vllm-omni"), "torch": version("torch"),
-                          "python": platform.python_version(), "gpu": gpu, "cpu_only": args.cpu}
-    report["commit"] = commit.read_text().strip() if commit.is_file() else None
+    report["versions"] = {**run_versions(), "cpu_only": args.cpu}
+    report["commit"] = run_commit()
     report["command"] = "sh deploy/gpu/run_qwen3_omni.sh BUNDLE OUT [LIMIT_S]"
     return report
 
