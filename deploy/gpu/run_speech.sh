@@ -24,21 +24,29 @@ t0=$(date +%s)
 . "$SRC/deploy/gpu/site.sh"  # the bundle, the .whl/ wheels (uvicorn, ... where the bundle lacks them), the environment
 echo "installed in $(( $(date +%s) - t0 )) s"
 W=$(mktemp -d /tmp/speech-XXXXXX)  # private: the sidecars' sockets live there
-VLLM_PLUGINS=omni_sidecar_shim python3 -m tests.tiny_models.qwen3_tts "$W/model" > "$OUT/model.log" 2>&1 \
-  || { tail -30 "$OUT/model.log"; exit 1; }
+# The checkpoint's build and each server's import probe run side by side: on a fresh machine each
+# is a cold import of torch and vLLM (tens of seconds), and the servers' start needs the time.
+VLLM_PLUGINS=omni_sidecar_shim python3 -m tests.tiny_models.qwen3_tts "$W/model" > "$OUT/model.log" 2>&1 &
+model_pid=$!
 # Each server's front end imports, each in a process of its own (vllm-omni's patches stay in its);
 # a server that cannot is left out of the run (imports.txt: the first module it misses).
+python3 -c "import uvicorn, fastapi, omni_serve.api.server" > "$W/probe-ours.txt" 2>&1 &
+ours_pid=$!
+python3 -c "import uvloop, vllm_omni.entrypoints.openai.api_server, vllm_omni.entrypoints.cli.serve, vllm.entrypoints.serve.instrumentator.metrics" \
+  > "$W/probe-vllm-omni.txt" 2>&1 &
+omni_pid=$!
+wait "$model_pid" || { tail -30 "$OUT/model.log"; exit 1; }
 SERVERS=""
-for probe in "ours:import uvicorn, fastapi, omni_serve.api.server" \
-             "vllm-omni:import uvloop, vllm_omni.entrypoints.openai.api_server, vllm_omni.entrypoints.cli.serve, vllm.entrypoints.serve.instrumentator.metrics"; do
-  name=${probe%%:*}
-  if python3 -c "${probe#*:}" > "$W/probe.txt" 2>&1; then
+for name in ours vllm-omni; do
+  if [ "$name" = ours ]; then pid=$ours_pid; else pid=$omni_pid; fi
+  if wait "$pid"; then
     echo "$name: imports" >> "$OUT/imports.txt"; SERVERS="$SERVERS${SERVERS:+,}$name"
   else
-    echo "$name: $(grep -E 'Error' "$W/probe.txt" | tail -1)" >> "$OUT/imports.txt"
+    echo "$name: $(grep -E 'Error' "$W/probe-$name.txt" | tail -1)" >> "$OUT/imports.txt"
   fi
 done
 cat "$OUT/imports.txt"
+echo "checkpoint built and imports probed after $(( $(date +%s) - t0 )) s"
 [ -n "$SERVERS" ] || { rm -rf "$W"; exit 1; }
 left=$(( LIMIT - ($(date +%s) - t0) - 15 ))
 timeout "$left" python3 "$SRC/deploy/gpu/speech_serving.py" --model "$W/model" --work "$W" --servers "$SERVERS" \

@@ -240,18 +240,23 @@ def last_line(text: str) -> str:
     return lines[-1].split(")", 1)[-1].strip() if lines and lines[-1].startswith("(") else (lines[-1] if lines else "")
 
 
-async def wait_healthy(server: ServerProcess, deadline: float) -> None:
+async def wait_healthy(server: ServerProcess, deadline: float) -> float:
+    """Seconds until the server's /health answered 200."""
+    t0 = time.monotonic()
     while True:
         if server.proc.poll() is not None:
             raise RuntimeError(f"{server.name} exited with {server.proc.returncode}:\n{server.tail()}")
         try:
             got = await request(server.port, "GET", "/health", None)
             if got.status == 200:
-                return
+                up_s = round(time.monotonic() - t0, 1)
+                print(f"{server.name} up after {up_s} s", flush=True)
+                return up_s
         except OSError:
             pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{server.name} not healthy in time:\n{server.tail()}")
+            raise TimeoutError(f"{server.name} not healthy after {time.monotonic() - t0:.0f} s (the run's limit or "
+                               f"START_TIMEOUT_S), its log's last line:\n{server.tail()}")
         await asyncio.sleep(1.0)
 
 
@@ -430,14 +435,21 @@ async def run(args) -> dict:
                 results["notes"].append(f"{name} did not start: {type(outcome).__name__}: {last_line(str(outcome))}")
                 stop_all([server])
                 del servers[name]
+            else:
+                results.setdefault("up_s", {})[name] = outcome
         if not servers:
             return results
         results["start_s"] = round(time.monotonic() - t_start, 1)
         print(f"servers up after {results['start_s']} s", flush=True)
         for server in servers.values():  # warm-up: first requests compile, capture, load tokenizers
             for voice in args.voices:
-                await request(server.port, "POST", "/v1/audio/speech", speech_body(TEXTS[0], voice, args.frames, True),
-                              timeout_s=max(1.0, deadline - time.monotonic()))
+                try:
+                    await request(server.port, "POST", "/v1/audio/speech",
+                                  speech_body(TEXTS[0], voice, args.frames, True),
+                                  timeout_s=max(1.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"{server.name}'s warm-up request ({voice}) not answered by the run's limit "
+                                       f"({time.monotonic() - t_start:.0f} s in)") from None
         if len(servers) == 2:
             compared = await compare_waveforms(servers, args.frames, deadline)
             results["waveform"] = compared
