@@ -221,7 +221,10 @@ class Pipeline:
 
             tokens: dict[str, Any] = {"prompt_token_ids": prompt}
             if payload is not None:
-                tokens["additional_information"] = payload
+                # Where vllm-omni's connector puts a whole-request payload: the runner's
+                # model_intermediate_buffer, tensors as they are. `additional_information` would
+                # serialize them through numpy, which has no bfloat16 (the thinker's rows are).
+                tokens["model_intermediate_buffer"] = payload
             engine.add_request(rid, build_engine_core_request_from_tokens(rid, tokens, params), params)
             return
         if payload is not None:
