@@ -50,7 +50,11 @@ case ",$PARTS," in *,parity,*)
     --result "$OUT/qwen3-omni-parity.json" --limit-s $(( left - 10 )) > "$OUT/qwen3-omni.log" 2>&1
   echo "qwen3_omni_parity.py rc=$? after $(( $(date +%s) - t0 )) s"
   grep -v '^\[W\|^INFO\|^WARNING\|^DEBUG' "$OUT/qwen3-omni.log" | tail -30
-  for f in "$W"/work/*.log; do echo "=== $(basename "$f")"; grep -E "patch|Error|error|Traceback" "$f" | tail -20; tail -25 "$f"; done \
+  # A CUDA error's abort prints C++ frames (left out) after the kernel's assertion (every failing
+  # thread prints it: kept once).
+  for f in "$W"/work/*.log; do echo "=== $(basename "$f")"
+    grep -E "patch|Error|error|Traceback|Assertion" "$f" | sed 's/block: \[[^]]*\], thread: \[[^]]*\]//' | uniq | tail -20
+    grep -v '^frame #' "$f" | tail -25; done \
     > "$OUT/engine-logs.txt" 2>/dev/null
   cp "$W/work/qwen3-omni-report.json" "$OUT/" 2>/dev/null ;;
 esac
