@@ -109,6 +109,9 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--limit-s", type=float, default=420, help="the whole run; each pipeline stops cleanly by then")
     ap.add_argument("--cpu", action="store_true", help="eager, no GPU (our pipeline only)")
+    ap.add_argument("--eager", action="store_true",
+                    help="on the GPU too: no torch.compile, no CUDA graphs (the engines start in seconds, not the "
+                         "minutes compiling takes; the TTFA figures are then eager ones)")
     ap.add_argument("--gpus", default="0")
     args = ap.parse_args()
     t0 = time.monotonic()
@@ -120,7 +123,7 @@ def main() -> None:
     env = {} if args.cpu else {"CUDA_VISIBLE_DEVICES": args.gpus}
     job = {"model": args.model, "requests": REQUESTS, "max_tokens": MAX_TOKENS, "codec_eos": CODEC_IDS["codec_eos_token_id"],
            "concurrency": concurrency, "max_num_seqs": max(concurrency), "limits": limits(max(concurrency)),
-           "dtype": "bfloat16", "enforce_eager": args.cpu,
+           "dtype": "bfloat16", "enforce_eager": args.cpu or args.eager,
            "kv_cache_memory_bytes": (64 << 20) if args.cpu else (1 << 30),
            "gpu_memory_utilization": None if args.cpu else round(0.8 / (3 * len(kinds)), 3),
            "sample_rate": SAMPLE_RATE, "code2wav_direct": CODE2WAV_DIRECT, "bench_order": [k for k in ("omni", "shim") if k in kinds],
@@ -182,7 +185,7 @@ def summary(results: dict, kinds: list[str], concurrency: list[int], args: argpa
                           "text_and_image": "not run: the tiny checkpoint has no multimodal processor files"}
     report["hand_overs"] = ("vllm-omni's non-streaming ones (async_chunk false): thinker2talker_full_payload, "
                             "talker2code2wav_full_payload, whole requests")
-    report["versions"] = {**run_versions(), "cpu_only": args.cpu}
+    report["versions"] = {**run_versions(), "cpu_only": args.cpu, "enforce_eager": args.cpu or args.eager}
     report["commit"] = run_commit()
     report["command"] = "sh deploy/gpu/run_qwen3_omni.sh BUNDLE OUT [LIMIT_S]"
     return report
