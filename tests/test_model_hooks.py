@@ -188,6 +188,58 @@ def test_decode_rows_batch_through_preprocess_decode_batch_flushed_before_other_
     assert bridge.mirror.states["c"]["codes"]["audio"].tolist() == [[9, 10, 11]]
 
 
+def test_ids_a_preprocess_wrote_are_never_looked_up_as_a_later_steps_padding():
+    """vllm-omni's Qwen3-Omni talker returns the thinker's ids for its prompt rows; the bridge writes
+    them into vLLM's input_ids for the forward, as vllm-omni does. vLLM rewrites only the rows of a
+    step's tokens, and a step padded for a CUDA graph has its padding rows looked up with the rest in
+    the embeds buffer: there, the thinker's ids were past the talker's table (on the H200 a
+    device-side assert at the first padded prefill after a larger one)."""
+    from worker_shim.model.embeds import EmbedsBuffer
+    from worker_shim.upstream.runner import SidecarRunnerMixin, swap_class
+
+    class ThinkerIdsTalker(FakeTalker):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = torch.nn.Embedding(16, H)  # the talker's own ids: 0..15
+
+        def preprocess(self, input_ids, input_embeds, **info):
+            ids, embeds, update = super().preprocess(input_ids, input_embeds, **info)
+            return (ids + 1000 if info["_omni_is_prefill"] else ids), embeds, update
+
+        def embed_input_ids(self, input_ids):
+            return self.table(input_ids)
+
+    class UpstreamRunner:
+        def prepare_inputs(self, input_batch):
+            return input_batch
+
+    model = ThinkerIdsTalker()
+    bridge = ModelBridge(model, find_model_hooks(model))
+    runner = UpstreamRunner()
+    swap_class(runner, SidecarRunnerMixin)
+    runner.omni_link, runner.omni_bridge = SimpleNamespace(in_step=False), bridge
+    buffer = EmbedsBuffer(8, H, torch.float32, torch.device("cpu"))
+    input_ids = torch.zeros(8, dtype=torch.long)  # vLLM's persistent buffer
+
+    def step(req_ids, rows, computed, ids, padded):
+        input_ids[: len(ids)] = torch.tensor(ids)  # vLLM writes the step's tokens only
+        batch = step_batch(req_ids, rows, computed, ids)
+        batch.num_tokens_after_padding, batch.input_ids = padded, input_ids[:padded]
+        batch = runner.prepare_inputs(batch)
+        bridge.before_forward(batch, buffer.fill(model, batch.input_ids, padded))
+
+    for req_id in "ab":
+        bridge.note_new(req_id, 5)
+    bridge.fill_states(states(), failed=set())
+    step(["a"], [5], [0], [3, 3, 3, 3, 3], padded=5)  # a's prefill
+    assert input_ids.tolist() == [1003] * 5 + [0] * 3  # the forward's ids are the preprocess's
+    step(["b"], [1], [5], [7], padded=2)  # b decodes, one padding row
+    assert input_ids.tolist() == [7, 0] + [1003] * 3 + [0] * 3  # rows past the padding: not read
+    step(["b"], [1], [6], [8], padded=8)
+    assert input_ids.tolist() == [8] + [0] * 7
+    assert model.calls[-1] == ("mtp", [8])
+
+
 def test_kept_rows_are_the_mirrors_own_when_the_next_step_overwrites_the_models_buffers():
     """postprocess keeps views of its hidden rows and talker_mtp may return a graph's output buffer:
     both are overwritten by the next step, the mirror's states and the step's updates are not."""

@@ -226,3 +226,28 @@ def test_a_run_of_both_parts_writes_its_report_with_engines_faked(tmp_path, monk
     assert summary["talker_step_ratio"] == {"8": 0.75, "16": 0.75, "64": 0.75}
     merged = parity.merge_reports([report, code2wav])  # a part run again later replaces its engines' figures
     assert merged["code2wav"] == code2wav["code2wav"] and merged["steps"] == report["steps"]
+
+
+def test_the_qwen3_omni_report_says_where_a_pipeline_failed(tmp_path):
+    """A request's traceback when requests failed; a dead engine's log tail when it died in C++ (a CUDA
+    device-side assert): the kernel's assertion once, not the abort's C++ frames."""
+    import qwen3_omni_parity
+
+    log = tmp_path / "shim.log"
+    kernel = "/pytorch/aten/src/ATen/native/cuda/Indexing.cu:1553: indexSelectSmallIndex: block: [0,0,0], "
+    lost = "ERROR 12-03 20:48:02 [recovery.py:217] omni-sidecar lost: step 43: CUDA error: device-side assert"
+    abort = "terminate called after throwing an instance of 'c10::AcceleratorError'"
+    log.write_text("\n".join(
+        ["INFO 12-03 20:47:24 [core.py:347] init engine"]
+        + [kernel + f"thread: [{i},0,0] Assertion `srcIndex < srcSelectDimSize` failed." for i in range(64)]
+        + [lost, abort] + [f"frame #{i}: <unknown function> + 0x5faa0 (0x7f0f31334aa0 in libc10.so)" for i in range(30)]))
+    tail = qwen3_omni_parity.log_tail(log)
+    assert tail.count("Assertion `srcIndex < srcSelectDimSize` failed") == 1 and "frame #" not in tail
+    assert tail.splitlines()[-2:] == [lost, abort]
+    assert qwen3_omni_parity.log_tail(tmp_path / "none.log") is None
+    frames = "Traceback (most recent call last):\n" + "  File 'x.py', line 1, in f\n" * 200 + "TypeError: bf16"
+    found = qwen3_omni_parity.where_it_failed({"errors": {"p0": "thinker: TypeError: bf16"},
+                                               "request_tracebacks": {"p0": frames}})
+    assert found.endswith("TypeError: bf16") and len(found) == qwen3_omni_parity.REPORT_TRACEBACK_CHARS
+    assert qwen3_omni_parity.where_it_failed({"traceback": "died", "request_tracebacks": {"p0": frames}}) == "died"
+    assert qwen3_omni_parity.where_it_failed({"errors": {}, "request_tracebacks": {}}) is None

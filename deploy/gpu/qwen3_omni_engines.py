@@ -67,6 +67,7 @@ WHOLE_CODES = {"codec_chunk_frames": 1 << 16, "codec_left_context_frames": 0}
 CODE2WAV_PLACEHOLDER = 0  # the shim's code2wav prompt token: a clock (docs/ARCHITECTURE.md, "Generation-only stages")
 TEXT_ONLY = {"image": 0, "video": 0, "audio": 0}  # the tiny checkpoint has no processor files
 STEP_DEADLINE_S = 120  # no output from any stage for this long: stuck
+TRACEBACK_TAIL = 6000  # characters of a traceback kept in the result: its last frames
 
 
 def thinker_prompt(text_len: int, seed: int) -> list[int]:
@@ -221,7 +222,10 @@ class Pipeline:
 
             tokens: dict[str, Any] = {"prompt_token_ids": prompt}
             if payload is not None:
-                tokens["additional_information"] = payload
+                # Where vllm-omni's connector puts a whole-request payload: the runner's
+                # model_intermediate_buffer, tensors as they are. `additional_information` would
+                # serialize them through numpy, which has no bfloat16 (the thinker's rows are).
+                tokens["model_intermediate_buffer"] = payload
             engine.add_request(rid, build_engine_core_request_from_tokens(rid, tokens, params), params)
             return
         if payload is not None:
@@ -328,6 +332,7 @@ def run_requests(pipe: Pipeline, reqs: list[dict], job: dict, keep: bool, deadli
     audio_samples = 0
     last_progress = time.monotonic()
     errors: dict[str, str] = {}
+    tracebacks: dict[str, str] = {}  # per failed request, where it failed
     open_reqs: dict[str, set[str]] = {"thinker": {r["rid"] for r in reqs}, "talker": set(), "code2wav": set()}
     while any(open_reqs.values()):
         if time.monotonic() > deadline:
@@ -391,10 +396,12 @@ def run_requests(pipe: Pipeline, reqs: list[dict], job: dict, keep: bool, deadli
                             st["waveform"] = wave
                 except Exception as exc:  # this request stops here; the others go on
                     errors[rid] = f"{stage}: {type(exc).__name__}: {exc}"
+                    tracebacks[rid] = traceback.format_exc()[-TRACEBACK_TAIL:]
                     st["t_audio"] = now
     wall = time.perf_counter() - t0
     ttfa = [st["t_audio"] - st["t_in"] for rid, st in state.items() if "t_audio" in st and rid not in errors]
-    return {"state": state, "errors": errors, "wall_s": wall, "ttfa_s": ttfa, "audio_samples": audio_samples}
+    return {"state": state, "errors": errors, "tracebacks": tracebacks, "wall_s": wall, "ttfa_s": ttfa,
+            "audio_samples": audio_samples}
 
 
 def parity_record(st: dict) -> dict:
@@ -480,6 +487,7 @@ def main(job_path: str, result_path: str) -> None:
         finally:
             result["parity"] = {rid: parity_record(st) for rid, st in state.items()}
         result["errors"] = run["errors"]
+        result["request_tracebacks"] = run["tracebacks"]
         result["patches"] = patches(pipe)
         result["ok"] = not run["errors"]
         sr = job["sample_rate"]
@@ -495,6 +503,7 @@ def main(job_path: str, result_path: str) -> None:
             except TimeoutError as exc:
                 result["runs"][str(n)] = {"skipped": str(exc)}
                 break
+            result["request_tracebacks"].update(run["tracebacks"])  # their ids name the run
             ttfa = sorted(run["ttfa_s"])
             result["runs"][str(n)] = {
                 "requests": n, "errors": run["errors"], "wall_s": round(run["wall_s"], 4),
@@ -509,7 +518,7 @@ def main(job_path: str, result_path: str) -> None:
             except Exception as why:  # an engine that died answers no RPC
                 result["patches_error"] = repr(why)
         result["error"] = f"{type(exc).__name__}: {exc}"
-        result["traceback"] = traceback.format_exc()[-6000:]
+        result["traceback"] = traceback.format_exc()[-TRACEBACK_TAIL:]
     finally:
         Path(job["workdir"], f"benched-{job['name']}").touch()  # the next pipeline's turn
         if pipe is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +38,13 @@ SAMPLE_RATE = 24000  # vllm-omni's default for Qwen3-Omni's code2wav (metrics.de
 # runners order the same reductions differently. Bound: max abs diff <= this x the peak of vllm-omni's.
 WAVE_RTOL = 0.05
 CODE2WAV_DIRECT = {"frames": 30, "seed": 5}  # code2wav alone, the same random codes in both pipelines
+# Where a pipeline failed, in the report: its traceback's last characters; for a process that died
+# (a CUDA error aborts it in C++), its log's last lines, the abort's C++ frames left out and a
+# kernel's assertion (printed by every thread that failed it) once.
+REPORT_TRACEBACK_CHARS = 3000
+LOG_TAIL_LINES = 40
+CXX_FRAME = re.compile(r"^frame #\d+: ")
+KERNEL_THREAD = re.compile(r"block: \[[^\]]*\], thread: \[[^\]]*\]")
 SIDECARS = {"thinker": ("omni", []), "talker": ("omni-talker", []),
             "code2wav": ("omni-code2wav", [f"codebook_size={2048}"])}
 
@@ -101,6 +109,9 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--limit-s", type=float, default=420, help="the whole run; each pipeline stops cleanly by then")
     ap.add_argument("--cpu", action="store_true", help="eager, no GPU (our pipeline only)")
+    ap.add_argument("--eager", action="store_true",
+                    help="on the GPU too: no torch.compile, no CUDA graphs (the engines start in seconds, not the "
+                         "minutes compiling takes; the TTFA figures are then eager ones)")
     ap.add_argument("--gpus", default="0")
     args = ap.parse_args()
     t0 = time.monotonic()
@@ -112,7 +123,7 @@ def main() -> None:
     env = {} if args.cpu else {"CUDA_VISIBLE_DEVICES": args.gpus}
     job = {"model": args.model, "requests": REQUESTS, "max_tokens": MAX_TOKENS, "codec_eos": CODEC_IDS["codec_eos_token_id"],
            "concurrency": concurrency, "max_num_seqs": max(concurrency), "limits": limits(max(concurrency)),
-           "dtype": "bfloat16", "enforce_eager": args.cpu,
+           "dtype": "bfloat16", "enforce_eager": args.cpu or args.eager,
            "kv_cache_memory_bytes": (64 << 20) if args.cpu else (1 << 30),
            "gpu_memory_utilization": None if args.cpu else round(0.8 / (3 * len(kinds)), 3),
            "sample_rate": SAMPLE_RATE, "code2wav_direct": CODE2WAV_DIRECT, "bench_order": [k for k in ("omni", "shim") if k in kinds],
@@ -133,9 +144,10 @@ def main() -> None:
             try:
                 return run_engine({**job, "kind": kind, "env": run_env, "endpoints": endpoints}, out, kind,
                                   timeout_s=job["limit_s"] + 20, script=ENGINES)
-            except Exception as exc:  # died or timed out: its log says how far it got
-                return {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[-3000:]}",
-                        "log_path": str(out / f"{kind}.log")}
+            except Exception as exc:  # died or timed out: its log says how far it got, and where
+                log = out / f"{kind}.log"
+                return {"ok": False, "error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}",
+                        "traceback": log_tail(log), "log_path": str(log)}
 
         with ThreadPoolExecutor(len(kinds)) as pool:
             results = dict(zip(kinds, pool.map(one, kinds)))
@@ -167,16 +179,42 @@ def summary(results: dict, kinds: list[str], concurrency: list[int], args: argpa
     report["pipelines"] = {kind: {"ok": results.get(kind, {}).get("ok"), "error": results.get(kind, {}).get("error"),
                                   "request_errors": results.get(kind, {}).get("errors"),
                                   "start_s": results.get(kind, {}).get("start_s"),
-                                  "traceback": (results.get(kind, {}).get("traceback") or "")[-1500:] or None}
+                                  "traceback": where_it_failed(results.get(kind, {}))}
                            for kind in kinds}
     report["requests"] = {"text": [dict(r) for r in REQUESTS], "max_tokens": MAX_TOKENS,
                           "text_and_image": "not run: the tiny checkpoint has no multimodal processor files"}
     report["hand_overs"] = ("vllm-omni's non-streaming ones (async_chunk false): thinker2talker_full_payload, "
                             "talker2code2wav_full_payload, whole requests")
-    report["versions"] = {**run_versions(), "cpu_only": args.cpu}
+    report["versions"] = {**run_versions(), "cpu_only": args.cpu, "enforce_eager": args.cpu or args.eager}
     report["commit"] = run_commit()
     report["command"] = "sh deploy/gpu/run_qwen3_omni.sh BUNDLE OUT [LIMIT_S]"
     return report
+
+
+def log_tail(path: Path) -> str | None:
+    """A dead pipeline's log, its last lines that say where it failed."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    kept: list[str] = []
+    asserts: set[str] = set()
+    for line in lines:
+        if CXX_FRAME.match(line):
+            continue
+        if "Assertion" in line:
+            kernel = KERNEL_THREAD.sub("", line)
+            if kernel in asserts:
+                continue
+            asserts.add(kernel)
+        kept.append(line)
+    return "\n".join(kept[-LOG_TAIL_LINES:]) or None
+
+
+def where_it_failed(result: dict) -> str | None:
+    """The pipeline's traceback (or its log's tail), else its first failed request's."""
+    found = result.get("traceback") or next(iter((result.get("request_tracebacks") or {}).values()), None)
+    return found[-REPORT_TRACEBACK_CHARS:] if found else None
 
 
 def table(report: dict) -> str:

@@ -12,6 +12,8 @@
 #   behind /v1/audio/speech, vllm-omni's hand-overs) driven by deploy/gpu/speech_serving.py: TTFA
 #   and audio seconds per second at 1 and 16 concurrent streaming requests. Its HTTP front end needs
 #   uvicorn and what it imports beyond the bundle: carry them in .whl/ (the recipe below).
+# QWEN3_OMNI_EAGER=1: the parity part's engines eager (no torch.compile, no CUDA graphs: they start
+# in seconds instead of ~3 minutes; eager TTFA figures).
 # LIMIT_S (default 470) bounds the whole run, install included; each part stops cleanly by then and
 # reports what it has. Leaves in OUT_DIR: qwen3-omni-parity.json (docs/bench/gpu/; under
 # "omni_serve" the serve part's figures), qwen3-omni.log (the table), qwen3-omni-serve.json and
@@ -47,10 +49,15 @@ python3 -m tests.tiny_models.qwen3_omni "$W/model" > "$OUT/model.log" 2>&1 || { 
 case ",$PARTS," in *,parity,*)
   left=$(( LIMIT - ($(date +%s) - t0) - 15 - SERVE * SERVE_NEEDS_S ))
   timeout "$left" python3 "$SRC/deploy/gpu/qwen3_omni_parity.py" --model "$W/model" --out "$W/work" \
-    --result "$OUT/qwen3-omni-parity.json" --limit-s $(( left - 10 )) > "$OUT/qwen3-omni.log" 2>&1
+    --result "$OUT/qwen3-omni-parity.json" --limit-s $(( left - 10 )) ${QWEN3_OMNI_EAGER:+--eager} \
+    > "$OUT/qwen3-omni.log" 2>&1
   echo "qwen3_omni_parity.py rc=$? after $(( $(date +%s) - t0 )) s"
   grep -v '^\[W\|^INFO\|^WARNING\|^DEBUG' "$OUT/qwen3-omni.log" | tail -30
-  for f in "$W"/work/*.log; do echo "=== $(basename "$f")"; grep -E "patch|Error|error|Traceback" "$f" | tail -20; tail -25 "$f"; done \
+  # A CUDA error's abort prints C++ frames (left out) after the kernel's assertion (every failing
+  # thread prints it: kept once).
+  for f in "$W"/work/*.log; do echo "=== $(basename "$f")"
+    grep -E "patch|Error|error|Traceback|Assertion" "$f" | sed 's/block: \[[^]]*\], thread: \[[^]]*\]//' | uniq | tail -20
+    grep -v '^frame #' "$f" | tail -25; done \
     > "$OUT/engine-logs.txt" 2>/dev/null
   cp "$W/work/qwen3-omni-report.json" "$OUT/" 2>/dev/null ;;
 esac

@@ -157,6 +157,9 @@ class ModelBridge:
         # `omni_refuse_lost_outputs`).
         self.forward_returns_outputs = False
         self.host_us = 0.0  # this step's host time in the hooks so far (the runner reads and resets it)
+        # The end of the rows of vLLM's input_ids that preprocess's ids were written into (for the
+        # forward, as vllm-omni writes them) and vLLM has not written since (`clear_written_ids`).
+        self.ids_written_end = 0
         self.device = next((p.device for p in model.parameters()), None) if hasattr(model, "parameters") else None
         # talker_mtp from CUDA graphs of ours where vllm-omni's runner would replay it from one (the
         # runner passes the sizes: worker_shim/upstream/runner.py); eager otherwise.
@@ -222,6 +225,21 @@ class ModelBridge:
         return {**self.mirror.states[req_id], "request_id": req_id, "_omni_prompt_len": prompt_len,
                 "_omni_num_computed_tokens": num_computed, "_omni_is_prefill": num_computed < prompt_len}
 
+    def clear_written_ids(self, input_batch: Any) -> None:
+        """Zeroes the rows of this step's padding that still hold ids a preprocess wrote in an earlier
+        step. vLLM writes the rows of a step's tokens only; the rows it pads a step to for its CUDA
+        graphs keep what they held, and the embeds buffer looks them up with the rest
+        (worker_shim/model/embeds.py). A preprocess's ids need not be in the model's table:
+        vllm-omni's Qwen3-Omni talker returns the thinker's ids for its prompt rows, an index past
+        the talker's codec table (a device-side assert on CUDA). Call it once vLLM has written the
+        step's input_ids, before any lookup."""
+        end = self.ids_written_end
+        start, padded = int(input_batch.num_tokens), int(input_batch.num_tokens_after_padding)
+        if end > start:
+            input_batch.input_ids[start : min(end, padded)].zero_()
+        if end <= padded:  # rows past the padding stay marked until a step reaches them
+            self.ids_written_end = 0
+
     def before_forward(self, input_batch: Any, embeds: torch.Tensor) -> None:
         """preprocess (and talker_mtp) for every request of the step, in batch order."""
         self.forward_extras = None
@@ -259,6 +277,7 @@ class ModelBridge:
             embeds[s : s + seg].copy_(out_embeds[:seg])
             if isinstance(out_ids, torch.Tensor) and out_ids.numel() == seg:
                 ids[s : s + seg].copy_(out_ids.reshape(-1))
+                self.ids_written_end = max(self.ids_written_end, s + seg)
         self._flush_decode_batch(decode, ids, embeds, mtp)
         if mtp:
             self._talker_mtp(mtp, embeds)
@@ -274,6 +293,7 @@ class ModelBridge:
         embeds.index_copy_(0, rows.to(embeds.device), out_embeds.to(embeds.dtype))
         out_ids = out_ids.reshape(-1)
         ids.index_copy_(0, rows, out_ids.to(ids.dtype))
+        self.ids_written_end = max(self.ids_written_end, max(offsets) + 1)
         req_ids = [req_id for req_id, _, _ in decode]
         mtp.append(MtpRows(req_ids, offsets, out_ids, last_hidden, text_step, rows if rows.device == embeds.device
                            else None))

@@ -121,6 +121,8 @@ class SidecarRunnerMixin:
         `SidecarModelStateMixin.prepare_inputs` takes the plan after vLLM's attention metadata and
         the embeds (the sidecar plans meanwhile)."""
         input_batch = _up(self).prepare_inputs(*args, **kwargs)  # type: ignore[misc]
+        if self.omni_bridge is not None:
+            self.omni_bridge.clear_written_ids(input_batch)
         link = self.omni_link
         if link.in_step:
             link.ask_early(input_batch, self.omni_bridge)
