@@ -340,6 +340,46 @@ def speech_pipeline(talker_engine: FakeEngine):
                           chunks=ChunkGrid(4), left_context=0, placeholder_token=0)
 
 
+class FinishedOutputsLink(ForgetfulLink):
+    """A sidecar that has finished every request with the same assembled outputs."""
+
+    def __init__(self, values: dict) -> None:
+        self.values = values
+
+    async def outputs(self, request_id):
+        from omni_serve.stages.link import Followed
+
+        return dict(self.values), Followed(found=True, finished=True)
+
+
+def test_each_stage_reports_its_share_of_a_requests_first_audio_once():
+    """The talker's start to its first chunk's frames and code2wav's first chunk request to its
+    waveform: once a request, however many chunks it has (the metrics' where-the-time-goes)."""
+    import asyncio
+
+    import numpy as np
+
+    from omni_serve.speech.pipeline import CODES, WAVEFORM, SpeechJob, SpeechPipeline, Stage
+    from proto.chunk_grid import ChunkGrid
+
+    codes = np.arange(10 * 2, dtype=np.int64).reshape(10, 2) % 7
+    shares: list[tuple[str, float]] = []
+    pipeline = SpeechPipeline(Stage("talker", FakeEngine(), FinishedOutputsLink({CODES: codes})),
+                              Stage("code2wav", FakeEngine(), FinishedOutputsLink({WAVEFORM: np.ones((4, 1), np.float32)})),
+                              chunks=ChunkGrid(4, 1), left_context=0, placeholder_token=0,
+                              first_audio_share=lambda stage, seconds: shares.append((stage, seconds)))
+
+    async def run() -> int:
+        got = [c async for c in pipeline.synthesize(SpeechJob("r1", [1, 2], {}, max_frames=10))]
+        await pipeline.close()
+        return len(got)
+
+    chunks = asyncio.run(run())
+    assert chunks == ChunkGrid(4, 1).count(10) == 4  # 1 + 4 + 4 + 1 frames: four code2wav requests
+    assert sorted(stage for stage, _ in shares) == ["code2wav", "talker"]
+    assert all(seconds >= 0 for _, seconds in shares)
+
+
 @pytest.mark.parametrize("engine_finished", [True, False])
 def test_a_lost_sidecar_fails_its_stages_requests_at_once_and_aborts_them_in_the_engine(engine_finished):
     """Whether its engine had finished the request (its last step's results died with the sidecar:

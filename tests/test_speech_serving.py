@@ -95,3 +95,18 @@ def test_the_speakers_and_exact_frames_come_from_the_checkpoint(tmp_path):
     assert config["tts_model_type"] == "custom_voice"
     assert config["talker_config"]["spk_id"] == {"vivian": 72, "ryan": 73}
     assert serving.exact_frames(tmp_path, 48) == {"max_tokens": 48, "min_tokens": 48, "stop_token_ids": [66]}
+
+
+def test_each_stages_share_of_first_audio_is_its_mean_between_two_scrapes():
+    before = serving.first_audio_shares(
+        'omni_serve_stage_first_audio_seconds_sum{stage="talker"} 1.0\n'
+        'omni_serve_stage_first_audio_seconds_count{stage="talker"} 4.0\n'
+        'omni_serve_stage_first_audio_seconds_bucket{stage="talker",le="0.5"} 4.0\n')
+    after = serving.first_audio_shares(
+        'omni_serve_stage_first_audio_seconds_sum{stage="talker"} 1.6\n'
+        'omni_serve_stage_first_audio_seconds_count{stage="talker"} 6.0\n'
+        'omni_serve_stage_first_audio_seconds_sum{stage="code2wav"} 0.05\n'
+        'omni_serve_stage_first_audio_seconds_count{stage="code2wav"} 2.0\n')
+    assert before == {"talker": (1.0, 4.0)}
+    assert serving.shares_between(before, after) == {"talker": 300.0, "code2wav": 25.0}
+    assert serving.shares_between(after, after) == {}  # no request between: no share

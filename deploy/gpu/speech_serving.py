@@ -366,6 +366,35 @@ async def level(port: int, concurrency: int, total: int, frames: int, rate: int,
     return out
 
 
+SHARE_METRIC = "omni_serve_stage_first_audio_seconds"  # omni-serve's /metrics: each stage's share of TTFA
+SHARE_LINE = re.compile(SHARE_METRIC + r'_(sum|count)\{stage="([^"]+)"\} ([0-9.eE+-]+)')
+
+
+def first_audio_shares(metrics_text: str) -> dict[str, tuple[float, float]]:
+    """Per stage, (sum of seconds, count) of omni-serve's first-audio share histogram."""
+    got: dict[str, list[float]] = {}
+    for kind, stage, value in SHARE_LINE.findall(metrics_text):
+        got.setdefault(stage, [0.0, 0.0])[0 if kind == "sum" else 1] = float(value)
+    return {stage: (total, count) for stage, (total, count) in got.items()}
+
+
+def shares_between(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Each stage's mean share (ms) of the requests between two scrapes."""
+    out = {}
+    for stage, (total, count) in after.items():
+        total0, count0 = before.get(stage, (0.0, 0.0))
+        if count > count0:
+            out[stage] = round((total - total0) / (count - count0) * 1000, 2)
+    return out
+
+
+async def scrape_shares(server: "ServerProcess") -> dict[str, tuple[float, float]]:
+    if server.name != "ours":  # vllm-omni's server logs its own per-stage table (its log tail)
+        return {}
+    got = await request(server.port, "GET", "/metrics", None, timeout_s=10)
+    return first_audio_shares(got.body.decode("utf-8", "replace")) if got.status == 200 else {}
+
+
 async def compare_waveforms(servers: dict[str, ServerProcess], frames: int, deadline: float) -> dict:
     """The same non-streaming requests to both, one at a time; samples compared."""
     import numpy as np
@@ -401,12 +430,15 @@ async def compare_waveforms(servers: dict[str, ServerProcess], frames: int, dead
 # ---- the run ----
 
 def table(results: dict) -> str:
-    rows = ["| server | concurrency | TTFA p50 ms | TTFA p95 ms | audio s/s | RTF | ok/requests |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| server | concurrency | TTFA p50 ms | TTFA p95 ms | audio s/s | RTF | ok/requests "
+            "| first audio by stage (mean ms) |",
+            "|---|---|---|---|---|---|---|---|"]
     for name in SERVERS:
         for c, got in results.get(name, {}).items():
+            shares = ", ".join(f"{stage} {ms}" for stage, ms in got.get("first_audio_share_ms", {}).items()) or "-"
             rows.append(f"| {name} | {c} | {got.get('ttfa_ms_p50', '-')} | {got.get('ttfa_ms_p95', '-')} | "
-                        f"{got.get('audio_s_per_s', '-')} | {got.get('rtf', '-')} | {got['ok']}/{got['requests']} |")
+                        f"{got.get('audio_s_per_s', '-')} | {got.get('rtf', '-')} | {got['ok']}/{got['requests']} "
+                        f"| {shares} |")
     return "\n".join(rows)
 
 
@@ -461,8 +493,12 @@ async def run(args) -> dict:
                 if time.monotonic() > deadline:
                     results["notes"].append(f"stopped at the limit before {name} at concurrency {c}")
                     return results
+                before = await scrape_shares(servers[name])
                 results[name][str(c)] = await level(servers[name].port, c, max(2 * c, 8), args.frames,
                                                      args.sample_rate, deadline, tuple(args.voices))
+                shares = shares_between(before, await scrape_shares(servers[name]))
+                if shares:  # where a request's first audio went, stage by stage (means, ms)
+                    results[name][str(c)]["first_audio_share_ms"] = shares
                 print(f"{name} @ {c}: {json.dumps(results[name][str(c)])}", flush=True)
         results["complete"] = True
         return results

@@ -15,6 +15,11 @@ class SpeechMetrics:
                               buckets=(0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.rtf = Histogram(f"{PREFIX}_real_time_factor", "Seconds to make a request's audio per second of audio",
                              registry=self.registry, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 50))
+        self.first_audio_share = Histogram(
+            f"{PREFIX}_stage_first_audio_seconds",
+            "A stage's share of a request's first audio: the thinker's whole request, the talker's start to "
+            "its first chunk of frames, code2wav's first chunk to its waveform", ["stage"],
+            registry=self.registry, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.audio_seconds = Counter(f"{PREFIX}_audio_seconds", "Seconds of audio served", registry=self.registry)
         self.requests = Counter(f"{PREFIX}_requests", "Speech requests by outcome", ["outcome"],
                                 registry=self.registry)

@@ -126,6 +126,9 @@ class SpeechServer:
         self.engine_restarts = {name: 0 for name in config.stages}
         self._engine_watch: asyncio.Task | None = None
 
+    def _observe_first_audio_share(self, stage: str, seconds: float) -> None:
+        self.metrics.first_audio_share.labels(stage).observe(seconds)
+
     async def start(self) -> None:
         from omni_serve.stages.engines import start_engine
 
@@ -163,7 +166,8 @@ class SpeechServer:
                                                  int(options.get("initial_chunk_frames", 0))),
                                        int(options.get("left_context", CODE2WAV_LEFT_CONTEXT_FRAMES)),
                                        code2wav.placeholder_token, thinker,
-                                       int(options.get("codebook_size", 0)))
+                                       int(options.get("codebook_size", 0)),
+                                       first_audio_share=self._observe_first_audio_share)
         for name, sidecar in self.sidecars.items():
             sidecar.on_restart = functools.partial(self._reconnect, name)
             sidecar.on_lost = stages[name].sidecar_lost

@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import numpy as np
 from vllm import SamplingParams
@@ -188,6 +188,9 @@ class SpeechPipeline:
     placeholder_token: int
     thinker: ThinkerStage | None = None
     codebook_size: int = 0  # the code2wav sidecar's (its option; 0: unchecked): Frames.codebook_size
+    # Each stage's share of a request's first audio, (stage, seconds): the thinker's whole request,
+    # the talker's start to its first chunk's frames, code2wav's first chunk request to its waveform.
+    first_audio_share: Callable[[str, float], None] = lambda stage, seconds: None
     _releases: set[asyncio.Task] = field(default_factory=set, init=False, repr=False)
 
     @property
@@ -261,6 +264,7 @@ class SpeechPipeline:
     async def _run_thinker(self, job: SpeechJob, thinker: ThinkerStage) -> SpeechJob:
         """The thinker's request, run whole; the talker's job made from what it made."""
         stage = thinker.stage
+        started = time.monotonic()
         extra = {"omni_sidecar": {"additional_information": additional_information(job.payload)}} if job.payload else None
         params = SamplingParams(**{**stage.sampling, "max_tokens": thinker.max_tokens, "seed": job.seed,
                                    "detokenize": False, "output_kind": RequestOutputKind.DELTA, "extra_args": extra})
@@ -287,6 +291,7 @@ class SpeechPipeline:
             made = await stage.serve(outputs())
         finally:
             stage.in_flight -= 1
+        self.first_audio_share(stage.name, time.monotonic() - started)
         rows = made.rows()
         prompt_len = len(made.prompt_ids)
         if not any(v.shape[0] >= prompt_len for v in rows.values()):
@@ -308,9 +313,13 @@ class SpeechPipeline:
 
         async def all_frames() -> None:
             prompt = {"prompt_token_ids": job.prompt_token_ids}
+            started, first_chunk_seen = time.monotonic(), False
             async for out in engine_outputs(self.talker, self.talker.engine.generate(prompt, params, job.request_id)):
                 codes, _ = await self._assembled(self.talker, job.request_id, CODES)
                 frames.set(codes)
+                if not first_chunk_seen and self.chunks.complete(frames.count) > 0:
+                    first_chunk_seen = True
+                    self.first_audio_share(self.talker.name, time.monotonic() - started)
                 if out.finished and out.outputs and out.outputs[0].finish_reason not in ("length", "stop"):
                     raise StageFailed("talker", f"the engine ended the request ({out.outputs[0].finish_reason})")
             # The last steps' frames reach the sidecar after the engine's last output.
@@ -365,7 +374,7 @@ class SpeechPipeline:
                 while len(chunks) < self._ready_chunks(frames):
                     n = len(chunks)
                     chunks.append(asyncio.create_task(self._decode_chunk(f"{job.request_id}-c{n}",
-                                                                         self._chunk_payload(frames, n))))
+                                                                         self._chunk_payload(frames, n), n == 0)))
                 if k < len(chunks) and chunks[k].done():
                     for wave in chunks[k].result():
                         yield wave.reshape(-1)
@@ -384,8 +393,9 @@ class SpeechPipeline:
             for task in chunks:
                 stop_soon(task)
 
-    async def _decode_chunk(self, chunk_id: str, payload: dict[str, Any]) -> list[np.ndarray]:
+    async def _decode_chunk(self, chunk_id: str, payload: dict[str, Any], first: bool) -> list[np.ndarray]:
         """One chunk through code2wav: a one-step request, its waveform read from the sidecar."""
+        started = time.monotonic()
 
         async def waveform() -> list[np.ndarray]:
             prompt = {"prompt_token_ids": [self.placeholder_token]}
@@ -395,6 +405,8 @@ class SpeechPipeline:
             async for _ in patiently("code2wav", "its sidecar never finished a chunk's waveform"):
                 wave, finished = await self._assembled(self.code2wav, chunk_id, WAVEFORM)
                 if finished:
+                    if first:
+                        self.first_audio_share(self.code2wav.name, time.monotonic() - started)
                     return [] if wave is None else [wave]
             raise AssertionError("unreachable: patiently() raises when it gives up")
 
