@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -412,9 +413,12 @@ def run_versions() -> dict:
 
 
 def run_commit() -> str | None:
-    """The commit measured: `.commit` at the tree's root (a copied tree has no .git), else git's HEAD."""
+    """The commit measured: $OMNI_COMMIT (the device's copy of .git may be older than the tree it
+    was sent), else `.commit` at the tree's root (a copied tree has no .git), else git's HEAD."""
     import subprocess
 
+    if os.environ.get("OMNI_COMMIT"):
+        return os.environ["OMNI_COMMIT"]
     root = HERE.parents[1]
     if (root / ".commit").is_file():
         return (root / ".commit").read_text().strip() or None
