@@ -13,7 +13,9 @@ qwen3_omni/) and one `omni-sidecar serve` per stage at `job["endpoints"]` (think
 captured layers as outputs; talker: `omni-talker`; code2wav: `omni-code2wav`), each stage's
 outputs read from its sidecar.
 
-Both: the same checkpoint (tests/tiny_models/qwen3_omni.py), prompts, greedy sampling, and the same
+Both: the same checkpoint (tests/tiny_models/qwen3_omni.py), prompts, greedy sampling (the talker's
+code predictor too unless `job["code_predictor"]` is "vllm-omni": its own top-k 50 / top-p 0.8 from
+the global random generator, worker_shim/omni_models/qwen3_omni/code_predictor.py), and the same
 hand-overs: vllm-omni's non-streaming ones (its `async_chunk: false` mode: a request moves on
 when it finishes), built by vllm-omni's own functions (`thinker2talker_full_payload`,
 `_compute_talker_prompt_ids_length`, `talker2code2wav_full_payload`, called through
@@ -181,6 +183,15 @@ class Pipeline:
 
             self.clients = {stage: SidecarClient(job["endpoints"][stage]) for stage in STAGES}
         self.tts_embeds = self._tts_embeds() if self.kind == "shim" else None
+        self.code_predictor = self._code_predictor_sampling(job["code_predictor"])
+
+    def _code_predictor_sampling(self, choice: str) -> dict[str, Any]:
+        """The talker's code predictor set to sample as `choice` says, the same call in both kinds
+        (worker_shim/omni_models/qwen3_omni/code_predictor.py), and what it samples with then."""
+        from worker_shim.omni_models.qwen3_omni.code_predictor import set_code_predictor_sampling
+
+        # The engine cores run in this process: the function is called, not sent anywhere.
+        return self.engines["talker"].collective_rpc(set_code_predictor_sampling, args=(choice,))[0]
 
     def _omni_args(self, stage: str) -> Any:
         from vllm_omni.engine.arg_utils import OmniEngineArgs
@@ -478,6 +489,7 @@ def main(job_path: str, result_path: str) -> None:
         pipe = Pipeline(job)
         result["start_s"] = job.get("start_s")
         result["start_total_s"] = round(time.monotonic() - t0, 1)
+        result["code_predictor"] = pipe.code_predictor
         prompts = {r["rid"]: thinker_prompt(r["text_len"], r["seed"]) for r in job["requests"]}
         result["code2wav_direct"] = code2wav_direct(pipe, job, deadline)
         reqs = [{"rid": rid, "prompt": p} for rid, p in prompts.items()]
