@@ -214,6 +214,8 @@ def summary(results: dict, kinds: list[str], concurrency: list[int], args: argpa
     # What each pipeline's code predictor sampled codebooks 1..15 with (read back from vllm-omni's
     # wrapper): only greedy and in effect in both makes identical codes an expectation.
     report["code_predictor_sampling"] = {kind: results.get(kind, {}).get("code_predictor") for kind in kinds}
+    report["code_predictor_greedy_in_effect"] = all(
+        (s or {}).get("choice") == "greedy" and (s or {}).get("in_effect") for s in report["code_predictor_sampling"].values())
     report["vllm_omni_patches_applied"] = ours if shim.get("patches") is not None else None
     report["vllm_omni_patches_found_in_its_own_pipeline"] = (omni.get("patches") or {}).get("process")
     report["ttfa_and_audio_rate"] = {kind: figures(results.get(kind, {})) for kind in kinds}
@@ -261,7 +263,8 @@ def where_it_failed(result: dict) -> str | None:
 def table(report: dict) -> str:
     lines = []
     for key in ("thinker_tokens_identical", "talker_tokens_identical", "talker_codes_identical",
-                "waveform_max_abs_diff", "vllm_omni_patches_applied", "first_divergence"):
+                "waveform_max_abs_diff", "vllm_omni_patches_applied", "code_predictor_greedy_in_effect",
+                "first_divergence"):
         if key in report:
             lines.append(f"{key:32s} {report[key]}")
     for kind, sampling in report["code_predictor_sampling"].items():
