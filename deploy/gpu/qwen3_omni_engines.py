@@ -14,11 +14,11 @@ captured layers as outputs; talker: `omni-talker`; code2wav: `omni-code2wav`), e
 outputs read from its sidecar.
 
 Both: the same checkpoint (tests/tiny_models/qwen3_omni.py), prompts, greedy sampling (the talker's
-code predictor too unless `job["code_predictor"]` is "vllm-omni": its own top-k 50 / top-p 0.8 from
-the global random generator, worker_shim/omni_models/qwen3_omni/code_predictor.py), and the same
-hand-overs: vllm-omni's non-streaming ones (its `async_chunk: false` mode: a request moves on
-when it finishes), built by vllm-omni's own functions (`thinker2talker_full_payload`,
-`_compute_talker_prompt_ids_length`, `talker2code2wav_full_payload`, called through
+code predictor too, set as its model loads, unless `job["code_predictor"]` is "vllm-omni": its own
+top-k 50 / top-p 0.8 from the global random generator; worker_shim/omni_models/qwen3_omni/
+code_predictor.py), and the same hand-overs: vllm-omni's non-streaming ones (its `async_chunk:
+false` mode: a request moves on when it finishes), built by vllm-omni's own functions
+(`thinker2talker_full_payload`, `_compute_talker_prompt_ids_length`, `talker2code2wav_full_payload`, called through
 worker_shim/omni_models/qwen3_omni/handover.py, as omni-serve calls them) from each pipeline's stage
 outputs. The process steps the three engines in turn and moves each request on as its stage
 finishes it; per request it records the thinker's tokens, the talker's codes, the waveform and the
@@ -84,6 +84,7 @@ def thinker_prompt(text_len: int, seed: int) -> list[int]:
 def engine_args(job: dict, stage: str) -> dict:
     limits = job["limits"][stage]
     args = dict(model=job["model"], dtype=job["dtype"], seed=0, enforce_eager=job["enforce_eager"],
+                load_format=load_format(job, stage),
                 skip_tokenizer_init=True, enable_prefix_caching=False, async_scheduling=False,
                 max_model_len=limits["max_model_len"], max_num_seqs=job["max_num_seqs"],
                 max_num_batched_tokens=limits["max_num_batched_tokens"],
@@ -91,6 +92,17 @@ def engine_args(job: dict, stage: str) -> dict:
     if job.get("gpu_memory_utilization"):
         args["gpu_memory_utilization"] = job["gpu_memory_utilization"]
     return args
+
+
+def load_format(job: dict, stage: str) -> str:
+    """vLLM's default loader; for the talker with `job["code_predictor"]` greedy, the load format that
+    sets its code predictor greedy as it loads, before any CUDA graph is captured (registered in this
+    process, where both kinds' engines load their models)."""
+    if stage != "talker" or job["code_predictor"] != "greedy":
+        return "auto"
+    from worker_shim.omni_models.qwen3_omni.code_predictor import register_greedy_load_format
+
+    return register_greedy_load_format()
 
 
 class Recorder:
@@ -183,15 +195,11 @@ class Pipeline:
 
             self.clients = {stage: SidecarClient(job["endpoints"][stage]) for stage in STAGES}
         self.tts_embeds = self._tts_embeds() if self.kind == "shim" else None
-        self.code_predictor = self._code_predictor_sampling(job["code_predictor"])
+        from worker_shim.omni_models.qwen3_omni.code_predictor import code_predictor_sampling
 
-    def _code_predictor_sampling(self, choice: str) -> dict[str, Any]:
-        """The talker's code predictor set to sample as `choice` says, the same call in both kinds
-        (worker_shim/omni_models/qwen3_omni/code_predictor.py), and what it samples with then."""
-        from worker_shim.omni_models.qwen3_omni.code_predictor import set_code_predictor_sampling
-
-        # The engine cores run in this process: the function is called, not sent anywhere.
-        return self.engines["talker"].collective_rpc(set_code_predictor_sampling, args=(choice,))[0]
+        # What the talker's code predictor samples with, read back in its worker (the engine cores
+        # run in this process: the function is called, not sent anywhere).
+        self.code_predictor = self.engines["talker"].collective_rpc(code_predictor_sampling)[0]
 
     def _omni_args(self, stage: str) -> Any:
         from vllm_omni.engine.arg_utils import OmniEngineArgs

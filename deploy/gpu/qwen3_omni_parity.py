@@ -9,11 +9,10 @@ GPU, do the parity requests, then time their runs one after the other (vllm-omni
 
 The talker's code predictor (codebooks 1..15) samples at random in vllm-omni (top-k 50 / top-p 0.8
 from the global random generator; no request or config setting reaches it), so both pipelines set
-it greedy through its own `set_sampling_params` (--code-predictor, worker_shim/omni_models/qwen3_omni/
-code_predictor.py) and the report says what each sampled with. vllm-omni's runner replays talker_mtp
-from CUDA graphs captured at start unless its engines are eager: there the setting is not in effect
-(`in_effect` false) and identical codes are not to be expected; `first_divergence` says where each
-request's talker tokens and codes first differ.
+it greedy through its own `set_sampling_params` as the talker's model loads, before any CUDA graph
+is captured (--code-predictor; worker_shim/omni_models/qwen3_omni/code_predictor.py). The report
+says what each code predictor sampled with (`code_predictor_sampling`, read back after start) and
+`first_divergence`, where each request's talker tokens and codes first differ.
 
   PYTHONPATH=.:SITE python3 deploy/gpu/qwen3_omni_parity.py --model DIR --out WORK --result OUT.json
   (--cpu --kinds shim: our pipeline alone on CPU, eager; bf16 as on the GPU: vllm-omni's talker keeps
@@ -212,10 +211,10 @@ def summary(results: dict, kinds: list[str], concurrency: list[int], args: argpa
         report.update(compare(omni, shim))
     report["waveform_tolerance"] = f"max abs diff <= {WAVE_RTOL} x the peak of vllm-omni's waveform (bf16)"
     # What each pipeline's code predictor sampled codebooks 1..15 with (read back from vllm-omni's
-    # wrapper): only greedy and in effect in both makes identical codes an expectation.
+    # wrapper): only greedy in effect in both makes identical codes an expectation.
     report["code_predictor_sampling"] = {kind: results.get(kind, {}).get("code_predictor") for kind in kinds}
-    report["code_predictor_greedy_in_effect"] = all(
-        (s or {}).get("choice") == "greedy" and (s or {}).get("in_effect") for s in report["code_predictor_sampling"].values())
+    report["code_predictor_greedy_in_effect"] = all((s or {}).get("greedy_in_effect", False)
+                                                    for s in report["code_predictor_sampling"].values())
     report["vllm_omni_patches_applied"] = ours if shim.get("patches") is not None else None
     report["vllm_omni_patches_found_in_its_own_pipeline"] = (omni.get("patches") or {}).get("process")
     report["ttfa_and_audio_rate"] = {kind: figures(results.get(kind, {})) for kind in kinds}

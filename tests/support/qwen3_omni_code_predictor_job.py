@@ -3,8 +3,8 @@ run by tests/test_qwen3_omni_code_predictor.py beside vllm-omni 0.26 on vLLM 0.2
 
 vllm-omni's own class (`Qwen3OmniMoeTalkerCodePredictor`) on the tiny checkpoint's talker config,
 its weights random and its first residual head zero (every code of that step ties, as bf16 logits
-can), set through worker_shim/omni_models/qwen3_omni/code_predictor.py as the parity drivers set it
-(or by its `set_sampling_params` for top-k 1 alone); the same inputs, the global random generator
+can), its sampling set by its `set_sampling_params` (GREEDY of worker_shim/omni_models/qwen3_omni/
+code_predictor.py, which the parity drivers' load format sets; top-k 1 alone); the same inputs, the global random generator
 seeded with each seed before the call. vllm-omni 0.26 has no CPU platform (its code predictor asks
 the platform whether torch inductor is there, and the unspecified platform raises): vllm-omni's
 platform slot gets its unspecified platform with that one answer, False (eager).
@@ -63,7 +63,7 @@ def main(model_dir: str, result_path: str) -> None:
     cpu_platform()
     from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
 
-    from worker_shim.omni_models.qwen3_omni.code_predictor import set_code_predictor_sampling
+    from worker_shim.omni_models.qwen3_omni.code_predictor import GREEDY
 
     with tempfile.TemporaryDirectory() as init_dir:
         predictor = code_predictor(model_dir, init_dir).to(torch.bfloat16)
@@ -78,8 +78,6 @@ def main(model_dir: str, result_path: str) -> None:
             layer0 = torch.randint(0, predictor.config.vocab_size, (ROWS, 1), generator=g)
             embed = torch.randn(ROWS, 1, hidden, generator=g).to(torch.bfloat16)
             talker_hidden = torch.randn(ROWS, 1, hidden, generator=g).to(torch.bfloat16)
-            worker = SimpleNamespace(get_model=lambda: SimpleNamespace(talker=SimpleNamespace(code_predictor=predictor)),
-                                     model_runner=SimpleNamespace())
             result: dict = {}
 
             def codes() -> dict[int, list]:
@@ -90,10 +88,14 @@ def main(model_dir: str, result_path: str) -> None:
                     out[seed] = found.reshape(ROWS, -1).tolist()
                 return out
 
-            result["vllm-omni"] = {"setting": set_code_predictor_sampling(worker, "vllm-omni"), "codes": codes()}
+            def setting() -> dict:
+                return {"top_k": predictor._top_k, "top_p": predictor._top_p}
+
+            result["vllm-omni"] = {"setting": setting(), "codes": codes()}
             predictor.set_sampling_params(top_k=1, top_p=1.0)
             result["top_k_1"] = {"codes": codes()}
-            result["greedy"] = {"setting": set_code_predictor_sampling(worker, "greedy"), "codes": codes()}
+            predictor.set_sampling_params(**GREEDY)
+            result["greedy"] = {"setting": setting(), "codes": codes()}
         finally:
             destroy_model_parallel()
             destroy_distributed_environment()
