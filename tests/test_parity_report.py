@@ -251,3 +251,30 @@ def test_the_qwen3_omni_report_says_where_a_pipeline_failed(tmp_path):
     assert found.endswith("TypeError: bf16") and len(found) == qwen3_omni_parity.REPORT_TRACEBACK_CHARS
     assert qwen3_omni_parity.where_it_failed({"traceback": "died", "request_tracebacks": {"p0": frames}}) == "died"
     assert qwen3_omni_parity.where_it_failed({"errors": {}, "request_tracebacks": {}}) is None
+
+
+def test_the_qwen3_omni_report_says_where_talker_tokens_and_codes_first_differ_and_how_codes_were_sampled():
+    import qwen3_omni_parity
+
+    q = qwen3_omni_parity.NUM_CODE_GROUPS
+    codes = [k * 100 + f for k in range(q) for f in range(5)]  # codebook-major: 5 frames
+    other = list(codes)
+    other[3 * 5 + 2] = other[7 * 5 + 2] = -1  # frame 2, codebooks 3 and 7
+    greedy = {"top_k": 1, "top_p": 1e-6, "greedy_in_effect": True}
+    omni = {"parity": {"p0": {"thinker_tokens": [1, 2], "talker_tokens": [5, 6, 7], "codes": codes},
+                       "p1": {"thinker_tokens": [3], "talker_tokens": [5, 6], "codes": codes}},
+            "code_predictor": greedy}
+    shim = {"parity": {"p0": {"thinker_tokens": [1, 2], "talker_tokens": [5, 9, 7], "codes": other},
+                       "p1": {"thinker_tokens": [3], "talker_tokens": [5, 6], "codes": codes}},
+            "code_predictor": {**greedy, "greedy_in_effect": False}}
+    args = type("Args", (), {"cpu": False, "eager": False})()
+    report = qwen3_omni_parity.summary({"omni": omni, "shim": shim}, ["omni", "shim"], [1], args)
+    assert report["talker_codes_identical"] == "1/2" and report["talker_tokens_identical"] == "1/2"
+    assert report["first_divergence"] == {"p0": {"talker_token": 1,
+                                                 "code_frame": {"frame": 2, "codebooks": [3, 7], "frames": [5, 5]}}}
+    assert report["code_predictor_sampling"] == {"omni": greedy, "shim": {**greedy, "greedy_in_effect": False}}
+    assert report["code_predictor_greedy_in_effect"] is False
+    # One side's codes a prefix of the other's: they differ where the shorter ends.
+    first_four = [c for k in range(q) for c in codes[k * 5:k * 5 + 4]]
+    assert qwen3_omni_parity.code_difference(codes, first_four) == {"frame": 4, "codebooks": [], "frames": [5, 4]}
+    assert qwen3_omni_parity.first_difference([1, 2], [1, 2, 3]) == 2 and qwen3_omni_parity.code_difference(codes, None) is None

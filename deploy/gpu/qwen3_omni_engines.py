@@ -13,10 +13,12 @@ qwen3_omni/) and one `omni-sidecar serve` per stage at `job["endpoints"]` (think
 captured layers as outputs; talker: `omni-talker`; code2wav: `omni-code2wav`), each stage's
 outputs read from its sidecar.
 
-Both: the same checkpoint (tests/tiny_models/qwen3_omni.py), prompts, greedy sampling, and the same
-hand-overs: vllm-omni's non-streaming ones (its `async_chunk: false` mode: a request moves on
-when it finishes), built by vllm-omni's own functions (`thinker2talker_full_payload`,
-`_compute_talker_prompt_ids_length`, `talker2code2wav_full_payload`, called through
+Both: the same checkpoint (tests/tiny_models/qwen3_omni.py), prompts, greedy sampling (the talker's
+code predictor too, set as its model loads, unless `job["code_predictor"]` is "vllm-omni": its own
+top-k 50 / top-p 0.8 from the global random generator; worker_shim/omni_models/qwen3_omni/
+code_predictor.py), and the same hand-overs: vllm-omni's non-streaming ones (its `async_chunk:
+false` mode: a request moves on when it finishes), built by vllm-omni's own functions
+(`thinker2talker_full_payload`, `_compute_talker_prompt_ids_length`, `talker2code2wav_full_payload`, called through
 worker_shim/omni_models/qwen3_omni/handover.py, as omni-serve calls them) from each pipeline's stage
 outputs. The process steps the three engines in turn and moves each request on as its stage
 finishes it; per request it records the thinker's tokens, the talker's codes, the waveform and the
@@ -82,6 +84,7 @@ def thinker_prompt(text_len: int, seed: int) -> list[int]:
 def engine_args(job: dict, stage: str) -> dict:
     limits = job["limits"][stage]
     args = dict(model=job["model"], dtype=job["dtype"], seed=0, enforce_eager=job["enforce_eager"],
+                load_format=load_format(job, stage),
                 skip_tokenizer_init=True, enable_prefix_caching=False, async_scheduling=False,
                 max_model_len=limits["max_model_len"], max_num_seqs=job["max_num_seqs"],
                 max_num_batched_tokens=limits["max_num_batched_tokens"],
@@ -89,6 +92,17 @@ def engine_args(job: dict, stage: str) -> dict:
     if job.get("gpu_memory_utilization"):
         args["gpu_memory_utilization"] = job["gpu_memory_utilization"]
     return args
+
+
+def load_format(job: dict, stage: str) -> str:
+    """vLLM's default loader; for the talker with `job["code_predictor"]` greedy, the load format that
+    sets its code predictor greedy as it loads, before any CUDA graph is captured (registered in this
+    process, where both kinds' engines load their models)."""
+    if stage != "talker" or job["code_predictor"] != "greedy":
+        return "auto"
+    from worker_shim.omni_models.qwen3_omni.code_predictor import register_greedy_load_format
+
+    return register_greedy_load_format()
 
 
 class Recorder:
@@ -181,6 +195,11 @@ class Pipeline:
 
             self.clients = {stage: SidecarClient(job["endpoints"][stage]) for stage in STAGES}
         self.tts_embeds = self._tts_embeds() if self.kind == "shim" else None
+        from worker_shim.omni_models.qwen3_omni.code_predictor import code_predictor_sampling
+
+        # What the talker's code predictor samples with, read back in its worker (the engine cores
+        # run in this process: the function is called, not sent anywhere).
+        self.code_predictor = self.engines["talker"].collective_rpc(code_predictor_sampling)[0]
 
     def _omni_args(self, stage: str) -> Any:
         from vllm_omni.engine.arg_utils import OmniEngineArgs
@@ -478,6 +497,7 @@ def main(job_path: str, result_path: str) -> None:
         pipe = Pipeline(job)
         result["start_s"] = job.get("start_s")
         result["start_total_s"] = round(time.monotonic() - t0, 1)
+        result["code_predictor"] = pipe.code_predictor
         prompts = {r["rid"]: thinker_prompt(r["text_len"], r["seed"]) for r in job["requests"]}
         result["code2wav_direct"] = code2wav_direct(pipe, job, deadline)
         reqs = [{"rid": rid, "prompt": p} for rid, p in prompts.items()]

@@ -7,6 +7,13 @@ Each pipeline runs in a process of its own (deploy/gpu/qwen3_omni_engines.py: it
 the stages stepped in turn, vllm-omni's own non-streaming hand-overs); both start side by side on one
 GPU, do the parity requests, then time their runs one after the other (vllm-omni's first).
 
+The talker's code predictor (codebooks 1..15) samples at random in vllm-omni (top-k 50 / top-p 0.8
+from the global random generator; no request or config setting reaches it), so both pipelines set
+it greedy through its own `set_sampling_params` as the talker's model loads, before any CUDA graph
+is captured (--code-predictor; worker_shim/omni_models/qwen3_omni/code_predictor.py). The report
+says what each code predictor sampled with (`code_predictor_sampling`, read back after start) and
+`first_divergence`, where each request's talker tokens and codes first differ.
+
   PYTHONPATH=.:SITE python3 deploy/gpu/qwen3_omni_parity.py --model DIR --out WORK --result OUT.json
   (--cpu --kinds shim: our pipeline alone on CPU, eager; bf16 as on the GPU: vllm-omni's talker keeps
   some of its weights in the checkpoint's dtype whatever the engine's)
@@ -27,6 +34,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 
 from tests.support.procs import SidecarProcess, run_engine  # noqa: E402
 from tests.tiny_models.qwen3_omni import CODEC_IDS, NUM_CODE_GROUPS  # noqa: E402
+from worker_shim.omni_models.qwen3_omni.code_predictor import CHOICES as CODE_PREDICTOR_CHOICES  # noqa: E402
 
 ENGINES = HERE / "qwen3_omni_engines.py"
 # Text requests of different lengths (the text + image ones need the processor files, which the tiny
@@ -88,10 +96,35 @@ def compare(omni: dict, shim: dict) -> dict:
         direct = {"samples": int(x.size), "max_abs_diff": float(np.max(np.abs(x - y))),
                   "ref_peak": float(np.max(np.abs(x)))}
     diffs = [w.get("max_abs_diff") for w in waves.values()]
+    where = {r: {"talker_token": first_difference(a.get(r, {}).get("talker_tokens"), b.get(r, {}).get("talker_tokens")),
+                 "code_frame": code_difference(a.get(r, {}).get("codes"), b.get(r, {}).get("codes"))} for r in rids}
     return {"thinker_tokens_identical": f"{same_tokens}/{n}", "talker_tokens_identical": f"{same_talker}/{n}",
             "talker_codes_identical": f"{same_codes}/{n}",
+            "first_divergence": {r: w for r, w in where.items() if any(v is not None for v in w.values())},
             "waveform_max_abs_diff": max(diffs) if diffs and all(d is not None for d in diffs) else None,
             "waveforms": waves, "code2wav_same_codes": direct}
+
+
+def first_difference(x: list | None, y: list | None) -> int | None:
+    """The first index where two id lists differ (the shorter one's length where it is the other's
+    start); None where they are equal or one is missing."""
+    if x is None or y is None or x == y:
+        return None
+    return next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+
+
+def code_difference(x: list | None, y: list | None) -> dict | None:
+    """Where two requests' codes (codebook-major, flat: NUM_CODE_GROUPS rows of frames) first differ:
+    the frame, the codebooks that differ in it, and each side's frame count; None where they are equal."""
+    if x is None or y is None or x == y:
+        return None
+    q = NUM_CODE_GROUPS
+    fx, fy = len(x) // q, len(y) // q
+    frames = [[[c[k * f + i] for k in range(q)] for i in range(f)] for c, f in ((x, fx), (y, fy))]
+    at = first_difference(*frames)
+    books = ([] if at is None or at >= min(fx, fy)
+             else [k for k in range(q) if frames[0][at][k] != frames[1][at][k]])
+    return {"frame": at, "codebooks": books, "frames": [fx, fy]}
 
 
 def figures(res: dict) -> dict:
@@ -113,6 +146,10 @@ def main() -> None:
                     help="on the GPU too: no torch.compile, no CUDA graphs (the engines start in seconds, not the "
                          "minutes compiling takes; the TTFA figures are then eager ones)")
     ap.add_argument("--gpus", default="0")
+    ap.add_argument("--code-predictor", choices=CODE_PREDICTOR_CHOICES, default="greedy",
+                    help="the talker's code predictor (codebooks 1..15) in both pipelines: greedy, or vllm-omni's own "
+                         "top-k 50 / top-p 0.8 from the global random generator, which the two pipelines draw from "
+                         "differently (worker_shim/omni_models/qwen3_omni/code_predictor.py)")
     args = ap.parse_args()
     t0 = time.monotonic()
     out = Path(args.out)
@@ -123,7 +160,7 @@ def main() -> None:
     env = {} if args.cpu else {"CUDA_VISIBLE_DEVICES": args.gpus}
     job = {"model": args.model, "requests": REQUESTS, "max_tokens": MAX_TOKENS, "codec_eos": CODEC_IDS["codec_eos_token_id"],
            "concurrency": concurrency, "max_num_seqs": max(concurrency), "limits": limits(max(concurrency)),
-           "dtype": "bfloat16", "enforce_eager": args.cpu or args.eager,
+           "dtype": "bfloat16", "enforce_eager": args.cpu or args.eager, "code_predictor": args.code_predictor,
            "kv_cache_memory_bytes": (64 << 20) if args.cpu else (1 << 30),
            "gpu_memory_utilization": None if args.cpu else round(0.8 / (3 * len(kinds)), 3),
            "sample_rate": SAMPLE_RATE, "code2wav_direct": CODE2WAV_DIRECT, "bench_order": [k for k in ("omni", "shim") if k in kinds],
@@ -173,6 +210,11 @@ def summary(results: dict, kinds: list[str], concurrency: list[int], args: argpa
     if "omni" in kinds and "shim" in kinds:
         report.update(compare(omni, shim))
     report["waveform_tolerance"] = f"max abs diff <= {WAVE_RTOL} x the peak of vllm-omni's waveform (bf16)"
+    # What each pipeline's code predictor sampled codebooks 1..15 with (read back from vllm-omni's
+    # wrapper): only greedy in effect in both makes identical codes an expectation.
+    report["code_predictor_sampling"] = {kind: results.get(kind, {}).get("code_predictor") for kind in kinds}
+    report["code_predictor_greedy_in_effect"] = all((s or {}).get("greedy_in_effect", False)
+                                                    for s in report["code_predictor_sampling"].values())
     report["vllm_omni_patches_applied"] = ours if shim.get("patches") is not None else None
     report["vllm_omni_patches_found_in_its_own_pipeline"] = (omni.get("patches") or {}).get("process")
     report["ttfa_and_audio_rate"] = {kind: figures(results.get(kind, {})) for kind in kinds}
@@ -220,9 +262,12 @@ def where_it_failed(result: dict) -> str | None:
 def table(report: dict) -> str:
     lines = []
     for key in ("thinker_tokens_identical", "talker_tokens_identical", "talker_codes_identical",
-                "waveform_max_abs_diff", "vllm_omni_patches_applied"):
+                "waveform_max_abs_diff", "vllm_omni_patches_applied", "code_predictor_greedy_in_effect",
+                "first_divergence"):
         if key in report:
             lines.append(f"{key:32s} {report[key]}")
+    for kind, sampling in report["code_predictor_sampling"].items():
+        lines.append(f"{'code predictor ' + kind:32s} {sampling}")
     lines.append("| pipeline | requests | TTFA median (s) | TTFA max (s) | audio s / s | wall (s) |")
     lines.append("|---|---|---|---|---|---|")
     for kind, runs in report["ttfa_and_audio_rate"].items():

@@ -13,7 +13,9 @@
 #   and audio seconds per second at 1 and 16 concurrent streaming requests. Its HTTP front end needs
 #   uvicorn and what it imports beyond the bundle: carry them in .whl/ (the recipe below).
 # QWEN3_OMNI_EAGER=1: the parity part's engines eager (no torch.compile, no CUDA graphs: they start
-# in seconds instead of ~3 minutes; eager TTFA figures).
+# in seconds instead of ~3 minutes; eager TTFA figures). Either way both pipelines' talker code
+# predictors are greedy, set as the model loads, before vllm-omni's runner captures its talker_mtp
+# in CUDA graphs (the report's code_predictor_sampling; first_divergence where codes differ).
 # LIMIT_S (default 470) bounds the whole run, install included; each part stops cleanly by then and
 # reports what it has. Leaves in OUT_DIR: qwen3-omni-parity.json (docs/bench/gpu/; under
 # "omni_serve" the serve part's figures), qwen3-omni.log (the table), qwen3-omni-serve.json and
