@@ -134,6 +134,14 @@ VLLM_OMNI_LOADER_NAMES: list[tuple[str, str]] = [
     ("vllm.config", "ModelConfig.get_hidden_size"),
     ("vllm.config", "ModelConfig.get_vocab_size"),
 ]
+# The Qwen3-Omni parity's greedy code predictor (worker_shim/omni_models/qwen3_omni/code_predictor.py,
+# used by the H200 drivers only, so not checked at start-up): a load format that is vLLM's default
+# loader and then sets the code predictor, and the graph wrapper vllm-omni's runner replays talker_mtp from.
+QWEN3_OMNI_PARITY_NAMES: list[tuple[str, str]] = [
+    ("vllm.model_executor.model_loader", "register_model_loader"),
+    ("vllm.model_executor.model_loader.default_loader", "DefaultModelLoader.load_model"),
+    ("vllm.compilation.cuda_graph", "CUDAGraphWrapper"),
+]
 # What vllm-omni's patch.py (and its parsers, imported by its __init__) replaces in vLLM
 # (docs/research/vllm-omni-loading.md, section 1, read from the 0.26 and 0.30 wheels): none of it
 # may come from vllm_omni where the shim runs (worker_shim/omni_models/patches.py checks). Objects,
