@@ -48,7 +48,7 @@ def _config(work: Path, model: Path) -> Path:
 served_model_name = "qwen3-omni-tiny"
 voices = ["chelsie", "ethan", "aiden"]
 max_input_chars = 64
-speech_prompt = "tests.tiny_models.qwen3_omni:speech_prompt"
+thinker_prompt = "tests.tiny_models.qwen3_omni:thinker_prompt"
 talker_prompt = "omni_serve.speech.qwen3_omni:talker_prompt"
 register = ["worker_shim.omni_models.registration:register_vllm_omni_models"]
 sample_rate = 24000
