@@ -178,6 +178,12 @@ def test_bad_input_gets_a_4xx_with_one_message(server, body, status, needle):
     assert needle in error["message"] and error["code"] == status
 
 
+def test_chat_without_a_thinker_stage_is_a_404_naming_the_speech_endpoint(server):
+    status, body, _ = server.post({"messages": [{"role": "user", "content": "hi"}]}, "/v1/chat/completions")
+    message = json.loads(body)["error"]["message"]
+    assert status == 404 and "no thinker stage" in message and "/v1/audio/speech" in message
+
+
 def test_the_server_serves_on_after_bad_input(server, reference):
     status, pcm, _ = server.post({"input": TEXT, "voice": "vivian", "response_format": "pcm"})
     assert status == 200
