@@ -3,6 +3,16 @@
     omni-serve --pipeline deploy/speech/tiny.toml --port 8000    # = make serve
     curl -s localhost:8000/v1/audio/speech -H 'Content-Type: application/json' \\
          -d '{"input": "hello", "voice": "default"}' -o hello.wav
+    omni-serve --pipeline deploy/speech/tiny-thinker.toml        # thinker -> talker -> code2wav: chat too
+    curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+         -d '{"messages": [{"role": "user", "content": "hello"}], "modalities": ["text", "audio"]}'
+
+Endpoints: POST /v1/audio/speech (OpenAI's speech API with vllm-omni's fields: model, input,
+voice, response_format wav|pcm, stream, stream_format sse|audio, max_new_tokens, seed); with a
+thinker stage, POST /v1/chat/completions (vllm-omni's chat answer: messages, modalities
+text|audio, voice or audio.voice, audio.format wav|pcm, stream; the thinker's text and its
+speech); a pipeline without a thinker answers chat with a 404, as vLLM answers it for a model
+that cannot chat; GET /v1/models, /health, /metrics.
 
 The tiny models' classes live under the repository's tests/: run it from the repository root
 with PYTHONPATH=. (their checkpoints are built under .cache/ on the first start).
@@ -26,10 +36,8 @@ from worker_shim.plugin import REGISTER_ENV
 def parser():
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    p = FlexibleArgumentParser(prog="omni-serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                               epilog="Then: POST /v1/audio/speech (OpenAI's speech API with vllm-omni's fields: "
-                                      "model, input, voice, response_format wav|pcm, stream, stream_format "
-                                      "sse|audio, max_new_tokens, seed), GET /v1/models, /health, /metrics.")
+    p = FlexibleArgumentParser(prog="omni-serve", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pipeline", required=True, help="the pipeline's TOML file (deploy/speech/tiny.toml: the tiny "
                                                    "CPU models, talker -> code2wav; deploy/speech/tiny-thinker.toml: "
                                                    "thinker -> talker -> code2wav; omni_serve/config.py lists every key)")

@@ -5,11 +5,14 @@ served_model_name = "qwen3-tts-tiny"      # what /v1/models lists and requests n
 voices = ["default", "vivian"]            # the first is the default voice
 max_input_chars = 4096
 speech_prompt = "pkg.module:function"     # text + voice -> the talker's prompt ids and payload
+thinker_prompt = "pkg.module:function"    # instead, with a thinker stage: messages + voice -> the thinker's
+                                          # prompt ids and payload (`/v1/chat/completions`'s conversation;
+                                          # /v1/audio/speech's input is one user message)
 register = ["pkg.module:function"]       # run in every vLLM process before a model loads
 sample_rate = 24000
 talker_prompt = "pkg.module:function"     # with a thinker stage: its ThinkerOutput -> the talker's prompt and payload
 
-[stages.thinker]                          # optional: thinker, talker, code2wav (the demo's shape); speech_prompt
+[stages.thinker]                          # optional: thinker, talker, code2wav (the demo's shape); thinker_prompt
                                           # then makes the thinker's prompt
 [stages.talker]                           # talker, then code2wav (the Qwen3-TTS shape)
 model = "path/or/hf-id"
@@ -28,6 +31,9 @@ placeholder_token = 1
 sidecar = { hooks = "omni-code2wav", options = { chunk_frames = "4", left_context = "8", initial_chunk_frames = "1" } }
 ```
 Relative paths (model, build target) are relative to the config file's directory.
+`thinker_prompt`'s messages are OpenAI's chat messages with their text only:
+`[{"role": "system" | "developer" | "user" | "assistant", "content": "text"}, ...]`; the voice is
+its index in `voices`.
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ class ServeConfig:
     voices: list[str] = field(default_factory=lambda: ["default"])
     max_input_chars: int = 4096
     speech_prompt: str = ""
+    thinker_prompt: str = ""
     register: list[str] = field(default_factory=list)
     sample_rate: int = 24000
     talker_prompt: str = ""
@@ -102,8 +109,8 @@ def load_config(path: str | Path) -> ServeConfig:
         raw = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    top = {"served_model_name", "voices", "max_input_chars", "speech_prompt", "register", "sample_rate", "stages",
-           "talker_prompt"}
+    top = {"served_model_name", "voices", "max_input_chars", "speech_prompt", "thinker_prompt", "register",
+           "sample_rate", "stages", "talker_prompt"}
     _fields(raw, top, str(path))
     stages_raw = raw.get("stages", {})
     if tuple(stages_raw) not in STAGE_ORDERS:
@@ -111,6 +118,12 @@ def load_config(path: str | Path) -> ServeConfig:
         raise ConfigError(f"{path}: [stages] must be {orders} (got {list(stages_raw)})")
     if ("thinker" in stages_raw) != bool(raw.get("talker_prompt")):
         raise ConfigError(f"{path}: talker_prompt is required with a thinker stage, and only with one")
+    # One prompt function per pipeline: the first stage's.
+    first_prompt = "thinker_prompt" if "thinker" in stages_raw else "speech_prompt"
+    other_prompt = "speech_prompt" if "thinker" in stages_raw else "thinker_prompt"
+    if other_prompt in raw:
+        raise ConfigError(f"{path}: {other_prompt} is for a pipeline {'without' if 'thinker' in stages_raw else 'with'} "
+                          f"a thinker stage; this one takes {first_prompt}")
     stages = {}
     for name, table in stages_raw.items():
         _fields(table, set(StageSpec.__dataclass_fields__) - {"name"}, f"{path} [stages.{name}]")
@@ -126,9 +139,10 @@ def load_config(path: str | Path) -> ServeConfig:
     voices = list(raw.get("voices", ["default"]))
     if not voices:
         raise ConfigError(f"{path}: voices must name at least one voice")
-    if "served_model_name" not in raw or "speech_prompt" not in raw:
-        raise ConfigError(f"{path}: served_model_name and speech_prompt are required")
+    if "served_model_name" not in raw or first_prompt not in raw:
+        raise ConfigError(f"{path}: served_model_name and {first_prompt} are required")
     return ServeConfig(served_model_name=raw["served_model_name"], stages=stages, voices=voices,
-                       max_input_chars=int(raw.get("max_input_chars", 4096)), speech_prompt=raw["speech_prompt"],
+                       max_input_chars=int(raw.get("max_input_chars", 4096)),
+                       speech_prompt=raw.get("speech_prompt", ""), thinker_prompt=raw.get("thinker_prompt", ""),
                        register=list(raw.get("register", [])), sample_rate=int(raw.get("sample_rate", 24000)),
                        talker_prompt=raw.get("talker_prompt", ""), path=path)

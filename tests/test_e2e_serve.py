@@ -42,7 +42,7 @@ import pytest
 
 from proto.chunk_grid import ChunkGrid
 from tests.support.procs import child_env
-from tests.support.serve import TINY_ENGINE, serving
+from tests.support.serve import TINY_ENGINE, live_requests, metric, serving, wait_all_finished
 from tests.support.speech_reference import pcm16, reference_samples
 
 pytestmark = pytest.mark.e2e
@@ -51,6 +51,7 @@ INITIAL = 1  # the first chunk a frame long, then chunks of CHUNK: the audio is 
 MAX_FRAMES = 16  # the last chunk's window starts past frame 0: the payload is cut to the left context
 UPGRADE_TIMEOUT_S = 240
 TEXT = "a sidecar speaks"
+STAGES = ("talker", "code2wav")
 
 
 def _config(work: Path, talker: str, code2wav: str) -> Path:
@@ -177,44 +178,23 @@ def test_bad_input_gets_a_4xx_with_one_message(server, body, status, needle):
     assert needle in error["message"] and error["code"] == status
 
 
+def test_chat_without_a_thinker_stage_is_a_404_naming_the_speech_endpoint(server):
+    status, body, _ = server.post({"messages": [{"role": "user", "content": "hi"}]}, "/v1/chat/completions")
+    message = json.loads(body)["error"]["message"]
+    assert status == 404 and "no thinker stage" in message and "/v1/audio/speech" in message
+
+
 def test_the_server_serves_on_after_bad_input(server, reference):
     status, pcm, _ = server.post({"input": TEXT, "voice": "vivian", "response_format": "pcm"})
     assert status == 200
     assert np.abs(np.frombuffer(pcm, "<i2").astype(np.int32) - pcm16(reference)).max() <= 1
 
 
-def _live(endpoint: str) -> tuple[int, int]:
-    """(requests admitted, requests finished) over the sidecar's sessions."""
-    from omni_sidecar.client import SidecarClient
-
-    with SidecarClient(endpoint) as client:
-        status = client.status()
-    return sum(s.new_requests for s in status.sessions), sum(s.finished_requests for s in status.sessions)
-
-
-def _wait_all_finished(server, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        counts = {stage: _live(server.endpoint(stage)) for stage in ("talker", "code2wav")}
-        if all(new == done for new, done in counts.values()):
-            return
-        assert time.monotonic() < deadline, f"requests still live in the sidecars: {counts}"
-        time.sleep(0.1)
-
-
-def _metric(server, name: str) -> float:
-    _, text = server.get("/metrics")
-    for line in text.decode().splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    raise AssertionError(f"{name} not in /metrics")
-
-
 def test_a_client_that_disconnects_aborts_its_request_everywhere(server):
     from omni_sidecar.client import SidecarClient
 
-    _wait_all_finished(server)
-    talker_before = _live(server.endpoint("talker"))[0]
+    wait_all_finished(server, STAGES)
+    talker_before = live_requests(server.endpoint("talker"))[0]
     conn = server.connection()
     conn.request("POST", "/v1/audio/speech", body=json.dumps(
         {"input": TEXT, "response_format": "pcm", "stream": True, "stream_format": "audio",
@@ -224,19 +204,19 @@ def test_a_client_that_disconnects_aborts_its_request_everywhere(server):
     assert resp.status == 200 and resp.read1(1 << 16)
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
-    _wait_all_finished(server)
-    assert _live(server.endpoint("talker"))[0] == talker_before + 1
+    wait_all_finished(server, STAGES)
+    assert live_requests(server.endpoint("talker"))[0] == talker_before + 1
     deadline = time.monotonic() + 10
     for stage in ("talker", "code2wav"):  # nothing kept once the front end saw it finish there
         with SidecarClient(server.endpoint(stage)) as client:
             while client.outputs(rid) is not None or client.outputs(f"{rid}-c0") is not None:
                 assert time.monotonic() < deadline, f"the {stage} sidecar still keeps {rid}'s outputs"
                 time.sleep(0.05)
-    while any(_metric(server, f'omni_serve_stage_requests{{stage="{stage}"}}') != 0
+    while any(metric(server, f'omni_serve_stage_requests{{stage="{stage}"}}') != 0
               for stage in ("talker", "code2wav")):
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    assert _metric(server, 'omni_serve_requests_total{outcome="aborted"}') >= 1
+    assert metric(server, 'omni_serve_requests_total{outcome="aborted"}') >= 1
 
 
 @pytest.mark.slow  # about 80 s for both stages on 2 cores: `make test-slow`
@@ -308,7 +288,7 @@ def _in_flight(server, n: int) -> tuple[list[tuple[int, bytes]], list[threading.
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
-    while _metric(server, 'omni_serve_stage_requests{stage="talker"}') < n:
+    while metric(server, 'omni_serve_stage_requests{stage="talker"}') < n:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     return answers, threads
@@ -325,7 +305,7 @@ def test_a_killed_sidecar_fails_its_requests_with_a_503_and_the_server_serves_on
     answers, threads = _in_flight(server, 3)
     if stage == "code2wav":  # their chunks in flight there too
         deadline = time.monotonic() + 30
-        while _metric(server, 'omni_serve_stage_requests{stage="code2wav"}') < 1:
+        while metric(server, 'omni_serve_stage_requests{stage="code2wav"}') < 1:
             assert time.monotonic() < deadline
             time.sleep(0.01)
     os.kill(pid, signal.SIGKILL)
@@ -368,8 +348,8 @@ def test_models_health_and_metrics(server):
     for name in ("omni_serve_time_to_first_audio_seconds_count", "omni_serve_real_time_factor_count",
                  'omni_serve_stage_requests{stage="talker"}', 'omni_serve_stage_requests{stage="code2wav"}'):
         assert name in text, name
-    assert _metric(server, "omni_serve_time_to_first_audio_seconds_count") >= 4
-    assert 0 < _metric(server, "omni_serve_real_time_factor_sum")
+    assert metric(server, "omni_serve_time_to_first_audio_seconds_count") >= 4
+    assert 0 < metric(server, "omni_serve_real_time_factor_sum")
     # The server's own start-up in its log, in vLLM's format (its loggers are vLLM's children).
     log = server.log.read_text(errors="replace")
     for stage in ("talker", "code2wav"):
@@ -418,7 +398,7 @@ def test_a_dead_stage_engine_fails_its_requests_with_a_503_and_is_started_again(
         assert time.monotonic() < deadline, state
         time.sleep(0.5)
     assert state["stages"][down[0]]["engine_restarts"] == 1, state
-    assert _metric(server, f'omni_serve_engine_restarts{{stage="{down[0]}"}}') == 1
+    assert metric(server, f'omni_serve_engine_restarts{{stage="{down[0]}"}}') == 1
     status, pcm, _ = server.post({"input": TEXT, "voice": "vivian", "response_format": "pcm"})
     assert status == 200, pcm
     assert np.abs(np.frombuffer(pcm, "<i2").astype(np.int32) - pcm16(reference)).max() <= 1

@@ -48,7 +48,7 @@ def _config(work: Path, model: Path) -> Path:
 served_model_name = "qwen3-omni-tiny"
 voices = ["chelsie", "ethan", "aiden"]
 max_input_chars = 64
-speech_prompt = "tests.tiny_models.qwen3_omni:speech_prompt"
+thinker_prompt = "tests.tiny_models.qwen3_omni:thinker_prompt"
 talker_prompt = "omni_serve.speech.qwen3_omni:talker_prompt"
 register = ["worker_shim.omni_models.registration:register_vllm_omni_models"]
 sample_rate = 24000
@@ -155,3 +155,23 @@ def test_the_servers_code2wav_chunks_are_transformers_decoder_on_each_window(mod
         assert float(want.std()) > 1e-2, "a silent chunk proves nothing"
         # Both bf16 on the same weights and frames; the engine's decoder may order reductions otherwise.
         assert float((got - want).abs().max()) <= 0.05 * float(want.abs().max()), k
+
+
+def test_a_text_only_chat_runs_vllm_omnis_thinker_alone_whole_or_streamed(server):
+    from tests.tiny_models.qwen3_omni import thinker_prompt
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Hi there"}]
+    request = {"messages": messages, "voice": "ethan", "modalities": ["text"]}
+    status, body, _ = server.post(request, "/v1/chat/completions")
+    assert status == 200, body[:2000]
+    answer = json.loads(body)
+    (choice,) = answer["choices"]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+    prompt = len(thinker_prompt(messages, 1)[0])
+    assert answer["usage"] == {"prompt_tokens": prompt, "completion_tokens": 4, "total_tokens": prompt + 4}
+    # Greedy: the streamed deltas add up to the same text.
+    status, sse, _ = server.post({**request, "stream": True}, "/v1/chat/completions")
+    events = [json.loads(line[6:]) for line in sse.decode().splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert status == 200 and all(e["modality"] == "text" for e in events)
+    assert "".join(e["choices"][0]["delta"]["content"] for e in events) == choice["message"]["content"]

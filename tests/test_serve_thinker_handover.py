@@ -10,7 +10,8 @@
   tts embeddings are the checkpoint's rows (one file or shards); its payload encodes as
   `additional_information`. Those need vllm-omni's stage input processors to import here
   (vllm-omni 0.26 beside vLLM 0.26; on another vLLM they are skipped, saying why);
-- the tiny Qwen3-Omni's speech prompt is what its tokenizer and the published chat layout give.
+- a job not spoken (a chat answer in text only) ends with the thinker, its tokens handed on as they come;
+- the tiny Qwen3-Omni's thinker prompt is what its tokenizer and the published chat layout give.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class ThinkerEngine:
         self.tokens = tokens
 
     async def generate(self, prompt, params, request_id):
+        self.params = params
         ran = prompt["prompt_token_ids"] + [99]  # as a multimodal placeholder would expand it
         for i, token in enumerate(self.tokens):
             last = i == len(self.tokens) - 1
@@ -75,9 +77,11 @@ def thinker_pipeline(values: dict, tokens: list[int], talker_prompt):
 
 
 def run_thinker(pipeline, job):
+    """The thinker's request, then the talker's job made from it."""
     async def run():
         try:
-            return await pipeline._run_thinker(job, pipeline.thinker)
+            made = await pipeline._run_thinker(job, pipeline.thinker)
+            return await pipeline._talker_job(job, made, pipeline.thinker)
         finally:
             await pipeline.close()
 
@@ -108,6 +112,28 @@ def test_the_talker_prompt_gets_every_captured_layer_and_the_ids_the_engine_ran(
     assert (talker_job.request_id, talker_job.prompt_token_ids, talker_job.max_frames, talker_job.seed) == \
         ("r1", [0] * 5, 16, 3)
     assert talker_job.payload == {"ids": {"prompt": [1, 2, 3, 99]}}
+
+
+def test_a_text_only_job_ends_with_the_thinker_its_tokens_handed_on_as_they_come():
+    from omni_serve.speech.pipeline import SpeechJob
+
+    def never(thinker: ThinkerOutput):
+        raise AssertionError("no hand-over for a job not spoken")
+
+    pipeline = thinker_pipeline({}, [7, 8, 9], never)  # a sidecar with no rows: none are read
+    deltas: list[list[int]] = []
+    job = SpeechJob("r1", [1, 2], {}, max_frames=4, speak=False, max_text_tokens=2, on_text=deltas.append)
+
+    async def run():
+        try:
+            return [chunk async for chunk in pipeline.synthesize(job)]
+        finally:
+            await pipeline.close()
+
+    assert asyncio.run(run()) == []
+    assert deltas == [[7], [8], [9]] and job.text_ids == [7, 8, 9] and job.text_finish == "length"
+    assert pipeline.thinker.stage.in_flight == 0 and job.frames == 0
+    assert pipeline.thinker.stage.engine.params.max_tokens == 2  # the job's limit, not the stage's 3
 
 
 def test_a_thinker_short_of_prompt_rows_or_a_refused_hand_over_fails_the_thinker_stage():
@@ -151,21 +177,29 @@ def test_frames_outside_the_codebook_are_no_audio():
     assert unchecked.count == 4
 
 
-def test_the_tiny_qwen3_omni_speech_prompt_is_its_tokenizers_text_in_the_published_chat_layout(tmp_path):
+def test_the_tiny_qwen3_omni_thinker_prompt_is_its_tokenizers_text_in_the_published_chat_layout(tmp_path):
     from transformers import AutoTokenizer
 
-    from tests.tiny_models.qwen3_omni import NEWLINE_ID, SPEAKER_IDS, TOP, speech_prompt, text_ids, write_tokenizer
+    from tests.tiny_models.qwen3_omni import NEWLINE_ID, SPEAKER_IDS, TOP, text_ids, thinker_prompt, write_tokenizer
 
     write_tokenizer(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     text = "Hello, wörld!\n"
     assert text_ids(text) == tokenizer(text, add_special_tokens=False)["input_ids"]
-    ids, payload = speech_prompt(text, 1)
+    ids, payload = thinker_prompt([{"role": "user", "content": text}], 1)
     assert ids[:3] == [TOP["im_start_token_id"], TOP["user_token_id"], NEWLINE_ID]
     assert ids[3:-5] == text_ids(text)
     assert ids[-5:] == [TOP["im_end_token_id"], NEWLINE_ID, TOP["im_start_token_id"], TOP["assistant_token_id"],
                         NEWLINE_ID]
     assert payload == {"speaker": [list(SPEAKER_IDS)[1]]}
+    # A conversation: each turn with its role's id, then the assistant's opening.
+    turns, _ = thinker_prompt([{"role": "system", "content": "a"}, {"role": "user", "content": "b"},
+                               {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"}], 0)
+    roles = [turns[i + 1] for i, t in enumerate(turns) if t == TOP["im_start_token_id"]]
+    assert roles == [TOP["system_token_id"], TOP["user_token_id"], TOP["assistant_token_id"], TOP["user_token_id"],
+                     TOP["assistant_token_id"]]
+    assert turns[:6] == [TOP["im_start_token_id"], TOP["system_token_id"], NEWLINE_ID, *text_ids("a"),
+                         TOP["im_end_token_id"], NEWLINE_ID]
 
 
 # ---- vllm-omni's Qwen3-Omni hand-over ----
@@ -304,4 +338,4 @@ def test_the_qwen3_omni_gpu_config_names_the_shims_stage_classes_and_the_checkpo
     assert config.stages["talker"].sampling["stop_token_ids"] == [CODEC_IDS["codec_eos_token_id"]]
     assert config.stages["code2wav"].sidecar.options["codebook_size"] == "2048"
     assert load_callable(config.talker_prompt).__module__ == "omni_serve.speech.qwen3_omni"
-    assert load_callable(config.speech_prompt)("hi", 2)[1] == {"speaker": ["aiden"]}
+    assert load_callable(config.thinker_prompt)([{"role": "user", "content": "hi"}], 2)[1] == {"speaker": ["aiden"]}

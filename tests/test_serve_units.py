@@ -121,11 +121,12 @@ def test_the_config_names_its_stages_in_order_and_refuses_unknown_keys(tmp_path)
     assert config.stages["code2wav"].model == "org/c"  # not a path: a model id, left as it is
     assert config.stages["code2wav"].sidecar.options == {"chunk_frames": "4"}
     three = tmp_path / "three.toml"
-    three.write_text('served_model_name = "m"\nspeech_prompt = "a:b"\ntalker_prompt = "a:c"\n'
+    three.write_text('served_model_name = "m"\nthinker_prompt = "a:b"\ntalker_prompt = "a:c"\n'
                      '[stages.thinker]\nmodel = "org/h"\nmax_tokens = 6\n[stages.talker]\nmodel = "org/t"\n'
                      '[stages.code2wav]\nmodel = "org/c"\n')
     config = load_config(three)
     assert list(config.stages) == ["thinker", "talker", "code2wav"] and config.talker_prompt == "a:c"
+    assert config.thinker_prompt == "a:b" and not config.speech_prompt
     assert config.stages["thinker"].max_tokens == 6
     for text, needle in [
         ('served_model_name = "m"\nspeech_prompt = "a:b"\n[stages.code2wav]\nmodel = "c"\n[stages.talker]\nmodel = "t"\n',
@@ -134,8 +135,13 @@ def test_the_config_names_its_stages_in_order_and_refuses_unknown_keys(tmp_path)
          '[stages.code2wav]\nmodel = "c"\n', "unknown key(s) ['gpu']"),
         ('served_model_name = "m"\n[stages.talker]\nmodel = "t"\n[stages.code2wav]\nmodel = "c"\n', "required"),
         ("served_model_name = \n", "Invalid"),
-        ('served_model_name = "m"\nspeech_prompt = "a:b"\n[stages.thinker]\nmodel = "h"\n[stages.talker]\nmodel = "t"\n'
+        ('served_model_name = "m"\nthinker_prompt = "a:b"\n[stages.thinker]\nmodel = "h"\n[stages.talker]\nmodel = "t"\n'
          '[stages.code2wav]\nmodel = "c"\n', "talker_prompt is required with a thinker stage"),
+        # One prompt function: the thinker's with a thinker stage (both endpoints use it), else speech_prompt.
+        ('served_model_name = "m"\nspeech_prompt = "a:b"\ntalker_prompt = "a:c"\n[stages.thinker]\nmodel = "h"\n'
+         '[stages.talker]\nmodel = "t"\n[stages.code2wav]\nmodel = "c"\n', "this one takes thinker_prompt"),
+        ('served_model_name = "m"\nspeech_prompt = "a:b"\nthinker_prompt = "a:b"\n[stages.talker]\nmodel = "t"\n'
+         '[stages.code2wav]\nmodel = "c"\n', "this one takes speech_prompt"),
         ('served_model_name = "m"\nspeech_prompt = "a:b"\ntalker_prompt = "a:c"\n[stages.talker]\nmodel = "t"\n'
          '[stages.code2wav]\nmodel = "c"\n', "and only with one"),
     ]:

@@ -29,3 +29,8 @@ def wav_header(sample_rate: int, data_bytes: int | None) -> bytes:
 def wav(samples: np.ndarray, sample_rate: int) -> bytes:
     body = pcm16(samples)
     return wav_header(sample_rate, len(body)) + body
+
+
+def encoded(samples: np.ndarray, response_format: str, sample_rate: int) -> bytes:
+    """The samples in one of FORMATS."""
+    return wav(samples, sample_rate) if response_format == "wav" else pcm16(samples)

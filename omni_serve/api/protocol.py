@@ -1,16 +1,23 @@
-"""The speech request, with vllm-omni's field names (its `OpenAICreateSpeechRequest`, read, not
-imported: that module cannot be imported without vllm-omni's package and its patches), so a
-client written for vllm-omni's server sends the same JSON here. Fields this server cannot honour
-are refused with a 400 naming them, never silently dropped.
+"""The speech and chat requests, with vllm-omni's field names (its `OpenAICreateSpeechRequest`, read,
+not imported: that module cannot be imported without vllm-omni's package and its patches; for chat,
+OpenAI's fields with vllm-omni's `modalities` and top-level `voice`/`speaker`, which it reads as
+extras of vLLM's `ChatCompletionRequest`), so a client written for vllm-omni's server sends the same
+JSON here. vLLM's `ChatCompletionRequest` itself is not used: its sampling and tool fields are ones
+this server cannot honour. Fields this server cannot honour are refused with a 400 naming them,
+never silently dropped.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Any, Callable, Literal, TypeVar
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from omni_serve.config import ServeConfig
 
 _INT64_MAX = 2**63 - 1
+M = TypeVar("M", bound=BaseModel)
 
 
 class SpeechRequest(BaseModel):
@@ -47,10 +54,66 @@ class SpeechRequest(BaseModel):
         return voice
 
 
-def unsupported_fields(request: SpeechRequest) -> list[str]:
-    """Fields set to something this server cannot honour (unknown ones included)."""
-    named = [name for name, default in UNSUPPORTED.items() if getattr(request, name) not in (default,)]
-    extra = [name for name, value in (request.model_extra or {}).items() if value not in (None, False)]
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, ...: refused when set
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatAudio(BaseModel):
+    """OpenAI's `audio` output option."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    voice: str | None = None
+    format: str = "wav"  # vllm-omni's default
+
+    @field_validator("voice", mode="before")
+    @classmethod
+    def _voice_id(cls, voice: Any) -> Any:
+        return SpeechRequest._voice_id(voice)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool | None = False
+
+
+class ChatRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # OpenAI's and vLLM's other fields: refused below when set
+
+    messages: list[ChatMessage]
+    model: str | None = None
+    modalities: list[str] | None = None  # None or empty: all the pipeline makes (vllm-omni's default)
+    audio: ChatAudio | None = None
+    voice: str | None = Field(default=None, validation_alias=AliasChoices("voice", "speaker"))  # vllm-omni's
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=_INT64_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=_INT64_MAX)
+    seed: int | None = Field(default=None, ge=-(2**63), le=_INT64_MAX)
+    n: int | None = Field(default=1, ge=1, le=1)
+    user: str | None = None  # OpenAI's end-user id: nothing to do with it here
+
+    @field_validator("voice", mode="before")
+    @classmethod
+    def _voice_id(cls, voice: Any) -> Any:
+        return SpeechRequest._voice_id(voice)
+
+
+MODALITIES = ("text", "audio")  # what a pipeline with a thinker makes (its text; its talker's audio)
+CHAT_FORMATS = {"wav": "wav", "pcm": "pcm", "pcm16": "pcm"}  # the request's audio format -> ours (vllm-omni's alias)
+
+
+def unsupported_fields(request: BaseModel, honoured: dict[str, Any] | None = None) -> list[str]:
+    """Fields set to something this server cannot honour (unknown ones included); `honoured`: known
+    fields and the one value each is honoured at (the speech request's by default)."""
+    named = [name for name, default in (UNSUPPORTED if honoured is None else honoured).items()
+             if getattr(request, name) not in (default,)]
+    extra = [name for name, value in (request.model_extra or {}).items()
+             if value not in (None, False) and not (isinstance(value, (dict, list)) and not value)]  # {}: unset
     return named + sorted(extra)
 
 
@@ -77,3 +140,35 @@ def error_body(message: str, status: int, param: str | None = None) -> dict[str,
     """OpenAI's error object."""
     kind = "invalid_request_error" if status < 500 else "server_error"
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+Prompt = Callable[[str, int], tuple[list[int], dict]]  # text, voice index -> the first stage's prompt ids, payload
+ThinkerPrompt = Callable[[list[dict[str, str]], int], tuple[list[int], dict]]  # messages, voice index -> the same
+
+
+def validated(body: bytes, schema: type[M], config: ServeConfig) -> M:
+    """The body's JSON checked against a request schema and this server's model; `Refused` says why not."""
+    try:
+        raw = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise Refused(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise Refused("the body must be a JSON object")
+    try:
+        request = schema.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or None
+        raise Refused(f"{where}: {first['msg']}" if where else first["msg"], param=where) from None
+    model = getattr(request, "model")
+    if model not in (None, config.served_model_name):
+        raise Refused(f"model {model!r} is not served here; this server serves {config.served_model_name!r}",
+                      status=404, param="model")
+    return request
+
+
+def voice_index(voice: str | None, config: ServeConfig, param: str = "voice") -> int:
+    voice = voice or config.voices[0]
+    if voice not in config.voices:
+        raise Refused(f"unknown voice {voice!r}; voices: {', '.join(config.voices)}", param=param)
+    return config.voices.index(voice)

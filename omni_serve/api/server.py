@@ -1,4 +1,5 @@
-"""The HTTP front end and the stages it runs: `POST /v1/audio/speech`, `GET /v1/models`, `/health`, `/metrics`.
+"""The HTTP front end and the stages it runs: `POST /v1/audio/speech`, `POST /v1/chat/completions` (a
+pipeline with a thinker: its text and its speech), `GET /v1/models`, `/health`, `/metrics`.
 
 Started by `omni-serve` (omni_serve/cli.py). On start-up each stage's sidecar is started (or
 attached to) and its engine built; on shutdown the engines stop, then the sidecars.
@@ -15,19 +16,20 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, TypeVar
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from vllm.logger import init_logger
 
 from omni_serve.api import audio
+from omni_serve.api.chat import ChatInput, Part, TextDeltas, Tokenizer, chat_input, chat_sse, completion
 from omni_serve.api.metrics import SpeechMetrics
-from omni_serve.api.protocol import LANGUAGES, Refused, SpeechRequest, error_body, unsupported_fields
+from omni_serve.api.protocol import (LANGUAGES, Prompt, Refused, SpeechRequest, ThinkerPrompt, error_body,
+                                     unsupported_fields, validated, voice_index)
 from omni_serve.config import ServeConfig, load_callable
-from omni_serve.speech.pipeline import SpeechJob, SpeechPipeline, Stage, StageFailed, ThinkerStage
+from omni_serve.speech.pipeline import SpeechJob, SpeechPipeline, Stage, StageFailed, ThinkerStage, stop_soon
 from omni_serve.stages.link import SidecarLink
 from omni_serve.stages.sidecars import SidecarProcess
 from proto.capabilities import HookNeeds
@@ -37,6 +39,7 @@ from proto.settings import CODE2WAV_CHUNK_FRAMES, CODE2WAV_LEFT_CONTEXT_FRAMES
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL
 ENGINE_WATCH_S = 0.5  # how often the stage engines are checked for one that died
 RECONNECT_TIMEOUT_S = 10.0  # a shim's reconnect waits a fraction of a second; an engine deep in a step, longer
+T = TypeVar("T")
 
 
 @dataclass
@@ -49,31 +52,15 @@ class SpeechInput:
     sse: bool
 
 
-def speech_input(body: bytes, config: ServeConfig, prompt: Callable[[str, int], tuple[list[int], dict]]) -> SpeechInput:
-    """The request's JSON checked against the schema and this server's model; `Refused` says why not."""
-    try:
-        raw = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise Refused(f"the body is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise Refused("the body must be a JSON object")
-    try:
-        request = SpeechRequest.model_validate(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or None
-        raise Refused(f"{where}: {first['msg']}" if where else first["msg"], param=where) from None
-    if request.model not in (None, config.served_model_name):
-        raise Refused(f"model {request.model!r} is not served here; this server serves {config.served_model_name!r}",
-                      status=404, param="model")
+def speech_input(body: bytes, config: ServeConfig, prompt: Prompt) -> SpeechInput:
+    """A speech request checked against the schema and this server's model; `Refused` says why not."""
+    request = validated(body, SpeechRequest, config)
     text = request.input.strip()
     if not text:
         raise Refused("input is empty", param="input")
     if len(request.input) > config.max_input_chars:
         raise Refused(f"input has {len(request.input)} characters; at most {config.max_input_chars}", param="input")
-    voice = request.voice or config.voices[0]
-    if voice not in config.voices:
-        raise Refused(f"unknown voice {voice!r}; voices: {', '.join(config.voices)}", param="voice")
+    voice = voice_index(request.voice, config)
     if request.response_format not in audio.FORMATS:
         raise Refused(f"response_format {request.response_format!r} is not supported; supported: "
                       f"{', '.join(audio.FORMATS)}", param="response_format")
@@ -89,10 +76,15 @@ def speech_input(body: bytes, config: ServeConfig, prompt: Callable[[str, int], 
     if frames > talker.max_tokens:
         raise Refused(f"max_new_tokens {frames} is above this server's limit of {talker.max_tokens}",
                       param="max_new_tokens")
-    prompt_ids, payload = prompt(text, config.voices.index(voice))
+    prompt_ids, payload = prompt(text, voice)
     job = SpeechJob(f"speech-{uuid.uuid4().hex}", prompt_ids, payload, frames, request.seed,
                     input_tokens=text_tokens(config, prompt_ids, payload))
     return SpeechInput(job, request.response_format, request.stream, request.stream_format != "audio")
+
+
+def one_message(thinker_prompt: ThinkerPrompt, text: str, voice: int) -> tuple[list[int], dict]:
+    """/v1/audio/speech's input as the thinker's prompt: a conversation of one user message."""
+    return thinker_prompt([{"role": "user", "content": text}], voice)
 
 
 def text_tokens(config: ServeConfig, prompt_ids: list[int], payload: dict[str, Any]) -> int:
@@ -117,7 +109,14 @@ class SpeechServer:
     def __init__(self, config: ServeConfig, run_dir: Path) -> None:
         self.config = config
         self.run_dir = run_dir
-        self.prompt = load_callable(config.speech_prompt)
+        # The first stage's prompt: with a thinker, one function for both endpoints (its conversation).
+        self.thinker_prompt: ThinkerPrompt | None = None
+        if config.thinker_prompt:
+            self.thinker_prompt = load_callable(config.thinker_prompt)
+            self.prompt: Prompt = functools.partial(one_message, self.thinker_prompt)
+        else:
+            self.prompt = load_callable(config.speech_prompt)
+        self.tokenizer: Tokenizer | None = None  # the thinker checkpoint's: its text for the chat endpoint
         self.sidecars = {name: SidecarProcess(name, spec.sidecar, run_dir) for name, spec in config.stages.items()}
         self.metrics = SpeechMetrics(list(config.stages))
         self.pipeline: SpeechPipeline | None = None
@@ -136,6 +135,10 @@ class SpeechServer:
             if spec.build and not Path(spec.model).exists():
                 load_callable(spec.build)(spec.model)
             await self.sidecars[name].start()
+        if "thinker" in self.config.stages:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.config.stages["thinker"].model)
         from vllm.plugins import load_general_plugins
 
         load_general_plugins()  # once, before the engines start together (the shim's plugin registers the models)
@@ -280,6 +283,26 @@ class SpeechServer:
             if outcome == "ok" and seconds:
                 self.metrics.rtf.observe((time.monotonic() - arrived) / seconds)
 
+    async def answer(self, job: SpeechJob, arrived: float) -> AsyncIterator[Part]:
+        """A chat answer's parts as they come: the thinker's token deltas, then (`job.speak`) the
+        audio chunks. Closing it (a client gone) aborts the request in every stage."""
+        parts: asyncio.Queue[Part | None] = asyncio.Queue()
+        job.on_text = parts.put_nowait
+
+        async def run() -> None:
+            async with contextlib.aclosing(self.audio(job, arrived)) as chunks:
+                async for chunk in chunks:
+                    parts.put_nowait(chunk)
+
+        task = asyncio.create_task(run())
+        task.add_done_callback(lambda _: parts.put_nowait(None))
+        try:
+            while (part := await parts.get()) is not None:
+                yield part
+            task.result()  # its StageFailed
+        finally:
+            stop_soon(task)  # no await here (see SpeechPipeline.synthesize): cancelled, it closes the pipeline's
+
 
 def _refusal(exc: Refused) -> JSONResponse:
     return JSONResponse(error_body(str(exc), exc.status, exc.param), status_code=exc.status)
@@ -335,14 +358,37 @@ def build_app(server: SpeechServer) -> FastAPI:
         media = "text/event-stream" if got.sse else audio.MEDIA_TYPES[got.response_format]
         return StreamingResponse(body, media_type=media, headers={"X-Request-Id": got.job.request_id})
 
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        arrived = time.monotonic()
+        if server.thinker_prompt is None:  # vLLM answers a model that cannot chat with a 404 too
+            return _refusal(Refused("this pipeline has no thinker stage: it makes speech from text only "
+                                    "(POST /v1/audio/speech); chat needs a thinker -> talker -> code2wav pipeline",
+                                    status=404))
+        try:
+            got = chat_input(await request.body(), config, server.thinker_prompt)
+        except Refused as exc:
+            return _refusal(exc)
+        assert server.tokenizer is not None
+        parts = server.answer(got.job, arrived)
+        if not got.stream:
+            return await _chat_whole(request, parts, got, server.tokenizer, config)
+        try:  # the first part before the status line: a request that fails before it gets a 5xx
+            first = await anext(parts, None)
+        except StageFailed as exc:
+            return _failure(exc)
+        body = chat_sse(got, first, parts, TextDeltas(server.tokenizer), config.served_model_name, config.sample_rate)
+        return StreamingResponse(body, media_type="text/event-stream", headers={"X-Request-Id": got.job.request_id})
+
     return app
 
 
-async def _whole(request: Request, chunks: AsyncIterator[np.ndarray], got: SpeechInput, rate: int) -> Response:
-    """All the audio in one body; a client gone before it is made aborts the request."""
+async def _collected(request: Request, parts: AsyncIterator[T]) -> list[T] | Response:
+    """All of an iterator's items, or the answer without them: a 499 when the client went away first
+    (which aborts its request), a 503 when a stage failed it."""
 
-    async def collect() -> list[np.ndarray]:
-        return [c async for c in chunks]
+    async def collect() -> list[T]:
+        return [p async for p in parts]
 
     task = asyncio.create_task(collect())
     while not task.done():
@@ -351,14 +397,33 @@ async def _whole(request: Request, chunks: AsyncIterator[np.ndarray], got: Speec
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, StageFailed):
                 await task
-            await chunks.aclose()
+            await parts.aclose()
             return Response(status_code=499)
     try:
-        parts = task.result()
+        return task.result()
     except StageFailed as exc:
         return _failure(exc)
+
+
+async def _chat_whole(request: Request, parts: AsyncIterator[Part], got: ChatInput, tokenizer: Tokenizer,
+                      config: ServeConfig) -> Response:
+    collected = await _collected(request, parts)
+    if isinstance(collected, Response):
+        return collected
+    chunks = [p for p in collected if isinstance(p, np.ndarray)]
+    text = tokenizer.decode(got.job.text_ids, skip_special_tokens=True) if "text" in got.modalities else None
+    samples = (np.concatenate(chunks) if chunks else np.zeros(0, np.float32)) if got.job.speak else None
+    return JSONResponse(completion(got, text, samples, config.served_model_name, config.sample_rate),
+                        headers={"X-Request-Id": got.job.request_id})
+
+
+async def _whole(request: Request, chunks: AsyncIterator[np.ndarray], got: SpeechInput, rate: int) -> Response:
+    """All the audio in one body; a client gone before it is made aborts the request."""
+    parts = await _collected(request, chunks)
+    if isinstance(parts, Response):
+        return parts
     samples = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-    body = audio.wav(samples, rate) if got.response_format == "wav" else audio.pcm16(samples)
+    body = audio.encoded(samples, got.response_format, rate)
     return Response(body, media_type=audio.MEDIA_TYPES[got.response_format],
                     headers={"X-Request-Id": got.job.request_id})
 

@@ -26,7 +26,7 @@ class ThinkerOutput:
     prompt_ids: list[int]  # the prompt as the engine ran it (multimodal placeholders expanded)
     output_ids: list[int]  # the tokens it generated
     model: str  # the thinker's checkpoint: what a hand-over reads beside the outputs (special tokens' embeddings)
-    payload: dict[str, Any] = field(default_factory=dict)  # the request's own (speech_prompt's), e.g. its speaker
+    payload: dict[str, Any] = field(default_factory=dict)  # the request's own (thinker_prompt's), e.g. its speaker
 
     @property
     def layers(self) -> dict[int, np.ndarray]:

@@ -7,7 +7,9 @@ one row per token it ran, and its prompt and output ids) becomes the talker's pr
 (`talker_prompt`, the config's function), as examples/demo.py's `--by-hand` run and vllm-omni's
 non-streaming thinker -> talker hand-over hand them over.
 The talker therefore starts when the thinker has finished: its rows are not streamed into a
-running talker request (upstream V2 cannot hold a request waiting for its next rows).
+running talker request (upstream V2 cannot hold a request waiting for its next rows). The thinker's
+tokens are the job's text (a chat answer's, handed on delta by delta); a job not spoken (a chat
+answer in text only) ends with the thinker.
 
 The talker request is added whole (its text is known up front) and runs as vLLM schedules it.
 Its codec frames are read from the talker's sidecar (the assembled `codes.audio`, which a hot
@@ -72,6 +74,14 @@ class SpeechJob:
     seed: int | None = None
     input_tokens: int = 0  # the text's tokens as the first stage reads them (usage)
     frames: int = 0  # codec frames the talker made (usage), set when it has finished
+    # With a thinker stage: whether its answer is spoken (False: a chat answer in text only, no
+    # talker), at most how many tokens it makes (0: its stage's max_tokens), the tokens it made
+    # and why it stopped, and a callback given each of its deltas as they come (a streamed answer).
+    speak: bool = True
+    max_text_tokens: int = 0
+    text_ids: list[int] = field(default_factory=list)
+    text_finish: str | None = None
+    on_text: Callable[[list[int]], None] | None = None
 
 
 @dataclass
@@ -204,7 +214,12 @@ class SpeechPipeline:
         frames = Frames(codebook_size=self.codebook_size)
         talker_task: asyncio.Task | None = None
         try:
-            talker_job = job if self.thinker is None else await self._run_thinker(job, self.thinker)
+            talker_job = job
+            if self.thinker is not None:
+                made = await self._run_thinker(job, self.thinker)
+                if not job.speak:
+                    return
+                talker_job = await self._talker_job(job, made, self.thinker)
             talker_task = asyncio.create_task(self._run_talker(talker_job, frames))
             async with contextlib.aclosing(self._run_code2wav(job, frames, talker_task)) as audio:
                 async for chunk in audio:
@@ -261,29 +276,36 @@ class SpeechPipeline:
         values, finished = await self._outputs(stage, request_id)
         return values.get(name), finished
 
-    async def _run_thinker(self, job: SpeechJob, thinker: ThinkerStage) -> SpeechJob:
-        """The thinker's request, run whole; the talker's job made from what it made."""
+    async def _run_thinker(self, job: SpeechJob, thinker: ThinkerStage) -> ThinkerOutput:
+        """The thinker's request, run whole: what it made (its tokens also in `job.text_ids`)."""
         stage = thinker.stage
         started = time.monotonic()
         extra = {"omni_sidecar": {"additional_information": additional_information(job.payload)}} if job.payload else None
-        params = SamplingParams(**{**stage.sampling, "max_tokens": thinker.max_tokens, "seed": job.seed,
-                                   "detokenize": False, "output_kind": RequestOutputKind.DELTA, "extra_args": extra})
+        params = SamplingParams(**{**stage.sampling, "max_tokens": job.max_text_tokens or thinker.max_tokens,
+                                   "seed": job.seed, "detokenize": False, "output_kind": RequestOutputKind.DELTA,
+                                   "extra_args": extra})
 
         async def outputs() -> ThinkerOutput:
-            prompt_ids, output_ids = list(job.prompt_token_ids), []
+            prompt_ids = list(job.prompt_token_ids)
             async for out in engine_outputs(stage, stage.engine.generate({"prompt_token_ids": job.prompt_token_ids},
                                                                          params, job.request_id)):
                 self._check_output(stage.name, out)
                 prompt_ids = list(out.prompt_token_ids or prompt_ids)
                 if out.outputs:
-                    output_ids += out.outputs[0].token_ids  # deltas
+                    delta = list(out.outputs[0].token_ids)
+                    job.text_ids += delta
+                    job.text_finish = out.outputs[0].finish_reason
+                    if delta and job.on_text is not None:
+                        job.on_text(delta)
+            if not job.speak:  # its hidden rows are for the talker: none here
+                return ThinkerOutput({}, prompt_ids, list(job.text_ids), thinker.model, dict(job.payload))
             # Its last step's rows reach the sidecar after the engine's last output.
             async for _ in patiently(stage.name, "its sidecar never finished the request's hidden states"):
                 values, finished = await self._outputs(stage, job.request_id)
                 if finished:
                     arrays = {name: np.ascontiguousarray(v, dtype=np.float32) if v.dtype.kind == "f" else v
                               for name, v in values.items() if isinstance(v, np.ndarray)}
-                    return ThinkerOutput(arrays, prompt_ids, output_ids, thinker.model, dict(job.payload))
+                    return ThinkerOutput(arrays, prompt_ids, list(job.text_ids), thinker.model, dict(job.payload))
             raise AssertionError("unreachable: patiently() raises when it gives up")
 
         stage.in_flight += 1
@@ -291,7 +313,13 @@ class SpeechPipeline:
             made = await stage.serve(outputs())
         finally:
             stage.in_flight -= 1
-        self.first_audio_share(stage.name, time.monotonic() - started)
+        if job.speak:
+            self.first_audio_share(stage.name, time.monotonic() - started)
+        return made
+
+    async def _talker_job(self, job: SpeechJob, made: ThinkerOutput, thinker: ThinkerStage) -> SpeechJob:
+        """The talker's job made from what the thinker made (the config's `talker_prompt`)."""
+        stage = thinker.stage
         rows = made.rows()
         prompt_len = len(made.prompt_ids)
         if not any(v.shape[0] >= prompt_len for v in rows.values()):

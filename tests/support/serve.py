@@ -66,11 +66,11 @@ class Server:
         finally:
             conn.close()
 
-    def post(self, body: bytes | dict) -> tuple[int, bytes, str]:
+    def post(self, body: bytes | dict, path: str = "/v1/audio/speech") -> tuple[int, bytes, str]:
         conn = self.connection()
         try:
             data = body if isinstance(body, bytes) else json.dumps(body).encode()
-            conn.request("POST", "/v1/audio/speech", body=data, headers={"Content-Type": "application/json"})
+            conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
             return resp.status, resp.read(), resp.getheader("Content-Type", "")
         finally:
@@ -87,6 +87,34 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def live_requests(endpoint: str) -> tuple[int, int]:
+    """(requests admitted, requests finished) over a stage sidecar's sessions."""
+    from omni_sidecar.client import SidecarClient
+
+    with SidecarClient(endpoint) as client:
+        status = client.status()
+    return sum(s.new_requests for s in status.sessions), sum(s.finished_requests for s in status.sessions)
+
+
+def wait_all_finished(server: Server, stages: tuple[str, ...], timeout_s: float = 30.0) -> None:
+    """Until every request admitted in the stages' sidecars has finished there."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counts = {stage: live_requests(server.endpoint(stage)) for stage in stages}
+        if all(new == done for new, done in counts.values()):
+            return
+        assert time.monotonic() < deadline, f"requests still live in the sidecars: {counts}"
+        time.sleep(0.1)
+
+
+def metric(server: Server, name: str) -> float:
+    _, text = server.get("/metrics")
+    for line in text.decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in /metrics")
 
 
 @contextlib.contextmanager

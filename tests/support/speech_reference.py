@@ -26,9 +26,9 @@ def thinker_reference_samples(thinker: str, talker: str, code2wav: str, text: st
     the talker and the codec as above."""
     from omni_serve.speech.handover import HIDDEN, ThinkerOutput
     from tests.tiny_models.talker import thinker_talker_prompt
-    from tests.tiny_models.vl import speech_prompt
+    from tests.tiny_models.vl import thinker_prompt
 
-    prompt_ids, payload = speech_prompt(text, voice)
+    prompt_ids, payload = thinker_prompt([{"role": "user", "content": text}], voice)
     rows, output_ids = thinker_rows(thinker, prompt_ids, thinker_tokens)
     prompt, payload = thinker_talker_prompt(ThinkerOutput({HIDDEN: rows}, prompt_ids, output_ids, thinker, payload))
     return talker_code2wav_samples(talker, code2wav, prompt, payload, max_tokens, chunk, left)

@@ -107,9 +107,17 @@ def chat_prompt(text_ids: list[int]) -> list[int]:
     """A one-turn chat as the published template writes it, with the published role ids (vllm-omni's
     thinker -> talker hand-over finds the user and assistant turns by them):
     <|im_start|>user\n TEXT <|im_end|>\n<|im_start|>assistant\n."""
+    return conversation_prompt([(TOP["user_token_id"], text_ids)])
+
+
+def conversation_prompt(turns: list[tuple[int, list[int]]]) -> list[int]:
+    """`chat_prompt` of (role id, text ids) turns: each <|im_start|>ROLE\n TEXT <|im_end|>\n, then
+    <|im_start|>assistant\n."""
     im_start, im_end = TOP["im_start_token_id"], TOP["im_end_token_id"]
-    return ([im_start, TOP["user_token_id"], NEWLINE_ID] + list(text_ids)
-            + [im_end, NEWLINE_ID, im_start, TOP["assistant_token_id"], NEWLINE_ID])
+    ids = []
+    for role, text in turns:
+        ids += [im_start, role, NEWLINE_ID] + list(text) + [im_end, NEWLINE_ID]
+    return ids + [im_start, TOP["assistant_token_id"], NEWLINE_ID]
 
 
 def text_ids(text: str) -> list[int]:
@@ -123,11 +131,16 @@ def text_ids(text: str) -> list[int]:
     return [place[char[b]] for b in text.encode("utf-8")]
 
 
-def speech_prompt(text: str, voice: int) -> tuple[list[int], dict]:
-    """omni-serve's thinker request for a text (deploy/speech/qwen3-omni-gpu.toml): the chat prompt
-    of the text, and the voice as vllm-omni's `speaker` (the talker's speaker ids, in the order the
+ROLE_IDS = {"system": TOP["system_token_id"], "developer": TOP["system_token_id"], "user": TOP["user_token_id"],
+            "assistant": TOP["assistant_token_id"]}  # a developer message is a system message (as OpenAI takes it)
+
+
+def thinker_prompt(messages: list[dict[str, str]], voice: int) -> tuple[list[int], dict]:
+    """omni-serve's thinker request for a conversation (deploy/speech/qwen3-omni-gpu.toml): its chat
+    prompt, and the voice as vllm-omni's `speaker` (the talker's speaker ids, in the order the
     config's voices list them)."""
-    return chat_prompt(text_ids(text)), {"speaker": [list(SPEAKER_IDS)[voice]]}
+    turns = [(ROLE_IDS[m["role"]], text_ids(m["content"])) for m in messages]
+    return conversation_prompt(turns), {"speaker": [list(SPEAKER_IDS)[voice]]}
 
 
 def config():

@@ -116,10 +116,11 @@ BYTE_TOKEN_BASE = 8  # past the tokenizer's special and vision tokens (ids 0..7)
 VOICE_TOKEN_BASE = BYTE_TOKEN_BASE + 256
 
 
-def speech_prompt(text: str, voice: int) -> tuple[list[int], dict]:
-    """The tiny thinker's request for a text (omni-serve's three-stage pipeline,
-    deploy/speech/tiny-thinker.toml): a voice token, then one token per UTF-8 byte (stands in for a
-    tokenizer; no image); no payload."""
+def thinker_prompt(messages: list[dict[str, str]], voice: int) -> tuple[list[int], dict]:
+    """The tiny thinker's request for a conversation (omni-serve's three-stage pipeline,
+    deploy/speech/tiny-thinker.toml): a voice token, then one token per UTF-8 byte of the messages'
+    texts, one line each (stands in for a tokenizer and its chat template; no image); no payload."""
+    text = "\n".join(message["content"] for message in messages)
     return [VOICE_TOKEN_BASE + voice] + [BYTE_TOKEN_BASE + b for b in text.encode("utf-8")], {}
 
 
