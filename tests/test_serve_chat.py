@@ -91,6 +91,8 @@ def test_the_speech_endpoints_input_is_one_user_message_of_the_same_prompt():
     ({"messages": HI, "sampling_params_list": [{"temperature": 0.4}]}, 400, "sampling_params_list",
      "sampling_params_list"),
     ({"messages": HI, "stream_options": {"include_usage": True}}, 400, "stream_options", "needs stream=true"),
+    ({"messages": HI, "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
+     "stream_options.continuous_usage_stats", "not supported by this server: stream_options.continuous_usage_stats"),
     (b"{", 400, None, "not valid JSON"),
     (b"[]", 400, None, "JSON object"),
 ])

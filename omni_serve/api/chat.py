@@ -77,6 +77,8 @@ def chat_input(body: bytes, config: ServeConfig, prompt: ThinkerPrompt) -> ChatI
                       param="modalities")
     refused = unsupported_fields(request, {}) + [f"messages.{i}.{name}" for i, m in enumerate(request.messages)
                                                  for name in unsupported_fields(m, {})]
+    if request.stream_options is not None:  # vLLM's continuous_usage_stats: not honoured here
+        refused += [f"stream_options.{name}" for name in unsupported_fields(request.stream_options, {})]
     if refused:
         raise Refused(f"not supported by this server: {', '.join(refused)}", param=refused[0])
     if request.stream_options is not None and not request.stream:
