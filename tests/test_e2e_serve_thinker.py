@@ -170,7 +170,9 @@ def test_a_chat_answer_is_the_thinkers_text_and_the_speech_of_the_same_prompt(se
     for bad, needle in [({"messages": []}, "messages is empty"),
                         ({"messages": messages, "modalities": ["image"]}, "unsupported output modalities image"),
                         ({"messages": messages, "audio": {"voice": "alloy"}}, "unknown voice 'alloy'"),
-                        ({"messages": messages, "audio": {"format": "mp3"}}, "audio format 'mp3'")]:
+                        ({"messages": messages, "audio": {"format": "mp3"}}, "audio format 'mp3'"),
+                        # 3 UTF-8 bytes a character, a token each: past the thinker's max_model_len.
+                        ({"messages": [{"role": "user", "content": "\u8bed" * 64}]}, "a prompt of 193 tokens")]:
         status, body, _ = server.post(bad, "/v1/chat/completions")
         assert status == 400 and needle in json.loads(body)["error"]["message"], body
     status, body, _ = server.post(b"{", "/v1/chat/completions")

@@ -103,6 +103,15 @@ def test_bad_chat_requests_are_refused_with_one_message(body, status, param, nee
     assert needle in str(caught.value) and "\n" not in str(caught.value)
 
 
+def test_a_prompt_longer_than_the_thinker_takes_is_refused_not_failed_in_its_engine():
+    body = json.dumps({"messages": [*HI, {"role": "assistant", "content": "yo"}, *HI]}).encode()
+    assert chat_input(body, CONFIG, prompt, max_prompt_tokens=4).job.prompt_token_ids == [0, *b"uau"]
+    with pytest.raises(Refused) as caught:
+        chat_input(body, CONFIG, prompt, max_prompt_tokens=3)
+    assert (caught.value.status, caught.value.param) == (400, "messages")
+    assert "a prompt of 4 tokens" in str(caught.value) and "at most 3" in str(caught.value)
+
+
 def answered(modalities: list[str], fmt: str = "wav") -> ChatInput:
     got = parse({"messages": HI, "modalities": modalities, "audio": {"format": fmt}})
     got.job.text_ids, got.job.text_finish = [5, 6, 7], "length"

@@ -80,6 +80,14 @@ def test_bad_requests_are_refused_with_one_message(body, status, param, needle):
     assert needle in str(refused) and "\n" not in str(refused)
 
 
+def test_an_input_whose_prompt_is_longer_than_the_first_engine_takes_is_refused():
+    body = json.dumps({"input": "hi"}).encode()
+    assert speech_input(body, CONFIG, prompt, max_prompt_tokens=2).job.prompt_token_ids == [0, 2]
+    with pytest.raises(Refused) as caught:
+        speech_input(body, CONFIG, prompt, max_prompt_tokens=1)
+    assert (caught.value.status, caught.value.param) == (400, "input") and "a prompt of 2 tokens" in str(caught.value)
+
+
 def test_wav_is_a_16_bit_mono_riff_of_the_samples_clipped():
     samples = np.array([0.0, 0.5, -0.5, 1.0, -1.0, 2.0, -3.0], dtype=np.float32)
     body = audio.wav(samples, 300)

@@ -30,7 +30,8 @@ import numpy as np
 
 from omni_serve.api import audio
 from omni_serve.api.protocol import (CHAT_FORMATS, MODALITIES, ChatAudio, ChatMessage, ChatRequest, Refused,
-                                     ThinkerPrompt, error_body, unsupported_fields, validated, voice_index)
+                                     ThinkerPrompt, check_prompt_length, error_body, unsupported_fields, validated,
+                                     voice_index)
 from omni_serve.config import ServeConfig
 from omni_serve.speech.pipeline import SpeechJob, StageFailed
 
@@ -65,8 +66,10 @@ def message_text(message: ChatMessage, index: int) -> str:
     return "\n".join(texts)
 
 
-def chat_input(body: bytes, config: ServeConfig, prompt: ThinkerPrompt) -> ChatInput:
-    """A chat request checked against the schema and this server's model; `Refused` says why not."""
+def chat_input(body: bytes, config: ServeConfig, prompt: ThinkerPrompt,
+               max_prompt_tokens: int | None = None) -> ChatInput:
+    """A chat request checked against the schema and this server's model (`max_prompt_tokens`: the
+    thinker engine's, None: unchecked); `Refused` says why not."""
     request = validated(body, ChatRequest, config)
     if not request.messages:
         raise Refused("messages is empty", param="messages")
@@ -101,6 +104,7 @@ def chat_input(body: bytes, config: ServeConfig, prompt: ThinkerPrompt) -> ChatI
         raise Refused(f"max_tokens {tokens} is above this server's limit of {thinker.max_tokens}",
                       param="max_completion_tokens" if request.max_completion_tokens else "max_tokens")
     prompt_ids, payload = prompt(messages, voice)
+    check_prompt_length(prompt_ids, max_prompt_tokens, "messages")
     job = SpeechJob(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, payload, config.stages["talker"].max_tokens,
                     request.seed, input_tokens=len(prompt_ids), speak="audio" in modalities, max_text_tokens=tokens)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)

@@ -167,6 +167,13 @@ def validated(body: bytes, schema: type[M], config: ServeConfig) -> M:
     return request
 
 
+def check_prompt_length(prompt_ids: list[int], max_prompt_tokens: int | None, param: str) -> None:
+    """A prompt longer than the first stage's engine takes is the request's (its engine would fail it)."""
+    if max_prompt_tokens is not None and len(prompt_ids) > max_prompt_tokens:
+        raise Refused(f"{param} makes a prompt of {len(prompt_ids)} tokens; this server's model takes at most "
+                      f"{max_prompt_tokens}", param=param)
+
+
 def voice_index(voice: str | None, config: ServeConfig, param: str = "voice") -> int:
     voice = voice or config.voices[0]
     if voice not in config.voices:

@@ -26,8 +26,8 @@ from vllm.logger import init_logger
 from omni_serve.api import audio
 from omni_serve.api.chat import ChatInput, Part, TextDeltas, Tokenizer, chat_input, chat_sse, completion
 from omni_serve.api.metrics import SpeechMetrics
-from omni_serve.api.protocol import (LANGUAGES, Prompt, Refused, SpeechRequest, ThinkerPrompt, error_body,
-                                     unsupported_fields, validated, voice_index)
+from omni_serve.api.protocol import (LANGUAGES, Prompt, Refused, SpeechRequest, ThinkerPrompt, check_prompt_length,
+                                     error_body, unsupported_fields, validated, voice_index)
 from omni_serve.config import ServeConfig, load_callable
 from omni_serve.speech.pipeline import SpeechJob, SpeechPipeline, Stage, StageFailed, ThinkerStage, stop_soon
 from omni_serve.stages.link import SidecarLink
@@ -52,8 +52,9 @@ class SpeechInput:
     sse: bool
 
 
-def speech_input(body: bytes, config: ServeConfig, prompt: Prompt) -> SpeechInput:
-    """A speech request checked against the schema and this server's model; `Refused` says why not."""
+def speech_input(body: bytes, config: ServeConfig, prompt: Prompt, max_prompt_tokens: int | None = None) -> SpeechInput:
+    """A speech request checked against the schema and this server's model (`max_prompt_tokens`: the
+    thinker engine's where there is one, else None: unchecked); `Refused` says why not."""
     request = validated(body, SpeechRequest, config)
     text = request.input.strip()
     if not text:
@@ -77,6 +78,7 @@ def speech_input(body: bytes, config: ServeConfig, prompt: Prompt) -> SpeechInpu
         raise Refused(f"max_new_tokens {frames} is above this server's limit of {talker.max_tokens}",
                       param="max_new_tokens")
     prompt_ids, payload = prompt(text, voice)
+    check_prompt_length(prompt_ids, max_prompt_tokens, "input")
     job = SpeechJob(f"speech-{uuid.uuid4().hex}", prompt_ids, payload, frames, request.seed,
                     input_tokens=text_tokens(config, prompt_ids, payload))
     return SpeechInput(job, request.response_format, request.stream, request.stream_format != "audio")
@@ -117,6 +119,9 @@ class SpeechServer:
         else:
             self.prompt = load_callable(config.speech_prompt)
         self.tokenizer: Tokenizer | None = None  # the thinker checkpoint's: its text for the chat endpoint
+        # The longest prompt the thinker's engine takes (its max_model_len less the one token it must
+        # make): longer is the request's fault, a 400, not a 503 from the engine. None without a thinker.
+        self.max_prompt_tokens: int | None = None
         self.sidecars = {name: SidecarProcess(name, spec.sidecar, run_dir) for name, spec in config.stages.items()}
         self.metrics = SpeechMetrics(list(config.stages))
         self.pipeline: SpeechPipeline | None = None
@@ -155,6 +160,8 @@ class SpeechServer:
                 await start(spec)
         else:  # their processes start and load at once
             await asyncio.gather(*(start(spec) for spec in specs))
+        if "thinker" in self.engines:
+            self.max_prompt_tokens = self.engines["thinker"].model_config.max_model_len - 1
         stages = {name: Stage(name, self.engines[name], SidecarLink(self.sidecars[name].endpoint),
                               dict(self.config.stages[name].sampling)) for name in self.config.stages}
         code2wav = self.config.stages["code2wav"]
@@ -344,7 +351,7 @@ def build_app(server: SpeechServer) -> FastAPI:
     async def speech(request: Request) -> Response:
         arrived = time.monotonic()
         try:
-            got = speech_input(await request.body(), config, server.prompt)
+            got = speech_input(await request.body(), config, server.prompt, server.max_prompt_tokens)
         except Refused as exc:
             return _refusal(exc)
         chunks = server.audio(got.job, arrived)
@@ -366,7 +373,7 @@ def build_app(server: SpeechServer) -> FastAPI:
                                     "(POST /v1/audio/speech); chat needs a thinker -> talker -> code2wav pipeline",
                                     status=404))
         try:
-            got = chat_input(await request.body(), config, server.thinker_prompt)
+            got = chat_input(await request.body(), config, server.thinker_prompt, server.max_prompt_tokens)
         except Refused as exc:
             return _refusal(exc)
         assert server.tokenizer is not None
