@@ -110,3 +110,14 @@ def test_each_stages_share_of_first_audio_is_its_mean_between_two_scrapes():
     assert before == {"talker": (1.0, 4.0)}
     assert serving.shares_between(before, after) == {"talker": 300.0, "code2wav": 25.0}
     assert serving.shares_between(after, after) == {}  # no request between: no share
+
+
+def test_the_shares_are_read_from_omni_serves_own_metrics_text():
+    from omni_serve.api.metrics import SpeechMetrics
+
+    metrics = SpeechMetrics(["talker", "code2wav"])
+    before = serving.first_audio_shares(metrics.text().decode())
+    for stage, seconds in [("talker", 0.25), ("talker", 0.75), ("code2wav", 0.125)]:
+        metrics.first_audio_share.labels(stage).observe(seconds)
+    assert serving.shares_between(before, serving.first_audio_shares(metrics.text().decode())) == {
+        "talker": 500.0, "code2wav": 125.0}
