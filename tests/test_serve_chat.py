@@ -88,6 +88,7 @@ def test_the_speech_endpoints_input_is_one_user_message_of_the_same_prompt():
     ({"messages": HI, "max_completion_tokens": 0}, 400, "max_completion_tokens", "greater than or equal to 1"),
     ({"messages": HI, "n": 2}, 400, "n", "less than or equal to 1"),
     ({"messages": HI, "temperature": 0.5}, 400, "temperature", "not supported by this server: temperature"),
+    ({"messages": HI, "temperature": 0}, 400, "temperature", "not supported by this server: temperature"),
     ({"messages": HI, "sampling_params_list": [{"temperature": 0.4}]}, 400, "sampling_params_list",
      "sampling_params_list"),
     ({"messages": HI, "stream_options": {"include_usage": True}}, 400, "stream_options", "needs stream=true"),

@@ -63,6 +63,7 @@ def test_a_good_request_becomes_a_job_with_the_voice_and_the_limits():
     ({"input": "hi", "speed": 0.1}, 400, "speed", "greater than or equal to 0.25"),
     ({"input": "hi", "language": "French"}, 400, "language", "not supported"),
     ({"input": "hi", "word_timestamps": True}, 400, "word_timestamps", "word_timestamps"),
+    ({"input": "hi", "top_k": 0}, 400, "top_k", "top_k"),
     ({"input": "hi", "task_type": "Base"}, 400, "task_type", "task_type"),
     ({"input": "hi", "initial_codec_chunk_frames": 2}, 400, "initial_codec_chunk_frames", "initial_codec_chunk_frames"),
     ({"input": "hi", "stream_format": "audio"}, 400, "stream_format", "needs stream=true"),

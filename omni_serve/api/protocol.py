@@ -112,8 +112,9 @@ def unsupported_fields(request: BaseModel, honoured: dict[str, Any] | None = Non
     fields and the one value each is honoured at (the speech request's by default)."""
     named = [name for name, default in (UNSUPPORTED if honoured is None else honoured).items()
              if getattr(request, name) not in (default,)]
+    # Unset: null, false or empty ({}); a number is set, 0 too (`0 in (None, False)` would take it for false).
     extra = [name for name, value in (request.model_extra or {}).items()
-             if value not in (None, False) and not (isinstance(value, (dict, list)) and not value)]  # {}: unset
+             if value is not None and value is not False and not (isinstance(value, (dict, list)) and not value)]
     return named + sorted(extra)
 
 
