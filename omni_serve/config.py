@@ -18,7 +18,8 @@ talker_prompt = "pkg.module:function"     # with a thinker stage: its ThinkerOut
 model = "path/or/hf-id"
 build = "pkg.module:function"             # optional: makes `model` if it is missing (tiny models)
 device = 0                                # optional GPU index (CUDA_VISIBLE_DEVICES of its engine)
-max_tokens = 64                           # codec frames a request may make at most
+max_tokens = 64                           # codec frames a request may make at most (a thinker's: its tokens,
+                                          # the most a chat request's max_tokens may ask)
 engine = { max_model_len = 256 }          # vLLM engine arguments (AsyncEngineArgs fields); hf_overrides
                                           # may name a function ("pkg.module:function") as vLLM takes one
 sampling = { temperature = 0.0 }          # SamplingParams fields
