@@ -46,12 +46,13 @@ if ! ls "$SITE"/vllm/_moe_C*.so > /dev/null 2>&1; then
   exit 1
 fi
 case ",$PARTS," in *,serve,*) SERVE=1 ;; *) SERVE=0 ;; esac
+EAGER=""; [ "${QWEN3_OMNI_EAGER:-0}" = 1 ] && EAGER=--eager  # 1 only: QWEN3_OMNI_EAGER=0 is not eager
 W=$(mktemp -d /tmp/qwen3-omni-XXXXXX)  # private: the sidecars' sockets live there
 python3 -m tests.tiny_models.qwen3_omni "$W/model" > "$OUT/model.log" 2>&1 || { tail -30 "$OUT/model.log"; exit 1; }
 case ",$PARTS," in *,parity,*)
   left=$(( LIMIT - ($(date +%s) - t0) - 15 - SERVE * SERVE_NEEDS_S ))
   timeout "$left" python3 "$SRC/deploy/gpu/qwen3_omni_parity.py" --model "$W/model" --out "$W/work" \
-    --result "$OUT/qwen3-omni-parity.json" --limit-s $(( left - 10 )) ${QWEN3_OMNI_EAGER:+--eager} \
+    --result "$OUT/qwen3-omni-parity.json" --limit-s $(( left - 10 )) $EAGER \
     > "$OUT/qwen3-omni.log" 2>&1
   echo "qwen3_omni_parity.py rc=$? after $(( $(date +%s) - t0 )) s"
   grep -v '^\[W\|^INFO\|^WARNING\|^DEBUG' "$OUT/qwen3-omni.log" | tail -30

@@ -35,7 +35,7 @@ ours_pid=$!
 python3 -c "import uvloop, vllm_omni.entrypoints.openai.api_server, vllm_omni.entrypoints.cli.serve, vllm.entrypoints.serve.instrumentator.metrics" \
   > "$W/probe-vllm-omni.txt" 2>&1 &
 omni_pid=$!
-wait "$model_pid" || { tail -30 "$OUT/model.log"; exit 1; }
+wait "$model_pid" || { tail -30 "$OUT/model.log"; kill "$ours_pid" "$omni_pid" 2>/dev/null; rm -rf "$W"; exit 1; }
 SERVERS=""
 for name in ours vllm-omni; do
   if [ "$name" = ours ]; then pid=$ours_pid; else pid=$omni_pid; fi
