@@ -367,7 +367,11 @@ class FinishedOutputsLink(ForgetfulLink):
         return dict(self.values), Followed(found=True, finished=True)
 
 
-def test_each_stage_reports_its_share_of_a_requests_first_audio_once():
+@pytest.mark.parametrize("frames, grid, chunks", [
+    (10, (4, 1), 4),  # 1 + 4 + 4 + 1 frames: four code2wav requests
+    (3, (4, 0), 1),  # shorter than a chunk: its one chunk is there when the talker has finished
+])
+def test_each_stage_reports_its_share_of_a_requests_first_audio_once(frames, grid, chunks):
     """The talker's start to its first chunk's frames and code2wav's first chunk request to its
     waveform: once a request, however many chunks it has (the metrics' where-the-time-goes)."""
     import asyncio
@@ -377,20 +381,19 @@ def test_each_stage_reports_its_share_of_a_requests_first_audio_once():
     from omni_serve.speech.pipeline import CODES, WAVEFORM, SpeechJob, SpeechPipeline, Stage
     from proto.chunk_grid import ChunkGrid
 
-    codes = np.arange(10 * 2, dtype=np.int64).reshape(10, 2) % 7
+    codes = np.arange(frames * 2, dtype=np.int64).reshape(frames, 2) % 7
     shares: list[tuple[str, float]] = []
     pipeline = SpeechPipeline(Stage("talker", FakeEngine(), FinishedOutputsLink({CODES: codes})),
                               Stage("code2wav", FakeEngine(), FinishedOutputsLink({WAVEFORM: np.ones((4, 1), np.float32)})),
-                              chunks=ChunkGrid(4, 1), left_context=0, placeholder_token=0,
+                              chunks=ChunkGrid(*grid), left_context=0, placeholder_token=0,
                               first_audio_share=lambda stage, seconds: shares.append((stage, seconds)))
 
     async def run() -> int:
-        got = [c async for c in pipeline.synthesize(SpeechJob("r1", [1, 2], {}, max_frames=10))]
+        got = [c async for c in pipeline.synthesize(SpeechJob("r1", [1, 2], {}, max_frames=frames))]
         await pipeline.close()
         return len(got)
 
-    chunks = asyncio.run(run())
-    assert chunks == ChunkGrid(4, 1).count(10) == 4  # 1 + 4 + 4 + 1 frames: four code2wav requests
+    assert asyncio.run(run()) == ChunkGrid(*grid).count(frames) == chunks
     assert sorted(stage for stage, _ in shares) == ["code2wav", "talker"]
     assert all(seconds >= 0 for _, seconds in shares)
 

@@ -339,21 +339,30 @@ class SpeechPipeline:
                                    "extra_args": {"omni_sidecar": {"additional_information":
                                                                    additional_information(job.payload)}}})
 
+        started, first_chunk_seen = time.monotonic(), False
+
+        def note_first_chunk(ended: bool) -> None:
+            """The talker's share, once: when its first chunk's frames are there (a request shorter
+            than one chunk: when it has finished)."""
+            nonlocal first_chunk_seen
+            ready = self.chunks.count(frames.count) if ended else self.chunks.complete(frames.count)
+            if not first_chunk_seen and ready > 0:
+                first_chunk_seen = True
+                self.first_audio_share(self.talker.name, time.monotonic() - started)
+
         async def all_frames() -> None:
             prompt = {"prompt_token_ids": job.prompt_token_ids}
-            started, first_chunk_seen = time.monotonic(), False
             async for out in engine_outputs(self.talker, self.talker.engine.generate(prompt, params, job.request_id)):
                 codes, _ = await self._assembled(self.talker, job.request_id, CODES)
                 frames.set(codes)
-                if not first_chunk_seen and self.chunks.complete(frames.count) > 0:
-                    first_chunk_seen = True
-                    self.first_audio_share(self.talker.name, time.monotonic() - started)
+                note_first_chunk(ended=False)
                 if out.finished and out.outputs and out.outputs[0].finish_reason not in ("length", "stop"):
                     raise StageFailed("talker", f"the engine ended the request ({out.outputs[0].finish_reason})")
             # The last steps' frames reach the sidecar after the engine's last output.
             async for _ in patiently("talker", "its sidecar never finished the request's codes"):
                 codes, finished = await self._assembled(self.talker, job.request_id, CODES)
                 frames.set(codes)
+                note_first_chunk(ended=finished)
                 if finished:
                     break
 
