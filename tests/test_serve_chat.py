@@ -104,6 +104,15 @@ def test_bad_chat_requests_are_refused_with_one_message(body, status, param, nee
     assert needle in str(caught.value) and "\n" not in str(caught.value)
 
 
+def test_a_client_that_sends_openais_defaults_is_served():
+    """Sent as OpenAI's own defaults, the sampling fields the pipeline file sets ask for nothing."""
+    body = json.dumps({"messages": HI, "temperature": 1, "top_p": 1.0, "presence_penalty": 0,
+                       "frequency_penalty": 0.0, "n": 1}).encode()
+    assert parse(body) is not None
+    with pytest.raises(Refused, match="presence_penalty"):
+        parse(json.dumps({"messages": HI, "presence_penalty": 0.5}).encode())
+
+
 def test_a_prompt_longer_than_the_thinker_takes_is_refused_not_failed_in_its_engine():
     body = json.dumps({"messages": [*HI, {"role": "assistant", "content": "yo"}, *HI]}).encode()
     assert chat_input(body, CONFIG, prompt, max_prompt_tokens=4).job.prompt_token_ids == [0, *b"uau"]

@@ -112,10 +112,17 @@ def unsupported_fields(request: BaseModel, honoured: dict[str, Any] | None = Non
     fields and the one value each is honoured at (the speech request's by default)."""
     named = [name for name, default in (UNSUPPORTED if honoured is None else honoured).items()
              if getattr(request, name) not in (default,)]
-    # Unset: null, false or empty ({}); a number is set, 0 too (`0 in (None, False)` would take it for false).
+    # Unset: null, false, empty ({}), or OpenAI's own default for the field (clients that send every
+    # default keep working); any other value is set, 0 too (`0 in (None, False)` would take it for false).
     extra = [name for name, value in (request.model_extra or {}).items()
-             if value is not None and value is not False and not (isinstance(value, (dict, list)) and not value)]
+             if value is not None and value is not False and not (isinstance(value, (dict, list)) and not value)
+             and not (name in OPENAI_DEFAULTS and value == OPENAI_DEFAULTS[name] and not isinstance(value, bool))]
     return named + sorted(extra)
+
+
+# OpenAI's defaults for sampling fields this server takes from the pipeline file instead: sent as
+# these, they ask for nothing (a temperature of 0 asks for greedy decoding: a 400 names it).
+OPENAI_DEFAULTS: dict[str, float] = {"temperature": 1, "top_p": 1, "presence_penalty": 0, "frequency_penalty": 0}
 
 
 # Accepted for a vllm-omni client's sake, but this server's models take none of them: set to
