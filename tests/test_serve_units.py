@@ -48,6 +48,7 @@ def test_a_good_request_becomes_a_job_with_the_voice_and_the_limits():
     assert parse({"input": "hi", "speaker": "b"}).job.prompt_token_ids[0] == 1
     assert parse({"input": "hi", "voice": {"id": "b"}}).job.prompt_token_ids[0] == 1
     assert parse({"input": "hi", "instructions": None, "word_timestamps": False, "language": "Auto"}).stream is False
+    assert parse({"input": "hi", "x_vector_only_mode": False}).stream is False  # cloning's ICL path: not reached
     streamed = parse({"input": "hi", "stream": True})
     assert streamed.stream and streamed.sse  # vllm-omni's default stream: SSE
     assert not parse({"input": "hi", "stream": True, "stream_format": "audio"}).sse
@@ -65,6 +66,8 @@ def test_a_good_request_becomes_a_job_with_the_voice_and_the_limits():
     ({"input": "hi", "word_timestamps": True}, 400, "word_timestamps", "word_timestamps"),
     ({"input": "hi", "top_k": 0}, 400, "top_k", "top_k"),
     ({"input": "hi", "task_type": "Base"}, 400, "task_type", "task_type"),
+    ({"input": "hi", "x_vector_only_mode": True}, 400, "x_vector_only_mode", "x_vector_only_mode"),
+    ({"input": "hi", "non_streaming_mode": False}, 400, "non_streaming_mode", "non_streaming_mode"),
     ({"input": "hi", "initial_codec_chunk_frames": 2}, 400, "initial_codec_chunk_frames", "initial_codec_chunk_frames"),
     ({"input": "hi", "stream_format": "audio"}, 400, "stream_format", "needs stream=true"),
     ({"input": "hi", "max_new_tokens": 33}, 400, "max_new_tokens", "limit of 32"),

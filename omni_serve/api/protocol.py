@@ -111,7 +111,7 @@ def unsupported_fields(request: BaseModel, honoured: dict[str, Any] | None = Non
     """Fields set to something this server cannot honour (unknown ones included); `honoured`: known
     fields and the one value each is honoured at (the speech request's by default)."""
     named = [name for name, default in (UNSUPPORTED if honoured is None else honoured).items()
-             if getattr(request, name) not in (default,)]
+             if getattr(request, name) not in (default if isinstance(default, tuple) else (default,))]
     # Unset: null, false, empty ({}), or OpenAI's own default for the field (clients that send every
     # default keep working); any other value is set, 0 too (`0 in (None, False)` would take it for false).
     extra = [name for name, value in (request.model_extra or {}).items()
@@ -126,10 +126,12 @@ OPENAI_DEFAULTS: dict[str, float] = {"temperature": 1, "top_p": 1, "presence_pen
 
 
 # Accepted for a vllm-omni client's sake, but this server's models take none of them: set to
-# anything but their default, a 400 names the field.
+# anything but their default (or one of the values a tuple names), a 400 names the field.
 UNSUPPORTED = {
     "instructions": None, "sample_rate": None, "task_type": None, "ref_audio": None, "ref_text": None,
-    "x_vector_only_mode": None, "speaker_embedding": None, "extra_params": None, "non_streaming_mode": None,
+    # x_vector_only_mode false: voice cloning with its in-context part, which a request without
+    # reference audio does not reach either way.
+    "x_vector_only_mode": (None, False), "speaker_embedding": None, "extra_params": None, "non_streaming_mode": None,
     "speed": 1.0, "initial_codec_chunk_frames": None,  # the first chunk is the code2wav sidecar's option here
 }
 LANGUAGES = (None, "Auto", "auto")
