@@ -143,7 +143,12 @@ class SpeechServer:
         if "thinker" in self.config.stages:
             from transformers import AutoTokenizer
 
-            self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.config.stages["thinker"].model)
+            # The tokenizer the thinker's engine detokenizes with: its engine settings name it.
+            thinker = self.config.stages["thinker"]
+            self.tokenizer = await asyncio.to_thread(
+                AutoTokenizer.from_pretrained, thinker.engine.get("tokenizer") or thinker.model,
+                trust_remote_code=bool(thinker.engine.get("trust_remote_code", False)),
+                revision=thinker.engine.get("tokenizer_revision"))
         from vllm.plugins import load_general_plugins
 
         load_general_plugins()  # once, before the engines start together (the shim's plugin registers the models)
