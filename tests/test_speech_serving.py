@@ -121,3 +121,14 @@ def test_the_shares_are_read_from_omni_serves_own_metrics_text():
         metrics.first_audio_share.labels(stage).observe(seconds)
     assert serving.shares_between(before, serving.first_audio_shares(metrics.text().decode())) == {
         "talker": 500.0, "code2wav": 125.0}
+
+
+def test_a_metrics_scrape_that_fails_gives_no_shares_and_the_run_goes_on():
+    """The first-audio shares are extra: a server that does not answer /metrics leaves them out."""
+    import socket
+
+    with socket.socket() as free:  # a port nothing listens on
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    server = serving.ServerProcess("ours", port, None, Path("/dev/null"))  # type: ignore[arg-type]
+    assert asyncio.run(serving.scrape_shares(server)) == {}
