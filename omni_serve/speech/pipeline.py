@@ -286,17 +286,19 @@ class SpeechPipeline:
                                    "extra_args": extra})
 
         async def outputs() -> ThinkerOutput:
-            prompt_ids = list(job.prompt_token_ids)
+            prompt_ids: list[int] = job.prompt_token_ids
             async for out in engine_outputs(stage, stage.engine.generate({"prompt_token_ids": job.prompt_token_ids},
                                                                          params, job.request_id)):
                 self._check_output(stage.name, out)
-                prompt_ids = list(out.prompt_token_ids or prompt_ids)
+                if out.prompt_token_ids:  # as the engine ran it (copied once, below)
+                    prompt_ids = out.prompt_token_ids
                 if out.outputs:
                     delta = list(out.outputs[0].token_ids)
                     job.text_ids += delta
                     job.text_finish = out.outputs[0].finish_reason
                     if delta and job.on_text is not None:
                         job.on_text(delta)
+            prompt_ids = list(prompt_ids)
             if not job.speak:  # its hidden rows are for the talker: none here
                 return ThinkerOutput({}, prompt_ids, list(job.text_ids), thinker.model, dict(job.payload))
             # Its last step's rows reach the sidecar after the engine's last output.
@@ -345,8 +347,7 @@ class SpeechPipeline:
             """The talker's share, once: when its first chunk's frames are there (a request shorter
             than one chunk: when it has finished)."""
             nonlocal first_chunk_seen
-            ready = self.chunks.count(frames.count) if ended else self.chunks.complete(frames.count)
-            if not first_chunk_seen and ready > 0:
+            if not first_chunk_seen and self.chunks.ready(0, frames.count, ended):
                 first_chunk_seen = True
                 self.first_audio_share(self.talker.name, time.monotonic() - started)
 
