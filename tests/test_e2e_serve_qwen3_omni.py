@@ -129,8 +129,10 @@ def test_the_servers_code2wav_chunks_are_transformers_decoder_on_each_window(mod
     job = {"model": str(model), "engine": engine, "codes": codes.tolist(), "chunk_frames": chunk, "left_context": left,
            "initial_chunk_frames": first}
     (tmp_path / "job.json").write_text(json.dumps(job))
-    subprocess.run([sys.executable, "-m", "tests.support.qwen3_omni_code2wav_job", str(tmp_path / "job.json"),
-                    str(tmp_path / "result.json")], env=child_env(**_env()), timeout=600, capture_output=True)
+    done = subprocess.run([sys.executable, "-m", "tests.support.qwen3_omni_code2wav_job", str(tmp_path / "job.json"),
+                           str(tmp_path / "result.json")], env=child_env(**_env()), timeout=600, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr[-3000:]  # a child that died says why
     result = json.loads((tmp_path / "result.json").read_text())
     assert "error" not in result, result.get("traceback")
     grid = ChunkGrid(chunk, first)

@@ -9,7 +9,8 @@
   shapes its talker's prefill reads, the prompt as long as vllm-omni computes it, the speaker; the
   tts embeddings are the checkpoint's rows (one file or shards); its payload encodes as
   `additional_information`. Those need vllm-omni's stage input processors to import here
-  (vllm-omni 0.26 beside vLLM 0.26; on another vLLM they are skipped, saying why);
+  (vllm-omni 0.26 beside vLLM 0.26, else the project's vllm-omni where its processors import;
+  skipped, saying why, where none does);
 - a job not spoken (a chat answer in text only) ends with the thinker, its tokens handed on as they come;
 - the tiny Qwen3-Omni's thinker prompt is what its tokenizer and the published chat layout give.
 """
@@ -205,8 +206,11 @@ def test_the_tiny_qwen3_omni_thinker_prompt_is_its_tokenizers_text_in_the_publis
 # ---- vllm-omni's Qwen3-Omni hand-over ----
 
 def _vllm_omni_folder() -> Path | None:
-    found = sorted(Path(sys.prefix).glob("vllm-omni-*/vllm_omni"))
-    return found[-1].parent if found else None
+    """The vllm-omni paired with this venv's vLLM: 0.26's beside vLLM 0.26, else the project's."""
+    from tests.support.paired_vllm_omni import VLLM_OMNI
+    from tests.support.vllm_omni_payload import INSTALLED_AT
+
+    return next((folder for folder in (VLLM_OMNI, INSTALLED_AT) if (folder / "vllm_omni").is_dir()), None)
 
 
 @pytest.fixture
@@ -215,7 +219,7 @@ def handover(monkeypatch):
     restored after (the stand-in must not outlive the test)."""
     folder = _vllm_omni_folder()
     if folder is None:
-        pytest.skip(f"no vllm-omni installed beside this venv ({sys.prefix}/vllm-omni-*)")
+        pytest.skip(f"no vllm-omni installed beside this venv ({sys.prefix}/vllm-omni-<version>)")
     monkeypatch.syspath_prepend(str(folder))
     ours = ("vllm_omni", "worker_shim.omni_models.qwen3_omni.handover")
     before = {name for name in sys.modules if name.startswith(ours)}
