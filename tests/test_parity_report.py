@@ -278,3 +278,11 @@ def test_the_qwen3_omni_report_says_where_talker_tokens_and_codes_first_differ_a
     first_four = [c for k in range(q) for c in codes[k * 5:k * 5 + 4]]
     assert qwen3_omni_parity.code_difference(codes, first_four) == {"frame": 4, "codebooks": [], "frames": [5, 4]}
     assert qwen3_omni_parity.first_difference([1, 2], [1, 2, 3]) == 2 and qwen3_omni_parity.code_difference(codes, None) is None
+
+
+def test_the_commit_measured_is_the_one_the_command_names(monkeypatch):
+    """A device's copy of .git may be older than the tree it was sent: OMNI_COMMIT in the command wins."""
+    monkeypatch.setenv("OMNI_COMMIT", "0123abc")
+    assert parity.run_commit() == "0123abc"
+    monkeypatch.delenv("OMNI_COMMIT")
+    assert parity.run_commit() != "0123abc"

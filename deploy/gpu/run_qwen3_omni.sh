@@ -27,8 +27,8 @@
 #          mkdir -p .whl && for w in uvicorn h11 anyio idna annotated_doc; do \
 #            cp .gpu-bundle-serve/wheels/$w-*.whl .whl/; done   (or pip download them: --no-deps, cp312)
 #   there: carry [".gpu-bundle-moe", ".whl"], timeout_s 560,
-#            sh deploy/gpu/run_qwen3_omni.sh .gpu-bundle-moe $OUT 500          (the parity part)
-#            sh deploy/gpu/run_qwen3_omni.sh .gpu-bundle-moe $OUT 500 serve    (the serve part alone)
+#            OMNI_COMMIT=<the commit sent> sh deploy/gpu/run_qwen3_omni.sh .gpu-bundle-moe $OUT 500          (the parity part)
+#            OMNI_COMMIT=<the commit sent> sh deploy/gpu/run_qwen3_omni.sh .gpu-bundle-moe $OUT 500 serve    (the serve part alone)
 set -u
 B=$1 OUT=$2 LIMIT=${3:-470} PARTS=${4:-parity}  # parity,serve in one call leaves each too little time
 SRC=$(cd "$(dirname "$0")/../.." && pwd)

@@ -12,7 +12,7 @@
 #   here:  BUNDLE_SM=90 BUNDLE_NO_JIT_HEADERS=1 BUNDLE_OMNI=1 BUNDLE_SERVE=1 \
 #            deploy/gpu/build_bundle.sh .gpu-bundle-serve       (an ignored folder; no BUNDLE_PROFILER)
 #   there: carry [".gpu-bundle-serve"], timeout_s 560,
-#            sh deploy/gpu/run_speech.sh .gpu-bundle-serve $OUT 500
+#            OMNI_COMMIT=<the commit sent> sh deploy/gpu/run_speech.sh .gpu-bundle-serve $OUT 500
 set -u
 B=$1 OUT=$2 LIMIT=470
 shift 2
