@@ -322,6 +322,7 @@ ROOM_NOTES = {
     "worker_shim/step/link.py": "the runner's side of a step: vLLM's hooks call in here; protocol, port and recovery",
     "worker_shim/step/protocol.py": "the step protocol: which message a step point sends and waits for (pure); notices",
     "worker_shim/step/batch.py": "vLLM's InputBatch read as this vLLM lays it out (prefill flags, layout arrays)",
+    "worker_shim/step/discards.py": "forwards whose samples vLLM discarded under async scheduling: finish notices held a step",
     "worker_shim/step/plan_read.py": "a plan landed: its tensors out of the sidecar's arena, overlays into the embeds",
     "worker_shim/wire/connection.py": "the sidecar port over a sidecar process: what it has seen, its arenas",
     "worker_shim/wire/channel.py": "the shim's end of the connection: sends, waiting for a reply, results stashed",
