@@ -7,7 +7,8 @@ outer class underneath), each with its sidecar; vllm-omni's own hand-over functi
 - code2wav alone (random codes): vllm-omni's decoder through the stage's clock gives transformers'
   `Qwen3OmniMoeCode2Wav` waveform on the same codes and weights;
 - the thinker (MoE, M-RoPE) runs every request, its captured layers 0 and 24 reach vllm-omni's
-  thinker -> talker hand-over, and the talker's prefill (vllm-omni's preprocess) runs on them;
+  thinker -> talker hand-over, and the talker's prefill (vllm-omni's preprocess) runs on them and
+  samples its first token, returned with its top-2 logprobs (what the parity report reads);
 - the limit on CPU, exactly: the talker's decode step. Its code predictor asks vllm-omni's platform
   whether torch inductor is there, and vllm-omni 0.26 has no CPU platform (NotImplementedError), as
   for Qwen3-TTS (tests/test_vllm_omni_models.py); the H200 run (deploy/gpu/run_qwen3_omni.sh) goes on;
@@ -83,6 +84,20 @@ def test_thinker_runs_and_hands_over_to_the_talker_prefill(run):
         # vllm-omni's own length for the talker's prompt (user turn + 9 assistant rows) was computed.
         assert p["talker_prompt_len"] > 9
     assert len({t for p in reached.values() for t in p["thinker_tokens"]}) > 2, "degenerate tokens prove little"
+
+
+def test_the_talker_prefill_returns_its_sampled_token_and_the_runner_up_with_logprobs(run):
+    """The parity report reads, where the two pipelines' talker tokens differ, each one's top-2 margin:
+    the shim's talker (V2's sampler) returns them; on CPU for its prefill step's token."""
+    parity = run["results"]["shim"]["parity"]
+    talked = {rid: p for rid, p in parity.items() if p["talker_tokens"]}
+    assert talked, parity
+    for p in talked.values():
+        assert len(p["talker_logprobs"]) == len(p["talker_tokens"]) >= 1
+        for token, top in zip(p["talker_tokens"], p["talker_logprobs"]):
+            (t1, l1), (t2, l2) = top
+            assert t1 == token and t2 != token  # greedy: the sampled token is the best one
+            assert 0.0 >= l1 >= l2 > -1e6  # the talker's suppressed tokens (-1e9 logits) are never the runner-up
 
 
 def test_the_talker_decode_step_is_the_cpu_limit(run):

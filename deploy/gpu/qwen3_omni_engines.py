@@ -21,8 +21,9 @@ false` mode: a request moves on when it finishes), built by vllm-omni's own func
 (`thinker2talker_full_payload`, `_compute_talker_prompt_ids_length`, `talker2code2wav_full_payload`, called through
 worker_shim/omni_models/qwen3_omni/handover.py, as omni-serve calls them) from each pipeline's stage
 outputs. The process steps the three engines in turn and moves each request on as its stage
-finishes it; per request it records the thinker's tokens, the talker's codes, the waveform and the
-time from its arrival to its audio (TTFA: the code2wav step that returned its waveform).
+finishes it; per request it records the thinker's tokens, the talker's codes (and, for the parity
+requests, its top two logprobs per token), the waveform and the time from its arrival to its audio
+(TTFA: the code2wav step that returned its waveform).
 Each engine of a pipeline reports the vllm-omni patches found in its process.
 """
 
@@ -273,11 +274,20 @@ class Pipeline:
             client.close()
 
 
-def sampling(max_tokens: int, stop: list[int] | None = None) -> Any:
+def sampling(max_tokens: int, stop: list[int] | None = None, logprobs: int | None = None) -> Any:
     from vllm import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=not stop, stop_token_ids=stop or None,
-                          detokenize=False)
+                          detokenize=False, logprobs=logprobs)
+
+
+def top_logprobs(steps: Any, n: int) -> list[list[list]] | None:
+    """A request's per-token logprobs (vLLM's list of {token id: Logprob}) as, per token, its N best
+    [token id, logprob] pairs, best first; None where the engine returned none."""
+    if steps is None:
+        return None
+    return [[[int(t), float(lp.logprob)] for t, lp in sorted((step or {}).items(), key=lambda e: -e[1].logprob)]
+            [:n] for step in steps]
 
 
 def talker_input(pipe: Pipeline, rid: str, prompt: list[int], tokens: list[int]) -> tuple[list[int], dict] | None:
@@ -342,7 +352,7 @@ def run_requests(pipe: Pipeline, reqs: list[dict], job: dict, keep: bool, deadli
                  state: dict[str, dict]) -> dict:
     """Every request enters the thinker at once; the engines step in turn; each request moves on as
     its stage finishes it. Per request, into `state` (the caller keeps what a failure leaves): tokens,
-    codes, waveform (when `keep`), TTFA."""
+    codes, TTFA; when `keep` (the parity requests) also the waveform and the talker's top logprobs."""
     limits = job["max_tokens"]
     t0 = time.perf_counter()
     for r in reqs:
@@ -373,6 +383,12 @@ def run_requests(pipe: Pipeline, reqs: list[dict], job: dict, keep: bool, deadli
                 outs = engine.step()
             now = time.perf_counter()
             for o in outs:
+                if keep and stage == "talker" and o.request_id in state and o.outputs:
+                    # Every step's (cumulative) output, not only the last: on CPU the talker's
+                    # decode step fails after its prefill step sampled the first token.
+                    state[o.request_id]["talker_tokens"] = list(o.outputs[0].token_ids)
+                    state[o.request_id]["talker_logprobs"] = top_logprobs(o.outputs[0].logprobs,
+                                                                          job["talker_logprobs"])
                 if not o.finished:
                     continue
                 last_progress = time.monotonic()
@@ -388,7 +404,9 @@ def run_requests(pipe: Pipeline, reqs: list[dict], job: dict, keep: bool, deadli
                         if handed is None:
                             raise RuntimeError("no thinker -> talker payload (thinker outputs missing)")
                         st["talker_prompt_len"] = len(handed[0])
-                        pipe.add("talker", rid, handed[0], sampling(limits["talker"], [job["codec_eos"]]), handed[1])
+                        pipe.add("talker", rid, handed[0], sampling(limits["talker"], [job["codec_eos"]],
+                                                                     job["talker_logprobs"] if keep else None),
+                                 handed[1])
                         open_reqs["talker"].add(rid)
                         st["stage"] = "talker"
                     elif stage == "talker":
@@ -428,7 +446,8 @@ def parity_record(st: dict) -> dict:
     if codes is not None and not isinstance(codes, list):
         codes = codes.t().reshape(-1).tolist()  # [frames, Q] -> codebook-major flat, as vllm-omni's
     return {"stage": st.get("stage", "thinker"), "thinker_tokens": st.get("thinker_tokens"),
-            "talker_tokens": st.get("talker_tokens"), "talker_prompt_len": st.get("talker_prompt_len"),
+            "talker_tokens": st.get("talker_tokens"), "talker_logprobs": st.get("talker_logprobs"),
+            "talker_prompt_len": st.get("talker_prompt_len"),
             "codes": codes, "code_rows": int(st["raw_codes"].shape[0]) if st.get("raw_codes") is not None else None,
             "waveform": st["waveform"].tolist() if st.get("waveform") is not None else None}
 
