@@ -37,9 +37,13 @@ from tests.tiny_models.qwen3_omni import CODEC_IDS, NUM_CODE_GROUPS  # noqa: E40
 from worker_shim.omni_models.qwen3_omni.code_predictor import CHOICES as CODE_PREDICTOR_CHOICES  # noqa: E402
 
 ENGINES = HERE / "qwen3_omni_engines.py"
-# Text requests of different lengths (the text + image ones need the processor files, which the tiny
-# checkpoint does not have: reported as not run).
+# Text requests of different lengths, and text + image ones: the same generated image (IMAGE) before
+# their text, where the checkpoint has its multimodal processor files (built where torchvision is:
+# tests/tiny_models/qwen3_omni.py), else reported as not run.
 REQUESTS = [dict(rid=f"p{i}", text_len=n, seed=i) for i, n in enumerate((6, 17, 33, 50))]
+IMAGE_REQUESTS = [dict(rid=f"i{i}", text_len=n, seed=10 + i, image=True) for i, n in enumerate((6, 33))]
+# 64 x 32 pixels: a 2 x 4 grid of the tiny vision tower's 16-pixel patches, 2 image tokens once merged 2 x 2.
+IMAGE = {"width": 64, "height": 32, "seed": 7}
 MAX_TOKENS = {"thinker": 12, "talker": 40}
 # The talker's parity requests return their top two logprobs per token (raw: before any processing,
 # vLLM's default logprobs mode in both runners): where the pipelines' tokens differ, the report
@@ -204,8 +208,10 @@ def main() -> None:
     out.chmod(0o700)  # the sidecars' sockets live there
     kinds = args.kinds.split(",")
     concurrency = [int(n) for n in args.concurrency.split(",")]
+    images = has_processor(args.model)
     env = {} if args.cpu else {"CUDA_VISIBLE_DEVICES": args.gpus}
-    job = {"model": args.model, "requests": REQUESTS, "max_tokens": MAX_TOKENS, "codec_eos": CODEC_IDS["codec_eos_token_id"],
+    job = {"model": args.model, "requests": REQUESTS + (IMAGE_REQUESTS if images else []),
+           "image": IMAGE if images else None, "max_tokens": MAX_TOKENS, "codec_eos": CODEC_IDS["codec_eos_token_id"],
            "talker_logprobs": TALKER_LOGPROBS,
            "concurrency": concurrency, "max_num_seqs": max(concurrency), "limits": limits(max(concurrency)),
            "dtype": "bfloat16", "enforce_eager": args.cpu or args.eager, "code_predictor": args.code_predictor,
@@ -239,7 +245,7 @@ def main() -> None:
     finally:
         for sc in sidecars.values():
             sc.stop()
-    report = summary(results, kinds, concurrency, args)
+    report = summary(results, kinds, concurrency, args, images)
     report["wall_s"] = round(time.monotonic() - t0, 1)
     (out / "qwen3-omni-report.json").write_text(json.dumps({"summary": report, "results": results}, default=str))
     if args.result:
@@ -247,7 +253,14 @@ def main() -> None:
     print(table(report), flush=True)
 
 
-def summary(results: dict, kinds: list[str], concurrency: list[int], args: argparse.Namespace) -> dict:
+def has_processor(model: str) -> bool:
+    """Whether the tiny checkpoint has its multimodal processor files (its builder says so)."""
+    stamp = Path(model) / "omni_tiny.json"
+    return stamp.is_file() and bool(json.loads(stamp.read_text()).get("processor"))
+
+
+def summary(results: dict, kinds: list[str], concurrency: list[int], args: argparse.Namespace,
+            images: bool = False) -> dict:
     from parity import run_commit, run_versions  # deploy/gpu/ is this script's folder
 
     omni, shim = results.get("omni", {}), results.get("shim", {})
@@ -275,7 +288,11 @@ def summary(results: dict, kinds: list[str], concurrency: list[int], args: argpa
                                  "parity requests (SamplingParams logprobs; raw, before sampling): first_divergence's "
                                  "talker_logprobs reads them where the tokens differ")
     report["requests"] = {"text": [dict(r) for r in REQUESTS], "max_tokens": MAX_TOKENS,
-                          "text_and_image": "not run: the tiny checkpoint has no multimodal processor files"}
+                          "text_and_image": ({"requests": [dict(r) for r in IMAGE_REQUESTS], "image": IMAGE,
+                                             "counted_in": "thinker_tokens_identical, talker_codes_identical"}
+                                            if images else "not run: the tiny checkpoint has no multimodal processor "
+                                                           "files (its builder had no torchvision)"),
+                          "timed": "the text requests"}
     report["hand_overs"] = ("vllm-omni's non-streaming ones (async_chunk false): thinker2talker_full_payload, "
                             "talker2code2wav_full_payload, whole requests")
     report["versions"] = {**run_versions(), "cpu_only": args.cpu, "enforce_eager": args.cpu or args.eager}
