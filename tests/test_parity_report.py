@@ -268,7 +268,10 @@ def test_the_qwen3_omni_report_says_where_talker_tokens_and_codes_first_differ_a
                        "p1": {"thinker_tokens": [3], "talker_tokens": [5, 6], "codes": codes}},
             "code_predictor": {**greedy, "greedy_in_effect": False}}
     args = type("Args", (), {"cpu": False, "eager": False})()
-    report = qwen3_omni_parity.summary({"omni": omni, "shim": shim}, ["omni", "shim"], [1], args)
+    report = qwen3_omni_parity.summary({"omni": omni, "shim": shim}, ["omni", "shim"], [1], args,
+                                       "no torchvision (transformers' Qwen2-VL video processor needs it)")
+    assert report["requests"]["text_and_image"] == ("not run: the tiny checkpoint has no multimodal processor files: "
+                                                    "no torchvision (transformers' Qwen2-VL video processor needs it)")
     assert report["talker_codes_identical"] == "1/2" and report["talker_tokens_identical"] == "1/2"
     unread = {"step": 1, "omni": "no logprobs: this pipeline's talker returned none",
               "shim": "no logprobs: this pipeline's talker returned none", "same_token_logprob_diff_before": None,

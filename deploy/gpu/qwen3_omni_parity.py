@@ -208,7 +208,8 @@ def main() -> None:
     out.chmod(0o700)  # the sidecars' sockets live there
     kinds = args.kinds.split(",")
     concurrency = [int(n) for n in args.concurrency.split(",")]
-    images = has_processor(args.model)
+    missing = processor_missing(args.model)
+    images = missing is None
     env = {} if args.cpu else {"CUDA_VISIBLE_DEVICES": args.gpus}
     job = {"model": args.model, "requests": REQUESTS + (IMAGE_REQUESTS if images else []),
            "image": IMAGE if images else None, "max_tokens": MAX_TOKENS, "codec_eos": CODEC_IDS["codec_eos_token_id"],
@@ -245,7 +246,7 @@ def main() -> None:
     finally:
         for sc in sidecars.values():
             sc.stop()
-    report = summary(results, kinds, concurrency, args, images)
+    report = summary(results, kinds, concurrency, args, missing)
     report["wall_s"] = round(time.monotonic() - t0, 1)
     (out / "qwen3-omni-report.json").write_text(json.dumps({"summary": report, "results": results}, default=str))
     if args.result:
@@ -253,14 +254,16 @@ def main() -> None:
     print(table(report), flush=True)
 
 
-def has_processor(model: str) -> bool:
-    """Whether the tiny checkpoint has its multimodal processor files (its builder says so)."""
+def processor_missing(model: str) -> str | None:
+    """Why the tiny checkpoint has no multimodal processor files (its builder says); None where it has them."""
     stamp = Path(model) / "omni_tiny.json"
-    return stamp.is_file() and bool(json.loads(stamp.read_text()).get("processor"))
+    found = json.loads(stamp.read_text()) if stamp.is_file() else {}
+    return None if found.get("processor") else found.get("processor_missing") or "its builder wrote none"
 
 
 def summary(results: dict, kinds: list[str], concurrency: list[int], args: argparse.Namespace,
-            images: bool = False) -> dict:
+            processor_missing: str | None) -> dict:
+    """The report; `processor_missing` None where the text + image requests ran, else why they did not."""
     from parity import run_commit, run_versions  # deploy/gpu/ is this script's folder
 
     omni, shim = results.get("omni", {}), results.get("shim", {})
@@ -290,8 +293,8 @@ def summary(results: dict, kinds: list[str], concurrency: list[int], args: argpa
     report["requests"] = {"text": [dict(r) for r in REQUESTS], "max_tokens": MAX_TOKENS,
                           "text_and_image": ({"requests": [dict(r) for r in IMAGE_REQUESTS], "image": IMAGE,
                                              "counted_in": "thinker_tokens_identical, talker_codes_identical"}
-                                            if images else "not run: the tiny checkpoint has no multimodal processor "
-                                                           "files (its builder had no torchvision)"),
+                                            if processor_missing is None else "not run: the tiny checkpoint has no multimodal processor "
+                                                           f"files: {processor_missing}"),
                           "timed": "the text requests"}
     report["hand_overs"] = ("vllm-omni's non-streaming ones (async_chunk false): thinker2talker_full_payload, "
                             "talker2code2wav_full_payload, whole requests")

@@ -21,7 +21,7 @@ Qwen2-VL's image and video processors at the tiny vision tower's patch and merge
 feature extractor at its mel bins, the chat template) is built from transformers' classes and saved
 beside it where torchvision is installed (transformers' Qwen2-VL video processor is torchvision-only,
 and the processor loads it for an image request too); elsewhere it is left out (`omni_tiny.json`
-says which).
+says so, and why).
 
   python -m tests.tiny_models.qwen3_omni OUT_DIR
 """
@@ -194,24 +194,28 @@ def write_tokenizer(path: Path) -> None:
     AutoTokenizer.from_pretrained(path).save_pretrained(path)
 
 
-def write_processor(path: Path) -> bool:
+def write_processor(path: Path) -> str | None:
     """Qwen3OmniMoeProcessor's files beside the tokenizer (written first), from transformers' own
-    classes; False (nothing written) without torchvision, which Qwen2-VL's video processor needs."""
+    classes; where it cannot (no torchvision, which Qwen2-VL's video processor needs, or a transformers
+    that builds it otherwise), nothing and why: the checkpoint then serves text only."""
     import importlib.util
 
     if importlib.util.find_spec("torchvision") is None:
-        return False
-    from transformers import (AutoTokenizer, Qwen2VLImageProcessor, Qwen2VLVideoProcessor, Qwen3OmniMoeProcessor,
-                              WhisperFeatureExtractor)
+        return "no torchvision (transformers' Qwen2-VL video processor needs it)"
+    try:
+        from transformers import (AutoTokenizer, Qwen2VLImageProcessor, Qwen2VLVideoProcessor, Qwen3OmniMoeProcessor,
+                                  WhisperFeatureExtractor)
 
-    grid = dict(patch_size=VISION["patch_size"], merge_size=VISION["spatial_merge_size"],
-                temporal_patch_size=VISION["temporal_patch_size"], size=dict(VISION_PIXELS))
-    processor = Qwen3OmniMoeProcessor(
-        image_processor=Qwen2VLImageProcessor(**grid), video_processor=Qwen2VLVideoProcessor(**grid),
-        feature_extractor=WhisperFeatureExtractor(feature_size=THINKER["audio_config"]["num_mel_bins"]),
-        tokenizer=AutoTokenizer.from_pretrained(path), chat_template=CHAT_TEMPLATE)
-    processor.save_pretrained(path)
-    return True
+        grid = dict(patch_size=VISION["patch_size"], merge_size=VISION["spatial_merge_size"],
+                    temporal_patch_size=VISION["temporal_patch_size"], size=dict(VISION_PIXELS))
+        processor = Qwen3OmniMoeProcessor(
+            image_processor=Qwen2VLImageProcessor(**grid), video_processor=Qwen2VLVideoProcessor(**grid),
+            feature_extractor=WhisperFeatureExtractor(feature_size=THINKER["audio_config"]["num_mel_bins"]),
+            tokenizer=AutoTokenizer.from_pretrained(path), chat_template=CHAT_TEMPLATE)
+        processor.save_pretrained(path)
+    except Exception as exc:  # the text-only checkpoint stands; the caller reports why
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def build(path: str | Path, seed: int = 0) -> Path:
@@ -223,8 +227,9 @@ def build(path: str | Path, seed: int = 0) -> Path:
     model = Qwen3OmniMoeForConditionalGeneration(config()).to(torch.bfloat16)
     model.save_pretrained(path)
     write_tokenizer(path)
-    processor = write_processor(path)
-    (path / "omni_tiny.json").write_text(json.dumps({"stamp": STAMP, "seed": seed, "processor": processor}))
+    missing = write_processor(path)
+    (path / "omni_tiny.json").write_text(json.dumps({"stamp": STAMP, "seed": seed, "processor": missing is None,
+                                                     "processor_missing": missing}))
     return path
 
 
