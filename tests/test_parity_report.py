@@ -305,6 +305,8 @@ def test_the_qwen3_omni_report_reads_the_talker_logprobs_where_the_tokens_differ
     assert found["reading"].startswith("near tie")
     wide = rec([5, 6, 9], [same[0], same[1], [[9, -0.1], [7, -2.6]]])  # swapped, margin 2.5 > 0
     assert "beyond" in qwen3_omni_parity.talker_margins(omni, wide, 2)["reading"]
+    first = qwen3_omni_parity.talker_margins(rec([7], [[[7, -0.70], [9, -0.72]]]), rec([9], [[[9, -0.70], [7, -0.71]]]), 0)
+    assert first["same_token_logprob_diff_before"] is None and "at the first token" in first["reading"]
     other = rec([5, 6, 4], same + [[[4, -0.1], [9, -3.0]]])
     assert qwen3_omni_parity.talker_margins(omni, other, 2)["reading"].startswith("a real difference")
     missing = qwen3_omni_parity.talker_margins(omni, rec([5, 6, 9], None), 2)
@@ -315,6 +317,19 @@ def test_the_qwen3_omni_report_reads_the_talker_logprobs_where_the_tokens_differ
     report = qwen3_omni_parity.compare(parity["omni"], parity["shim"])
     assert set(report["first_divergence"]) == {"p0"}
     assert report["first_divergence"]["p0"]["talker_logprobs"] == found
+
+
+def test_the_qwen3_omni_driver_sends_text_and_image_requests_only_where_the_checkpoint_has_its_processor(tmp_path):
+    import qwen3_omni_parity
+
+    assert qwen3_omni_parity.processor_missing(str(tmp_path)) == "its builder wrote none"
+    stamp = tmp_path / "omni_tiny.json"
+    stamp.write_text(json.dumps({"processor": False, "processor_missing": "no torchvision"}))
+    assert qwen3_omni_parity.processor_missing(str(tmp_path)) == "no torchvision"
+    stamp.write_text(json.dumps({"processor": True, "processor_missing": None}))
+    assert qwen3_omni_parity.processor_missing(str(tmp_path)) is None
+    assert all(r["image"] for r in qwen3_omni_parity.IMAGE_REQUESTS)
+    assert {r["rid"] for r in qwen3_omni_parity.IMAGE_REQUESTS}.isdisjoint(r["rid"] for r in qwen3_omni_parity.REQUESTS)
 
 
 def test_the_commit_measured_is_the_one_the_command_names(monkeypatch):

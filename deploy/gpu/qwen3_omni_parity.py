@@ -158,9 +158,11 @@ def talker_margins(omni: dict, shim: dict, step: int) -> dict:
     elif drift is not None and max(out["omni"]["margin"], out["shim"]["margin"]) <= drift:
         out["reading"] = (f"near tie: the same two tokens in swapped order, {margins}, within the pipelines' "
                           f"logprob difference on the same tokens before it ({drift:.4g})")
+    elif drift is None:
+        out["reading"] = f"the same two tokens in swapped order, {margins}, at the first token (none before it to compare)"
     else:
         out["reading"] = (f"the same two tokens in swapped order, {margins}, beyond the pipelines' logprob "
-                          f"difference on the same tokens before it ({'none' if drift is None else f'{drift:.4g}'})")
+                          f"difference on the same tokens before it ({drift:.4g})")
     return out
 
 
