@@ -268,16 +268,68 @@ def test_the_qwen3_omni_report_says_where_talker_tokens_and_codes_first_differ_a
                        "p1": {"thinker_tokens": [3], "talker_tokens": [5, 6], "codes": codes}},
             "code_predictor": {**greedy, "greedy_in_effect": False}}
     args = type("Args", (), {"cpu": False, "eager": False})()
-    report = qwen3_omni_parity.summary({"omni": omni, "shim": shim}, ["omni", "shim"], [1], args)
+    report = qwen3_omni_parity.summary({"omni": omni, "shim": shim}, ["omni", "shim"], [1], args,
+                                       "no torchvision (transformers' Qwen2-VL video processor needs it)")
+    assert report["requests"]["text_and_image"] == ("not run: the tiny checkpoint has no multimodal processor files: "
+                                                    "no torchvision (transformers' Qwen2-VL video processor needs it)")
     assert report["talker_codes_identical"] == "1/2" and report["talker_tokens_identical"] == "1/2"
+    unread = {"step": 1, "omni": "no logprobs: this pipeline's talker returned none",
+              "shim": "no logprobs: this pipeline's talker returned none", "same_token_logprob_diff_before": None,
+              "reading": "not read: a pipeline's logprobs are missing at this step"}
     assert report["first_divergence"] == {"p0": {"talker_token": 1,
-                                                 "code_frame": {"frame": 2, "codebooks": [3, 7], "frames": [5, 5]}}}
+                                                 "code_frame": {"frame": 2, "codebooks": [3, 7], "frames": [5, 5]},
+                                                 "talker_logprobs": unread}}
     assert report["code_predictor_sampling"] == {"omni": greedy, "shim": {**greedy, "greedy_in_effect": False}}
     assert report["code_predictor_greedy_in_effect"] is False
     # One side's codes a prefix of the other's: they differ where the shorter ends.
     first_four = [c for k in range(q) for c in codes[k * 5:k * 5 + 4]]
     assert qwen3_omni_parity.code_difference(codes, first_four) == {"frame": 4, "codebooks": [], "frames": [5, 4]}
     assert qwen3_omni_parity.first_difference([1, 2], [1, 2, 3]) == 2 and qwen3_omni_parity.code_difference(codes, None) is None
+
+
+def test_the_qwen3_omni_report_reads_the_talker_logprobs_where_the_tokens_differ():
+    """Each pipeline's two candidates and margin at the first differing talker token; a near tie only
+    when the same two tokens swap and each margin is within the pipelines' difference before it."""
+    import qwen3_omni_parity
+
+    def rec(tokens, tops):
+        return {"talker_tokens": tokens, "talker_logprobs": tops}
+
+    same = [[[5, -0.5], [8, -1.5]], [[6, -0.25], [3, -2.0]]]  # two steps alike but for 0.03 on token 6
+    omni = rec([5, 6, 7], same + [[[7, -0.70], [9, -0.72]]])
+    swapped = rec([5, 6, 9], [same[0], [[6, -0.28], [3, -2.0]], [[9, -0.70], [7, -0.71]]])
+    found = qwen3_omni_parity.talker_margins(omni, swapped, 2)
+    assert found["omni"] == {"tokens": [7, 9], "logprobs": [-0.70, -0.72], "margin": pytest.approx(0.02)}
+    assert found["shim"]["tokens"] == [9, 7] and found["shim"]["margin"] == pytest.approx(0.01)
+    assert found["same_token_logprob_diff_before"] == pytest.approx(0.03)
+    assert found["reading"].startswith("near tie")
+    wide = rec([5, 6, 9], [same[0], same[1], [[9, -0.1], [7, -2.6]]])  # swapped, margin 2.5 > 0
+    assert "beyond" in qwen3_omni_parity.talker_margins(omni, wide, 2)["reading"]
+    first = qwen3_omni_parity.talker_margins(rec([7], [[[7, -0.70], [9, -0.72]]]), rec([9], [[[9, -0.70], [7, -0.71]]]), 0)
+    assert first["same_token_logprob_diff_before"] is None and "at the first token" in first["reading"]
+    other = rec([5, 6, 4], same + [[[4, -0.1], [9, -3.0]]])
+    assert qwen3_omni_parity.talker_margins(omni, other, 2)["reading"].startswith("a real difference")
+    missing = qwen3_omni_parity.talker_margins(omni, rec([5, 6, 9], None), 2)
+    assert missing["shim"].startswith("no logprobs") and missing["reading"].startswith("not read")
+    # In the report: under first_divergence, for the differing request only.
+    parity = {"omni": {"parity": {"p0": {**omni, "thinker_tokens": [1]}, "p1": {**rec([5], same[:1]), "thinker_tokens": [1]}}},
+              "shim": {"parity": {"p0": {**swapped, "thinker_tokens": [1]}, "p1": {**rec([5], same[:1]), "thinker_tokens": [1]}}}}
+    report = qwen3_omni_parity.compare(parity["omni"], parity["shim"])
+    assert set(report["first_divergence"]) == {"p0"}
+    assert report["first_divergence"]["p0"]["talker_logprobs"] == found
+
+
+def test_the_qwen3_omni_driver_sends_text_and_image_requests_only_where_the_checkpoint_has_its_processor(tmp_path):
+    import qwen3_omni_parity
+
+    assert qwen3_omni_parity.processor_missing(str(tmp_path)) == "its builder wrote none"
+    stamp = tmp_path / "omni_tiny.json"
+    stamp.write_text(json.dumps({"processor": False, "processor_missing": "no torchvision"}))
+    assert qwen3_omni_parity.processor_missing(str(tmp_path)) == "no torchvision"
+    stamp.write_text(json.dumps({"processor": True, "processor_missing": None}))
+    assert qwen3_omni_parity.processor_missing(str(tmp_path)) is None
+    assert all(r["image"] for r in qwen3_omni_parity.IMAGE_REQUESTS)
+    assert {r["rid"] for r in qwen3_omni_parity.IMAGE_REQUESTS}.isdisjoint(r["rid"] for r in qwen3_omni_parity.REQUESTS)
 
 
 def test_the_commit_measured_is_the_one_the_command_names(monkeypatch):

@@ -98,6 +98,24 @@ def test_tokenizer_has_the_published_special_ids(job):
         "tts_eos_token_id": "<tts_text_eod>"}
     assert len(tok["text_ids"]) == len("hi there") and max(tok["text_ids"]) < 256  # bytes, no merges
     assert tok["chat"] == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    # Named as published, at the config's ids: what Qwen3OmniMoeProcessor reads for an image or audio.
+    assert tok["multimodal_tokens"] == {
+        "image_token": ["<|image_pad|>", 151655], "video_token": ["<|video_pad|>", 151656],
+        "audio_token": ["<|audio_pad|>", 151675], "vision_bos_token": ["<|vision_start|>", 151652],
+        "vision_eos_token": ["<|vision_end|>", 151653], "audio_bos_token": ["<|audio_start|>", 151669],
+        "audio_eos_token": ["<|audio_end|>", 151670]}
+
+
+def test_processor_files_only_where_torchvision_is(job):
+    """Qwen3OmniMoeProcessor loads Qwen2-VL's video processor for any multimodal request, and
+    transformers has that one on torchvision only: without it (this venv) the builder leaves the
+    processor out and says so, and the H200 driver reports its text + image requests as not run."""
+    import importlib.util
+
+    tok = job["tokenizer"]
+    has_torchvision = importlib.util.find_spec("torchvision") is not None
+    assert tok["stamp"]["processor"] is has_torchvision
+    assert tok["processor_files"] == (["processor_config.json"] if has_torchvision else [])
 
 
 def test_talker_stage_config_through_hf_overrides(job):

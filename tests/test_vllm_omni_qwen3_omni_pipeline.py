@@ -7,7 +7,11 @@ outer class underneath), each with its sidecar; vllm-omni's own hand-over functi
 - code2wav alone (random codes): vllm-omni's decoder through the stage's clock gives transformers'
   `Qwen3OmniMoeCode2Wav` waveform on the same codes and weights;
 - the thinker (MoE, M-RoPE) runs every request, its captured layers 0 and 24 reach vllm-omni's
-  thinker -> talker hand-over, and the talker's prefill (vllm-omni's preprocess) runs on them;
+  thinker -> talker hand-over, and the talker's prefill (vllm-omni's preprocess) runs on them and
+  samples its first token, returned with its top-2 logprobs (what the parity report reads);
+- text + image requests (one generated image) through the thinker's multimodal path, where the
+  checkpoint has its processor files: its builder needs torchvision, which this CPU venv leaves out
+  (skipped then, saying so);
 - the limit on CPU, exactly: the talker's decode step. Its code predictor asks vllm-omni's platform
   whether torch inductor is there, and vllm-omni 0.26 has no CPU platform (NotImplementedError), as
   for Qwen3-TTS (tests/test_vllm_omni_models.py); the H200 run (deploy/gpu/run_qwen3_omni.sh) goes on;
@@ -39,7 +43,7 @@ def run(tmp_path_factory):
     build_tiny_qwen3_omni(work / "model")
     driver = subprocess.run([sys.executable, str(ROOT / "deploy" / "gpu" / "qwen3_omni_parity.py"), "--model",
                              str(work / "model"), "--out", str(work / "run"), "--kinds", "shim", "--cpu",
-                             "--concurrency", "1", "--limit-s", "600"], env=env, capture_output=True, text=True,
+                             "--concurrency", "8", "--limit-s", "600"], env=env, capture_output=True, text=True,
                             timeout=700)
     report = work / "run" / "qwen3-omni-report.json"
     assert report.is_file(), driver.stdout[-3000:] + driver.stderr[-3000:]
@@ -77,12 +81,49 @@ def test_code2wav_stage_equals_transformers(run):
 def test_thinker_runs_and_hands_over_to_the_talker_prefill(run):
     parity = run["results"]["shim"]["parity"]
     reached = {rid: p for rid, p in parity.items() if p["stage"] != "thinker"}
-    assert reached, parity
+    assert reached and set(reached) == set(parity), parity  # one batch: all hand over before the talker decodes
     for p in reached.values():
         assert len(p["thinker_tokens"]) == 12
         # vllm-omni's own length for the talker's prompt (user turn + 9 assistant rows) was computed.
         assert p["talker_prompt_len"] > 9
     assert len({t for p in reached.values() for t in p["thinker_tokens"]}) > 2, "degenerate tokens prove little"
+
+
+def test_the_talker_prefill_returns_its_sampled_token_and_the_runner_up_with_logprobs(run):
+    """The parity report reads, where the two pipelines' talker tokens differ, each one's top-2 margin:
+    the shim's talker (V2's sampler) returns them; on CPU for its prefill step's token."""
+    parity = run["results"]["shim"]["parity"]
+    talked = {rid: p for rid, p in parity.items() if p["talker_tokens"]}
+    assert talked, parity
+    for p in talked.values():
+        assert len(p["talker_logprobs"]) == len(p["talker_tokens"]) >= 1
+        for token, top in zip(p["talker_tokens"], p["talker_logprobs"]):
+            (t1, l1), (t2, l2) = top
+            assert t1 == token and t2 != token  # greedy: the sampled token is the best one
+            assert 0.0 >= l1 >= l2 > -1e6  # the talker's suppressed tokens (-1e9 logits) are never the runner-up
+
+
+def test_the_thinker_serves_text_and_image_requests(run):
+    """Where the checkpoint has its processor files (its builder had torchvision: transformers' Qwen2-VL
+    video processor, which Qwen3OmniMoeProcessor loads for an image request too, is torchvision-only),
+    vllm-omni's thinker takes the generated image through vLLM's multimodal processor (its placeholder
+    expanded to the image's 2 tokens), its vision tower and M-RoPE, runs every token, and hands over to
+    the talker's prefill."""
+    image_requests = run["summary"]["requests"]["text_and_image"]
+    if not isinstance(image_requests, dict):
+        pytest.skip(image_requests)
+    from tests.tiny_models.qwen3_omni import VISION, image_chat_prompt
+
+    spec = image_requests["image"]
+    tokens = spec["width"] * spec["height"] // (VISION["patch_size"] * VISION["spatial_merge_size"]) ** 2
+    assert tokens == 2
+    parity = run["results"]["shim"]["parity"]
+    for req in image_requests["requests"]:
+        p = parity[req["rid"]]
+        assert p["stage"] == "talker", p
+        assert p["thinker_prompt_len"] == len(image_chat_prompt([0] * req["text_len"])) - 1 + tokens
+        assert len(p["thinker_tokens"]) == 12 and p["talker_prompt_len"] > 9
+        assert len(p["talker_logprobs"]) == len(p["talker_tokens"]) == 1
 
 
 def test_the_talker_decode_step_is_the_cpu_limit(run):

@@ -21,8 +21,9 @@ false` mode: a request moves on when it finishes), built by vllm-omni's own func
 (`thinker2talker_full_payload`, `_compute_talker_prompt_ids_length`, `talker2code2wav_full_payload`, called through
 worker_shim/omni_models/qwen3_omni/handover.py, as omni-serve calls them) from each pipeline's stage
 outputs. The process steps the three engines in turn and moves each request on as its stage
-finishes it; per request it records the thinker's tokens, the talker's codes, the waveform and the
-time from its arrival to its audio (TTFA: the code2wav step that returned its waveform).
+finishes it; per request it records the thinker's tokens, the talker's codes (and, for the parity
+requests, its top two logprobs per token), the waveform and the time from its arrival to its audio
+(TTFA: the code2wav step that returned its waveform).
 Each engine of a pipeline reports the vllm-omni patches found in its process.
 """
 
@@ -67,18 +68,30 @@ OMNI_STAGE_ARGS = {
 # them in its own chunks (chunked_decode), the same in both pipelines.
 WHOLE_CODES = {"codec_chunk_frames": 1 << 16, "codec_left_context_frames": 0}
 CODE2WAV_PLACEHOLDER = 0  # the shim's code2wav prompt token: a clock (docs/ARCHITECTURE.md, "Generation-only stages")
-TEXT_ONLY = {"image": 0, "video": 0, "audio": 0}  # the tiny checkpoint has no processor files
+TEXT_ONLY = {"image": 0, "video": 0, "audio": 0}
+ONE_IMAGE = {"image": 1, "video": 0, "audio": 0}  # the thinker's, where the job has text + image requests
 STEP_DEADLINE_S = 120  # no output from any stage for this long: stuck
 TRACEBACK_TAIL = 6000  # characters of a traceback kept in the result: its last frames
 
 
-def thinker_prompt(text_len: int, seed: int) -> list[int]:
-    """A one-turn chat (tests/tiny_models/qwen3_omni.py's `chat_prompt`) of TEXT_LEN random byte tokens."""
+def thinker_prompt(text_len: int, seed: int, image: bool = False) -> list[int]:
+    """A one-turn chat (tests/tiny_models/qwen3_omni.py's `chat_prompt`) of TEXT_LEN random byte tokens;
+    with IMAGE, one image's placeholder before them (`image_chat_prompt`)."""
     import numpy as np
 
-    from tests.tiny_models.qwen3_omni import chat_prompt
+    from tests.tiny_models.qwen3_omni import chat_prompt, image_chat_prompt
 
-    return chat_prompt(np.random.default_rng(seed).integers(0, 256, text_len).tolist())
+    text = np.random.default_rng(seed).integers(0, 256, text_len).tolist()
+    return image_chat_prompt(text) if image else chat_prompt(text)
+
+
+def generated_image(spec: dict) -> Any:
+    """The text + image requests' image: seeded random RGB pixels of spec's width and height."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(spec["seed"]).integers(0, 256, (spec["height"], spec["width"], 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
 
 
 def engine_args(job: dict, stage: str) -> dict:
@@ -89,6 +102,9 @@ def engine_args(job: dict, stage: str) -> dict:
                 max_model_len=limits["max_model_len"], max_num_seqs=job["max_num_seqs"],
                 max_num_batched_tokens=limits["max_num_batched_tokens"],
                 kv_cache_memory_bytes=job["kv_cache_memory_bytes"], limit_mm_per_prompt=TEXT_ONLY)
+    if stage == "thinker" and job.get("image"):
+        # vLLM's multimodal processor expands the image placeholder with the checkpoint's tokenizer.
+        args.update(limit_mm_per_prompt=ONE_IMAGE, skip_tokenizer_init=False)
     if job.get("gpu_memory_utilization"):
         args["gpu_memory_utilization"] = job["gpu_memory_utilization"]
     return args
@@ -234,8 +250,15 @@ class Pipeline:
 
     # -- entering a stage ------------------------------------------------------------------
 
-    def add(self, stage: str, rid: str, prompt: list[int], params: Any, payload: dict | None) -> None:
+    def add(self, stage: str, rid: str, prompt: list[int], params: Any, payload: dict | None,
+            image: Any = None) -> None:
         engine = self.engines[stage]
+        if image is not None:
+            # A thinker request with an image, in both pipelines through the engine's input processor
+            # (vLLM's multimodal processor: the model's, vllm-omni's thinker processor in both), as
+            # vllm-omni's stage-0 input processor takes one.
+            engine.add_request(rid, {"prompt_token_ids": prompt, "multi_modal_data": {"image": image}}, params)
+            return
         if self.kind == "omni":
             from vllm_omni.engine.orchestrator import build_engine_core_request_from_tokens
 
@@ -273,11 +296,20 @@ class Pipeline:
             client.close()
 
 
-def sampling(max_tokens: int, stop: list[int] | None = None) -> Any:
+def sampling(max_tokens: int, stop: list[int] | None = None, logprobs: int | None = None) -> Any:
     from vllm import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=not stop, stop_token_ids=stop or None,
-                          detokenize=False)
+                          detokenize=False, logprobs=logprobs)
+
+
+def top_logprobs(steps: Any, n: int) -> list[list[list]] | None:
+    """A request's per-token logprobs (vLLM's list of {token id: Logprob}) as, per token, its N best
+    [token id, logprob] pairs, best first; None where the engine returned none."""
+    if steps is None:
+        return None
+    return [[[int(t), float(lp.logprob)] for t, lp in sorted((step or {}).items(), key=lambda e: -e[1].logprob)]
+            [:n] for step in steps]
 
 
 def talker_input(pipe: Pipeline, rid: str, prompt: list[int], tokens: list[int]) -> tuple[list[int], dict] | None:
@@ -342,12 +374,12 @@ def run_requests(pipe: Pipeline, reqs: list[dict], job: dict, keep: bool, deadli
                  state: dict[str, dict]) -> dict:
     """Every request enters the thinker at once; the engines step in turn; each request moves on as
     its stage finishes it. Per request, into `state` (the caller keeps what a failure leaves): tokens,
-    codes, waveform (when `keep`), TTFA."""
+    codes, TTFA; when `keep` (the parity requests) also the waveform and the talker's top logprobs."""
     limits = job["max_tokens"]
     t0 = time.perf_counter()
     for r in reqs:
         state[r["rid"]] = {"prompt": r["prompt"], "t_in": time.perf_counter()}
-        pipe.add("thinker", r["rid"], r["prompt"], sampling(limits["thinker"]), None)
+        pipe.add("thinker", r["rid"], r["prompt"], sampling(limits["thinker"]), None, r.get("image"))
     audio_samples = 0
     last_progress = time.monotonic()
     errors: dict[str, str] = {}
@@ -373,6 +405,12 @@ def run_requests(pipe: Pipeline, reqs: list[dict], job: dict, keep: bool, deadli
                 outs = engine.step()
             now = time.perf_counter()
             for o in outs:
+                if keep and stage == "talker" and o.request_id in state and o.outputs:
+                    # Every step's (cumulative) output, not only the last: on CPU the talker's
+                    # decode step fails after its prefill step sampled the first token.
+                    state[o.request_id]["talker_tokens"] = list(o.outputs[0].token_ids)
+                    state[o.request_id]["talker_logprobs"] = top_logprobs(o.outputs[0].logprobs,
+                                                                          job["talker_logprobs"])
                 if not o.finished:
                     continue
                 last_progress = time.monotonic()
@@ -384,11 +422,15 @@ def run_requests(pipe: Pipeline, reqs: list[dict], job: dict, keep: bool, deadli
                 try:
                     if stage == "thinker":
                         st["thinker_tokens"] = tokens
-                        handed = talker_input(pipe, rid, st["prompt"], tokens)
+                        # The prompt the thinker ran: an image's placeholder expanded to its tokens.
+                        st["thinker_prompt_len"] = len(o.prompt_token_ids or st["prompt"])
+                        handed = talker_input(pipe, rid, list(o.prompt_token_ids or st["prompt"]), tokens)
                         if handed is None:
                             raise RuntimeError("no thinker -> talker payload (thinker outputs missing)")
                         st["talker_prompt_len"] = len(handed[0])
-                        pipe.add("talker", rid, handed[0], sampling(limits["talker"], [job["codec_eos"]]), handed[1])
+                        pipe.add("talker", rid, handed[0], sampling(limits["talker"], [job["codec_eos"]],
+                                                                     job["talker_logprobs"] if keep else None),
+                                 handed[1])
                         open_reqs["talker"].add(rid)
                         st["stage"] = "talker"
                     elif stage == "talker":
@@ -428,7 +470,8 @@ def parity_record(st: dict) -> dict:
     if codes is not None and not isinstance(codes, list):
         codes = codes.t().reshape(-1).tolist()  # [frames, Q] -> codebook-major flat, as vllm-omni's
     return {"stage": st.get("stage", "thinker"), "thinker_tokens": st.get("thinker_tokens"),
-            "talker_tokens": st.get("talker_tokens"), "talker_prompt_len": st.get("talker_prompt_len"),
+            "talker_tokens": st.get("talker_tokens"), "talker_logprobs": st.get("talker_logprobs"),
+            "thinker_prompt_len": st.get("thinker_prompt_len"), "talker_prompt_len": st.get("talker_prompt_len"),
             "codes": codes, "code_rows": int(st["raw_codes"].shape[0]) if st.get("raw_codes") is not None else None,
             "waveform": st["waveform"].tolist() if st.get("waveform") is not None else None}
 
@@ -498,9 +541,11 @@ def main(job_path: str, result_path: str) -> None:
         result["start_s"] = job.get("start_s")
         result["start_total_s"] = round(time.monotonic() - t0, 1)
         result["code_predictor"] = pipe.code_predictor
-        prompts = {r["rid"]: thinker_prompt(r["text_len"], r["seed"]) for r in job["requests"]}
+        prompts = {r["rid"]: thinker_prompt(r["text_len"], r["seed"], bool(r.get("image"))) for r in job["requests"]}
+        image = generated_image(job["image"]) if job.get("image") else None
         result["code2wav_direct"] = code2wav_direct(pipe, job, deadline)
-        reqs = [{"rid": rid, "prompt": p} for rid, p in prompts.items()]
+        reqs = [{"rid": r["rid"], "prompt": prompts[r["rid"]], "image": image if r.get("image") else None}
+                for r in job["requests"]]
         state: dict[str, dict] = {}
         try:
             run = run_requests(pipe, reqs, job, True, deadline, state)
@@ -516,8 +561,8 @@ def main(job_path: str, result_path: str) -> None:
             if time.monotonic() > deadline - job.get("bench_reserve_s", 0):
                 result["runs"][str(n)] = {"skipped": "the run's limit"}
                 continue
-            reqs = [{"rid": f"c{n}r{i}", "prompt": prompts[job["requests"][i % len(job["requests"])]["rid"]]}
-                    for i in range(n)]
+            text = [r["rid"] for r in job["requests"] if not r.get("image")]  # timed on the text requests
+            reqs = [{"rid": f"c{n}r{i}", "prompt": prompts[text[i % len(text)]]} for i in range(n)]
             try:
                 run = run_requests(pipe, reqs, job, False, deadline, {})
             except TimeoutError as exc:

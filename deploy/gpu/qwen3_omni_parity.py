@@ -37,10 +37,18 @@ from tests.tiny_models.qwen3_omni import CODEC_IDS, NUM_CODE_GROUPS  # noqa: E40
 from worker_shim.omni_models.qwen3_omni.code_predictor import CHOICES as CODE_PREDICTOR_CHOICES  # noqa: E402
 
 ENGINES = HERE / "qwen3_omni_engines.py"
-# Text requests of different lengths (the text + image ones need the processor files, which the tiny
-# checkpoint does not have: reported as not run).
+# Text requests of different lengths, and text + image ones: the same generated image (IMAGE) before
+# their text, where the checkpoint has its multimodal processor files (built where torchvision is:
+# tests/tiny_models/qwen3_omni.py), else reported as not run.
 REQUESTS = [dict(rid=f"p{i}", text_len=n, seed=i) for i, n in enumerate((6, 17, 33, 50))]
+IMAGE_REQUESTS = [dict(rid=f"i{i}", text_len=n, seed=10 + i, image=True) for i, n in enumerate((6, 33))]
+# 64 x 32 pixels: a 2 x 4 grid of the tiny vision tower's 16-pixel patches, 2 image tokens once merged 2 x 2.
+IMAGE = {"width": 64, "height": 32, "seed": 7}
 MAX_TOKENS = {"thinker": 12, "talker": 40}
+# The talker's parity requests return their top two logprobs per token (raw: before any processing,
+# vLLM's default logprobs mode in both runners): where the pipelines' tokens differ, the report
+# reads each one's margin between its two candidates (`talker_margins`).
+TALKER_LOGPROBS = 2
 SAMPLE_RATE = 24000  # vllm-omni's default for Qwen3-Omni's code2wav (metrics.definitions); the same for both
 # bf16 (8 significant bits, compounded through the decoder): a waveform differs where the two
 # runners order the same reductions differently. Bound: max abs diff <= this x the peak of vllm-omni's.
@@ -98,6 +106,9 @@ def compare(omni: dict, shim: dict) -> dict:
     diffs = [w.get("max_abs_diff") for w in waves.values()]
     where = {r: {"talker_token": first_difference(a.get(r, {}).get("talker_tokens"), b.get(r, {}).get("talker_tokens")),
                  "code_frame": code_difference(a.get(r, {}).get("codes"), b.get(r, {}).get("codes"))} for r in rids}
+    for r, w in where.items():
+        if w["talker_token"] is not None:
+            w["talker_logprobs"] = talker_margins(a.get(r, {}), b.get(r, {}), w["talker_token"])
     return {"thinker_tokens_identical": f"{same_tokens}/{n}", "talker_tokens_identical": f"{same_talker}/{n}",
             "talker_codes_identical": f"{same_codes}/{n}",
             "first_divergence": {r: w for r, w in where.items() if any(v is not None for v in w.values())},
@@ -111,6 +122,48 @@ def first_difference(x: list | None, y: list | None) -> int | None:
     if x is None or y is None or x == y:
         return None
     return next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+
+
+def talker_margins(omni: dict, shim: dict, step: int) -> dict:
+    """At the talker token where the pipelines first differ: each one's two best candidates, their
+    logprobs and the margin between them; the largest difference between the two pipelines' logprobs
+    of the same sampled token before that step (how far their numerics already stood apart); and a
+    reading: a near tie (the same two candidates in swapped order, each margin within that difference)
+    or a real difference."""
+    out: dict = {"step": step}
+    tops: dict[str, list] = {}
+    for kind, rec in (("omni", omni), ("shim", shim)):
+        steps = rec.get("talker_logprobs")
+        if steps is None:
+            out[kind] = "no logprobs: this pipeline's talker returned none"
+        elif step >= len(steps):
+            out[kind] = f"no logprobs at this step: its talker returned {len(steps)} tokens"
+        elif len(steps[step]) < 2:
+            out[kind] = f"fewer than two candidates at this step: {steps[step]}"
+        else:
+            (t1, l1), (t2, l2) = steps[step][:2]
+            tops[kind] = [t1, t2]
+            out[kind] = {"tokens": [t1, t2], "logprobs": [l1, l2], "margin": l1 - l2}
+    a, b = omni.get("talker_logprobs"), shim.get("talker_logprobs")
+    before = ([abs(x[0][1] - y[0][1]) for x, y in zip(a[:step], b[:step]) if x and y and x[0][0] == y[0][0]]
+              if a is not None and b is not None else [])
+    drift = max(before) if before else None
+    out["same_token_logprob_diff_before"] = drift
+    if len(tops) < 2:
+        out["reading"] = "not read: a pipeline's logprobs are missing at this step"
+        return out
+    margins = f"margins {out['omni']['margin']:.4g} (vllm-omni) and {out['shim']['margin']:.4g} (ours)"
+    if tops["omni"] != tops["shim"][::-1]:
+        out["reading"] = f"a real difference: other candidates ({tops['omni']} vs ours {tops['shim']}), {margins}"
+    elif drift is not None and max(out["omni"]["margin"], out["shim"]["margin"]) <= drift:
+        out["reading"] = (f"near tie: the same two tokens in swapped order, {margins}, within the pipelines' "
+                          f"logprob difference on the same tokens before it ({drift:.4g})")
+    elif drift is None:
+        out["reading"] = f"the same two tokens in swapped order, {margins}, at the first token (none before it to compare)"
+    else:
+        out["reading"] = (f"the same two tokens in swapped order, {margins}, beyond the pipelines' logprob "
+                          f"difference on the same tokens before it ({drift:.4g})")
+    return out
 
 
 def code_difference(x: list | None, y: list | None) -> dict | None:
@@ -157,8 +210,12 @@ def main() -> None:
     out.chmod(0o700)  # the sidecars' sockets live there
     kinds = args.kinds.split(",")
     concurrency = [int(n) for n in args.concurrency.split(",")]
+    missing = processor_missing(args.model)
+    images = missing is None
     env = {} if args.cpu else {"CUDA_VISIBLE_DEVICES": args.gpus}
-    job = {"model": args.model, "requests": REQUESTS, "max_tokens": MAX_TOKENS, "codec_eos": CODEC_IDS["codec_eos_token_id"],
+    job = {"model": args.model, "requests": REQUESTS + (IMAGE_REQUESTS if images else []),
+           "image": IMAGE if images else None, "max_tokens": MAX_TOKENS, "codec_eos": CODEC_IDS["codec_eos_token_id"],
+           "talker_logprobs": TALKER_LOGPROBS,
            "concurrency": concurrency, "max_num_seqs": max(concurrency), "limits": limits(max(concurrency)),
            "dtype": "bfloat16", "enforce_eager": args.cpu or args.eager, "code_predictor": args.code_predictor,
            "kv_cache_memory_bytes": (64 << 20) if args.cpu else (1 << 30),
@@ -191,7 +248,7 @@ def main() -> None:
     finally:
         for sc in sidecars.values():
             sc.stop()
-    report = summary(results, kinds, concurrency, args)
+    report = summary(results, kinds, concurrency, args, missing)
     report["wall_s"] = round(time.monotonic() - t0, 1)
     (out / "qwen3-omni-report.json").write_text(json.dumps({"summary": report, "results": results}, default=str))
     if args.result:
@@ -199,7 +256,16 @@ def main() -> None:
     print(table(report), flush=True)
 
 
-def summary(results: dict, kinds: list[str], concurrency: list[int], args: argparse.Namespace) -> dict:
+def processor_missing(model: str) -> str | None:
+    """Why the tiny checkpoint has no multimodal processor files (its builder says); None where it has them."""
+    stamp = Path(model) / "omni_tiny.json"
+    found = json.loads(stamp.read_text()) if stamp.is_file() else {}
+    return None if found.get("processor") else found.get("processor_missing") or "its builder wrote none"
+
+
+def summary(results: dict, kinds: list[str], concurrency: list[int], args: argparse.Namespace,
+            processor_missing: str | None) -> dict:
+    """The report; `processor_missing` None where the text + image requests ran, else why they did not."""
     from parity import run_commit, run_versions  # deploy/gpu/ is this script's folder
 
     omni, shim = results.get("omni", {}), results.get("shim", {})
@@ -223,8 +289,15 @@ def summary(results: dict, kinds: list[str], concurrency: list[int], args: argpa
                                   "start_s": results.get(kind, {}).get("start_s"),
                                   "traceback": where_it_failed(results.get(kind, {}))}
                            for kind in kinds}
+    report["talker_logprobs"] = (f"each pipeline's talker returns its top {TALKER_LOGPROBS} logprobs per token for the "
+                                 "parity requests (SamplingParams logprobs; raw, before sampling): first_divergence's "
+                                 "talker_logprobs reads them where the tokens differ")
     report["requests"] = {"text": [dict(r) for r in REQUESTS], "max_tokens": MAX_TOKENS,
-                          "text_and_image": "not run: the tiny checkpoint has no multimodal processor files"}
+                          "text_and_image": ({"requests": [dict(r) for r in IMAGE_REQUESTS], "image": IMAGE,
+                                             "counted_in": "thinker_tokens_identical, talker_codes_identical"}
+                                            if processor_missing is None else "not run: the tiny checkpoint has no multimodal processor "
+                                                           f"files: {processor_missing}"),
+                          "timed": "the text requests"}
     report["hand_overs"] = ("vllm-omni's non-streaming ones (async_chunk false): thinker2talker_full_payload, "
                             "talker2code2wav_full_payload, whole requests")
     report["versions"] = {**run_versions(), "cpu_only": args.cpu, "enforce_eager": args.cpu or args.eager}

@@ -7,7 +7,9 @@
 # the published layout (tests/tiny_models/qwen3_omni.py), then runs PARTS (default parity; parity,serve runs both,
 # the serve part only with SERVE_NEEDS_S left, which the parity part leaves it):
 # - parity: deploy/gpu/qwen3_omni_parity.py: vllm-omni 0.26's own three stages (V1 runner) and ours
-#   (three V2 engines + shim + a sidecar each), the same requests, side by side;
+#   (three V2 engines + shim + a sidecar each), the same requests (text, and text + one generated image
+#   where the checkpoint's builder had torchvision), side by side; the talkers' top-2 logprobs where
+#   their tokens differ;
 # - serve: omni-serve on deploy/speech/qwen3-omni-gpu.toml (the same stage classes, free-running
 #   behind /v1/audio/speech, vllm-omni's hand-overs) driven by deploy/gpu/speech_serving.py: TTFA
 #   and audio seconds per second at 1 and 16 concurrent streaming requests. Its HTTP front end needs

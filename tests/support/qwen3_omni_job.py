@@ -87,8 +87,14 @@ def _tokenizer(model: str) -> dict:
                                                   "tts_bos_token_id", "tts_eos_token_id")})
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
                                          tokenize=False)
+    # The named multimodal tokens Qwen3OmniMoeProcessor reads (tokenizer.image_token, ..._id).
+    multimodal = {name: [getattr(tokenizer, name, None), getattr(tokenizer, f"{name}_id", None)]
+                  for name in ("image_token", "video_token", "audio_token", "vision_bos_token", "vision_eos_token",
+                               "audio_bos_token", "audio_eos_token")}
     return {"size": len(tokenizer), "tokens": {k: tokenizer.convert_ids_to_tokens(v) for k, v in named.items()},
-            "text_ids": tokenizer("hi there")["input_ids"], "chat": chat}
+            "text_ids": tokenizer("hi there")["input_ids"], "chat": chat, "multimodal_tokens": multimodal,
+            "stamp": json.loads((Path(model) / "omni_tiny.json").read_text()),
+            "processor_files": sorted(f.name for f in Path(model).iterdir() if "processor" in f.name)}
 
 
 def _registry(names: list[str]) -> dict[str, str]:

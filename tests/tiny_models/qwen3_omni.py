@@ -15,7 +15,13 @@ no longer declares (the vision encoder's `image_size`, the text models' `tie_wor
 ...) are written too: upstream vLLM reads them. The text tokenizer is the published kind (Qwen2's
 byte-level BPE, its 33 added tokens at the published ids 151643..151675, a ChatML chat template)
 with no merges and the byte alphabet as its only text tokens (ids 0..255; the ids between are
-unused entries). The multimodal processor files are not written (text-only engines here).
+unused entries), its multimodal tokens named as published (`image_token` "<|image_pad|>", ...). The
+multimodal processor vllm-omni's thinker loads for an image (`Qwen3OmniMoeProcessor`: that tokenizer,
+Qwen2-VL's image and video processors at the tiny vision tower's patch and merge sizes, Whisper's
+feature extractor at its mel bins, the chat template) is built from transformers' classes and saved
+beside it where torchvision is installed (transformers' Qwen2-VL video processor is torchvision-only,
+and the processor loads it for an image request too); elsewhere it is left out (`omni_tiny.json`
+says so, and why).
 
   python -m tests.tiny_models.qwen3_omni OUT_DIR
 """
@@ -98,9 +104,18 @@ FIRST_ADDED_ID = 151643
 NEWLINE_ID = 198  # "\n" (byte-level "Ċ"): the published id, and this vocabulary's (its sorted byte alphabet)
 NOT_SPECIAL = {"<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
                "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
+# The published tokenizer's named multimodal tokens (Qwen3OmniMoeProcessor reads them, and their ids).
+NAMED_TOKENS = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "audio_token": "<|audio_pad|>",
+                "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
+                "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>"}
+VISION = THINKER["vision_config"]
+# An image's pixel budget, in merged patches (each (patch x merge)^2 pixels): 1 to 16 of them, i.e. 1 to
+# 16 image tokens, which keeps the engines' encoder profiling and a request's prompt small.
+MERGED_PATCH_PIXELS = (VISION["patch_size"] * VISION["spatial_merge_size"]) ** 2
+VISION_PIXELS = {"shortest_edge": MERGED_PATCH_PIXELS, "longest_edge": 16 * MERGED_PATCH_PIXELS}
 CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-STAMP = "tiny-qwen3-omni-v2"
+STAMP = "tiny-qwen3-omni-v3"
 
 
 def chat_prompt(text_ids: list[int]) -> list[int]:
@@ -118,6 +133,14 @@ def conversation_prompt(turns: list[tuple[int, list[int]]]) -> list[int]:
     for role, text in turns:
         ids += [im_start, role, NEWLINE_ID] + list(text) + [im_end, NEWLINE_ID]
     return ids + [im_start, TOP["assistant_token_id"], NEWLINE_ID]
+
+
+def image_chat_prompt(text_ids: list[int]) -> list[int]:
+    """`chat_prompt` of a user turn with one image before its text, as the published chat template
+    writes an image item: <|vision_start|><|image_pad|><|vision_end|> (vLLM's multimodal processor
+    expands the one <|image_pad|> to the image's tokens)."""
+    image = [THINKER["vision_start_token_id"], THINKER["image_token_id"], THINKER["vision_end_token_id"]]
+    return chat_prompt(image + list(text_ids))
 
 
 def text_ids(text: str) -> list[int]:
@@ -167,8 +190,32 @@ def write_tokenizer(path: Path) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(dict(
         tokenizer_class="Qwen2Tokenizer", model_max_length=65536, errors="replace", clean_up_tokenization_spaces=False,
         bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None, split_special_tokens=False,
-        added_tokens_decoder=added, chat_template=CHAT_TEMPLATE), indent=1))
+        added_tokens_decoder=added, extra_special_tokens=NAMED_TOKENS, chat_template=CHAT_TEMPLATE), indent=1))
     AutoTokenizer.from_pretrained(path).save_pretrained(path)
+
+
+def write_processor(path: Path) -> str | None:
+    """Qwen3OmniMoeProcessor's files beside the tokenizer (written first), from transformers' own
+    classes; where it cannot (no torchvision, which Qwen2-VL's video processor needs, or a transformers
+    that builds it otherwise), nothing and why: the checkpoint then serves text only."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is None:
+        return "no torchvision (transformers' Qwen2-VL video processor needs it)"
+    try:
+        from transformers import (AutoTokenizer, Qwen2VLImageProcessor, Qwen2VLVideoProcessor, Qwen3OmniMoeProcessor,
+                                  WhisperFeatureExtractor)
+
+        grid = dict(patch_size=VISION["patch_size"], merge_size=VISION["spatial_merge_size"],
+                    temporal_patch_size=VISION["temporal_patch_size"], size=dict(VISION_PIXELS))
+        processor = Qwen3OmniMoeProcessor(
+            image_processor=Qwen2VLImageProcessor(**grid), video_processor=Qwen2VLVideoProcessor(**grid),
+            feature_extractor=WhisperFeatureExtractor(feature_size=THINKER["audio_config"]["num_mel_bins"]),
+            tokenizer=AutoTokenizer.from_pretrained(path), chat_template=CHAT_TEMPLATE)
+        processor.save_pretrained(path)
+    except Exception as exc:  # the text-only checkpoint stands; the caller reports why
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def build(path: str | Path, seed: int = 0) -> Path:
@@ -180,7 +227,9 @@ def build(path: str | Path, seed: int = 0) -> Path:
     model = Qwen3OmniMoeForConditionalGeneration(config()).to(torch.bfloat16)
     model.save_pretrained(path)
     write_tokenizer(path)
-    (path / "omni_tiny.json").write_text(json.dumps({"stamp": STAMP, "seed": seed}))
+    missing = write_processor(path)
+    (path / "omni_tiny.json").write_text(json.dumps({"stamp": STAMP, "seed": seed, "processor": missing is None,
+                                                     "processor_missing": missing}))
     return path
 
 
