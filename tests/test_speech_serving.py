@@ -67,18 +67,65 @@ def test_a_stream_is_read_whole_and_its_first_audio_timed_before_its_end():
     assert refused.status == 400 and "unknown voice" in refused.error and refused.t_first_audio is None
 
 
-def test_a_level_reports_ttfa_audio_seconds_per_second_and_rtf():
+def test_rounds_give_ttfa_over_all_their_requests_audio_seconds_per_second_rtf_and_their_spread():
     async def test(port):
-        return await serving.level(port, 4, 8, 8, RATE, time.monotonic() + 60)
+        return [await serving.one_round(port, 4, 8, 8, RATE, time.monotonic() + 60) for _ in range(2)]
 
-    got = asyncio.run(_serving(test))
-    assert got["requests"] == 8 and got["ok"] == 8 and "errors" not in got
+    rounds = asyncio.run(_serving(test))
+    assert [(r.requests, len(r.ttfa_ms), r.errors) for r in rounds] == [(8, 8, [])] * 2
+    got = serving.figures(rounds)
+    assert got["rounds"] == 2 and got["requests"] == 16 and got["ok"] == 16 and "errors" not in got
     assert got["audio_s_per_request"] == 2.0
-    assert got["audio_s_per_s"] == pytest.approx(16.0 / got["wall_s"], rel=0.01)
+    assert got["audio_s_per_s"] == pytest.approx(32.0 / got["wall_s"], rel=0.01)
     assert 0 < got["ttfa_ms_p50"] <= got["ttfa_ms_p95"]
+    assert got["ttfa_ms_p95"] == round(serving.percentile(rounds[0].ttfa_ms + rounds[1].ttfa_ms, 95), 2)
     assert 0 < got["rtf"] < 1  # ~0.1 s for 2 s of audio
+    p95 = got["spread"]["ttfa_ms_p95"]
+    assert p95["rounds"] == 2 and p95["min"] <= p95["median"] <= p95["max"]
+    assert p95["min"] == round(min(serving.percentile(r.ttfa_ms, 95) for r in rounds), 2)
+    assert got["spread"]["audio_s_per_s"]["min"] <= got["audio_s_per_s"] <= got["spread"]["audio_s_per_s"]["max"]
     rows = serving.table({"ours": {"4": got}})
-    assert rows.splitlines()[2].startswith("| ours | 4 | ")
+    assert rows.splitlines()[2].startswith(f"| ours | 4 | {got['ttfa_ms_p50']} | {got['ttfa_ms_p95']} ({p95['min']}..")
+
+
+def test_a_level_warms_each_server_up_then_times_abba_blocks_and_their_ratios():
+    """Two servers (both the stand-in): per level one untimed round each, then blocks of two rounds each
+    in ABBA, then BAAB order; the figures are the timed rounds', the ratios the blocks'."""
+    import argparse
+
+    async def test(port):
+        servers = {name: serving.ServerProcess(name, port, None, Path("/dev/null"))  # type: ignore[arg-type]
+                   for name in ("ours", "vllm-omni")}
+        args = argparse.Namespace(frames=8, sample_rate=RATE, voices=["vivian"], max_blocks=2)
+        results = {"ours": {}, "vllm-omni": {}, "ours_over_vllm_omni": {}, "notes": []}
+        done = await serving.measure_level(servers, 1, 4, args, time.monotonic() + 60, 1, results)
+        return done, results
+
+    done, results = asyncio.run(_serving(test))
+    assert done and results["notes"] == []
+    for name in ("ours", "vllm-omni"):
+        got = results[name]["4"]
+        assert got["rounds"] == 4 and got["requests"] == got["ok"] == 32  # two blocks, two rounds each
+        assert got["warm_up"]["ok"] == 8
+    ratios = results["ours_over_vllm_omni"]["4"]
+    assert ratios["ttfa_ms_p95_ratio"]["blocks"] == ratios["audio_s_per_s_ratio"]["blocks"] == 2
+    assert 0.5 < ratios["audio_s_per_s_ratio"]["median"] < 2  # the same stand-in behind both
+    rows = serving.benchmarks_rows({**results, "codes_note": serving.CODES_NOTE}).splitlines()
+    assert [row.split(" | ")[0] for row in rows[2:4]] == ["| ours", "| vllm-omni"]
+    assert rows[-1].startswith("Ours over vllm-omni at 4, per ABBA block") and "(2 blocks)" in rows[-1]
+
+
+def test_a_level_with_no_time_left_times_nothing_and_says_so():
+    import argparse
+
+    async def test(port):
+        servers = {"ours": serving.ServerProcess("ours", port, None, Path("/dev/null"))}  # type: ignore[arg-type]
+        args = argparse.Namespace(frames=8, sample_rate=RATE, voices=["vivian"], max_blocks=2)
+        results = {"ours": {}, "notes": []}
+        return await serving.measure_level(servers, 0, 4, args, time.monotonic() + 0.05, 1, results), results
+
+    done, results = asyncio.run(_serving(test))
+    assert not done and results["ours"] == {} and "no timed block" in results["notes"][0]
 
 
 def test_percentiles_pick_the_nearest_rank():
