@@ -80,12 +80,13 @@ STOP_RESERVE_S = 25  # kept back from the limit for stopping the servers and wri
 # rest of the limit: vllm-omni's own took 294 s and over 300 s on the H200, ours ~90 s).
 MEASURE_MIN_S = 60
 CODES_NOTE = (
-    "neither server returns codec codes over HTTP (vllm-omni 0.26's /v1/audio/speech answers audio bytes, or SSE "
-    "events of base64 audio whose usage counts the codec frames; omni-serve answers audio), so the same requests' "
-    "waveforms are compared instead. Comparing codes engine to engine inside this run would need a third engine, "
-    "vllm-omni's own talker (V1 runner, torch.compile, CUDA graphs: about 3 min to start on the H200), beside two "
-    "servers whose start takes about 300 s of a 600 s device call; deploy/gpu/run_parity.sh compares the same "
-    "classes' talker codes engine to engine in a run of its own")
+    "neither server gives codec codes out: vllm-omni 0.26's /v1/audio/speech answers audio bytes, or SSE events of "
+    "base64 audio whose usage only counts the codec frames, and no option or endpoint of its server returns or logs "
+    "the talker's codes (its connector hands them to code2wav in shared memory); omni-serve answers audio. So the "
+    "same requests' waveforms are compared instead. Comparing codes engine to engine inside this run would need a "
+    "third engine, vllm-omni's own talker (V1 runner, torch.compile, CUDA graphs: about 3 min to start on the "
+    "H200), beside two servers whose start takes about 300 s of a 600 s device call; deploy/gpu/run_parity.sh "
+    "compares the same classes' talker codes engine to engine in a run of its own")
 MAX_BLOCKS = 5  # timed blocks per level (each: every server twice, ABBA then BAAB), as time allows
 STOP_WAIT_S = 15  # a server not gone this long after SIGINT (its engines included) is killed
 # Fixed KV cache sizes: four engines start at once on one GPU, and vLLM's memory profiling of one
