@@ -66,6 +66,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
+from bench.ab_stats import MIN_BLOCKS_TO_RESOLVE, block_order, bootstrap_median  # noqa: E402
 from speech_qwen3_tts import MODEL_ENV, VOICES  # noqa: E402
 
 SERVERS = ("ours", "vllm-omni")
@@ -87,7 +88,9 @@ CODES_NOTE = (
     "third engine, vllm-omni's own talker (V1 runner, torch.compile, CUDA graphs: about 3 min to start on the "
     "H200), beside two servers whose start takes about 300 s of a 600 s device call; deploy/gpu/run_parity.sh "
     "compares the same classes' talker codes engine to engine in a run of its own")
-MAX_BLOCKS = 5  # timed blocks per level (each: every server twice, ABBA then BAAB), as time allows
+# Timed blocks per level at most (each: every server twice, ABBA then BAAB), as time allows: as many as a
+# ratio's bootstrap interval needs to mean anything (bench/ab_stats.py).
+MAX_BLOCKS = MIN_BLOCKS_TO_RESOLVE
 STOP_WAIT_S = 15  # a server not gone this long after SIGINT (its engines included) is killed
 # Fixed KV cache sizes: four engines start at once on one GPU, and vLLM's memory profiling of one
 # would count the others' allocations as its own (deploy/gpu/parity.py starts its engines so too).
@@ -398,8 +401,6 @@ def round_audio_s_per_s(r: Round) -> float:
 
 def spread(values: list[float], digits: int = 2) -> dict:
     """Per-round values: their median, min..max and bootstrap 95 % interval of the median."""
-    from bench.ab_stats import bootstrap_median
-
     lo, hi = bootstrap_median(values)
     return {"rounds": len(values), "median": round(statistics.median(values), digits), "min": round(min(values), digits),
             "max": round(max(values), digits), "ci95": [round(lo, digits), round(hi, digits)]}
@@ -434,8 +435,6 @@ def block_ratios(blocks: list[dict[str, list[Round]]], num: str, den: str) -> di
     `num` answers sooner) and its mean audio seconds per second over `den`'s (above 1: `num` serves more);
     the median of the blocks' ratios with a bootstrap 95 % interval. A machine's drift over a block hits both
     servers alike (bench/ab_stats.py's ABBA / BAAB)."""
-    from bench.ab_stats import bootstrap_median
-
     out = {}
     for key, of in (("ttfa_ms_p95", lambda r: round_p(r, 95)), ("audio_s_per_s", round_audio_s_per_s)):
         ratios = [statistics.fmean(map(of, b[num])) / statistics.fmean(map(of, b[den])) for b in blocks
@@ -539,8 +538,6 @@ async def measure_level(servers: dict[str, ServerProcess], index: int, c: int, a
     """One level: an untimed warm-up round per server at this concurrency (what a server does the first time
     at a batch size stays out of the figures), then timed blocks, each server's rounds in ABBA, then BAAB
     order, while the level's share of the time left lasts (at most --max-blocks). False: not one block fit."""
-    from bench.ab_stats import block_order
-
     names = list(servers)
     size = max(2 * c, 8)  # requests a round
 
