@@ -279,7 +279,7 @@ async def wait_healthy(server: ServerProcess, deadline: float) -> float:
             pass
         if time.monotonic() > deadline:
             raise TimeoutError(f"{server.name} not healthy after {time.monotonic() - t0:.0f} s (the run's limit less "
-                               f"MEASURE_MIN_S), its log's last line:\n{server.tail()}")
+                               f"MEASURE_MIN_S and STOP_RESERVE_S):\n{server.tail()}")
         await asyncio.sleep(1.0)
 
 
@@ -598,7 +598,9 @@ async def run(args) -> dict:
                                        return_exceptions=True)
         for (name, server), outcome in zip(list(servers.items()), started):
             if isinstance(outcome, BaseException):  # the other server still runs: its figures stand alone
-                results["notes"].append(f"{name} did not start: {type(outcome).__name__}: {last_line(str(outcome))}")
+                why = str(outcome).split("\n", 1)[0].removesuffix(":")  # how long it waited, or how it exited
+                results["notes"].append(f"{name} did not start: {type(outcome).__name__}: {why}; its log's last line: "
+                                        f"{last_line(str(outcome))}")
                 stop_all([server])
                 del servers[name]
             else:
