@@ -78,7 +78,7 @@ SAMPLE_RATE = 24000  # both servers' pcm: 16-bit mono at the codec's rate
 STOP_RESERVE_S = 25  # kept back from the limit for stopping the servers and writing the results
 # Kept back from the limit for what follows the servers' start: the warm-up requests, the waveform
 # check and each level's warm-up rounds and one block (the servers wait for their start up to the
-# rest of the limit: vllm-omni's own took 294 s and over 300 s on the H200, ours ~90 s).
+# rest of the limit: vllm-omni's own takes about 300 s on the H200, ours about 90 s).
 MEASURE_MIN_S = 60
 CODES_NOTE = (
     "neither server gives codec codes out: vllm-omni 0.26's /v1/audio/speech answers audio bytes, or SSE events of "
@@ -391,7 +391,7 @@ async def one_round(port: int, concurrency: int, total: int, frames: int, rate: 
                  [a.t_total for a in ok], errors)
 
 
-def round_p(r: Round, q: float) -> float:
+def round_ttfa_ms(r: Round, q: float) -> float:
     return percentile(r.ttfa_ms, q)
 
 
@@ -421,8 +421,8 @@ def figures(rounds: list[Round]) -> dict:
                    audio_s_per_s=round(sum(audio) / wall, 3),
                    rtf=round(statistics.median(t / a for r in rounds for t, a in zip(r.total_s, r.audio_s)), 4),
                    audio_s_per_request=round(statistics.median(audio), 3),
-                   spread={"ttfa_ms_p50": spread([round_p(r, 50) for r in answered]),
-                           "ttfa_ms_p95": spread([round_p(r, 95) for r in answered]),
+                   spread={"ttfa_ms_p50": spread([round_ttfa_ms(r, 50) for r in answered]),
+                           "ttfa_ms_p95": spread([round_ttfa_ms(r, 95) for r in answered]),
                            "audio_s_per_s": spread([round_audio_s_per_s(r) for r in answered], 3)})
     errors = [e for r in rounds for e in r.errors]
     if errors:
@@ -436,7 +436,7 @@ def block_ratios(blocks: list[dict[str, list[Round]]], num: str, den: str) -> di
     the median of the blocks' ratios with a bootstrap 95 % interval. A machine's drift over a block hits both
     servers alike (bench/ab_stats.py's ABBA / BAAB)."""
     out = {}
-    for key, of in (("ttfa_ms_p95", lambda r: round_p(r, 95)), ("audio_s_per_s", round_audio_s_per_s)):
+    for key, of in (("ttfa_ms_p95", lambda r: round_ttfa_ms(r, 95)), ("audio_s_per_s", round_audio_s_per_s)):
         ratios = [statistics.fmean(map(of, b[num])) / statistics.fmean(map(of, b[den])) for b in blocks
                   if all(len(b.get(n, [])) == 2 and all(r.ttfa_ms for r in b[n]) for n in (num, den))]
         if ratios:
