@@ -15,10 +15,11 @@
 # device call carries):
 #   here:  BUNDLE_SM=90 BUNDLE_NO_JIT_HEADERS=1 BUNDLE_OMNI=1 BUNDLE_SERVE=1 \
 #            deploy/gpu/build_bundle.sh .gpu-bundle-serve       (an ignored folder; no BUNDLE_PROFILER)
-#          python -m tests.tiny_models.qwen3_tts .gpu-speech-model   (ignored; with vLLM 0.26 and vllm-omni
-#            0.26 importable, VLLM_PLUGINS=omni_sidecar_shim: on CPU, tools/compat.py's 0.26.0 venv with
-#            its vllm-omni-0.26.0 folder and tests/support/torchaudio_stub on PYTHONPATH, transformers
-#            <= 5.20: the same classes, seeds and torch as a build there)
+#          VLLM_PLUGINS=omni_sidecar_shim python -m tests.tiny_models.qwen3_tts .gpu-speech-model   (ignored;
+#            vLLM 0.26 and vllm-omni 0.26 importable: on CPU, tools/compat.py's 0.26.0 venv with the
+#            repository, its vllm-omni-0.26.0 folder, tests/support/no_torchvision and torchaudio_stub on
+#            PYTHONPATH, and transformers 5.17 (the H200 host's) or 5.19 first on it: 5.24's Mimi encoder
+#            has other modules. Both give the same bytes: the same classes, seeds and torch as a build there)
 #   there: carry [".gpu-bundle-serve", ".gpu-speech-model"], timeout_s 600,
 #            OMNI_COMMIT=<the commit sent> sh deploy/gpu/run_speech.sh .gpu-bundle-serve $OUT 585
 set -u
