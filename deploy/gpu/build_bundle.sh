@@ -11,7 +11,8 @@
 #   model loader imports it)
 #   BUNDLE_OMNI=1       add vllm-omni 0.26.0 (its package, minus sample audio) and what it needs to import
 #   BUNDLE_SERVE=1      add what HTTP serving imports beyond the engines (omni-serve's and vllm-omni's front
-#                       ends: deploy/gpu/run_speech.sh; its imports.txt names anything still missing)
+#                       ends: deploy/gpu/run_speech.sh; a server that cannot import its front end
+#                       does not start, and the run's notes give its log's last line)
 #   BUNDLE_KEEP_MOE=1   keep vLLM's MoE ops (vllm/_moe_C*: Qwen3-Omni's thinker and talker,
 #                       deploy/gpu/run_qwen3_omni.sh)
 #   BUNDLE_PROFILER=1   add py-spy (`python -m bench.gpu --profile-s N`; installed into TARGET_DIR/bin)

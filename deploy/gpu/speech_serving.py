@@ -26,13 +26,21 @@ AsyncLLM (V2, async scheduling as vLLM defaults it) with its sidecar (`omni-talk
 built as vllm-omni's server builds it (deploy/gpu/speech_qwen3_tts.py).
 
 Checks and figures:
+- the servers start at once and get the run's limit to come up, less what the measurement needs
+  (MEASURE_MIN_S, STOP_RESERVE_S);
 - the same requests (non-streaming pcm, one at a time) to both: the waveforms compared sample by
   sample (max abs diff over int16 full scale; bound WAVEFORM_RTOL x vllm-omni's peak). Codes
-  cannot be read from either server over HTTP: `codes_identical` is null, the waveforms stand in;
-- per concurrency level (1, 16, 64 streaming requests at once, `stream_format: audio`, pcm), per
-  server, the two servers alternating (which goes first swaps each level): TTFA p50/p95 (POST to
-  the first audio bytes), audio seconds per second (all requests' audio over the level's wall
-  time) and RTF (median of each request's time over its audio's length).
+  cannot be read from either server over HTTP: `codes_identical` is null (CODES_NOTE says why), the
+  waveforms stand in;
+- per concurrency level (1, 16, 64 streaming requests at once, `stream_format: audio`, pcm; a round
+  is 2 x that many requests, at least 8): one untimed warm-up round per server, then timed blocks of
+  rounds, each server twice, ABBA then BAAB (bench/ab_stats.py), as many as the level's share of the
+  time left allows (--max-blocks at most). Per server: TTFA p50/p95 over all timed requests (POST to
+  the first audio bytes), audio seconds per second (their audio over their rounds' wall time), RTF
+  (median of each request's time over its audio's length), each with its spread over the rounds
+  (`spread`: median, min..max, bootstrap 95 % interval of the median); omni-serve's first-audio
+  share per stage over its timed rounds; per level, ours over vllm-omni per block (TTFA p95, audio
+  s/s: `ours_over_vllm_omni`, median and bootstrap interval over the blocks).
 The run stops cleanly at --limit-s with what it has (`complete`: false), the servers stopped.
 """
 
@@ -58,6 +66,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
+from bench.ab_stats import MIN_BLOCKS_TO_RESOLVE, block_order, bootstrap_median  # noqa: E402
 from speech_qwen3_tts import MODEL_ENV, VOICES  # noqa: E402
 
 SERVERS = ("ours", "vllm-omni")
@@ -65,9 +74,23 @@ LEVELS = (1, 16, 64)
 WAVEFORM_RTOL = 0.05  # bf16 decoders on different batch shapes (deploy/gpu/parity.py's CODE2WAV_RTOL)
 TEXTS = ["Hello there, this is a test of the speech server.", "Short one.",
          "The quick brown fox jumps over the lazy dog, twice, to be sure.", "Numbers: one two three four five."]
-START_TIMEOUT_S = 300
 SAMPLE_RATE = 24000  # both servers' pcm: 16-bit mono at the codec's rate
 STOP_RESERVE_S = 25  # kept back from the limit for stopping the servers and writing the results
+# Kept back from the limit for what follows the servers' start: the warm-up requests, the waveform
+# check and each level's warm-up rounds and one block (the servers wait for their start up to the
+# rest of the limit: vllm-omni's own takes about 300 s on the H200, ours about 90 s).
+MEASURE_MIN_S = 60
+CODES_NOTE = (
+    "neither server gives codec codes out: vllm-omni 0.26's /v1/audio/speech answers audio bytes, or SSE events of "
+    "base64 audio whose usage only counts the codec frames, and no option or endpoint of its server returns or logs "
+    "the talker's codes (its connector hands them to code2wav in shared memory); omni-serve answers audio. So the "
+    "same requests' waveforms are compared instead. Comparing codes engine to engine inside this run would need a "
+    "third engine, vllm-omni's own talker (V1 runner, torch.compile, CUDA graphs: about 3 min to start on the "
+    "H200), beside two servers whose start takes about 300 s of a 600 s device call; deploy/gpu/run_parity.sh "
+    "compares the same classes' talker codes engine to engine in a run of its own")
+# Timed blocks per level at most (each: every server twice, ABBA then BAAB), as time allows: as many as a
+# ratio's bootstrap interval needs to mean anything (bench/ab_stats.py).
+MAX_BLOCKS = MIN_BLOCKS_TO_RESOLVE
 STOP_WAIT_S = 15  # a server not gone this long after SIGINT (its engines included) is killed
 # Fixed KV cache sizes: four engines start at once on one GPU, and vLLM's memory profiling of one
 # would count the others' allocations as its own (deploy/gpu/parity.py starts its engines so too).
@@ -210,7 +233,7 @@ def launch(name: str, cmd: list[str], log: Path, env: dict[str, str], port: int)
     return ServerProcess(name, port, proc, log)
 
 
-def start_servers(args, work: Path) -> dict[str, ServerProcess]:
+def start_servers(args, work: Path, start_timeout_s: int) -> dict[str, ServerProcess]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     servers: dict[str, ServerProcess] = {}
     if "vllm-omni" in args.servers:
@@ -218,7 +241,7 @@ def start_servers(args, work: Path) -> dict[str, ServerProcess]:
         deploy = vllm_omni_deploy(work, args.model, args.frames)
         cmd = [sys.executable, "-m", "vllm_omni.entrypoints.cli.main", "serve", str(args.model), "--omni",
                "--host", "127.0.0.1", "--port", str(port), "--deploy-config", str(deploy),
-               "--stage-init-timeout", str(START_TIMEOUT_S)]
+               "--stage-init-timeout", str(start_timeout_s)]
         # vllm-omni's own plugins (its entry point) load in its processes: its patches, as it is meant to run.
         own = {k: v for k, v in env.items() if k != "VLLM_PLUGINS"}
         servers["vllm-omni"] = launch("vllm-omni", cmd, work / "vllm-omni.log",
@@ -255,8 +278,8 @@ async def wait_healthy(server: ServerProcess, deadline: float) -> float:
         except OSError:
             pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{server.name} not healthy after {time.monotonic() - t0:.0f} s (the run's limit or "
-                               f"START_TIMEOUT_S), its log's last line:\n{server.tail()}")
+            raise TimeoutError(f"{server.name} not healthy after {time.monotonic() - t0:.0f} s (the run's limit less "
+                               f"MEASURE_MIN_S and STOP_RESERVE_S):\n{server.tail()}")
         await asyncio.sleep(1.0)
 
 
@@ -336,9 +359,20 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
-async def level(port: int, concurrency: int, total: int, frames: int, rate: int, deadline: float,
-                voices: tuple[str, ...] = tuple(VOICES)) -> dict:
-    """`total` streaming requests, `concurrency` at a time (the voices in turn), none past the deadline."""
+@dataclass
+class Round:
+    """One round of streaming requests at one concurrency: what each answered request measured."""
+    requests: int
+    wall_s: float
+    ttfa_ms: list[float]  # POST to the first audio bytes, per answered request
+    audio_s: list[float]  # its audio's length
+    total_s: list[float]  # POST to its last byte
+    errors: list[str]
+
+
+async def one_round(port: int, concurrency: int, total: int, frames: int, rate: int, deadline: float,
+                    voices: tuple[str, ...] = tuple(VOICES)) -> Round:
+    """`total` streaming requests, `concurrency` at a time (the texts and voices in turn), none past the deadline."""
     gate = asyncio.Semaphore(concurrency)
 
     async def one(i: int) -> Answer:
@@ -353,16 +387,62 @@ async def level(port: int, concurrency: int, total: int, frames: int, rate: int,
     ok = [a for a in answers if isinstance(a, Answer) and a.status == 200 and a.body]
     errors = [a.error if isinstance(a, Answer) else f"{type(a).__name__}: {a}" for a in answers
               if not (isinstance(a, Answer) and a.status == 200 and a.body)]
-    audio_s = [len(a.body) / 2 / rate for a in ok]
-    ttfa = [a.t_first_audio * 1000 for a in ok]
-    out = {"requests": total, "ok": len(ok), "wall_s": round(wall, 3)}
-    if ok:
+    return Round(total, wall, [a.t_first_audio * 1000 for a in ok], [len(a.body) / 2 / rate for a in ok],
+                 [a.t_total for a in ok], errors)
+
+
+def round_ttfa_ms(r: Round, q: float) -> float:
+    return percentile(r.ttfa_ms, q)
+
+
+def round_audio_s_per_s(r: Round) -> float:
+    return sum(r.audio_s) / r.wall_s
+
+
+def spread(values: list[float], digits: int = 2) -> dict:
+    """Per-round values: their median, min..max and bootstrap 95 % interval of the median."""
+    lo, hi = bootstrap_median(values)
+    return {"rounds": len(values), "median": round(statistics.median(values), digits), "min": round(min(values), digits),
+            "max": round(max(values), digits), "ci95": [round(lo, digits), round(hi, digits)]}
+
+
+def figures(rounds: list[Round]) -> dict:
+    """A server's figures at one level over its timed rounds: TTFA p50/p95 over all their requests, audio
+    seconds per second (their audio over their wall time) and RTF (median of each request's time over its
+    audio's length), with each figure's spread over the rounds."""
+    ttfa = [t for r in rounds for t in r.ttfa_ms]
+    audio = [a for r in rounds for a in r.audio_s]
+    wall = sum(r.wall_s for r in rounds)
+    out: dict = {"rounds": len(rounds), "requests": sum(r.requests for r in rounds), "ok": len(ttfa),
+                 "wall_s": round(wall, 3)}
+    if ttfa:
+        answered = [r for r in rounds if r.ttfa_ms]
         out.update(ttfa_ms_p50=round(percentile(ttfa, 50), 2), ttfa_ms_p95=round(percentile(ttfa, 95), 2),
-                   audio_s_per_s=round(sum(audio_s) / wall, 3),
-                   rtf=round(statistics.median(a.t_total / s for a, s in zip(ok, audio_s)), 4),
-                   audio_s_per_request=round(statistics.median(audio_s), 3))
+                   audio_s_per_s=round(sum(audio) / wall, 3),
+                   rtf=round(statistics.median(t / a for r in rounds for t, a in zip(r.total_s, r.audio_s)), 4),
+                   audio_s_per_request=round(statistics.median(audio), 3),
+                   spread={"ttfa_ms_p50": spread([round_ttfa_ms(r, 50) for r in answered]),
+                           "ttfa_ms_p95": spread([round_ttfa_ms(r, 95) for r in answered]),
+                           "audio_s_per_s": spread([round_audio_s_per_s(r) for r in answered], 3)})
+    errors = [e for r in rounds for e in r.errors]
     if errors:
         out["errors"] = errors[:3]
+    return out
+
+
+def block_ratios(blocks: list[dict[str, list[Round]]], num: str, den: str) -> dict:
+    """Per complete block (each server's two rounds): `num`'s mean round TTFA p95 over `den`'s (below 1:
+    `num` answers sooner) and its mean audio seconds per second over `den`'s (above 1: `num` serves more);
+    the median of the blocks' ratios with a bootstrap 95 % interval. A machine's drift over a block hits both
+    servers alike (bench/ab_stats.py's ABBA / BAAB)."""
+    out = {}
+    for key, of in (("ttfa_ms_p95", lambda r: round_ttfa_ms(r, 95)), ("audio_s_per_s", round_audio_s_per_s)):
+        ratios = [statistics.fmean(map(of, b[num])) / statistics.fmean(map(of, b[den])) for b in blocks
+                  if all(len(b.get(n, [])) == 2 and all(r.ttfa_ms for r in b[n]) for n in (num, den))]
+        if ratios:
+            lo, hi = bootstrap_median(ratios)
+            out[f"{key}_ratio"] = {"blocks": len(ratios), "median": round(statistics.median(ratios), 3),
+                                   "ci95": [round(lo, 3), round(hi, 3)]}
     return out
 
 
@@ -434,16 +514,64 @@ async def compare_waveforms(servers: dict[str, ServerProcess], frames: int, dead
 # ---- the run ----
 
 def table(results: dict) -> str:
-    rows = ["| server | concurrency | TTFA p50 ms | TTFA p95 ms | audio s/s | RTF | ok/requests "
-            "| first audio by stage (mean ms) |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| server | concurrency | TTFA p50 ms | TTFA p95 ms (rounds' min..max) | audio s/s (rounds' min..max) "
+            "| RTF | rounds | ok/requests | first audio by stage (mean ms) |",
+            "|---|---|---|---|---|---|---|---|---|"]
+
+    def ranged(got: dict, key: str) -> str:
+        if key not in got:
+            return "-"
+        r = got["spread"][key]
+        return f"{got[key]} ({r['min']}..{r['max']})"
+
     for name in SERVERS:
         for c, got in results.get(name, {}).items():
             shares = ", ".join(f"{stage} {ms}" for stage, ms in got.get("first_audio_share_ms", {}).items()) or "-"
-            rows.append(f"| {name} | {c} | {got.get('ttfa_ms_p50', '-')} | {got.get('ttfa_ms_p95', '-')} | "
-                        f"{got.get('audio_s_per_s', '-')} | {got.get('rtf', '-')} | {got['ok']}/{got['requests']} "
-                        f"| {shares} |")
+            rows.append(f"| {name} | {c} | {got.get('ttfa_ms_p50', '-')} | {ranged(got, 'ttfa_ms_p95')} | "
+                        f"{ranged(got, 'audio_s_per_s')} | {got.get('rtf', '-')} | {got['rounds']} | "
+                        f"{got['ok']}/{got['requests']} | {shares} |")
     return "\n".join(rows)
+
+
+async def measure_level(servers: dict[str, ServerProcess], index: int, c: int, args, deadline: float,
+                        levels_left: int, results: dict) -> bool:
+    """One level: an untimed warm-up round per server at this concurrency (what a server does the first time
+    at a batch size stays out of the figures), then timed blocks, each server's rounds in ABBA, then BAAB
+    order, while the level's share of the time left lasts (at most --max-blocks). False: not one block fit."""
+    names = list(servers)
+    size = max(2 * c, 8)  # requests a round
+
+    def round_of(name: str):
+        return one_round(servers[name].port, c, size, args.frames, args.sample_rate, deadline, tuple(args.voices))
+
+    warm = {}
+    for name in block_order(index, names)[:len(names)]:
+        warm[name] = await round_of(name)
+    block_s = 2 * sum(r.wall_s for r in warm.values())  # a block's length, until one has run
+    level_end = time.monotonic() + (deadline - time.monotonic()) / levels_left
+    before = {name: await scrape_shares(server) for name, server in servers.items()}
+    blocks: list[dict[str, list[Round]]] = []
+    while len(blocks) < args.max_blocks and time.monotonic() + block_s <= (level_end if blocks else deadline):
+        t0 = time.monotonic()
+        block: dict[str, list[Round]] = {}
+        for name in block_order(index + len(blocks), names):
+            block.setdefault(name, []).append(await round_of(name))
+        blocks.append(block)
+        block_s = time.monotonic() - t0
+    if not blocks:
+        results["notes"].append(f"stopped at the limit: no timed block at concurrency {c} fits")
+        return False
+    for name in names:
+        got = figures([r for block in blocks for r in block[name]])
+        got["warm_up"] = {"wall_s": round(warm[name].wall_s, 3), "ok": len(warm[name].ttfa_ms)}
+        shares = shares_between(before[name], await scrape_shares(servers[name]))
+        if shares:  # where a request's first audio went, stage by stage (means over the timed rounds, ms)
+            got["first_audio_share_ms"] = shares
+        results[name][str(c)] = got
+        print(f"{name} @ {c}: {json.dumps(got)}", flush=True)
+    if set(names) == set(SERVERS):
+        results["ours_over_vllm_omni"][str(c)] = block_ratios(blocks, "ours", "vllm-omni")
+    return True
 
 
 async def run(args) -> dict:
@@ -454,21 +582,28 @@ async def run(args) -> dict:
     if args.model is not None:
         with_speakers(args.model)
     results: dict = {"servers": list(args.servers), "levels": list(args.levels), "frames_per_request": args.frames,
-                     "codes_identical": None,
-                     "codes_note": "neither server returns codec codes over HTTP: the waveforms are compared",
+                     "codes_identical": None, "codes_note": CODES_NOTE,
                      "waveform_max_abs_diff": None, "complete": False, "notes": []}
     for name in args.servers:
         results[name] = {}
+    if "vllm-omni" in args.servers and importlib.util.find_spec("vllm_omni") is None:  # ours still runs
+        results["notes"].append("vllm-omni did not start: it is not installed (a bundle without BUNDLE_OMNI)")
+        args.servers = [name for name in args.servers if name != "vllm-omni"]
+    start_deadline = deadline - MEASURE_MIN_S
+    start_timeout_s = int(start_deadline - time.monotonic())
+    servers = start_servers(args, work, start_timeout_s)
+    results["start_timeout_s"] = start_timeout_s
     from parity import run_commit, run_versions  # deploy/gpu/ is this script's folder
 
     results["versions"], results["commit"] = run_versions(), run_commit()
-    servers = start_servers(args, work)
     try:
-        started = await asyncio.gather(*(wait_healthy(s, min(deadline, time.monotonic() + START_TIMEOUT_S))
-                                         for s in servers.values()), return_exceptions=True)
+        started = await asyncio.gather(*(wait_healthy(s, start_deadline) for s in servers.values()),
+                                       return_exceptions=True)
         for (name, server), outcome in zip(list(servers.items()), started):
             if isinstance(outcome, BaseException):  # the other server still runs: its figures stand alone
-                results["notes"].append(f"{name} did not start: {type(outcome).__name__}: {last_line(str(outcome))}")
+                why = str(outcome).split("\n", 1)[0].removesuffix(":")  # how long it waited, or how it exited
+                results["notes"].append(f"{name} did not start: {type(outcome).__name__}: {why}; its log's last line: "
+                                        f"{last_line(str(outcome))}")
                 stop_all([server])
                 del servers[name]
             else:
@@ -491,19 +626,10 @@ async def run(args) -> dict:
             results["waveform"] = compared
             results["waveform_max_abs_diff"] = compared["waveform_max_abs_diff"]
             print(f"waveforms: {json.dumps(compared)}", flush=True)
+            results["ours_over_vllm_omni"] = {}
         for i, c in enumerate(args.levels):
-            order = list(servers) if i % 2 == 0 else list(servers)[::-1]
-            for name in order:
-                if time.monotonic() > deadline:
-                    results["notes"].append(f"stopped at the limit before {name} at concurrency {c}")
-                    return results
-                before = await scrape_shares(servers[name])
-                results[name][str(c)] = await level(servers[name].port, c, max(2 * c, 8), args.frames,
-                                                     args.sample_rate, deadline, tuple(args.voices))
-                shares = shares_between(before, await scrape_shares(servers[name]))
-                if shares:  # where a request's first audio went, stage by stage (means, ms)
-                    results[name][str(c)]["first_audio_share_ms"] = shares
-                print(f"{name} @ {c}: {json.dumps(results[name][str(c)])}", flush=True)
+            if not await measure_level(servers, i, c, args, deadline, len(args.levels) - i, results):
+                return results
         results["complete"] = True
         return results
     except (RuntimeError, TimeoutError, OSError, asyncio.TimeoutError) as exc:
@@ -521,6 +647,9 @@ def benchmarks_rows(results: dict) -> str:
     lines = [table(results), "",
              f"Waveforms (same requests, non-streaming): max abs diff {results.get('waveform_max_abs_diff')} "
              f"({json.dumps(results.get('waveform', {}))}); codes: {results['codes_note']}."]
+    for c, ratios in results.get("ours_over_vllm_omni", {}).items():
+        lines.append(f"Ours over vllm-omni at {c}, per ABBA block (median, 95 % interval): " + "; ".join(
+            f"{key.removesuffix('_ratio')} {r['median']} {r['ci95']} ({r['blocks']} blocks)" for key, r in ratios.items()))
     return "\n".join(lines)
 
 
@@ -544,6 +673,8 @@ def main() -> int:
     p.add_argument("--ours-pipeline", type=Path, default=None)
     p.add_argument("--ours-chunk-frames", type=int, default=25,
                    help="omni-serve's code2wav chunk (vllm-omni's steady chunk: 25; its first is 1 frame)")
+    p.add_argument("--max-blocks", type=int, default=MAX_BLOCKS,
+                   help="timed blocks per level at most (a block: each server's round twice, ABBA / BAAB)")
     p.add_argument("--sample-rate", type=int, default=SAMPLE_RATE, help="the servers' pcm rate (the CPU check's: 300)")
     p.add_argument("--voices", default=",".join(VOICES),
                    help="the voices requests name, in turn (with --ours-pipeline: that config's)")
