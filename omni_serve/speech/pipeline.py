@@ -353,12 +353,20 @@ class SpeechPipeline:
 
         async def all_frames() -> None:
             prompt = {"prompt_token_ids": job.prompt_token_ids}
+            tokens = 0  # the talker's tokens so far: one per frame it has begun (its frames trail them)
             async for out in engine_outputs(self.talker, self.talker.engine.generate(prompt, params, job.request_id)):
-                codes, _ = await self._assembled(self.talker, job.request_id, CODES)
-                frames.set(codes)
-                note_first_chunk(ended=False)
                 if out.finished and out.outputs and out.outputs[0].finish_reason not in ("length", "stop"):
                     raise StageFailed("talker", f"the engine ended the request ({out.outputs[0].finish_reason})")
+                if out.finished or not out.outputs:
+                    continue  # the last frames are read below, once the sidecar has them all
+                tokens += len(out.outputs[0].token_ids)
+                # The sidecar is asked only once the next chunk can be whole, and on each output
+                # after until it is: a query per engine output, for every stream, is front-end and
+                # sidecar work that grows with the concurrency while no chunk is any nearer.
+                if tokens >= self.chunks.end(self.chunks.complete(frames.count)):
+                    codes, _ = await self._assembled(self.talker, job.request_id, CODES)
+                    frames.set(codes)
+                    note_first_chunk(ended=False)
             # The last steps' frames reach the sidecar after the engine's last output.
             async for _ in patiently("talker", "its sidecar never finished the request's codes"):
                 codes, finished = await self._assembled(self.talker, job.request_id, CODES)
