@@ -592,3 +592,43 @@ def test_the_talkers_sidecar_is_asked_for_frames_only_when_a_chunk_can_be_whole(
         entry = params.extra_args["omni_sidecar"]["additional_information"]["entries"]["codes.audio"]
         windows.append(np.frombuffer(entry["tensor_data"], np.int64).reshape(entry["tensor_shape"]))
     assert [w.tolist() for w in windows] == [codes[grid.start(k):grid.end(k)].tolist() for k in range(4)]
+
+
+class CountingFinishedLink(FinishedOutputsLink):
+    def __init__(self, values: dict) -> None:
+        super().__init__(values)
+        self.followed: list[str] = []
+        self.forgotten: list[str] = []
+
+    async def follow(self, request_id, cursor):
+        self.followed.append(request_id)
+        return await super().follow(request_id, cursor)
+
+    async def forget(self, request_id):
+        self.forgotten.append(request_id)
+
+
+def test_a_chunk_read_finished_is_dropped_from_its_sidecar_without_asking_first():
+    """Its waveform was read finished: one query drops it (a release that asks whether it has
+    finished first is for requests that may still run there: the talker's, an aborted chunk); the
+    speech request's own id, which code2wav never ran, is not asked after there."""
+    import asyncio
+
+    from omni_serve.speech.pipeline import CODES, WAVEFORM, SpeechJob, SpeechPipeline, Stage
+    from proto.chunk_grid import ChunkGrid
+
+    frames, grid = 10, ChunkGrid(4, 1)
+    code2wav = CountingFinishedLink({WAVEFORM: np.ones((4, 1), np.float32)})
+    pipeline = SpeechPipeline(Stage("talker", FakeEngine(), FinishedOutputsLink({CODES: np.zeros((frames, 2), np.int64)})),
+                              Stage("code2wav", FakeEngine(), code2wav), chunks=grid, left_context=0,
+                              placeholder_token=0)
+
+    async def run() -> None:
+        assert len([c async for c in pipeline.synthesize(SpeechJob("r1", [1, 2], {}, max_frames=frames))]) == 4
+        await asyncio.sleep(0.01)  # the releases run on their own
+        await pipeline.close()
+
+    asyncio.run(run())
+    chunks = [f"r1-c{k}" for k in range(4)]
+    assert sorted(code2wav.forgotten) == chunks  # and nothing of the speech request's own id: it never ran there
+    assert code2wav.followed == []
