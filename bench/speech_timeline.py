@@ -2,14 +2,15 @@
 omni-serve's front end, two source trees side by side in one run.
 
   python bench/speech_timeline.py --tree base=/tmp/base --tree new=. --work /tmp/tl \
-      --result /tmp/tl/timeline.json [--levels 16,64] [--rounds 2] [--frames 48] [--limit-s 1500]
-      [--pipeline TOML] [--profile]
+      --result /tmp/tl/timeline.json [--levels 16,64] [--rounds 2] [--frames 48] [--waves 1]
+      [--limit-s 1500] [--pipeline TOML --voices A,B --sample-rate HZ] [--profile]
 
 The pipeline: deploy/speech/tiny-h200-shape.toml unless given (the tiny CPU models in the H200
 run's shape: 48 frames a request, the first chunk 1 frame then 25, 72 frames of left context, 64
-requests a batch); on a CUDA host, a GPU config of the same shape.
+requests a batch); on the H200, vllm-omni's Qwen3-TTS classes in the side-by-side run's config
+(deploy/gpu/run_speech_timeline.sh).
 
-Each tree's server is `omni-serve` from that tree (its PYTHONPATH first) with probes put in from
+Each tree's server is `omni-serve` from that tree (first on its PYTHONPATH) with probes put in from
 outside (this file's `serve` mode; nothing of the tree is changed): the stage engines' `generate`
 and the sidecar links wrapped, and a task that measures the event loop's lag. Per request, from its
 HTTP arrival (ms): the talker's `generate` called (`talker_submit`), its first engine output
@@ -47,8 +48,6 @@ GPU = ROOT / "deploy" / "gpu"
 MILESTONES = ("talker_submit", "talker_out", "frames", "c0_submit", "c0_out", "c0_wave", "audio")
 LAG_SLEEP_S = 0.002
 START_TIMEOUT_S = 600
-VOICES = ("default", "vivian", "ryan")  # the tiny pipelines' (deploy/speech/tiny*.toml)
-SAMPLE_RATE = 300  # their codec's
 
 
 # ---- serve mode: omni-serve with probes, in the server's process ----
@@ -266,7 +265,10 @@ def servers(trees: dict[str, Path], pipeline: Path, work: Path):
             log = open(work / f"{name}.log", "w")
             # Idle OpenMP threads sleep: the servers share the host, and one's spinning engine threads
             # would starve the other's (on 2 cores, past the sidecar links' heartbeat timeout).
-            env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+            # The tree first (its deploy/gpu too: a GPU config's speech prompt), then what was on the path
+            # (a GPU run's installed bundle).
+            path = os.pathsep.join([str(tree), str(tree / "deploy" / "gpu"), os.environ.get("PYTHONPATH", "")])
+            env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE"}
             cmd = [sys.executable, str(Path(__file__).resolve()), "serve", "--pipeline", str(pipeline),
                    "--port", str(port), "--run-dir", str(work / f"run-{name}"), "--uvicorn-log-level", "warning"]
             procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tree, env=env,
@@ -301,13 +303,14 @@ async def wait_up(name: str, port: int, deadline: float, log: Path) -> None:
     raise TimeoutError(f"{name} not up; its log:\n{log.read_text(errors='replace')[-3000:]}")
 
 
-async def one_level(port: int, concurrency: int, frames: int, deadline: float) -> dict[str, Any]:
-    """One wave of `concurrency` streaming requests, all at once (speech_serving's load client); the
-    server's trace of them."""
+async def one_level(port: int, concurrency: int, args, deadline: float) -> dict[str, Any]:
+    """`args.waves` x `concurrency` streaming requests, `concurrency` at a time (speech_serving's load
+    client; 2 waves as its levels run); the server's trace of them."""
     from speech_serving import level
 
     await get_json(port, "/bench/trace")  # drops what came before
-    client = await level(port, concurrency, concurrency, frames, SAMPLE_RATE, deadline, VOICES)
+    client = await level(port, concurrency, args.waves * concurrency, args.frames, args.sample_rate, deadline,
+                         args.voices)
     got = summary(await get_json(port, "/bench/trace"))
     if "ttfa_ms_p50" in client:
         got["client_ttfa"] = {"p50": client["ttfa_ms_p50"], "p95": client["ttfa_ms_p95"]}
@@ -342,7 +345,7 @@ async def drive(args) -> dict[str, Any]:
     with servers(args.trees, pipeline, args.work) as (ports, pids):
         await asyncio.gather(*(wait_up(n, p, deadline, args.work / f"{n}.log") for n, p in ports.items()))
         for port in ports.values():  # warm-up
-            await one_level(port, 2, args.frames, deadline)
+            await one_level(port, 2, args, deadline)
         names = list(ports)
         for r in range(args.rounds):
             for i, c in enumerate(args.levels):
@@ -353,7 +356,7 @@ async def drive(args) -> dict[str, Any]:
                         return results
                     spy = profiler(pids[name], args.work / f"{name}-c{c}-r{r}.stacks") if args.profile else None
                     cpu0 = cpu_seconds(pids[name])
-                    got = await one_level(ports[name], c, args.frames, deadline)
+                    got = await one_level(ports[name], c, args, deadline)
                     cpu1 = cpu_seconds(pids[name])
                     got["cpu_s"] = {k: round(cpu1[k] - cpu0.get(k, 0.0), 2) for k in cpu1}
                     if spy is not None:
@@ -383,6 +386,9 @@ def main() -> int:
     p.add_argument("--levels", default="16,64")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--frames", type=int, default=48)
+    p.add_argument("--waves", type=int, default=1, help="requests a level: this many times its concurrency")
+    p.add_argument("--voices", default="default,vivian,ryan", help="the pipeline's voices, in turn")
+    p.add_argument("--sample-rate", type=int, default=300, help="the pipeline's (the tiny codec's: 300)")
     p.add_argument("--pipeline", type=Path, default=ROOT / "deploy" / "speech" / "tiny-h200-shape.toml")
     p.add_argument("--limit-s", type=float, default=1500)
     p.add_argument("--profile", action="store_true",
@@ -390,6 +396,7 @@ def main() -> int:
     args = p.parse_args()
     args.trees = {k: Path(v).resolve() for k, v in (t.split("=", 1) for t in args.tree)}
     args.levels = [int(c) for c in args.levels.split(",")]
+    args.voices = tuple(v for v in args.voices.split(",") if v)
     args.work = args.work.resolve()
     args.work.mkdir(parents=True, exist_ok=True)
     results = asyncio.run(drive(args))
