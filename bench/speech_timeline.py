@@ -254,13 +254,13 @@ def summary(trace: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def servers(trees: dict[str, Path], pipeline: Path, work: Path):
+def servers(trees: dict[str, tuple[Path, Path]], work: Path):
     sys.path.insert(0, str(GPU))
     from speech_serving import free_port  # deploy/gpu/speech_serving.py
 
     procs: dict[str, tuple[subprocess.Popen, int]] = {}
     try:
-        for name, tree in trees.items():
+        for name, (tree, pipeline) in trees.items():
             port = free_port()
             log = open(work / f"{name}.log", "w")
             # Idle OpenMP threads sleep: the servers share the host, and one's spinning engine threads
@@ -338,11 +338,12 @@ def medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 async def drive(args) -> dict[str, Any]:
     deadline = time.monotonic() + args.limit_s
-    pipeline = args.pipeline.resolve()
-    build_models(pipeline)
-    results: dict[str, Any] = {"trees": {k: str(v) for k, v in args.trees.items()}, "levels": args.levels,
+    trees = {name: (tree, (pipeline or args.pipeline).resolve()) for name, (tree, pipeline) in args.trees.items()}
+    for pipeline in {p for _, p in trees.values()}:
+        build_models(pipeline)
+    results: dict[str, Any] = {"trees": {k: [str(t), str(p)] for k, (t, p) in trees.items()}, "levels": args.levels,
                                "frames": args.frames, "rounds": {}, "median": {}}
-    with servers(args.trees, pipeline, args.work) as (ports, pids):
+    with servers(trees, args.work) as (ports, pids):
         await asyncio.gather(*(wait_up(n, p, deadline, args.work / f"{n}.log") for n, p in ports.items()))
         for port in ports.values():  # warm-up
             await one_level(port, 2, args, deadline)
@@ -380,7 +381,9 @@ def main() -> int:
         sys.path.remove(str(HERE))  # the tree's packages, not this folder's modules
         return serve(sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tree", action="append", required=True, help="NAME=PATH: a source tree to serve from")
+    p.add_argument("--tree", action="append", required=True,
+                   help="NAME=PATH[@TOML]: a source tree to serve from (with a pipeline of its own: a config "
+                        "lever side by side)")
     p.add_argument("--work", type=Path, required=True)
     p.add_argument("--result", type=Path, required=True)
     p.add_argument("--levels", default="16,64")
@@ -394,7 +397,11 @@ def main() -> int:
     p.add_argument("--profile", action="store_true",
                    help="py-spy (on PATH) samples each server's front end during each level: raw stacks in --work")
     args = p.parse_args()
-    args.trees = {k: Path(v).resolve() for k, v in (t.split("=", 1) for t in args.tree)}
+    args.trees = {}
+    for tree in args.tree:
+        name, _, where = tree.partition("=")
+        path, _, pipeline = where.partition("@")
+        args.trees[name] = (Path(path).resolve(), Path(pipeline) if pipeline else None)
     args.levels = [int(c) for c in args.levels.split(",")]
     args.voices = tuple(v for v in args.voices.split(",") if v)
     args.work = args.work.resolve()
