@@ -4,8 +4,8 @@
 # installs the bundle as run_speech.sh does (the same bundle), builds the tiny Qwen3-TTS checkpoint,
 # writes omni-serve's config of the side-by-side run (deploy/gpu/speech_serving.py's, vllm-omni's
 # classes through the shim) and runs the timeline on it: this tree's server, and with BASE_TREE set
-# (a folder carried with the call, e.g. `git archive a775606 | tar -x -C .base-tree`) that tree's
-# beside it, taking turns. Leaves speech-timeline.json, speech-timeline.log and the servers' log
+# (a folder that travels with the call, e.g. `mkdir .base-tree && git archive a775606 | tar -x -C
+# .base-tree`: untracked, or carried where it is ignored) that tree's beside it, taking turns. Leaves speech-timeline.json, speech-timeline.log and the servers' log
 # tails in OUT_DIR. LIMIT_S (default 500) bounds the whole run, install included.
 #   there: carry [".gpu-bundle-serve"(, ".base-tree")], timeout_s 560,
 #            [BASE_TREE=.base-tree] sh deploy/gpu/run_speech_timeline.sh .gpu-bundle-serve $OUT 520 --levels 16,64 --rounds 2
