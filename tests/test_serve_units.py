@@ -524,3 +524,111 @@ def test_an_attached_sidecar_that_stops_answering_fails_its_requests_and_is_take
     assert happened == ["alive=True"] * 7 + ["its sidecar stopped answering with the request in flight",
                                              "alive=False", "reconnect"]
     assert sidecar.alive and sidecar.restarts == 1
+
+
+class TokenEngine:
+    """A talker engine: one token an output (`tokens` of them, then a finished output), the count
+    kept for its sidecar stand-in; a code2wav engine: one finished output a request."""
+
+    def __init__(self, tokens: int = 0) -> None:
+        self.tokens, self.made, self.requests = tokens, 0, []
+
+    async def generate(self, prompt, params, request_id):
+        import asyncio
+        from types import SimpleNamespace
+
+        self.requests.append((request_id, params))
+        for _ in range(self.tokens):
+            await asyncio.sleep(0)
+            self.made += 1
+            yield SimpleNamespace(finished=False, outputs=[SimpleNamespace(token_ids=[0], finish_reason=None)])
+        yield SimpleNamespace(finished=True, outputs=[SimpleNamespace(token_ids=[], finish_reason="length")])
+
+
+class TrailingCodesLink(ForgetfulLink):
+    """A talker sidecar whose frames trail the engine's tokens by one (a frame is whole a step
+    after its first code), all of them once the engine has finished; its queries counted."""
+
+    def __init__(self, engine: TokenEngine, codes: np.ndarray) -> None:
+        self.engine, self.codes, self.queries = engine, codes, 0
+
+    async def outputs(self, request_id):
+        from omni_serve.speech.pipeline import CODES
+        from omni_serve.stages.link import Followed
+
+        self.queries += 1
+        finished = self.engine.made == self.engine.tokens
+        return {CODES: self.codes[:self.engine.made if finished else max(0, self.engine.made - 1)]}, \
+            Followed(found=True, finished=finished)
+
+
+def test_the_talkers_sidecar_is_asked_for_frames_only_when_a_chunk_can_be_whole():
+    """Not once per engine output: from the output whose tokens reach the next chunk's end until its
+    frames are there; each chunk's code2wav request starts on the output its frames came with,
+    holding the frames the sidecar has (the same windows as reading after every output)."""
+    import asyncio
+
+    from omni_serve.speech.pipeline import WAVEFORM, SpeechJob, SpeechPipeline, Stage
+    from proto.chunk_grid import ChunkGrid
+
+    frames, grid = 10, ChunkGrid(4, 1)
+    codes = np.arange(frames * 2, dtype=np.int64).reshape(frames, 2) % 7
+    talker, code2wav = TokenEngine(frames), TokenEngine()
+    link = TrailingCodesLink(talker, codes)
+    pipeline = SpeechPipeline(Stage("talker", talker, link),
+                              Stage("code2wav", code2wav, FinishedOutputsLink({WAVEFORM: np.ones((4, 1), np.float32)})),
+                              chunks=grid, left_context=0, placeholder_token=0)
+
+    async def run() -> int:
+        got = [c async for c in pipeline.synthesize(SpeechJob("r1", [1, 2], {}, max_frames=frames))]
+        await pipeline.close()
+        return len(got)
+
+    assert asyncio.run(run()) == grid.count(frames) == 4
+    # Chunks 0, 1, 2 (frames 1, 5, 9): asked at their end's token and the next one; chunk 3 at the end.
+    assert link.queries == 2 * 3 + 1 < frames
+    windows = []
+    for _, params in code2wav.requests:
+        entry = params.extra_args["omni_sidecar"]["additional_information"]["entries"]["codes.audio"]
+        windows.append(np.frombuffer(entry["tensor_data"], np.int64).reshape(entry["tensor_shape"]))
+    assert [w.tolist() for w in windows] == [codes[grid.start(k):grid.end(k)].tolist() for k in range(4)]
+
+
+class CountingFinishedLink(FinishedOutputsLink):
+    def __init__(self, values: dict) -> None:
+        super().__init__(values)
+        self.followed: list[str] = []
+        self.forgotten: list[str] = []
+
+    async def follow(self, request_id, cursor):
+        self.followed.append(request_id)
+        return await super().follow(request_id, cursor)
+
+    async def forget(self, request_id):
+        self.forgotten.append(request_id)
+
+
+def test_a_chunk_read_finished_is_dropped_from_its_sidecar_without_asking_first():
+    """Its waveform was read finished: one query drops it (a release that asks whether it has
+    finished first is for requests that may still run there: the talker's, an aborted chunk); the
+    speech request's own id, which code2wav never ran, is not asked after there."""
+    import asyncio
+
+    from omni_serve.speech.pipeline import CODES, WAVEFORM, SpeechJob, SpeechPipeline, Stage
+    from proto.chunk_grid import ChunkGrid
+
+    frames, grid = 10, ChunkGrid(4, 1)
+    code2wav = CountingFinishedLink({WAVEFORM: np.ones((4, 1), np.float32)})
+    pipeline = SpeechPipeline(Stage("talker", FakeEngine(), FinishedOutputsLink({CODES: np.zeros((frames, 2), np.int64)})),
+                              Stage("code2wav", FakeEngine(), code2wav), chunks=grid, left_context=0,
+                              placeholder_token=0)
+
+    async def run() -> None:
+        assert len([c async for c in pipeline.synthesize(SpeechJob("r1", [1, 2], {}, max_frames=frames))]) == 4
+        await asyncio.sleep(0.01)  # the releases run on their own
+        await pipeline.close()
+
+    asyncio.run(run())
+    chunks = [f"r1-c{k}" for k in range(4)]
+    assert sorted(code2wav.forgotten) == chunks  # and nothing of the speech request's own id: it never ran there
+    assert code2wav.followed == []

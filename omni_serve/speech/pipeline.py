@@ -233,12 +233,15 @@ class SpeechPipeline:
             if talker_task is not None:
                 stop_soon(talker_task)
             for stage in self.stages:
-                self._release(stage, job.request_id)
+                if stage is not self.code2wav:  # its requests are the chunks' (released as each ends)
+                    self._release(stage, job.request_id)
 
-    def _release(self, stage: Stage, request_id: str) -> None:
+    def _release(self, stage: Stage, request_id: str, finished: bool = False) -> None:
         """Drop what the stage's sidecar keeps of a request once it has finished there (an aborted
-        request finishes in the sidecar only after its engine's next step)."""
-        task = asyncio.get_running_loop().create_task(self._drop_when_finished(stage, request_id))
+        request finishes in the sidecar only after its engine's next step); `finished`: it has (it
+        was read finished), so it is dropped without asking first."""
+        drop = self._drop(stage, request_id) if finished else self._drop_when_finished(stage, request_id)
+        task = asyncio.get_running_loop().create_task(drop)
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
@@ -254,8 +257,12 @@ class SpeechPipeline:
             logger.warning("%s: request %s never finished in its sidecar; its outputs stay there", stage.name,
                            request_id)
         except (SidecarLost, RequestRejected):
-            with contextlib.suppress(SidecarLost, RequestRejected):
-                await stage.link.forget(request_id)  # a failed request's record; a lost sidecar kept nothing
+            await self._drop(stage, request_id)  # a failed request's record; a lost sidecar kept nothing
+
+    @staticmethod
+    async def _drop(stage: Stage, request_id: str) -> None:
+        with contextlib.suppress(SidecarLost, RequestRejected):
+            await stage.link.forget(request_id)
 
     async def close(self) -> None:
         for task in list(self._releases):
@@ -353,12 +360,20 @@ class SpeechPipeline:
 
         async def all_frames() -> None:
             prompt = {"prompt_token_ids": job.prompt_token_ids}
+            tokens = 0  # the talker's tokens so far: one per frame it has begun (its frames trail them)
             async for out in engine_outputs(self.talker, self.talker.engine.generate(prompt, params, job.request_id)):
-                codes, _ = await self._assembled(self.talker, job.request_id, CODES)
-                frames.set(codes)
-                note_first_chunk(ended=False)
                 if out.finished and out.outputs and out.outputs[0].finish_reason not in ("length", "stop"):
                     raise StageFailed("talker", f"the engine ended the request ({out.outputs[0].finish_reason})")
+                if out.finished or not out.outputs:
+                    continue  # the last frames are read below, once the sidecar has them all
+                tokens += len(out.outputs[0].token_ids)
+                # The sidecar is asked only once the next chunk can be whole, and on each output
+                # after until it is: a query per engine output, for every stream, is front-end and
+                # sidecar work that grows with the concurrency while no chunk is any nearer.
+                if tokens >= self.chunks.end(self.chunks.complete(frames.count)):
+                    codes, _ = await self._assembled(self.talker, job.request_id, CODES)
+                    frames.set(codes)
+                    note_first_chunk(ended=False)
             # The last steps' frames reach the sidecar after the engine's last output.
             async for _ in patiently("talker", "its sidecar never finished the request's codes"):
                 codes, finished = await self._assembled(self.talker, job.request_id, CODES)
@@ -449,11 +464,14 @@ class SpeechPipeline:
             raise AssertionError("unreachable: patiently() raises when it gives up")
 
         self.code2wav.in_flight += 1
+        read = False  # its waveform read, finished in the sidecar
         try:
-            return await self.code2wav.serve(waveform())
+            got = await self.code2wav.serve(waveform())
+            read = True
+            return got
         finally:
             self.code2wav.in_flight -= 1
-            self._release(self.code2wav, chunk_id)
+            self._release(self.code2wav, chunk_id, finished=read)
 
     @staticmethod
     def _check_output(stage: str, out: Any) -> None:
