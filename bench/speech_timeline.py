@@ -306,15 +306,15 @@ async def wait_up(name: str, port: int, deadline: float, log: Path) -> None:
 async def one_level(port: int, concurrency: int, args, deadline: float) -> dict[str, Any]:
     """`args.waves` x `concurrency` streaming requests, `concurrency` at a time (speech_serving's load
     client; 2 waves as its levels run); the server's trace of them."""
-    from speech_serving import level
+    from speech_serving import one_round, round_ttfa_ms
 
     await get_json(port, "/bench/trace")  # drops what came before
-    client = await level(port, concurrency, args.waves * concurrency, args.frames, args.sample_rate, deadline,
-                         args.voices)
+    client = await one_round(port, concurrency, args.waves * concurrency, args.frames, args.sample_rate, deadline,
+                             args.voices)
     got = summary(await get_json(port, "/bench/trace"))
-    if "ttfa_ms_p50" in client:
-        got["client_ttfa"] = {"p50": client["ttfa_ms_p50"], "p95": client["ttfa_ms_p95"]}
-    got.update(ok=client["ok"], wall_s=client["wall_s"])
+    if client.ttfa_ms:
+        got["client_ttfa"] = {"p50": round(round_ttfa_ms(client, 50), 2), "p95": round(round_ttfa_ms(client, 95), 2)}
+    got.update(ok=len(client.ttfa_ms), wall_s=client.wall_s)
     return got
 
 
