@@ -19,8 +19,8 @@ code2wav `generate` called (`c0_submit`), its engine output (`c0_out`), its wave
 code2wav sidecar (`c0_wave`) and the first audio handed to HTTP (`audio`); the client's TTFA
 beside them. Per level: each milestone's p50/p95, the front end's event-loop lag (p50/p95/max of a
 2 ms sleep's overshoot), its loop thread's CPU share and CPU per talker engine output (what bounds
-the outputs a second it can take), per link the queries made and their mean wait (queueing behind
-the link's one query in flight included), and the CPU seconds of each of the server's processes
+the outputs a second it can take), per link the queries made and their mean wait (queueing in the
+sidecar included), and the CPU seconds of each of the server's processes
 (front end, sidecars, engine cores).
 
 The trees take turns: per round and level, which goes first alternates, so a drifting machine hits

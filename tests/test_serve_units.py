@@ -311,6 +311,57 @@ def test_a_query_cancelled_before_its_reply_leaves_no_reply_for_the_next(tmp_pat
         router.close(0)
 
 
+def test_outputs_queries_are_in_flight_together_and_each_gets_its_own_reply(tmp_path):
+    """Many streams' outputs queries go out at once (the sidecar holds 8 before answering any, last
+    first), each reply reaching the query of the request it names; a reply to nothing asked is dropped."""
+    import asyncio
+    import threading
+
+    import zmq
+
+    from omni_serve.stages.link import SidecarLink
+    from proto.codec import Codec
+    from proto.messages import OutputsReply
+
+    endpoint = f"ipc://{tmp_path}/sidecar.sock"
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(endpoint)
+    stop = threading.Event()
+    held: list[tuple[bytes, str]] = []
+
+    def sidecar() -> None:
+        codec = Codec()
+        while not stop.is_set():
+            if not router.poll(20):
+                continue
+            ident, frame = router.recv_multipart()
+            held.append((ident, codec.decode(frame).req_id))
+            if len(held) == 8:
+                router.send_multipart([ident, codec.encode(OutputsReply("never-asked", found=True))])
+                for who, req_id in reversed(held):
+                    router.send_multipart([who, codec.encode(OutputsReply(req_id, found=True, values={"for": req_id}))])
+
+    thread = threading.Thread(target=sidecar)
+    thread.start()
+
+    async def run() -> list[dict]:
+        link = SidecarLink(endpoint, timeout_s=5.0)
+        try:
+            got = await asyncio.gather(*(link.outputs(f"r{i}") for i in range(8)))
+            return [values for values, _ in got]
+        finally:
+            link.close()
+
+    try:
+        assert asyncio.run(run()) == [{"for": f"r{i}"} for i in range(8)]
+        assert sorted(req_id for _, req_id in held) == [f"r{i}" for i in range(8)]  # each asked once
+    finally:
+        stop.set()
+        thread.join()
+        router.close(0)
+
+
 class FakeEngine:
     """A stage engine that ends each request with one finished output, or holds it until closed."""
 

@@ -1,14 +1,17 @@
 """The front end's async link to a stage's sidecar: per-step outputs followed, appends sent.
 
-Speaks `proto` directly (a DEALER socket, one request in flight at a time per link), so the
-front end needs no `omni_sidecar` import. Every reply is decoded against the protocol's schema;
-a reply of the wrong kind or none within the timeout is a `SidecarLost`.
+Speaks `proto` directly, so the front end needs no `omni_sidecar` import: outputs queries (what
+every stream asks every few steps) many in flight at once on one DEALER socket (`OutputsChannel`),
+the rest (appends, status, pings) one at a time on another. Every reply is decoded against the
+protocol's schema; a reply of the wrong kind or none within the timeout is a `SidecarLost`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +73,77 @@ def answers(query: Message, reply: Message) -> bool:
     return True
 
 
+class ChannelClosed(Exception):
+    """The channel a query waited on was closed under it (another query found it dead): ask again."""
+
+
+class OutputsChannel:
+    """Outputs queries in flight together on one connection. A stage's every stream asks for its
+    outputs every few steps; one query at a time would queue each behind all the others' round trips
+    (tens of milliseconds at 64 streams, each waiting for the front end's busy event loop to read its
+    reply before the next goes out). The sidecar answers a connection's queries in the order they
+    came, so a reply goes to the oldest query still waiting on the request it names; a query
+    cancelled meanwhile keeps its place, and its reply is dropped."""
+
+    def __init__(self, endpoint: str, codec: Codec) -> None:
+        self.endpoint, self.codec = endpoint, codec
+        self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.waiting: dict[str, deque[asyncio.Future]] = {}
+        self.closed = False
+        self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def ask(self, query: OutputsQuery) -> asyncio.Future:
+        """Sends the query; the future its reply resolves."""
+        if self.closed:
+            raise ChannelClosed()
+        reply: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.waiting.setdefault(query.req_id, deque()).append(reply)
+        try:
+            await self.sock.send(self.codec.encode(query))
+        except zmq.ZMQError as exc:
+            self.close(SidecarLost(f"the sidecar at {self.endpoint}: {exc}"))
+        return reply
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                reply = self.codec.decode(await self.sock.recv())
+            except FrameError as exc:
+                return self.close(SidecarLost(f"the sidecar at {self.endpoint} sent a bad reply: {exc}"))
+            except zmq.ZMQError as exc:
+                return self.close(SidecarLost(f"the sidecar at {self.endpoint}: {exc}"))
+            if not isinstance(reply, OutputsReply):
+                return self.close(SidecarLost(f"the sidecar at {self.endpoint} answered {type(reply).__name__} "
+                                              "to OutputsQuery"))
+            queue = self.waiting.get(reply.req_id)
+            if not queue:
+                logger.warning("the sidecar at %s answered a query never asked (request %s)", self.endpoint,
+                               reply.req_id)
+                continue
+            waiter = queue.popleft()
+            if not queue:
+                del self.waiting[reply.req_id]
+            if not waiter.done():
+                waiter.set_result(reply)
+
+    def close(self, why: Exception | None = None) -> None:
+        """Every query still waiting ends with `why` (ChannelClosed: it asks again elsewhere)."""
+        if self.closed:
+            return
+        self.closed = True
+        for queue in self.waiting.values():
+            for waiter in queue:
+                if not waiter.done():
+                    waiter.set_exception(why or ChannelClosed())
+        self.waiting.clear()
+        if self.reader is not asyncio.current_task() and not self.reader.done():
+            with contextlib.suppress(RuntimeError):  # its loop already closed
+                self.reader.cancel()
+        self.sock.close(0)
+
+
 class SidecarLink:
     def __init__(self, endpoint: str, timeout_s: float = 5.0) -> None:
         self.endpoint = endpoint
@@ -77,6 +151,24 @@ class SidecarLink:
         self.codec = Codec()
         self._lock = asyncio.Lock()
         self._sock: zmq.asyncio.Socket | None = None
+        self._channel: OutputsChannel | None = None
+
+    async def _ask(self, query: OutputsQuery) -> OutputsReply:
+        """An outputs query, answered within the timeout; unanswered after RESEND_AFTER_S it goes
+        again on a fresh connection (it only reads or drops), which reaches whoever serves the
+        endpoint now (a successor after a hot upgrade took over the path)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if self._channel is None or self._channel.closed:
+                self._channel = OutputsChannel(self.endpoint, self.codec)
+            channel = self._channel
+            try:
+                reply = await channel.ask(query)
+                return await asyncio.wait_for(reply, max(0.001, min(deadline - time.monotonic(), RESEND_AFTER_S)))
+            except (asyncio.TimeoutError, ChannelClosed):
+                channel.close()  # the queries still waiting on it ask again on the next
+            if time.monotonic() >= deadline:
+                raise SidecarLost(f"the sidecar at {self.endpoint} did not answer within {self.timeout_s:.0f}s")
 
     def _socket(self) -> zmq.asyncio.Socket:
         if self._sock is None:
@@ -144,7 +236,7 @@ class SidecarLink:
 
     async def follow(self, req_id: str, cursor: int) -> tuple[Followed, int]:
         """The request's per-step outputs from `cursor` on, and the cursor to ask with next."""
-        reply: OutputsReply = await self._call(OutputsQuery(req_id, since=cursor), OutputsReply)  # type: ignore
+        reply = await self._ask(OutputsQuery(req_id, since=cursor))
         if reply.error:
             raise RequestRejected(reply.error)
         chunks = [{**c.values, **{k: blob_array(b) for k, b in c.tensors.items()}} for c in reply.chunks]
@@ -153,7 +245,7 @@ class SidecarLink:
     async def outputs(self, req_id: str) -> tuple[dict[str, Any], Followed]:
         """The request's assembled outputs so far (they survive a hot upgrade whole, where a cursor
         into the per-step chunks may not)."""
-        reply: OutputsReply = await self._call(OutputsQuery(req_id), OutputsReply)  # type: ignore
+        reply = await self._ask(OutputsQuery(req_id))
         if reply.error:
             raise RequestRejected(reply.error)
         values = {**reply.values, **{k: blob_array(b) for k, b in reply.tensors.items()}}
@@ -161,7 +253,7 @@ class SidecarLink:
 
     async def forget(self, req_id: str) -> None:
         """Drop a request's kept outputs (the front end has read them)."""
-        await self._call(OutputsQuery(req_id, pop=True), OutputsReply)
+        await self._ask(OutputsQuery(req_id, pop=True))
 
     async def append(self, req_id: str, entries: dict[str, Any]) -> int:
         """Entries (vllm-omni's additional_information) into a running request; the last step not seeing them."""
@@ -173,3 +265,6 @@ class SidecarLink:
 
     def close(self) -> None:
         self._drop()
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
