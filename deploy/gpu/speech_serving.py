@@ -28,8 +28,8 @@ built as vllm-omni's server builds it (deploy/gpu/speech_qwen3_tts.py).
 Checks and figures:
 - the servers start at once and get the run's limit to come up, less what the measurement needs
   (MEASURE_MIN_S, STOP_RESERVE_S);
-- the same requests (non-streaming pcm, one at a time) to both: the waveforms compared sample by
-  sample (max abs diff over int16 full scale; bound WAVEFORM_RTOL x vllm-omni's peak). Codes
+- the same requests (non-streaming pcm, one at a time, each asked twice of each server: a
+  server that disagrees with itself shows) to both: the waveforms compared sample by sample (max abs diff over int16 full scale; bound WAVEFORM_RTOL x vllm-omni's peak). Codes
   cannot be read from either server over HTTP: `codes_identical` is null (CODES_NOTE says why), the
   waveforms stand in;
 - per concurrency level (1, 16, 64 streaming requests at once, `stream_format: audio`, pcm; a round
@@ -480,32 +480,43 @@ async def scrape_shares(server: "ServerProcess") -> dict[str, tuple[float, float
 
 
 async def compare_waveforms(servers: dict[str, ServerProcess], frames: int, deadline: float) -> dict:
-    """The same non-streaming requests to both, one at a time; samples compared."""
+    """The same non-streaming requests to both, one at a time, each asked of each server twice (so a
+    difference between the servers can be told from one server disagreeing with itself); samples
+    compared. `per_request`: each one's lengths (samples) and largest differences."""
     import numpy as np
 
-    diffs, equal_len, peaks, failures = [], 0, [], []
+    def max_diff(a: np.ndarray, b: np.ndarray) -> float:
+        n = min(a.size, b.size)
+        return float(np.abs(a[:n] - b[:n]).max()) if n else 0.0
+
+    diffs, equal_len, peaks, failures, per_request = [], 0, [], [], []
     pairs = [(text, voice) for text in TEXTS for voice in VOICES]
     for text, voice in pairs:
-        waves = {}
-        for name in ("vllm-omni", "ours"):
+        waves: dict[str, list[np.ndarray]] = {}
+        for name in ("vllm-omni", "ours", "vllm-omni", "ours"):
             got = await request(servers[name].port, "POST", "/v1/audio/speech", speech_body(text, voice, frames, False),
                                 timeout_s=max(1.0, deadline - time.monotonic()))
             if got.status != 200:
                 failures.append(f"{name}: {got.status} {got.error}")
                 break
-            waves[name] = np.frombuffer(got.body, "<i2").astype(np.float64) / 32768.0
+            waves.setdefault(name, []).append(np.frombuffer(got.body, "<i2").astype(np.float64) / 32768.0)
         if len(waves) < 2:
             continue
-        a, b = waves["vllm-omni"], waves["ours"]
+        (a, *a2), (b, *b2) = waves["vllm-omni"], waves["ours"]
         equal_len += int(a.shape == b.shape)
-        n = min(a.size, b.size)
-        diffs.append(float(np.abs(a[:n] - b[:n]).max()) if n else 0.0)
+        diffs.append(max_diff(a, b))
         peaks.append(float(np.abs(a).max()) if a.size else 0.0)
+        per_request.append({"voice": voice, "samples": {"vllm-omni": [w.size for w in waves["vllm-omni"]],
+                                                        "ours": [w.size for w in waves["ours"]]},
+                            "max_abs_diff": round(diffs[-1], 6),
+                            "self_max_abs_diff": {"vllm-omni": round(max_diff(a, a2[0]), 6) if a2 else None,
+                                                  "ours": round(max_diff(b, b2[0]), 6) if b2 else None}})
     out = {"requests": len(pairs), "compared": len(diffs), "same_length": f"{equal_len}/{len(pairs)}",
            "waveform_max_abs_diff": max(diffs) if diffs else None,
            "tolerance": round(WAVEFORM_RTOL * max(peaks), 6) if peaks else None}
     out["within_tolerance"] = (f"{sum(d <= WAVEFORM_RTOL * max(peaks) for d in diffs)}/{len(pairs)}"
                                if peaks else f"0/{len(pairs)}")
+    out["per_request"] = per_request
     if failures:
         out["failures"] = failures[:4]
     return out
