@@ -1,5 +1,8 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,12 @@ for key, value in {
     "TOKENIZERS_PARALLELISM": "false",
 }.items():
     os.environ.setdefault(key, value)
+
+# vLLM's engines bind their IPC sockets in VLLM_RPC_BASE_PATH (the temporary directory by default); an
+# engine the suite kills on purpose leaves them. A directory of the session's own, removed at its end.
+if "VLLM_RPC_BASE_PATH" not in os.environ:
+    os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="omni-test-rpc-")
+    atexit.register(shutil.rmtree, os.environ["VLLM_RPC_BASE_PATH"], True)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,7 +1,8 @@
 """The session-wide leftover check (tests/conftest.py) catches what a test forgets to clean up.
 
 Each case runs a small pytest session of its own under our conftest: one that cleans up passes,
-one that leaves a process or a /dev/shm file fails and names it.
+one that leaves a process, a /dev/shm file or a socket file in the temporary directory fails and
+names each.
 """
 
 from __future__ import annotations
@@ -10,14 +11,16 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
+from pathlib import Path
 
 import pytest
 
 from tests.support.procs import ROOT, child_env
 
 INNER_TEST = '''
-import os, subprocess, sys, time
+import os, socket, subprocess, sys, tempfile, time
 from pathlib import Path
 
 def test_start_and_maybe_clean_up():
@@ -28,21 +31,26 @@ def test_start_and_maybe_clean_up():
     held = open(shm, "rb")  # the sampler sees who holds it
     time.sleep(1.0)
     held.close()
+    sock_path = Path(tempfile.gettempdir()) / os.environ["SOCK_NAME"]
+    with socket.socket(socket.AF_UNIX) as listener:  # closed, its file stays (as a killed process's does)
+        listener.bind(str(sock_path))
     if os.environ["CLEAN_UP"] == "1":
         proc.kill()
         proc.wait()
         shm.unlink()
+        sock_path.unlink()
 '''
 
 
 @pytest.mark.parametrize("clean_up", [True, False])
-def test_the_leftover_check_fails_a_session_that_leaves_a_process_or_shm_file(tmp_path, clean_up):
+def test_the_leftover_check_fails_a_session_that_leaves_a_process_shm_file_or_socket(tmp_path, clean_up):
     (tmp_path / "conftest.py").write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n"
                                           "from tests.conftest import leaves_nothing_behind  # noqa: F401\n")
     (tmp_path / "test_inner.py").write_text(INNER_TEST)
     pid_file, shm_name = tmp_path / "pid", f"omni-leftover-check-{uuid.uuid4().hex[:8]}"
-    env = child_env(PID_FILE=str(pid_file), SHM_NAME=shm_name, CLEAN_UP="1" if clean_up else "0",
-                    OMNI_LEFTOVER_GRACE_S="1")
+    sock_path = Path(tempfile.gettempdir()) / f"omni-leftover-check-{uuid.uuid4().hex[:8]}.sock"
+    env = child_env(PID_FILE=str(pid_file), SHM_NAME=shm_name, SOCK_NAME=sock_path.name,
+                    CLEAN_UP="1" if clean_up else "0", OMNI_LEFTOVER_GRACE_S="1")
     try:
         out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
                              capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
@@ -52,6 +60,7 @@ def test_the_leftover_check_fails_a_session_that_leaves_a_process_or_shm_file(tm
         else:
             assert out.returncode != 0 and "leftover check" in report, report
             assert f"process {pid_file.read_text()}:" in report and f"/dev/shm/{shm_name}" in report, report
+            assert f"socket {sock_path}" in report, report
     finally:
         if pid_file.exists():
             try:
@@ -60,3 +69,4 @@ def test_the_leftover_check_fails_a_session_that_leaves_a_process_or_shm_file(tm
                 pass
         if os.path.exists(f"/dev/shm/{shm_name}"):
             os.unlink(f"/dev/shm/{shm_name}")
+        sock_path.unlink(missing_ok=True)

@@ -1,4 +1,5 @@
-"""What a test session leaves behind: live processes it started and /dev/shm files it created.
+"""What a test session leaves behind: live processes it started, /dev/shm files it created and
+Unix socket files it left in the temporary directory.
 
 Ours are the descendants of the pytest process, every process carrying the session's marker
 in its environment (children inherit it), and processes started during the session by our
@@ -7,12 +8,17 @@ uid that are in pytest's process group or, re-parented to init, name themselves 
 gone there; the process group and the name still tell). Shared-memory files count when
 they appeared during the session, still exist, and are not held by another session's
 processes (a background sampler notes who maps or opens each new file while the suite runs).
+Socket files count when they appeared in the temporary directory during the session and remain
+(vLLM's engines put theirs in VLLM_RPC_BASE_PATH, which the suite points at a directory of its own
+and removes: an engine killed on purpose leaves its socket files there).
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import stat
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -75,6 +81,21 @@ def _shm_held(pid: int) -> set[str]:
     return names
 
 
+def _sockets(directory: Path) -> set[str]:
+    """Unix socket files directly in `directory`."""
+    out = set()
+    try:
+        for entry in os.scandir(directory):
+            try:
+                if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+                    out.add(entry.name)
+            except OSError:
+                pass
+    except OSError:
+        pass
+    return out
+
+
 def _shm_files() -> set[str]:
     try:
         return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(SHM_PREFIXES)}
@@ -90,6 +111,8 @@ class LeftoverCheck:
     shm_at_start: set[str] = field(default_factory=set)
     shm_ours: set[str] = field(default_factory=set)
     shm_foreign: set[str] = field(default_factory=set)
+    tmp_dir: Path = field(default_factory=lambda: Path(tempfile.gettempdir()))
+    sockets_at_start: set[str] = field(default_factory=set)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -97,6 +120,7 @@ class LeftoverCheck:
         os.environ[MARKER] = self.token
         self.pids_at_start = set(_pids())
         self.shm_at_start = _shm_files()
+        self.sockets_at_start = _sockets(self.tmp_dir)
         self._thread = threading.Thread(target=self._sample_loop, name="leftover-sampler", daemon=True)
         self._thread.start()
 
@@ -159,4 +183,5 @@ class LeftoverCheck:
         left_shm = sorted((_shm_files() - self.shm_at_start) - self.shm_foreign)
         lines = [f"  process {pid}: {_cmdline(pid)[:200]}" for pid in alive]
         lines += [f"  /dev/shm/{name}" for name in left_shm]
+        lines += [f"  socket {self.tmp_dir / name}" for name in sorted(_sockets(self.tmp_dir) - self.sockets_at_start)]
         return "\n".join(lines)
