@@ -21,11 +21,17 @@ for key, value in {
 }.items():
     os.environ.setdefault(key, value)
 
-# vLLM's engines bind their IPC sockets in VLLM_RPC_BASE_PATH (the temporary directory by default); an
-# engine the suite kills on purpose leaves them. A directory of the session's own, removed at its end.
-if "VLLM_RPC_BASE_PATH" not in os.environ:
-    os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="omni-test-rpc-")
-    atexit.register(shutil.rmtree, os.environ["VLLM_RPC_BASE_PATH"], True)
+# vLLM leaves files in the temporary directory (its IPC sockets, VLLM_RPC_BASE_PATH; its multiprocess
+# executor's file-store rendezvous, vllm_dist_*), and an engine the suite kills on purpose cannot remove
+# its own. So what the suite starts (engines, sidecars, servers: TMPDIR) and vLLM's sockets in this
+# process too get a directory of the session's own, removed at its end; this process's own temporary
+# files stay in the temporary directory, where the leftover check looks.
+if "OMNI_TEST_TMPDIR" not in os.environ:
+    tempfile.tempdir = tempfile.gettempdir()
+    session_tmp = tempfile.mkdtemp(prefix="omni-test-")
+    atexit.register(shutil.rmtree, session_tmp, True)
+    os.environ["OMNI_TEST_TMPDIR"] = os.environ["TMPDIR"] = session_tmp
+    os.environ.setdefault("VLLM_RPC_BASE_PATH", session_tmp)
 
 
 @pytest.fixture(scope="session", autouse=True)

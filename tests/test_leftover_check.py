@@ -11,9 +11,7 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -48,9 +46,12 @@ def test_the_leftover_check_fails_a_session_that_leaves_a_process_shm_file_or_so
                                           "from tests.conftest import leaves_nothing_behind  # noqa: F401\n")
     (tmp_path / "test_inner.py").write_text(INNER_TEST)
     pid_file, shm_name = tmp_path / "pid", f"omni-leftover-check-{uuid.uuid4().hex[:8]}"
-    sock_path = Path(tempfile.gettempdir()) / f"omni-leftover-check-{uuid.uuid4().hex[:8]}.sock"
+    inner_tmp = tmp_path / "tmp"  # the inner session's temporary directory, where its socket goes
+    inner_tmp.mkdir()
+    sock_path = inner_tmp / f"omni-leftover-check-{uuid.uuid4().hex[:8]}.sock"
     env = child_env(PID_FILE=str(pid_file), SHM_NAME=shm_name, SOCK_NAME=sock_path.name,
-                    CLEAN_UP="1" if clean_up else "0", OMNI_LEFTOVER_GRACE_S="1")
+                    CLEAN_UP="1" if clean_up else "0", OMNI_LEFTOVER_GRACE_S="1", TMPDIR=str(inner_tmp),
+                    OMNI_TEST_TMPDIR=str(inner_tmp))
     try:
         out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
                              capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
