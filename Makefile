@@ -2,7 +2,8 @@
 # `make test-slow` (not part of `make test`, about 10 minutes): the tests marked slow. Longer runs
 # of what `make test` checks a few times (20 sidecar kills under a live engine, 100k fuzzed frames
 # a case), 10 hot upgrades during a streaming batch and 15 around an idle engine, upgrades at random
-# moments, the CPU compose file's services as local processes, the talker under vLLM multiprocessing,
+# moments, the CPU compose file's services as local processes, the talker and pass-through under vLLM
+# multiprocessing, the bench's in-process baseline against the sidecar,
 # a hot upgrade of each speech stage's sidecar while omni-serve serves, omni-serve's three-stage
 # (thinker -> talker -> code2wav) pipeline against the stages by hand, a speech stage's engine
 # killed and restarted, a real pipeline-parallel engine refused at start, `make demo` checked

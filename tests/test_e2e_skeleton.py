@@ -42,7 +42,9 @@ def plain_tokens(tiny_model, workdir):
     return res["tokens"]
 
 
-@pytest.mark.parametrize("mp", [0, 1])
+# mp=1 (vLLM's engine core in its own process, as AsyncLLM and omni-serve run it: tests/test_e2e_serve.py) in
+# `make test-slow`.
+@pytest.mark.parametrize("mp", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_passthrough_is_token_identical_and_sidecar_sees_everything(tiny_model, workdir, plain_tokens, mp, tmp_path):
     endpoint = f"ipc://{tmp_path}/sc.sock"
     sidecar = SidecarProcess(endpoint, "passthrough", tmp_path / "sidecar.log")

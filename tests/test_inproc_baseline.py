@@ -48,6 +48,7 @@ def _job(model: str, prompts: list[dict], log_path, **extra) -> dict:
             "env": {"OMNI_KWARGS_LOG": str(log_path)}, **extra}
 
 
+@pytest.mark.slow  # the bench's own check (bench/inproc.py): `make test-slow`
 def test_inproc_baseline_matches_the_sidecar(kwargs_model, e2e_dir, tmp_path):
     prompts = _prompts(tmp_path)
     endpoint = f"ipc://{tmp_path}/sc.sock"
