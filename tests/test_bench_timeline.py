@@ -48,3 +48,50 @@ def test_an_engine_probe_marks_a_requests_first_output_and_passes_every_output_o
     assert asyncio.run(run()) == [0, 1, 2]
     marks = trace.requests["speech-x"]
     assert set(marks) == {"c0_submit", "c0_out"} and marks["c0_submit"] <= marks["c0_out"]
+
+
+def test_a_level_drives_speech_serving_s_load_client_and_reads_the_server_s_trace(monkeypatch):
+    """one_level against a stand-in server over real HTTP: the load client it borrows from
+    deploy/gpu/speech_serving.py runs, the client's TTFA and the trace's figures come back."""
+    import json
+    import time
+    from types import SimpleNamespace
+
+    from bench.speech_timeline import GPU, one_level
+
+    monkeypatch.syspath_prepend(str(GPU))
+    speeches: list[dict] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        method, path, _ = (await reader.readline()).decode().split(" ", 2)
+        length = 0
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            key, _, value = line.decode().partition(":")
+            length = int(value) if key.lower() == "content-length" else length
+        body = await reader.readexactly(length)
+        if method == "POST":
+            speeches.append(json.loads(body))
+            now = time.monotonic()
+            audio = b"\x00\x01" * 8
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         + f"{len(audio):x}\r\n".encode() + audio + b"\r\n0\r\n\r\n")
+            trace["requests"][f"speech-{len(speeches)}"] = {"arrived": now, "audio": now + 0.01}
+        else:
+            data = json.dumps(trace).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+        await writer.drain()
+        writer.close()
+
+    trace = {"requests": {}, "links": {}, "lags_ms": [0.1], "talker_outputs": {}, "wall_s": 1.0, "loop_cpu_share": 0.1}
+
+    async def run() -> dict:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            args = SimpleNamespace(waves=2, frames=4, sample_rate=300, voices=("vivian",))
+            return await one_level(port, 3, args, time.monotonic() + 30)
+
+    got = asyncio.run(run())
+    assert len(speeches) == 6 and all(s["voice"] == "vivian" for s in speeches)
+    assert got["ok"] == 6 and got["requests"] == 6 and got["audio"]["p50"] == 10.0
+    assert got["client_ttfa"]["p50"] > 0 and got["wall_s"] > 0

@@ -279,9 +279,9 @@ def test_a_query_cancelled_before_its_reply_leaves_no_reply_for_the_next(tmp_pat
             ident, frame = router.recv_multipart()
             query = codec.decode(frame)
             asked.append(query.req_id)
-            if query.req_id == "a":
+            if query.req_id == "a" and len(asked) == 1:
                 release.wait(5)
-            reply = OutputsReply(query.req_id, found=True, values={"for": query.req_id})
+            reply = OutputsReply(query.req_id, found=True, values={"for": query.req_id, "query": len(asked)})
             router.send_multipart([ident, codec.encode(reply)])
 
     thread = threading.Thread(target=sidecar)
@@ -296,15 +296,17 @@ def test_a_query_cancelled_before_its_reply_leaves_no_reply_for_the_next(tmp_pat
             first.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await first
-            release.set()  # a's reply goes out before b's query is read
+            again = asyncio.create_task(link.outputs("a"))  # the same request asked again, before the old reply
+            await asyncio.sleep(0.05)  # sent: it waits on the socket behind the first
+            release.set()  # the first a's reply goes out before the second a's and b's queries are read
             values, _ = await link.outputs("b")
-            return values
+            return (await again)[0], values
         finally:
             link.close()
 
     try:
-        assert asyncio.run(run()) == {"for": "b"}
-        assert asked == ["a", "b"]  # b asked once: a's reply was never read on b's socket
+        assert asyncio.run(run()) == ({"for": "a", "query": 2}, {"for": "b", "query": 3})
+        assert asked == ["a", "a", "b"]  # each asked once: the cancelled query's reply was read by no other
     finally:
         stop.set()
         thread.join()

@@ -29,7 +29,8 @@ Checks and figures:
 - the servers start at once and get the run's limit to come up, less what the measurement needs
   (MEASURE_MIN_S, STOP_RESERVE_S);
 - the same requests (non-streaming pcm, one at a time, each asked twice of each server: a
-  server that disagrees with itself shows) to both: the waveforms compared sample by sample (max abs diff over int16 full scale; bound WAVEFORM_RTOL x vllm-omni's peak). Codes
+  server that disagrees with itself shows) to both: the waveforms compared sample by sample (max
+  abs diff over int16 full scale; bound WAVEFORM_RTOL x vllm-omni's peak). Codes
   cannot be read from either server over HTTP: `codes_identical` is null (CODES_NOTE says why), the
   waveforms stand in;
 - per concurrency level (1, 16, 64 streaming requests at once, `stream_format: audio`, pcm; a round

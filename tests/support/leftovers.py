@@ -8,9 +8,9 @@ uid that are in pytest's process group or, re-parented to init, name themselves 
 gone there; the process group and the name still tell). Shared-memory files count when
 they appeared during the session, still exist, and are not held by another session's
 processes (a background sampler notes who maps or opens each new file while the suite runs).
-Socket files count when they appeared in the temporary directory during the session and remain
-(vLLM's engines put theirs in VLLM_RPC_BASE_PATH, which the suite points at a directory of its own
-and removes: an engine killed on purpose leaves its socket files there).
+Socket files count when they appeared in this process's temporary directory during the session and
+remain (what the suite starts, and vLLM's sockets, go to a directory of the session's own instead,
+removed at its end: tests/conftest.py).
 """
 
 from __future__ import annotations
