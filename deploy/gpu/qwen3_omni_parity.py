@@ -69,10 +69,12 @@ def limits(max_num_seqs: int) -> dict:
     frames = MAX_TOKENS["talker"]
     return {"thinker": {"max_model_len": 256, "max_num_batched_tokens": 256},
             "talker": {"max_model_len": 256, "max_num_batched_tokens": 256},
-            # vllm-omni's code2wav takes a request's whole codes in one prefill (Q x frames tokens).
+            # vllm-omni's code2wav takes a request's whole codes in one prefill (Q x frames tokens). Its
+            # scheduler (OmniGenerationScheduler) splits a waiting request's prompt at the step's token
+            # budget even with chunked prefill off, and its model then decodes only the part it got: the
+            # budget holds every request's whole codes, as its own deploy config's 65536 does.
             "code2wav": {"max_model_len": NUM_CODE_GROUPS * frames + 16,
-                         "max_num_batched_tokens": max(NUM_CODE_GROUPS * frames + 16, 256) * (1 if max_num_seqs == 1
-                                                                                            else 4)}}
+                         "max_num_batched_tokens": max(NUM_CODE_GROUPS * frames + 16, 256) * max_num_seqs}}
 
 
 def compare(omni: dict, shim: dict) -> dict:

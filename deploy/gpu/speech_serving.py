@@ -13,7 +13,8 @@ answers only with `instructions`, which omni-serve's speech API refuses).
 vllm-omni: `python3 -m vllm_omni.entrypoints.cli.main serve DIR --omni --deploy-config Y` (its
 `vllm-omni` console script), Y its own deploy/qwen3_tts.yaml (talker -> code2wav through its
 shared-memory connector, async chunk, its first audio chunk after 1 frame) with these changes:
-memory fractions small and KV caches of a fixed size (both servers share the GPU), greedy
+memory fractions small and KV caches of a fixed size (both servers share the GPU), the tiny
+checkpoint's 1024 positions and the talker's step budget (4096, as ours; code2wav's as shipped), greedy
 everywhere (code 0 by the sampler, the code predictor's codes with do_sample false) and exactly
 --frames frames a request on both (`exact_frames`: the request's max_new_tokens, min_tokens, the
 codec EOS a stop token).
@@ -139,8 +140,11 @@ def vllm_omni_deploy(work: Path, model: Path, frames: int) -> Path:
         stage.update(gpu_memory_utilization=0.12, max_num_seqs=64, kv_cache_memory_bytes=kv_bytes)
     # The tiny checkpoint's talker and decoder have 1024 positions (vllm-omni's own code2wav engine
     # ran at 1024 in deploy/gpu/parity.py); a request's flat codec stream stays well under it.
+    # The talkers' step budgets are the same on both servers. vllm-omni's code2wav takes each chunk's
+    # codes as Q x frames prompt tokens (ours a placeholder token a chunk), so its budget stays as
+    # shipped: at 1024 it took about two chunks a step and throttled its side at 64 streams.
     talker.update(max_model_len=1024, max_num_batched_tokens=4096)
-    code2wav.update(max_model_len=1024, max_num_batched_tokens=1024)
+    code2wav.update(max_model_len=1024)
     code2wav["default_sampling_params"]["max_tokens"] = 1024  # as shipped: its max_model_len
     talker["default_sampling_params"] = dict(temperature=0.0, top_k=-1, top_p=1.0, repetition_penalty=1.0,
                                              **exact_frames(model, frames))
