@@ -142,7 +142,7 @@ def vllm_omni_deploy(work: Path, model: Path, frames: int) -> Path:
     # ran at 1024 in deploy/gpu/parity.py); a request's flat codec stream stays well under it.
     # The talkers' step budgets are the same on both servers. vllm-omni's code2wav takes each chunk's
     # codes as Q x frames prompt tokens (ours a placeholder token a chunk), so its budget stays as
-    # shipped: at 1024 it took about two chunks a step and throttled its side at 64 streams.
+    # shipped: a budget sized for ours (1024) holds about two of its chunks a step.
     talker.update(max_model_len=1024, max_num_batched_tokens=4096)
     code2wav.update(max_model_len=1024)
     code2wav["default_sampling_params"]["max_tokens"] = 1024  # as shipped: its max_model_len
