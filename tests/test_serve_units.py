@@ -685,3 +685,33 @@ def test_a_chunk_read_finished_is_dropped_from_its_sidecar_without_asking_first(
     chunks = [f"r1-c{k}" for k in range(4)]
     assert sorted(code2wav.forgotten) == chunks  # and nothing of the speech request's own id: it never ran there
     assert code2wav.followed == []
+
+
+def test_the_heap_start_up_made_is_frozen_before_the_first_request():
+    """The collector never walks what start-up made while serving (vLLM's API server freezes it too):
+    after the app's start, the objects of start-up are in the permanent generation."""
+    import gc
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from omni_serve.api.server import build_app
+
+    made = []
+
+    async def start() -> None:
+        made.extend([{"i": i} for i in range(1000)])  # start-up's objects, tracked by the collector
+
+    async def stop() -> None:
+        pass
+
+    server = SimpleNamespace(config=CONFIG, start=start, stop=stop,
+                             health=lambda: {"status": "ok"})
+    gc.unfreeze()
+    try:
+        with TestClient(build_app(server)) as client:
+            frozen = gc.get_freeze_count()
+            assert client.get("/health").status_code == 200
+        assert frozen >= len(made)
+    finally:
+        gc.unfreeze()

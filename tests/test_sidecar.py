@@ -240,6 +240,33 @@ def test_prometheus_metrics(tmp_path):
     assert metrics['omni_sidecar_arena_used_bytes{direction="shim_to_sidecar"}'] == H * 4
 
 
+def test_a_busy_ring_turn_serves_every_socket_message_waiting_not_one():
+    """While a shim's ring keeps the loop busy, the socket is asked every SOCKET_CHECK_S; what waits
+    there then (a front end's outputs queries, one per stream) is served in that turn, up to
+    SOCKET_BURST, instead of one a turn behind a step each."""
+    import time
+    from types import SimpleNamespace
+
+    from omni_sidecar.serve.server import SOCKET_BURST, SidecarServer
+    from proto.transport import SpinWindow
+
+    queued = [[b"c%d" % i, b"q"] for i in range(SOCKET_BURST + 5)]
+    served = []
+    server = SidecarServer.__new__(SidecarServer)
+    server.listener = SimpleNamespace(readable=lambda: bool(queued), recv_frames=lambda: queued.pop(0))
+    server._serve = served.append
+    server.peers = SimpleNamespace(pump=lambda dispatch: True,  # the ring always has a step message
+                                   serve_hot=lambda *a, **k: time.monotonic())
+    server._dispatch = lambda *a: None
+    server._socket_due = 0.0
+    server._busy_at = time.monotonic()
+    server.spin = SpinWindow(10_000_000, 0)
+    server.wait = SimpleNamespace(spin=lambda *a: True)
+    server._serve_rings_once()
+    assert [f[0] for f in served] == [b"c%d" % i for i in range(SOCKET_BURST)]
+    assert len(queued) == 5  # the rest next time the socket is due: the rings are not held off longer
+
+
 def test_the_sidecars_hot_ring_loop_hands_back_at_its_deadline_when_the_ring_never_runs_dry():
     """A shim that keeps its ring full must not hold off the server loop's housekeeping (the socket,
     reaping, other sessions): `serve_hot` returns once `until` passes even when every turn serves."""

@@ -11,6 +11,7 @@ import asyncio
 import base64
 import contextlib
 import functools
+import gc
 import json
 import time
 import uuid
@@ -324,6 +325,14 @@ def _failure(exc: StageFailed) -> JSONResponse:
     return JSONResponse(error_body(f"the speech pipeline failed this request: {exc}", 503), status_code=503)
 
 
+def freeze_start_up_heap() -> None:
+    """What start-up made (torch's and vLLM's modules, the engines' clients: millions of objects) moves
+    out of the collector's reach, as vLLM's API server does after start-up: a full collection would
+    walk all of it while the event loop, and every stream's audio, waits."""
+    gc.collect()
+    gc.freeze()
+
+
 def build_app(server: SpeechServer) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -332,6 +341,7 @@ def build_app(server: SpeechServer) -> FastAPI:
         except BaseException:
             await server.stop()
             raise
+        freeze_start_up_heap()
         yield
         await server.stop()
 
