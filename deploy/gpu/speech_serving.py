@@ -514,6 +514,8 @@ async def compare_waveforms(servers: dict[str, ServerProcess], frames: int, dead
         per_request.append({"voice": voice, "samples": {"vllm-omni": [w.size for w in waves["vllm-omni"]],
                                                         "ours": [w.size for w in waves["ours"]]},
                             "max_abs_diff": round(diffs[-1], 6),
+                            # the second asks of each against each other: where a server disagreed with itself
+                            "second_asks_max_abs_diff": round(max_diff(a2[0], b2[0]), 6) if a2 and b2 else None,
                             "self_max_abs_diff": {"vllm-omni": round(max_diff(a, a2[0]), 6) if a2 else None,
                                                   "ours": round(max_diff(b, b2[0]), 6) if b2 else None}})
     out = {"requests": len(pairs), "compared": len(diffs), "same_length": f"{equal_len}/{len(pairs)}",
