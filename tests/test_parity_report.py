@@ -338,3 +338,16 @@ def test_the_commit_measured_is_the_one_the_command_names(monkeypatch):
     assert parity.run_commit() == "0123abc"
     monkeypatch.delenv("OMNI_COMMIT")
     assert parity.run_commit() != "0123abc"
+
+
+def test_the_qwen3_omni_code2wav_budget_holds_every_requests_whole_codes():
+    """vllm-omni's code2wav scheduler splits a waiting request's prompt (its Q x frames codes) at the
+    step's token budget, chunked prefill off or not, and its model decodes the part it got: the
+    budget holds max_num_seqs requests' whole codes in one step."""
+    import qwen3_omni_parity
+
+    frames = qwen3_omni_parity.MAX_TOKENS["talker"]
+    whole = qwen3_omni_parity.NUM_CODE_GROUPS * frames
+    for seqs in (1, 6, 16):
+        got = qwen3_omni_parity.limits(seqs)["code2wav"]
+        assert got["max_model_len"] >= whole and got["max_num_batched_tokens"] >= seqs * whole
