@@ -139,9 +139,15 @@ def test_no_vllm_omni_patch_anywhere(job):
 
 
 def test_vllm_omni_stage_classes_need_the_vllm_they_were_built_for(job):
-    """The exact limit on this venv (vLLM 0.32): vllm-omni's thinker module chain does not import;
+    """Beside the vLLM its vllm-omni was built for (0.26 with 0.26) every stage module imports; on
+    any other (CI's vLLM 0.32) the exact limit: vllm-omni's thinker module chain does not import,
     its code2wav module does (the other test runs it)."""
+    from tests.support.paired_vllm_omni import PAIRED, vllm_version
+
     errors = job["import_errors"]
+    if vllm_version() == PAIRED:
+        assert errors == {}, errors
+        return
     assert set(errors) == {"thinker", "talker", "stages"}, errors
     assert all(e.startswith(SKEW) for e in errors.values()), errors
 
