@@ -45,6 +45,9 @@ def parser():
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--run-dir", default=None, help="where the sidecars' sockets and logs go (default: a new "
                                                   "private temporary directory, removed on exit)")
+    p.add_argument("--codes-log", default=None, metavar="FILE",
+                   help="append each request's codec codes (the talker's frames), once served whole, to FILE as a "
+                        "JSON line (omni_serve/speech/codes_log.py): for checking them against another server")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["debug", "info", "warning", "error", "critical", "trace"], help="uvicorn's log level")
     return p
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
     own_dir = args.run_dir is None
     run_dir = socket_dir(Path(tempfile.mkdtemp(prefix="omni-serve-")) if own_dir else Path(args.run_dir).resolve())
-    server = SpeechServer(config, run_dir)
+    server = SpeechServer(config, run_dir, Path(args.codes_log) if args.codes_log else None)
     try:
         uvicorn.run(build_app(server), host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                     timeout_graceful_shutdown=5)

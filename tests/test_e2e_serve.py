@@ -93,7 +93,8 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
     work = tmp_path_factory.mktemp("serve")
-    with serving(work, _config(work, *models)) as srv:
+    with serving(work, _config(work, *models), args=("--codes-log", str(work / "codes.jsonl"))) as srv:
+        srv.codes_log = work / "codes.jsonl"
         yield srv
 
 
@@ -118,6 +119,22 @@ def test_a_wav_equals_the_stages_run_by_hand(server, reference):
     # Another voice is another request: other audio.
     status, other, _ = server.post({"input": TEXT, "voice": "default", "response_format": "pcm"})
     assert status == 200 and other != body[44:]
+
+
+def test_the_codes_log_has_each_served_requests_codes_as_the_talker_makes_them(server, models):
+    """`--codes-log`: a line per request served whole, its codes the talker's own (its direct
+    forward), appended as the request ends."""
+    from omni_serve.speech.codes_log import read_codes_log
+    from tests.support.speech_reference import speech_codes
+
+    before = len(read_codes_log(server.codes_log))
+    status, body, _ = server.post({"input": TEXT, "voice": "vivian", "response_format": "pcm"})
+    assert status == 200, body[:500]
+    logged = read_codes_log(server.codes_log)
+    assert len(logged) == before + 1
+    want = speech_codes(models[0], TEXT, 1, MAX_FRAMES + 1).numpy()
+    assert want.shape[0] == MAX_FRAMES
+    np.testing.assert_array_equal(logged[-1][1], want)
 
 
 def test_streams_carry_the_same_samples_and_the_first_chunk_comes_before_the_end(server, reference):

@@ -184,3 +184,17 @@ def test_a_metrics_scrape_that_fails_gives_no_shares_and_the_run_goes_on():
         port = free.getsockname()[1]
     server = serving.ServerProcess("ours", port, None, Path("/dev/null"))  # type: ignore[arg-type]
     assert asyncio.run(serving.scrape_shares(server)) == {}
+
+
+def test_codes_are_compared_ask_by_ask_and_the_first_asks_counted():
+    import numpy as np
+
+    a, b, c = np.zeros((3, 4), int), np.ones((3, 4), int), np.ones((2, 4), int)
+    per_request = [{"voice": "x"}, {"voice": "y"}]
+    got = serving.compare_codes({"vllm-omni": [a, a, b, b], "ours": [a, a, c, b]}, per_request)
+    assert got == {"codes_identical": "1/2"}
+    assert per_request[0]["codes_identical"] == [True, True] and per_request[1]["codes_identical"] == [False, True]
+    assert per_request[1]["frames"] == {"vllm-omni": [3, 3], "ours": [2, 3]}
+    # A server that recorded another number of requests than were asked: no count, and why.
+    short = serving.compare_codes({"vllm-omni": [a, a, b], "ours": [a, a, c, b]}, [{}, {}])
+    assert short["codes_identical"] is None and "vllm-omni 3" in short["codes_note"]

@@ -31,9 +31,8 @@ Checks and figures:
   (MEASURE_MIN_S, STOP_RESERVE_S);
 - the same requests (non-streaming pcm, one at a time, each asked twice of each server: a
   server that disagrees with itself shows) to both: the waveforms compared sample by sample (max
-  abs diff over int16 full scale; bound WAVEFORM_RTOL x vllm-omni's peak). Codes
-  cannot be read from either server over HTTP: `codes_identical` is null (CODES_NOTE says why), the
-  waveforms stand in;
+  abs diff over int16 full scale; bound WAVEFORM_RTOL x vllm-omni's peak), and their codec codes
+  (`codes_identical`, CODES_NOTE says how they are read: neither server returns codes over HTTP);
 - per concurrency level (1, 16, 64 streaming requests at once, `stream_format: audio`, pcm; a round
   is 2 x that many requests, at least 8): one untimed warm-up round per server, then timed blocks of
   rounds, each server twice, ABBA then BAAB (bench/ab_stats.py), as many as the level's share of the
@@ -61,6 +60,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -69,6 +69,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 from bench.ab_stats import MIN_BLOCKS_TO_RESOLVE, block_order, bootstrap_median  # noqa: E402
+from codes_probe import RECORDING_CONNECTOR, probe_site, read_probe  # noqa: E402
+from omni_serve.speech.codes_log import read_codes_log  # noqa: E402
 from speech_qwen3_tts import MODEL_ENV, VOICES  # noqa: E402
 
 SERVERS = ("ours", "vllm-omni")
@@ -83,13 +85,9 @@ STOP_RESERVE_S = 25  # kept back from the limit for stopping the servers and wri
 # rest of the limit: vllm-omni's own takes about 300 s on the H200, ours about 90 s).
 MEASURE_MIN_S = 60
 CODES_NOTE = (
-    "neither server gives codec codes out: vllm-omni 0.26's /v1/audio/speech answers audio bytes, or SSE events of "
-    "base64 audio whose usage only counts the codec frames, and no option or endpoint of its server returns or logs "
-    "the talker's codes (its connector hands them to code2wav in shared memory); omni-serve answers audio. So the "
-    "same requests' waveforms are compared instead. Comparing codes engine to engine inside this run would need a "
-    "third engine, vllm-omni's own talker (V1 runner, torch.compile, CUDA graphs: about 3 min to start on the "
-    "H200), beside two servers whose start takes about 300 s of a 600 s device call; deploy/gpu/run_parity.sh "
-    "compares the same classes' talker codes engine to engine in a run of its own")
+    "the codes of the waveform requests' first asks (each request asked twice of each server, one at a time): "
+    "omni-serve's from its --codes-log, vllm-omni's as its talker hands them to its code2wav, recorded by a "
+    "connector added to its own connector registry (deploy/gpu/codes_probe.py)")
 # Timed blocks per level at most (each: every server twice, ABBA then BAAB), as time allows: as many as a
 # ratio's bootstrap interval needs to mean anything (bench/ab_stats.py).
 MAX_BLOCKS = MIN_BLOCKS_TO_RESOLVE
@@ -127,6 +125,11 @@ def exact_frames(model: Path, frames: int) -> dict:
     return {"max_tokens": frames, "min_tokens": frames, "stop_token_ids": [int(eos)]}
 
 
+def codec_codebooks(model: Path) -> int:
+    """Codebooks a codec frame has (the talker's code groups)."""
+    return int(json.loads((model / "config.json").read_text())["talker_config"]["num_code_groups"])
+
+
 def vllm_omni_deploy(work: Path, model: Path, frames: int) -> Path:
     """vllm-omni's own deploy/qwen3_tts.yaml, changed as the module's docstring says."""
     import yaml
@@ -149,6 +152,9 @@ def vllm_omni_deploy(work: Path, model: Path, frames: int) -> Path:
     talker["default_sampling_params"] = dict(temperature=0.0, top_k=-1, top_p=1.0, repetition_penalty=1.0,
                                              **exact_frames(model, frames))
     talker["subtalker_sampling_params"] = dict(do_sample=False)
+    for connector in deploy["connectors"].values():  # its codes recorded as they pass (codes_probe.py)
+        if connector["name"] == "SharedMemoryConnector":
+            connector["name"] = RECORDING_CONNECTOR
     out = work / "vllm-omni-qwen3_tts.yaml"
     out.write_text(yaml.safe_dump(deploy, sort_keys=False))
     return out
@@ -231,6 +237,18 @@ def group_alive(pgid: int) -> bool:
         return True
 
 
+def codes_files(work: Path) -> dict[str, Path]:
+    """Where each server's codes go: omni-serve's --codes-log, vllm-omni's probe (codes_probe.py)."""
+    return {"ours": work / "ours-codes.jsonl", "vllm-omni": work / "vllm-omni-codes.jsonl"}
+
+
+def served_codes(work: Path, codebooks: int) -> dict[str, list]:
+    """Each server's codes per request so far, in the order its requests began (ours: ended)."""
+    files = codes_files(work)
+    return {"ours": [c for _, c in read_codes_log(files["ours"])] if files["ours"].exists() else [],
+            "vllm-omni": [c for _, c in read_probe(files["vllm-omni"], codebooks)] if files["vllm-omni"].exists() else []}
+
+
 def launch(name: str, cmd: list[str], log: Path, env: dict[str, str], port: int) -> ServerProcess:
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
@@ -249,13 +267,16 @@ def start_servers(args, work: Path, start_timeout_s: int) -> dict[str, ServerPro
                "--stage-init-timeout", str(start_timeout_s)]
         # vllm-omni's own plugins (its entry point) load in its processes: its patches, as it is meant to run.
         own = {k: v for k, v in env.items() if k != "VLLM_PLUGINS"}
+        probe = probe_site(work / "codes-probe", codes_files(work)["vllm-omni"])
+        probe["PYTHONPATH"] = os.pathsep.join([probe["PYTHONPATH"], env.get("PYTHONPATH", "")])
         servers["vllm-omni"] = launch("vllm-omni", cmd, work / "vllm-omni.log",
-                                      {**own, "VLLM_USE_V2_MODEL_RUNNER": "0"}, port)  # its runners are V1's
+                                      {**own, **probe, "VLLM_USE_V2_MODEL_RUNNER": "0"}, port)  # its runners are V1's
     if "ours" in args.servers:
         port = free_port()
         pipeline = args.ours_pipeline or ours_pipeline(work, args.model, args.frames, args.ours_chunk_frames)
         cmd = [sys.executable, "-m", "omni_serve", "--pipeline", str(pipeline), "--host", "127.0.0.1", "--port",
-               str(port), "--run-dir", str(work / "ours-run"), "--uvicorn-log-level", "warning"]
+               str(port), "--run-dir", str(work / "ours-run"), "--uvicorn-log-level", "warning",
+               "--codes-log", str(codes_files(work)["ours"])]
         extra = {"VLLM_PLUGINS": "omni_sidecar_shim", "VLLM_USE_V2_MODEL_RUNNER": "1", MODEL_ENV: str(args.model),
                  "PYTHONPATH": os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])}
         servers["ours"] = launch("ours", cmd, work / "ours.log", {**env, **extra}, port)
@@ -484,11 +505,15 @@ async def scrape_shares(server: "ServerProcess") -> dict[str, tuple[float, float
     return first_audio_shares(got.body.decode("utf-8", "replace")) if got.status == 200 else {}
 
 
-async def compare_waveforms(servers: dict[str, ServerProcess], frames: int, deadline: float) -> dict:
+async def compare_waveforms(servers: dict[str, ServerProcess], frames: int, deadline: float,
+                            codes: Callable[[], dict[str, list]] | None = None) -> dict:
     """The same non-streaming requests to both, one at a time, each asked of each server twice (so a
     difference between the servers can be told from one server disagreeing with itself); samples
-    compared. `per_request`: each one's lengths (samples) and largest differences."""
+    compared, and with `codes` (each server's codes per request so far, in order) the codes.
+    `per_request`: each one's lengths (samples), largest differences, whether its codes are equal."""
     import numpy as np
+
+    codes_before = {name: len(got) for name, got in codes().items()} if codes is not None else {}
 
     def max_diff(a: np.ndarray, b: np.ndarray) -> float:
         n = min(a.size, b.size)
@@ -526,7 +551,28 @@ async def compare_waveforms(servers: dict[str, ServerProcess], frames: int, dead
     out["per_request"] = per_request
     if failures:
         out["failures"] = failures[:4]
+    if codes is not None and not failures:
+        out.update(compare_codes({name: got[codes_before[name]:] for name, got in codes().items()}, per_request))
     return out
+
+
+def compare_codes(served: dict[str, list], per_request: list[dict]) -> dict:
+    """Each server's codes of the compared requests (two asks each, in order) side by side: the first
+    asks counted in `codes_identical`, each request's both asks in its `per_request` entry."""
+    import numpy as np
+
+    n = len(per_request)
+    got = {name: served.get(name, []) for name in ("vllm-omni", "ours")}
+    if any(len(c) != 2 * n for c in got.values()):
+        return {"codes_identical": None, "codes_note": "codes of " + ", ".join(
+            f"{name} {len(c)}" for name, c in got.items()) + f" requests, not the {2 * n} asked"}
+    same = 0
+    for i, entry in enumerate(per_request):
+        asks = [bool(np.array_equal(got["vllm-omni"][2 * i + k], got["ours"][2 * i + k])) for k in (0, 1)]
+        entry["codes_identical"] = asks
+        entry["frames"] = {name: [int(c.shape[0]) for c in got[name][2 * i:2 * i + 2]] for name in got}
+        same += asks[0]
+    return {"codes_identical": f"{same}/{n}"}
 
 
 # ---- the run ----
@@ -600,7 +646,7 @@ async def run(args) -> dict:
     if args.model is not None:
         with_speakers(args.model)
     results: dict = {"servers": list(args.servers), "levels": list(args.levels), "frames_per_request": args.frames,
-                     "codes_identical": None, "codes_note": CODES_NOTE,
+                     "codes_identical": None, "codes_note": "not compared: both servers answer the same requests first",
                      "waveform_max_abs_diff": None, "complete": False, "notes": []}
     for name in args.servers:
         results[name] = {}
@@ -640,9 +686,15 @@ async def run(args) -> dict:
                     raise TimeoutError(f"{server.name}'s warm-up request ({voice}) not answered by the run's limit "
                                        f"({time.monotonic() - t_start:.0f} s in)") from None
         if len(servers) == 2:
-            compared = await compare_waveforms(servers, args.frames, deadline)
+            codebooks = codec_codebooks(args.model) if args.model is not None else None
+            compared = await compare_waveforms(servers, args.frames, deadline,
+                                               (lambda: served_codes(work, codebooks)) if codebooks else None)
             results["waveform"] = compared
             results["waveform_max_abs_diff"] = compared["waveform_max_abs_diff"]
+            if compared.get("codes_identical") is not None:
+                results["codes_identical"], results["codes_note"] = compared["codes_identical"], CODES_NOTE
+            elif "codes_note" in compared:
+                results["codes_note"] = compared["codes_note"]
             print(f"waveforms: {json.dumps(compared)}", flush=True)
             results["ours_over_vllm_omni"] = {}
         for i, c in enumerate(args.levels):

@@ -30,6 +30,7 @@ from omni_serve.api.metrics import SpeechMetrics
 from omni_serve.api.protocol import (LANGUAGES, Prompt, Refused, SpeechRequest, ThinkerPrompt, check_prompt_length,
                                      error_body, unsupported_fields, validated, voice_index)
 from omni_serve.config import ServeConfig, load_callable
+from omni_serve.speech.codes_log import CodesLog
 from omni_serve.speech.pipeline import SpeechJob, SpeechPipeline, Stage, StageFailed, ThinkerStage, stop_soon
 from omni_serve.stages.link import SidecarLink
 from omni_serve.stages.sidecars import SidecarProcess
@@ -109,9 +110,10 @@ def usage(job: SpeechJob) -> dict[str, Any]:
 class SpeechServer:
     """The stages (sidecars, engines, links), the pipeline over them and the metrics."""
 
-    def __init__(self, config: ServeConfig, run_dir: Path) -> None:
+    def __init__(self, config: ServeConfig, run_dir: Path, codes_log: Path | None = None) -> None:
         self.config = config
         self.run_dir = run_dir
+        self.codes_log = CodesLog(codes_log) if codes_log is not None else None
         # The first stage's prompt: with a thinker, one function for both endpoints (its conversation).
         self.thinker_prompt: ThinkerPrompt | None = None
         if config.thinker_prompt:
@@ -183,7 +185,8 @@ class SpeechServer:
                                        int(options.get("left_context", CODE2WAV_LEFT_CONTEXT_FRAMES)),
                                        code2wav.placeholder_token, thinker,
                                        int(options.get("codebook_size", 0)),
-                                       first_audio_share=self._observe_first_audio_share)
+                                       first_audio_share=self._observe_first_audio_share,
+                                       finished_codes=self.codes_log.write if self.codes_log is not None else None)
         for name, sidecar in self.sidecars.items():
             sidecar.on_restart = functools.partial(self._reconnect, name)
             sidecar.on_lost = stages[name].sidecar_lost
@@ -254,6 +257,8 @@ class SpeechServer:
         self.pipeline = None
         for sidecar in self.sidecars.values():
             await sidecar.stop()
+        if self.codes_log is not None:
+            self.codes_log.close()
 
     def health(self) -> dict[str, Any]:
         stages = {}

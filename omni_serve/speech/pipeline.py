@@ -201,6 +201,8 @@ class SpeechPipeline:
     # Each stage's share of a request's first audio, (stage, seconds): the thinker's whole request,
     # the talker's start to its first chunk's frames, code2wav's first chunk request to its waveform.
     first_audio_share: Callable[[str, float], None] = lambda stage, seconds: None
+    # A request's codes [frames, Q] once it has been served whole (omni-serve --codes-log).
+    finished_codes: Callable[[str, np.ndarray], None] | None = None
     _releases: set[asyncio.Task] = field(default_factory=set, init=False, repr=False)
 
     @property
@@ -225,6 +227,8 @@ class SpeechPipeline:
                 async for chunk in audio:
                     yield chunk
             await talker_task  # its failure, if it failed after its last frame
+            if self.finished_codes is not None and frames.count:
+                self.finished_codes(job.request_id, frames.all())
         finally:
             # No await in here: a client gone cancels the handler's scope, and every await in it
             # would raise again before the rest ran. The tasks end themselves (aborting their

@@ -28,14 +28,14 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, work: Path, config: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, work: Path, config: Path, env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.run_dir = work / "run"
         self.log = work / "server.log"
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "omni_serve", "--pipeline", str(config), "--port", str(self.port),
-                 "--run-dir", str(self.run_dir), "--uvicorn-log-level", "warning"],
+                 "--run-dir", str(self.run_dir), "--uvicorn-log-level", "warning", *args],
                 stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env(**(env or {})))
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -118,10 +118,10 @@ def metric(server: Server, name: str) -> float:
 
 
 @contextlib.contextmanager
-def serving(work: Path, config: Path, env: dict[str, str] | None = None) -> Iterator[Server]:
-    """A server for a test module (`env`: its environment's changes); stopped cleanly after, its
-    sidecars' sockets gone."""
-    srv = Server(work, config, env)
+def serving(work: Path, config: Path, env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> Iterator[Server]:
+    """A server for a test module (`env`: its environment's changes, `args`: more omni-serve options);
+    stopped cleanly after, its sidecars' sockets gone."""
+    srv = Server(work, config, env, args)
     try:
         yield srv
     finally:

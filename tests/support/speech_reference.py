@@ -51,16 +51,29 @@ def thinker_rows(thinker: str, prompt_ids: list[int], max_tokens: int) -> tuple[
     return out.hidden_states[-1][0].numpy(), ids[len(prompt_ids):]
 
 
-def talker_code2wav_samples(talker: str, code2wav: str, prompt: list[int], payload: dict, max_tokens: int,
-                            chunk: int, left: int) -> np.ndarray:
+def speech_codes(talker: str, text: str, voice: int, max_tokens: int) -> torch.Tensor:
+    """The talker's codes [frames, Q] for `speech_prompt(text, voice)`, by its direct forward."""
+    from tests.tiny_models.talker import speech_prompt
+
+    prompt, payload = speech_prompt(text, voice)
+    return talker_codes(talker, prompt, payload, max_tokens)
+
+
+def talker_codes(talker: str, prompt: list[int], payload: dict, max_tokens: int) -> torch.Tensor:
     from tests.support.talker_reference import reference_codes
-    from tests.tiny_models.code2wav import load_decoder
 
     info = {"hidden_states": {"output": torch.from_numpy(payload["hidden_states"]["output"])},
             "embed": {"tts_pad": torch.from_numpy(payload["embed"]["tts_pad"])}}
     (ref,) = reference_codes(talker, [{"prompt_token_ids": prompt, "info": info, "max_tokens": max_tokens,
                                        "ignore_eos": True}])
-    codes = ref["codes"]
+    return ref["codes"]
+
+
+def talker_code2wav_samples(talker: str, code2wav: str, prompt: list[int], payload: dict, max_tokens: int,
+                            chunk: int, left: int) -> np.ndarray:
+    from tests.tiny_models.code2wav import load_decoder
+
+    codes = talker_codes(talker, prompt, payload, max_tokens)
     decoder = load_decoder(code2wav)
     spf, parts = decoder.samples_per_frame, []
     with torch.no_grad():
