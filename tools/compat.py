@@ -180,12 +180,11 @@ def add_paired_vllm_omni(venv: Path, version: str, logfile: Path) -> None:
     if paired is None:
         return
     target = venv / f"vllm-omni-{paired}"
-    if any(target.glob(f"vllm_omni-{paired}.dist-info")):
-        return
-    shutil.rmtree(target, ignore_errors=True)  # a half-made one from an interrupted run
     py = str(venv / "bin" / "python")
-    _run([py, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), f"vllm-omni=={paired}"], logfile)
-    _run([py, "-m", "pip", "install", "-q", *PAIRED_VLLM_OMNI_NEEDS], logfile)
+    if not any(target.glob(f"vllm_omni-{paired}.dist-info")):
+        shutil.rmtree(target, ignore_errors=True)  # a half-made one from an interrupted run
+        _run([py, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), f"vllm-omni=={paired}"], logfile)
+    _run([py, "-m", "pip", "install", "-q", *PAIRED_VLLM_OMNI_NEEDS], logfile)  # a venv made before a need was added
 
 
 def _name(requirement: str) -> str:
