@@ -57,8 +57,8 @@ def test_each_requests_codes_come_back_from_its_chunks_whatever_the_interleaving
     np.testing.assert_array_equal(got[1][1], b)
 
 
-@pytest.fixture
-def vllm_omni_connectors(monkeypatch, tmp_path):
+@pytest.fixture(scope="module")
+def vllm_omni_modules():
     """vllm-omni's connector factory and payload structs, its package's __init__ not run; its modules
     gone from sys.modules after. Its connectors import its config, which imports against the vLLM it
     was built for: beside vLLM 0.26 with vllm-omni 0.26 (tests/support/paired_vllm_omni.py), skipped
@@ -71,8 +71,7 @@ def vllm_omni_connectors(monkeypatch, tmp_path):
     for name in saved:
         del sys.modules[name]
     sys.modules["vllm_omni"] = stand_in_module(VLLM_OMNI / "vllm_omni")
-    monkeypatch.setenv(codes_probe.OUT_ENV, str(tmp_path / "probe.jsonl"))
-    try:
+    try:  # imported once: its modules register their metrics as they load
         yield (importlib.import_module("vllm_omni.distributed.omni_connectors.factory"),
                importlib.import_module("vllm_omni.distributed.omni_connectors.utils.config"),
                importlib.import_module("vllm_omni.distributed.omni_connectors.connectors.shm_connector"),
@@ -83,8 +82,9 @@ def vllm_omni_connectors(monkeypatch, tmp_path):
         sys.modules.update(saved)
 
 
-def test_the_probe_records_what_vllm_omnis_own_connector_puts(vllm_omni_connectors, tmp_path):
-    factory, config, shm, keys = vllm_omni_connectors
+def test_the_probe_records_what_vllm_omnis_own_connector_puts(vllm_omni_modules, tmp_path, monkeypatch):
+    factory, config, shm, keys = vllm_omni_modules
+    monkeypatch.setenv(codes_probe.OUT_ENV, str(tmp_path / "probe.jsonl"))
     codes_probe.register()
     codes_probe.register()  # every vLLM process of the server calls it; once is registered
     connector = factory.OmniConnectorFactory.create_connector(
@@ -130,3 +130,31 @@ def test_omni_serves_codes_log_reads_back_what_it_wrote(tmp_path):
     assert [rid for rid, _ in got] == ["a", "b"]
     np.testing.assert_array_equal(got[0][1], first)
     np.testing.assert_array_equal(got[1][1], second)
+
+
+def test_the_probe_reads_back_the_codes_vllm_omnis_own_qwen3_tts_hand_over_cuts(vllm_omni_modules, tmp_path):
+    """vllm-omni's own talker -> code2wav async-chunk hand-over (its first chunk a frame, then 25, 72
+    of left context, as its deploy config sets them), fed the talker's codes a frame a step as its
+    chunk adapter feeds it, each chunk put under the adapter's key: the probe's reading gives the
+    talker's codes back."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    handover = importlib.import_module("vllm_omni.model_executor.stage_input_processors.qwen3_tts")
+    frames = torch.from_numpy(np.random.default_rng(2).integers(1, 64, (48, 16)))
+    config = {"extra": {"codec_chunk_frames": 25, "codec_left_context_frames": 72, "initial_codec_chunk_frames": 1}}
+    adapter = SimpleNamespace(code_prompt_token_ids=defaultdict(list), put_req_chunk=defaultdict(int),
+                              ramp_chunk_count=defaultdict(int), scheduler_max_num_seqs=64,
+                              connector=SimpleNamespace(config=config))
+    request = SimpleNamespace(external_req_id="speech-7", is_finished=lambda: False, additional_information=None)
+    out = tmp_path / "probe.jsonl"
+    for i in range(frames.shape[0]):
+        payload = handover.talker2code2wav_async_chunk(adapter, {"codes": {"audio": frames[:i + 1]}}, request,
+                                                       is_finished=i == frames.shape[0] - 1)
+        if payload is not None:
+            codes_probe.record(out, f"speech-7_0_{adapter.put_req_chunk['speech-7']}", payload)
+            adapter.put_req_chunk["speech-7"] += 1  # as its adapter does after a put
+    assert adapter.put_req_chunk["speech-7"] >= 3  # a frame, 25, the rest
+    ((rid, back),) = codes_probe.read_probe(out, 16)
+    assert rid == "speech-7"
+    np.testing.assert_array_equal(back, frames.numpy())

@@ -331,8 +331,8 @@ def _failure(exc: StageFailed) -> JSONResponse:
 
 
 def freeze_start_up_heap() -> None:
-    """What start-up made (torch's and vLLM's modules, the engines' clients: millions of objects) moves
-    out of the collector's reach, as vLLM's API server does after start-up: a full collection would
+    """What start-up made (torch's and vLLM's modules, the engines' clients) moves out of the
+    collector's reach, as vLLM's API server does after start-up: a full collection would
     walk all of it while the event loop, and every stream's audio, waits."""
     gc.collect()
     gc.freeze()
