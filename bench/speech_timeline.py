@@ -34,10 +34,12 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -259,6 +261,7 @@ def servers(trees: dict[str, tuple[Path, Path]], work: Path):
     from speech_serving import free_port  # deploy/gpu/speech_serving.py
 
     procs: dict[str, tuple[subprocess.Popen, int]] = {}
+    rpc = Path(tempfile.mkdtemp(prefix="vllm-rpc-"))  # the servers' vLLM IPC sockets, removed after them
     try:
         for name, (tree, pipeline) in trees.items():
             port = free_port()
@@ -268,7 +271,8 @@ def servers(trees: dict[str, tuple[Path, Path]], work: Path):
             # The tree first (its deploy/gpu too: a GPU config's speech prompt), then what was on the path
             # (a GPU run's installed bundle).
             path = os.pathsep.join([str(tree), str(tree / "deploy" / "gpu"), os.environ.get("PYTHONPATH", "")])
-            env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+            env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE",
+                   "VLLM_RPC_BASE_PATH": str(rpc)}
             cmd = [sys.executable, str(Path(__file__).resolve()), "serve", "--pipeline", str(pipeline),
                    "--port", str(port), "--run-dir", str(work / f"run-{name}"), "--uvicorn-log-level", "warning"]
             procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tree, env=env,
@@ -284,6 +288,7 @@ def servers(trees: dict[str, tuple[Path, Path]], work: Path):
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
+        shutil.rmtree(rpc, ignore_errors=True)
 
 
 async def get_json(port: int, path: str) -> Any:
