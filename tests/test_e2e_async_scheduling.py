@@ -33,12 +33,14 @@ def _prompts() -> list[dict]:
     return [{"token_ids": rng.integers(4, 380, n).tolist()} for n in PROMPT_LENS]
 
 
-def _run(tiny_model, work, hooks: str, name: str, async_scheduling: bool, prompts: list[dict]) -> dict:
+def _run(tiny_model, work, hooks: str, name: str, async_scheduling: bool, prompts: list[dict],
+         early_ends_at: int | None = None) -> dict:
     endpoint = f"ipc://{work}/{name}.sock"
     sidecar = SidecarProcess(endpoint, hooks, work / f"{name}-sidecar.log")
     try:
         res = run_engine({"model": tiny_model, "prompts": prompts, "max_tokens": MAX_TOKENS, "endpoint": endpoint,
-                          "async_scheduling": async_scheduling}, work, name, script=ASYNC_JOB)
+                          "async_scheduling": async_scheduling, "early_ends_at": early_ends_at}, work, name,
+                         script=ASYNC_JOB)
     finally:
         sidecar.stop()
     assert res["ok"], res.get("traceback")
@@ -53,25 +55,12 @@ def _captured(res: dict, i: int, name: str = "hidden_states") -> torch.Tensor:
 def runs(request, tiny_model, tmp_path_factory):
     hooks = request.param
     work = tmp_path_factory.mktemp(f"async-{hooks}")
-    off = _run(tiny_model, work, hooks, "off", False, _prompts())
-    first = off["tokens"][0]
-    assert first[STOP_AT] not in first[:STOP_AT], "pick another STOP_AT: the stop token comes earlier"
-    stops = [{**_prompts()[0], "stop_token_ids": [first[STOP_AT]]},
-             {**_prompts()[1], "stop": [_stop_string(tiny_model, off["tokens"][1])]},
-             {**_prompts()[2], "abort_after": STOP_AT + 1}]
-    on = _run(tiny_model, work, hooks, "on", True, [*_prompts(), *stops])
-    off_stop = _run(tiny_model, work, hooks, "off-stop", False, stops)
+    # Off: the prompts, then (the same engine) the first three ended early at STOP_AT
+    # (tests/support/async_job.py's early_ends); on: all of them in one batch.
+    off = _run(tiny_model, work, hooks, "off", False, _prompts(), early_ends_at=STOP_AT)
+    off_stop = off["early_ends"]
+    on = _run(tiny_model, work, hooks, "on", True, [*_prompts(), *off_stop["prompts"]])
     return off, on, off_stop
-
-
-def _stop_string(model: str, tokens: list[int]) -> str:
-    """The shortest end of the text through tokens[STOP_AT] that the text does not hold earlier."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    text, before = tokenizer.decode(tokens[:STOP_AT + 1]), tokenizer.decode(tokens[:STOP_AT])
-    assert text.startswith(before) and len(text) > len(before), "pick another STOP_AT: that token adds no text"
-    return next(text[-n:] for n in range(1, len(text) + 1) if text[-n:] not in text[:-1])
 
 
 def test_async_scheduling_was_on_and_off(runs):

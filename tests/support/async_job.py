@@ -45,25 +45,57 @@ def _generate(job: dict, result: dict) -> object:
     result["async_scheduling"] = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
     result["scheduler"] = type(core.scheduler).__name__
     result["batch_queue"] = core.batch_queue is not None
-    params = [SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True,
-                             stop_token_ids=p.get("stop_token_ids"), stop=p.get("stop")) for p in job["prompts"]]
-    ids, tokens, reasons = _step([{"prompt_token_ids": p["token_ids"]} for p in job["prompts"]], params,
-                                 [p.get("abort_after") for p in job["prompts"]], llm.llm_engine)
-    result["request_ids"], result["tokens"], result["finish_reasons"] = ids, tokens, reasons
+    result.update(_batch(job, job["prompts"], llm, "req-"))
+    if job.get("early_ends_at") is not None:  # then the same engine ends the first three early (early_ends)
+        stops = early_ends(job["model"], job["prompts"], result["tokens"], job["early_ends_at"])
+        result["early_ends"] = {"prompts": stops, **_batch(job, stops, llm, "end-")}
     # Finished ids reach the worker on the next step: one more request delivers them.
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
     client = SidecarClient(job["endpoint"])
     try:
-        _save_outputs(job, result, client.outputs)
+        for got in (result, result.get("early_ends")):
+            if got is not None:
+                _save_outputs(job, got, client.outputs)
     finally:
         client.close()
     return llm
 
 
-def _step(prompts: list[dict], params: list, abort_after: list[int | None], engine) -> tuple[list, list, list]:
+def _batch(job: dict, prompts: list[dict], llm, prefix: str) -> dict:
+    from vllm import SamplingParams
+
+    params = [SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True,
+                             stop_token_ids=p.get("stop_token_ids"), stop=p.get("stop")) for p in prompts]
+    ids, tokens, reasons = _step([{"prompt_token_ids": p["token_ids"]} for p in prompts], params,
+                                 [p.get("abort_after") for p in prompts], llm.llm_engine, prefix)
+    return {"request_ids": ids, "tokens": tokens, "finish_reasons": reasons}
+
+
+def early_ends(model: str, prompts: list[dict], tokens: list[list[int]], at: int) -> list[dict]:
+    """The first three prompts again, each ended at the token its greedy run sampled at index `at`:
+    by a stop token, by a stop string (matched on vLLM's detokenization), by its client's abort."""
+    first = tokens[0]
+    assert first[at] not in first[:at], "pick another stop index: the stop token comes earlier"
+    return [{**prompts[0], "stop_token_ids": [first[at]]},
+            {**prompts[1], "stop": [stop_string(model, tokens[1], at)]},
+            {**prompts[2], "abort_after": at + 1}]
+
+
+def stop_string(model: str, tokens: list[int], at: int) -> str:
+    """The shortest end of the text through tokens[at] that the text does not hold earlier."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    text, before = tokenizer.decode(tokens[:at + 1]), tokenizer.decode(tokens[:at])
+    assert text.startswith(before) and len(text) > len(before), "pick another stop index: that token adds no text"
+    return next(text[-n:] for n in range(1, len(text) + 1) if text[-n:] not in text[:-1])
+
+
+def _step(prompts: list[dict], params: list, abort_after: list[int | None], engine,
+          prefix: str) -> tuple[list, list, list]:
     """LLM.generate's loop, by hand: a request with `abort_after` is aborted by its client once it
     got that many tokens (between two steps, as an offline client can)."""
-    ids = [f"req-{i}" for i in range(len(prompts))]
+    ids = [f"{prefix}{i}" for i in range(len(prompts))]
     for rid, prompt, sp in zip(ids, prompts, params):
         engine.add_request(rid, prompt, sp)
     limit = {rid: n for rid, n in zip(ids, abort_after) if n}
