@@ -17,13 +17,12 @@ pytestmark = pytest.mark.e2e
 
 @pytest.mark.parametrize("times", [2, pytest.param(20, marks=pytest.mark.slow)])
 def test_kill_9_sidecar_mid_batch_again_and_again(tiny_model, tmp_path, times):
-    out = tmp_path / "kill.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "support" / "kill_loop_job.py"), tiny_model,
-         f"ipc://{tmp_path}/sc.sock", str(times), str(out), str(tmp_path)],
-        capture_output=True, text=True, env=child_env(OMNI_SIDECAR_STEP_TIMEOUT="2"), timeout=900,
-    )
-    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
+    from tests.support.procs import run_script
+
+    out, log = tmp_path / "kill.json", tmp_path / "kill.log"
+    run_script([str(ROOT / "tests" / "support" / "kill_loop_job.py"), tiny_model, f"ipc://{tmp_path}/sc.sock",
+                str(times), str(out), str(tmp_path)], log, 900, OMNI_SIDECAR_STEP_TIMEOUT="2")
+    assert out.exists(), log.read_text()[-8000:]
     rounds = json.loads(out.read_text())
     assert len(rounds) == times  # vLLM survived every kill
     for r in rounds:

@@ -96,6 +96,9 @@ def main() -> None:
         print(json.dumps(results[-1]), flush=True)
     with open(out_path, "w") as f:
         json.dump(results, f)
+    from tests.support.engine_job import shutdown_engine
+
+    shutdown_engine(llm)  # the shim's rings and arenas too: a forked job has no resource tracker of its own
     sys.stdout.flush()
     os._exit(0)
 

@@ -67,19 +67,23 @@ class SidecarProcess:
         self._log.close()
 
 
+def run_script(argv: list[str], log_path: Path, timeout_s: float, **env: str) -> int:
+    """`python ARGV...` with the suite's environment (and `env`), its output in log_path; its exit
+    status. In a test session a fork of a Python with vLLM imported (engine_forks.py)."""
+    if ENGINE_FORKS is not None:
+        return ENGINE_FORKS.run(argv, child_env(**env), log_path, timeout_s)
+    with open(log_path, "w") as log:
+        return subprocess.run([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, env=child_env(**env),
+                              timeout=timeout_s).returncode
+
+
 def run_engine(job: dict, workdir: Path, name: str, timeout_s: float = 600, script: Path = ENGINE_JOB) -> dict:
     job = {**job, "workdir": str(workdir), "name": name}
     job_path = workdir / f"{name}.job.json"
     result_path = workdir / f"{name}.result.json"
     log_path = workdir / f"{name}.log"
     job_path.write_text(json.dumps(job))
-    argv = [str(script), str(job_path), str(result_path)]
-    if ENGINE_FORKS is not None:  # in a test session: a fork of a Python with vLLM imported
-        rc = ENGINE_FORKS.run(argv, child_env(), log_path, timeout_s)
-    else:
-        with open(log_path, "w") as log:
-            rc = subprocess.run([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, env=child_env(),
-                                timeout=timeout_s).returncode
+    rc = run_script([str(script), str(job_path), str(result_path)], log_path, timeout_s)
     if not result_path.exists():
         raise RuntimeError(f"engine job {name} died (rc={rc}):\n{log_path.read_text()[-4000:]}")
     result = json.loads(result_path.read_text())
