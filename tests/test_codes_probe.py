@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -47,9 +48,8 @@ def test_each_requests_codes_come_back_from_its_chunks_whatever_the_interleaving
     out = tmp_path / "probe.jsonl"
     la, lb = lines("speech-a_1", a), lines("speech-b", b)  # a request id with "_" in it
     for key, window, ctx in [la[0], lb[0], la[1], lb[1], lb[2], la[2], la[3], lb[3]]:
-        data = type("Payload", (), {})()
-        data.codes = type("Codes", (), {"audio": None if window is None else torch.from_numpy(window.T.reshape(-1))})()
-        data.meta = type("Meta", (), {"left_context_size": ctx})()
+        audio = None if window is None else torch.from_numpy(window.T.reshape(-1))
+        data = SimpleNamespace(codes=SimpleNamespace(audio=audio), meta=SimpleNamespace(left_context_size=ctx))
         codes_probe.record(out, key, data)
     got = codes_probe.read_probe(out, Q)
     assert [rid for rid, _ in got] == ["speech-a_1", "speech-b"]
@@ -138,7 +138,6 @@ def test_the_probe_reads_back_the_codes_vllm_omnis_own_qwen3_tts_hand_over_cuts(
     chunk adapter feeds it, each chunk put under the adapter's key: the probe's reading gives the
     talker's codes back."""
     from collections import defaultdict
-    from types import SimpleNamespace
 
     handover = importlib.import_module("vllm_omni.model_executor.stage_input_processors.qwen3_tts")
     frames = torch.from_numpy(np.random.default_rng(2).integers(1, 64, (48, 16)))

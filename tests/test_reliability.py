@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.support.procs import ROOT, child_env
+from tests.support.procs import ROOT, child_env, run_script
 from proto.version import PROTOCOL_MAJOR
 
 pytestmark = pytest.mark.e2e
@@ -17,8 +17,6 @@ pytestmark = pytest.mark.e2e
 
 @pytest.mark.parametrize("times", [2, pytest.param(20, marks=pytest.mark.slow)])
 def test_kill_9_sidecar_mid_batch_again_and_again(tiny_model, tmp_path, times):
-    from tests.support.procs import run_script
-
     out, log = tmp_path / "kill.json", tmp_path / "kill.log"
     run_script([str(ROOT / "tests" / "support" / "kill_loop_job.py"), tiny_model, f"ipc://{tmp_path}/sc.sock",
                 str(times), str(out), str(tmp_path)], log, 900, OMNI_SIDECAR_STEP_TIMEOUT="2")

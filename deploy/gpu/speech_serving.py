@@ -60,8 +60,8 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
