@@ -40,8 +40,11 @@ demo: $(STAMP)
 serve: $(STAMP)
 	PYTHONPATH=. $(BIN)/python -m omni_serve --pipeline deploy/speech/tiny.toml --port 8000
 
+# Two pytest workers (pytest-xdist), each test file on one of them (a module's engines are shared by
+# its tests); TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -m slow

@@ -45,6 +45,8 @@ ptrace us anyway, which is why only that uid may connect.
 from __future__ import annotations
 
 import collections
+import os
+import time
 from typing import Callable, Literal, TypeVar
 
 from proto.arena import ArenaError, ShmArena
@@ -253,6 +255,17 @@ class ShmRing:
     def has_data(self) -> bool:
         """Anything published past what we consumed (one shared load; `poll` checks it)."""
         return self._words[_WRITE] != self._read
+
+    def spin_for_data(self, until: float) -> bool:
+        """Watch the write index until something is published or the monotonic clock passes `until`:
+        one shared load and a sched_yield a turn (a reply usually lands within a waiter's spin window,
+        and a turn of anything more costs more than the load). True when something is there."""
+        words, read, clock, give_way = self._words, self._read, time.monotonic, os.sched_yield
+        while words[_WRITE] == read:
+            if clock() >= until:
+                return False
+            give_way()
+        return True
 
     def consume(self) -> None:
         """Done with the record `poll` returned: the producer may reuse its bytes."""

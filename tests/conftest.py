@@ -26,40 +26,62 @@ for key, value in {
 # its own. So what the suite starts (engines, sidecars, servers: TMPDIR) and vLLM's sockets in this
 # process too get a directory of the session's own, removed at its end; this process's own temporary
 # files stay in the temporary directory, where the leftover check looks.
+# Pytest's workers (pytest-xdist: `make test` runs two) inherit the directory and keep the temporary
+# directory of the process that started them, as that one does.
 if "OMNI_TEST_TMPDIR" not in os.environ:
     tempfile.tempdir = tempfile.gettempdir()
     session_tmp = tempfile.mkdtemp(prefix="omni-test-")
     atexit.register(shutil.rmtree, session_tmp, True)
+    os.environ["OMNI_TEST_OWN_TMPDIR"] = tempfile.tempdir
     os.environ["OMNI_TEST_TMPDIR"] = os.environ["TMPDIR"] = session_tmp
     os.environ.setdefault("VLLM_RPC_BASE_PATH", session_tmp)
+elif "OMNI_TEST_OWN_TMPDIR" in os.environ:
+    tempfile.tempdir = os.environ["OMNI_TEST_OWN_TMPDIR"]
 
 
-@pytest.fixture(scope="session", autouse=True)
-def leaves_nothing_behind():
-    """Fails the run if a process the suite started is alive, or a /dev/shm file it made remains.
-
-    Autouse and session-scoped: set up before every other fixture and torn down after them,
-    so session fixtures (sidecars, engines) have stopped when it looks. A leftover shows as
-    an error of the session's last test, listing each process and file.
-    """
-    from tests.support.leftovers import LeftoverCheck
-
-    check = LeftoverCheck()
-    check.start()
-    yield check
-    left = check.finish(float(os.environ.get("OMNI_LEFTOVER_GRACE_S", "15")))  # a shorter one: test_leftover_check.py
-    if left:
-        pytest.fail(f"leftover check: the test session left these behind (stop what you start; "
-                    f"shut vLLM engines down before exiting):\n{left}", pytrace=False)
-
-
+LEFTOVERS = pytest.StashKey["LeftoverCheck"]()
 ENGINE_JOBS = pytest.StashKey[int]()
 
 
+def _is_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")  # a pytest-xdist worker: its controller owns the check
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The leftover check starts before any test (and before pytest-xdist starts its workers, which
+    then carry the session's marker: what they start is the session's too)."""
+    if _is_worker(config):
+        return
+    from tests.support.leftovers import LeftoverCheck
+
+    check = config.stash[LEFTOVERS] = LeftoverCheck()
+    check.start()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Fails the run if a process the session started is alive, or a /dev/shm file or a socket file
+    it made remains: looked at once every test, fixture and worker has finished (session fixtures,
+    sidecars and engines among them, have stopped), listing each process and file."""
+    check = session.config.stash.get(LEFTOVERS, None)
+    if check is None:
+        return
+    left = check.finish(float(os.environ.get("OMNI_LEFTOVER_GRACE_S", "15")))  # a shorter one: test_leftover_check.py
+    if left:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = (f"leftover check: the test session left these behind (stop what you start; "
+                   f"shut vLLM engines down before exiting):\n{left}")
+        if reporter is not None:
+            reporter.write_line(message, red=True, bold=True)
+        else:
+            print(message, file=sys.stderr)
+
+
 @pytest.fixture(scope="session", autouse=True)
-def engine_forks(leaves_nothing_behind, tmp_path_factory, request):
-    """Engine jobs of this session fork from one Python with vLLM imported (tests/support/engine_forks.py),
-    started at the first job; the session's report says how many ran."""
+def engine_forks(tmp_path_factory, request):
+    """Engine jobs of this session (of this worker) fork from one Python with vLLM imported
+    (tests/support/engine_forks.py), started at the first job; the session's report says how many ran."""
     from tests.support import procs
     from tests.support.engine_forks import EngineForks
 
@@ -67,7 +89,17 @@ def engine_forks(leaves_nothing_behind, tmp_path_factory, request):
     yield forks
     procs.ENGINE_FORKS = None
     forks.stop()
-    request.config.stash[ENGINE_JOBS] = forks.jobs
+    config = request.config
+    if _is_worker(config):
+        config.workeroutput["engine_jobs"] = forks.jobs  # to the controller: pytest_testnodedown
+    else:
+        config.stash[ENGINE_JOBS] = forks.jobs
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # pytest-xdist's hook: a worker finished
+    config = node.config
+    config.stash[ENGINE_JOBS] = config.stash.get(ENGINE_JOBS, 0) + node.workeroutput.get("engine_jobs", 0)
 
 
 def pytest_terminal_summary(terminalreporter, config):

@@ -40,10 +40,12 @@ def test_start_and_maybe_clean_up():
 '''
 
 
-@pytest.mark.parametrize("clean_up", [True, False])
-def test_the_leftover_check_fails_a_session_that_leaves_a_process_shm_file_or_socket(tmp_path, clean_up):
+@pytest.mark.parametrize("clean_up, workers", [(True, 0), (False, 0), (True, 2), (False, 2)],
+                         ids=["cleans-up", "leaves", "cleans-up-in-a-worker", "leaves-in-a-worker"])
+def test_the_leftover_check_fails_a_session_that_leaves_a_process_shm_file_or_socket(tmp_path, clean_up, workers):
+    """With pytest-xdist workers (`make test` runs two), their controller checks what they left."""
     (tmp_path / "conftest.py").write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n"
-                                          "from tests.conftest import leaves_nothing_behind  # noqa: F401\n")
+                                          "from tests.conftest import pytest_configure, pytest_sessionfinish  # noqa: F401\n")
     (tmp_path / "test_inner.py").write_text(INNER_TEST)
     pid_file, shm_name = tmp_path / "pid", f"omni-leftover-check-{uuid.uuid4().hex[:8]}"
     inner_tmp = tmp_path / "tmp"  # the inner session's temporary directory, where its socket goes
@@ -52,8 +54,10 @@ def test_the_leftover_check_fails_a_session_that_leaves_a_process_shm_file_or_so
     env = child_env(PID_FILE=str(pid_file), SHM_NAME=shm_name, SOCK_NAME=sock_path.name,
                     CLEAN_UP="1" if clean_up else "0", OMNI_LEFTOVER_GRACE_S="1", TMPDIR=str(inner_tmp),
                     OMNI_TEST_TMPDIR=str(inner_tmp))
+    env.pop("OMNI_TEST_OWN_TMPDIR", None)  # the inner session's temporary directory is inner_tmp
     try:
-        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers),
+                              str(tmp_path)],
                              capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
         report = out.stdout + out.stderr
         if clean_up:

@@ -92,6 +92,21 @@ def test_records_of_every_size_wrap_around_intact(pair):
     assert producer._write > 100 * producer.capacity  # wrapped many times
 
 
+def test_spinning_for_data_ends_when_a_record_is_published_or_at_the_deadline(pair):
+    producer, consumer = pair
+    assert consumer.spin_for_data(time.monotonic() + 0.02) is False  # nothing comes: back at the deadline
+    writer = threading.Timer(0.05, producer.try_write, args=(b"late",))
+    writer.start()
+    try:
+        assert consumer.spin_for_data(time.monotonic() + 30) is True  # back when it lands, long before 30 s
+    finally:
+        writer.join()
+    assert take(consumer) == b"late"
+    assert consumer.spin_for_data(time.monotonic()) is False  # consumed: nothing left to see
+    assert producer.try_write(b"there")
+    assert consumer.spin_for_data(0.0) is True  # already there: True even past the deadline
+
+
 def test_several_records_in_flight_keep_their_order(pair):
     producer, consumer = pair
     rng = random.Random(3)

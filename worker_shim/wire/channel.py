@@ -17,7 +17,6 @@ sidecar that does not accept rings, keeps everything on ZeroMQ. See docs/ARCHITE
 from __future__ import annotations
 
 import logging
-import os
 import platform
 import select
 import time
@@ -381,11 +380,8 @@ class SidecarChannel:
         busy_at = time.monotonic()
         deadline = busy_at + timeout_s
         # The reply usually comes within the spin window: until then watch only the ring's write
-        # index (one shared-memory load and a sched_yield per turn, not the whole loop below).
-        clock, give_way = time.monotonic, os.sched_yield
-        spin_until = min(deadline, busy_at + self.wait.spin_us / 1e6)
-        while not rx.has_data() and clock() < spin_until:
-            give_way()
+        # index, not the whole loop below.
+        rx.spin_for_data(min(deadline, busy_at + self.wait.spin_us / 1e6))
         while True:
             msg = self._ring_next()
             if msg is not None:
