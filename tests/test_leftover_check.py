@@ -8,10 +8,13 @@ names each.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -48,8 +51,9 @@ def test_the_leftover_check_fails_a_session_that_leaves_a_process_shm_file_or_so
                                           "from tests.conftest import pytest_configure, pytest_sessionfinish  # noqa: F401\n")
     (tmp_path / "test_inner.py").write_text(INNER_TEST)
     pid_file, shm_name = tmp_path / "pid", f"omni-leftover-check-{uuid.uuid4().hex[:8]}"
-    inner_tmp = tmp_path / "tmp"  # the inner session's temporary directory, where its socket goes
-    inner_tmp.mkdir()
+    # The inner session's temporary directory, where its socket goes: a short path (a Unix socket's
+    # is at most 107 bytes; a worker's tmp_path is longer than that allows).
+    inner_tmp = Path(tempfile.mkdtemp(prefix="olc-", dir=os.environ.get("OMNI_TEST_TMPDIR")))
     sock_path = inner_tmp / f"omni-leftover-check-{uuid.uuid4().hex[:8]}.sock"
     env = child_env(PID_FILE=str(pid_file), SHM_NAME=shm_name, SOCK_NAME=sock_path.name,
                     CLEAN_UP="1" if clean_up else "0", OMNI_LEFTOVER_GRACE_S="1", TMPDIR=str(inner_tmp),
@@ -75,3 +79,4 @@ def test_the_leftover_check_fails_a_session_that_leaves_a_process_shm_file_or_so
         if os.path.exists(f"/dev/shm/{shm_name}"):
             os.unlink(f"/dev/shm/{shm_name}")
         sock_path.unlink(missing_ok=True)
+        shutil.rmtree(inner_tmp, ignore_errors=True)
