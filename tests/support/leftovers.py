@@ -1,7 +1,8 @@
 """What a test session leaves behind: live processes it started, /dev/shm files it created and
 Unix socket files it left in the temporary directory.
 
-Ours are the descendants of the pytest process, every process carrying the session's marker
+Ours are the descendants of the pytest process (under pytest-xdist, the controller: its workers
+and what they start are its descendants), every process carrying the session's marker
 in its environment (children inherit it), and processes started during the session by our
 uid that are in pytest's process group or, re-parented to init, name themselves like ours
 (VLLM::EngineCore / VLLM::Worker rewrite their title over the environment, so the marker is
