@@ -98,8 +98,8 @@ def engine_forks(tmp_path_factory, request):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:  # pytest-xdist's hook: a worker finished
-    config = node.config
-    config.stash[ENGINE_JOBS] = config.stash.get(ENGINE_JOBS, 0) + node.workeroutput.get("engine_jobs", 0)
+    config, output = node.config, getattr(node, "workeroutput", {})  # none from a worker that crashed
+    config.stash[ENGINE_JOBS] = config.stash.get(ENGINE_JOBS, 0) + output.get("engine_jobs", 0)
 
 
 def pytest_terminal_summary(terminalreporter, config):
