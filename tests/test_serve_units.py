@@ -260,7 +260,7 @@ def test_a_query_cancelled_before_its_reply_leaves_no_reply_for_the_next(tmp_pat
 
     import zmq
 
-    from omni_serve.stages.link import SidecarLink
+    from omni_serve.stages.link import AsyncSidecarClient
     from proto.codec import Codec
     from proto.messages import OutputsReply
 
@@ -288,7 +288,7 @@ def test_a_query_cancelled_before_its_reply_leaves_no_reply_for_the_next(tmp_pat
     thread.start()
 
     async def run() -> dict:
-        link = SidecarLink(endpoint, timeout_s=5.0)
+        link = AsyncSidecarClient(endpoint, timeout_s=5.0)
         try:
             first = asyncio.create_task(link.outputs("a"))
             while not asked:
@@ -321,7 +321,7 @@ def test_outputs_queries_are_in_flight_together_and_each_gets_its_own_reply(tmp_
 
     import zmq
 
-    from omni_serve.stages.link import SidecarLink
+    from omni_serve.stages.link import AsyncSidecarClient
     from proto.codec import Codec
     from proto.messages import OutputsReply
 
@@ -348,7 +348,7 @@ def test_outputs_queries_are_in_flight_together_and_each_gets_its_own_reply(tmp_
     thread.start()
 
     async def run() -> list[dict]:
-        link = SidecarLink(endpoint, timeout_s=5.0)
+        link = AsyncSidecarClient(endpoint, timeout_s=5.0)
         try:
             got = await asyncio.gather(*(link.outputs(f"r{i}") for i in range(8)))
             return [values for values, _ in got]
@@ -570,7 +570,7 @@ def test_an_attached_sidecar_that_stops_answering_fails_its_requests_and_is_take
         sidecar.stopping = True
 
     monkeypatch.setattr(sidecars, "CHECK_EVERY_S", 0)
-    monkeypatch.setattr(sidecars.SidecarLink, "ping", ping)
+    monkeypatch.setattr(sidecars.AsyncSidecarClient, "ping", ping)
     sidecar.on_lost = happened.append
     sidecar.on_restart = back
     asyncio.run(asyncio.wait_for(sidecar._watch_attached(), 10))

@@ -32,7 +32,7 @@ from omni_serve.api.protocol import (LANGUAGES, Prompt, Refused, SpeechRequest, 
 from omni_serve.config import ServeConfig, load_callable
 from omni_serve.speech.codes_log import CodesLog
 from omni_serve.speech.pipeline import SpeechJob, SpeechPipeline, Stage, StageFailed, ThinkerStage, stop_soon
-from omni_serve.stages.link import SidecarLink
+from omni_serve.stages.link import AsyncSidecarClient
 from omni_serve.stages.sidecars import SidecarProcess
 from proto.capabilities import HookNeeds
 from proto.chunk_grid import ChunkGrid
@@ -170,7 +170,7 @@ class SpeechServer:
             await asyncio.gather(*(start(spec) for spec in specs))
         if "thinker" in self.engines:
             self.max_prompt_tokens = self.engines["thinker"].model_config.max_model_len - 1
-        stages = {name: Stage(name, self.engines[name], SidecarLink(self.sidecars[name].endpoint),
+        stages = {name: Stage(name, self.engines[name], AsyncSidecarClient(self.sidecars[name].endpoint),
                               dict(self.config.stages[name].sampling)) for name in self.config.stages}
         code2wav = self.config.stages["code2wav"]
         options = code2wav.sidecar.options  # the sidecar's chunking (its defaults where not given)

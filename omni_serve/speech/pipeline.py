@@ -41,7 +41,7 @@ from vllm.logger import init_logger
 from vllm.sampling_params import RequestOutputKind
 
 from omni_serve.speech.handover import TalkerPrompt, ThinkerOutput
-from omni_serve.stages.link import RequestRejected, SidecarLink, SidecarLost
+from omni_serve.stages.link import RequestRejected, AsyncSidecarClient, SidecarLost
 from omni_serve.stages.payload import additional_information
 from proto.chunk_grid import ChunkGrid
 
@@ -88,7 +88,7 @@ class SpeechJob:
 class Stage:
     name: str
     engine: Any  # vllm.v1.engine.async_llm.AsyncLLM
-    link: SidecarLink
+    link: AsyncSidecarClient
     sampling: dict[str, Any] = field(default_factory=dict)
     in_flight: int = 0  # requests in this stage's engine now (the talker's: one per speech request; code2wav's: one per chunk)
     # Resolved with the reason when the stage's sidecar is lost: every request served meanwhile fails.

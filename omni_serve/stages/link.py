@@ -144,7 +144,7 @@ class OutputsChannel:
         self.sock.close(0)
 
 
-class SidecarLink:
+class AsyncSidecarClient:
     def __init__(self, endpoint: str, timeout_s: float = 5.0) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s

@@ -25,7 +25,7 @@ from typing import Awaitable, Callable
 from vllm.logger import init_logger
 
 from omni_serve.config import SidecarSpec
-from omni_serve.stages.link import SidecarLink
+from omni_serve.stages.link import AsyncSidecarClient
 from proto.capabilities import HookNeeds
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL
@@ -81,7 +81,7 @@ class SidecarProcess:
                     f"started (pid {self.proc.pid})", self.endpoint)
 
     async def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
-        link = SidecarLink(self.endpoint, timeout_s=1.0)
+        link = AsyncSidecarClient(self.endpoint, timeout_s=1.0)
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:
@@ -97,7 +97,7 @@ class SidecarProcess:
 
     async def needs(self) -> HookNeeds:
         """What the sidecar's hook set needs of the shim (its engine's settings follow from it)."""
-        link = SidecarLink(self.endpoint)
+        link = AsyncSidecarClient(self.endpoint)
         try:
             return (await link.status()).needs
         finally:
@@ -136,7 +136,7 @@ class SidecarProcess:
         """An attached sidecar belongs to whoever started it (compose restarts it): found gone, its
         stage's requests in flight fail now; once one answers at the endpoint again, its engine is
         asked to take it up at once."""
-        link = SidecarLink(self.endpoint, timeout_s=CHECK_TIMEOUT_S)
+        link = AsyncSidecarClient(self.endpoint, timeout_s=CHECK_TIMEOUT_S)
         misses = 0
         try:
             while not self.stopping:
@@ -170,7 +170,7 @@ class SidecarProcess:
 
     async def _successor(self) -> int:
         """The pid of another sidecar that answers at the endpoint (0: none)."""
-        link = SidecarLink(self.endpoint, timeout_s=1.0)
+        link = AsyncSidecarClient(self.endpoint, timeout_s=1.0)
         try:
             pid = (await link.status()).pid
         except Exception:  # nothing there, or not answering: no successor

@@ -24,7 +24,7 @@ async def run(job: dict) -> list[list[float]]:
     from omni_serve.config import SidecarSpec, StageSpec
     from omni_serve.speech.pipeline import Frames, SpeechJob, SpeechPipeline, Stage
     from omni_serve.stages.engines import start_engine
-    from omni_serve.stages.link import SidecarLink
+    from omni_serve.stages.link import AsyncSidecarClient
     from omni_serve.stages.sidecars import SidecarProcess
     from proto.chunk_grid import ChunkGrid
 
@@ -38,7 +38,7 @@ async def run(job: dict) -> list[list[float]]:
         engine = None
         try:
             engine = await asyncio.to_thread(start_engine, spec, sidecar.endpoint, "", await sidecar.needs())
-            link = SidecarLink(sidecar.endpoint)
+            link = AsyncSidecarClient(sidecar.endpoint)
             pipeline = SpeechPipeline(Stage("talker", None, link), Stage("code2wav", engine, link),
                                       ChunkGrid(job["chunk_frames"], job["initial_chunk_frames"]), job["left_context"],
                                       placeholder_token=0, codebook_size=2048)
