@@ -62,7 +62,10 @@ def test_the_leftover_check_fails_a_session_that_leaves_a_process_shm_file_or_so
     try:
         out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers),
                               str(tmp_path)],
-                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
+                             # A process group of its own: the check counts its group's processes as its
+                             # own, and the outer session's other worker starts processes in ours meanwhile.
+                             start_new_session=True)
         report = out.stdout + out.stderr
         if clean_up:
             assert out.returncode == 0 and "leftover check" not in report, report

@@ -6,7 +6,9 @@ and what they start are its descendants), every process carrying the session's m
 in its environment (children inherit it), and processes started during the session by our
 uid that are in pytest's process group or, re-parented to init, name themselves like ours
 (VLLM::EngineCore / VLLM::Worker rewrite their title over the environment, so the marker is
-gone there; the process group and the name still tell). Shared-memory files count when
+gone there; the process group and the name still tell). A process that is not a descendant and
+carries another session's marker (a test's own inner session, while the other worker starts
+processes in the same group) is that session's. Shared-memory files count when
 they appeared during the session, still exist, and are not held by another session's
 processes (a background sampler notes who maps or opens each new file while the suite runs).
 Socket files count when they appeared in this process's temporary directory during the session and
@@ -131,8 +133,10 @@ class LeftoverCheck:
             if ancestor == self.root_pid:
                 return True
             ancestor = procs.get(ancestor, (None,))[0]
-        if f"{MARKER}={self.token}".encode() in _read(f"/proc/{pid}/environ").split(b"\0"):
-            return True
+        env = _read(f"/proc/{pid}/environ").split(b"\0")
+        marker = next((v for v in env if v.startswith(f"{MARKER}=".encode())), None)
+        if marker is not None:  # a session's mark: ours, or another session's (a test's inner session)
+            return marker == f"{MARKER}={self.token}".encode()
         if pid in self.pids_at_start or _uid(pid) != os.getuid():
             return False
         parent, group = procs[pid]
