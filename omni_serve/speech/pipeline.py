@@ -41,7 +41,7 @@ from vllm.logger import init_logger
 from vllm.sampling_params import RequestOutputKind
 
 from omni_serve.speech.handover import TalkerPrompt, ThinkerOutput
-from omni_serve.stages.link import RequestRejected, AsyncSidecarClient, SidecarLost
+from omni_serve.stages.link import AsyncSidecarClient, RequestRejected, SidecarLost
 from omni_serve.stages.payload import additional_information
 from proto.chunk_grid import ChunkGrid
 
