@@ -54,7 +54,12 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     from tests.support.leftovers import LeftoverCheck
 
-    check = config.stash[LEFTOVERS] = LeftoverCheck()
+    narrowed = {}  # the leftover check's own test narrows what its inner sessions count
+    if "OMNI_LEFTOVER_SHM_PREFIXES" in os.environ:
+        narrowed["shm_prefixes"] = tuple(filter(None, os.environ["OMNI_LEFTOVER_SHM_PREFIXES"].split(",")))
+    if "OMNI_LEFTOVER_ORPHAN_NAMES" in os.environ:
+        narrowed["orphan_names"] = tuple(filter(None, os.environ["OMNI_LEFTOVER_ORPHAN_NAMES"].split(",")))
+    check = config.stash[LEFTOVERS] = LeftoverCheck(**narrowed)
     check.start()
 
 
@@ -68,11 +73,13 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         return
     left = check.finish(float(os.environ.get("OMNI_LEFTOVER_GRACE_S", "15")))  # a shorter one: test_leftover_check.py
     if left:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED  # an interrupt or error keeps its own status
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         message = (f"leftover check: the test session left these behind (stop what you start; "
                    f"shut vLLM engines down before exiting):\n{left}")
         if reporter is not None:
+            reporter.write_sep("=", "leftover check failed", red=True, bold=True)
             reporter.write_line(message, red=True, bold=True)
         else:
             print(message, file=sys.stderr)

@@ -57,7 +57,10 @@ def test_the_leftover_check_fails_a_session_that_leaves_a_process_shm_file_or_so
     sock_path = inner_tmp / f"omni-leftover-check-{uuid.uuid4().hex[:8]}.sock"
     env = child_env(PID_FILE=str(pid_file), SHM_NAME=shm_name, SOCK_NAME=sock_path.name,
                     CLEAN_UP="1" if clean_up else "0", OMNI_LEFTOVER_GRACE_S="1", TMPDIR=str(inner_tmp),
-                    OMNI_TEST_TMPDIR=str(inner_tmp))
+                    OMNI_TEST_TMPDIR=str(inner_tmp),
+                    # Only what the inner test makes counts: the outer session's other worker starts
+                    # engines (re-parented to init when a job ends) and arenas meanwhile.
+                    OMNI_LEFTOVER_SHM_PREFIXES="omni-leftover-check-", OMNI_LEFTOVER_ORPHAN_NAMES="")
     env.pop("OMNI_TEST_OWN_TMPDIR", None)  # the inner session's temporary directory is inner_tmp
     try:
         out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers),

@@ -99,9 +99,9 @@ def _sockets(directory: Path) -> set[str]:
     return out
 
 
-def _shm_files() -> set[str]:
+def _shm_files(prefixes: tuple[str, ...]) -> set[str]:
     try:
-        return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(SHM_PREFIXES)}
+        return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefixes)}
     except OSError:
         return set()
 
@@ -115,6 +115,11 @@ class LeftoverCheck:
     shm_ours: set[str] = field(default_factory=set)
     shm_foreign: set[str] = field(default_factory=set)
     tmp_dir: Path = field(default_factory=lambda: Path(tempfile.gettempdir()))
+    # What counts as the suite's: /dev/shm names, and the names of processes re-parented to init. The
+    # leftover check's own test narrows both for its inner sessions, which run while the outer
+    # session's other worker starts engines and arenas.
+    shm_prefixes: tuple[str, ...] = SHM_PREFIXES
+    orphan_names: tuple[str, ...] = OUR_NAMES
     sockets_at_start: set[str] = field(default_factory=set)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -122,7 +127,7 @@ class LeftoverCheck:
     def start(self) -> None:
         os.environ[MARKER] = self.token
         self.pids_at_start = set(_pids())
-        self.shm_at_start = _shm_files()
+        self.shm_at_start = _shm_files(self.shm_prefixes)
         self.sockets_at_start = _sockets(self.tmp_dir)
         self._thread = threading.Thread(target=self._sample_loop, name="leftover-sampler", daemon=True)
         self._thread.start()
@@ -141,7 +146,7 @@ class LeftoverCheck:
             return False
         parent, group = procs[pid]
         return group == os.getpgid(self.root_pid) or (
-            parent == 1 and any(name in _cmdline(pid) for name in OUR_NAMES))
+            parent == 1 and any(name in _cmdline(pid) for name in self.orphan_names))
 
     def _processes(self) -> dict[int, tuple[int, int]]:
         """Live (not zombie) processes: pid -> (parent pid, process group)."""
@@ -162,7 +167,7 @@ class LeftoverCheck:
         return procs[pid][0] == self.root_pid and "multiprocessing.resource_tracker" in _cmdline(pid)
 
     def _sample(self) -> None:
-        new = _shm_files() - self.shm_at_start - self.shm_ours - self.shm_foreign
+        new = _shm_files(self.shm_prefixes) - self.shm_at_start - self.shm_ours - self.shm_foreign
         if not new:
             return
         procs = self._processes()
@@ -185,7 +190,7 @@ class LeftoverCheck:
         deadline = time.monotonic() + grace_s
         while (alive := self.ours()) and time.monotonic() < deadline:
             time.sleep(0.2)  # a sidecar draining, an engine finishing its shutdown
-        left_shm = sorted((_shm_files() - self.shm_at_start) - self.shm_foreign)
+        left_shm = sorted((_shm_files(self.shm_prefixes) - self.shm_at_start) - self.shm_foreign)
         lines = [f"  process {pid}: {_cmdline(pid)[:200]}" for pid in alive]
         lines += [f"  /dev/shm/{name}" for name in left_shm]
         lines += [f"  socket {self.tmp_dir / name}" for name in sorted(_sockets(self.tmp_dir) - self.sockets_at_start)]
