@@ -119,6 +119,14 @@ def test_a_wav_equals_the_stages_run_by_hand(server, reference):
     # Another voice is another request: other audio.
     status, other, _ = server.post({"input": TEXT, "voice": "default", "response_format": "pcm"})
     assert status == 200 and other != body[44:]
+    # FLAC, as vllm-omni writes it (soundfile): the same 16-bit samples; the voice named as its client does.
+    import soundfile
+
+    status, flac, kind = server.post({"input": TEXT, "voice": "Vivian", "response_format": "flac",
+                                      "task_type": "CustomVoice", "language": "Auto"})
+    assert status == 200 and kind == "audio/flac", flac[:500]
+    decoded, rate = soundfile.read(BytesIO(flac), dtype="int16")
+    assert rate == 300 and np.abs(decoded.astype(np.int32) - got).max() <= 1
 
 
 def test_the_codes_log_has_each_served_requests_codes_as_the_talker_makes_them(server, models):
@@ -164,6 +172,18 @@ def test_streams_carry_the_same_samples_and_the_first_chunk_comes_before_the_end
     assert len(deltas) == ChunkGrid(CHUNK, INITIAL).count(MAX_FRAMES)  # one per chunk
     assert len(base64.b64decode(deltas[0]["audio"])) == INITIAL * 24 * 2  # the short first chunk: 24 samples a frame
     assert b"".join(base64.b64decode(e["audio"]) for e in deltas) == pcm
+    assert {e["response_format"] for e in deltas} == {"pcm"}
+    # SSE of a WAV, as vllm-omni sends it: the header the first delta, the deltas joined a WAV file.
+    status, sse, _ = server.post({"input": TEXT, "voice": "vivian", "stream": True})
+    events = [json.loads(line[6:]) for line in sse.decode().splitlines() if line.startswith("data: ")]
+    deltas = [base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta"]
+    assert status == 200 and len(deltas[0]) == 44 and deltas[0].startswith(b"RIFF")
+    with wave.open(BytesIO(b"".join(deltas))) as wav:
+        assert wav.getframerate() == 300 and wav.readframes(1 << 20) == pcm
+    # The OpenAI SDK's stream: a stream_format and no `stream`.
+    status, streamed, kind = server.post({"input": TEXT, "voice": "vivian", "response_format": "pcm",
+                                          "stream_format": "audio"})
+    assert (status, kind, streamed) == (200, "audio/pcm", pcm)
     # vllm-omni's usage: the text's tokens as the talker reads them (the tiny talker's rows: the
     # voice's, then one per byte), the codec frames it made.
     text_tokens = 1 + len(TEXT.encode())
@@ -177,7 +197,8 @@ def test_streams_carry_the_same_samples_and_the_first_chunk_comes_before_the_end
     ({"input": "   "}, 400, "input is empty"),
     ({"input": "x" * 65}, 400, "at most 64"),
     ({"input": "hi", "voice": "nobody"}, 400, "unknown voice 'nobody'"),
-    ({"input": "hi", "response_format": "mp3"}, 400, "response_format 'mp3' is not supported"),
+    ({"input": "hi", "response_format": "aac"}, 400, "response_format 'aac' is not supported"),
+    ({"input": "hi", "response_format": "opus"}, 400, "this model's 300 Hz audio"),
     ({"input": "hi", "model": "gpt-4o-mini-tts"}, 404, "not served here"),
     ({"input": "hi", "speed": 2.0}, 400, "not supported by this model: speed"),
     ({"input": "hi", "speed": 9.0}, 400, "speed"),
@@ -356,7 +377,10 @@ def test_a_killed_sidecar_fails_its_requests_with_a_503_and_the_server_serves_on
 def test_models_health_and_metrics(server):
     status, body = server.get("/v1/models")
     assert status == 200
-    assert [m["id"] for m in json.loads(body)["data"]] == ["tiny-tts"]
+    listed = json.loads(body)["data"]
+    assert [m["id"] for m in listed] == ["tiny-tts"] and listed[0]["created"] > 0  # the SDK's Model needs it
+    status, body = server.get("/v1/audio/voices")
+    assert status == 200 and json.loads(body) == {"voices": ["default", "vivian"], "uploaded_voices": []}
     status, body = server.get("/health")
     assert status == 200 and json.loads(body)["status"] == "ok"
     status, body = server.get("/metrics")

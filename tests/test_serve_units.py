@@ -54,11 +54,34 @@ def test_a_good_request_becomes_a_job_with_the_voice_and_the_limits():
     assert not parse({"input": "hi", "stream": True, "stream_format": "audio"}).sse
 
 
+def test_what_vllm_omnis_own_clients_send_is_served():
+    # A stream_format alone streams (vllm-omni's rule; the OpenAI SDK sends no `stream`).
+    raw = parse({"input": "hi", "stream_format": "audio"})
+    assert (raw.stream, raw.sse) == (True, False)
+    sse = parse({"input": "hi", "stream_format": "sse", "stream": False})
+    assert (sse.stream, sse.sse) == (True, True)
+    # Voices in any case (vllm-omni lowercases them; its client sends "Vivian").
+    assert parse({"input": "hi", "voice": "B"}).job.prompt_token_ids[0] == 1
+    assert parse({"input": "hi", "speaker": "A"}).job.prompt_token_ids[0] == 0
+    # Its examples' explicit defaults: the task this server serves, the language in any case, an empty
+    # instruction, speed null, the model's own sample rate.
+    got = parse({"input": "hi", "task_type": "CustomVoice", "language": "AUTO", "instructions": "", "speed": None,
+                 "sample_rate": CONFIG.sample_rate})
+    assert (got.stream, got.job.prompt_token_ids) == (False, [0, 2])
+    # The formats soundfile writes, whole answers only (as vllm-omni).
+    assert [parse({"input": "hi", "response_format": f}).response_format for f in ("flac", "mp3", "opus")] == [
+        "flac", "mp3", "opus"]
+
+
 @pytest.mark.parametrize("body, status, param, needle", [
     ({"input": ""}, 400, "input", "input is empty"),
     ({"input": "x" * 11}, 400, "input", "11 characters; at most 10"),
     ({"input": "hi", "voice": "c"}, 400, "voice", "unknown voice 'c'; voices: a, b"),
-    ({"input": "hi", "response_format": "flac"}, 400, "response_format", "'flac' is not supported"),
+    ({"input": "hi", "response_format": "aac"}, 400, "response_format", "'aac' is not supported"),
+    ({"input": "hi", "response_format": "flac", "stream": True}, 400, "response_format", "a stream is wav or pcm"),
+    ({"input": "hi", "response_format": "mp3", "stream_format": "audio"}, 400, "response_format", "for a whole answer"),
+    ({"input": "hi", "sample_rate": 8000}, 400, "sample_rate", "this model makes 24000 Hz"),
+    ({"input": "hi", "response_format": "opus", "sample_rate": 8000}, 400, "sample_rate", "this model makes"),
     ({"input": "hi", "model": "other"}, 404, "model", "not served here"),
     ({"input": "hi", "speed": 1.5}, 400, "speed", "speed"),
     ({"input": "hi", "speed": 0.1}, 400, "speed", "greater than or equal to 0.25"),
@@ -69,7 +92,7 @@ def test_a_good_request_becomes_a_job_with_the_voice_and_the_limits():
     ({"input": "hi", "x_vector_only_mode": True}, 400, "x_vector_only_mode", "x_vector_only_mode"),
     ({"input": "hi", "non_streaming_mode": False}, 400, "non_streaming_mode", "non_streaming_mode"),
     ({"input": "hi", "initial_codec_chunk_frames": 2}, 400, "initial_codec_chunk_frames", "initial_codec_chunk_frames"),
-    ({"input": "hi", "stream_format": "audio"}, 400, "stream_format", "needs stream=true"),
+    ({"input": "hi", "stream_format": "video"}, 400, "stream_format", "'sse' or 'audio'"),
     ({"input": "hi", "max_new_tokens": 33}, 400, "max_new_tokens", "limit of 32"),
     ({"input": "hi", "max_new_tokens": 0}, 400, "max_new_tokens", "greater than or equal to 1"),
     ({"input": 5}, 400, "input", "valid string"),
@@ -101,6 +124,26 @@ def test_wav_is_a_16_bit_mono_riff_of_the_samples_clipped():
     assert got.tolist() == [0, 16384, -16384, 32767, -32767, 32767, -32767]
     assert audio.pcm16(samples) == body[44:]
     assert len(audio.wav(np.zeros(0, np.float32), 300)) == 44
+
+
+@pytest.mark.parametrize("response_format, lossless", [("flac", True), ("mp3", False), ("opus", False)])
+def test_the_soundfile_formats_decode_to_the_samples_at_the_models_rate(response_format, lossless):
+    import soundfile
+
+    samples = (0.5 * np.sin(np.arange(4800) / 7)).astype(np.float32)
+    assert audio.encoder_missing(response_format, 24000) is None
+    decoded, rate = soundfile.read(BytesIO(audio.encoded(samples, response_format, 24000)), dtype="float32")
+    assert rate == 24000
+    if lossless:  # 16-bit, as vllm-omni writes it: within an LSB of our PCM
+        assert np.abs(decoded * 32768 - np.frombuffer(audio.pcm16(samples), "<i2")).max() <= 1
+    else:  # lossy: the length, give or take the codec's frames
+        assert abs(len(decoded) - len(samples)) < 2000
+
+
+def test_a_lossy_format_at_a_rate_its_codec_does_not_take_is_named():
+    assert "opus takes 8000, 12000, 16000, 24000, 48000 Hz" in audio.encoder_missing("opus", 300)
+    assert "for this model's 300 Hz audio" in audio.encoder_missing("mp3", 300)
+    assert audio.encoder_missing("flac", 300) is None and audio.encoder_missing("wav", 300) is None
 
 
 def test_a_streamed_wav_header_reads_as_a_wav_of_whatever_follows():
@@ -156,6 +199,8 @@ def test_the_config_names_its_stages_in_order_and_refuses_unknown_keys(tmp_path)
          '[stages.code2wav]\nmodel = "c"\n', "this one takes speech_prompt"),
         ('served_model_name = "m"\nspeech_prompt = "a:b"\ntalker_prompt = "a:c"\n[stages.talker]\nmodel = "t"\n'
          '[stages.code2wav]\nmodel = "c"\n', "and only with one"),
+        ('served_model_name = "m"\nspeech_prompt = "a:b"\nvoices = ["Vivian", "vivian"]\n[stages.talker]\nmodel = "t"\n'
+         '[stages.code2wav]\nmodel = "c"\n', "name one voice twice"),
     ]:
         bad = tmp_path / "bad.toml"
         bad.write_text(text)

@@ -1,13 +1,21 @@
-"""Audio bytes for the speech endpoint: 16-bit little-endian mono PCM, raw or in a WAV container."""
+"""Audio bytes for the speech endpoint: 16-bit little-endian mono PCM, raw or in a WAV container;
+FLAC, MP3 and Opus (in Ogg) encoded by libsndfile, as vllm-omni encodes them (`soundfile`)."""
 
 from __future__ import annotations
 
+import io
 import struct
 
 import numpy as np
 
-FORMATS = ("wav", "pcm")
-MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
+STREAMED_FORMATS = ("wav", "pcm")  # a stream is PCM as it is made (a WAV: its header first)
+# Each format soundfile writes: (its container, its subtype or None for the container's default).
+SOUNDFILE_FORMATS = {"flac": ("FLAC", None), "mp3": ("MP3", None), "opus": ("OGG", "OPUS")}
+FORMATS = STREAMED_FORMATS + tuple(SOUNDFILE_FORMATS)
+# The sample rates the lossy codecs take (FLAC takes any).
+CODEC_RATES = {"mp3": (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000),
+               "opus": (8000, 12000, 16000, 24000, 48000)}
+MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "mp3": "audio/mpeg", "opus": "audio/ogg"}
 STREAMED_WAV_SIZE = 0xFFFFFFFF  # a streamed WAV's length is unknown when its header goes out
 
 
@@ -31,6 +39,35 @@ def wav(samples: np.ndarray, sample_rate: int) -> bytes:
     return wav_header(sample_rate, len(body)) + body
 
 
+def encoder_missing(response_format: str, sample_rate: int) -> str | None:
+    """Why this server cannot write `response_format` (one of FORMATS) at its model's `sample_rate`,
+    or None when it can."""
+    if response_format not in SOUNDFILE_FORMATS:
+        return None
+    rates = CODEC_RATES.get(response_format)
+    if rates is not None and sample_rate not in rates:
+        return (f"response_format {response_format!r} is not supported for this model's {sample_rate} Hz audio "
+                f"({response_format} takes {', '.join(map(str, rates))} Hz)")
+    try:
+        import soundfile
+    except (ImportError, OSError) as exc:  # OSError: the package without its libsndfile
+        return f"response_format {response_format!r} needs the soundfile package on the server ({exc})"
+    if SOUNDFILE_FORMATS[response_format][0] not in soundfile.available_formats():
+        return (f"response_format {response_format!r} is not supported: this server's libsndfile "
+                f"{soundfile.__libsndfile_version__} cannot write it")
+    return None
+
+
 def encoded(samples: np.ndarray, response_format: str, sample_rate: int) -> bytes:
-    """The samples in one of FORMATS."""
-    return wav(samples, sample_rate) if response_format == "wav" else pcm16(samples)
+    """The samples in one of FORMATS (one that `encoder_missing` passed)."""
+    if response_format == "wav":
+        return wav(samples, sample_rate)
+    if response_format == "pcm":
+        return pcm16(samples)
+    import soundfile
+
+    container, subtype = SOUNDFILE_FORMATS[response_format]
+    with io.BytesIO() as out:
+        soundfile.write(out, np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0), sample_rate,
+                        format=container, subtype=subtype)
+        return out.getvalue()

@@ -128,13 +128,14 @@ OPENAI_DEFAULTS: dict[str, float] = {"temperature": 1, "top_p": 1, "presence_pen
 # Accepted for a vllm-omni client's sake, but this server's models take none of them: set to
 # anything but their default (or one of the values a tuple names), a 400 names the field.
 UNSUPPORTED = {
-    "instructions": None, "sample_rate": None, "task_type": None, "ref_audio": None, "ref_text": None,
+    # task_type CustomVoice: a voice by name, what this server serves (vllm-omni's own examples send it).
+    "instructions": (None, ""), "task_type": (None, "CustomVoice"), "ref_audio": None, "ref_text": None,
     # x_vector_only_mode false: voice cloning with its in-context part, which a request without
     # reference audio does not reach either way.
     "x_vector_only_mode": (None, False), "speaker_embedding": None, "extra_params": None, "non_streaming_mode": None,
-    "speed": 1.0, "initial_codec_chunk_frames": None,  # the first chunk is the code2wav sidecar's option here
+    "speed": (1.0, None), "initial_codec_chunk_frames": None,  # the first chunk is the code2wav sidecar's option here
 }
-LANGUAGES = (None, "Auto", "auto")
+AUTO_LANGUAGE = "auto"  # vllm-omni title-cases the language: any case of it names the one this server takes
 
 
 class Refused(ValueError):
@@ -185,7 +186,10 @@ def check_prompt_length(prompt_ids: list[int], max_prompt_tokens: int | None, pa
 
 
 def voice_index(voice: str | None, config: ServeConfig, param: str = "voice") -> int:
-    voice = voice or config.voices[0]
-    if voice not in config.voices:
+    """The voice's index in the config's voices, matched in any case (vllm-omni lowercases both)."""
+    if not voice:
+        return 0
+    named = [v.lower() for v in config.voices]
+    if voice.lower() not in named:
         raise Refused(f"unknown voice {voice!r}; voices: {', '.join(config.voices)}", param=param)
-    return config.voices.index(voice)
+    return named.index(voice.lower())

@@ -27,7 +27,7 @@ from vllm.logger import init_logger
 from omni_serve.api import audio
 from omni_serve.api.chat import ChatInput, Part, TextDeltas, Tokenizer, chat_input, chat_sse, completion
 from omni_serve.api.metrics import SpeechMetrics
-from omni_serve.api.protocol import (LANGUAGES, Prompt, Refused, SpeechRequest, ThinkerPrompt, check_prompt_length,
+from omni_serve.api.protocol import (AUTO_LANGUAGE, Prompt, Refused, SpeechRequest, ThinkerPrompt, check_prompt_length,
                                      error_body, unsupported_fields, validated, voice_index)
 from omni_serve.config import ServeConfig, load_callable
 from omni_serve.speech.codes_log import CodesLog
@@ -67,13 +67,22 @@ def speech_input(body: bytes, config: ServeConfig, prompt: Prompt, max_prompt_to
     if request.response_format not in audio.FORMATS:
         raise Refused(f"response_format {request.response_format!r} is not supported; supported: "
                       f"{', '.join(audio.FORMATS)}", param="response_format")
-    if request.language not in LANGUAGES:
+    if request.language is not None and request.language.lower() != AUTO_LANGUAGE:
         raise Refused(f"language {request.language!r} is not supported by this model (only 'Auto')", param="language")
+    if request.sample_rate not in (None, config.sample_rate):
+        raise Refused(f"sample_rate {request.sample_rate} is not supported; this model makes "
+                      f"{config.sample_rate} Hz", param="sample_rate")
     refused = unsupported_fields(request)
     if refused:
         raise Refused(f"not supported by this model: {', '.join(refused)}", param=refused[0])
-    if request.stream_format is not None and not request.stream:
-        raise Refused("stream_format needs stream=true", param="stream_format")
+    # vllm-omni's rule (and the OpenAI SDK's, which sends stream_format alone): a stream_format streams.
+    stream = request.stream or request.stream_format is not None
+    if stream and request.response_format not in audio.STREAMED_FORMATS:
+        raise Refused(f"a stream is {' or '.join(audio.STREAMED_FORMATS)}; response_format "
+                      f"{request.response_format!r} is for a whole answer (stream=false)", param="response_format")
+    missing = audio.encoder_missing(request.response_format, config.sample_rate)
+    if missing:
+        raise Refused(missing, param="response_format")
     talker = config.stages["talker"]
     frames = request.max_new_tokens or talker.max_tokens
     if frames > talker.max_tokens:
@@ -83,7 +92,7 @@ def speech_input(body: bytes, config: ServeConfig, prompt: Prompt, max_prompt_to
     check_prompt_length(prompt_ids, max_prompt_tokens, "input")
     job = SpeechJob(f"speech-{uuid.uuid4().hex}", prompt_ids, payload, frames, request.seed,
                     input_tokens=text_tokens(config, prompt_ids, payload))
-    return SpeechInput(job, request.response_format, request.stream, request.stream_format != "audio")
+    return SpeechInput(job, request.response_format, stream, request.stream_format != "audio")
 
 
 def one_message(thinker_prompt: ThinkerPrompt, text: str, voice: int) -> tuple[list[int], dict]:
@@ -358,10 +367,23 @@ def build_app(server: SpeechServer) -> FastAPI:
         state = server.health()
         return JSONResponse(state, status_code=200 if state["status"] == "ok" else 503)
 
+    created = int(time.time())
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "owned_by": "omni-serve",
-                                            "voices": config.voices}]}
+        """OpenAI's model list as vLLM's server gives it (`created`, `root`: the first stage's model), and
+        the voices."""
+        first = next(iter(config.stages.values()))
+        return {"object": "list", "data": [{
+            "id": config.served_model_name, "object": "model", "created": created, "owned_by": "omni-serve",
+            "root": first.model, "parent": None, "max_model_len": first.engine.get("max_model_len"),
+            "voices": config.voices}]}
+
+    @app.get("/v1/audio/voices")
+    async def voices() -> dict[str, Any]:
+        """vllm-omni's voice list: the names a request may give (any case; vllm-omni lists them lowercased
+        and sorted); none uploaded (this server clones no voices)."""
+        return {"voices": sorted(v.lower() for v in config.voices), "uploaded_voices": []}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -381,7 +403,7 @@ def build_app(server: SpeechServer) -> FastAPI:
             first = await anext(chunks, None)
         except StageFailed as exc:
             return _failure(exc)
-        body = _sse(first, chunks, got) if got.sse else _raw(first, chunks, got, config.sample_rate)
+        body = _sse(first, chunks, got, config.sample_rate) if got.sse else _raw(first, chunks, got, config.sample_rate)
         media = "text/event-stream" if got.sse else audio.MEDIA_TYPES[got.response_format]
         return StreamingResponse(body, media_type=media, headers={"X-Request-Id": got.job.request_id})
 
@@ -470,22 +492,28 @@ async def _raw(first: np.ndarray | None, chunks: AsyncIterator[np.ndarray], got:
         await chunks.aclose()
 
 
-async def _sse(first: np.ndarray | None, chunks: AsyncIterator[np.ndarray], got: SpeechInput) -> AsyncIterator[str]:
-    """vllm-omni's (OpenAI's) `speech.audio.*` events: base64 PCM deltas, then done or error."""
+async def _sse(first: np.ndarray | None, chunks: AsyncIterator[np.ndarray], got: SpeechInput,
+               rate: int) -> AsyncIterator[str]:
+    """vllm-omni's (OpenAI's) `speech.audio.*` events: base64 PCM deltas, then done or error. As
+    vllm-omni sends a WAV: its header the first delta, so the deltas joined are a WAV file."""
 
     def event(kind: str, payload: dict[str, Any]) -> str:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, separators=(',', ':'))}\n\n"
+
+    def delta(data: bytes) -> str:
+        return event("speech.audio.delta", {"audio": base64.b64encode(data).decode("ascii"),
+                                            "response_format": got.response_format})
 
     sent = False
     try:
         if first is not None:
             sent = True
-            yield event("speech.audio.delta", {"audio": base64.b64encode(audio.pcm16(first)).decode("ascii"),
-                                               "response_format": "pcm"})
+            if got.response_format == "wav":
+                yield delta(audio.wav_header(rate, None))
+            yield delta(audio.pcm16(first))
         async for chunk in chunks:
             sent = True
-            yield event("speech.audio.delta", {"audio": base64.b64encode(audio.pcm16(chunk)).decode("ascii"),
-                                               "response_format": "pcm"})
+            yield delta(audio.pcm16(chunk))
         yield event("speech.audio.done", {"usage": usage(got.job)})
     except StageFailed as exc:
         error = {"message": str(exc), "type": "server_error", "param": None, "code": 503}
