@@ -166,10 +166,27 @@ def test_a_chat_answer_is_the_thinkers_text_and_the_speech_of_the_same_prompt(se
     assert status == 200 and [c["message"] for c in json.loads(body)["choices"]] == [
         {"role": "assistant", "content": text}]
 
+    # As vllm-omni's example clients ask: each stage's sampling in `sampling_params_list` (their model's
+    # lengths, capped at this server's: the thinker's 2 tokens, the talker's CHUNK frames, a token more
+    # as in the config's max_tokens), OpenAI's
+    # audio.voice (none of ours: the default voice) and a soundfile format.
+    import soundfile
+
+    status, body, _ = server.post({"messages": messages, "audio": {"voice": "alloy", "format": "flac"},
+                                   "sampling_params_list": [{"temperature": 0.0, "max_tokens": 2, "seed": 42},
+                                                            {"temperature": 0.0, "max_tokens": CHUNK + 1},
+                                                            {"temperature": 0.0, "max_tokens": 65536}]},
+                                  "/v1/chat/completions")
+    assert status == 200, body[:500]
+    answer = json.loads(body)
+    assert answer["usage"]["completion_tokens"] == 2
+    samples, rate = soundfile.read(BytesIO(base64.b64decode(answer["choices"][1]["message"]["audio"]["data"])))
+    assert rate == 300 and samples.shape == (CHUNK * 24,)
+
     # Bad input: one line, and the server serves on.
     for bad, needle in [({"messages": []}, "messages is empty"),
                         ({"messages": messages, "modalities": ["image"]}, "unsupported output modalities image"),
-                        ({"messages": messages, "audio": {"voice": "alloy"}}, "unknown voice 'alloy'"),
+                        ({"messages": messages, "voice": "alloy"}, "unknown voice 'alloy'"),
                         ({"messages": messages, "audio": {"format": "mp3"}}, "audio format 'mp3'"),
                         # 3 UTF-8 bytes a character, a token each: past the thinker's max_model_len.
                         ({"messages": [{"role": "user", "content": "\u8bed" * 64}]}, "a prompt of 193 tokens")]:

@@ -96,6 +96,18 @@ class ChatRequest(BaseModel):
     seed: int | None = Field(default=None, ge=-(2**63), le=_INT64_MAX)
     n: int | None = Field(default=1, ge=1, le=1)
     user: str | None = None  # OpenAI's end-user id: nothing to do with it here
+    # THINKER_SAMPLING: the thinker's, over the pipeline file's (vllm-omni's overrides of its comprehension stage).
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = None
+    min_tokens: int | None = Field(default=None, ge=0)
+    ignore_eos: bool | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    # vllm-omni's: one SamplingParams' fields per stage, in the stages' order (its example clients send it).
+    sampling_params_list: list[dict[str, Any]] | None = None
 
     @field_validator("voice", mode="before")
     @classmethod
@@ -103,8 +115,11 @@ class ChatRequest(BaseModel):
         return SpeechRequest._voice_id(voice)
 
 
+THINKER_SAMPLING = ("temperature", "top_p", "top_k", "min_tokens", "ignore_eos", "stop", "stop_token_ids",
+                    "frequency_penalty", "presence_penalty")
 MODALITIES = ("text", "audio")  # what a pipeline with a thinker makes (its text; its talker's audio)
-CHAT_FORMATS = {"wav": "wav", "pcm": "pcm", "pcm16": "pcm"}  # the request's audio format -> ours (vllm-omni's alias)
+# the request's audio format -> ours (vllm-omni's alias pcm16)
+CHAT_FORMATS = {"wav": "wav", "pcm": "pcm", "pcm16": "pcm", "flac": "flac", "mp3": "mp3", "opus": "opus"}
 
 
 def unsupported_fields(request: BaseModel, honoured: dict[str, Any] | None = None) -> list[str]:

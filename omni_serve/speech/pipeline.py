@@ -73,6 +73,9 @@ class SpeechJob:
     max_frames: int
     seed: int | None = None
     input_tokens: int = 0  # the text's tokens as the first stage reads them (usage)
+    # SamplingParams fields per stage name, over the pipeline file's (the request's own; max_tokens and
+    # the pipeline's own fields are not among them)
+    sampling: dict[str, dict[str, Any]] = field(default_factory=dict)
     frames: int = 0  # codec frames the talker made (usage), set when it has finished
     # With a thinker stage: whether its answer is spoken (False: a chat answer in text only, no
     # talker), at most how many tokens it makes (0: its stage's max_tokens), the tokens it made
@@ -292,8 +295,8 @@ class SpeechPipeline:
         stage = thinker.stage
         started = time.monotonic()
         extra = {"omni_sidecar": {"additional_information": additional_information(job.payload)}} if job.payload else None
-        params = SamplingParams(**{**stage.sampling, "max_tokens": job.max_text_tokens or thinker.max_tokens,
-                                   "seed": job.seed, "detokenize": False, "output_kind": RequestOutputKind.DELTA,
+        params = SamplingParams(**{**stage.sampling, "seed": job.seed, **job.sampling.get(stage.name, {}),
+                                   "max_tokens": job.max_text_tokens or thinker.max_tokens, "detokenize": False, "output_kind": RequestOutputKind.DELTA,
                                    "extra_args": extra})
 
         async def outputs() -> ThinkerOutput:
@@ -344,11 +347,11 @@ class SpeechPipeline:
             prompt_ids, payload = await asyncio.to_thread(thinker.talker_prompt, made)
         except ValueError as exc:
             raise StageFailed(stage.name, f"its hand-over to the talker failed: {exc}") from None
-        return SpeechJob(job.request_id, prompt_ids, payload, job.max_frames, job.seed)
+        return SpeechJob(job.request_id, prompt_ids, payload, job.max_frames, job.seed, sampling=job.sampling)
 
     async def _run_talker(self, job: SpeechJob, frames: Frames) -> None:
-        params = SamplingParams(**{**self.talker.sampling, "max_tokens": job.max_frames, "seed": job.seed,
-                                   "detokenize": False, "output_kind": RequestOutputKind.DELTA,
+        params = SamplingParams(**{**self.talker.sampling, "seed": job.seed, **job.sampling.get(self.talker.name, {}),
+                                   "max_tokens": job.max_frames, "detokenize": False, "output_kind": RequestOutputKind.DELTA,
                                    "extra_args": {"omni_sidecar": {"additional_information":
                                                                    additional_information(job.payload)}}})
 
