@@ -137,10 +137,10 @@ def load_config(path: str | Path) -> ServeConfig:
         if model.startswith((".", "/")) or (path.parent / model).exists():
             model = str((path.parent / model).resolve())
         stages[name] = StageSpec(name=name, **{**table, "model": model, "sidecar": SidecarSpec(**sidecar)})
-    voices = list(raw.get("voices", ["default"]))
+    voices = [str(v) for v in raw.get("voices", ["default"])]
     if not voices:
         raise ConfigError(f"{path}: voices must name at least one voice")
-    if len({str(v).lower() for v in voices}) != len(voices):  # a request names a voice in any case
+    if len({v.lower() for v in voices}) != len(voices):  # a request names a voice in any case
         raise ConfigError(f"{path}: voices {voices} name one voice twice (voices match in any case)")
     if "served_model_name" not in raw or first_prompt not in raw:
         raise ConfigError(f"{path}: served_model_name and {first_prompt} are required")

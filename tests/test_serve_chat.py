@@ -85,17 +85,20 @@ def test_the_speech_endpoints_input_is_one_user_message_of_the_same_prompt():
     ({"messages": HI, "top_k": -5}, 400, "top_k", "the thinker's sampling: top_k"),
     ({"messages": HI, "sampling_params_list": [{}, {}, {}, {}]}, 400, "sampling_params_list",
      "4 entries; this pipeline has 3 stages (thinker, talker, code2wav)"),
-    ({"messages": HI, "sampling_params_list": [{"bogus": 1}]}, 400, "sampling_params_list.0", "the thinker's sampling"),
-    ({"messages": HI, "sampling_params_list": [{}, {"temperature": -2}]}, 400, "sampling_params_list.1",
-     "the talker's sampling"),
-    ({"messages": HI, "sampling_params_list": [{"n": 2}]}, 400, "sampling_params_list.0.n", "n must be 1"),
-    ({"messages": HI, "sampling_params_list": [{"max_tokens": "9"}]}, 400, "sampling_params_list.0.max_tokens",
-     "positive integer"),
-    ({"messages": HI, "audio": {"format": "wav", "bitrate": 1}}, 400, "audio.bitrate", "Extra inputs"),
-    ({"messages": HI, "model": "other"}, 404, "model", "not served here"),
-    ({"messages": HI, "max_tokens": 9}, 400, "max_tokens", "limit of 8"),
-    ({"messages": HI, "max_completion_tokens": 0}, 400, "max_completion_tokens", "greater than or equal to 1"),
-    ({"messages": HI, "n": 2}, 400, "n", "less than or equal to 1"),
+    ({"messages": HI, "sampling_params_list": [{"bogus": 1}]}, 400, "sampling_params_list.0.bogus",
+     "Extra inputs are not permitted"),
+    ({"messages": HI, "sampling_params_list": [{"logprobs": 2}]}, 400, "sampling_params_list.0.logprobs",
+     "Extra inputs are not permitted"),
+    ({"messages": HI, "sampling_params_list": [{}, {"temperature": -2}]}, 400, "sampling_params_list.1.temperature",
+     "greater than or equal to 0"),
+    ({"messages": HI, "sampling_params_list": [{"n": 2}]}, 400, "sampling_params_list.0.n", "less than or equal to 1"),
+    ({"messages": HI, "sampling_params_list": [{"seed": "x"}]}, 400, "sampling_params_list.0.seed", "valid integer"),
+    ({"messages": HI, "sampling_params_list": [{"max_tokens": 0}]}, 400, "sampling_params_list.0.max_tokens",
+     "greater than or equal to 1"),
+    ({"messages": HI, "sampling_params_list": [{"min_tokens": 9}]}, 400, "sampling_params_list.0",
+     "the thinker's sampling: min_tokens"),
+    ({"messages": HI, "min_tokens": 9}, 400, "min_tokens", "the thinker's sampling: min_tokens"),
+    ({"messages": HI, "stop": ["x"]}, 400, "stop", "not supported by this server: stop"),
     ({"messages": HI, "stream_options": {"include_usage": True}}, 400, "stream_options", "needs stream=true"),
     ({"messages": HI, "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
      "stream_options.continuous_usage_stats", "not supported by this server: stream_options.continuous_usage_stats"),
@@ -110,10 +113,10 @@ def test_bad_chat_requests_are_refused_with_one_message(body, status, param, nee
 
 
 def test_sampling_fields_are_the_thinkers_over_the_pipeline_files_as_vllm_omni_takes_them():
-    got = parse({"messages": HI, "temperature": 1, "top_p": 0.5, "top_k": 3, "presence_penalty": 0.5, "stop": ["x"],
-                 "stop_token_ids": [], "seed": 7})
+    got = parse({"messages": HI, "temperature": 1, "top_p": 0.5, "top_k": 3, "presence_penalty": 0.5,
+                 "stop_token_ids": [], "min_tokens": 8, "seed": 7})
     assert got.job.sampling == {"thinker": {"temperature": 1, "top_p": 0.5, "top_k": 3, "presence_penalty": 0.5,
-                                            "stop": ["x"]}}
+                                            "min_tokens": 8}}
     assert got.job.seed == 7 and parse({"messages": HI}).job.sampling == {}
 
 
@@ -130,14 +133,19 @@ def test_vllm_omnis_sampling_params_list_is_each_stages_in_order():
         "thinker": {"temperature": 0.4, "top_p": 0.9, "top_k": 1, "seed": 42, "repetition_penalty": 1.05},
         "talker": {"temperature": 0.9, "top_k": 50, "seed": 42, "repetition_penalty": 1.05, "stop_token_ids": [2150]}}
     assert (got.job.max_text_tokens, got.job.max_frames) == (8, CONFIG.stages["talker"].max_tokens)
-    fewer = parse({"messages": HI, "max_tokens": 5, "sampling_params_list": [{"max_tokens": 3}, {"max_tokens": 2}]})
-    assert (fewer.job.max_text_tokens, fewer.job.max_frames) == (5, 2)  # the request's max_tokens first
+    # An entry over the top-level fields, its max_tokens too (vllm-omni reads only the list then).
+    fewer = parse({"messages": HI, "max_tokens": 5, "temperature": 0.5, "top_k": 2,
+                   "sampling_params_list": [{"max_tokens": 3, "temperature": 0.1}, {"max_tokens": 2}]})
+    assert (fewer.job.max_text_tokens, fewer.job.max_frames) == (3, 2)
+    assert fewer.job.sampling == {"thinker": {"temperature": 0.1, "top_k": 2}}
 
 
 def test_openais_audio_voice_is_ours_only_when_it_names_one_of_ours():
     assert parse({"messages": HI, "audio": {"voice": "alloy", "format": "wav"}}).job.prompt_token_ids[0] == 0
     assert parse({"messages": HI, "audio": {"voice": "B", "format": "wav"}}).job.prompt_token_ids[0] == 1
     assert parse({"messages": HI, "voice": "a", "audio": {"voice": "b"}}).job.prompt_token_ids[0] == 0
+    assert parse({"messages": HI, "voice": " B "}).job.prompt_token_ids[0] == 1  # stripped, as vllm-omni
+    assert parse({"messages": HI, "voice": "  "}).job.prompt_token_ids[0] == 0
 
 
 def test_a_prompt_longer_than_the_thinker_takes_is_refused_not_failed_in_its_engine():

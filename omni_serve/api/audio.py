@@ -52,7 +52,7 @@ def encoder_missing(response_format: str, sample_rate: int) -> str | None:
         import soundfile
     except (ImportError, OSError) as exc:  # OSError: the package without its libsndfile
         return f"response_format {response_format!r} needs the soundfile package on the server ({exc})"
-    if SOUNDFILE_FORMATS[response_format][0] not in soundfile.available_formats():
+    if not soundfile.check_format(*SOUNDFILE_FORMATS[response_format]):
         return (f"response_format {response_format!r} is not supported: this server's libsndfile "
                 f"{soundfile.__libsndfile_version__} cannot write it")
     return None

@@ -8,9 +8,9 @@ imported), so a client written for vllm-omni's server reads the same JSON here.
 - The voice: vllm-omni's top-level `voice` (or `speaker`), else OpenAI's `audio.voice` when it names
   one of ours; the format: `audio.format`, wav (the default), pcm (pcm16 its alias), flac, mp3 or opus.
 - Sampling, as vllm-omni takes it: OpenAI's sampling fields (THINKER_SAMPLING) over the thinker's
-  pipeline-file sampling; vllm-omni's `sampling_params_list`, an entry per stage in order, over each
-  stage's (merged, where vllm-omni replaces: the pipeline's own fields stay; a stage's max_tokens at
-  most its limit; code2wav decodes, it does not sample: its entry is checked and has no effect).
+  pipeline-file sampling; vllm-omni's `sampling_params_list`, an entry per stage in order, over those
+  (merged, where vllm-omni replaces: the pipeline's own fields stay; a stage's max_tokens at most its
+  limit; code2wav decodes, it does not sample: its entry is checked and has no effect).
 - A whole answer: one choice per modality, both index 0, as vllm-omni answers: the text in
   `choices[0].message.content`, the audio base64 in `message.audio.data` of the next.
 - A streamed answer (SSE): `chat.completion.chunk`s with vllm-omni's `modality` field: the text's
@@ -31,15 +31,14 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol
 
 import numpy as np
-from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 
 from omni_serve.api import audio
 from omni_serve.api.protocol import (CHAT_FORMATS, MODALITIES, THINKER_SAMPLING, ChatAudio, ChatMessage, ChatRequest,
-                                     Refused, ThinkerPrompt, check_prompt_length, error_body, unsupported_fields, validated,
+                                     Refused, StageSampling, ThinkerPrompt, check_prompt_length, error_body, unsupported_fields, validated,
                                      voice_index)
 from omni_serve.config import ServeConfig
-from omni_serve.speech.pipeline import SpeechJob, StageFailed
+from omni_serve.speech.pipeline import SpeechJob, StageFailed, stage_sampling
 
 AUDIO_EXPIRES_S = 24 * 3600  # message.audio.expires_at: vllm-omni's 24 hours (nothing is kept here)
 
@@ -54,7 +53,7 @@ class ChatInput:
 
     job: SpeechJob
     modalities: tuple[str, ...]
-    audio_format: str  # ours: wav or pcm (unchecked, maybe "", when no audio is asked for)
+    audio_format: str  # ours: one of audio.FORMATS (unchecked, maybe "", when no audio is asked for)
     stream: bool
     include_usage: bool
 
@@ -104,46 +103,38 @@ def chat_input(body: bytes, config: ServeConfig, prompt: ThinkerPrompt,
     if "audio" in modalities and not audio_format:
         raise Refused(f"audio format {options.format!r} is not supported; supported: {', '.join(CHAT_FORMATS)}",
                       param="audio.format")
-    missing = audio.encoder_missing(audio_format, config.sample_rate) if "audio" in modalities else None
-    if missing:
-        raise Refused(missing.replace("response_format", "audio format"), param="audio.format")
+    encoder_problem = audio.encoder_missing(audio_format, config.sample_rate) if "audio" in modalities else None
+    if encoder_problem:
+        raise Refused(encoder_problem.replace("response_format", "audio format"), param="audio.format")
     thinker = config.stages["thinker"]
-    tokens = request.max_completion_tokens or request.max_tokens or thinker.max_tokens
-    if tokens > thinker.max_tokens:
-        raise Refused(f"max_tokens {tokens} is above this server's limit of {thinker.max_tokens}",
+    max_text_tokens = request.max_completion_tokens or request.max_tokens or thinker.max_tokens
+    if max_text_tokens > thinker.max_tokens:
+        raise Refused(f"max_tokens {max_text_tokens} is above this server's limit of {thinker.max_tokens}",
                       param="max_completion_tokens" if request.max_completion_tokens else "max_tokens")
-    frames = config.stages["talker"].max_tokens
+    max_frames = config.stages["talker"].max_tokens
     sampling = {"thinker": {name: value for name in THINKER_SAMPLING
                             if (value := getattr(request, name)) is not None and value != []}}
-    for index, (stage, entry) in enumerate(stage_entries(request.sampling_params_list, config)):
-        asked_tokens = entry.get("max_tokens")
-        if asked_tokens is not None and (type(asked_tokens) is not int or asked_tokens < 1):
-            raise Refused(f"max_tokens must be a positive integer, got {asked_tokens!r}",
-                          param=f"sampling_params_list.{index}.max_tokens")
-        if asked_tokens is not None and stage in ("thinker", "talker"):
-            # At most the stage's limit: vllm-omni's example clients send their own model's (thousands).
-            asked = min(asked_tokens, config.stages[stage].max_tokens)
-            if stage == "thinker" and not (request.max_completion_tokens or request.max_tokens):
-                tokens = asked
-            elif stage == "talker":
-                frames = asked
-        sampling[stage] = {**sampling.get(stage, {}),
-                           **{k: v for k, v in entry.items() if k not in PIPELINE_SAMPLING}}
-        check_sampling(stage, {**config.stages[stage].sampling, **sampling[stage]}, f"sampling_params_list.{index}")
-    named = [name for name in THINKER_SAMPLING if name in sampling["thinker"]]
-    if named:
-        check_sampling("thinker", {**thinker.sampling, **sampling["thinker"]}, named[0])
+    # vllm-omni's sampling_params_list: each entry over what the top-level fields asked, its max_tokens too
+    # (at most the stage's limit: vllm-omni's example clients send their own model's, thousands).
+    for stage, entry in stage_entries(request.sampling_params_list, config):
+        if entry.max_tokens is not None and stage == "thinker":
+            max_text_tokens = min(entry.max_tokens, thinker.max_tokens)
+        elif entry.max_tokens is not None and stage == "talker":
+            max_frames = min(entry.max_tokens, max_frames)
+        sampling[stage] = {**sampling.get(stage, {}), **entry.fields()}
+    limits = {"thinker": max_text_tokens, "talker": max_frames}
+    for index, stage in enumerate(config.stages):
+        if stage in limits and sampling.get(stage):
+            param = (f"sampling_params_list.{index}" if index < len(request.sampling_params_list or ())
+                     else next(iter(sampling[stage])))
+            check_sampling(stage, config, request.seed, sampling[stage], limits[stage], param)
     prompt_ids, payload = prompt(messages, voice)
     check_prompt_length(prompt_ids, max_prompt_tokens, "messages")
-    job = SpeechJob(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, payload, frames, request.seed,
-                    input_tokens=len(prompt_ids), speak="audio" in modalities, max_text_tokens=tokens,
-                    sampling={stage: fields for stage, fields in sampling.items() if fields and stage != "code2wav"})
+    job = SpeechJob(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, payload, max_frames, request.seed,
+                    input_tokens=len(prompt_ids), speak="audio" in modalities, max_text_tokens=max_text_tokens,
+                    sampling={stage: fields for stage, fields in sampling.items() if fields and stage in limits})
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     return ChatInput(job, modalities, audio_format, request.stream, include_usage)
-
-
-# SamplingParams fields the pipeline sets itself: a request's are not used (max_tokens: read above).
-PIPELINE_SAMPLING = ("max_tokens", "detokenize", "output_kind", "extra_args")
 
 
 def audio_voice(voice: str | None, config: ServeConfig) -> str | None:
@@ -155,26 +146,24 @@ def audio_voice(voice: str | None, config: ServeConfig) -> str | None:
     return None
 
 
-def stage_entries(entries: list[dict[str, Any]] | None, config: ServeConfig) -> list[tuple[str, dict[str, Any]]]:
-    """vllm-omni's `sampling_params_list`: (stage, its fields), in the stages' order; fewer entries
-    than stages leave the rest the pipeline file's."""
+def stage_entries(entries: list[StageSampling] | None, config: ServeConfig) -> list[tuple[str, StageSampling]]:
+    """vllm-omni's `sampling_params_list`: (stage, its entry), in the stages' order; fewer entries than
+    stages leave the rest the pipeline file's."""
     if not entries:
         return []
     stages = list(config.stages)
     if len(entries) > len(stages):
         raise Refused(f"sampling_params_list has {len(entries)} entries; this pipeline has {len(stages)} stages "
                       f"({', '.join(stages)})", param="sampling_params_list")
-    for index, entry in enumerate(entries):
-        if entry.get("n", 1) != 1:
-            raise Refused("one answer per request: n must be 1", param=f"sampling_params_list.{index}.n")
     return list(zip(stages, entries))
 
 
-def check_sampling(stage: str, fields: dict[str, Any], param: str) -> None:
-    """`fields` make vLLM's SamplingParams (its own checks: names, ranges), else `Refused`."""
+def check_sampling(stage: str, config: ServeConfig, seed: int | None, requested: dict[str, Any], max_tokens: int,
+                   param: str) -> None:
+    """The stage's request sampling, as the pipeline will make it, passes vLLM's own checks; else `Refused`."""
     try:
-        SamplingParams(**{k: v for k, v in fields.items() if k not in PIPELINE_SAMPLING})
-    except (TypeError, ValueError, VLLMValidationError) as exc:  # a ValueError in vLLM 0.26, not in 0.32
+        stage_sampling(config.stages[stage].sampling, seed, requested, max_tokens, None)
+    except (TypeError, ValueError, OverflowError, VLLMValidationError) as exc:  # a ValueError in vLLM 0.26, not 0.32
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise Refused(f"the {stage}'s sampling: {first}", param=param) from None
 

@@ -2,9 +2,9 @@
 not imported: that module cannot be imported without vllm-omni's package and its patches; for chat,
 OpenAI's fields with vllm-omni's `modalities` and top-level `voice`/`speaker`, which it reads as
 extras of vLLM's `ChatCompletionRequest`), so a client written for vllm-omni's server sends the same
-JSON here. vLLM's `ChatCompletionRequest` itself is not used: its sampling and tool fields are ones
-this server cannot honour. Fields this server cannot honour are refused with a 400 naming them,
-never silently dropped.
+JSON here. vLLM's `ChatCompletionRequest` itself is not used: of its sampling fields this server
+honours those vllm-omni applies to the thinker, and none of its tool fields. Fields this server cannot
+honour are refused with a 400 naming them, never silently dropped.
 """
 
 from __future__ import annotations
@@ -54,6 +54,33 @@ class SpeechRequest(BaseModel):
         return voice
 
 
+class StageSampling(BaseModel):
+    """An entry of vllm-omni's `sampling_params_list`: the SamplingParams fields its clients send, typed
+    (an engine's own decoder would fail on a mistyped one). Others are refused by name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = None
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    min_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1, le=_INT64_MAX)  # at most the stage's limit
+    seed: int | None = Field(default=None, ge=-(2**63), le=_INT64_MAX)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    n: int | None = Field(default=None, ge=1, le=1)  # one answer per request
+    detokenize: bool | None = None  # the pipeline's own (its stages make ids): taken, not used
+
+    def fields(self) -> dict[str, Any]:
+        """The fields set, less those the pipeline sets itself (max_tokens: the caller's) and `n`."""
+        return {k: v for k, v in self.model_dump(exclude_none=True).items()
+                if k not in ("max_tokens", "detokenize", "n")}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_calls, ...: refused when set
 
@@ -96,18 +123,18 @@ class ChatRequest(BaseModel):
     seed: int | None = Field(default=None, ge=-(2**63), le=_INT64_MAX)
     n: int | None = Field(default=1, ge=1, le=1)
     user: str | None = None  # OpenAI's end-user id: nothing to do with it here
-    # THINKER_SAMPLING: the thinker's, over the pipeline file's (vllm-omni's overrides of its comprehension stage).
+    # THINKER_SAMPLING: the thinker's, over the pipeline file's (vllm-omni's overrides of its comprehension
+    # stage; `stop` strings are not among them: the pipeline's stages make ids, the front end detokenizes).
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = None
     min_tokens: int | None = Field(default=None, ge=0)
     ignore_eos: bool | None = None
-    stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    # vllm-omni's: one SamplingParams' fields per stage, in the stages' order (its example clients send it).
-    sampling_params_list: list[dict[str, Any]] | None = None
+    # vllm-omni's: one stage's sampling per entry, in the stages' order (its example clients send it).
+    sampling_params_list: list[StageSampling] | None = None
 
     @field_validator("voice", mode="before")
     @classmethod
@@ -115,7 +142,7 @@ class ChatRequest(BaseModel):
         return SpeechRequest._voice_id(voice)
 
 
-THINKER_SAMPLING = ("temperature", "top_p", "top_k", "min_tokens", "ignore_eos", "stop", "stop_token_ids",
+THINKER_SAMPLING = ("temperature", "top_p", "top_k", "min_tokens", "ignore_eos", "stop_token_ids",
                     "frequency_penalty", "presence_penalty")
 MODALITIES = ("text", "audio")  # what a pipeline with a thinker makes (its text; its talker's audio)
 # the request's audio format -> ours (vllm-omni's alias pcm16)
@@ -135,8 +162,8 @@ def unsupported_fields(request: BaseModel, honoured: dict[str, Any] | None = Non
     return named + sorted(extra)
 
 
-# OpenAI's defaults for sampling fields this server takes from the pipeline file instead: sent as
-# these, they ask for nothing (a temperature of 0 asks for greedy decoding: a 400 names it).
+# OpenAI's defaults for sampling fields a request has no field for (the speech request's: its sampling is
+# the pipeline file's): sent as these, they ask for nothing; any other value is refused by name.
 OPENAI_DEFAULTS: dict[str, float] = {"temperature": 1, "top_p": 1, "presence_penalty": 0, "frequency_penalty": 0}
 
 
@@ -201,7 +228,9 @@ def check_prompt_length(prompt_ids: list[int], max_prompt_tokens: int | None, pa
 
 
 def voice_index(voice: str | None, config: ServeConfig, param: str = "voice") -> int:
-    """The voice's index in the config's voices, matched in any case (vllm-omni lowercases both)."""
+    """The voice's index in the config's voices, matched in any case and stripped (as vllm-omni matches
+    it); none (or blank): the first."""
+    voice = (voice or "").strip()
     if not voice:
         return 0
     named = [v.lower() for v in config.voices]

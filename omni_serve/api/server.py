@@ -80,9 +80,9 @@ def speech_input(body: bytes, config: ServeConfig, prompt: Prompt, max_prompt_to
     if stream and request.response_format not in audio.STREAMED_FORMATS:
         raise Refused(f"a stream is {' or '.join(audio.STREAMED_FORMATS)}; response_format "
                       f"{request.response_format!r} is for a whole answer (stream=false)", param="response_format")
-    missing = audio.encoder_missing(request.response_format, config.sample_rate)
-    if missing:
-        raise Refused(missing, param="response_format")
+    encoder_problem = audio.encoder_missing(request.response_format, config.sample_rate)
+    if encoder_problem:
+        raise Refused(encoder_problem, param="response_format")
     talker = config.stages["talker"]
     frames = request.max_new_tokens or talker.max_tokens
     if frames > talker.max_tokens:
@@ -373,10 +373,10 @@ def build_app(server: SpeechServer) -> FastAPI:
     async def models() -> dict[str, Any]:
         """OpenAI's model list as vLLM's server gives it (`created`, `root`: the first stage's model), and
         the voices."""
-        first = next(iter(config.stages.values()))
+        first_stage = next(iter(config.stages.values()))
         return {"object": "list", "data": [{
             "id": config.served_model_name, "object": "model", "created": created, "owned_by": "omni-serve",
-            "root": first.model, "parent": None, "max_model_len": first.engine.get("max_model_len"),
+            "root": first_stage.model, "parent": None, "max_model_len": first_stage.engine.get("max_model_len"),
             "voices": config.voices}]}
 
     @app.get("/v1/audio/voices")
@@ -462,8 +462,8 @@ async def _chat_whole(request: Request, parts: AsyncIterator[Part], got: ChatInp
     chunks = [p for p in collected if isinstance(p, np.ndarray)]
     text = tokenizer.decode(got.job.text_ids, skip_special_tokens=True) if "text" in got.modalities else None
     samples = (np.concatenate(chunks) if chunks else np.zeros(0, np.float32)) if got.job.speak else None
-    return JSONResponse(completion(got, text, samples, config.served_model_name, config.sample_rate),
-                        headers={"X-Request-Id": got.job.request_id})
+    answer = await asyncio.to_thread(completion, got, text, samples, config.served_model_name, config.sample_rate)
+    return JSONResponse(answer, headers={"X-Request-Id": got.job.request_id})
 
 
 async def _whole(request: Request, chunks: AsyncIterator[np.ndarray], got: SpeechInput, rate: int) -> Response:
@@ -472,7 +472,8 @@ async def _whole(request: Request, chunks: AsyncIterator[np.ndarray], got: Speec
     if isinstance(parts, Response):
         return parts
     samples = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-    body = audio.encoded(samples, got.response_format, rate)
+    # Off the event loop: an MP3 or Opus of a long answer takes a while, and other streams wait on the loop.
+    body = await asyncio.to_thread(audio.encoded, samples, got.response_format, rate)
     return Response(body, media_type=audio.MEDIA_TYPES[got.response_format],
                     headers={"X-Request-Id": got.job.request_id})
 

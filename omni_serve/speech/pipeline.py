@@ -63,6 +63,19 @@ class StageFailed(RuntimeError):
         self.stage = stage
 
 
+# SamplingParams fields the pipeline sets on a thinker's or talker's request itself (`stage_sampling`).
+PIPELINE_SAMPLING = ("max_tokens", "detokenize", "output_kind", "extra_args")
+
+
+def stage_sampling(base: dict[str, Any], seed: int | None, requested: dict[str, Any], max_tokens: int,
+                   extra_args: dict[str, Any] | None) -> SamplingParams:
+    """A thinker's or talker's request sampling: the pipeline file's `base`, the request's seed and
+    `requested` fields over it, the pipeline's own (PIPELINE_SAMPLING) over all: its tokens are read
+    as ids (detokenized, where text is wanted, by the front end), as deltas."""
+    return SamplingParams(**{**base, "seed": seed, **requested, "max_tokens": max_tokens, "detokenize": False,
+                             "output_kind": RequestOutputKind.DELTA, "extra_args": extra_args})
+
+
 @dataclass
 class SpeechJob:
     """What one request asks for."""
@@ -73,8 +86,7 @@ class SpeechJob:
     max_frames: int
     seed: int | None = None
     input_tokens: int = 0  # the text's tokens as the first stage reads them (usage)
-    # SamplingParams fields per stage name, over the pipeline file's (the request's own; max_tokens and
-    # the pipeline's own fields are not among them)
+    # The request's SamplingParams fields per stage name, over the pipeline file's (`stage_sampling`)
     sampling: dict[str, dict[str, Any]] = field(default_factory=dict)
     frames: int = 0  # codec frames the talker made (usage), set when it has finished
     # With a thinker stage: whether its answer is spoken (False: a chat answer in text only, no
@@ -295,9 +307,8 @@ class SpeechPipeline:
         stage = thinker.stage
         started = time.monotonic()
         extra = {"omni_sidecar": {"additional_information": additional_information(job.payload)}} if job.payload else None
-        params = SamplingParams(**{**stage.sampling, "seed": job.seed, **job.sampling.get(stage.name, {}),
-                                   "max_tokens": job.max_text_tokens or thinker.max_tokens, "detokenize": False, "output_kind": RequestOutputKind.DELTA,
-                                   "extra_args": extra})
+        params = stage_sampling(stage.sampling, job.seed, job.sampling.get(stage.name, {}),
+                                job.max_text_tokens or thinker.max_tokens, extra)
 
         async def outputs() -> ThinkerOutput:
             prompt_ids: list[int] = job.prompt_token_ids
@@ -350,10 +361,8 @@ class SpeechPipeline:
         return SpeechJob(job.request_id, prompt_ids, payload, job.max_frames, job.seed, sampling=job.sampling)
 
     async def _run_talker(self, job: SpeechJob, frames: Frames) -> None:
-        params = SamplingParams(**{**self.talker.sampling, "seed": job.seed, **job.sampling.get(self.talker.name, {}),
-                                   "max_tokens": job.max_frames, "detokenize": False, "output_kind": RequestOutputKind.DELTA,
-                                   "extra_args": {"omni_sidecar": {"additional_information":
-                                                                   additional_information(job.payload)}}})
+        params = stage_sampling(self.talker.sampling, job.seed, job.sampling.get(self.talker.name, {}), job.max_frames,
+                                {"omni_sidecar": {"additional_information": additional_information(job.payload)}})
 
         started, first_chunk_seen = time.monotonic(), False
 
