@@ -216,6 +216,94 @@ def test_bad_input_gets_a_4xx_with_one_message(server, body, status, needle):
     assert needle in error["message"] and error["code"] == status
 
 
+def _ws(server):
+    from websockets.sync.client import connect
+
+    return connect(f"ws://127.0.0.1:{server.port}/v1/audio/speech/stream", open_timeout=30)
+
+
+def _utterance(ws) -> tuple[dict, bytes, dict, dict]:
+    """audio.start, the audio's binary frames joined, audio.done, session.done."""
+    start = json.loads(ws.recv(timeout=120))
+    frames = []
+    while isinstance(message := ws.recv(timeout=120), bytes):
+        frames.append(message)
+    return start, b"".join(frames), json.loads(message), json.loads(ws.recv(timeout=120))
+
+
+def test_the_websocket_stream_speaks_each_flush_as_vllm_omnis_does(server):
+    status, pcm, _ = server.post({"input": TEXT, "voice": "vivian", "response_format": "pcm"})
+    status_wav, wav_body, _ = server.post({"input": TEXT, "voice": "vivian"})
+    assert status == status_wav == 200
+    with _ws(server) as ws:
+        ws.send(json.dumps({"type": "session.config", "voice": "Vivian", "response_format": "pcm",
+                            "stream_audio": True}))
+        half = len(TEXT) // 2
+        for part in (TEXT[:half], TEXT[half:]):  # text as it is written: one request at the flush
+            ws.send(json.dumps({"type": "input.text", "text": part}))
+        ws.send(json.dumps({"type": "input.done"}))
+        start, audio_bytes, done, flushed = _utterance(ws)
+        assert start == {"type": "audio.start", "utterance_index": 0, "sentence_index": 0, "sentence_text": TEXT,
+                         "format": "pcm", "sample_rate": 300}
+        assert audio_bytes == pcm  # chunk by chunk, the same samples as POST /v1/audio/speech
+        assert done == {"type": "audio.done", "utterance_index": 0, "sentence_index": 0, "total_bytes": len(pcm),
+                        "error": False}
+        assert flushed == {"type": "session.done", "utterance_index": 0, "total_sentences": 1}
+        # The connection stays: a new config between utterances, a whole WAV this time.
+        ws.send(json.dumps({"type": "session.config", "voice": "vivian"}))
+        ws.send(json.dumps({"type": "input.text", "text": TEXT}))
+        ws.send(json.dumps({"type": "input.done"}))
+        start, whole, done, flushed = _utterance(ws)
+        assert (start["format"], start["utterance_index"], whole, done["total_bytes"]) == ("wav", 1, wav_body, len(wav_body))
+        # Refused messages after a good config: said, and the session serves on.
+        for bad, needle in [("{", "not valid JSON"), (json.dumps({"type": "nope"}), "unknown message type 'nope'"),
+                            (json.dumps({"type": "session.config", "response_format": "wav", "stream_audio": True}),
+                             "set response_format='pcm'"),
+                            (json.dumps({"type": "session.config", "voice": "nobody"}), "unknown voice 'nobody'")]:
+            ws.send(bad)
+            error = json.loads(ws.recv(timeout=30))
+            assert error["type"] == "error" and needle in error["message"], error
+        ws.send(json.dumps({"type": "input.done"}))  # nothing buffered: no audio
+        assert json.loads(ws.recv(timeout=30)) == {"type": "session.done", "utterance_index": 2, "total_sentences": 0}
+        ws.send(json.dumps({"type": "session.close"}))
+        with pytest.raises(Exception, match="1000"):  # closed by the server, normally
+            ws.recv(timeout=30)
+    # Before a good config a refusal ends the connection, as in vllm-omni.
+    for first, needle in [(json.dumps({"type": "input.text", "text": "hi"}), "must be session.config"),
+                          (json.dumps({"type": "session.config", "word_timestamps": True}), "forced aligner"),
+                          (json.dumps({"type": "session.config", "speed": 2.0}), "speed")]:
+        with _ws(server) as ws:
+            ws.send(first)
+            error = json.loads(ws.recv(timeout=30))
+            assert error["type"] == "error" and needle in error["message"], error
+            with pytest.raises(Exception):
+                ws.recv(timeout=30)
+    wait_all_finished(server, STAGES)
+
+
+def test_a_websocket_client_gone_mid_utterance_aborts_its_request(server):
+    def aborted() -> float:  # the label appears with the first abort
+        try:
+            return metric(server, 'omni_serve_requests_total{outcome="aborted"}')
+        except AssertionError:
+            return 0.0
+
+    wait_all_finished(server, STAGES)
+    aborted_before = aborted()
+    with _ws(server) as ws:
+        ws.send(json.dumps({"type": "session.config", "response_format": "pcm", "stream_audio": True}))
+        ws.send(json.dumps({"type": "input.text", "text": TEXT}))
+        ws.send(json.dumps({"type": "input.done"}))
+        assert json.loads(ws.recv(timeout=120))["type"] == "audio.start"
+        assert isinstance(ws.recv(timeout=120), bytes)  # its first chunk: the request runs in every stage
+        ws.socket.shutdown(socket.SHUT_RDWR)  # gone, without a closing handshake
+    wait_all_finished(server, STAGES)
+    deadline = time.monotonic() + 10
+    while aborted() < aborted_before + 1:
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.1)
+
+
 def test_chat_without_a_thinker_stage_is_a_404_naming_the_speech_endpoint(server):
     status, body, _ = server.post({"messages": [{"role": "user", "content": "hi"}]}, "/v1/chat/completions")
     message = json.loads(body)["error"]["message"]

@@ -20,13 +20,14 @@ from pathlib import Path
 from typing import Any, AsyncIterator, TypeVar
 
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from vllm.logger import init_logger
 
 from omni_serve.api import audio
 from omni_serve.api.chat import ChatInput, Part, TextDeltas, Tokenizer, chat_input, chat_sse, completion
 from omni_serve.api.metrics import SpeechMetrics
+from omni_serve.api.speech_stream import serve_session
 from omni_serve.api.protocol import (AUTO_LANGUAGE, Prompt, Refused, SpeechRequest, ThinkerPrompt, check_prompt_length,
                                      error_body, unsupported_fields, validated, voice_index)
 from omni_serve.config import ServeConfig, load_callable
@@ -406,6 +407,13 @@ def build_app(server: SpeechServer) -> FastAPI:
         body = _sse(first, chunks, got, config.sample_rate) if got.sse else _raw(first, chunks, got, config.sample_rate)
         media = "text/event-stream" if got.sse else audio.MEDIA_TYPES[got.response_format]
         return StreamingResponse(body, media_type=media, headers={"X-Request-Id": got.job.request_id})
+
+    @app.websocket("/v1/audio/speech/stream")
+    async def speech_stream(websocket: WebSocket) -> None:
+        def check(body: dict[str, Any]) -> SpeechInput:
+            return speech_input(json.dumps(body).encode(), config, server.prompt, server.max_prompt_tokens)
+
+        await serve_session(websocket, check, server.audio, config.sample_rate)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
