@@ -8,11 +8,14 @@
          -d '{"messages": [{"role": "user", "content": "hello"}], "modalities": ["text", "audio"]}'
 
 Endpoints: POST /v1/audio/speech (OpenAI's speech API with vllm-omni's fields: model, input,
-voice, response_format wav|pcm, stream, stream_format sse|audio, max_new_tokens, seed); with a
-thinker stage, POST /v1/chat/completions (vllm-omni's chat answer: messages, modalities
-text|audio, voice or audio.voice, audio.format wav|pcm, stream; the thinker's text and its
-speech); a pipeline without a thinker answers chat with a 404, as vLLM answers it for a model
-that cannot chat; GET /v1/models, /health, /metrics.
+voice, response_format wav|pcm|flac|mp3|opus, stream, stream_format sse|audio, max_new_tokens,
+seed); WS /v1/audio/speech/stream (vllm-omni's streaming-input protocol: session.config,
+input.text, input.done, session.close); with a thinker stage, POST /v1/chat/completions
+(vllm-omni's chat answer: messages, modalities text|audio, voice or audio.voice, audio.format,
+sampling fields or vllm-omni's sampling_params_list, stream; the thinker's text and its speech); a
+pipeline without a thinker answers chat with a 404, as vLLM answers it for a model that cannot
+chat; GET /v1/models, /v1/audio/voices, /health, /metrics. README.md, "Speech server", has each
+field.
 
 The tiny models' classes live under the repository's tests/: run it from the repository root
 with PYTHONPATH=. (their checkpoints are built under .cache/ on the first start).
@@ -48,9 +51,17 @@ def parser():
     p.add_argument("--codes-log", default=None, metavar="FILE",
                    help="append each request's codec codes (the talker's frames), once served whole, to FILE as a "
                         "JSON line (omni_serve/speech/codes_log.py): for checking them against another server")
+    p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="as vLLM's: every /v1 route needs 'Authorization: Bearer KEY' (any of them), else a 401; "
+                        "/health and /metrics stay open (default: $VLLM_API_KEY, else no key)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["debug", "info", "warning", "error", "critical", "trace"], help="uvicorn's log level")
     return p
+
+
+def api_keys(given: list[str] | None) -> list[str]:
+    """The keys a /v1 request may give: --api-key's, else VLLM_API_KEY's (as `vllm serve` takes them)."""
+    return [key for key in (given or [os.environ.get("VLLM_API_KEY", "")]) if key]
 
 
 def cpu_host_defaults() -> None:
@@ -100,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = socket_dir(Path(tempfile.mkdtemp(prefix="omni-serve-")) if own_dir else Path(args.run_dir).resolve())
     server = SpeechServer(config, run_dir, Path(args.codes_log) if args.codes_log else None)
     try:
-        uvicorn.run(build_app(server), host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        uvicorn.run(build_app(server, api_keys(args.api_key)), host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                     timeout_graceful_shutdown=5)
     finally:
         if own_dir:

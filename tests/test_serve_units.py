@@ -10,6 +10,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from fastapi import WebSocket  # at module level: FastAPI resolves a route's annotations in the module
 
 from omni_serve.api import audio
 from omni_serve.api.protocol import Refused
@@ -760,3 +761,38 @@ def test_the_heap_start_up_made_is_frozen_before_the_first_request():
         assert frozen >= len(made)
     finally:
         gc.unfreeze()
+
+
+def test_api_keys_guard_the_v1_routes_as_vllm_serve_does(monkeypatch):
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from omni_serve.api.server import require_api_keys
+    from omni_serve.cli import api_keys
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert api_keys(None) == [] and api_keys(["k1", "k2"]) == ["k1", "k2"]
+    monkeypatch.setenv("VLLM_API_KEY", "env-key")
+    assert api_keys(None) == ["env-key"] and api_keys(["k1"]) == ["k1"]  # the option first, as in vLLM
+
+    app = FastAPI()
+    app.get("/v1/models")(lambda: {"ok": 1})
+    app.get("/health")(lambda: {"ok": 1})
+
+    @app.websocket("/v1/audio/speech/stream")
+    async def stream(websocket: WebSocket) -> None:
+        await websocket.accept()
+        await websocket.send_json({"ok": 1})
+        await websocket.close()
+
+    require_api_keys(app, ["k1", "k2"])
+    client = TestClient(app)
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer nope"}).json() == {"error": "Unauthorized"}
+    assert client.get("/v1/models", headers={"Authorization": "Bearer k2"}).json() == {"ok": 1}
+    assert client.get("/health").status_code == 200  # probes need no key
+    with client.websocket_connect("/v1/audio/speech/stream", headers={"Authorization": "Bearer k1"}) as ws:
+        assert ws.receive_json() == {"ok": 1}
+    with pytest.raises(Exception):
+        with client.websocket_connect("/v1/audio/speech/stream") as ws:
+            ws.receive_json()

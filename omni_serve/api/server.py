@@ -12,6 +12,7 @@ import base64
 import contextlib
 import functools
 import gc
+import importlib
 import json
 import time
 import uuid
@@ -348,7 +349,24 @@ def freeze_start_up_heap() -> None:
     gc.freeze()
 
 
-def build_app(server: SpeechServer) -> FastAPI:
+# Where vLLM's API-key middleware lives, newest first (it moved between minors).
+AUTH_MIDDLEWARE_MODULES = ("vllm.entrypoints.serve.middleware.authenticate", "vllm.entrypoints.serve.utils.server_utils")
+
+
+def require_api_keys(app: FastAPI, api_keys: list[str]) -> None:
+    """vLLM's own API-key check on `app`, as `vllm serve --api-key` sets it: every /v1 route (HTTP and
+    WebSocket) needs `Authorization: Bearer <one of api_keys>`, else a 401; /health and /metrics stay open."""
+    for module in AUTH_MIDDLEWARE_MODULES:
+        try:
+            middleware = importlib.import_module(module).AuthenticationMiddleware
+        except (ImportError, AttributeError):
+            continue
+        app.add_middleware(middleware, tokens=api_keys)
+        return
+    raise RuntimeError(f"this vLLM has no AuthenticationMiddleware (looked in {', '.join(AUTH_MIDDLEWARE_MODULES)})")
+
+
+def build_app(server: SpeechServer, api_keys: list[str] | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         try:
@@ -361,6 +379,8 @@ def build_app(server: SpeechServer) -> FastAPI:
         await server.stop()
 
     app = FastAPI(title="omni-serve", lifespan=lifespan)
+    if api_keys:
+        require_api_keys(app, api_keys)
     config = server.config
 
     @app.get("/health")
