@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = socket_dir(Path(tempfile.mkdtemp(prefix="omni-serve-")) if own_dir else Path(args.run_dir).resolve())
     server = SpeechServer(config, run_dir, Path(args.codes_log) if args.codes_log else None)
     try:
-        uvicorn.run(build_app(server, api_keys(args.api_key)), host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        uvicorn.run(build_app(server, api_keys(args.api_key)), host=args.host, port=args.port,
+                    log_level=args.uvicorn_log_level,
                     timeout_graceful_shutdown=5)
     finally:
         if own_dir:

@@ -263,14 +263,27 @@ def test_the_websocket_stream_speaks_each_flush_as_vllm_omnis_does(server):
             ws.send(bad)
             error = json.loads(ws.recv(timeout=30))
             assert error["type"] == "error" and needle in error["message"], error
+        ws.send(b"\x00binary")  # the protocol's messages are JSON text
+        error = json.loads(ws.recv(timeout=30))
+        assert error["type"] == "error" and "a binary frame" in error["message"]
         ws.send(json.dumps({"type": "input.done"}))  # nothing buffered: no audio
         assert json.loads(ws.recv(timeout=30)) == {"type": "session.done", "utterance_index": 2, "total_sentences": 0}
+        # Text past the config's max_input_chars (64): the message that crosses it refused, the rest spoken.
+        ws.send(json.dumps({"type": "input.text", "text": "x" * 60}))
+        ws.send(json.dumps({"type": "input.text", "text": "y" * 10}))
+        error = json.loads(ws.recv(timeout=30))
+        assert error["type"] == "error" and "would pass 64 characters" in error["message"]
+        ws.send(json.dumps({"type": "input.done"}))
+        start, spoken, done, flushed = _utterance(ws)
+        assert start["sentence_text"] == "x" * 60 and len(spoken) > 44 and done["error"] is False
+        assert flushed["utterance_index"] == 3
         ws.send(json.dumps({"type": "session.close"}))
         with pytest.raises(Exception, match="1000"):  # closed by the server, normally
             ws.recv(timeout=30)
     # Before a good config a refusal ends the connection, as in vllm-omni.
     for first, needle in [(json.dumps({"type": "input.text", "text": "hi"}), "must be session.config"),
-                          (json.dumps({"type": "session.config", "word_timestamps": True}), "forced aligner"),
+                          (json.dumps({"type": "session.config", "word_timestamps": "true"}), "forced aligner"),
+                          (json.dumps({"type": "session.config", "stream_audio": "maybe"}), "true or false"),
                           (json.dumps({"type": "session.config", "speed": 2.0}), "speed")]:
         with _ws(server) as ws:
             ws.send(first)

@@ -793,6 +793,9 @@ def test_api_keys_guard_the_v1_routes_as_vllm_serve_does(monkeypatch):
     assert client.get("/health").status_code == 200  # probes need no key
     with client.websocket_connect("/v1/audio/speech/stream", headers={"Authorization": "Bearer k1"}) as ws:
         assert ws.receive_json() == {"ok": 1}
-    with pytest.raises(Exception):
+    from starlette.testclient import WebSocketDenialResponse
+
+    with pytest.raises(WebSocketDenialResponse) as denied:
         with client.websocket_connect("/v1/audio/speech/stream") as ws:
             ws.receive_json()
+    assert denied.value.status_code == 401

@@ -35,8 +35,8 @@ from vllm.exceptions import VLLMValidationError
 
 from omni_serve.api import audio
 from omni_serve.api.protocol import (CHAT_FORMATS, MODALITIES, THINKER_SAMPLING, ChatAudio, ChatMessage, ChatRequest,
-                                     Refused, StageSampling, ThinkerPrompt, check_prompt_length, error_body, unsupported_fields, validated,
-                                     voice_index)
+                                     Refused, StageSampling, ThinkerPrompt, check_prompt_length, error_body,
+                                     unsupported_fields, validated, voice_index)
 from omni_serve.config import ServeConfig
 from omni_serve.speech.pipeline import SpeechJob, StageFailed, stage_sampling
 

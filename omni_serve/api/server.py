@@ -28,9 +28,9 @@ from vllm.logger import init_logger
 from omni_serve.api import audio
 from omni_serve.api.chat import ChatInput, Part, TextDeltas, Tokenizer, chat_input, chat_sse, completion
 from omni_serve.api.metrics import SpeechMetrics
-from omni_serve.api.speech_stream import serve_session
 from omni_serve.api.protocol import (AUTO_LANGUAGE, Prompt, Refused, SpeechRequest, ThinkerPrompt, check_prompt_length,
                                      error_body, unsupported_fields, validated, voice_index)
+from omni_serve.api.speech_stream import serve_session
 from omni_serve.config import ServeConfig, load_callable
 from omni_serve.speech.codes_log import CodesLog
 from omni_serve.speech.pipeline import SpeechJob, SpeechPipeline, Stage, StageFailed, ThinkerStage, stop_soon
@@ -350,7 +350,8 @@ def freeze_start_up_heap() -> None:
 
 
 # Where vLLM's API-key middleware lives, newest first (it moved between minors).
-AUTH_MIDDLEWARE_MODULES = ("vllm.entrypoints.serve.middleware.authenticate", "vllm.entrypoints.serve.utils.server_utils")
+AUTH_MIDDLEWARE_MODULES = ("vllm.entrypoints.serve.middleware.authenticate",
+                           "vllm.entrypoints.serve.utils.server_utils")
 
 
 def require_api_keys(app: FastAPI, api_keys: list[str]) -> None:
@@ -433,7 +434,7 @@ def build_app(server: SpeechServer, api_keys: list[str] | None = None) -> FastAP
         def check(body: dict[str, Any]) -> SpeechInput:
             return speech_input(json.dumps(body).encode(), config, server.prompt, server.max_prompt_tokens)
 
-        await serve_session(websocket, check, server.audio, config.sample_rate)
+        await serve_session(websocket, check, server.audio, config.sample_rate, config.max_input_chars)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
