@@ -69,6 +69,11 @@ def test_what_vllm_omnis_own_clients_send_is_served():
     got = parse({"input": "hi", "task_type": "CustomVoice", "language": "AUTO", "instructions": "", "speed": None,
                  "sample_rate": CONFIG.sample_rate})
     assert (got.stream, got.job.prompt_token_ids) == (False, [0, 2])
+    # vLLM's benchmark client (vllm-omni's speech backend) with --ignore-eos: every frame the talker may make.
+    bench = parse({"model": "tts", "input": "hi", "stream": True, "stream_format": "audio", "response_format": "pcm",
+                   "ignore_eos": True})
+    assert bench.stream and not bench.sse and bench.job.sampling == {"talker": {"ignore_eos": True}}
+    assert parse({"input": "hi", "ignore_eos": False}).job.sampling == {}
     # The formats soundfile writes, whole answers only (as vllm-omni).
     assert [parse({"input": "hi", "response_format": f}).response_format for f in ("flac", "mp3", "opus")] == [
         "flac", "mp3", "opus"]

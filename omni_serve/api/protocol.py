@@ -43,6 +43,9 @@ class SpeechRequest(BaseModel):
     initial_codec_chunk_frames: int | None = Field(default=None, ge=0, le=_INT64_MAX)
     non_streaming_mode: bool | None = None
     extra_params: dict[str, Any] | None = None
+    # vLLM's benchmark client sends it with --ignore-eos (vllm-omni ignores it): here the talker's, every
+    # frame up to max_new_tokens made.
+    ignore_eos: bool | None = None
 
     @field_validator("voice", mode="before")
     @classmethod

@@ -93,7 +93,8 @@ def speech_input(body: bytes, config: ServeConfig, prompt: Prompt, max_prompt_to
     prompt_ids, payload = prompt(text, voice)
     check_prompt_length(prompt_ids, max_prompt_tokens, "input")
     job = SpeechJob(f"speech-{uuid.uuid4().hex}", prompt_ids, payload, frames, request.seed,
-                    input_tokens=text_tokens(config, prompt_ids, payload))
+                    input_tokens=text_tokens(config, prompt_ids, payload),
+                    sampling={"talker": {"ignore_eos": True}} if request.ignore_eos else {})
     return SpeechInput(job, request.response_format, stream, request.stream_format != "audio")
 
 
