@@ -100,8 +100,8 @@ def test_the_speech_endpoints_input_is_one_user_message_of_the_same_prompt():
     ({"messages": HI, "min_tokens": 9}, 400, "min_tokens", "the thinker's sampling: min_tokens"),
     ({"messages": HI, "stop": ["x"]}, 400, "stop", "not supported by this server: stop"),
     ({"messages": HI, "stream_options": {"include_usage": True}}, 400, "stream_options", "needs stream=true"),
-    ({"messages": HI, "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
-     "stream_options.continuous_usage_stats", "not supported by this server: stream_options.continuous_usage_stats"),
+    ({"messages": HI, "stream": True, "stream_options": {"include_usage": True, "chunk_usage": True}}, 400,
+     "stream_options.chunk_usage", "not supported by this server: stream_options.chunk_usage"),
     (b"{", 400, None, "not valid JSON"),
     (b"[]", 400, None, "JSON object"),
 ])
@@ -239,6 +239,23 @@ def test_a_streamed_answer_is_text_deltas_then_audio_chunks_the_last_with_the_fi
     spoken = events(answered(["audio"]), [[0], one])
     assert [e["modality"] for e in spoken] == ["audio"] and spoken[0]["choices"][0]["finish_reason"] == "stop"
     assert base64.b64decode(spoken[0]["choices"][0]["delta"]["content"]) == audio.wav(one, RATE)
+
+
+def test_continuous_usage_gives_every_text_chunk_the_tokens_so_far_as_vllm_omnis_benchmark_asks():
+    # vllm-omni's chat benchmark client sends exactly these stream options.
+    got = parse({"messages": HI, "temperature": 0.0, "max_tokens": 3, "stream": True,
+                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert got.include_usage and got.continuous_usage and got.job.sampling == {"thinker": {"temperature": 0.0}}
+    got.job.text_ids, got.job.text_finish = [0, 1, 2], "length"
+    sent = events(got, [[0, 1], [2], np.full(4, 0.5, np.float32)])
+    text = [e for e in sent if e.get("modality") == "text"]
+    assert [e["usage"]["completion_tokens"] for e in text] == [0, 2, 3]
+    assert all(e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + e["usage"]["completion_tokens"]
+               for e in text)
+    assert sent[-1]["choices"] == [] and sent[-1]["usage"]["completion_tokens"] == 3
+    # Without include_usage it asks for nothing (vLLM's rule).
+    assert not parse({"messages": HI, "stream": True, "stream_options": {"continuous_usage_stats": True}}
+                     ).continuous_usage
 
 
 def test_a_stage_failing_mid_stream_ends_it_with_an_error_event_then_done():

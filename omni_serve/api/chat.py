@@ -16,7 +16,8 @@ imported), so a client written for vllm-omni's server reads the same JSON here.
 - A streamed answer (SSE): `chat.completion.chunk`s with vllm-omni's `modality` field: the text's
   deltas as the thinker makes them, then each chunk of audio base64 in `delta.content` (each chunk
   encoded on its own, a WAV of its own for wav, as vllm-omni does), the last chunk with the finish
-  reason; the usage chunk if `stream_options.include_usage`; `data: [DONE]`.
+  reason; the usage chunk if `stream_options.include_usage` (and every chunk's usage so far with
+  `continuous_usage_stats`, as vLLM adds it); `data: [DONE]`.
 The bodies are plain dicts in OpenAI's shape: vLLM's response classes move between its minors
 (0.26's `vllm.entrypoints.openai.engine.protocol` is 0.32's `vllm.entrypoints.serve`).
 """
@@ -56,6 +57,7 @@ class ChatInput:
     audio_format: str  # ours: one of audio.FORMATS (unchecked, maybe "", when no audio is asked for)
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # every chunk's usage so far (vLLM's continuous_usage_stats)
 
 
 def message_text(message: ChatMessage, index: int) -> str:
@@ -85,7 +87,7 @@ def chat_input(body: bytes, config: ServeConfig, prompt: ThinkerPrompt,
                       param="modalities")
     refused = unsupported_fields(request, {}) + [f"messages.{i}.{name}" for i, m in enumerate(request.messages)
                                                  for name in unsupported_fields(m, {})]
-    if request.stream_options is not None:  # vLLM's continuous_usage_stats: not honoured here
+    if request.stream_options is not None:
         refused += [f"stream_options.{name}" for name in unsupported_fields(request.stream_options, {})]
     if refused:
         raise Refused(f"not supported by this server: {', '.join(refused)}", param=refused[0])
@@ -133,8 +135,11 @@ def chat_input(body: bytes, config: ServeConfig, prompt: ThinkerPrompt,
     job = SpeechJob(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, payload, max_frames, request.seed,
                     input_tokens=len(prompt_ids), speak="audio" in modalities, max_text_tokens=max_text_tokens,
                     sampling={stage: fields for stage, fields in sampling.items() if fields and stage in limits})
-    include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    return ChatInput(job, modalities, audio_format, request.stream, include_usage)
+    options = request.stream_options
+    include_usage = bool(options and options.include_usage)
+    # vLLM's rule: continuous usage only with the final usage asked for too.
+    continuous = include_usage and bool(options and options.continuous_usage_stats)
+    return ChatInput(job, modalities, audio_format, request.stream, include_usage, continuous)
 
 
 def audio_voice(voice: str | None, config: ServeConfig) -> str | None:
@@ -235,17 +240,26 @@ async def chat_sse(got: ChatInput, first: Part | None, parts: AsyncIterator[Part
     prompt_usage = {"prompt_tokens": got.job.input_tokens, "completion_tokens": 0,
                     "total_tokens": got.job.input_tokens}
 
+    made = 0  # the thinker's tokens so far (continuous usage)
+
     def chunk(modality: str, delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
         return {"id": got.job.request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
                 "modality": modality, **extra}
+
+    def text_chunk(delta: dict[str, Any]) -> dict[str, Any]:
+        if not got.continuous_usage:
+            return chunk("text", delta)
+        usage = {"prompt_tokens": got.job.input_tokens, "completion_tokens": made,
+                 "total_tokens": got.job.input_tokens + made}
+        return chunk("text", delta, usage=usage)
 
     def data(payload: dict[str, Any]) -> str:
         return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
     # Each chunk goes out when the next is made, so that the last one can carry the finish reason.
     texting = "text" in got.modalities
-    pending = chunk("text", {"role": "assistant", "content": ""}) if texting else None
+    pending = text_chunk({"role": "assistant", "content": ""}) if texting else None
 
     async def every_part() -> AsyncIterator[Part]:
         if first is not None:
@@ -256,16 +270,17 @@ async def chat_sse(got: ChatInput, first: Part | None, parts: AsyncIterator[Part
     try:
         async for part in every_part():
             if isinstance(part, list):
+                made += len(part)
                 text = deltas.add(part) if texting else ""
                 if text:
                     yield data(pending)
-                    pending = chunk("text", {"content": text})
+                    pending = text_chunk({"content": text})
                 continue
             if texting:
                 texting, text = False, deltas.rest()
                 if text:
                     yield data(pending)
-                    pending = chunk("text", {"content": text})
+                    pending = text_chunk({"content": text})
             if part.size == 0:
                 continue
             if pending is not None:
@@ -275,7 +290,7 @@ async def chat_sse(got: ChatInput, first: Part | None, parts: AsyncIterator[Part
                             usage=prompt_usage)
         if texting and (text := deltas.rest()):
             yield data(pending)
-            pending = chunk("text", {"content": text})
+            pending = text_chunk({"content": text})
         if pending is not None:
             last = pending["choices"][0]
             last["finish_reason"] = (got.job.text_finish or "stop") if pending["modality"] == "text" else "stop"

@@ -109,6 +109,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: usage on every chunk too (with include_usage)
 
 
 class ChatRequest(BaseModel):
