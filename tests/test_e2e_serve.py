@@ -259,7 +259,8 @@ def test_the_websocket_stream_speaks_each_flush_as_vllm_omnis_does(server):
         for bad, needle in [("{", "not valid JSON"), (json.dumps({"type": "nope"}), "unknown message type 'nope'"),
                             (json.dumps({"type": "session.config", "response_format": "wav", "stream_audio": True}),
                              "set response_format='pcm'"),
-                            (json.dumps({"type": "session.config", "voice": "nobody"}), "unknown voice 'nobody'")]:
+                            (json.dumps({"type": "session.config", "voice": "nobody"}), "unknown voice 'nobody'"),
+                            (json.dumps({"type": "session.config", "stream_format": "sse"}), "takes no stream_format")]:
             ws.send(bad)
             error = json.loads(ws.recv(timeout=30))
             assert error["type"] == "error" and needle in error["message"], error

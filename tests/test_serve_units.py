@@ -105,6 +105,7 @@ def test_what_vllm_omnis_own_clients_send_is_served():
     ({}, 400, "input", "Field required"),
     (b"{", 400, None, "not valid JSON"),
     (b"\xff\xfe", 400, None, "not valid JSON"),
+    (b"[" * 100_000, 400, None, "not valid JSON"),  # nested past the parser's recursion limit
     (b'"text"', 400, None, "JSON object"),
 ])
 def test_bad_requests_are_refused_with_one_message(body, status, param, needle):
@@ -137,7 +138,7 @@ def test_the_soundfile_formats_decode_to_the_samples_at_the_models_rate(response
     import soundfile
 
     samples = (0.5 * np.sin(np.arange(4800) / 7)).astype(np.float32)
-    assert audio.encoder_missing(response_format, 24000) is None
+    assert audio.encoding_problem(response_format, 24000) is None
     decoded, rate = soundfile.read(BytesIO(audio.encoded(samples, response_format, 24000)), dtype="float32")
     assert rate == 24000
     if lossless:  # 16-bit, as vllm-omni writes it: within an LSB of our PCM
@@ -147,9 +148,9 @@ def test_the_soundfile_formats_decode_to_the_samples_at_the_models_rate(response
 
 
 def test_a_lossy_format_at_a_rate_its_codec_does_not_take_is_named():
-    assert "opus takes 8000, 12000, 16000, 24000, 48000 Hz" in audio.encoder_missing("opus", 300)
-    assert "for this model's 300 Hz audio" in audio.encoder_missing("mp3", 300)
-    assert audio.encoder_missing("flac", 300) is None and audio.encoder_missing("wav", 300) is None
+    assert "opus takes 8000, 12000, 16000, 24000, 48000 Hz" in audio.encoding_problem("opus", 300)
+    assert "for this model's 300 Hz audio" in audio.encoding_problem("mp3", 300)
+    assert audio.encoding_problem("flac", 300) is None and audio.encoding_problem("wav", 300) is None
 
 
 def test_a_streamed_wav_header_reads_as_a_wav_of_whatever_follows():

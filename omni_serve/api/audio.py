@@ -39,7 +39,7 @@ def wav(samples: np.ndarray, sample_rate: int) -> bytes:
     return wav_header(sample_rate, len(body)) + body
 
 
-def encoder_missing(response_format: str, sample_rate: int) -> str | None:
+def encoding_problem(response_format: str, sample_rate: int) -> str | None:
     """Why this server cannot write `response_format` (one of FORMATS) at its model's `sample_rate`,
     or None when it can."""
     if response_format not in SOUNDFILE_FORMATS:
@@ -59,7 +59,7 @@ def encoder_missing(response_format: str, sample_rate: int) -> str | None:
 
 
 def encoded(samples: np.ndarray, response_format: str, sample_rate: int) -> bytes:
-    """The samples in one of FORMATS (one that `encoder_missing` passed)."""
+    """The samples in one of FORMATS (one that `encoding_problem` passed)."""
     if response_format == "wav":
         return wav(samples, sample_rate)
     if response_format == "pcm":

@@ -16,14 +16,15 @@ imported), so a client written for vllm-omni's server reads the same JSON here.
 - A streamed answer (SSE): `chat.completion.chunk`s with vllm-omni's `modality` field: the text's
   deltas as the thinker makes them, then each chunk of audio base64 in `delta.content` (each chunk
   encoded on its own, a WAV of its own for wav, as vllm-omni does), the last chunk with the finish
-  reason; the usage chunk if `stream_options.include_usage` (and every chunk's usage so far with
-  `continuous_usage_stats`, as vLLM adds it); `data: [DONE]`.
+  reason; the usage chunk if `stream_options.include_usage` (and every text chunk's usage so far with
+  `continuous_usage_stats`, as vLLM adds it; audio chunks carry the prompt's, as vllm-omni's); `data: [DONE]`.
 The bodies are plain dicts in OpenAI's shape: vLLM's response classes move between its minors
 (0.26's `vllm.entrypoints.openai.engine.protocol` is 0.32's `vllm.entrypoints.serve`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import time
@@ -99,15 +100,15 @@ def chat_input(body: bytes, config: ServeConfig, prompt: ThinkerPrompt,
         raise Refused("messages hold no text", param="messages")
     if chars > config.max_input_chars:
         raise Refused(f"messages have {chars} characters; at most {config.max_input_chars}", param="messages")
-    options = request.audio or ChatAudio()
-    voice = voice_index(request.voice or audio_voice(options.voice, config), config, "voice")
-    audio_format = CHAT_FORMATS.get(options.format, "")
+    audio_options = request.audio or ChatAudio()
+    voice = voice_index(request.voice or audio_voice(audio_options.voice, config), config, "voice")
+    audio_format = CHAT_FORMATS.get(audio_options.format, "")
     if "audio" in modalities and not audio_format:
-        raise Refused(f"audio format {options.format!r} is not supported; supported: {', '.join(CHAT_FORMATS)}",
+        raise Refused(f"audio format {audio_options.format!r} is not supported; supported: {', '.join(CHAT_FORMATS)}",
                       param="audio.format")
-    encoder_problem = audio.encoder_missing(audio_format, config.sample_rate) if "audio" in modalities else None
-    if encoder_problem:
-        raise Refused(encoder_problem.replace("response_format", "audio format"), param="audio.format")
+    encoding_problem = audio.encoding_problem(audio_format, config.sample_rate) if "audio" in modalities else None
+    if encoding_problem:
+        raise Refused(encoding_problem.replace("response_format", "audio format"), param="audio.format")
     thinker = config.stages["thinker"]
     max_text_tokens = request.max_completion_tokens or request.max_tokens or thinker.max_tokens
     if max_text_tokens > thinker.max_tokens:
@@ -135,10 +136,10 @@ def chat_input(body: bytes, config: ServeConfig, prompt: ThinkerPrompt,
     job = SpeechJob(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, payload, max_frames, request.seed,
                     input_tokens=len(prompt_ids), speak="audio" in modalities, max_text_tokens=max_text_tokens,
                     sampling={stage: fields for stage, fields in sampling.items() if fields and stage in limits})
-    options = request.stream_options
-    include_usage = bool(options and options.include_usage)
+    stream_options = request.stream_options
+    include_usage = bool(stream_options and stream_options.include_usage)
     # vLLM's rule: continuous usage only with the final usage asked for too.
-    continuous = include_usage and bool(options and options.continuous_usage_stats)
+    continuous = include_usage and bool(stream_options and stream_options.continuous_usage_stats)
     return ChatInput(job, modalities, audio_format, request.stream, include_usage, continuous)
 
 
@@ -286,8 +287,9 @@ async def chat_sse(got: ChatInput, first: Part | None, parts: AsyncIterator[Part
             if pending is not None:
                 yield data(pending)
             # vllm-omni's audio chunks: the role in each delta, usage with the prompt's tokens only.
-            pending = chunk("audio", {"role": "assistant", "content": encoded_audio(part, got.audio_format, rate)},
-                            usage=prompt_usage)
+            # Off the event loop: an MP3 or Opus chunk takes a while, and other streams wait on the loop.
+            content = await asyncio.to_thread(encoded_audio, part, got.audio_format, rate)
+            pending = chunk("audio", {"role": "assistant", "content": content}, usage=prompt_usage)
         if texting and (text := deltas.rest()):
             yield data(pending)
             pending = text_chunk({"content": text})

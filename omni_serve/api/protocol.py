@@ -10,13 +10,14 @@ honour are refused with a 400 naming them, never silently dropped.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Literal, TypeVar
+from typing import Annotated, Any, Callable, Literal, TypeVar
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from omni_serve.config import ServeConfig
 
 _INT64_MAX = 2**63 - 1
+TokenId = Annotated[int, Field(ge=0, le=_INT64_MAX)]
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -43,8 +44,8 @@ class SpeechRequest(BaseModel):
     initial_codec_chunk_frames: int | None = Field(default=None, ge=0, le=_INT64_MAX)
     non_streaming_mode: bool | None = None
     extra_params: dict[str, Any] | None = None
-    # vLLM's benchmark client sends it with --ignore-eos (vllm-omni ignores it): here the talker's, every
-    # frame up to max_new_tokens made.
+    # vLLM's benchmark client sends it with --ignore-eos (vllm-omni ignores it): here vLLM's ignore_eos on
+    # the talker's request (the pipeline file's stop_token_ids still end it).
     ignore_eos: bool | None = None
 
     @field_validator("voice", mode="before")
@@ -65,13 +66,13 @@ class StageSampling(BaseModel):
 
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=_INT64_MAX)
     min_p: float | None = Field(default=None, ge=0, le=1)
     min_tokens: int | None = Field(default=None, ge=0)
     max_tokens: int | None = Field(default=None, ge=1, le=_INT64_MAX)  # at most the stage's limit
     seed: int | None = Field(default=None, ge=-(2**63), le=_INT64_MAX)
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     repetition_penalty: float | None = Field(default=None, gt=0)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -131,10 +132,10 @@ class ChatRequest(BaseModel):
     # stage; `stop` strings are not among them: the pipeline's stages make ids, the front end detokenizes).
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=_INT64_MAX)
     min_tokens: int | None = Field(default=None, ge=0)
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     # vllm-omni's: one stage's sampling per entry, in the stages' order (its example clients send it).
@@ -207,7 +208,7 @@ def validated(body: bytes, schema: type[M], config: ServeConfig) -> M:
     """The body's JSON checked against a request schema and this server's model; `Refused` says why not."""
     try:
         raw = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise Refused(f"the body is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise Refused("the body must be a JSON object")

@@ -1,5 +1,6 @@
-"""The HTTP front end and the stages it runs: `POST /v1/audio/speech`, `POST /v1/chat/completions` (a
-pipeline with a thinker: its text and its speech), `GET /v1/models`, `/health`, `/metrics`.
+"""The HTTP front end and the stages it runs: `POST /v1/audio/speech`, `WS /v1/audio/speech/stream`,
+`POST /v1/chat/completions` (a pipeline with a thinker: its text and its speech), `GET /v1/models`,
+`/v1/audio/voices`, `/health`, `/metrics`.
 
 Started by `omni-serve` (omni_serve/cli.py). On start-up each stage's sidecar is started (or
 attached to) and its engine built; on shutdown the engines stop, then the sidecars.
@@ -82,9 +83,9 @@ def speech_input(body: bytes, config: ServeConfig, prompt: Prompt, max_prompt_to
     if stream and request.response_format not in audio.STREAMED_FORMATS:
         raise Refused(f"a stream is {' or '.join(audio.STREAMED_FORMATS)}; response_format "
                       f"{request.response_format!r} is for a whole answer (stream=false)", param="response_format")
-    encoder_problem = audio.encoder_missing(request.response_format, config.sample_rate)
-    if encoder_problem:
-        raise Refused(encoder_problem, param="response_format")
+    encoding_problem = audio.encoding_problem(request.response_format, config.sample_rate)
+    if encoding_problem:
+        raise Refused(encoding_problem, param="response_format")
     talker = config.stages["talker"]
     frames = request.max_new_tokens or talker.max_tokens
     if frames > talker.max_tokens:

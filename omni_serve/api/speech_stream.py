@@ -71,8 +71,11 @@ class SessionConfig:
                           "set word_timestamps=false")
         if "input" in fields:
             raise Refused("session.config takes no input: send the text as input.text messages")
+        for name in ("stream", "stream_format"):
+            if name in fields:
+                raise Refused(f"session.config takes no {name}: {STREAM_AUDIO} says whether audio streams")
         self.fields = fields
-        probe = check({**fields, "input": "ping"})  # every field checked now, not at the first flush
+        probe = check(self.body("ping"))  # every field checked now, as a flush sends them
         self.response_format = probe.response_format
         if self.stream_audio and self.response_format != "pcm":
             raise Refused(f"{STREAM_AUDIO}=true sends PCM as it is made: set response_format='pcm' "
@@ -164,7 +167,7 @@ def _parse(raw: str | None) -> dict[str, Any]:
         raise Refused(f"a message of {len(raw)} characters; at most {MAX_CONFIG_CHARS}")
     try:
         message = json.loads(raw)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise Refused(f"the message is not valid JSON: {exc}") from None
     if not isinstance(message, dict):
         raise Refused("a message must be a JSON object")

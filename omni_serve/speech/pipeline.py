@@ -63,14 +63,11 @@ class StageFailed(RuntimeError):
         self.stage = stage
 
 
-# SamplingParams fields the pipeline sets on a thinker's or talker's request itself (`stage_sampling`).
-PIPELINE_SAMPLING = ("max_tokens", "detokenize", "output_kind", "extra_args")
-
-
 def stage_sampling(base: dict[str, Any], seed: int | None, requested: dict[str, Any], max_tokens: int,
                    extra_args: dict[str, Any] | None) -> SamplingParams:
     """A thinker's or talker's request sampling: the pipeline file's `base`, the request's seed and
-    `requested` fields over it, the pipeline's own (PIPELINE_SAMPLING) over all: its tokens are read
+    `requested` fields over it, the pipeline's own (max_tokens, detokenize, output_kind, extra_args) over
+    all: its tokens are read
     as ids (detokenized, where text is wanted, by the front end), as deltas."""
     return SamplingParams(**{**base, "seed": seed, **requested, "max_tokens": max_tokens, "detokenize": False,
                              "output_kind": RequestOutputKind.DELTA, "extra_args": extra_args})
