@@ -147,9 +147,11 @@ def audio_voice(voice: str | None, config: ServeConfig) -> str | None:
     """OpenAI's `audio.voice` when it names one of this server's voices, else None (the default voice):
     vllm-omni reads the voice from `voice` / `speaker` only, and OpenAI's SDK asks for `audio.voice`
     with OpenAI's voices ("alloy", ...), which name none of a model's speakers."""
-    if voice is not None and voice.lower() in (v.lower() for v in config.voices):
-        return voice
-    return None
+    try:
+        voice_index(voice, config)
+    except Refused:
+        return None
+    return voice
 
 
 def stage_entries(entries: list[StageSampling] | None, config: ServeConfig) -> list[tuple[str, StageSampling]]:

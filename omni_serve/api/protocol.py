@@ -58,24 +58,31 @@ class SpeechRequest(BaseModel):
         return voice
 
 
-class StageSampling(BaseModel):
-    """An entry of vllm-omni's `sampling_params_list`: the SamplingParams fields its clients send, typed
-    (an engine's own decoder would fail on a mistyped one). Others are refused by name."""
-
-    model_config = ConfigDict(extra="forbid")
+class SamplingFields(BaseModel):
+    """The SamplingParams fields a chat request's top level and vllm-omni's `sampling_params_list` both
+    take (vllm-omni's overrides of its comprehension stage), typed: an engine's own decoder would fail
+    on a mistyped one. `stop` strings are not among them: the stages make ids, the front end detokenizes."""
 
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1, le=_INT64_MAX)
-    min_p: float | None = Field(default=None, ge=0, le=1)
     min_tokens: int | None = Field(default=None, ge=0)
-    max_tokens: int | None = Field(default=None, ge=1, le=_INT64_MAX)  # at most the stage's limit
-    seed: int | None = Field(default=None, ge=-(2**63), le=_INT64_MAX)
     ignore_eos: bool | None = None
     stop_token_ids: list[TokenId] | None = None
-    repetition_penalty: float | None = Field(default=None, gt=0)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+
+
+class StageSampling(SamplingFields):
+    """An entry of vllm-omni's `sampling_params_list`: the SamplingParams fields its clients send.
+    Others are refused by name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=_INT64_MAX)  # at most the stage's limit
+    seed: int | None = Field(default=None, ge=-(2**63), le=_INT64_MAX)
+    repetition_penalty: float | None = Field(default=None, gt=0)
     n: int | None = Field(default=None, ge=1, le=1)  # one answer per request
     detokenize: bool | None = None  # the pipeline's own (its stages make ids): taken, not used
 
@@ -113,7 +120,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False  # vLLM's: usage on every chunk too (with include_usage)
 
 
-class ChatRequest(BaseModel):
+class ChatRequest(SamplingFields):  # SamplingFields: the thinker's, over the pipeline file's
     model_config = ConfigDict(extra="allow")  # OpenAI's and vLLM's other fields: refused below when set
 
     messages: list[ChatMessage]
@@ -128,16 +135,6 @@ class ChatRequest(BaseModel):
     seed: int | None = Field(default=None, ge=-(2**63), le=_INT64_MAX)
     n: int | None = Field(default=1, ge=1, le=1)
     user: str | None = None  # OpenAI's end-user id: nothing to do with it here
-    # THINKER_SAMPLING: the thinker's, over the pipeline file's (vllm-omni's overrides of its comprehension
-    # stage; `stop` strings are not among them: the pipeline's stages make ids, the front end detokenizes).
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1, le=_INT64_MAX)
-    min_tokens: int | None = Field(default=None, ge=0)
-    ignore_eos: bool | None = None
-    stop_token_ids: list[TokenId] | None = None
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     # vllm-omni's: one stage's sampling per entry, in the stages' order (its example clients send it).
     sampling_params_list: list[StageSampling] | None = None
 
@@ -147,8 +144,7 @@ class ChatRequest(BaseModel):
         return SpeechRequest._voice_id(voice)
 
 
-THINKER_SAMPLING = ("temperature", "top_p", "top_k", "min_tokens", "ignore_eos", "stop_token_ids",
-                    "frequency_penalty", "presence_penalty")
+THINKER_SAMPLING = tuple(SamplingFields.model_fields)  # a chat request's top-level sampling: the thinker's
 MODALITIES = ("text", "audio")  # what a pipeline with a thinker makes (its text; its talker's audio)
 # the request's audio format -> ours (vllm-omni's alias pcm16)
 CHAT_FORMATS = {"wav": "wav", "pcm": "pcm", "pcm16": "pcm", "flac": "flac", "mp3": "mp3", "opus": "opus"}

@@ -67,8 +67,7 @@ def stage_sampling(base: dict[str, Any], seed: int | None, requested: dict[str, 
                    extra_args: dict[str, Any] | None) -> SamplingParams:
     """A thinker's or talker's request sampling: the pipeline file's `base`, the request's seed and
     `requested` fields over it, the pipeline's own (max_tokens, detokenize, output_kind, extra_args) over
-    all: its tokens are read
-    as ids (detokenized, where text is wanted, by the front end), as deltas."""
+    all: its tokens are read as ids (detokenized, where text is wanted, by the front end), as deltas."""
     return SamplingParams(**{**base, "seed": seed, **requested, "max_tokens": max_tokens, "detokenize": False,
                              "output_kind": RequestOutputKind.DELTA, "extra_args": extra_args})
 
