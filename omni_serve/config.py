@@ -4,7 +4,10 @@
 served_model_name = "qwen3-tts-tiny"      # what /v1/models lists and requests name
 voices = ["default", "vivian"]            # the first is the default voice
 max_input_chars = 4096
-speech_prompt = "pkg.module:function"     # text + voice -> the talker's prompt ids and payload
+speech_prompt = "pkg.module:function"     # text + voice -> the talker's prompt ids and payload; or a class
+                                          # built with the first stage's spec that reads its model's voices,
+                                          # languages and instructions (omni_serve/speech/prompts.py;
+                                          # omni_serve.speech.qwen3_tts:Qwen3TTSPrompt): then no voices here
 thinker_prompt = "pkg.module:function"    # instead, with a thinker stage: messages + voice -> the thinker's
                                           # prompt ids and payload (`/v1/chat/completions`'s conversation;
                                           # /v1/audio/speech's input is one user message)
@@ -86,6 +89,7 @@ class ServeConfig:
     sample_rate: int = 24000
     talker_prompt: str = ""
     path: Path = Path(".")
+    voices_given: bool = True  # False: the file names none (the default, or the speech prompt's own)
 
 
 def load_callable(spec: str) -> Callable[..., Any]:
@@ -148,4 +152,4 @@ def load_config(path: str | Path) -> ServeConfig:
                        max_input_chars=int(raw.get("max_input_chars", 4096)),
                        speech_prompt=raw.get("speech_prompt", ""), thinker_prompt=raw.get("thinker_prompt", ""),
                        register=list(raw.get("register", [])), sample_rate=int(raw.get("sample_rate", 24000)),
-                       talker_prompt=raw.get("talker_prompt", ""), path=path)
+                       talker_prompt=raw.get("talker_prompt", ""), path=path, voices_given="voices" in raw)

@@ -16,6 +16,7 @@ from omni_serve.api import audio
 from omni_serve.api.protocol import Refused
 from omni_serve.api.server import speech_input
 from omni_serve.config import ConfigError, ServeConfig, StageSpec, load_config
+from omni_serve.speech.prompts import TextVoicePrompt
 from omni_serve.stages.payload import additional_information
 
 CONFIG = ServeConfig(served_model_name="tts", voices=["a", "b"], max_input_chars=10, speech_prompt="unused",
@@ -23,8 +24,11 @@ CONFIG = ServeConfig(served_model_name="tts", voices=["a", "b"], max_input_chars
                              "code2wav": StageSpec("code2wav", "m")})
 
 
-def prompt(text: str, voice: int) -> tuple[list[int], dict]:
+def text_voice(text: str, voice: int) -> tuple[list[int], dict]:
     return [voice, len(text)], {"text": text}
+
+
+prompt = TextVoicePrompt(text_voice, CONFIG.voices)
 
 
 def parse(body) -> object:
@@ -93,6 +97,7 @@ def test_what_vllm_omnis_own_clients_send_is_served():
     ({"input": "hi", "speed": 0.1}, 400, "speed", "greater than or equal to 0.25"),
     ({"input": "hi", "language": "French"}, 400, "language", "not supported"),
     ({"input": "hi", "word_timestamps": True}, 400, "word_timestamps", "word_timestamps"),
+    ({"input": "hi", "instructions": "slowly"}, 400, "instructions", "not supported by this model"),
     ({"input": "hi", "top_k": 0}, 400, "top_k", "top_k"),
     ({"input": "hi", "task_type": "Base"}, 400, "task_type", "task_type"),
     ({"input": "hi", "x_vector_only_mode": True}, 400, "x_vector_only_mode", "x_vector_only_mode"),
@@ -112,6 +117,36 @@ def test_bad_requests_are_refused_with_one_message(body, status, param, needle):
     refused = refusal(body)
     assert (refused.status, refused.param) == (status, param)
     assert needle in str(refused) and "\n" not in str(refused)
+
+
+class SpokenPrompt:
+    """A SpeechPrompt whose model speaks English and German and takes instructions: it records each call."""
+
+    voices = ["a", "b"]
+    languages = ["English", "German"]
+    max_instructions_chars = 8
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def __call__(self, text: str, voice: int, language: str, instructions: str) -> tuple[list[int], dict]:
+        self.calls.append((text, voice, language, instructions))
+        return [1, 2], {}
+
+
+def test_a_prompt_that_speaks_languages_and_takes_instructions_gets_them_as_vllm_omni_names_them():
+    spoken = SpokenPrompt()
+    for body in ({"input": "hi"}, {"input": "hi", "voice": "B", "language": "english", "instructions": "slowly"},
+                 {"input": "hi", "language": " GERMAN ", "instructions": ""}, {"input": "hi", "language": "auto"}):
+        speech_input(json.dumps(body).encode(), CONFIG, spoken)
+    assert spoken.calls == [("hi", 0, "Auto", ""), ("hi", 1, "English", "slowly"), ("hi", 0, "German", ""),
+                            ("hi", 0, "Auto", "")]
+    for body, param, needle in (({"input": "hi", "language": "Klingon"}, "language", "supported: Auto, English, German"),
+                                ({"input": "hi", "instructions": "very slowly"}, "instructions", "at most 8")):
+        with pytest.raises(Refused) as caught:
+            speech_input(json.dumps(body).encode(), CONFIG, spoken)
+        assert caught.value.param == param and needle in str(caught.value), str(caught.value)
+    assert len(spoken.calls) == 4  # a refused request makes no prompt
 
 
 def test_an_input_whose_prompt_is_longer_than_the_first_engine_takes_is_refused():

@@ -8,15 +8,16 @@ upstream (M-RoPE section), the talker's M-RoPE positions, and the code2wav stage
 the shim and `omni-code2wav`, its waveform equal to vllm-omni's own forward on the same codes.
 With vllm-omni's entry point let in, its patch.py runs and the shim refuses to start, naming it.
 
-What does not run on CPU: the talker's decode step. Its code predictor (`talker_mtp`) asks
-vllm-omni's platform whether torch inductor is available, and vllm-omni has no CPU platform
-(`UnspecifiedOmniPlatform.supports_torch_inductor` raises NotImplementedError); the H200 check
-(deploy/gpu) runs it. Load, warm-up and the prefill step run here.
+vllm-omni has no CPU platform (its code predictor, `talker_mtp`, asks its platform whether torch
+inductor is there, and its unspecified platform raises); the shim gives it one through vllm-omni's own
+`vllm_omni.platform_plugins` group (worker_shim/omni_models/cpu_platform.py), so the talker's decode
+steps run here too.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +35,7 @@ CODE2WAV_REQUESTS = [
     {"frames": 5, "seed": 2, "chunk_frames": CHUNK, "left_context": LEFT},
     {"frames": 7, "seed": 3, "chunk_frames": 3, "left_context": 4, "in_payload": True},
 ]
+TALKER_REQUESTS = [{"seed": 1, "text_len": 4, "max_tokens": 3}, {"seed": 2, "text_len": 6, "max_tokens": 5}]
 ATOL = 1e-6  # float32 on CPU, batched against one request at a time (waveform std ~1e-2)
 
 
@@ -97,12 +99,12 @@ def test_published_layout(qwen3_tts_dir):
 def test_talker_loads_without_patches_in_a_spawned_engine(qwen3_tts_dir, tmp_path):
     """The talker in an engine core and a worker spawned from the front-end (the VllmConfig pickled
     across): no patch in any of the three processes, upstream's M-RoPE config, the shim's positions; then the first request
-    runs its prefill step and stops where vllm-omni's code predictor asks for a CPU platform."""
+    runs: prefill, then decode steps with vllm-omni's code predictor."""
     # OMNI_SIDECAR=1: the shim selected by the environment, so its plugin checks every process.
     env = {**SHIM_ONLY, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
            "OMNI_SIDECAR": "1"}
     res = engine(qwen3_tts_dir, tmp_path, "talker", "omni-talker", "Qwen3TTSTalkerForConditionalGeneration", env,
-                 mrope_tokens=6, talker_requests=[{"seed": 1, "text_len": 4, "max_tokens": 3}])
+                 mrope_tokens=6, talker_requests=TALKER_REQUESTS)
     assert res["ok"], res.get("traceback")
     assert res["patches_front_end"] == [] and res["patches_workers"] == [[]]
     assert res["hf_config_class"] == "worker_shim.omni_models.qwen3_tts.config.Qwen3TTSConfig"
@@ -119,8 +121,16 @@ def test_talker_loads_without_patches_in_a_spawned_engine(qwen3_tts_dir, tmp_pat
     checked = {line.split(" pid=")[0] for line in log.splitlines() if "no vllm-omni patch in this process" in line}
     assert any("EngineCore" in p for p in checked) and any("Worker" in p for p in checked), checked
     # The limit on CPU, exactly: the decode step's talker_mtp (after the prefill step ran).
-    assert "talker_error" in res, "the talker's decode step ran on CPU: extend this test to check its codes"
-    assert "talker_mtp" in log and "supports_torch_inductor" in log and "NotImplementedError" in log
+    # Decode steps too, on the shim's CPU platform for vllm-omni (its code predictor eager): the sidecar
+    # assembled each request's frames, a frame per token but the last (whose residual codes its
+    # next step, never run, would predict), each the talker's code groups inside its codec.
+    assert "talker_error" not in res, res.get("talker_traceback")
+    assert "vllm-omni runs on the shim's CPU platform" in log
+    config = json.loads((Path(qwen3_tts_dir) / "config.json").read_text())["talker_config"]
+    for spec, codes in zip(TALKER_REQUESTS, res["talker_codes"], strict=True):
+        assert codes is not None and len(codes) == spec["max_tokens"] - 1
+        assert all(len(frame) == config["num_code_groups"] for frame in codes)
+        assert all(0 <= c < config["codec_pad_id"] for frame in codes for c in frame), codes
 
 
 def test_vllm_omni_entry_point_let_in_is_reported(qwen3_tts_dir, tmp_path):

@@ -106,6 +106,9 @@ def _make_venv(cache: Path, version: str) -> Path:
     stamp = venv / ".omni-compat-installed"
     logfile = cache / f"install-{version}.log"
     if stamp.exists():
+        if stamp.stat().st_mtime < (ROOT / "pyproject.toml").stat().st_mtime:  # new entry points, scripts
+            _run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "-e", str(ROOT)], logfile)
+            stamp.touch()
         alias_vllm_dist(venv, version, logfile)  # idempotent; venvs made before it existed get it too
         add_vllm_omni(venv, logfile)
         add_paired_vllm_omni(venv, version, logfile)

@@ -172,13 +172,12 @@ OPENAI_DEFAULTS: dict[str, float] = {"temperature": 1, "top_p": 1, "presence_pen
 # anything but their default (or one of the values a tuple names), a 400 names the field.
 UNSUPPORTED = {
     # task_type CustomVoice: a voice by name, what this server serves (vllm-omni's own examples send it).
-    "instructions": (None, ""), "task_type": (None, "CustomVoice"), "ref_audio": None, "ref_text": None,
+    "task_type": (None, "CustomVoice"), "ref_audio": None, "ref_text": None,
     # x_vector_only_mode false: voice cloning with its in-context part, which a request without
     # reference audio does not reach either way.
     "x_vector_only_mode": (None, False), "speaker_embedding": None, "extra_params": None, "non_streaming_mode": None,
     "speed": (1.0, None), "initial_codec_chunk_frames": None,  # the first chunk is the code2wav sidecar's option here
 }
-AUTO_LANGUAGE = "auto"  # vllm-omni title-cases the language: any case of it names the one this server takes
 
 
 class Refused(ValueError):
@@ -196,7 +195,6 @@ def error_body(message: str, status: int, param: str | None = None) -> dict[str,
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-Prompt = Callable[[str, int], tuple[list[int], dict]]  # text, voice index -> the first stage's prompt ids, payload
 ThinkerPrompt = Callable[[list[dict[str, str]], int], tuple[list[int], dict]]  # messages, voice index -> the same
 
 

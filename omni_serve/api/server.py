@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import functools
 import gc
 import importlib
@@ -29,11 +30,12 @@ from vllm.logger import init_logger
 from omni_serve.api import audio
 from omni_serve.api.chat import ChatInput, Part, TextDeltas, Tokenizer, chat_input, chat_sse, completion
 from omni_serve.api.metrics import SpeechMetrics
-from omni_serve.api.protocol import (AUTO_LANGUAGE, Prompt, Refused, SpeechRequest, ThinkerPrompt, check_prompt_length,
+from omni_serve.api.protocol import (Refused, SpeechRequest, ThinkerPrompt, check_prompt_length,
                                      error_body, unsupported_fields, validated, voice_index)
 from omni_serve.api.speech_stream import serve_session
 from omni_serve.config import ServeConfig, load_callable
 from omni_serve.speech.codes_log import CodesLog
+from omni_serve.speech.prompts import AUTO_LANGUAGE, SpeechPrompt, TextVoicePrompt, load_speech_prompt
 from omni_serve.speech.pipeline import SpeechJob, SpeechPipeline, Stage, StageFailed, ThinkerStage, stop_soon
 from omni_serve.stages.link import AsyncSidecarClient
 from omni_serve.stages.sidecars import SidecarProcess
@@ -57,7 +59,8 @@ class SpeechInput:
     sse: bool
 
 
-def speech_input(body: bytes, config: ServeConfig, prompt: Prompt, max_prompt_tokens: int | None = None) -> SpeechInput:
+def speech_input(body: bytes, config: ServeConfig, prompt: SpeechPrompt,
+                 max_prompt_tokens: int | None = None) -> SpeechInput:
     """A speech request checked against the schema and this server's model (`max_prompt_tokens`: the
     thinker engine's where there is one, else None: unchecked); `Refused` says why not."""
     request = validated(body, SpeechRequest, config)
@@ -70,8 +73,12 @@ def speech_input(body: bytes, config: ServeConfig, prompt: Prompt, max_prompt_to
     if request.response_format not in audio.FORMATS:
         raise Refused(f"response_format {request.response_format!r} is not supported; supported: "
                       f"{', '.join(audio.FORMATS)}", param="response_format")
-    if request.language is not None and request.language.lower() != AUTO_LANGUAGE:
-        raise Refused(f"language {request.language!r} is not supported by this model (only 'Auto')", param="language")
+    language = spoken_language(request.language, prompt)
+    instructions = request.instructions or ""
+    if len(instructions) > prompt.max_instructions_chars:
+        raise Refused(f"instructions has {len(instructions)} characters; this model takes at most "
+                      f"{prompt.max_instructions_chars}" if prompt.max_instructions_chars else
+                      "instructions are not supported by this model", param="instructions")
     if request.sample_rate not in (None, config.sample_rate):
         raise Refused(f"sample_rate {request.sample_rate} is not supported; this model makes "
                       f"{config.sample_rate} Hz", param="sample_rate")
@@ -91,12 +98,23 @@ def speech_input(body: bytes, config: ServeConfig, prompt: Prompt, max_prompt_to
     if frames > talker.max_tokens:
         raise Refused(f"max_new_tokens {frames} is above this server's limit of {talker.max_tokens}",
                       param="max_new_tokens")
-    prompt_ids, payload = prompt(text, voice)
+    prompt_ids, payload = prompt(text, voice, language, instructions)
     check_prompt_length(prompt_ids, max_prompt_tokens, "input")
     job = SpeechJob(f"speech-{uuid.uuid4().hex}", prompt_ids, payload, frames, request.seed,
                     input_tokens=text_tokens(config, prompt_ids, payload),
                     sampling={"talker": {"ignore_eos": True}} if request.ignore_eos else {})
     return SpeechInput(job, request.response_format, stream, request.stream_format != "audio")
+
+
+def spoken_language(language: str | None, prompt: SpeechPrompt) -> str:
+    """The request's language as vllm-omni names it (title case; none: Auto), if the model speaks it."""
+    if language is None or language.strip().lower() == AUTO_LANGUAGE.lower():
+        return AUTO_LANGUAGE
+    named = language.strip().title()
+    if named not in prompt.languages:
+        raise Refused(f"language {language!r} is not supported by this model; supported: "
+                      f"{', '.join([AUTO_LANGUAGE, *prompt.languages])}", param="language")
+    return named
 
 
 def one_message(thinker_prompt: ThinkerPrompt, text: str, voice: int) -> tuple[list[int], dict]:
@@ -131,9 +149,11 @@ class SpeechServer:
         self.thinker_prompt: ThinkerPrompt | None = None
         if config.thinker_prompt:
             self.thinker_prompt = load_callable(config.thinker_prompt)
-            self.prompt: Prompt = functools.partial(one_message, self.thinker_prompt)
+            self.prompt: SpeechPrompt = TextVoicePrompt(functools.partial(one_message, self.thinker_prompt),
+                                                        list(config.voices))
         else:
-            self.prompt = load_callable(config.speech_prompt)
+            self.prompt = load_speech_prompt(config)
+            self.config = config = dataclasses.replace(config, voices=list(self.prompt.voices))
         self.tokenizer: Tokenizer | None = None  # the thinker checkpoint's: its text for the chat endpoint
         # The longest prompt the thinker's engine takes (its max_model_len less the one token it must
         # make): longer is the request's fault, a 400, not a 503 from the engine. None without a thinker.

@@ -121,6 +121,8 @@ QWEN3_OMNI_NAMES = [
     ("qwen3_omni_moe_talker", "Qwen3OmniMoeTalkerForConditionalGeneration"),
     ("qwen3_omni_code2wav", "Qwen3OmniMoeCode2Wav"),
 ]
+# vllm-omni's platform for hosts it has none for, subclassed for CPU hosts (worker_shim/omni_models/cpu_platform.py).
+VLLM_OMNI_UNSPECIFIED_PLATFORM = ("vllm_omni.platforms.interface", "UnspecifiedOmniPlatform")
 QWEN3_TTS_MODEL_TYPE = "qwen3_tts"  # config.json's model_type, as vllm-omni registers it
 # The upstream seams the loader uses (checked at start-up with the names above): transformers'
 # AutoConfig.register, vLLM's ModelRegistry.register_model ("module:Class", imported lazily, also

@@ -1,0 +1,62 @@
+"""The first stage's prompt for a speech request, and what it lets a request ask for.
+
+A pipeline file's `speech_prompt` names one of two things:
+- a function `(text, voice index) -> (prompt ids, payload)`: the voices are the file's `voices`, a
+  request's language stays vllm-omni's "Auto" and its instructions empty (`TextVoicePrompt`);
+- a class built with the first stage's spec (its model and engine arguments), which reads what its
+  model speaks: a `SpeechPrompt` (omni_serve/speech/qwen3_tts.py: a Qwen3-TTS checkpoint's speakers,
+  languages and instructions, as vllm-omni's speech server reads them). The file then names no voices.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from omni_serve.config import ConfigError, ServeConfig, load_callable
+
+AUTO_LANGUAGE = "Auto"  # vllm-omni's "the model picks": every model takes it
+Prompt = Callable[[str, int], tuple[list[int], dict]]  # text, voice index -> the first stage's prompt ids, payload
+
+
+class SpeechPrompt(Protocol):
+    """What a speech request becomes for the first stage."""
+
+    voices: list[str]  # the voices it speaks, the first the default
+    languages: list[str]  # what a request's `language` may name besides "Auto", vllm-omni's title case
+    max_instructions_chars: int  # 0: a request's `instructions` must be empty
+
+    def __call__(self, text: str, voice: int, language: str, instructions: str) -> tuple[list[int], dict[str, Any]]:
+        """The prompt ids and payload for `text` in voice `voice` (an index into `voices`), `language`
+        ("Auto" or one of `languages`) and `instructions` ("" for none)."""
+        ...
+
+
+@dataclass
+class TextVoicePrompt:
+    """A `speech_prompt` function of the text and the voice: no language but Auto, no instructions."""
+
+    function: Prompt
+    voices: list[str]
+    languages: list[str] = field(default_factory=list)
+    max_instructions_chars: int = 0
+
+    def __call__(self, text: str, voice: int, language: str, instructions: str) -> tuple[list[int], dict[str, Any]]:
+        return self.function(text, voice)
+
+
+def load_speech_prompt(config: ServeConfig) -> SpeechPrompt:
+    """The config's `speech_prompt`: a function wrapped, a class built with the first stage's spec."""
+    named = load_callable(config.speech_prompt)
+    if not inspect.isclass(named):
+        return TextVoicePrompt(named, list(config.voices))
+    if config.voices_given:
+        raise ConfigError(f"{config.path}: voices are {config.speech_prompt}'s (its model's speakers); "
+                          "remove the file's voices")
+    prompt = named(next(iter(config.stages.values())))
+    if not prompt.voices:
+        raise ConfigError(f"{config.speech_prompt} found no voices in {next(iter(config.stages.values())).model}")
+    if len({v.lower() for v in prompt.voices}) != len(prompt.voices):
+        raise ConfigError(f"{config.speech_prompt}: voices {prompt.voices} name one voice twice (voices match in any case)")
+    return prompt

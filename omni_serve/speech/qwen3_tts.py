@@ -1,0 +1,72 @@
+"""A Qwen3-TTS CustomVoice checkpoint's speech prompt, as vllm-omni's speech server makes it.
+
+`speech_prompt = "omni_serve.speech.qwen3_tts:Qwen3TTSPrompt"` with vllm-omni's own talker and
+code2wav classes as the stages (deploy/speech/qwen3-tts.toml). Built with the talker stage's spec,
+it reads that checkpoint as vllm-omni's server does (`_load_supported_speakers`,
+`_load_supported_languages`): the voices are `talker_config.spk_id`'s speakers, the languages
+`codec_language_id`'s, title-cased. A request becomes vllm-omni's CustomVoice talker request
+(`_build_tts_params`, read, not imported: that module needs vllm-omni's patches): the text, speaker
+(lowercased, as vllm-omni's check leaves it), language and instructions as strings in the payload's
+`additional_information` (the talker tokenizes them itself), and `[1] * n` as the prompt, n from
+vllm-omni's own `Qwen3TTSPromptEmbedsBuilder.estimate_prompt_len_from_additional_information`
+(imported with vllm-omni's package stood in: no patch) with the checkpoint's tokenizer.
+Voice cloning (Base checkpoints, `ref_audio`) and VoiceDesign are not served.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omni_serve.config import ConfigError, StageSpec
+
+TASK_TYPE = "CustomVoice"
+PLACEHOLDER = 1  # vllm-omni's placeholder prompt id
+MAX_INSTRUCTIONS_CHARS = 500  # vllm-omni's default (_TTS_MAX_INSTRUCTIONS_LENGTH)
+
+
+class Qwen3TTSPrompt:
+    """The talker stage's checkpoint's voices, languages and prompts (omni_serve/speech/prompts.py's SpeechPrompt)."""
+
+    max_instructions_chars = MAX_INSTRUCTIONS_CHARS
+
+    def __init__(self, stage: StageSpec) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        from worker_shim.omni_models.registration import register_vllm_omni_models
+
+        register_vllm_omni_models()  # stands vllm-omni's package in, registers its config class
+        try:
+            from vllm_omni.model_executor.models.qwen3_tts.prompt_embeds_builder import Qwen3TTSPromptEmbedsBuilder
+        except ImportError as exc:
+            raise ConfigError(f"Qwen3TTSPrompt needs vllm-omni installed beside vLLM ({exc})") from None
+        trust = bool(stage.engine.get("trust_remote_code", False))
+        config = AutoConfig.from_pretrained(stage.model, trust_remote_code=trust, revision=stage.engine.get("revision"))
+        talker = getattr(config, "talker_config", None)
+        if talker is None:
+            raise ConfigError(f"{stage.model} is not a Qwen3-TTS checkpoint (its config has no talker_config)")
+        speakers = dict(getattr(talker, "spk_id", None) or {})
+        if not speakers:
+            kind = getattr(config, "tts_model_type", "?")
+            raise ConfigError(f"{stage.model} has no built-in speakers (talker_config.spk_id; tts_model_type {kind!r}): "
+                              "this server serves Qwen3-TTS CustomVoice checkpoints")
+        self.voices = [str(name) for name in speakers]
+        self._language_ids = dict(getattr(talker, "codec_language_id", None) or {})
+        self.languages = sorted(str(language).title() for language in self._language_ids)
+        self._dialects = dict(getattr(talker, "spk_is_dialect", None) or {})
+        self._builder = Qwen3TTSPromptEmbedsBuilder
+        self._tokenizer = AutoTokenizer.from_pretrained(stage.engine.get("tokenizer") or stage.model,
+                                                        trust_remote_code=trust, padding_side="left",
+                                                        revision=stage.engine.get("tokenizer_revision"))
+
+    def additional_information(self, text: str, voice: int, language: str, instructions: str) -> dict[str, Any]:
+        """vllm-omni's `_build_tts_params` for a CustomVoice request of a built-in speaker."""
+        return {"text": [text], "task_type": [TASK_TYPE], "language": [language],
+                "speaker": [self.voices[voice].lower()], "voice_created_at": [0], "instruct": [instructions]}
+
+    def __call__(self, text: str, voice: int, language: str, instructions: str) -> tuple[list[int], dict[str, Any]]:
+        info = self.additional_information(text, voice, language, instructions)
+        n = self._builder.estimate_prompt_len_from_additional_information(
+            additional_information=info, task_type=TASK_TYPE,
+            tokenize_prompt=lambda t: self._tokenizer(t, padding=False)["input_ids"],
+            codec_language_id=self._language_ids, spk_is_dialect=self._dialects, estimate_ref_code_len=None)
+        return [PLACEHOLDER] * n, info
