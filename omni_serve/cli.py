@@ -8,8 +8,8 @@
          -d '{"messages": [{"role": "user", "content": "hello"}], "modalities": ["text", "audio"]}'
 
 Endpoints: POST /v1/audio/speech (OpenAI's speech API with vllm-omni's fields: model, input,
-voice, response_format wav|pcm|flac|mp3|opus, stream, stream_format sse|audio, max_new_tokens,
-seed); WS /v1/audio/speech/stream (vllm-omni's streaming-input protocol: session.config,
+voice, language, instructions, response_format wav|pcm|flac|mp3|opus, stream, stream_format
+sse|audio, max_new_tokens, seed); WS /v1/audio/speech/stream (vllm-omni's streaming-input protocol: session.config,
 input.text, input.done, session.close); with a thinker stage, POST /v1/chat/completions
 (vllm-omni's chat answer: messages, modalities text|audio, voice or audio.voice, audio.format,
 sampling fields or vllm-omni's sampling_params_list, stream; the thinker's text and its speech); a
@@ -43,7 +43,9 @@ def parser():
                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pipeline", required=True, help="the pipeline's TOML file (deploy/speech/tiny.toml: the tiny "
                                                    "CPU models, talker -> code2wav; deploy/speech/tiny-thinker.toml: "
-                                                   "thinker -> talker -> code2wav; omni_serve/config.py lists every key)")
+                                                   "thinker -> talker -> code2wav; deploy/speech/qwen3-tts.toml: a "
+                                                   "Qwen3-TTS CustomVoice checkpoint with vllm-omni's classes; "
+                                                   "omni_serve/config.py lists every key)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--run-dir", default=None, help="where the sidecars' sockets and logs go (default: a new "

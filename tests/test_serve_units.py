@@ -126,7 +126,7 @@ class SpokenPrompt:
     languages = ["English", "German"]
     max_instructions_chars = 8
 
-    def __init__(self) -> None:
+    def __init__(self, stage: StageSpec | None = None) -> None:
         self.calls: list[tuple] = []
 
     def __call__(self, text: str, voice: int, language: str, instructions: str) -> tuple[list[int], dict]:
@@ -840,3 +840,34 @@ def test_api_keys_guard_the_v1_routes_as_vllm_serve_does(monkeypatch):
         with client.websocket_connect("/v1/audio/speech/stream") as ws:
             ws.receive_json()
     assert denied.value.status_code == 401
+
+
+def test_every_shipped_pipeline_file_loads():
+    """deploy/speech/*.toml as omni-serve reads them: keys known, stages in order, a prompt named."""
+    from pathlib import Path
+
+    from omni_serve.config import load_callable
+
+    shipped = sorted((Path(__file__).resolve().parents[1] / "deploy" / "speech").glob("*.toml"))
+    assert len(shipped) >= 6
+    for path in shipped:
+        config = load_config(path)
+        assert list(config.stages)[-2:] == ["talker", "code2wav"], path
+        named = config.speech_prompt or config.thinker_prompt
+        assert named.startswith(("omni_serve.", "tests.")), (path, named)
+    qwen3_tts = load_config(shipped[0].parent / "qwen3-tts.toml")
+    assert not qwen3_tts.voices_given  # the checkpoint's speakers
+    assert load_callable(qwen3_tts.speech_prompt).__name__ == "Qwen3TTSPrompt"
+
+
+def test_a_speech_prompt_class_takes_the_voices_and_a_file_that_also_names_voices_is_refused(tmp_path):
+    from omni_serve.speech.prompts import load_speech_prompt
+
+    body = ('served_model_name = "m"\nspeech_prompt = "tests.test_serve_units:SpokenPrompt"\n{voices}'
+            '[stages.talker]\nmodel = "x"\n[stages.code2wav]\nmodel = "x"\n')
+    (tmp_path / "a.toml").write_text(body.format(voices=""))
+    prompt = load_speech_prompt(load_config(tmp_path / "a.toml"))
+    assert prompt.voices == ["a", "b"] and prompt.languages == ["English", "German"]
+    (tmp_path / "b.toml").write_text(body.format(voices='voices = ["a"]\n'))
+    with pytest.raises(ConfigError, match="remove the file's voices"):
+        load_speech_prompt(load_config(tmp_path / "b.toml"))

@@ -5,9 +5,8 @@ vllm-omni's own class (`Qwen3OmniMoeTalkerCodePredictor`) on the tiny checkpoint
 its weights random and its first residual head zero (every code of that step ties, as bf16 logits
 can), its sampling set by its `set_sampling_params` (GREEDY of worker_shim/omni_models/qwen3_omni/
 code_predictor.py, which the parity drivers' load format sets; top-k 1 alone); the same inputs, the global random generator
-seeded with each seed before the call. vllm-omni 0.26 has no CPU platform (its code predictor asks
-the platform whether torch inductor is there, and the unspecified platform raises): vllm-omni's
-platform slot gets its unspecified platform with that one answer, False (eager).
+seeded with each seed before the call, eager on the shim's CPU platform for vllm-omni
+(worker_shim/omni_models/cpu_platform.py, found through vllm-omni's platform plugins).
 Writes {setting: {seed: codes}}.
 Usage: python -m tests.support.qwen3_omni_code_predictor_job model_dir result.json
 """
@@ -22,18 +21,6 @@ from types import SimpleNamespace
 
 SEEDS = (0, 1)
 ROWS = 3  # one batch: rows draw from one generator
-
-
-def cpu_platform() -> None:
-    import vllm_omni.platforms as platforms
-    from vllm_omni.platforms.interface import UnspecifiedOmniPlatform
-
-    class CpuOmniPlatform(UnspecifiedOmniPlatform):
-        @classmethod
-        def supports_torch_inductor(cls) -> bool:
-            return False
-
-    platforms._current_omni_platform = CpuOmniPlatform()  # vllm-omni's lazily resolved slot
 
 
 def code_predictor(model_dir: str, init_dir: str):
@@ -59,8 +46,7 @@ def main(model_dir: str, result_path: str) -> None:
 
     from worker_shim.omni_models.package import install_stand_in
 
-    install_stand_in()
-    cpu_platform()
+    install_stand_in()  # vllm-omni's platform is then the shim's CPU one (its platform plugin)
     from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
 
     from worker_shim.omni_models.qwen3_omni.code_predictor import GREEDY

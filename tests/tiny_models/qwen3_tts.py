@@ -203,6 +203,26 @@ def to_checkpoint(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
     return talker, speech
 
 
+# A CustomVoice checkpoint's speakers and languages (codec ids past the specials, inside the vocabulary
+# of 80): what the published CustomVoice config.json holds, in its shape (spk_is_dialect: false or the
+# dialect's language).
+CUSTOM_VOICES = {"vivian": CODEBOOK + 8, "ryan": CODEBOOK + 9, "eric": CODEBOOK + 10}
+CUSTOM_LANGUAGES = {"english": CODEBOOK + 7, "german": CODEBOOK + 11, "chinese": CODEBOOK + 12,
+                    "sichuan_dialect": CODEBOOK + 13}
+CUSTOM_DIALECTS = {"vivian": False, "ryan": False, "eric": "sichuan_dialect"}
+
+
+def build_custom_voice(path: str | Path, seed: int = 0) -> Path:
+    """The tiny checkpoint as a CustomVoice one (the same weights: speakers and languages are codec ids)."""
+    path = build(path, seed)
+    config = json.loads((path / "config.json").read_text())
+    config["tts_model_type"] = "custom_voice"
+    config["talker_config"].update(spk_id=CUSTOM_VOICES, codec_language_id=CUSTOM_LANGUAGES,
+                                   spk_is_dialect=CUSTOM_DIALECTS)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
 def build(path: str | Path, seed: int = 0) -> Path:
     from safetensors.torch import save_file
 

@@ -1,0 +1,152 @@
+"""omni-serve as a Qwen3-TTS user runs it: vllm-omni's own talker and code2wav classes (no patch) on a
+CustomVoice checkpoint of the published layout, deploy/speech/qwen3-tts.toml's stages and speech prompt
+(`Qwen3TTSPrompt`) sized for CPU, a real HTTP client.
+
+vllm-omni's talker decodes on CPU through the shim's platform for it (worker_shim/omni_models/
+cpu_platform.py); the tiny checkpoint is tests/tiny_models/qwen3_tts.py's with three speakers and four
+languages (random weights: the audio is noise, the plumbing real). Greedy talker and code predictor:
+a request's codes are a function of its prompt, which is how the voice, language and instructions
+are seen to reach vllm-omni's prompt builder.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import subprocess
+import sys
+import tomllib
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.support.procs import ROOT, child_env
+from tests.support.serve import serving
+from tests.support.vllm_omni_payload import installed_vllm_omni
+
+pytestmark = pytest.mark.e2e
+TOKENS = 6  # every request's: min_tokens masks the codec's EOS until then, max_tokens stops there
+# A frame per token but the last: vllm-omni's code predictor completes a token's frame in the step that
+# feeds it back, which a request stopped at max_tokens never runs.
+FRAMES = TOKENS - 1
+SAMPLES_PER_FRAME = 8  # the tiny codec's decoder upsampling
+TEXT = "Hello there"
+ENGINE = ('max_num_seqs = 4, dtype = "float32", enforce_eager = true, seed = 0, kv_cache_memory_bytes = 33554432, '
+          'max_model_len = 256, max_num_batched_tokens = 256')
+
+
+def _env() -> dict[str, str]:
+    vllm_omni = installed_vllm_omni()
+    path = [str(ROOT), str(vllm_omni), str(ROOT / "tests" / "support" / "torchaudio_stub")]
+    return {"PYTHONPATH": ":".join(path), "VLLM_PLUGINS": "omni_sidecar_shim"}
+
+
+def _config(work: Path, model: Path) -> Path:
+    """deploy/speech/qwen3-tts.toml's prompt, registration and hooks on the tiny checkpoint, sized for CPU."""
+    shipped = tomllib.loads((ROOT / "deploy" / "speech" / "qwen3-tts.toml").read_text())
+    eos = json.loads((model / "config.json").read_text())["talker_config"]["codec_eos_token_id"]
+    options = dict(shipped["stages"]["code2wav"]["sidecar"]["options"], chunk_frames="4", left_context="8",
+                   codebook_size="64")
+    path = work / "serve.toml"
+    path.write_text(f'''
+served_model_name = "qwen3-tts-tiny"
+max_input_chars = 200
+speech_prompt = {json.dumps(shipped["speech_prompt"])}
+register = {json.dumps(shipped["register"])}
+sample_rate = {shipped["sample_rate"]}
+
+[stages.talker]
+model = "{model}"
+max_tokens = {TOKENS}
+engine = {{ {ENGINE}, additional_config = {{ omni_sidecar = {{ subtalker_sampling = {{ do_sample = false }} }} }} }}
+sampling = {{ temperature = 0.0, min_tokens = {TOKENS}, stop_token_ids = [{eos}], detokenize = false }}
+sidecar = {{ hooks = {json.dumps(shipped["stages"]["talker"]["sidecar"]["hooks"])} }}
+
+[stages.code2wav]
+model = "{model}"
+placeholder_token = {shipped["stages"]["code2wav"]["placeholder_token"]}
+engine = {{ {ENGINE}, hf_overrides = {{ architectures = ["Qwen3TTSCode2Wav"] }} }}
+sidecar = {{ hooks = "omni-code2wav", options = {json.dumps(options).replace(":", " =")} }}
+''')
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("qwen3-tts-custom-voice") / "model"
+    done = subprocess.run([sys.executable, "-c", "import sys; from tests.tiny_models.qwen3_tts import "
+                           "build_custom_voice; build_custom_voice(sys.argv[1])", str(path)],
+                          env=child_env(**_env()), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    work = tmp_path_factory.mktemp("serve-qwen3-tts")
+    with serving(work, _config(work, model), _env(), args=("--codes-log", str(work / "codes.jsonl"))) as srv:
+        srv.codes_log = work / "codes.jsonl"
+        yield srv
+
+
+def _speak(server, **fields) -> tuple[np.ndarray, np.ndarray, int]:
+    """Over vllm-omni's SSE stream: the PCM samples, the codes the talker made and the talker's prompt
+    length (`usage.input_tokens`)."""
+    from omni_serve.speech.codes_log import read_codes_log
+
+    status, sse, kind = server.post({"input": TEXT, "response_format": "pcm", "stream": True, **fields})
+    assert status == 200 and kind.startswith("text/event-stream"), sse[:1000]
+    events = [json.loads(line[6:]) for line in sse.decode().splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "speech.audio.done", events[-1]
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+    return np.frombuffer(pcm, dtype="<i2"), read_codes_log(server.codes_log)[-1][1], events[-1]["usage"]["input_tokens"]
+
+
+def test_the_voices_and_languages_are_the_checkpoints(server):
+    from tests.tiny_models.qwen3_tts import CUSTOM_VOICES
+
+    status, body = server.get("/v1/audio/voices")
+    assert status == 200 and json.loads(body) == {"voices": sorted(CUSTOM_VOICES), "uploaded_voices": []}
+    status, body = server.get("/v1/models")
+    assert json.loads(body)["data"][0]["voices"] == list(CUSTOM_VOICES)  # the first, vivian, the default
+    status, body, _ = server.post({"input": TEXT, "language": "klingon"})
+    message = json.loads(body)["error"]["message"]
+    assert status == 400 and "supported: Auto, Chinese, English, German, Sichuan_Dialect" in message, message
+    status, body, _ = server.post({"input": TEXT, "voice": "alice"})
+    assert status == 400 and "voices: vivian, ryan, eric" in json.loads(body)["error"]["message"]
+    status, body, _ = server.post({"input": TEXT, "instructions": "x" * 501})
+    assert status == 400 and "at most 500" in json.loads(body)["error"]["message"]
+    status, body, _ = server.post({"input": TEXT, "task_type": "Base"})
+    assert status == 400 and "task_type" in json.loads(body)["error"]["message"]
+
+
+def test_vllm_omnis_talker_and_codec_make_each_requests_audio_from_its_voice_language_and_instructions(server):
+    samples, codes, prompt = _speak(server, voice="Ryan", language="english", instructions="Speak slowly.")
+    assert codes.shape == (FRAMES, 4) and ((codes >= 0) & (codes < 64)).all(), codes  # codes, never a special
+    assert samples.size == FRAMES * SAMPLES_PER_FRAME and samples.std() > 30, samples  # noise, not silence
+    again, same_codes, _ = _speak(server, voice="ryan", language="English", instructions="Speak slowly.")
+    np.testing.assert_array_equal(same_codes, codes)  # greedy: the same prompt, the same codes and audio
+    np.testing.assert_array_equal(again, samples)
+    # vllm-omni's prompt builder's rows: a language's tag (none under Auto), the instructions' tokens, and
+    # under Auto a dialect speaker's dialect tag (its spk_is_dialect rule).
+    _, _, auto = _speak(server, voice="ryan")
+    _, english_codes, english = _speak(server, voice="ryan", language="English")
+    assert english == auto + 1 and prompt > english, (auto, english, prompt)
+    eric_codes, eric = _speak(server, voice="eric")[1:]
+    assert eric == english
+    np.testing.assert_array_equal(eric_codes, _speak(server, voice="eric", language="sichuan_dialect")[1])
+    # Prompts of one length: a speaker's row, a language's tag make other codes.
+    assert not np.array_equal(_speak(server, voice="vivian", language="English")[1], english_codes)
+    assert not np.array_equal(_speak(server, voice="ryan", language="German")[1], english_codes)
+
+
+def test_a_whole_wav_carries_the_streams_samples(server):
+    streamed, _, _ = _speak(server, voice="vivian")
+    status, body, kind = server.post({"input": TEXT, "voice": "vivian"})
+    assert status == 200 and kind == "audio/wav", body[:500]
+    with wave.open(io.BytesIO(body)) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
+        np.testing.assert_array_equal(np.frombuffer(w.readframes(w.getnframes()), dtype="<i2"), streamed)
