@@ -89,32 +89,39 @@ def server(model, tmp_path_factory):
         yield srv
 
 
-def test_a_text_request_is_spoken_through_the_three_stages_and_chat_gives_the_same_audio(server, model):
+def test_a_text_request_is_spoken_through_the_three_stages_and_chat_speaks_too(server, model):
     """Thinker, vllm-omni's hand-over, the talker's decode steps (vllm-omni's code predictor on the shim's CPU
-    platform for it) and code2wav: the answer is the codes' audio, the same every time (greedy), and the
-    chat endpoint's audio choice for the same one user message is the same audio."""
+    platform for it) and code2wav: each answer is its codes' audio, the speech endpoint's and the chat
+    endpoint's audio choice. (vllm-omni 0.26's code predictor samples its residual codes at random, whatever
+    the request asks: two answers to one prompt differ; the parity drivers load it greedy.)"""
     import base64
-
-    from transformers import AutoConfig
-    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
     from omni_serve.speech.codes_log import read_codes_log
 
     status, pcm, _ = server.post({"input": "Hi there", "voice": "ethan", "response_format": "pcm"})
     assert status == 200, pcm[:2000]
-    (_, codes), = read_codes_log(server.codes_log)
-    config = AutoConfig.from_pretrained(model).code2wav_config
-    assert codes.shape[1] == config.num_quantizers and 0 < codes.shape[0] <= 8 and (codes < 2048).all(), codes
-    samples = torch.frombuffer(bytearray(pcm), dtype=torch.int16)
-    upsample = int(Qwen3OmniMoeCode2Wav._from_config(config).total_upsample)
-    assert samples.numel() == codes.shape[0] * upsample and float(samples.float().std()) > 30
-    assert server.post({"input": "Hi there", "voice": "ethan", "response_format": "pcm"})[1] == pcm
+    _spoken_from_logged_codes(pcm, read_codes_log(server.codes_log)[-1][1], model)
     status, body, _ = server.post({"messages": [{"role": "user", "content": "Hi there"}], "voice": "ethan",
                                    "modalities": ["text", "audio"], "audio": {"format": "pcm"}},
                                   "/v1/chat/completions")
     assert status == 200, body[:2000]
     text, spoken = json.loads(body)["choices"]
-    assert text["message"]["content"] and base64.b64decode(spoken["message"]["audio"]["data"]) == pcm
+    assert text["message"]["content"]
+    _spoken_from_logged_codes(base64.b64decode(spoken["message"]["audio"]["data"]),
+                              read_codes_log(server.codes_log)[-1][1], model)
+
+
+def _spoken_from_logged_codes(pcm: bytes, codes, model: Path) -> None:
+    """PCM that holds the whole decode of `codes` (its causal decoder holds a few samples back at the end)."""
+    from transformers import AutoConfig
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
+
+    config = AutoConfig.from_pretrained(model).code2wav_config
+    assert codes.shape[1] == config.num_quantizers and 0 < codes.shape[0] <= 8 and (codes < 2048).all(), codes
+    with torch.no_grad():
+        whole = Qwen3OmniMoeCode2Wav._from_config(config).eval()(torch.tensor(codes).t().unsqueeze(0))
+    samples = torch.frombuffer(bytearray(pcm), dtype=torch.int16)
+    assert samples.numel() == whole.numel() > codes.shape[0] and float(samples.float().std()) > 30
 
 
 def test_the_servers_code2wav_chunks_are_transformers_decoder_on_each_window(model, tmp_path):

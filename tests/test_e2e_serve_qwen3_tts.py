@@ -150,3 +150,25 @@ def test_a_whole_wav_carries_the_streams_samples(server):
     with wave.open(io.BytesIO(body)) as w:
         assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
         np.testing.assert_array_equal(np.frombuffer(w.readframes(w.getnframes()), dtype="<i2"), streamed)
+
+
+def test_a_checkpoint_without_speakers_is_refused_at_start_with_one_line(model, tmp_path):
+    """A VoiceDesign or Base checkpoint has no built-in speakers: omni-serve stops before any engine starts."""
+    import shutil
+
+    voice_design = tmp_path / "voice-design"
+    voice_design.mkdir()
+    for item in model.iterdir():
+        (voice_design / item.name).symlink_to(item)
+    (voice_design / "config.json").unlink()
+    config = json.loads((model / "config.json").read_text())
+    config["tts_model_type"] = "voice_design"
+    config["talker_config"]["spk_id"] = {}
+    (voice_design / "config.json").write_text(json.dumps(config))
+    done = subprocess.run([sys.executable, "-m", "omni_serve", "--pipeline", str(_config(tmp_path, voice_design)),
+                           "--run-dir", str(tmp_path / "run")], env=child_env(**_env()), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("omni-serve: ") and "has no built-in speakers" in last and "CustomVoice" in last, last
+    shutil.rmtree(tmp_path / "run", ignore_errors=True)
