@@ -133,12 +133,17 @@ class SpokenPrompt:
         self.calls.append((text, voice, language, instructions))
         return [1, 2], {}
 
+    def text_tokens(self, text: str, instructions: str) -> int:
+        return len(text) + len(instructions)
+
 
 def test_a_prompt_that_speaks_languages_and_takes_instructions_gets_them_as_vllm_omni_names_them():
     spoken = SpokenPrompt()
+    counted = []
     for body in ({"input": "hi"}, {"input": "hi", "voice": "B", "language": "english", "instructions": "slowly"},
                  {"input": "hi", "language": " GERMAN ", "instructions": ""}, {"input": "hi", "language": "auto"}):
-        speech_input(json.dumps(body).encode(), CONFIG, spoken)
+        counted.append(speech_input(json.dumps(body).encode(), CONFIG, spoken).job.input_tokens)
+    assert counted == [2, 8, 2, 2]  # the usage's input tokens as the prompt counts them
     assert spoken.calls == [("hi", 0, "Auto", ""), ("hi", 1, "English", "slowly"), ("hi", 0, "German", ""),
                             ("hi", 0, "Auto", "")]
     for body, param, needle in (({"input": "hi", "language": "Klingon"}, "language", "supported: Auto, English, German"),

@@ -100,8 +100,9 @@ def speech_input(body: bytes, config: ServeConfig, prompt: SpeechPrompt,
                       param="max_new_tokens")
     prompt_ids, payload = prompt(text, voice, language, instructions)
     check_prompt_length(prompt_ids, max_prompt_tokens, "input")
+    counted = prompt.text_tokens(text, instructions)
     job = SpeechJob(f"speech-{uuid.uuid4().hex}", prompt_ids, payload, frames, request.seed,
-                    input_tokens=text_tokens(config, prompt_ids, payload),
+                    input_tokens=counted if counted is not None else text_tokens(config, prompt_ids, payload),
                     sampling={"talker": {"ignore_eos": True}} if request.ignore_eos else {})
     return SpeechInput(job, request.response_format, stream, request.stream_format != "audio")
 

@@ -32,6 +32,11 @@ class SpeechPrompt(Protocol):
         ("Auto" or one of `languages`) and `instructions` ("" for none)."""
         ...
 
+    def text_tokens(self, text: str, instructions: str) -> int | None:
+        """The request's input tokens as its model's server counts them (vllm-omni's usage); None: the
+        server counts the first stage's text rows."""
+        ...
+
 
 @dataclass
 class TextVoicePrompt:
@@ -44,6 +49,9 @@ class TextVoicePrompt:
 
     def __call__(self, text: str, voice: int, language: str, instructions: str) -> tuple[list[int], dict[str, Any]]:
         return self.function(text, voice)
+
+    def text_tokens(self, text: str, instructions: str) -> int | None:
+        return None
 
 
 def load_speech_prompt(config: ServeConfig) -> SpeechPrompt:

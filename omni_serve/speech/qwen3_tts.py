@@ -66,7 +66,13 @@ class Qwen3TTSPrompt:
     def __call__(self, text: str, voice: int, language: str, instructions: str) -> tuple[list[int], dict[str, Any]]:
         info = self.additional_information(text, voice, language, instructions)
         n = self._builder.estimate_prompt_len_from_additional_information(
-            additional_information=info, task_type=TASK_TYPE,
-            tokenize_prompt=lambda t: self._tokenizer(t, padding=False)["input_ids"],
+            additional_information=info, task_type=TASK_TYPE, tokenize_prompt=self._tokens,
             codec_language_id=self._language_ids, spk_is_dialect=self._dialects, estimate_ref_code_len=None)
         return [PLACEHOLDER] * n, info
+
+    def text_tokens(self, text: str, instructions: str) -> int:
+        """vllm-omni's usage (`qwen3_tts_input_token_details`): the text's tokens and the instructions'."""
+        return len(self._tokens(text)) + (len(self._tokens(instructions)) if instructions.strip() else 0)
+
+    def _tokens(self, text: str) -> list[int]:
+        return self._tokenizer(text, padding=False)["input_ids"]
