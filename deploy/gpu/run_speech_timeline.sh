@@ -29,7 +29,7 @@ BASE=""
 [ -n "${BASE_TREE:-}" ] && BASE="--tree base=$(cd "$BASE_TREE" && pwd)"
 left=$(( LIMIT - ($(date +%s) - t0) - 15 ))
 # shellcheck disable=SC2086
-VLLM_PLUGINS=omni_sidecar_shim OMNI_SPEECH_QWEN3_TTS_MODEL="$W/model" timeout "$left" \
+VLLM_PLUGINS=omni_sidecar_shim timeout "$left" \
   python3 "$SRC/bench/speech_timeline.py" --tree "new=$SRC" $BASE --pipeline "$(cat "$W/pipeline.txt")" \
   --voices vivian,ryan --sample-rate 24000 --waves 2 --work "$W" --result "$OUT/speech-timeline.json" \
   --limit-s "$(( left - 30 ))" "$@" > "$OUT/speech-timeline.log" 2>&1

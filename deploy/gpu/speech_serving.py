@@ -24,7 +24,8 @@ ours: `python3 -m omni_serve --pipeline T`, T a talker -> code2wav config for vl
 classes through the shim (VLLM_PLUGINS=omni_sidecar_shim: no vllm-omni patch), each stage an
 AsyncLLM (V2, async scheduling as vLLM defaults it) with its sidecar (`omni-talker`,
 `omni-code2wav` decoding vllm-omni's chunks: the first a frame long, then 25 frames, 72 of left context), the prompt
-built as vllm-omni's server builds it (deploy/gpu/speech_qwen3_tts.py).
+built as vllm-omni's server builds it (omni_serve/speech/qwen3_tts.py's `Qwen3TTSPrompt`, as
+deploy/speech/qwen3-tts.toml serves a published checkpoint: the voices are the checkpoint's speakers).
 
 Checks and figures:
 - the servers start at once and get the run's limit to come up, less what the measurement needs
@@ -71,9 +72,11 @@ sys.path.insert(0, str(HERE))
 from bench.ab_stats import MIN_BLOCKS_TO_RESOLVE, block_order, bootstrap_median  # noqa: E402
 from codes_probe import RECORDING_CONNECTOR, probe_site, read_probe  # noqa: E402
 from omni_serve.speech.codes_log import read_codes_log  # noqa: E402
-from speech_qwen3_tts import MODEL_ENV, VOICES  # noqa: E402
 
 SERVERS = ("ours", "vllm-omni")
+# CustomVoice speakers added to the tiny checkpoint (with_speakers): codec ids past the tiny talker's
+# specials (64..71), inside its vocabulary of 80.
+VOICES = {"vivian": 72, "ryan": 73}
 LEVELS = (1, 16, 64)
 WAVEFORM_RTOL = 0.05  # bf16 decoders on different batch shapes (deploy/gpu/parity.py's CODE2WAV_RTOL)
 TEXTS = ["Hello there, this is a test of the speech server.", "Short one.",
@@ -167,9 +170,8 @@ def ours_pipeline(work: Path, model: Path, frames: int, chunk_frames: int) -> Pa
     kv = {"talker": TALKER_KV_BYTES, "code2wav": CODE2WAV_KV_BYTES}
     text = f"""# written by deploy/gpu/speech_serving.py
 served_model_name = "{model}"
-voices = {json.dumps(list(VOICES))}
 max_input_chars = 2000
-speech_prompt = "speech_qwen3_tts:speech_prompt"
+speech_prompt = "omni_serve.speech.qwen3_tts:Qwen3TTSPrompt"
 register = ["worker_shim.omni_models.registration:register_vllm_omni_models"]
 sample_rate = {SAMPLE_RATE}
 
@@ -277,8 +279,7 @@ def start_servers(args, work: Path, start_timeout_s: int) -> dict[str, ServerPro
         cmd = [sys.executable, "-m", "omni_serve", "--pipeline", str(pipeline), "--host", "127.0.0.1", "--port",
                str(port), "--run-dir", str(work / "ours-run"), "--uvicorn-log-level", "warning",
                "--codes-log", str(codes_files(work)["ours"])]
-        extra = {"VLLM_PLUGINS": "omni_sidecar_shim", "VLLM_USE_V2_MODEL_RUNNER": "1", MODEL_ENV: str(args.model),
-                 "PYTHONPATH": os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])}
+        extra = {"VLLM_PLUGINS": "omni_sidecar_shim", "VLLM_USE_V2_MODEL_RUNNER": "1"}
         servers["ours"] = launch("ours", cmd, work / "ours.log", {**env, **extra}, port)
     return servers
 
