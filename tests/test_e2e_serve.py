@@ -94,8 +94,7 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
     work = tmp_path_factory.mktemp("serve")
-    with serving(work, _config(work, *models), args=("--codes-log", str(work / "codes.jsonl"))) as srv:
-        srv.codes_log = work / "codes.jsonl"
+    with serving(work, _config(work, *models)) as srv:
         yield srv
 
 

@@ -84,8 +84,7 @@ def model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
     work = tmp_path_factory.mktemp("serve-qwen3-omni")
-    with serving(work, _config(work, model), _env(), args=("--codes-log", str(work / "codes.jsonl"))) as srv:
-        srv.codes_log = work / "codes.jsonl"
+    with serving(work, _config(work, model), _env()) as srv:
         yield srv
 
 

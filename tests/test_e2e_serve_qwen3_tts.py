@@ -87,8 +87,7 @@ def model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
     work = tmp_path_factory.mktemp("serve-qwen3-tts")
-    with serving(work, _config(work, model), _env(), args=("--codes-log", str(work / "codes.jsonl"))) as srv:
-        srv.codes_log = work / "codes.jsonl"
+    with serving(work, _config(work, model), _env()) as srv:
         yield srv
 
 
@@ -110,7 +109,9 @@ def test_the_voices_and_languages_are_the_checkpoints(server):
     status, body = server.get("/v1/audio/voices")
     assert status == 200 and json.loads(body) == {"voices": sorted(CUSTOM_VOICES), "uploaded_voices": []}
     status, body = server.get("/v1/models")
-    assert json.loads(body)["data"][0]["voices"] == list(CUSTOM_VOICES)  # the first, vivian, the default
+    # vllm-omni's default speaker first (the default voice here), then the checkpoint's order.
+    assert list(CUSTOM_VOICES) == ["ryan", "vivian", "eric"]
+    assert json.loads(body)["data"][0]["voices"] == ["vivian", "ryan", "eric"]
     status, body, _ = server.post({"input": TEXT, "language": "klingon"})
     message = json.loads(body)["error"]["message"]
     assert status == 400 and "supported: Auto, Chinese, English, German, Sichuan_Dialect" in message, message
@@ -141,9 +142,9 @@ def test_vllm_omnis_talker_and_codec_make_each_requests_audio_from_its_voice_lan
     assert not np.array_equal(english_codes, codes)
 
 
-def test_a_whole_wav_carries_the_streams_samples(server):
-    streamed, _, _ = _speak(server, voice="vivian")
-    status, body, kind = server.post({"input": TEXT, "voice": "vivian"})
+def test_a_whole_wav_carries_the_streams_samples_and_no_voice_is_vllm_omnis_default_speaker(server):
+    streamed, _, _ = _speak(server)
+    status, body, kind = server.post({"input": TEXT, "voice": "Vivian"})
     assert status == 200 and kind == "audio/wav", body[:500]
     with wave.open(io.BytesIO(body)) as w:
         assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)

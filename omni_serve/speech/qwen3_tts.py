@@ -4,7 +4,7 @@
 code2wav classes as the stages (deploy/speech/qwen3-tts.toml). Built with the talker stage's spec,
 it reads that checkpoint as vllm-omni's server does (`_load_supported_speakers`,
 `_load_supported_languages`): the voices are `talker_config.spk_id`'s speakers, the languages
-`codec_language_id`'s, title-cased. A request becomes vllm-omni's CustomVoice talker request
+`codec_language_id`'s, title-cased; a request that names no voice gets vllm-omni's default speaker. A request becomes vllm-omni's CustomVoice talker request
 (`_build_tts_params`, read, not imported: that module needs vllm-omni's patches): the text, speaker
 (lowercased, as vllm-omni's check leaves it), language and instructions as strings in the payload's
 `additional_information` (the talker tokenizes them itself), and `[1] * n` as the prompt, n from
@@ -21,6 +21,7 @@ from omni_serve.config import ConfigError, StageSpec
 
 TASK_TYPE = "CustomVoice"
 PLACEHOLDER = 1  # vllm-omni's placeholder prompt id
+DEFAULT_VOICE = "vivian"  # vllm-omni's speaker for a CustomVoice request that names none
 MAX_INSTRUCTIONS_CHARS = 500  # vllm-omni's default (_TTS_MAX_INSTRUCTIONS_LENGTH)
 
 
@@ -49,7 +50,8 @@ class Qwen3TTSPrompt:
             kind = getattr(config, "tts_model_type", "?")
             raise ConfigError(f"{stage.model} has no built-in speakers (talker_config.spk_id; tts_model_type {kind!r}): "
                               "this server serves Qwen3-TTS CustomVoice checkpoints")
-        self.voices = [str(name) for name in speakers]
+        # The default voice first: vllm-omni's, Vivian, where the checkpoint has her (as the published ones do).
+        self.voices = sorted((str(name) for name in speakers), key=lambda name: name.lower() != DEFAULT_VOICE)
         self._language_ids = dict(getattr(talker, "codec_language_id", None) or {})
         self.languages = sorted(str(language).title() for language in self._language_ids)
         self._dialects = dict(getattr(talker, "spk_is_dialect", None) or {})

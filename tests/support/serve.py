@@ -32,10 +32,12 @@ class Server:
         self.port = free_port()
         self.run_dir = work / "run"
         self.log = work / "server.log"
+        self.codes_log = work / "codes.jsonl"  # each request's codes, as the talker made them (--codes-log)
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "omni_serve", "--pipeline", str(config), "--port", str(self.port),
-                 "--run-dir", str(self.run_dir), "--uvicorn-log-level", "warning", *args],
+                 "--run-dir", str(self.run_dir), "--uvicorn-log-level", "warning", "--codes-log", str(self.codes_log),
+                 *args],
                 stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env(**(env or {})))
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:

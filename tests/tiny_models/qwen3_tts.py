@@ -206,7 +206,7 @@ def to_checkpoint(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
 # A CustomVoice checkpoint's speakers and languages (codec ids past the specials, inside the vocabulary
 # of 80): what the published CustomVoice config.json holds, in its shape (spk_is_dialect: false or the
 # dialect's language).
-CUSTOM_VOICES = {"vivian": CODEBOOK + 8, "ryan": CODEBOOK + 9, "eric": CODEBOOK + 10}
+CUSTOM_VOICES = {"ryan": CODEBOOK + 9, "vivian": CODEBOOK + 8, "eric": CODEBOOK + 10}
 CUSTOM_LANGUAGES = {"english": CODEBOOK + 7, "german": CODEBOOK + 11, "chinese": CODEBOOK + 12,
                     "sichuan_dialect": CODEBOOK + 13}
 CUSTOM_DIALECTS = {"vivian": False, "ryan": False, "eric": "sichuan_dialect"}
