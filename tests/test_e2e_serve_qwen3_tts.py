@@ -151,23 +151,49 @@ def test_a_whole_wav_carries_the_streams_samples_and_no_voice_is_vllm_omnis_defa
         np.testing.assert_array_equal(np.frombuffer(w.readframes(w.getnframes()), dtype="<i2"), streamed)
 
 
-def test_a_checkpoint_without_speakers_is_refused_at_start_with_one_line(model, tmp_path):
-    """A VoiceDesign or Base checkpoint has no built-in speakers: omni-serve stops before any engine starts."""
-    import shutil
-
-    voice_design = tmp_path / "voice-design"
-    voice_design.mkdir()
+def _as_kind(model: Path, where: Path, kind: str) -> Path:
+    """The checkpoint as another published kind (config.json's tts_model_type, no speakers): its files linked."""
+    where.mkdir()
     for item in model.iterdir():
-        (voice_design / item.name).symlink_to(item)
-    (voice_design / "config.json").unlink()
+        if item.name != "config.json":
+            (where / item.name).symlink_to(item)
     config = json.loads((model / "config.json").read_text())
-    config["tts_model_type"] = "voice_design"
-    config["talker_config"]["spk_id"] = {}
-    (voice_design / "config.json").write_text(json.dumps(config))
-    done = subprocess.run([sys.executable, "-m", "omni_serve", "--pipeline", str(_config(tmp_path, voice_design)),
+    config["tts_model_type"] = kind
+    config["talker_config"]["spk_id"] = config["talker_config"]["spk_is_dialect"] = {}
+    (where / "config.json").write_text(json.dumps(config))
+    return where
+
+
+def test_a_voice_design_checkpoint_speaks_the_voice_its_instructions_describe(model, tmp_path):
+    """vllm-omni's VoiceDesign: no voices; `instructions` describe the voice (required), a voice named is ignored."""
+    from omni_serve.speech.codes_log import read_codes_log
+
+    voice_design = _as_kind(model, tmp_path / "voice-design", "voice_design")
+    with serving(tmp_path, _config(tmp_path, voice_design), _env()) as server:
+        assert json.loads(server.get("/v1/audio/voices")[1]) == {"voices": [], "uploaded_voices": []}
+        described = {"input": TEXT, "task_type": "VoiceDesign", "instructions": "A warm, low voice."}
+        status, pcm, _ = server.post({**described, "response_format": "pcm"})
+        assert status == 200, pcm[:1000]
+        codes = read_codes_log(server.codes_log)[-1][1]
+        assert codes.shape == (FRAMES, 4) and len(pcm) == FRAMES * SAMPLES_PER_FRAME * 2
+        # The OpenAI SDK always names a voice: ignored, as vllm-omni ignores it here; other instructions, other codes.
+        assert server.post({**described, "voice": "alloy", "response_format": "pcm"})[1] == pcm
+        server.post({**described, "instructions": "A bright, fast voice.", "response_format": "pcm"})
+        assert not np.array_equal(read_codes_log(server.codes_log)[-1][1], codes)
+        for body, needle in (({"input": TEXT}, "instructions are required"),
+                             ({**described, "task_type": "CustomVoice"}, "it serves 'VoiceDesign'")):
+            status, answer, _ = server.post(body)
+            assert status == 400 and needle in json.loads(answer)["error"]["message"], answer
+
+
+def test_a_voice_cloning_checkpoint_is_refused_at_start_with_one_line(model, tmp_path):
+    """A Base checkpoint clones voices from reference audio, which this server does not serve: omni-serve
+    stops before any engine starts, saying so."""
+    base = _as_kind(model, tmp_path / "base", "base")
+    done = subprocess.run([sys.executable, "-m", "omni_serve", "--pipeline", str(_config(tmp_path, base)),
                            "--run-dir", str(tmp_path / "run")], env=child_env(**_env()), cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("omni-serve: ") and "has no built-in speakers" in last and "CustomVoice" in last, last
-    shutil.rmtree(tmp_path / "run", ignore_errors=True)
+    assert last.startswith("omni-serve: ") and "base checkpoint without built-in speakers" in last, last
+    assert "voice cloning is not served" in last and not list((tmp_path / "run").glob("*.sock"))

@@ -125,6 +125,8 @@ class SpokenPrompt:
     voices = ["a", "b"]
     languages = ["English", "German"]
     max_instructions_chars = 8
+    instructions_required = False
+    task_type = "CustomVoice"
 
     def __init__(self, stage: StageSpec | None = None) -> None:
         self.calls: list[tuple] = []
@@ -152,6 +154,30 @@ def test_a_prompt_that_speaks_languages_and_takes_instructions_gets_them_as_vllm
             speech_input(json.dumps(body).encode(), CONFIG, spoken)
         assert caught.value.param == param and needle in str(caught.value), str(caught.value)
     assert len(spoken.calls) == 4  # a refused request makes no prompt
+
+
+class DescribedVoicePrompt(SpokenPrompt):
+    """A SpeechPrompt of vllm-omni's VoiceDesign: no voices, the voice described in the instructions."""
+
+    voices: list[str] = []
+    instructions_required = True
+    task_type = "VoiceDesign"
+
+
+def test_a_prompt_whose_voice_is_described_takes_instructions_and_ignores_a_voice():
+    described = DescribedVoicePrompt()
+    config = ServeConfig(served_model_name="tts", voices=[], speech_prompt="unused", stages=CONFIG.stages)
+    for body in ({"input": "hi", "instructions": "warm", "task_type": "VoiceDesign"},
+                 {"input": "hi", "instructions": "warm", "voice": "alloy"}):  # the OpenAI SDK always sends one
+        speech_input(json.dumps(body).encode(), config, described)
+    assert described.calls == [("hi", 0, "Auto", "warm")] * 2
+    for body, param, needle in (({"input": "hi"}, "instructions", "instructions are required"),
+                                ({"input": "hi", "instructions": " "}, "instructions", "instructions are required"),
+                                ({"input": "hi", "instructions": "warm", "task_type": "CustomVoice"}, "task_type",
+                                 "it serves 'VoiceDesign'")):
+        with pytest.raises(Refused) as caught:
+            speech_input(json.dumps(body).encode(), config, described)
+        assert caught.value.param == param and needle in str(caught.value), str(caught.value)
 
 
 def test_an_input_whose_prompt_is_longer_than_the_first_engine_takes_is_refused():

@@ -171,8 +171,7 @@ OPENAI_DEFAULTS: dict[str, float] = {"temperature": 1, "top_p": 1, "presence_pen
 # Accepted for a vllm-omni client's sake, but this server's models take none of them: set to
 # anything but their default (or one of the values a tuple names), a 400 names the field.
 UNSUPPORTED = {
-    # task_type CustomVoice: a voice by name, what this server serves (vllm-omni's own examples send it).
-    "task_type": (None, "CustomVoice"), "ref_audio": None, "ref_text": None,
+    "ref_audio": None, "ref_text": None,
     # x_vector_only_mode false: voice cloning with its in-context part, which a request without
     # reference audio does not reach either way.
     "x_vector_only_mode": (None, False), "speaker_embedding": None, "extra_params": None, "non_streaming_mode": None,

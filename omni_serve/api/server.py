@@ -69,12 +69,18 @@ def speech_input(body: bytes, config: ServeConfig, prompt: SpeechPrompt,
         raise Refused("input is empty", param="input")
     if len(request.input) > config.max_input_chars:
         raise Refused(f"input has {len(request.input)} characters; at most {config.max_input_chars}", param="input")
-    voice = voice_index(request.voice, config)
+    voice = voice_index(request.voice, config) if config.voices else 0  # no voices: the model takes none
     if request.response_format not in audio.FORMATS:
         raise Refused(f"response_format {request.response_format!r} is not supported; supported: "
                       f"{', '.join(audio.FORMATS)}", param="response_format")
+    if request.task_type not in (None, prompt.task_type):  # vllm-omni's own examples send CustomVoice
+        raise Refused(f"task_type {request.task_type!r} is not served by this model; it serves {prompt.task_type!r}",
+                      param="task_type")
     language = spoken_language(request.language, prompt)
     instructions = request.instructions or ""
+    if prompt.instructions_required and not instructions.strip():
+        raise Refused("this model's voice is described in instructions (VoiceDesign): instructions are required",
+                      param="instructions")
     if len(instructions) > prompt.max_instructions_chars:
         raise Refused(f"instructions has {len(instructions)} characters; this model takes at most "
                       f"{prompt.max_instructions_chars}" if prompt.max_instructions_chars else

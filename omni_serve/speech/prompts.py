@@ -17,15 +17,18 @@ from typing import Any, Callable, Protocol
 from omni_serve.config import ConfigError, ServeConfig, load_callable
 
 AUTO_LANGUAGE = "Auto"  # vllm-omni's "the model picks": every model takes it
+CUSTOM_VOICE = "CustomVoice"  # vllm-omni's task of a voice by name (its default task_type)
 Prompt = Callable[[str, int], tuple[list[int], dict]]  # text, voice index -> the first stage's prompt ids, payload
 
 
 class SpeechPrompt(Protocol):
     """What a speech request becomes for the first stage."""
 
-    voices: list[str]  # the voices it speaks, the first the default
+    voices: list[str]  # the voices it speaks, the first the default; none: it takes no voice (a request's is ignored)
     languages: list[str]  # what a request's `language` may name besides "Auto", vllm-omni's title case
     max_instructions_chars: int  # 0: a request's `instructions` must be empty
+    instructions_required: bool  # the voice is described in the instructions (vllm-omni's VoiceDesign)
+    task_type: str  # vllm-omni's task it serves: a request's `task_type` is this or absent
 
     def __call__(self, text: str, voice: int, language: str, instructions: str) -> tuple[list[int], dict[str, Any]]:
         """The prompt ids and payload for `text` in voice `voice` (an index into `voices`), `language`
@@ -46,6 +49,8 @@ class TextVoicePrompt:
     voices: list[str]
     languages: list[str] = field(default_factory=list)
     max_instructions_chars: int = 0
+    instructions_required: bool = False
+    task_type: str = CUSTOM_VOICE
 
     def __call__(self, text: str, voice: int, language: str, instructions: str) -> tuple[list[int], dict[str, Any]]:
         return self.function(text, voice)
@@ -63,8 +68,6 @@ def load_speech_prompt(config: ServeConfig) -> SpeechPrompt:
         raise ConfigError(f"{config.path}: voices are {config.speech_prompt}'s (its model's speakers); "
                           "remove the file's voices")
     prompt = named(next(iter(config.stages.values())))
-    if not prompt.voices:
-        raise ConfigError(f"{config.speech_prompt} found no voices in {next(iter(config.stages.values())).model}")
     if len({v.lower() for v in prompt.voices}) != len(prompt.voices):
         raise ConfigError(f"{config.speech_prompt}: voices {prompt.voices} name one voice twice (voices match in any case)")
     return prompt

@@ -1,16 +1,19 @@
-"""A Qwen3-TTS CustomVoice checkpoint's speech prompt, as vllm-omni's speech server makes it.
+"""A Qwen3-TTS checkpoint's speech prompt, as vllm-omni's speech server makes it.
 
 `speech_prompt = "omni_serve.speech.qwen3_tts:Qwen3TTSPrompt"` with vllm-omni's own talker and
 code2wav classes as the stages (deploy/speech/qwen3-tts.toml). Built with the talker stage's spec,
 it reads that checkpoint as vllm-omni's server does (`_load_supported_speakers`,
 `_load_supported_languages`): the voices are `talker_config.spk_id`'s speakers, the languages
-`codec_language_id`'s, title-cased; a request that names no voice gets vllm-omni's default speaker. A request becomes vllm-omni's CustomVoice talker request
+`codec_language_id`'s, title-cased; a request that names no voice gets vllm-omni's default speaker.
+A VoiceDesign checkpoint (config.json's `tts_model_type` "voice_design") has no speakers: a request
+describes the voice in `instructions` (required, as vllm-omni requires them) and names none (one it
+names is ignored, as vllm-omni ignores it). A request becomes vllm-omni's talker request
 (`_build_tts_params`, read, not imported: that module needs vllm-omni's patches): the text, speaker
 (lowercased, as vllm-omni's check leaves it), language and instructions as strings in the payload's
 `additional_information` (the talker tokenizes them itself), and `[1] * n` as the prompt, n from
 vllm-omni's own `Qwen3TTSPromptEmbedsBuilder.estimate_prompt_len_from_additional_information`
 (imported with vllm-omni's package stood in: no patch) with the checkpoint's tokenizer.
-Voice cloning (Base checkpoints, `ref_audio`) and VoiceDesign are not served.
+Voice cloning (Base checkpoints, `ref_audio`) is not served.
 """
 
 from __future__ import annotations
@@ -18,15 +21,18 @@ from __future__ import annotations
 from typing import Any
 
 from omni_serve.config import ConfigError, StageSpec
+from omni_serve.speech.prompts import CUSTOM_VOICE
 
-TASK_TYPE = "CustomVoice"
+VOICE_DESIGN = "VoiceDesign"  # vllm-omni's task for a voice described in the instructions
+VOICE_DESIGN_MODEL = "voice_design"  # config.json's tts_model_type of those checkpoints
 PLACEHOLDER = 1  # vllm-omni's placeholder prompt id
 DEFAULT_VOICE = "vivian"  # vllm-omni's speaker for a CustomVoice request that names none
 MAX_INSTRUCTIONS_CHARS = 500  # vllm-omni's default (_TTS_MAX_INSTRUCTIONS_LENGTH)
 
 
 class Qwen3TTSPrompt:
-    """The talker stage's checkpoint's voices, languages and prompts (omni_serve/speech/prompts.py's SpeechPrompt)."""
+    """The talker stage's checkpoint's task, voices, languages and prompts (omni_serve/speech/prompts.py's
+    SpeechPrompt)."""
 
     max_instructions_chars = MAX_INSTRUCTIONS_CHARS
 
@@ -46,12 +52,16 @@ class Qwen3TTSPrompt:
         if talker is None:
             raise ConfigError(f"{stage.model} is not a Qwen3-TTS checkpoint (its config has no talker_config)")
         speakers = dict(getattr(talker, "spk_id", None) or {})
-        if not speakers:
-            kind = getattr(config, "tts_model_type", "?")
-            raise ConfigError(f"{stage.model} has no built-in speakers (talker_config.spk_id; tts_model_type {kind!r}): "
-                              "this server serves Qwen3-TTS CustomVoice checkpoints")
-        # The default voice first: vllm-omni's, Vivian, where the checkpoint has her (as the published ones do).
-        self.voices = sorted((str(name) for name in speakers), key=lambda name: name.lower() != DEFAULT_VOICE)
+        kind = getattr(config, "tts_model_type", "")
+        if kind == VOICE_DESIGN_MODEL:
+            self.task_type, self.instructions_required, self.voices = VOICE_DESIGN, True, []
+        elif speakers:
+            self.task_type, self.instructions_required = CUSTOM_VOICE, False
+            # The default voice first: vllm-omni's, Vivian, where the checkpoint has her (as the published ones do).
+            self.voices = sorted((str(name) for name in speakers), key=lambda name: name.lower() != DEFAULT_VOICE)
+        else:
+            raise ConfigError(f"{stage.model} is a Qwen3-TTS {kind or '?'} checkpoint without built-in speakers: "
+                              "this server serves CustomVoice and VoiceDesign checkpoints (voice cloning is not served)")
         self._language_ids = dict(getattr(talker, "codec_language_id", None) or {})
         self.languages = sorted(str(language).title() for language in self._language_ids)
         self._dialects = dict(getattr(talker, "spk_is_dialect", None) or {})
@@ -61,14 +71,18 @@ class Qwen3TTSPrompt:
                                                         revision=stage.engine.get("tokenizer_revision"))
 
     def additional_information(self, text: str, voice: int, language: str, instructions: str) -> dict[str, Any]:
-        """vllm-omni's `_build_tts_params` for a CustomVoice request of a built-in speaker."""
-        return {"text": [text], "task_type": [TASK_TYPE], "language": [language],
-                "speaker": [self.voices[voice].lower()], "voice_created_at": [0], "instruct": [instructions]}
+        """vllm-omni's `_build_tts_params` for a request of a built-in speaker (CustomVoice) or of a voice
+        its instructions describe (VoiceDesign, no speaker)."""
+        info: dict[str, Any] = {"text": [text], "task_type": [self.task_type], "language": [language]}
+        if self.voices:
+            info.update(speaker=[self.voices[voice].lower()], voice_created_at=[0])
+        info["instruct"] = [instructions]
+        return info
 
     def __call__(self, text: str, voice: int, language: str, instructions: str) -> tuple[list[int], dict[str, Any]]:
         info = self.additional_information(text, voice, language, instructions)
         n = self._builder.estimate_prompt_len_from_additional_information(
-            additional_information=info, task_type=TASK_TYPE, tokenize_prompt=self._tokens,
+            additional_information=info, task_type=self.task_type, tokenize_prompt=self._tokens,
             codec_language_id=self._language_ids, spk_is_dialect=self._dialects, estimate_ref_code_len=None)
         return [PLACEHOLDER] * n, info
 
