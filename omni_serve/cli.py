@@ -1,6 +1,7 @@
 """`omni-serve`: start a speech pipeline from a config and serve it over HTTP.
 
     omni-serve --pipeline deploy/speech/tiny.toml --port 8000    # = make serve
+    omni-serve --pipeline qwen3-tts --model Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice   # a CUDA host, vllm-omni beside
     curl -s localhost:8000/v1/audio/speech -H 'Content-Type: application/json' \\
          -d '{"input": "hello", "voice": "default"}' -o hello.wav
     omni-serve --pipeline deploy/speech/tiny-thinker.toml        # thinker -> talker -> code2wav: chat too
@@ -28,6 +29,7 @@ config attaches to one already running.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -41,11 +43,18 @@ def parser():
 
     p = FlexibleArgumentParser(prog="omni-serve", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pipeline", required=True, help="the pipeline's TOML file (deploy/speech/tiny.toml: the tiny "
-                                                   "CPU models, talker -> code2wav; deploy/speech/tiny-thinker.toml: "
-                                                   "thinker -> talker -> code2wav; deploy/speech/qwen3-tts.toml: a "
-                                                   "Qwen3-TTS CustomVoice checkpoint with vllm-omni's classes; "
-                                                   "omni_serve/config.py lists every key)")
+    p.add_argument("--pipeline", required=True,
+                   help="a built-in pipeline's name (qwen3-tts: a Qwen3-TTS CustomVoice or VoiceDesign checkpoint "
+                        "with vllm-omni's own classes, on a CUDA host) or a pipeline's TOML file "
+                        "(deploy/speech/tiny.toml: the tiny CPU models, talker -> code2wav; "
+                        "deploy/speech/tiny-thinker.toml: thinker -> talker -> code2wav; omni_serve/config.py "
+                        "lists every key)")
+    p.add_argument("--model", default=None,
+                   help="run every stage on this checkpoint (a Hugging Face id or a directory) instead of the "
+                        "pipeline's, served under its name (e.g. --pipeline qwen3-tts --model "
+                        "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name /v1/models lists and requests give (default: the pipeline's, or --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--run-dir", default=None, help="where the sidecars' sockets and logs go (default: a new "
@@ -90,13 +99,19 @@ def main(argv: list[str] | None = None) -> int:
     argv = ["--help=all" if arg in ("-h", "--help") else arg for arg in (sys.argv[1:] if argv is None else argv)]
     args = parser().parse_args(argv)
     vllm_logging()
-    from omni_serve.config import ConfigError, load_config
+    from omni_serve.config import ConfigError, built_in_pipelines, load_config, with_model
 
     try:
         config = load_config(args.pipeline)
     except ConfigError as exc:
+        if "/" not in args.pipeline and not args.pipeline.endswith(".toml"):
+            exc = ConfigError(f"{exc} (built-in pipelines: {', '.join(built_in_pipelines())})")
         print(f"omni-serve: {exc}", file=sys.stderr)
         return 2
+    if args.model:
+        config = with_model(config, args.model, args.served_model_name)
+    elif args.served_model_name:
+        config = dataclasses.replace(config, served_model_name=args.served_model_name)
     # The shim's vLLM plugin calls these in every vLLM process, this one included.
     os.environ[REGISTER_ENV] = ",".join(config.register)
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")

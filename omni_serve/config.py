@@ -34,7 +34,9 @@ placeholder_token = 1
 # initial_chunk_frames (a shorter first chunk: the first audio after that many frames)
 sidecar = { hooks = "omni-code2wav", options = { chunk_frames = "4", left_context = "8", initial_chunk_frames = "1" } }
 ```
-Relative paths (model, build target) are relative to the config file's directory.
+Relative paths (model, build target) are relative to the config file's directory. A built-in
+pipeline is named instead of a file (omni_serve/pipelines/: `qwen3-tts`); `omni-serve --model` puts
+every stage on one checkpoint.
 `thinker_prompt`'s messages are OpenAI's chat messages with their text only:
 `[{"role": "system" | "developer" | "user" | "assistant", "content": "text"}, ...]`; the voice is
 its index in `voices`.
@@ -42,6 +44,7 @@ its index in `voices`.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import tomllib
 from dataclasses import dataclass, field
@@ -49,6 +52,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 STAGE_ORDERS = (("talker", "code2wav"), ("thinker", "talker", "code2wav"))
+PIPELINES = Path(__file__).resolve().parent / "pipelines"  # the built-in ones, by name: qwen3-tts
 
 
 class ConfigError(ValueError):
@@ -108,8 +112,29 @@ def _fields(table: dict[str, Any], allowed: set[str], where: str) -> None:
         raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
 
 
+def pipeline_file(named: str) -> Path:
+    """A pipeline file's path, or a built-in pipeline's name (omni_serve/pipelines/NAME.toml)."""
+    built_in = PIPELINES / f"{named}.toml"
+    if "/" not in named and not named.endswith(".toml") and built_in.is_file():
+        return built_in
+    return Path(named)
+
+
+def built_in_pipelines() -> list[str]:
+    return sorted(p.stem for p in PIPELINES.glob("*.toml"))
+
+
+def with_model(config: ServeConfig, model: str, served_model_name: str | None = None) -> ServeConfig:
+    """Every stage on `model` (one checkpoint holds them all, as a Qwen3-TTS or Qwen3-Omni one does),
+    served under its name unless another is given (as `vllm serve MODEL` serves it)."""
+    local = Path(model).expanduser()
+    path = str(local.resolve()) if local.exists() else model
+    stages = {name: dataclasses.replace(stage, model=path, build="") for name, stage in config.stages.items()}
+    return dataclasses.replace(config, stages=stages, served_model_name=served_model_name or model)
+
+
 def load_config(path: str | Path) -> ServeConfig:
-    path = Path(path).resolve()
+    path = pipeline_file(str(path)).resolve()
     try:
         raw = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:

@@ -1,5 +1,5 @@
 """omni-serve as a Qwen3-TTS user runs it: vllm-omni's own talker and code2wav classes (no patch) on a
-CustomVoice checkpoint of the published layout, deploy/speech/qwen3-tts.toml's stages and speech prompt
+CustomVoice checkpoint of the published layout, omni_serve/pipelines/qwen3-tts.toml's stages and speech prompt
 (`Qwen3TTSPrompt`) sized for CPU, a real HTTP client.
 
 vllm-omni's talker decodes on CPU through the shim's platform for it (worker_shim/omni_models/
@@ -45,8 +45,8 @@ def _env() -> dict[str, str]:
 
 
 def _config(work: Path, model: Path) -> Path:
-    """deploy/speech/qwen3-tts.toml's prompt, registration and hooks on the tiny checkpoint, sized for CPU."""
-    shipped = tomllib.loads((ROOT / "deploy" / "speech" / "qwen3-tts.toml").read_text())
+    """omni_serve/pipelines/qwen3-tts.toml's prompt, registration and hooks on the tiny checkpoint, sized for CPU."""
+    shipped = tomllib.loads((ROOT / "omni_serve" / "pipelines" / "qwen3-tts.toml").read_text())
     eos = json.loads((model / "config.json").read_text())["talker_config"]["codec_eos_token_id"]
     options = dict(shipped["stages"]["code2wav"]["sidecar"]["options"], chunk_frames="4", left_context="8",
                    codebook_size="64")
@@ -190,7 +190,8 @@ def test_a_voice_cloning_checkpoint_is_refused_at_start_with_one_line(model, tmp
     """A Base checkpoint clones voices from reference audio, which this server does not serve: omni-serve
     stops before any engine starts, saying so."""
     base = _as_kind(model, tmp_path / "base", "base")
-    done = subprocess.run([sys.executable, "-m", "omni_serve", "--pipeline", str(_config(tmp_path, base)),
+    # The built-in pipeline, as a user names it, on this checkpoint.
+    done = subprocess.run([sys.executable, "-m", "omni_serve", "--pipeline", "qwen3-tts", "--model", str(base),
                            "--run-dir", str(tmp_path / "run")], env=child_env(**_env()), cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import wave
 from io import BytesIO
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -875,18 +876,17 @@ def test_api_keys_guard_the_v1_routes_as_vllm_serve_does(monkeypatch):
 
 def test_every_shipped_pipeline_file_loads():
     """deploy/speech/*.toml as omni-serve reads them: keys known, stages in order, a prompt named."""
-    from pathlib import Path
-
-    from omni_serve.config import load_callable
+    from omni_serve.config import PIPELINES, load_callable
 
     shipped = sorted((Path(__file__).resolve().parents[1] / "deploy" / "speech").glob("*.toml"))
-    assert len(shipped) >= 6
+    shipped += sorted(PIPELINES.glob("*.toml"))
+    assert len(shipped) >= 7
     for path in shipped:
         config = load_config(path)
         assert list(config.stages)[-2:] == ["talker", "code2wav"], path
         named = config.speech_prompt or config.thinker_prompt
         assert named.startswith(("omni_serve.", "tests.")), (path, named)
-    qwen3_tts = load_config(shipped[0].parent / "qwen3-tts.toml")
+    qwen3_tts = load_config(PIPELINES / "qwen3-tts.toml")
     assert not qwen3_tts.voices_given  # the checkpoint's speakers
     assert load_callable(qwen3_tts.speech_prompt).__name__ == "Qwen3TTSPrompt"
 
@@ -902,3 +902,17 @@ def test_a_speech_prompt_class_takes_the_voices_and_a_file_that_also_names_voice
     (tmp_path / "b.toml").write_text(body.format(voices='voices = ["a"]\n'))
     with pytest.raises(ConfigError, match="remove the file's voices"):
         load_speech_prompt(load_config(tmp_path / "b.toml"))
+
+
+def test_a_built_in_pipeline_by_name_and_model_puts_every_stage_on_one_checkpoint(tmp_path):
+    from omni_serve.config import PIPELINES, pipeline_file, with_model
+
+    assert pipeline_file("qwen3-tts") == PIPELINES / "qwen3-tts.toml"
+    assert pipeline_file("deploy/speech/tiny.toml") == Path("deploy/speech/tiny.toml")
+    shipped = load_config("qwen3-tts")
+    hub = with_model(shipped, "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice")
+    assert hub.served_model_name == "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
+    assert {s.model for s in hub.stages.values()} == {"Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"}
+    assert hub.stages["code2wav"].engine == shipped.stages["code2wav"].engine  # only the checkpoint changes
+    local = with_model(shipped, str(tmp_path), "tts")
+    assert local.served_model_name == "tts" and {s.model for s in local.stages.values()} == {str(tmp_path.resolve())}

@@ -25,7 +25,7 @@ classes through the shim (VLLM_PLUGINS=omni_sidecar_shim: no vllm-omni patch), e
 AsyncLLM (V2, async scheduling as vLLM defaults it) with its sidecar (`omni-talker`,
 `omni-code2wav` decoding vllm-omni's chunks: the first a frame long, then 25 frames, 72 of left context), the prompt
 built as vllm-omni's server builds it (omni_serve/speech/qwen3_tts.py's `Qwen3TTSPrompt`, as
-deploy/speech/qwen3-tts.toml serves a published checkpoint: the voices are the checkpoint's speakers).
+omni-serve --pipeline qwen3-tts serves a published checkpoint: the voices are the checkpoint's speakers).
 
 Checks and figures:
 - the servers start at once and get the run's limit to come up, less what the measurement needs

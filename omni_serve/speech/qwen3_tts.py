@@ -1,7 +1,7 @@
 """A Qwen3-TTS checkpoint's speech prompt, as vllm-omni's speech server makes it.
 
 `speech_prompt = "omni_serve.speech.qwen3_tts:Qwen3TTSPrompt"` with vllm-omni's own talker and
-code2wav classes as the stages (deploy/speech/qwen3-tts.toml). Built with the talker stage's spec,
+code2wav classes as the stages (omni_serve/pipelines/qwen3-tts.toml). Built with the talker stage's spec,
 it reads that checkpoint as vllm-omni's server does (`_load_supported_speakers`,
 `_load_supported_languages`): the voices are `talker_config.spk_id`'s speakers, the languages
 `codec_language_id`'s, title-cased; a request that names no voice gets vllm-omni's default speaker.
