@@ -127,13 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     own_dir = args.run_dir is None
     run_dir = socket_dir(Path(tempfile.mkdtemp(prefix="omni-serve-")) if own_dir else Path(args.run_dir).resolve())
     try:
-        server = SpeechServer(config, run_dir, Path(args.codes_log) if args.codes_log else None)
-    except ConfigError as exc:  # a speech prompt that reads its model found it unservable
-        if own_dir:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        print(f"omni-serve: {exc}", file=sys.stderr)
-        return 2
-    try:
+        try:
+            server = SpeechServer(config, run_dir, Path(args.codes_log) if args.codes_log else None)
+        except ConfigError as exc:  # a speech prompt that reads its model found it unservable
+            print(f"omni-serve: {exc}", file=sys.stderr)
+            return 2
         uvicorn.run(build_app(server, api_keys(args.api_key)), host=args.host, port=args.port,
                     log_level=args.uvicorn_log_level,
                     timeout_graceful_shutdown=5)

@@ -119,6 +119,9 @@ def test_the_voices_and_languages_are_the_checkpoints(server):
     assert status == 400 and "voices: vivian, ryan, eric" in json.loads(body)["error"]["message"]
     status, body, _ = server.post({"input": TEXT, "instructions": "x" * 501})
     assert status == 400 and "at most 500" in json.loads(body)["error"]["message"]
+    # A prompt past the talker's max_model_len (256) is the request's: a 400, as vllm-omni answers it.
+    status, body, _ = server.post({"input": "x" * 200, "instructions": "y" * 60})
+    assert status == 400 and "makes a prompt of" in json.loads(body)["error"]["message"], body
     status, body, _ = server.post({"input": TEXT, "task_type": "Base"})
     assert status == 400 and "task_type" in json.loads(body)["error"]["message"]
 

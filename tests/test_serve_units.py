@@ -45,7 +45,8 @@ def refusal(body) -> Refused:
 def test_a_good_request_becomes_a_job_with_the_voice_and_the_limits():
     got = parse({"model": "tts", "input": " hi ", "voice": "b", "response_format": "pcm", "max_new_tokens": 5,
                  "seed": 3})
-    assert got.job.prompt_token_ids == [1, 2] and got.job.payload == {"text": "hi"}  # stripped, voice index 1
+    # The input as sent (vllm-omni's talker reads it so), voice index 1.
+    assert got.job.prompt_token_ids == [1, 4] and got.job.payload == {"text": " hi "}
     assert (got.job.max_frames, got.job.seed, got.response_format, got.stream) == (5, 3, "pcm", False)
     defaults = parse({"input": "hi"})
     assert defaults.job.prompt_token_ids[0] == 0 and defaults.job.max_frames == 32

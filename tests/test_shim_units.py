@@ -264,3 +264,34 @@ def test_model_results_stack_straight_into_the_slot_and_an_unsendable_tree_fails
         assert set(decoded) == {"a", "b"} and decoded["b"]["x"].tolist() == [2.0] * 3
     finally:
         arena.close()
+
+
+def test_vllm_omnis_cpu_platform_is_named_only_for_the_stand_in_on_vllms_cpu_platform(monkeypatch):
+    """The shim's `vllm_omni.platform_plugins` entry: a GPU host, or a process that imported vllm-omni for real,
+    keeps vllm-omni's own platform (the entry names none)."""
+    import sys
+    import types
+    from pathlib import Path
+
+    from vllm.platforms import current_platform
+
+    from worker_shim.omni_models import cpu_platform
+    from worker_shim.omni_models.package import stand_in_module
+
+    monkeypatch.setitem(sys.modules, "vllm_omni", types.ModuleType("vllm_omni"))  # the real package
+    assert cpu_platform.cpu_omni_platform() is None
+    monkeypatch.setitem(sys.modules, "vllm_omni", stand_in_module(Path(".")))
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    assert cpu_platform.cpu_omni_platform() is None  # a GPU host
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: True)
+    monkeypatch.setattr(cpu_platform, "VLLM_OMNI_UNSPECIFIED_PLATFORM", ("types", "SimpleNamespace"))
+    cpu_platform.platform_class.cache_clear()
+    try:
+        assert cpu_platform.cpu_omni_platform() == cpu_platform.CPU_OMNI_PLATFORM
+        made = cpu_platform.CpuOmniPlatform  # resolved as vllm-omni resolves "module.Class"
+        assert made.supports_torch_inductor() is False and made.__module__ == cpu_platform.__name__
+        monkeypatch.setattr(cpu_platform, "VLLM_OMNI_UNSPECIFIED_PLATFORM", ("types", "NoSuchPlatform"))
+        cpu_platform.platform_class.cache_clear()
+        assert cpu_platform.cpu_omni_platform() is None  # vllm-omni without it: said, not a crash
+    finally:
+        cpu_platform.platform_class.cache_clear()

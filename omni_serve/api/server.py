@@ -62,11 +62,11 @@ class SpeechInput:
 def speech_input(body: bytes, config: ServeConfig, prompt: SpeechPrompt,
                  max_prompt_tokens: int | None = None) -> SpeechInput:
     """A speech request checked against the schema and this server's model (`max_prompt_tokens`: the
-    thinker engine's where there is one, else None: unchecked); `Refused` says why not."""
+    first stage's engine's; None: unchecked); `Refused` says why not."""
     request = validated(body, SpeechRequest, config)
-    text = request.input.strip()
-    if not text:
+    if not request.input.strip():
         raise Refused("input is empty", param="input")
+    text = request.input  # as sent: vllm-omni's talker reads it so
     if len(request.input) > config.max_input_chars:
         raise Refused(f"input has {len(request.input)} characters; at most {config.max_input_chars}", param="input")
     voice = voice_index(request.voice, config) if config.voices else 0  # no voices: the model takes none
@@ -162,8 +162,8 @@ class SpeechServer:
             self.prompt = load_speech_prompt(config)
             self.config = config = dataclasses.replace(config, voices=list(self.prompt.voices))
         self.tokenizer: Tokenizer | None = None  # the thinker checkpoint's: its text for the chat endpoint
-        # The longest prompt the thinker's engine takes (its max_model_len less the one token it must
-        # make): longer is the request's fault, a 400, not a 503 from the engine. None without a thinker.
+        # The longest prompt the first stage's engine takes (its max_model_len less the one token it must
+        # make): longer is the request's fault, a 400, not a 503 from the engine. None until it starts.
         self.max_prompt_tokens: int | None = None
         self.sidecars = {name: SidecarProcess(name, spec.sidecar, run_dir) for name, spec in config.stages.items()}
         self.metrics = SpeechMetrics(list(config.stages))
@@ -208,8 +208,8 @@ class SpeechServer:
                 await start(spec)
         else:  # their processes start and load at once
             await asyncio.gather(*(start(spec) for spec in specs))
-        if "thinker" in self.engines:
-            self.max_prompt_tokens = self.engines["thinker"].model_config.max_model_len - 1
+        first_stage = next(iter(self.config.stages))  # its prompt is the request's: one too long is a 400
+        self.max_prompt_tokens = self.engines[first_stage].model_config.max_model_len - 1
         stages = {name: Stage(name, self.engines[name], AsyncSidecarClient(self.sidecars[name].endpoint),
                               dict(self.config.stages[name].sampling)) for name in self.config.stages}
         code2wav = self.config.stages["code2wav"]

@@ -18,6 +18,7 @@ Voice cloning (Base checkpoints, `ref_audio`) is not served.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from omni_serve.config import ConfigError, StageSpec
@@ -39,18 +40,32 @@ class Qwen3TTSPrompt:
     def __init__(self, stage: StageSpec) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
+        from worker_shim.omni_models.package import install_stand_in, installed_folder, is_stand_in
         from worker_shim.omni_models.registration import register_vllm_omni_models
+        from worker_shim.upstream.compat import QWEN3_TTS_MODEL_TYPE, VLLM_OMNI_PACKAGE
 
-        register_vllm_omni_models()  # stands vllm-omni's package in, registers its config class
-        try:
-            from vllm_omni.model_executor.models.qwen3_tts.prompt_embeds_builder import Qwen3TTSPromptEmbedsBuilder
-        except ImportError as exc:
-            raise ConfigError(f"Qwen3TTSPrompt needs vllm-omni installed beside vLLM ({exc})") from None
+        if installed_folder() is None:
+            raise ConfigError("Qwen3TTSPrompt needs vllm-omni installed beside vLLM (its Qwen3-TTS classes)")
+        install_stand_in()  # vllm-omni's modules without its __init__ and patches, in this process too
+        if not is_stand_in(sys.modules.get(VLLM_OMNI_PACKAGE)):
+            raise ConfigError("vllm-omni's package was imported for real in omni-serve (its patches with it); "
+                              "start omni-serve with VLLM_PLUGINS=omni_sidecar_shim")
+        register_vllm_omni_models()  # its config class, for AutoConfig
+        from vllm_omni.model_executor.models.qwen3_tts.prompt_embeds_builder import Qwen3TTSPromptEmbedsBuilder
+
         trust = bool(stage.engine.get("trust_remote_code", False))
-        config = AutoConfig.from_pretrained(stage.model, trust_remote_code=trust, revision=stage.engine.get("revision"))
-        talker = getattr(config, "talker_config", None)
-        if talker is None:
-            raise ConfigError(f"{stage.model} is not a Qwen3-TTS checkpoint (its config has no talker_config)")
+        try:
+            config = AutoConfig.from_pretrained(stage.model, trust_remote_code=trust,
+                                                revision=stage.engine.get("revision"))
+            self._tokenizer = AutoTokenizer.from_pretrained(stage.engine.get("tokenizer") or stage.model,
+                                                            trust_remote_code=trust, padding_side="left",
+                                                            revision=stage.engine.get("tokenizer_revision"))
+        except (OSError, ValueError) as exc:  # not found, not reachable, not a checkpoint transformers reads
+            raise ConfigError(f"cannot read {stage.model}: {str(exc).splitlines()[0]}") from None
+        if getattr(config, "model_type", None) != QWEN3_TTS_MODEL_TYPE:
+            raise ConfigError(f"{stage.model} is a {getattr(config, 'model_type', '?')!r} checkpoint, not Qwen3-TTS "
+                              f"(model_type {QWEN3_TTS_MODEL_TYPE!r})")
+        talker = config.talker_config
         speakers = dict(getattr(talker, "spk_id", None) or {})
         kind = getattr(config, "tts_model_type", "")
         if kind == VOICE_DESIGN_MODEL:
@@ -66,9 +81,6 @@ class Qwen3TTSPrompt:
         self.languages = sorted(str(language).title() for language in self._language_ids)
         self._dialects = dict(getattr(talker, "spk_is_dialect", None) or {})
         self._builder = Qwen3TTSPromptEmbedsBuilder
-        self._tokenizer = AutoTokenizer.from_pretrained(stage.engine.get("tokenizer") or stage.model,
-                                                        trust_remote_code=trust, padding_side="left",
-                                                        revision=stage.engine.get("tokenizer_revision"))
 
     def additional_information(self, text: str, voice: int, language: str, instructions: str) -> dict[str, Any]:
         """vllm-omni's `_build_tts_params` for a request of a built-in speaker (CustomVoice) or of a voice

@@ -15,6 +15,8 @@ lets it in, as it lets in the shim's `vllm.general_plugins` entry.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import logging
 import sys
 
@@ -33,6 +35,12 @@ def cpu_omni_platform() -> str | None:
 
     if not current_platform.is_cpu():
         return None
+    try:
+        platform_class()
+    except (ImportError, AttributeError) as exc:  # vllm-omni's own error would not say where it came from
+        log.warning("omni-sidecar: no CPU platform for vllm-omni: %s.%s is not there (%s); its code predictors "
+                    "will fail on CPU", *VLLM_OMNI_UNSPECIFIED_PLATFORM, exc)
+        return None
     global _told
     if not _told:  # vllm-omni calls this twice while it resolves its platform
         log.info("omni-sidecar: vllm-omni runs on the shim's CPU platform (its code predictors eager)")
@@ -43,21 +51,28 @@ def cpu_omni_platform() -> str | None:
 _told = False
 
 
-def _unspecified() -> type:
-    import importlib
-
+@functools.cache
+def platform_class() -> type:
+    """`CpuOmniPlatform`: vllm-omni's unspecified platform (torch device "cpu", no devices) with the answers a
+    CPU has. Made on first use: this module imports where vllm-omni is not installed."""
     module, name = VLLM_OMNI_UNSPECIFIED_PLATFORM
-    return getattr(importlib.import_module(module), name)
+    unspecified = getattr(importlib.import_module(module), name)
+
+    class CpuOmniPlatform(unspecified):  # type: ignore[misc, valid-type]  # vllm-omni's class
+        @classmethod
+        def supports_torch_inductor(cls) -> bool:
+            # The code predictors then run eager: compiling them on CPU costs more than a CPU run gains.
+            return False
+
+        @classmethod
+        def synchronize(cls) -> None:
+            """A CPU's work is done when its call returns."""
+
+    CpuOmniPlatform.__module__ = __name__
+    return CpuOmniPlatform
 
 
-class CpuOmniPlatform(_unspecified()):  # type: ignore[misc]  # vllm-omni's class, found through compat
-    """vllm-omni's unspecified platform (torch device "cpu", no devices) with the answers a CPU has."""
-
-    @classmethod
-    def supports_torch_inductor(cls) -> bool:
-        # The code predictors then run eager: compiling them on CPU costs more than a CPU run gains.
-        return False
-
-    @classmethod
-    def synchronize(cls) -> None:
-        """A CPU's work is done when its call returns."""
+def __getattr__(name: str) -> type:
+    if name == "CpuOmniPlatform":  # what vllm-omni resolves CPU_OMNI_PLATFORM to
+        return platform_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
