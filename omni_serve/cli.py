@@ -75,6 +75,22 @@ def api_keys(given: list[str] | None) -> list[str]:
     return [key for key in (given or [os.environ.get("VLLM_API_KEY", "")]) if key]
 
 
+SHIM_PLUGIN = "omni_sidecar_shim"  # the shim's entry points' name (vLLM's and vllm-omni's groups)
+
+
+def plugin_defaults() -> str | None:
+    """Where vllm-omni is installed and VLLM_PLUGINS is unset, vLLM would load vllm-omni's entry point, and
+    its patches, in every process (and the shim would refuse to start): the shim's plugins alone, as a
+    user of the shim sets it. A VLLM_PLUGINS the user set stays. Returns what it set, if anything."""
+    from worker_shim.omni_models.package import installed_folder
+    from worker_shim.upstream.compat import VLLM_PLUGINS_ENV
+
+    if VLLM_PLUGINS_ENV in os.environ or installed_folder() is None:
+        return None
+    os.environ[VLLM_PLUGINS_ENV] = SHIM_PLUGIN
+    return SHIM_PLUGIN
+
+
 def cpu_host_defaults() -> None:
     """What V2 needs on a host without CUDA (docs/ARCHITECTURE.md, "Running V2 on a CPU host"); a
     CUDA host gets nothing set."""
@@ -115,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     # The shim's vLLM plugin calls these in every vLLM process, this one included.
     os.environ[REGISTER_ENV] = ",".join(config.register)
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+    if plugin_defaults():
+        print(f"omni-serve: vllm-omni is installed: VLLM_PLUGINS={SHIM_PLUGIN} (its own entry point would patch "
+              "vLLM in every process; set VLLM_PLUGINS to choose otherwise)", file=sys.stderr)
     cpu_host_defaults()
 
     import shutil

@@ -917,3 +917,20 @@ def test_a_built_in_pipeline_by_name_and_model_puts_every_stage_on_one_checkpoin
     assert hub.stages["code2wav"].engine == shipped.stages["code2wav"].engine  # only the checkpoint changes
     local = with_model(shipped, str(tmp_path), "tts")
     assert local.served_model_name == "tts" and {s.model for s in local.stages.values()} == {str(tmp_path.resolve())}
+
+
+def test_omni_serve_keeps_vllm_omnis_entry_point_out_unless_told_otherwise(monkeypatch, tmp_path):
+    """With vllm-omni installed and VLLM_PLUGINS unset, vLLM would load vllm-omni's patches in every process:
+    omni-serve lets in the shim's plugins alone; a VLLM_PLUGINS the user set, or no vllm-omni, is left as is."""
+    import os
+
+    from omni_serve import cli
+    from worker_shim.omni_models import package
+
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.setattr(package, "installed_folder", lambda: None)
+    assert cli.plugin_defaults() is None and "VLLM_PLUGINS" not in os.environ
+    monkeypatch.setattr(package, "installed_folder", lambda: tmp_path)
+    assert cli.plugin_defaults() == "omni_sidecar_shim" == os.environ["VLLM_PLUGINS"]
+    monkeypatch.setenv("VLLM_PLUGINS", "omni_sidecar_shim,my_platform")
+    assert cli.plugin_defaults() is None and os.environ["VLLM_PLUGINS"] == "omni_sidecar_shim,my_platform"
