@@ -115,13 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = ["--help=all" if arg in ("-h", "--help") else arg for arg in (sys.argv[1:] if argv is None else argv)]
     args = parser().parse_args(argv)
     vllm_logging()
-    from omni_serve.config import ConfigError, built_in_pipelines, load_config, with_model
+    from omni_serve.config import ConfigError, load_config, with_model
 
     try:
         config = load_config(args.pipeline)
     except ConfigError as exc:
-        if "/" not in args.pipeline and not args.pipeline.endswith(".toml"):
-            exc = ConfigError(f"{exc} (built-in pipelines: {', '.join(built_in_pipelines())})")
         print(f"omni-serve: {exc}", file=sys.stderr)
         return 2
     if args.model:

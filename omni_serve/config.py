@@ -112,12 +112,20 @@ def _fields(table: dict[str, Any], allowed: set[str], where: str) -> None:
         raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
 
 
+def check_voices(voices: list[str], where: str) -> None:
+    """A request names a voice in any case: two voices differing only in case would be one."""
+    if len({v.lower() for v in voices}) != len(voices):
+        raise ConfigError(f"{where}: voices {voices} name one voice twice (voices match in any case)")
+
+
 def pipeline_file(named: str) -> Path:
     """A pipeline file's path, or a built-in pipeline's name (omni_serve/pipelines/NAME.toml)."""
     built_in = PIPELINES / f"{named}.toml"
-    if "/" not in named and not named.endswith(".toml") and built_in.is_file():
-        return built_in
-    return Path(named)
+    return built_in if _a_name(named) and built_in.is_file() else Path(named)
+
+
+def _a_name(named: str) -> bool:
+    return "/" not in named and not named.endswith(".toml")
 
 
 def built_in_pipelines() -> list[str]:
@@ -134,10 +142,13 @@ def with_model(config: ServeConfig, model: str, served_model_name: str | None = 
 
 
 def load_config(path: str | Path) -> ServeConfig:
-    path = pipeline_file(str(path)).resolve()
+    named, path = str(path), pipeline_file(str(path)).resolve()
     try:
         raw = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except OSError as exc:
+        hint = f" (built-in pipelines: {', '.join(built_in_pipelines())})" if _a_name(named) else ""
+        raise ConfigError(f"{path}: {exc}{hint}") from None
+    except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     top = {"served_model_name", "voices", "max_input_chars", "speech_prompt", "thinker_prompt", "register",
            "sample_rate", "stages", "talker_prompt"}
@@ -169,8 +180,7 @@ def load_config(path: str | Path) -> ServeConfig:
     voices = [str(v) for v in raw.get("voices", ["default"])]
     if not voices:
         raise ConfigError(f"{path}: voices must name at least one voice")
-    if len({v.lower() for v in voices}) != len(voices):  # a request names a voice in any case
-        raise ConfigError(f"{path}: voices {voices} name one voice twice (voices match in any case)")
+    check_voices(voices, str(path))
     if "served_model_name" not in raw or first_prompt not in raw:
         raise ConfigError(f"{path}: served_model_name and {first_prompt} are required")
     return ServeConfig(served_model_name=raw["served_model_name"], stages=stages, voices=voices,

@@ -69,7 +69,7 @@ sidecar = {{ hooks = {json.dumps(shipped["stages"]["talker"]["sidecar"]["hooks"]
 model = "{model}"
 placeholder_token = {shipped["stages"]["code2wav"]["placeholder_token"]}
 engine = {{ {ENGINE}, hf_overrides = {{ architectures = ["Qwen3TTSCode2Wav"] }} }}
-sidecar = {{ hooks = "omni-code2wav", options = {json.dumps(options).replace(":", " =")} }}
+sidecar = {{ hooks = "omni-code2wav", options = {{ {", ".join(f'{k} = "{v}"' for k, v in options.items())} }} }}
 ''')
     return path
 

@@ -910,6 +910,8 @@ def test_a_built_in_pipeline_by_name_and_model_puts_every_stage_on_one_checkpoin
 
     assert pipeline_file("qwen3-tts") == PIPELINES / "qwen3-tts.toml"
     assert pipeline_file("deploy/speech/tiny.toml") == Path("deploy/speech/tiny.toml")
+    with pytest.raises(ConfigError, match=r"built-in pipelines: qwen3-tts"):
+        load_config("qwen3-tss")  # a name mistyped: the names it could be
     shipped = load_config("qwen3-tts")
     hub = with_model(shipped, "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice")
     assert hub.served_model_name == "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"

@@ -14,7 +14,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from omni_serve.config import ConfigError, ServeConfig, load_callable
+from omni_serve.config import ConfigError, ServeConfig, check_voices, load_callable
 
 AUTO_LANGUAGE = "Auto"  # vllm-omni's "the model picks": every model takes it
 CUSTOM_VOICE = "CustomVoice"  # vllm-omni's task of a voice by name (its default task_type)
@@ -68,6 +68,5 @@ def load_speech_prompt(config: ServeConfig) -> SpeechPrompt:
         raise ConfigError(f"{config.path}: voices are {config.speech_prompt}'s (its model's speakers); "
                           "remove the file's voices")
     prompt = named(next(iter(config.stages.values())))
-    if len({v.lower() for v in prompt.voices}) != len(prompt.voices):
-        raise ConfigError(f"{config.speech_prompt}: voices {prompt.voices} name one voice twice (voices match in any case)")
+    check_voices(prompt.voices, config.speech_prompt)
     return prompt
