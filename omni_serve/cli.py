@@ -10,7 +10,8 @@
 
 Endpoints: POST /v1/audio/speech (OpenAI's speech API with vllm-omni's fields: model, input,
 voice, language, instructions, response_format wav|pcm|flac|mp3|opus, stream, stream_format
-sse|audio, max_new_tokens, seed); WS /v1/audio/speech/stream (vllm-omni's streaming-input protocol: session.config,
+sse|audio, max_new_tokens, seed; a Qwen3-TTS Base checkpoint's voice cloning: ref_audio, a data: or
+http(s) URL, with ref_text or x_vector_only_mode); WS /v1/audio/speech/stream (vllm-omni's streaming-input protocol: session.config,
 input.text, input.done, session.close); with a thinker stage, POST /v1/chat/completions
 (vllm-omni's chat answer: messages, modalities text|audio, voice or audio.voice, audio.format,
 sampling fields or vllm-omni's sampling_params_list, stream; the thinker's text and its speech); a
@@ -44,7 +45,7 @@ def parser():
     p = FlexibleArgumentParser(prog="omni-serve", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pipeline", required=True,
-                   help="a built-in pipeline's name (qwen3-tts: a Qwen3-TTS CustomVoice or VoiceDesign checkpoint "
+                   help="a built-in pipeline's name (qwen3-tts: a Qwen3-TTS CustomVoice, VoiceDesign or Base checkpoint "
                         "with vllm-omni's own classes, on a CUDA host) or a pipeline's TOML file "
                         "(deploy/speech/tiny.toml: the tiny CPU models, talker -> code2wav; "
                         "deploy/speech/tiny-thinker.toml: thinker -> talker -> code2wav; omni_serve/config.py "

@@ -51,9 +51,3 @@ class ChunkGrid:
             return None
         start = self.start(k)
         return start - min(left_context, start), start, min(frames, self.end(k))
-
-    def last_start_at_or_before(self, frame: int) -> int:
-        """The index of the last chunk starting at or before `frame` (0 for frame <= 0)."""
-        if frame < self.first:
-            return 0
-        return 1 + (frame - self.first) // self.size

@@ -67,8 +67,7 @@ def test_a_shorter_first_chunk_moves_every_later_chunk_and_keeps_the_whole_decod
     assert [grid.complete(f) for f in (0, 1, 4, 5, 9)] == [0, 1, 1, 2, 3]
     assert grid.ready(1, 3, final=True) and not grid.ready(1, 3, final=False) and grid.ready(1, 5, final=False)
     assert [grid.span(k, 11, 8) for k in range(5)] == [(0, 0, 1), (0, 1, 5), (0, 5, 9), (1, 9, 11), None]
-    assert grid.last_start_at_or_before(0) == 0 and grid.last_start_at_or_before(4) == 1
-    assert grid.last_start_at_or_before(5) == 2 and ChunkGrid(4).first == ChunkGrid(4, initial=4).first == 4
+    assert ChunkGrid(4).first == ChunkGrid(4, initial=4).first == 4
     with pytest.raises(ValueError):
         ChunkGrid(0)
     c = codes(17, 3)

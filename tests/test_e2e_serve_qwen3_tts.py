@@ -189,17 +189,17 @@ def test_a_voice_design_checkpoint_speaks_the_voice_its_instructions_describe(mo
             assert status == 400 and needle in json.loads(answer)["error"]["message"], answer
 
 
-def test_a_voice_cloning_checkpoint_is_refused_at_start_with_one_line(model, tmp_path):
-    """A Base checkpoint clones voices from reference audio, which this server does not serve: omni-serve
-    stops before any engine starts, saying so."""
-    base = _as_kind(model, tmp_path / "base", "base")
+def test_a_checkpoint_it_cannot_serve_is_refused_at_start_with_one_line(model, tmp_path):
+    """A CustomVoice checkpoint without speakers has no voice to speak in: omni-serve stops before any engine
+    starts, saying so."""
+    speakerless = _as_kind(model, tmp_path / "speakerless", "custom_voice")
     # The built-in pipeline, as a user names it, on this checkpoint; VLLM_PLUGINS unset, as a user may leave it.
     env = {k: v for k, v in child_env(**_env()).items() if k != "VLLM_PLUGINS"}
-    done = subprocess.run([sys.executable, "-m", "omni_serve", "--pipeline", "qwen3-tts", "--model", str(base),
+    done = subprocess.run([sys.executable, "-m", "omni_serve", "--pipeline", "qwen3-tts", "--model", str(speakerless),
                            "--run-dir", str(tmp_path / "run")], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "vllm-omni is installed: VLLM_PLUGINS=omni_sidecar_shim" in done.stderr  # its patches kept out
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("omni-serve: ") and "base checkpoint without built-in speakers" in last, last
-    assert "voice cloning is not served" in last and not list((tmp_path / "run").glob("*.sock"))
+    assert last.startswith("omni-serve: ") and "custom_voice checkpoint without built-in speakers" in last, last
+    assert "serves CustomVoice, VoiceDesign and Base checkpoints" in last and not list((tmp_path / "run").glob("*.sock"))

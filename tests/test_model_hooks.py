@@ -394,6 +394,33 @@ def test_the_sidecar_sends_states_with_int_keys_merges_updates_and_assembles_cod
         shim_arena.close()
 
 
+def test_a_voice_cloning_talkers_reference_codes_are_published_once_as_vllm_omnis_talker_publishes_them():
+    """Base: the model's preprocess writes `codes.ref` (and `meta.ref_code_len`) into the request's state at
+    its prefill; the talker hook set makes them outputs of the same names, once, for the code2wav stage."""
+    hooks = TalkerHooks()
+    session, shim_arena = _session(hooks)
+    try:
+        payload = {"model_intermediate_buffer": {"meta": {"tag": "t"}}}
+        session.step_begin(StepBegin(step=0, batch=packed_layout(["r"], [0, 2], [0], [2]), want_states=["r"],
+                                     new_requests=[NewRequest("r", 2, [3, 3], payload)]))
+        slots = HiddenSlots(shim_arena, 2)
+        reference = torch.arange(12).reshape(4, 3)
+        for step, update in ((1, {"codes": {"ref": reference}, "meta": {"ref_code_len": 4}}), (2, {"meta": {"k": 1}})):
+            slot = slots.claim(step, lambda s: None)
+            codes = torch.tensor([[step, 5, 6]])
+            (updates, outputs), tensors = _slot_trees(slot, {"r": update}, {"r": {"codes": {"audio": codes}}})
+            end = StepEnd(step=step, num_tokens=1, batch=packed_layout(None, [0, 1], [1 + step], [2]),
+                          model_updates=updates, model_outputs=outputs, tensors=tensors)
+            assert session.step_end(end).errors == []
+            slot.sent()
+        got = hooks.get_outputs("r")
+        assert got["codes.ref"].tolist() == reference.tolist() and got["meta.ref_code_len"] == 4
+        assert got["codes.audio"].tolist() == [[1, 5, 6], [2, 5, 6]]
+    finally:
+        session.close()
+        shim_arena.close()
+
+
 def test_requests_without_a_served_state_run_without_the_hooks():
     model = FakeTalker()
     bridge = ModelBridge(model, find_model_hooks(model))

@@ -240,6 +240,34 @@ def test_the_payload_is_vllm_omnis_additional_information():
         additional_information({"x": object()})
 
 
+@pytest.mark.parametrize("reference_frames", [0, 3, 20])
+def test_each_chunks_window_holds_the_chunk_and_the_left_context_before_it_reference_codes_first(reference_frames):
+    """What the code2wav hook set decodes of each chunk's window (its ChunkGrid cut) is the chunk's frames
+    and, before them, up to the left context of the frames before: the reference codes before the first."""
+    from types import SimpleNamespace
+
+    from omni_serve.speech.pipeline import REF_CODE_LEN, REF_CODES, Frames, SpeechPipeline
+    from omni_sidecar.hook_sets.omni.wire import decode_additional_information
+    from proto.chunk_grid import ChunkGrid
+
+    grid, left_context = ChunkGrid(4, initial=1), 6
+    frames = Frames()
+    reference = np.arange(100, 100 + 2 * reference_frames).reshape(-1, 2)
+    # The talker's assembled reference codes repeat (published each step): its length says where they end.
+    frames.set_reference({REF_CODES: np.concatenate([reference, reference]), REF_CODE_LEN: np.array([reference_frames])})
+    frames.set(np.arange(2 * 14).reshape(14, 2))
+    whole = np.concatenate([reference, frames.all()])
+    pipeline = SimpleNamespace(chunks=grid, left_context=left_context)
+    for k in range(grid.count(14)):
+        payload = decode_additional_information(SpeechPipeline._chunk_payload(pipeline, frames, k))
+        window, meta = payload["codes"]["audio"].numpy(), payload["meta"]
+        cut = ChunkGrid(meta["codec_chunk_frames"], meta["initial_codec_chunk_frames"])
+        first, start, end = cut.span(meta["codec_next_chunk"], window.shape[0], meta["codec_left_context_frames"])
+        new_start = reference_frames + grid.start(k)
+        assert window[start:end].tolist() == whole[new_start:reference_frames + min(14, grid.end(k))].tolist()
+        assert window[first:start].tolist() == whole[max(0, new_start - left_context):new_start].tolist()
+
+
 def test_the_config_names_its_stages_in_order_and_refuses_unknown_keys(tmp_path):
     good = tmp_path / "good.toml"
     good.write_text('served_model_name = "m"\nspeech_prompt = "a:b"\n'
@@ -936,3 +964,22 @@ def test_omni_serve_keeps_vllm_omnis_entry_point_out_unless_told_otherwise(monke
     assert cli.plugin_defaults() == "omni_sidecar_shim" == os.environ["VLLM_PLUGINS"]
     monkeypatch.setenv("VLLM_PLUGINS", "omni_sidecar_shim,my_platform")
     assert cli.plugin_defaults() is None and os.environ["VLLM_PLUGINS"] == "omni_sidecar_shim,my_platform"
+
+
+def test_a_reference_is_read_as_vllm_omni_reads_it_mono_at_its_own_rate():
+    import base64
+
+    import soundfile
+
+    from omni_serve.speech.reference import BadReference, reference_audio
+
+    stereo = np.stack([np.linspace(-0.5, 0.5, 16000 * 2), np.full(16000 * 2, 0.25)], axis=1).astype(np.float32)
+    out = BytesIO()
+    soundfile.write(out, stereo, 16000, format="FLAC")
+    samples, rate = reference_audio("data:audio/flac;base64," + base64.b64encode(out.getvalue()).decode())
+    assert rate == 16000 and samples.dtype == np.float32 and samples.shape == (32000,)
+    np.testing.assert_allclose(samples, stereo.mean(axis=1), atol=1e-4)  # FLAC's 16 bits
+    for uri, needle in (("file:///tmp/x.wav", "base64 data URL"), ("data:audio/wav,abc", "not base64"),
+                        ("http://127.0.0.1:9/x.wav", "cannot fetch")):
+        with pytest.raises(BadReference, match=needle):
+            reference_audio(uri)

@@ -1,6 +1,7 @@
 #!/bin/sh
 # Speech serving side by side on one GPU (deploy/gpu/speech_serving.py says what and how):
 #   deploy/gpu/run_speech.sh BUNDLE_DIR OUT_DIR [LIMIT_S] [speech_serving.py options...]
+#   (with --clone, a Base checkpoint is built and requests clone voices from reference audio)
 # installs the bundle (built with BUNDLE_SM=90 BUNDLE_NO_JIT_HEADERS=1 BUNDLE_OMNI=1 BUNDLE_SERVE=1,
 # or an older one with the serving wheels in the repository's .whl/) into /tmp/omni-site
 # (deploy/gpu/site.sh), takes the tiny Qwen3-TTS checkpoint of the published layout from
@@ -35,10 +36,12 @@ W=$(mktemp -d /tmp/speech-XXXXXX)  # private: the sidecars' sockets live there
 # The carried checkpoint if it is this tree's (its stamp), else one built here. A server that cannot
 # import its front end exits at once: the run's notes name it, with its log's last line.
 STAMP=$(sed -n 's/^STAMP = "\(.*\)"$/\1/p' "$SRC/tests/tiny_models/qwen3_tts.py")
-if grep -qs "\"stamp\": \"$STAMP\"" "$SRC/.gpu-speech-model/omni_tiny.json"; then
+KIND=""  # --clone (speech_serving.py's): a Base checkpoint, built here
+case " $* " in *" --clone "*) KIND=--base ;; esac
+if [ -z "$KIND" ] && grep -qs "\"stamp\": \"$STAMP\"" "$SRC/.gpu-speech-model/omni_tiny.json"; then
   cp -r "$SRC/.gpu-speech-model" "$W/model" && chmod -R u+w "$W/model"  # speech_serving.py edits its config.json
   echo "checkpoint carried ($STAMP)"
-elif ! VLLM_PLUGINS=omni_sidecar_shim python3 -m tests.tiny_models.qwen3_tts "$W/model" > "$OUT/model.log" 2>&1; then
+elif ! VLLM_PLUGINS=omni_sidecar_shim python3 -m tests.tiny_models.qwen3_tts "$W/model" $KIND > "$OUT/model.log" 2>&1; then
   tail -30 "$OUT/model.log"; rm -rf "$W"; exit 1
 fi
 echo "checkpoint ready after $(( $(date +%s) - t0 )) s"

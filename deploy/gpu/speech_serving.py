@@ -2,6 +2,7 @@
 
   python3 deploy/gpu/speech_serving.py --model DIR --work DIR --result OUT/speech-serving.json
       [--limit-s S] [--servers vllm-omni,ours] [--levels 1,16,64] [--frames N]
+      [--clone]   (a Base checkpoint: each request clones the voice of reference audio, two references)
       [--ours-pipeline TOML [--voices A,B]]   (ours on that config instead, with its voices: the CPU
       check, deploy/speech/tiny.toml; Qwen3-Omni, deploy/speech/qwen3-omni-gpu.toml from run_qwen3_omni.sh)
 
@@ -77,6 +78,11 @@ SERVERS = ("ours", "vllm-omni")
 # CustomVoice speakers added to the tiny checkpoint (with_speakers): codec ids past the tiny talker's
 # specials (64..71), inside its vocabulary of 80.
 VOICES = {"vivian": 72, "ryan": 73}
+# With --clone (a Base checkpoint, tests/tiny_models/qwen3_tts.py's build_base): the "voices" requests take
+# in turn are references, each a clip (noise, 1.5 s at 24 kHz, seeded) and its transcript, sent inline as
+# vllm-omni's clients send them (ref_audio a base64 data URL); filled in by `references`.
+REFERENCES: dict[str, dict] = {}
+REFERENCE_SECONDS = 1.5
 LEVELS = (1, 16, 64)
 WAVEFORM_RTOL = 0.05  # bf16 decoders on different batch shapes (deploy/gpu/parity.py's CODE2WAV_RTOL)
 TEXTS = ["Hello there, this is a test of the speech server.", "Short one.",
@@ -374,8 +380,31 @@ async def _response(reader: asyncio.StreamReader, t0: float) -> Answer:
     return answer
 
 
+def references() -> dict[str, dict]:
+    """Two reference clips and their transcripts (--clone), as request fields."""
+    import base64
+    import io
+    import wave
+
+    import numpy as np
+
+    out = {}
+    for seed, name in enumerate(("ref-a", "ref-b")):
+        noise = np.random.default_rng(seed).uniform(-0.5, 0.5, int(REFERENCE_SECONDS * SAMPLE_RATE))
+        clip = io.BytesIO()
+        with wave.open(clip, "wb") as w:
+            w.setnchannels(1)
+            w.setsampwidth(2)
+            w.setframerate(SAMPLE_RATE)
+            w.writeframes((noise * 32767).astype("<i2").tobytes())
+        out[name] = {"task_type": "Base", "ref_text": f"The reference clip number {seed + 1}.",
+                     "ref_audio": "data:audio/wav;base64," + base64.b64encode(clip.getvalue()).decode()}
+    return out
+
+
 def speech_body(text: str, voice: str, frames: int, stream: bool) -> dict:
-    body = {"input": text, "voice": voice, "response_format": "pcm", "max_new_tokens": frames}
+    body = {"input": text, "response_format": "pcm", "max_new_tokens": frames}
+    body.update(REFERENCES[voice] if voice in REFERENCES else {"voice": voice})
     if stream:
         body.update(stream=True, stream_format="audio")
     return body
@@ -506,7 +535,7 @@ async def scrape_shares(server: "ServerProcess") -> dict[str, tuple[float, float
     return first_audio_shares(got.body.decode("utf-8", "replace")) if got.status == 200 else {}
 
 
-async def compare_waveforms(servers: dict[str, ServerProcess], frames: int, deadline: float,
+async def compare_waveforms(servers: dict[str, ServerProcess], frames: int, deadline: float, voices: list[str],
                             codes: Callable[[], dict[str, list]] | None = None) -> dict:
     """The same non-streaming requests to both, one at a time, each asked of each server twice (so a
     difference between the servers can be told from one server disagreeing with itself); samples
@@ -521,7 +550,7 @@ async def compare_waveforms(servers: dict[str, ServerProcess], frames: int, dead
         return float(np.abs(a[:n] - b[:n]).max()) if n else 0.0
 
     diffs, equal_len, peaks, failures, per_request = [], 0, [], [], []
-    pairs = [(text, voice) for text in TEXTS for voice in VOICES]
+    pairs = [(text, voice) for text in TEXTS for voice in voices]
     for text, voice in pairs:
         waves: dict[str, list[np.ndarray]] = {}
         for name in ("vllm-omni", "ours", "vllm-omni", "ours"):
@@ -644,7 +673,10 @@ async def run(args) -> dict:
     deadline = t_start + args.limit_s - STOP_RESERVE_S
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
-    if args.model is not None:
+    if args.clone:
+        REFERENCES.update(references())
+        args.voices = list(REFERENCES)
+    elif args.model is not None:
         with_speakers(args.model)
     results: dict = {"servers": list(args.servers), "levels": list(args.levels), "frames_per_request": args.frames,
                      "codes_identical": None, "codes_note": "not compared: both servers answer the same requests first",
@@ -688,7 +720,7 @@ async def run(args) -> dict:
                                        f"({time.monotonic() - t_start:.0f} s in)") from None
         if len(servers) == 2:
             codebooks = codec_codebooks(args.model) if args.model is not None else None
-            compared = await compare_waveforms(servers, args.frames, deadline,
+            compared = await compare_waveforms(servers, args.frames, deadline, args.voices,
                                                (lambda: served_codes(work, codebooks)) if codebooks else None)
             results["waveform"] = compared
             results["waveform_max_abs_diff"] = compared["waveform_max_abs_diff"]
@@ -747,6 +779,8 @@ def main() -> int:
     p.add_argument("--max-blocks", type=int, default=MAX_BLOCKS,
                    help="timed blocks per level at most (a block: each server's round twice, ABBA / BAAB)")
     p.add_argument("--sample-rate", type=int, default=SAMPLE_RATE, help="the servers' pcm rate (the CPU check's: 300)")
+    p.add_argument("--clone", action="store_true",
+                   help="the model is a Base checkpoint: requests clone the voices of two reference clips")
     p.add_argument("--voices", default=",".join(VOICES),
                    help="the voices requests name, in turn (with --ours-pipeline: that config's)")
     args = p.parse_args()

@@ -177,6 +177,9 @@ UNSUPPORTED = {
     "x_vector_only_mode": (None, False), "speaker_embedding": None, "extra_params": None, "non_streaming_mode": None,
     "speed": (1.0, None), "initial_codec_chunk_frames": None,  # the first chunk is the code2wav sidecar's option here
 }
+# A voice-cloning model's requests (vllm-omni's Base) take its reference fields.
+CLONING_FIELDS_HONOURED = {name: default for name, default in UNSUPPORTED.items()
+                           if name not in ("ref_audio", "ref_text", "x_vector_only_mode")}
 
 
 class Refused(ValueError):

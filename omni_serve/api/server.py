@@ -30,13 +30,14 @@ from vllm.logger import init_logger
 from omni_serve.api import audio
 from omni_serve.api.chat import ChatInput, Part, TextDeltas, Tokenizer, chat_input, chat_sse, completion
 from omni_serve.api.metrics import SpeechMetrics
-from omni_serve.api.protocol import (Refused, SpeechRequest, ThinkerPrompt, check_prompt_length,
-                                     error_body, unsupported_fields, validated, voice_index)
+from omni_serve.api.protocol import (CLONING_FIELDS_HONOURED, Refused, SpeechRequest, ThinkerPrompt,
+                                     check_prompt_length, error_body, unsupported_fields, validated, voice_index)
 from omni_serve.api.speech_stream import serve_session
 from omni_serve.config import ServeConfig, load_callable
 from omni_serve.speech.codes_log import CodesLog
 from omni_serve.speech.prompts import AUTO_LANGUAGE, SpeechPrompt, TextVoicePrompt, load_speech_prompt
 from omni_serve.speech.pipeline import SpeechJob, SpeechPipeline, Stage, StageFailed, ThinkerStage, stop_soon
+from omni_serve.speech.reference import URI_FORMS, BadReference, VoiceReference, reference_audio
 from omni_serve.stages.link import AsyncSidecarClient
 from omni_serve.stages.sidecars import SidecarProcess
 from proto.capabilities import HookNeeds
@@ -88,9 +89,10 @@ def speech_input(body: bytes, config: ServeConfig, prompt: SpeechPrompt,
     if request.sample_rate not in (None, config.sample_rate):
         raise Refused(f"sample_rate {request.sample_rate} is not supported; this model makes "
                       f"{config.sample_rate} Hz", param="sample_rate")
-    refused = unsupported_fields(request)
+    refused = unsupported_fields(request, CLONING_FIELDS_HONOURED if prompt.clones_voices else None)
     if refused:
         raise Refused(f"not supported by this model: {', '.join(refused)}", param=refused[0])
+    reference = voice_reference(request) if prompt.clones_voices else None
     # vllm-omni's rule (and the OpenAI SDK's, which sends stream_format alone): a stream_format streams.
     stream = request.stream or request.stream_format is not None
     if stream and request.response_format not in audio.STREAMED_FORMATS:
@@ -104,13 +106,33 @@ def speech_input(body: bytes, config: ServeConfig, prompt: SpeechPrompt,
     if frames > talker.max_tokens:
         raise Refused(f"max_new_tokens {frames} is above this server's limit of {talker.max_tokens}",
                       param="max_new_tokens")
-    prompt_ids, payload = prompt(text, voice, language, instructions)
+    prompt_ids, payload = prompt(text, voice, language, instructions, reference)
     check_prompt_length(prompt_ids, max_prompt_tokens, "input")
     counted = prompt.text_tokens(text, instructions)
     job = SpeechJob(f"speech-{uuid.uuid4().hex}", prompt_ids, payload, frames, request.seed,
                     input_tokens=counted if counted is not None else text_tokens(config, prompt_ids, payload),
                     sampling={"talker": {"ignore_eos": True}} if request.ignore_eos else {})
     return SpeechInput(job, request.response_format, stream, request.stream_format != "audio")
+
+
+def voice_reference(request: SpeechRequest) -> VoiceReference:
+    """A voice-cloning request's reference audio, fetched and decoded, and its transcript (vllm-omni's
+    Base rules: the audio always, the transcript unless `x_vector_only_mode`). Blocking: a fetch."""
+    if request.ref_audio is None:
+        raise Refused("this model clones the voice of reference audio (a Base checkpoint): ref_audio is required",
+                      param="ref_audio")
+    if not isinstance(request.ref_audio, str):
+        raise Refused(f"ref_audio is one {URI_FORMS}", param="ref_audio")
+    x_vector_only = bool(request.x_vector_only_mode)
+    text = request.ref_text or ""
+    if not x_vector_only and not text.strip():
+        raise Refused("ref_text (the reference audio's transcript) is required unless x_vector_only_mode is true",
+                      param="ref_text")
+    try:
+        audio, rate = reference_audio(request.ref_audio)
+    except BadReference as exc:
+        raise Refused(str(exc), param="ref_audio") from None
+    return VoiceReference(audio, rate, "" if x_vector_only else text, x_vector_only)
 
 
 def spoken_language(language: str | None, prompt: SpeechPrompt) -> str:
@@ -440,11 +462,16 @@ def build_app(server: SpeechServer, api_keys: list[str] | None = None) -> FastAP
     async def metrics() -> Response:
         return Response(server.observe(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    async def checked_speech(body: bytes) -> SpeechInput:
+        if server.prompt.clones_voices:  # its reference audio fetched and decoded off the event loop
+            return await asyncio.to_thread(speech_input, body, config, server.prompt, server.max_prompt_tokens)
+        return speech_input(body, config, server.prompt, server.max_prompt_tokens)
+
     @app.post("/v1/audio/speech")
     async def speech(request: Request) -> Response:
         arrived = time.monotonic()
         try:
-            got = speech_input(await request.body(), config, server.prompt, server.max_prompt_tokens)
+            got = await checked_speech(await request.body())
         except Refused as exc:
             return _refusal(exc)
         chunks = server.audio(got.job, arrived)
@@ -460,8 +487,8 @@ def build_app(server: SpeechServer, api_keys: list[str] | None = None) -> FastAP
 
     @app.websocket("/v1/audio/speech/stream")
     async def speech_stream(websocket: WebSocket) -> None:
-        def check(body: dict[str, Any]) -> SpeechInput:
-            return speech_input(json.dumps(body).encode(), config, server.prompt, server.max_prompt_tokens)
+        async def check(body: dict[str, Any]) -> SpeechInput:
+            return await checked_speech(json.dumps(body).encode())
 
         await serve_session(websocket, check, server.audio, config.sample_rate, config.max_input_chars)
 

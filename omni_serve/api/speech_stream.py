@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 import numpy as np
 from fastapi import WebSocket, WebSocketDisconnect
@@ -49,7 +49,7 @@ MAX_TEXT_CHARS = 128 << 10
 STREAM_AUDIO, WORD_TIMESTAMPS = "stream_audio", "word_timestamps"
 _FLAG = TypeAdapter(bool)  # "true", 1, ...: as leniently as vllm-omni's pydantic config reads them
 
-Check = Callable[[dict[str, Any]], "SpeechInput"]  # a speech request body -> SpeechInput, else Refused
+Check = Callable[[dict[str, Any]], Awaitable["SpeechInput"]]  # a speech request body -> SpeechInput, else Refused
 Synthesize = Callable[[SpeechJob, float], AsyncIterator[np.ndarray]]
 
 
@@ -63,7 +63,7 @@ def _flag(fields: dict[str, Any], name: str) -> bool:
 class SessionConfig:
     """A session's speech request fields, checked as /v1/audio/speech checks them."""
 
-    def __init__(self, message: dict[str, Any], check: Check) -> None:
+    def __init__(self, message: dict[str, Any]) -> None:
         fields = {k: v for k, v in message.items() if k != "type"}
         self.stream_audio = _flag(fields, STREAM_AUDIO)
         if _flag(fields, WORD_TIMESTAMPS):
@@ -75,11 +75,17 @@ class SessionConfig:
             if name in fields:
                 raise Refused(f"session.config takes no {name}: {STREAM_AUDIO} says whether audio streams")
         self.fields = fields
-        probe = check(self.body("ping"))  # every field checked now, as a flush sends them
-        self.response_format = probe.response_format
-        if self.stream_audio and self.response_format != "pcm":
+        self.response_format = ""
+
+    @classmethod
+    async def checked(cls, message: dict[str, Any], check: Check) -> "SessionConfig":
+        """The config, every field checked now, as a flush sends them."""
+        config = cls(message)
+        config.response_format = (await check(config.body("ping"))).response_format
+        if config.stream_audio and config.response_format != "pcm":
             raise Refused(f"{STREAM_AUDIO}=true sends PCM as it is made: set response_format='pcm' "
-                          f"(got {self.response_format!r})")
+                          f"(got {config.response_format!r})")
+        return config
 
     def body(self, text: str) -> dict[str, Any]:
         return {**self.fields, "input": text, "stream": self.stream_audio}
@@ -110,7 +116,7 @@ async def serve_session(websocket: WebSocket, check: Check, synthesize: Synthesi
                     if text_parts:
                         raise Refused("session.config cannot change a session while text is buffered; "
                                       "send input.done first")
-                    config = SessionConfig(message, check)
+                    config = await SessionConfig.checked(message, check)
                 elif config is None:
                     raise Refused(f"the first message must be session.config, got {kind!r}")
                 elif kind == "input.text":
@@ -192,7 +198,7 @@ async def _utterance(websocket: WebSocket, config: SessionConfig, text: str, ind
     await websocket.send_json(start)
     sent, failed = 0, False
     try:
-        got = check(config.body(text))
+        got = await check(config.body(text))
     except Refused as exc:  # the text's own fault (a prompt too long, ...): the session serves on
         failed = True
         await _error(websocket, str(exc))

@@ -16,7 +16,9 @@ Its codec frames are read from the talker's sidecar (the assembled `codes.audio`
 upgrade hands over whole) after each of its engine outputs. Each chunk of frames becomes its own one-step code2wav request, added as
 soon as the chunk's frames are there: its payload holds a window of the frames ending with the
 chunk (its left context among them) and `meta.codec_next_chunk`, the chunk of that window the
-omni-code2wav hook set decodes. So code2wav never waits inside the engine (no step spent on a request whose
+omni-code2wav hook set decodes. A voice-cloning request's reference codes (vllm-omni's Base talker's
+`codes.ref` in context mode) come before its first frame: the left context of its first chunks, never
+audio of the answer (as vllm-omni's talker -> code2wav hand-over prepends them). So code2wav never waits inside the engine (no step spent on a request whose
 codes are not there yet, no driver gating steps), chunks of one request overlap the talker and
 each other, and the audio comes out chunk by chunk, read from the code2wav sidecar.
 
@@ -48,6 +50,10 @@ from proto.chunk_grid import ChunkGrid
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL
 
 CODES = "codes.audio"  # the talker sidecar's assembled output: [frames, Q] codec frames
+# A voice-cloning talker's reference codes [frames, Q] and their length (the omni-talker hook set's
+# outputs, as vllm-omni's talker publishes them): the first REF_CODE_LEN frames, as vllm-omni's
+# talker -> code2wav hand-over crops them.
+REF_CODES, REF_CODE_LEN = "codes.ref", "meta.ref_code_len"
 WAVEFORM = "waveform"  # the code2wav sidecar's assembled output: [samples, 1] float32
 FOLLOW_TIMEOUT_S = 30.0  # a stage whose sidecar has not finished a request this long after its engine did
 RELEASE_TIMEOUT_S = 60.0
@@ -136,6 +142,7 @@ class Frames:
     """The talker's frames of one request as they come."""
 
     codes: np.ndarray | None = None  # [frames, Q]: the talker sidecar's assembled codes so far (in the codebook)
+    reference: np.ndarray | None = None  # [frames, Q]: the codes of a voice-cloning request's reference audio
     ended: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     # The codec's codebook size (0: every frame is one): a frame with a code outside it is not
@@ -156,6 +163,19 @@ class Frames:
     def all(self) -> np.ndarray:
         assert self.codes is not None
         return self.codes
+
+    def set_reference(self, outputs: dict[str, Any]) -> None:
+        """The reference codes in the talker's outputs, once (they come with its first step's)."""
+        codes, length = outputs.get(REF_CODES), outputs.get(REF_CODE_LEN)
+        if self.reference is not None or codes is None or codes.ndim != 2 or length is None:
+            return
+        self.reference = codes[: int(np.asarray(length).reshape(-1)[0])]
+
+    def with_reference(self) -> tuple[np.ndarray, int]:
+        """The reference codes and the answer's as one sequence, and where the answer's begin."""
+        if self.reference is None or not self.reference.shape[0]:
+            return self.all(), 0
+        return np.concatenate([self.reference.astype(self.all().dtype), self.all()]), int(self.reference.shape[0])
 
 
 async def engine_outputs(stage: "Stage", outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -212,8 +232,9 @@ class SpeechPipeline:
     # Each stage's share of a request's first audio, (stage, seconds): the thinker's whole request,
     # the talker's start to its first chunk's frames, code2wav's first chunk request to its waveform.
     first_audio_share: Callable[[str, float], None] = lambda stage, seconds: None
-    # A request's codes [frames, Q] once it has been served whole (omni-serve --codes-log).
-    finished_codes: Callable[[str, np.ndarray], None] | None = None
+    # A request's codes [frames, Q] and its reference codes (None: no voice cloned from audio), once
+    # it has been served whole (omni-serve --codes-log).
+    finished_codes: Callable[[str, np.ndarray, np.ndarray | None], None] | None = None
     _releases: set[asyncio.Task] = field(default_factory=set, init=False, repr=False)
 
     @property
@@ -239,7 +260,7 @@ class SpeechPipeline:
                     yield chunk
             await talker_task  # its failure, if it failed after its last frame
             if self.finished_codes is not None and frames.count:
-                self.finished_codes(job.request_id, frames.all())
+                self.finished_codes(job.request_id, frames.all(), frames.reference)
         finally:
             # No await in here: a client gone cancels the handler's scope, and every await in it
             # would raise again before the rest ran. The tasks end themselves (aborting their
@@ -383,13 +404,15 @@ class SpeechPipeline:
                 # after until it is: a query per engine output, for every stream, is front-end and
                 # sidecar work that grows with the concurrency while no chunk is any nearer.
                 if tokens >= self.chunks.end(self.chunks.complete(frames.count)):
-                    codes, _ = await self._assembled(self.talker, job.request_id, CODES)
-                    frames.set(codes)
+                    outputs, _ = await self._outputs(self.talker, job.request_id)
+                    frames.set_reference(outputs)  # before the frames: chunk 0 takes it as context
+                    frames.set(outputs.get(CODES))
                     note_first_chunk(ended=False)
             # The last steps' frames reach the sidecar after the engine's last output.
             async for _ in patiently("talker", "its sidecar never finished the request's codes"):
-                codes, finished = await self._assembled(self.talker, job.request_id, CODES)
-                frames.set(codes)
+                outputs, finished = await self._outputs(self.talker, job.request_id)
+                frames.set_reference(outputs)
+                frames.set(outputs.get(CODES))
                 note_first_chunk(ended=finished)
                 if finished:
                     break
@@ -406,19 +429,18 @@ class SpeechPipeline:
         return self.chunks.count(frames.count) if frames.ended else self.chunks.complete(frames.count)
 
     def _chunk_payload(self, frames: Frames, k: int) -> dict[str, Any]:
-        """Chunk k's request: a window of the frames that ends with the chunk and starts the left
-        context early, at the start of a chunk (so the chunk is a whole chunk index of the window,
-        `codec_next_chunk`, and the hook set cuts exactly the left context it would in the whole
-        codes): its payload stays a few chunks long however long the audio."""
-        start, end = self.chunks.start(k), min(frames.count, self.chunks.end(k))
-        i = self.chunks.last_start_at_or_before(max(0, start - self.left_context))
-        first = self.chunks.start(i)
-        codes = frames.all()[first:end].astype(np.int64)
-        # From the window's first frame on, its chunks: the stream's own (i = 0), else all of one size.
-        initial = self.chunks.first if i == 0 else self.chunks.size
-        return additional_information({"codes": {"audio": codes},
-                                       "meta": {"codec_next_chunk": k - i, "codec_chunk_frames": self.chunks.size,
-                                                "initial_codec_chunk_frames": initial,
+        """Chunk k's request: the chunk's frames and the left context before them (the reference codes
+        first, where a voice-cloning request has them), as a window of two chunks, the context and the
+        chunk: the hook set decodes the second (`codec_next_chunk` 1) and cuts the context's samples, as
+        it would in the whole codes. Its payload stays a chunk and a context long however long the audio."""
+        codes, begins = frames.with_reference()
+        start, end = begins + self.chunks.start(k), begins + min(frames.count, self.chunks.end(k))
+        first = max(0, start - self.left_context)
+        context = start - first  # 0: the window is the chunk alone, its chunk 0
+        return additional_information({"codes": {"audio": codes[first:end].astype(np.int64)},
+                                       "meta": {"codec_next_chunk": 1 if context else 0,
+                                                "codec_chunk_frames": end - start,
+                                                "initial_codec_chunk_frames": context,
                                                 "codec_left_context_frames": self.left_context}})
 
     def _code2wav_params(self, payload: dict[str, Any] | None) -> SamplingParams:

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from omni_serve.config import ConfigError, ServeConfig, check_voices, load_callable
+from omni_serve.speech.reference import VoiceReference
 
 AUTO_LANGUAGE = "Auto"  # vllm-omni's "the model picks": every model takes it
 CUSTOM_VOICE = "CustomVoice"  # vllm-omni's task of a voice by name (its default task_type)
+BASE = "Base"  # vllm-omni's task of a voice cloned from a request's reference audio
 Prompt = Callable[[str, int], tuple[list[int], dict]]  # text, voice index -> the first stage's prompt ids, payload
 
 
@@ -29,10 +31,13 @@ class SpeechPrompt(Protocol):
     max_instructions_chars: int  # 0: a request's `instructions` must be empty
     instructions_required: bool  # the voice is described in the instructions (vllm-omni's VoiceDesign)
     task_type: str  # vllm-omni's task it serves: a request's `task_type` is this or absent
+    clones_voices: bool  # every request brings its voice as reference audio (vllm-omni's Base)
 
-    def __call__(self, text: str, voice: int, language: str, instructions: str) -> tuple[list[int], dict[str, Any]]:
+    def __call__(self, text: str, voice: int, language: str, instructions: str,
+                 reference: VoiceReference | None = None) -> tuple[list[int], dict[str, Any]]:
         """The prompt ids and payload for `text` in voice `voice` (an index into `voices`), `language`
-        ("Auto" or one of `languages`) and `instructions` ("" for none)."""
+        ("Auto" or one of `languages`) and `instructions` ("" for none); `reference` the voice to
+        clone (given exactly when `clones_voices`)."""
         ...
 
     def text_tokens(self, text: str, instructions: str) -> int | None:
@@ -51,8 +56,10 @@ class TextVoicePrompt:
     max_instructions_chars: int = 0
     instructions_required: bool = False
     task_type: str = CUSTOM_VOICE
+    clones_voices: bool = False
 
-    def __call__(self, text: str, voice: int, language: str, instructions: str) -> tuple[list[int], dict[str, Any]]:
+    def __call__(self, text: str, voice: int, language: str, instructions: str,
+                 reference: VoiceReference | None = None) -> tuple[list[int], dict[str, Any]]:
         return self.function(text, voice)
 
     def text_tokens(self, text: str, instructions: str) -> int | None:

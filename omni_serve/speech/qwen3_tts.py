@@ -7,25 +7,35 @@ it reads that checkpoint as vllm-omni's server does (`_load_supported_speakers`,
 `codec_language_id`'s, title-cased; a request that names no voice gets vllm-omni's default speaker.
 A VoiceDesign checkpoint (config.json's `tts_model_type` "voice_design") has no speakers: a request
 describes the voice in `instructions` (required, as vllm-omni requires them) and names none (one it
-names is ignored, as vllm-omni ignores it). A request becomes vllm-omni's talker request
+names is ignored, as vllm-omni ignores it). A Base checkpoint ("base") clones the voice of a request's
+reference audio (`ref_audio`, with its transcript `ref_text` unless `x_vector_only_mode`): the audio
+reaches the talker as vllm-omni's server hands it over (`[[samples, rate]]`; its talker makes the
+speaker embedding and, in context mode, the reference codes, which the code2wav stage then decodes
+as the answer's left context). A request becomes vllm-omni's talker request
 (`_build_tts_params`, read, not imported: that module needs vllm-omni's patches): the text, speaker
 (lowercased, as vllm-omni's check leaves it), language and instructions as strings in the payload's
 `additional_information` (the talker tokenizes them itself), and `[1] * n` as the prompt, n from
 vllm-omni's own `Qwen3TTSPromptEmbedsBuilder.estimate_prompt_len_from_additional_information`
 (imported with vllm-omni's package stood in: no patch) with the checkpoint's tokenizer.
-Voice cloning (Base checkpoints, `ref_audio`) is not served.
+Voice uploads and precomputed `speaker_embedding`s are not served.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import sys
+from pathlib import Path
 from typing import Any
 
 from omni_serve.config import ConfigError, StageSpec
-from omni_serve.speech.prompts import CUSTOM_VOICE
+from omni_serve.speech.prompts import BASE, CUSTOM_VOICE
+from omni_serve.speech.reference import VoiceReference
 
 VOICE_DESIGN = "VoiceDesign"  # vllm-omni's task for a voice described in the instructions
 VOICE_DESIGN_MODEL = "voice_design"  # config.json's tts_model_type of those checkpoints
+BASE_MODEL = "base"  # config.json's tts_model_type of the voice-cloning checkpoints
+SPEECH_TOKENIZER_CONFIG = "speech_tokenizer/config.json"  # its codec's frame rate (vllm-omni's capabilities)
 PLACEHOLDER = 1  # vllm-omni's placeholder prompt id
 DEFAULT_VOICE = "vivian"  # vllm-omni's speaker for a CustomVoice request that names none
 MAX_INSTRUCTIONS_CHARS = 500  # vllm-omni's default (_TTS_MAX_INSTRUCTIONS_LENGTH)
@@ -68,31 +78,48 @@ class Qwen3TTSPrompt:
         talker = config.talker_config
         speakers = dict(getattr(talker, "spk_id", None) or {})
         kind = getattr(config, "tts_model_type", "")
+        self.clones_voices = kind == BASE_MODEL
+        self._codec_frame_rate = 0.0
         if kind == VOICE_DESIGN_MODEL:
             self.task_type, self.instructions_required, self.voices = VOICE_DESIGN, True, []
+        elif self.clones_voices:
+            self.task_type, self.instructions_required, self.voices = BASE, False, []
+            self._codec_frame_rate = codec_frame_rate(stage, talker)
         elif speakers:
             self.task_type, self.instructions_required = CUSTOM_VOICE, False
             # The default voice first: vllm-omni's, Vivian, where the checkpoint has her (as the published ones do).
             self.voices = sorted((str(name) for name in speakers), key=lambda name: name.lower() != DEFAULT_VOICE)
         else:
             raise ConfigError(f"{stage.model} is a Qwen3-TTS {kind or '?'} checkpoint without built-in speakers: "
-                              "this server serves CustomVoice and VoiceDesign checkpoints (voice cloning is not served)")
+                              "this server serves CustomVoice, VoiceDesign and Base checkpoints")
         self._language_ids = dict(getattr(talker, "codec_language_id", None) or {})
         self.languages = sorted(str(language).title() for language in self._language_ids)
         self._dialects = dict(getattr(talker, "spk_is_dialect", None) or {})
         self._builder = Qwen3TTSPromptEmbedsBuilder
 
-    def additional_information(self, text: str, voice: int, language: str, instructions: str) -> dict[str, Any]:
-        """vllm-omni's `_build_tts_params` for a request of a built-in speaker (CustomVoice) or of a voice
-        its instructions describe (VoiceDesign, no speaker)."""
+    def additional_information(self, text: str, voice: int, language: str, instructions: str,
+                               reference: VoiceReference | None = None) -> dict[str, Any]:
+        """vllm-omni's `_build_tts_params` for a request of a built-in speaker (CustomVoice), of a voice
+        its instructions describe (VoiceDesign, no speaker) or of its reference audio (Base; vllm-omni's
+        `build`: the audio resolved to `[[samples, rate]]`, the reference codes' length estimated)."""
         info: dict[str, Any] = {"text": [text], "task_type": [self.task_type], "language": [language]}
         if self.voices:
             info.update(speaker=[self.voices[voice].lower()], voice_created_at=[0])
         info["instruct"] = [instructions]
+        if reference is not None:
+            if not reference.x_vector_only:
+                info["ref_text"] = [reference.text]
+            info["x_vector_only_mode"] = [reference.x_vector_only]
+            samples = int(reference.audio.shape[0])
+            info["ref_code_length"] = [math.ceil(samples / reference.sample_rate * self._codec_frame_rate)]
+            info["ref_audio"] = [[reference.audio.tolist(), reference.sample_rate]]
         return info
 
-    def __call__(self, text: str, voice: int, language: str, instructions: str) -> tuple[list[int], dict[str, Any]]:
-        info = self.additional_information(text, voice, language, instructions)
+    def __call__(self, text: str, voice: int, language: str, instructions: str,
+                 reference: VoiceReference | None = None) -> tuple[list[int], dict[str, Any]]:
+        if self.clones_voices and reference is None:
+            raise ValueError("a Base checkpoint's request brings its reference audio")
+        info = self.additional_information(text, voice, language, instructions, reference)
         n = self._builder.estimate_prompt_len_from_additional_information(
             additional_information=info, task_type=self.task_type, tokenize_prompt=self._tokens,
             codec_language_id=self._language_ids, spk_is_dialect=self._dialects, estimate_ref_code_len=None)
@@ -104,3 +131,21 @@ class Qwen3TTSPrompt:
 
     def _tokens(self, text: str) -> list[int]:
         return self._tokenizer(text, padding=False)["input_ids"]
+
+
+def codec_frame_rate(stage: StageSpec, talker: Any) -> float:
+    """Codec frames a second of reference audio makes, as vllm-omni's server reads it: the speech
+    tokenizer's output rate over its encoder's downsampling, else the talker's positions a second."""
+    from transformers.utils import cached_file
+
+    try:
+        path = cached_file(stage.model, SPEECH_TOKENIZER_CONFIG, revision=stage.engine.get("revision"),
+                           _raise_exceptions_for_missing_entries=False)
+        codec = json.loads(Path(path).read_text()) if path else {}
+        return float(codec["output_sample_rate"]) / float(codec["encode_downsample_rate"])
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        rate = float(getattr(talker, "position_id_per_seconds", 0) or 0)
+        if rate <= 0:
+            raise ConfigError(f"{stage.model}: no codec frame rate in {SPEECH_TOKENIZER_CONFIG} or the talker's "
+                              "position_id_per_seconds (a Base checkpoint needs one)") from None
+        return rate

@@ -17,7 +17,8 @@ vLLM platform, CPU included) through the shim's loader (worker_shim/omni_models/
 vllm-omni patch), their parameters get seeded random values, and vLLM's fused names
 (`qkv_proj`, `gate_up_proj`, padded vocabularies) are split back into the checkpoint's.
 
-  python -m tests.tiny_models.qwen3_tts OUT_DIR    (vllm + an installed vllm-omni importable)
+  python -m tests.tiny_models.qwen3_tts OUT_DIR [--base]   (vllm + an installed vllm-omni importable;
+                                                            --base: a Base checkpoint, `build_base`)
 """
 
 from __future__ import annotations
@@ -88,19 +89,20 @@ DECODER_SCALE = 0.5  # speech_tokenizer/model.safetensors
 STAMP = "tiny-qwen3-tts-v2"
 
 
-def write_configs(path: Path) -> None:
+def write_configs(path: Path, kind: str = "voice_design", speaker_encoder: dict | None = None,
+                  speech_tokenizer: dict | None = None) -> None:
     (path / "speech_tokenizer").mkdir(parents=True, exist_ok=True)
-    config = dict(architectures=[ARCH], model_type="qwen3_tts", tts_model_type="voice_design",
+    config = dict(architectures=[ARCH], model_type="qwen3_tts", tts_model_type=kind,
                   tokenizer_type="qwen3_tts_tokenizer_12hz", tts_model_size="tiny", torch_dtype="bfloat16",
                   im_start_token_id=IM_START, im_end_token_id=IM_END, tts_pad_token_id=TTS_PAD,
                   tts_bos_token_id=TTS_BOS, tts_eos_token_id=TTS_EOS, talker_config=TALKER,
-                  speaker_encoder_config=SPEAKER_ENCODER)
+                  speaker_encoder_config=speaker_encoder or SPEAKER_ENCODER)
     (path / "config.json").write_text(json.dumps(config, indent=1))
     (path / "generation_config.json").write_text(json.dumps(dict(
         do_sample=True, temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05, subtalker_dosample=True,
         subtalker_temperature=0.9, subtalker_top_k=50, subtalker_top_p=1.0, max_new_tokens=256), indent=1))
     (path / "preprocessor_config.json").write_text(json.dumps(FEATURE_EXTRACTOR, indent=1))
-    (path / "speech_tokenizer" / "config.json").write_text(json.dumps(SPEECH_TOKENIZER, indent=1))
+    (path / "speech_tokenizer" / "config.json").write_text(json.dumps(speech_tokenizer or SPEECH_TOKENIZER, indent=1))
     (path / "speech_tokenizer" / "configuration.json").write_text(json.dumps({"framework": "pytorch",
                                                                              "task": "feature-extraction"}))
     (path / "speech_tokenizer" / "preprocessor_config.json").write_text(json.dumps(FEATURE_EXTRACTOR, indent=1))
@@ -223,12 +225,28 @@ def build_custom_voice(path: str | Path, seed: int = 0) -> Path:
     return path
 
 
-def build(path: str | Path, seed: int = 0) -> Path:
+# A Base (voice-cloning) checkpoint's speaker encoder takes vllm-omni's 128-band mel spectrogram and
+# gives the talker's hidden size, as the published one; its codec encoder makes 12.5 frames a second
+# of reference audio (24 kHz / 1920, as published), so a reference of a second or more fits the prompt,
+# and quantizes in its codebooks' width (Mimi's default, 256, is the published codebooks').
+BASE_SPEAKER_ENCODER = {**SPEAKER_ENCODER, "mel_dim": 128, "enc_dim": TALKER["hidden_size"]}
+BASE_SPEECH_TOKENIZER = {**SPEECH_TOKENIZER, "encode_downsample_rate": 1920,
+                         "encoder_config": {**SPEECH_TOKENIZER["encoder_config"], "upsampling_ratios": [8, 6, 5, 4],
+                                            "frame_rate": 12.5, "vector_quantization_hidden_dimension": 8}}
+
+
+def build_base(path: str | Path, seed: int = 0) -> Path:
+    """The tiny checkpoint as a Base one: no speakers, its voice cloned from a request's reference audio."""
+    return build(path, seed, kind="base", speaker_encoder=BASE_SPEAKER_ENCODER, speech_tokenizer=BASE_SPEECH_TOKENIZER)
+
+
+def build(path: str | Path, seed: int = 0, **configs: Any) -> Path:
+    """`configs`: write_configs' (another kind of checkpoint)."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    write_configs(path)
+    write_configs(path, **configs)
     write_tokenizer(path)
     talker_model, code2wav_model = build_vllm_omni_models(path)
     state = random_state(talker_model, seed)
@@ -242,4 +260,4 @@ def build(path: str | Path, seed: int = 0) -> Path:
 
 
 if __name__ == "__main__":
-    print(build(sys.argv[1]))
+    print(build_base(sys.argv[1]) if "--base" in sys.argv[2:] else build(sys.argv[1]))

@@ -12,8 +12,11 @@ talker_mtp, postprocess), which the shim calls in the vLLM process
 request's payload is decoded into the state the model reads (sent to the shim once),
 the model's per-step updates are merged into that state (so it survives a hot
 upgrade), and its code-predictor codes are assembled per request as `codes.audio`
-[decode steps, codebooks], streamed per step. It needs no hidden states and no
-blocking exchange except on steps that bring new requests.
+[decode steps, codebooks], streamed per step. A voice-cloning request's reference codes,
+which the model's preprocess writes into its state (`codes.ref`, `meta.ref_code_len`), are
+published once as outputs of the same names, as vllm-omni's talker publishes them for its
+code2wav stage (`make_omni_output`, which vllm-omni's runner calls and upstream's does not).
+It needs no hidden states and no blocking exchange except on steps that bring new requests.
 """
 
 from __future__ import annotations
@@ -22,10 +25,13 @@ from typing import Any
 
 import torch
 
+from omni_sidecar.hook_api.hook_set import HookErrors
+from omni_sidecar.hook_sets.omni.outputs import own_copy
 from omni_sidecar.hook_sets.omni.state_hooks import DEFAULT_RESIDENT_KEYS, OmniStateHooks
 from proto.messages import HookNeeds
 
 PROMPT_LEN = "prompt_len"  # output value: the request's prompt rows, in its first chunk
+REF_CODES, REF_CODE_LEN = "codes.ref", "meta.ref_code_len"  # a voice-cloning talker's reference codes
 
 
 class ThinkerHooks(OmniStateHooks):
@@ -51,3 +57,19 @@ class TalkerHooks(OmniStateHooks):
         super().__init__(state_cap_mib=state_cap_mib, resident_keys=resident_keys)
         self.needs = HookNeeds(pre_forward="never", hidden_states=False, prefix_cache_safe=False,
                                model_states=True)
+
+    def on_model_results(self, updates: dict[str, dict[str, Any]], outputs: dict[str, dict[str, Any]]) -> None:
+        failed: dict[str, str] = {}
+        try:
+            super().on_model_results(updates, outputs)
+        except HookErrors as exc:
+            failed = exc.errors
+            raise
+        finally:
+            for req_id, update in updates.items():
+                codes = update.get("codes") if isinstance(update, dict) and req_id not in failed else None
+                reference = codes.get("ref") if isinstance(codes, dict) else None
+                if isinstance(reference, torch.Tensor) and reference.dim() == 2 and reference.shape[0]:
+                    length = update.get("meta", {}).get("ref_code_len", reference.shape[0])
+                    self.log.add(req_id, {REF_CODES: own_copy(reference), REF_CODE_LEN: int(length)},
+                                 self.current_step)

@@ -2,6 +2,6 @@
 
 No torchaudio build exists for the CPU torch these tests run (torch 2.13.0+cpu; PyPI's
 torchaudio wheels pull a CUDA torch), and vllm-omni's `utils/audio.py` imports
-`torchaudio.functional.melscale_fbanks` at import time. The tests never compute a mel
-spectrogram (no reference audio), so the function only says it is missing.
+`torchaudio.functional.melscale_fbanks` at import time; its mel filters are written here (functional.py)
+for the voice-cloning tests, whose speaker encoder reads a mel spectrogram of the reference audio.
 """

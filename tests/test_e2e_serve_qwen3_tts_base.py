@@ -1,0 +1,161 @@
+"""omni-serve on a Qwen3-TTS Base checkpoint: the voice cloned from a request's reference audio, as vllm-omni
+serves it (its own talker and code2wav classes, no patch; a real HTTP client).
+
+The tiny Base checkpoint (tests/tiny_models/qwen3_tts.py `build_base`: a speaker encoder of the talker's
+width, a codec encoder of 12.5 frames a second) behind omni_serve/pipelines/qwen3-tts.toml's prompt and
+hooks, sized for CPU as tests/test_e2e_serve_qwen3_tts.py sizes them. Greedy: a request's codes are a
+function of its prompt, which is how the reference audio and its transcript are seen to reach vllm-omni's
+talker (its speaker embedding; in context mode its reference codes too).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.support.procs import ROOT, child_env
+from tests.support.serve import serving
+from tests.test_e2e_serve_qwen3_tts import FRAMES, SAMPLES_PER_FRAME, TEXT, _config, _env
+
+pytestmark = pytest.mark.e2e
+RATE = 24000
+
+
+def _wav(seconds: float, seed: int) -> bytes:
+    import soundfile
+
+    noise = np.random.default_rng(seed).uniform(-0.5, 0.5, int(seconds * RATE)).astype(np.float32)
+    out = io.BytesIO()
+    soundfile.write(out, noise, RATE, format="WAV", subtype="PCM_16")
+    return out.getvalue()
+
+
+def _data_url(wav: bytes) -> str:
+    return "data:audio/wav;base64," + base64.b64encode(wav).decode()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("qwen3-tts-base") / "model"
+    done = subprocess.run([sys.executable, "-c", "import sys; from tests.tiny_models.qwen3_tts import "
+                           "build_base; build_base(sys.argv[1])", str(path)],
+                          env=child_env(**_env()), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    work = tmp_path_factory.mktemp("serve-qwen3-tts-base")
+    with serving(work, _config(work, model), _env()) as srv:
+        yield srv
+
+
+@pytest.fixture
+def web():
+    """A local web server for one reference clip (vllm-omni's examples name theirs by https URL)."""
+    clip = _wav(1.5, seed=3)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            found = self.path == "/clone.wav"
+            self.send_response(200 if found else 404)
+            self.send_header("Content-Type", "audio/wav")
+            self.end_headers()
+            if found:
+                self.wfile.write(clip)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", clip
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(5)
+
+
+def _clone(server, **fields) -> tuple[bytes, np.ndarray, np.ndarray | None]:
+    """A whole PCM answer, the codes the talker made for it and the reference codes decoded before them."""
+    from omni_serve.speech.codes_log import read_codes_log_references
+
+    status, pcm, _ = server.post({"input": TEXT, "response_format": "pcm", **fields})
+    assert status == 200, pcm[:1000]
+    return pcm, *read_codes_log_references(server.codes_log)[-1][1:]
+
+
+def test_a_base_checkpoint_speaks_in_the_voice_of_the_reference_audio(server, web):
+    assert json.loads(server.get("/v1/audio/voices")[1]) == {"voices": [], "uploaded_voices": []}
+    reference = _data_url(_wav(1.5, seed=1))
+    icl = {"task_type": "Base", "ref_audio": reference, "ref_text": "A voice to clone."}
+    pcm, codes, reference_codes = _clone(server, **icl)
+    assert codes.shape == (FRAMES, 4) and ((codes >= 0) & (codes < 64)).all(), codes
+    assert len(pcm) == FRAMES * SAMPLES_PER_FRAME * 2 and np.frombuffer(pcm, "<i2").std() > 30
+    # In context mode the talker encodes the reference (12.5 frames a second): its codes precede the answer's
+    # into code2wav, which never speaks them (the answer is its own frames' samples).
+    assert reference_codes is not None and reference_codes.shape == (math.ceil(1.5 * 12.5), 4), reference_codes
+    # Greedy: the same reference, the same codes and audio (the OpenAI SDK's voice ignored, as vllm-omni ignores it).
+    again, again_codes, again_reference = _clone(server, **icl, voice="alloy")
+    assert again == pcm and np.array_equal(again_codes, codes) and np.array_equal(again_reference, reference_codes)
+    # The reference reaches the talker: another clip, or another transcript, other codes.
+    assert not np.array_equal(_clone(server, **{**icl, "ref_audio": _data_url(_wav(1.5, seed=2))})[1], codes)
+    assert not np.array_equal(_clone(server, **{**icl, "ref_text": "Quite another sentence."})[1], codes)
+    # The speaker embedding alone (no transcript, no reference codes): other codes again.
+    _, x_vector, no_reference = _clone(server, ref_audio=reference, x_vector_only_mode=True)
+    assert x_vector.shape == (FRAMES, 4) and not np.array_equal(x_vector, codes) and no_reference is None
+    # Named by URL, fetched as vllm-omni fetches it: the same answer as the same clip sent inline.
+    url, clip = web
+    assert _clone(server, **{**icl, "ref_audio": f"{url}/clone.wav"})[1].tolist() == \
+        _clone(server, **{**icl, "ref_audio": _data_url(clip)})[1].tolist()
+
+
+def test_a_base_request_without_a_usable_reference_is_refused_saying_why(server, web):
+    url, _ = web
+    reference = _data_url(_wav(1.5, seed=1))
+    for body, param, needle in (
+        ({}, "ref_audio", "ref_audio is required"),
+        ({"ref_audio": reference}, "ref_text", "ref_text (the reference audio's transcript) is required"),
+        ({"ref_audio": "/tmp/clone.wav", "ref_text": "x"}, "ref_audio", "base64 data URL"),
+        ({"ref_audio": [reference], "ref_text": "x"}, "ref_audio", "ref_audio is one"),
+        ({"ref_audio": "data:audio/wav;base64,@@@", "ref_text": "x"}, "ref_audio", "not valid base64"),
+        ({"ref_audio": _data_url(b"RIFF not a wave"), "ref_text": "x"}, "ref_audio", "not audio"),
+        ({"ref_audio": _data_url(_wav(0.5, seed=1)), "ref_text": "x"}, "ref_audio", "0.50 s long"),
+        ({"ref_audio": f"{url}/missing.wav", "ref_text": "x"}, "ref_audio", "cannot fetch"),
+        ({"ref_audio": reference, "ref_text": "x", "task_type": "CustomVoice"}, "task_type", "it serves 'Base'"),
+        ({"ref_audio": reference, "speaker_embedding": [0.5] * 8}, "speaker_embedding", "not supported"),
+    ):
+        status, answer, _ = server.post({"input": TEXT, **body})
+        error = json.loads(answer)["error"]
+        assert status == 400 and needle in error["message"] and error["param"] == param, (body, answer)
+
+
+def test_a_websocket_session_clones_the_voice_its_config_names(server, web):
+    """vllm-omni's streaming-input protocol: session.config carries the reference (fetched once, off the
+    event loop), each flush is spoken in its voice, the same audio as POST /v1/audio/speech."""
+    from tests.test_e2e_serve import _utterance, _ws
+
+    url, _ = web
+    icl = {"ref_audio": f"{url}/clone.wav", "ref_text": "A voice to clone.", "response_format": "pcm"}
+    pcm = _clone(server, **icl)[0]
+    with _ws(server) as ws:
+        ws.send(json.dumps({"type": "session.config", **icl, "stream_audio": True}))
+        ws.send(json.dumps({"type": "input.text", "text": TEXT}))
+        ws.send(json.dumps({"type": "input.done"}))
+        start, audio_bytes, done, _ = _utterance(ws)
+        assert start["format"] == "pcm" and audio_bytes == pcm and done["error"] is False, done
+        ws.send(json.dumps({"type": "session.config", "response_format": "pcm"}))  # no reference: refused
+        assert "ref_audio is required" in json.loads(ws.recv(timeout=60))["message"]
