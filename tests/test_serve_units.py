@@ -129,6 +129,7 @@ class SpokenPrompt:
     max_instructions_chars = 8
     instructions_required = False
     task_type = "CustomVoice"
+    clones_voices = False
 
     def __init__(self, stage: StageSpec | None = None) -> None:
         self.calls: list[tuple] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import random
 import signal
 import socket
 import subprocess
@@ -21,10 +22,22 @@ TINY_ENGINE = ('max_model_len = 128, max_num_seqs = 8, max_num_batched_tokens = 
                'enforce_eager = true, seed = 0, kv_cache_memory_bytes = 16777216')
 
 
+# The server binds its port a minute after it is chosen (its engines start first): a port the kernel
+# hands out meanwhile (any port-0 bind: a test's web server, vLLM's own sockets) must not be it, so
+# it comes from below Linux's ephemeral range (32768 and up).
+PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    rng = random.Random()
+    while True:
+        port = rng.choice(PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 class Server:
