@@ -74,21 +74,29 @@ sidecar = {{ hooks = "omni-code2wav", options = {{ {", ".join(f'{k} = "{v}"' for
     return path
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("qwen3-tts-custom-voice") / "model"
-    done = subprocess.run([sys.executable, "-c", "import sys; from tests.tiny_models.qwen3_tts import "
-                           "build_custom_voice; build_custom_voice(sys.argv[1])", str(path)],
-                          env=child_env(**_env()), cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return path
+def checkpoint_fixtures(builder: str):
+    """A module's `model` (a tiny checkpoint of tests/tiny_models/qwen3_tts.py's `builder`, built in a child:
+    vLLM's state stays there) and `server` (omni-serve on it, this module's config) fixtures."""
+
+    @pytest.fixture(scope="module")
+    def model(tmp_path_factory) -> Path:
+        path = tmp_path_factory.mktemp(f"qwen3-tts-{builder}") / "model"
+        done = subprocess.run([sys.executable, "-c", "import sys; from tests.tiny_models import qwen3_tts; "
+                               f"qwen3_tts.{builder}(sys.argv[1])", str(path)],
+                              env=child_env(**_env()), cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return path
+
+    @pytest.fixture(scope="module")
+    def server(model, tmp_path_factory):
+        work = tmp_path_factory.mktemp("serve-qwen3-tts")
+        with serving(work, _config(work, model), _env()) as srv:
+            yield srv
+
+    return model, server
 
 
-@pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
-    work = tmp_path_factory.mktemp("serve-qwen3-tts")
-    with serving(work, _config(work, model), _env()) as srv:
-        yield srv
+model, server = checkpoint_fixtures("build_custom_voice")
 
 
 def _speak(server, **fields) -> tuple[np.ndarray, np.ndarray, int]:
@@ -167,6 +175,9 @@ def _as_kind(model: Path, where: Path, kind: str) -> Path:
     return where
 
 
+# A server of its own (a minute on CI's two cores): `make test-slow`. What differs from CustomVoice (no
+# voices, instructions required, a voice ignored) is tests/test_serve_units.py's DescribedVoicePrompt's too.
+@pytest.mark.slow
 def test_a_voice_design_checkpoint_speaks_the_voice_its_instructions_describe(model, tmp_path):
     """vllm-omni's VoiceDesign: no voices; `instructions` describe the voice (required), a voice named is ignored."""
     from omni_serve.speech.codes_log import read_codes_log

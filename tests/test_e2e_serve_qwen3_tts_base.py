@@ -14,18 +14,13 @@ import base64
 import io
 import json
 import math
-import subprocess
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.support.procs import ROOT, child_env
-from tests.support.serve import serving
-from tests.test_e2e_serve_qwen3_tts import FRAMES, SAMPLES_PER_FRAME, TEXT, _config, _env
+from tests.test_e2e_serve_qwen3_tts import FRAMES, SAMPLES_PER_FRAME, TEXT, checkpoint_fixtures
 
 pytestmark = pytest.mark.e2e
 RATE = 24000
@@ -44,21 +39,7 @@ def _data_url(wav: bytes) -> str:
     return "data:audio/wav;base64," + base64.b64encode(wav).decode()
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("qwen3-tts-base") / "model"
-    done = subprocess.run([sys.executable, "-c", "import sys; from tests.tiny_models.qwen3_tts import "
-                           "build_base; build_base(sys.argv[1])", str(path)],
-                          env=child_env(**_env()), cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return path
-
-
-@pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
-    work = tmp_path_factory.mktemp("serve-qwen3-tts-base")
-    with serving(work, _config(work, model), _env()) as srv:
-        yield srv
+model, server = checkpoint_fixtures("build_base")
 
 
 @pytest.fixture

@@ -142,12 +142,21 @@ def build_vllm_omni_models(path: Path) -> tuple[Any, Any]:
                                  max_model_len=512, hf_overrides={"architectures": [arch]}).create_engine_config()
         with set_current_vllm_config(vllm_config):
             if not models:
-                init_distributed_environment(1, 0, "tcp://127.0.0.1:29533", 0, "gloo")
+                # A world of one; the port the kernel picks (two checkpoints may be built at once).
+                init_distributed_environment(1, 0, f"tcp://127.0.0.1:{_open_port()}", 0, "gloo")
                 ensure_model_parallel_initialized(1, 1)
             cls, _ = get_model_architecture(vllm_config.model_config)
             models.append(cls(vllm_config=vllm_config))
     require_unpatched("building the tiny Qwen3-TTS checkpoint")
     return models[0], models[1]
+
+
+def _open_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def random_state(model: Any, seed: int) -> dict[str, Any]:
