@@ -7,7 +7,7 @@
 # a hot upgrade of each speech stage's sidecar while omni-serve serves, omni-serve's three-stage
 # (thinker -> talker -> code2wav) pipeline against the stages by hand, a speech stage's engine
 # killed and restarted, a real pipeline-parallel engine refused at start, `make demo` checked
-# against its stages by hand.
+# against its stages by hand, a Qwen3-TTS VoiceDesign checkpoint served.
 # `make test-all` runs both in one session.
 # `make compat` (not part of `make test`): the vLLM compatibility matrix, COMPAT.md.
 # `make test-paired` (not part of `make test`, about 8 minutes): the tests of vllm-omni 0.26's
