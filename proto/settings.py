@@ -48,3 +48,7 @@ STEP_START_ANSWER_S: Final = 0.1
 # and previous frames decoded with each chunk whose samples are cut off (vllm-omni's defaults).
 CODE2WAV_CHUNK_FRAMES: Final = 25
 CODE2WAV_LEFT_CONTEXT_FRAMES: Final = 25
+# A voice-cloning talker's outputs (vllm-omni's names): its reference audio's codes [frames, Q] and
+# their length, which the code2wav stage decodes before the answer's frames.
+REF_CODES: Final = "codes.ref"
+REF_CODE_LEN: Final = "meta.ref_code_len"

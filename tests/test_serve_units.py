@@ -247,14 +247,15 @@ def test_each_chunks_window_holds_the_chunk_and_the_left_context_before_it_refer
     and, before them, up to the left context of the frames before: the reference codes before the first."""
     from types import SimpleNamespace
 
-    from omni_serve.speech.pipeline import REF_CODE_LEN, REF_CODES, Frames, SpeechPipeline
+    from omni_serve.speech.pipeline import Frames, SpeechPipeline
+    from proto.settings import REF_CODE_LEN, REF_CODES
     from omni_sidecar.hook_sets.omni.wire import decode_additional_information
     from proto.chunk_grid import ChunkGrid
 
     grid, left_context = ChunkGrid(4, initial=1), 6
     frames = Frames()
     reference = np.arange(100, 100 + 2 * reference_frames).reshape(-1, 2)
-    # The talker's assembled reference codes repeat (published each step): its length says where they end.
+    # Reference codes a talker published at every step are assembled several times: their length says where they end.
     frames.set_reference({REF_CODES: np.concatenate([reference, reference]), REF_CODE_LEN: np.array([reference_frames])})
     frames.set(np.arange(2 * 14).reshape(14, 2))
     whole = np.concatenate([reference, frames.all()])
@@ -980,7 +981,10 @@ def test_a_reference_is_read_as_vllm_omni_reads_it_mono_at_its_own_rate():
     samples, rate = reference_audio("data:audio/flac;base64," + base64.b64encode(out.getvalue()).decode())
     assert rate == 16000 and samples.dtype == np.float32 and samples.shape == (32000,)
     np.testing.assert_allclose(samples, stereo.mean(axis=1), atol=1e-4)  # FLAC's 16 bits
+    long = BytesIO()
+    soundfile.write(long, np.zeros(16000 * 40, np.float32), 16000, format="FLAC")  # a few KiB for 40 s
     for uri, needle in (("file:///tmp/x.wav", "base64 data URL"), ("data:audio/wav,abc", "not base64"),
-                        ("http://127.0.0.1:9/x.wav", "cannot fetch")):
+                        ("http://127.0.0.1:9/x.wav", "cannot fetch"),
+                        ("data:audio/flac;base64," + base64.b64encode(long.getvalue()).decode(), "40.00 s long")):
         with pytest.raises(BadReference, match=needle):
             reference_audio(uri)

@@ -37,7 +37,7 @@ from omni_serve.config import ServeConfig, load_callable
 from omni_serve.speech.codes_log import CodesLog
 from omni_serve.speech.prompts import AUTO_LANGUAGE, SpeechPrompt, TextVoicePrompt, load_speech_prompt
 from omni_serve.speech.pipeline import SpeechJob, SpeechPipeline, Stage, StageFailed, ThinkerStage, stop_soon
-from omni_serve.speech.reference import URI_FORMS, BadReference, VoiceReference, reference_audio
+from omni_serve.speech.reference import URI_FORMS, BadReference, ReferenceAudio, VoiceReference, reference_audio
 from omni_serve.stages.link import AsyncSidecarClient
 from omni_serve.stages.sidecars import SidecarProcess
 from proto.capabilities import HookNeeds
@@ -60,10 +60,11 @@ class SpeechInput:
     sse: bool
 
 
-def speech_input(body: bytes, config: ServeConfig, prompt: SpeechPrompt,
-                 max_prompt_tokens: int | None = None) -> SpeechInput:
+def speech_input(body: bytes, config: ServeConfig, prompt: SpeechPrompt, max_prompt_tokens: int | None = None,
+                 references: ReferenceAudio = reference_audio) -> SpeechInput:
     """A speech request checked against the schema and this server's model (`max_prompt_tokens`: the
-    first stage's engine's; None: unchecked); `Refused` says why not."""
+    first stage's engine's; None: unchecked; `references`: a reference audio's samples and rate by its
+    URI); `Refused` says why not."""
     request = validated(body, SpeechRequest, config)
     if not request.input.strip():
         raise Refused("input is empty", param="input")
@@ -92,7 +93,7 @@ def speech_input(body: bytes, config: ServeConfig, prompt: SpeechPrompt,
     refused = unsupported_fields(request, CLONING_FIELDS_HONOURED if prompt.clones_voices else None)
     if refused:
         raise Refused(f"not supported by this model: {', '.join(refused)}", param=refused[0])
-    reference = voice_reference(request) if prompt.clones_voices else None
+    reference = voice_reference(request, references) if prompt.clones_voices else None
     # vllm-omni's rule (and the OpenAI SDK's, which sends stream_format alone): a stream_format streams.
     stream = request.stream or request.stream_format is not None
     if stream and request.response_format not in audio.STREAMED_FORMATS:
@@ -106,7 +107,7 @@ def speech_input(body: bytes, config: ServeConfig, prompt: SpeechPrompt,
     if frames > talker.max_tokens:
         raise Refused(f"max_new_tokens {frames} is above this server's limit of {talker.max_tokens}",
                       param="max_new_tokens")
-    if reference is None:
+    if reference is None:  # a prompt that clones no voice may not take one
         prompt_ids, payload = prompt(text, voice, language, instructions)
     else:
         prompt_ids, payload = prompt(text, voice, language, instructions, reference=reference)
@@ -118,9 +119,9 @@ def speech_input(body: bytes, config: ServeConfig, prompt: SpeechPrompt,
     return SpeechInput(job, request.response_format, stream, request.stream_format != "audio")
 
 
-def voice_reference(request: SpeechRequest) -> VoiceReference:
-    """A voice-cloning request's reference audio, fetched and decoded, and its transcript (vllm-omni's
-    Base rules: the audio always, the transcript unless `x_vector_only_mode`). Blocking: a fetch."""
+def voice_reference(request: SpeechRequest, references: ReferenceAudio) -> VoiceReference:
+    """A voice-cloning request's reference audio and its transcript (vllm-omni's Base rules: the audio
+    always, the transcript unless `x_vector_only_mode`)."""
     if request.ref_audio is None:
         raise Refused("this model clones the voice of reference audio (a Base checkpoint): ref_audio is required",
                       param="ref_audio")
@@ -132,10 +133,34 @@ def voice_reference(request: SpeechRequest) -> VoiceReference:
         raise Refused("ref_text (the reference audio's transcript) is required unless x_vector_only_mode is true",
                       param="ref_text")
     try:
-        audio, rate = reference_audio(request.ref_audio)
+        audio, rate = references(request.ref_audio)
     except BadReference as exc:
         raise Refused(str(exc), param="ref_audio") from None
     return VoiceReference(audio, rate, "" if x_vector_only else text, x_vector_only)
+
+
+async def fetched_reference(body: bytes) -> ReferenceAudio:
+    """The body's reference audio fetched and decoded off the event loop (the request is checked on it,
+    its tokenizers used from one thread); what `speech_input` then resolves its URI to."""
+    try:
+        uri = json.loads(body).get("ref_audio")
+    except (ValueError, AttributeError):
+        uri = None
+    if not isinstance(uri, str):
+        return reference_audio  # nothing to fetch: speech_input refuses the request as it is
+    try:
+        got: tuple[np.ndarray, int] | BadReference = await asyncio.to_thread(reference_audio, uri)
+    except BadReference as exc:
+        got = exc
+
+    def resolved(asked: str) -> tuple[np.ndarray, int]:
+        if asked != uri:
+            raise BadReference("ref_audio changed while the request was read")
+        if isinstance(got, BadReference):
+            raise got
+        return got
+
+    return resolved
 
 
 def spoken_language(language: str | None, prompt: SpeechPrompt) -> str:
@@ -466,9 +491,8 @@ def build_app(server: SpeechServer, api_keys: list[str] | None = None) -> FastAP
         return Response(server.observe(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def checked_speech(body: bytes) -> SpeechInput:
-        if server.prompt.clones_voices:  # its reference audio fetched and decoded off the event loop
-            return await asyncio.to_thread(speech_input, body, config, server.prompt, server.max_prompt_tokens)
-        return speech_input(body, config, server.prompt, server.max_prompt_tokens)
+        references = await fetched_reference(body) if server.prompt.clones_voices else reference_audio
+        return speech_input(body, config, server.prompt, server.max_prompt_tokens, references)
 
     @app.post("/v1/audio/speech")
     async def speech(request: Request) -> Response:

@@ -43,7 +43,7 @@ logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its handler, fo
 
 CONFIG_TIMEOUT_S = 10.0  # vllm-omni's: the first message must come within this
 IDLE_TIMEOUT_S = 30.0
-MAX_CONFIG_CHARS = 4 << 20  # a config may carry reference audio (refused here, but read to say so)
+MAX_CONFIG_CHARS = 48 << 20  # a voice-cloning config carries its reference audio inline (reference.py's cap, in base64)
 MAX_TEXT_CHARS = 128 << 10
 # The session config's own fields; the rest are the speech request's.
 STREAM_AUDIO, WORD_TIMESTAMPS = "stream_audio", "word_timestamps"

@@ -46,14 +46,11 @@ from omni_serve.speech.handover import TalkerPrompt, ThinkerOutput
 from omni_serve.stages.link import AsyncSidecarClient, RequestRejected, SidecarLost
 from omni_serve.stages.payload import additional_information
 from proto.chunk_grid import ChunkGrid
+from proto.settings import REF_CODE_LEN, REF_CODES
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL
 
 CODES = "codes.audio"  # the talker sidecar's assembled output: [frames, Q] codec frames
-# A voice-cloning talker's reference codes [frames, Q] and their length (the omni-talker hook set's
-# outputs, as vllm-omni's talker publishes them): the first REF_CODE_LEN frames, as vllm-omni's
-# talker -> code2wav hand-over crops them.
-REF_CODES, REF_CODE_LEN = "codes.ref", "meta.ref_code_len"
 WAVEFORM = "waveform"  # the code2wav sidecar's assembled output: [samples, 1] float32
 FOLLOW_TIMEOUT_S = 30.0  # a stage whose sidecar has not finished a request this long after its engine did
 RELEASE_TIMEOUT_S = 60.0
@@ -165,7 +162,9 @@ class Frames:
         return self.codes
 
     def set_reference(self, outputs: dict[str, Any]) -> None:
-        """The reference codes in the talker's outputs, once (they come with its first step's)."""
+        """The reference codes in the talker's outputs, once (they come with its first step's), cropped
+        to their length as vllm-omni's talker -> code2wav hand-over crops them (a talker that publishes
+        them every step, as vllm-omni's does without async chunk, has them assembled several times)."""
         codes, length = outputs.get(REF_CODES), outputs.get(REF_CODE_LEN)
         if self.reference is not None or codes is None or codes.ndim != 2 or length is None:
             return

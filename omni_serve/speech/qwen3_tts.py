@@ -22,6 +22,7 @@ Voice uploads and precomputed `speaker_embedding`s are not served.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
@@ -83,6 +84,9 @@ class Qwen3TTSPrompt:
         if kind == VOICE_DESIGN_MODEL:
             self.task_type, self.instructions_required, self.voices = VOICE_DESIGN, True, []
         elif self.clones_voices:
+            if importlib.util.find_spec("soundfile") is None:
+                raise ConfigError(f"{stage.model} clones voices from reference audio, which needs soundfile "
+                                  "(pip install soundfile)")
             self.task_type, self.instructions_required, self.voices = BASE, False, []
             self._codec_frame_rate = codec_frame_rate(stage, talker)
         elif speakers:

@@ -10,20 +10,26 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import http.client
 import io
 import threading
 import urllib.error
 import urllib.request
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 MIN_SECONDS, MAX_SECONDS = 1.0, 30.0  # vllm-omni's bounds on a reference's length
 FETCH_TIMEOUT_S = 10.0
-MAX_FETCH_BYTES = 32 << 20  # 30 s of 24-bit stereo at 96 kHz is ~17 MiB
+MAX_REFERENCE_BYTES = 32 << 20  # a reference's file, fetched or inline (30 s of 24-bit stereo at 96 kHz: ~17 MiB)
 CACHED_REFERENCES = 16  # decoded audio kept by URI (30 s at 24 kHz: ~2.9 MB each)
 URI_FORMS = "a base64 data URL (data:audio/wav;base64,...) or an http(s) URL"
+
+
+ReferenceAudio = Callable[[str], "tuple[np.ndarray, int]"]  # a reference's URI -> (mono float32 samples, rate)
 
 
 class BadReference(ValueError):
@@ -46,13 +52,14 @@ _cache_lock = threading.Lock()  # requests resolve their references in worker th
 
 def reference_audio(uri: str) -> tuple[np.ndarray, int]:
     """(mono float32 samples, sample rate) of the audio `uri` names; BadReference says why not."""
+    key = hashlib.sha256(uri.encode()).hexdigest()  # an inline reference's URI is the whole file
     with _cache_lock:
-        if uri in _cache:
-            _cache.move_to_end(uri)
-            return _cache[uri]
+        if key in _cache:
+            _cache.move_to_end(key)
+            return _cache[key]
     audio = _decoded(_fetched(uri))
     with _cache_lock:
-        _cache[uri] = audio
+        _cache[key] = audio
         while len(_cache) > CACHED_REFERENCES:
             _cache.popitem(last=False)
     return audio
@@ -64,6 +71,8 @@ def _fetched(uri: str) -> bytes:
         header, comma, data = uri.partition(",")
         if not comma or not header.lower().endswith(";base64"):
             raise BadReference(f"ref_audio must be {URI_FORMS}; this data URL is not base64")
+        if len(data) > MAX_REFERENCE_BYTES * 4 // 3 + 4:
+            raise BadReference(f"ref_audio's data URL holds over {MAX_REFERENCE_BYTES >> 20} MiB")
         try:
             return base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError):
@@ -71,11 +80,11 @@ def _fetched(uri: str) -> bytes:
     if scheme in ("http", "https"):
         try:
             with urllib.request.urlopen(uri, timeout=FETCH_TIMEOUT_S) as answer:  # noqa: S310 (scheme checked)
-                body = answer.read(MAX_FETCH_BYTES + 1)
-        except (urllib.error.URLError, OSError, ValueError) as exc:
+                body = answer.read(MAX_REFERENCE_BYTES + 1)
+        except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
             raise BadReference(f"cannot fetch ref_audio from {uri[:200]}: {exc}") from None
-        if len(body) > MAX_FETCH_BYTES:
-            raise BadReference(f"ref_audio at {uri[:200]} is over {MAX_FETCH_BYTES >> 20} MiB")
+        if len(body) > MAX_REFERENCE_BYTES:
+            raise BadReference(f"ref_audio at {uri[:200]} is over {MAX_REFERENCE_BYTES >> 20} MiB")
         return body
     raise BadReference(f"ref_audio must be {URI_FORMS}")
 
@@ -84,12 +93,19 @@ def _decoded(data: bytes) -> tuple[np.ndarray, int]:
     import soundfile
 
     try:
-        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+        sound = soundfile.SoundFile(io.BytesIO(data))
     except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
         raise BadReference(f"ref_audio is not audio this server reads (WAV, FLAC, OGG): {exc}") from None
-    seconds = samples.shape[0] / rate if rate else 0.0
-    if not MIN_SECONDS <= seconds <= MAX_SECONDS:
-        raise BadReference(f"ref_audio is {seconds:.2f} s long; a reference is {MIN_SECONDS:.0f} to "
-                             f"{MAX_SECONDS:.0f} s")
+    with sound:
+        # Its length before its samples: a small compressed file may decode to hours of them.
+        rate = int(sound.samplerate)
+        seconds = sound.frames / rate if rate else 0.0
+        if not MIN_SECONDS <= seconds <= MAX_SECONDS:
+            raise BadReference(f"ref_audio is {seconds:.2f} s long; a reference is {MIN_SECONDS:.0f} to "
+                               f"{MAX_SECONDS:.0f} s")
+        try:
+            samples = sound.read(dtype="float32", always_2d=True)
+        except (soundfile.LibsndfileError, RuntimeError, ValueError) as exc:
+            raise BadReference(f"ref_audio could not be decoded: {exc}") from None
     mono = samples.mean(axis=1) if samples.shape[1] > 1 else samples[:, 0]
-    return np.ascontiguousarray(mono, dtype=np.float32), int(rate)
+    return np.ascontiguousarray(mono, dtype=np.float32), rate

@@ -29,9 +29,9 @@ from omni_sidecar.hook_api.hook_set import HookErrors
 from omni_sidecar.hook_sets.omni.outputs import own_copy
 from omni_sidecar.hook_sets.omni.state_hooks import DEFAULT_RESIDENT_KEYS, OmniStateHooks
 from proto.messages import HookNeeds
+from proto.settings import REF_CODE_LEN, REF_CODES
 
 PROMPT_LEN = "prompt_len"  # output value: the request's prompt rows, in its first chunk
-REF_CODES, REF_CODE_LEN = "codes.ref", "meta.ref_code_len"  # a voice-cloning talker's reference codes
 
 
 class ThinkerHooks(OmniStateHooks):
@@ -70,6 +70,7 @@ class TalkerHooks(OmniStateHooks):
                 codes = update.get("codes") if isinstance(update, dict) and req_id not in failed else None
                 reference = codes.get("ref") if isinstance(codes, dict) else None
                 if isinstance(reference, torch.Tensor) and reference.dim() == 2 and reference.shape[0]:
-                    length = update.get("meta", {}).get("ref_code_len", reference.shape[0])
+                    meta = update.get("meta")
+                    length = meta.get("ref_code_len", reference.shape[0]) if isinstance(meta, dict) else reference.shape[0]
                     self.log.add(req_id, {REF_CODES: own_copy(reference), REF_CODE_LEN: int(length)},
                                  self.current_step)
