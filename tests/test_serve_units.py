@@ -134,7 +134,9 @@ class SpokenPrompt:
     def __init__(self, stage: StageSpec | None = None) -> None:
         self.calls: list[tuple] = []
 
-    def __call__(self, text: str, voice: int, language: str, instructions: str) -> tuple[list[int], dict]:
+    def __call__(self, text: str, voice: int, language: str, instructions: str,
+                 reference: object = None) -> tuple[list[int], dict]:
+        assert reference is None  # it clones no voice
         self.calls.append((text, voice, language, instructions))
         return [1, 2], {}
 
@@ -988,3 +990,30 @@ def test_a_reference_is_read_as_vllm_omni_reads_it_mono_at_its_own_rate():
                         ("data:audio/flac;base64," + base64.b64encode(long.getvalue()).decode(), "40.00 s long")):
         with pytest.raises(BadReference, match=needle):
             reference_audio(uri)
+
+
+# librosa.filters.mel(sr=24000, n_fft=64, n_mels=4, fmin=0, fmax=12000), rounded to 8 places: Slaney's
+# filters by an independent implementation (librosa is not a dependency of these tests).
+LIBROSA_MEL_4x33 = [
+    [0.0, 0.00075577, 0.00125331, 0.00058692] + [0.0] * 29,
+    [0.0, 0.0, 7.798e-05, 0.00050744, 0.000859, 0.00063531, 0.00041163, 0.00018794] + [0.0] * 25,
+    [0.0] * 4 + [1.343e-05, 0.00012607, 0.00023871, 0.00035135, 0.00043707, 0.00038132, 0.00032556, 0.00026981,
+                 0.00021406, 0.0001583, 0.00010255, 4.68e-05] + [0.0] * 17,
+    [0.0] * 8 + [4.41e-06, 3.201e-05, 5.96e-05, 8.72e-05, 0.0001148, 0.00014239, 0.00016999, 0.00019759, 0.00021856,
+                 0.0002049, 0.00019124, 0.00017758, 0.00016392, 0.00015026, 0.0001366, 0.00012294, 0.00010928,
+                 9.562e-05, 8.196e-05, 6.83e-05, 5.464e-05, 4.098e-05, 2.732e-05, 1.366e-05, 0.0],
+]
+
+
+def test_the_torchaudio_stand_ins_mel_filters_are_librosas():
+    """The CPU tests' torchaudio stand-in computes the mel filters of vllm-omni's speaker encoder (voice cloning)."""
+    import importlib.util
+
+    stub = Path(__file__).parent / "support" / "torchaudio_stub" / "torchaudio" / "functional.py"
+    spec = importlib.util.spec_from_file_location("torchaudio_stand_in_functional", stub)
+    functional = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(functional)
+    filters = functional.melscale_fbanks(33, 0.0, 12000.0, 4, 24000, norm="slaney", mel_scale="slaney")
+    np.testing.assert_allclose(filters.T.numpy(), np.array(LIBROSA_MEL_4x33), atol=1e-8)
+    with pytest.raises(NotImplementedError):
+        functional.melscale_fbanks(33, 0.0, 12000.0, 4, 24000)  # torchaudio's HTK default: not stood in

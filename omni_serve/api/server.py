@@ -107,10 +107,7 @@ def speech_input(body: bytes, config: ServeConfig, prompt: SpeechPrompt, max_pro
     if frames > talker.max_tokens:
         raise Refused(f"max_new_tokens {frames} is above this server's limit of {talker.max_tokens}",
                       param="max_new_tokens")
-    if reference is None:  # a prompt that clones no voice may not take one
-        prompt_ids, payload = prompt(text, voice, language, instructions)
-    else:
-        prompt_ids, payload = prompt(text, voice, language, instructions, reference=reference)
+    prompt_ids, payload = prompt(text, voice, language, instructions, reference)
     check_prompt_length(prompt_ids, max_prompt_tokens, "input")
     counted = prompt.text_tokens(text, instructions)
     job = SpeechJob(f"speech-{uuid.uuid4().hex}", prompt_ids, payload, frames, request.seed,

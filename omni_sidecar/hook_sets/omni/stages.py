@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from omni_sidecar.hook_api.hook_set import HookErrors
 from omni_sidecar.hook_sets.omni.outputs import own_copy
 from omni_sidecar.hook_sets.omni.state_hooks import DEFAULT_RESIDENT_KEYS, OmniStateHooks
 from proto.messages import HookNeeds
@@ -59,18 +58,13 @@ class TalkerHooks(OmniStateHooks):
                                model_states=True)
 
     def on_model_results(self, updates: dict[str, dict[str, Any]], outputs: dict[str, dict[str, Any]]) -> None:
-        failed: dict[str, str] = {}
-        try:
-            super().on_model_results(updates, outputs)
-        except HookErrors as exc:
-            failed = exc.errors
-            raise
-        finally:
-            for req_id, update in updates.items():
-                codes = update.get("codes") if isinstance(update, dict) and req_id not in failed else None
-                reference = codes.get("ref") if isinstance(codes, dict) else None
-                if isinstance(reference, torch.Tensor) and reference.dim() == 2 and reference.shape[0]:
-                    meta = update.get("meta")
-                    length = meta.get("ref_code_len", reference.shape[0]) if isinstance(meta, dict) else reference.shape[0]
-                    self.log.add(req_id, {REF_CODES: own_copy(reference), REF_CODE_LEN: int(length)},
-                                 self.current_step)
+        """As the omni set's; a reference the model's update brings is published too (a request whose
+        update the state refuses fails, its outputs with it)."""
+        for req_id, update in updates.items():
+            codes = update.get("codes") if isinstance(update, dict) else None
+            reference = codes.get("ref") if isinstance(codes, dict) else None
+            if isinstance(reference, torch.Tensor) and reference.dim() == 2 and reference.shape[0]:
+                meta = update.get("meta")
+                length = meta.get("ref_code_len", reference.shape[0]) if isinstance(meta, dict) else reference.shape[0]
+                self.log.add(req_id, {REF_CODES: own_copy(reference), REF_CODE_LEN: int(length)}, self.current_step)
+        super().on_model_results(updates, outputs)
