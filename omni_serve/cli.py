@@ -10,8 +10,10 @@
 
 Endpoints: POST /v1/audio/speech (OpenAI's speech API with vllm-omni's fields: model, input,
 voice, language, instructions, response_format wav|pcm|flac|mp3|opus, stream, stream_format
-sse|audio, max_new_tokens, seed; a Qwen3-TTS Base checkpoint's voice cloning: ref_audio, a data: or
-http(s) URL, with ref_text or x_vector_only_mode); WS /v1/audio/speech/stream (vllm-omni's streaming-input protocol: session.config,
+sse|audio, max_new_tokens, seed; a Qwen3-TTS Base checkpoint's voice cloning: ref_audio, a data:,
+http(s) or allowed file:// URL, with ref_text or x_vector_only_mode, or the voice of an upload);
+POST /v1/audio/voices (a Base checkpoint's voice upload: multipart audio_sample, name, consent,
+ref_text), DELETE /v1/audio/voices/NAME; WS /v1/audio/speech/stream (vllm-omni's streaming-input protocol: session.config,
 input.text, input.done, session.close); with a thinker stage, POST /v1/chat/completions
 (vllm-omni's chat answer: messages, modalities text|audio, voice or audio.voice, audio.format,
 sampling fields or vllm-omni's sampling_params_list, stream; the thinker's text and its speech); a
@@ -63,6 +65,17 @@ def parser():
     p.add_argument("--codes-log", default=None, metavar="FILE",
                    help="append each request's codec codes (the talker's frames), once served whole, to FILE as a "
                         "JSON line (omni_serve/speech/codes_log.py): for checking them against another server")
+    p.add_argument("--allowed-local-media-path", default="", metavar="DIR",
+                   help="as vLLM's: a Base request's ref_audio may be a file:// URL of a file under DIR (default: "
+                        "none; only data: and http(s) URLs)")
+    p.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="as vLLM's: a Base request's http(s) ref_audio is fetched only from these hosts, redirects "
+                        "too (default: any host; set it on a server others can reach)")
+    p.add_argument("--voice-dir", default=None, metavar="DIR",
+                   help="where voices uploaded for cloning (POST /v1/audio/voices, a Base checkpoint) are kept, one "
+                        "file each as vllm-omni keeps them (default: $SPEAKER_SAMPLES_DIR, else "
+                        "~/.cache/vllm-omni/speakers, vllm-omni's; made on the first upload; "
+                        "$SPEAKER_MAX_UPLOADED voices at most, 1000 by default)")
     p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                    help="as vLLM's: every /v1 route needs 'Authorization: Bearer KEY' (any of them), else a 401; "
                         "/health and /metrics stay open (default: $VLLM_API_KEY, else no key)")
@@ -140,13 +153,20 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from omni_serve.api.server import SpeechServer, build_app
+    from omni_serve.speech.reference import References
     from omni_serve.stages.sidecars import socket_dir
 
+    local_root = Path(args.allowed_local_media_path) if args.allowed_local_media_path else None
+    if local_root is not None and not local_root.is_dir():
+        print(f"omni-serve: --allowed-local-media-path {local_root} is not a directory", file=sys.stderr)
+        return 2
+    references = References(local_root, tuple(args.allowed_media_domains or ()))
     own_dir = args.run_dir is None
     run_dir = socket_dir(Path(tempfile.mkdtemp(prefix="omni-serve-")) if own_dir else Path(args.run_dir).resolve())
     try:
         try:
-            server = SpeechServer(config, run_dir, Path(args.codes_log) if args.codes_log else None)
+            server = SpeechServer(config, run_dir, Path(args.codes_log) if args.codes_log else None, references,
+                                  Path(args.voice_dir).expanduser() if args.voice_dir else None)
         except ConfigError as exc:  # a speech prompt that reads its model found it unservable
             print(f"omni-serve: {exc}", file=sys.stderr)
             return 2

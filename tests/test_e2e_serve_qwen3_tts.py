@@ -19,6 +19,7 @@ import sys
 import tomllib
 import wave
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -74,9 +75,10 @@ sidecar = {{ hooks = "omni-code2wav", options = {{ {", ".join(f'{k} = "{v}"' for
     return path
 
 
-def checkpoint_fixtures(builder: str):
+def checkpoint_fixtures(builder: str, args: Callable[[Path], tuple[str, ...]] = lambda work: ()):
     """A module's `model` (a tiny checkpoint of tests/tiny_models/qwen3_tts.py's `builder`, built in a child:
-    vLLM's state stays there) and `server` (omni-serve on it, this module's config) fixtures."""
+    vLLM's state stays there) and `server` (omni-serve on it, this module's config; `args`: more options,
+    given the server's work directory) fixtures."""
 
     @pytest.fixture(scope="module")
     def model(tmp_path_factory) -> Path:
@@ -90,7 +92,7 @@ def checkpoint_fixtures(builder: str):
     @pytest.fixture(scope="module")
     def server(model, tmp_path_factory):
         work = tmp_path_factory.mktemp("serve-qwen3-tts")
-        with serving(work, _config(work, model), _env()) as srv:
+        with serving(work, _config(work, model), _env(), args(work)) as srv:
             yield srv
 
     return model, server
@@ -132,6 +134,9 @@ def test_the_voices_and_languages_are_the_checkpoints(server):
     assert status == 400 and "makes a prompt of" in json.loads(body)["error"]["message"], body
     status, body, _ = server.post({"input": TEXT, "task_type": "Base"})
     assert status == 400 and "task_type" in json.loads(body)["error"]["message"]
+    # Voices are uploaded for a Base checkpoint's cloning: this one speaks its own.
+    status, answer = server.upload_voice(b"RIFF", name="mine", consent="c")
+    assert status == 400 and "does not clone voices" in answer["error"]["message"], answer
 
 
 def test_vllm_omnis_talker_and_codec_make_each_requests_audio_from_its_voice_language_and_instructions(server):

@@ -39,7 +39,13 @@ def _data_url(wav: bytes) -> str:
     return "data:audio/wav;base64," + base64.b64encode(wav).decode()
 
 
-model, server = checkpoint_fixtures("build_base")
+def _storage_args(work):
+    """Uploaded voices under the test's directory; file:// references from its media directory."""
+    (work / "media").mkdir()
+    return "--voice-dir", str(work / "voices"), "--allowed-local-media-path", str(work / "media")
+
+
+model, server = checkpoint_fixtures("build_base", _storage_args)
 
 
 @pytest.fixture
@@ -118,6 +124,8 @@ def test_a_base_request_without_a_usable_reference_is_refused_saying_why(server,
         ({"ref_audio": f"{url}/missing.wav", "ref_text": "x"}, "ref_audio", "cannot fetch"),
         ({"ref_audio": reference, "ref_text": "x", "task_type": "CustomVoice"}, "task_type", "it serves 'Base'"),
         ({"ref_audio": reference, "speaker_embedding": [0.5] * 8}, "speaker_embedding", "not supported"),
+        ({"ref_audio": "file:///etc/hostname", "ref_text": "x"}, "ref_audio", "not under --allowed-local-media-path"),
+        ({"voice": "nobody"}, "voice", "unknown voice 'nobody'"),
     ):
         status, answer, _ = server.post({"input": TEXT, **body})
         error = json.loads(answer)["error"]
@@ -140,3 +148,55 @@ def test_a_websocket_session_clones_the_voice_its_config_names(server, web):
         assert start["format"] == "pcm" and audio_bytes == pcm and done["error"] is False, done
         ws.send(json.dumps({"type": "session.config", "response_format": "pcm"}))  # no reference: refused
         assert "ref_audio is required" in json.loads(ws.recv(timeout=60))["message"]
+
+
+def test_an_uploaded_voice_is_spoken_as_its_clip_sent_inline(server):
+    """vllm-omni's voice upload: the clip kept under a name (with its transcript: in-context cloning; without:
+    the speaker embedding alone), a Base request that names it answered as one that sends the clip itself."""
+    clip = _wav(1.5, seed=5)
+    icl = {"ref_audio": _data_url(clip), "ref_text": "A voice to clone."}
+    inline_codes = _clone(server, **icl)[1]
+    status, answer = server.upload_voice(clip, name="Narrator", consent="consent-1", ref_text="A voice to clone.")
+    assert status == 200 and answer["success"] is True, answer
+    assert answer["voice"] == {"name": "Narrator", "consent": "consent-1", "created_at": answer["voice"]["created_at"],
+                               "mime_type": "audio/wav", "file_size": len(clip), "ref_text": "A voice to clone."}
+    listed = json.loads(server.get("/v1/audio/voices")[1])
+    assert "narrator" in listed["voices"] and [v["name"] for v in listed["uploaded_voices"]] == ["Narrator"]
+    _, codes, reference_codes = _clone(server, voice="NARRATOR")  # any case, as vllm-omni matches it
+    assert np.array_equal(codes, inline_codes) and reference_codes is not None
+    # Without a transcript: the speaker embedding alone, as a request's x_vector_only_mode.
+    assert server.upload_voice(clip, name="whisper", consent="consent-2")[0] == 200
+    _, x_vector, no_reference = _clone(server, voice="whisper")
+    assert np.array_equal(x_vector, _clone(server, ref_audio=_data_url(clip), x_vector_only_mode=True)[1])
+    assert no_reference is None
+    # A file under --allowed-local-media-path, named by file:// URL: the same clip, the same answer.
+    media = server.log.parent / "media" / "clip.wav"
+    media.write_bytes(clip)
+    assert np.array_equal(_clone(server, **{**icl, "ref_audio": media.as_uri()})[1], inline_codes)
+    # One file a voice, in vllm-omni's layout; a deleted voice is gone from disk and from requests.
+    kept = sorted(p.name for p in (server.log.parent / "voices").glob("*.safetensors"))
+    assert len(kept) == 2 and kept[0].startswith("Narrator_consent-1_"), kept
+    assert server.delete("/v1/audio/voices/narrator")[0] == 200
+    assert server.delete("/v1/audio/voices/narrator")[0] == 404
+    status, body, _ = server.post({"input": TEXT, "voice": "narrator"})
+    assert status == 400 and json.loads(body)["error"]["param"] == "voice", body
+    assert len(list((server.log.parent / "voices").glob("*.safetensors"))) == 1
+    assert server.delete("/v1/audio/voices/whisper")[0] == 200
+
+
+def test_an_upload_that_cannot_be_kept_is_refused_saying_why(server):
+    clip = _wav(1.5, seed=6)
+    for clip_sent, fields, param, needle in (
+        (clip, {"consent": "c"}, "name", "name is required"),
+        (clip, {"name": "x"}, "consent", "consent is required"),
+        (None, {"name": "x", "consent": "c"}, "audio_sample", "audio_sample (the voice's audio file) is required"),
+        (clip, {"name": "../x", "consent": "c"}, "name", "not a voice name"),
+        (b"RIFF not a wave", {"name": "x", "consent": "c"}, "audio_sample", "not audio"),
+        (_wav(0.5, seed=6), {"name": "x", "consent": "c"}, "audio_sample", "0.50 s long"),
+        (clip, {"name": "x", "consent": "c", "speaker_embedding": "[0.5]"}, "speaker_embedding", "not supported"),
+        (clip, {"name": "x", "consent": "c", "language": "English"}, "language", "not a voice upload's field"),
+    ):
+        status, answer = server.upload_voice(clip_sent, **fields)
+        assert status == 400 and needle in answer["error"]["message"] and answer["error"]["param"] == param, \
+            (fields, answer)
+    assert json.loads(server.get("/v1/audio/voices")[1])["uploaded_voices"] == []

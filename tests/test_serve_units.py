@@ -975,8 +975,9 @@ def test_a_reference_is_read_as_vllm_omni_reads_it_mono_at_its_own_rate():
 
     import soundfile
 
-    from omni_serve.speech.reference import BadReference, reference_audio
+    from omni_serve.speech.reference import BadReference, References
 
+    reference_audio = References().audio
     stereo = np.stack([np.linspace(-0.5, 0.5, 16000 * 2), np.full(16000 * 2, 0.25)], axis=1).astype(np.float32)
     out = BytesIO()
     soundfile.write(out, stereo, 16000, format="FLAC")
@@ -985,11 +986,174 @@ def test_a_reference_is_read_as_vllm_omni_reads_it_mono_at_its_own_rate():
     np.testing.assert_allclose(samples, stereo.mean(axis=1), atol=1e-4)  # FLAC's 16 bits
     long = BytesIO()
     soundfile.write(long, np.zeros(16000 * 40, np.float32), 16000, format="FLAC")  # a few KiB for 40 s
-    for uri, needle in (("file:///tmp/x.wav", "base64 data URL"), ("data:audio/wav,abc", "not base64"),
+    for uri, needle in (("file:///tmp/x.wav", "--allowed-local-media-path"), ("ftp://x/y.wav", "base64 data URL"),
+                        ("data:audio/wav,abc", "not base64"),
                         ("http://127.0.0.1:9/x.wav", "cannot fetch"),
                         ("data:audio/flac;base64," + base64.b64encode(long.getvalue()).decode(), "40.00 s long")):
         with pytest.raises(BadReference, match=needle):
             reference_audio(uri)
+
+
+def _clip(seconds: float = 1.5, rate: int = 16000, seed: int = 0) -> bytes:
+    import soundfile
+
+    out = BytesIO()
+    noise = np.random.default_rng(seed).uniform(-0.5, 0.5, int(seconds * rate)).astype(np.float32)
+    soundfile.write(out, noise, rate, format="WAV", subtype="FLOAT")
+    return out.getvalue()
+
+
+def test_local_and_fetched_references_are_kept_to_what_the_operator_allows(tmp_path):
+    """vLLM's --allowed-local-media-path and --allowed-media-domains, as its MediaConnector applies them: a
+    file:// reference only under the directory (links resolved first), http(s) only from the hosts named,
+    a redirect as well."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from omni_serve.speech.reference import BadReference, References
+
+    root, outside = tmp_path / "media", tmp_path / "private"
+    root.mkdir(), outside.mkdir()
+    (root / "voice.wav").write_bytes(_clip())
+    (outside / "secret.wav").write_bytes(_clip(seed=1))
+    (root / "link.wav").symlink_to(outside / "secret.wav")
+    local = References(root)
+    samples, rate = local.audio((root / "voice.wav").as_uri())
+    assert rate == 16000 and samples.shape == (24000,)
+    for uri, needle in (((outside / "secret.wav").as_uri(), "is not under --allowed-local-media-path"),
+                        ((root / "link.wav").as_uri(), "is not under --allowed-local-media-path"),
+                        ((root / ".." / "private" / "secret.wav").as_uri(), "is not under"),
+                        ((root / "absent.wav").as_uri(), "cannot read"),
+                        ("file://elsewhere/media/voice.wav", "another host")):
+        with pytest.raises(BadReference, match=needle):
+            local.audio(uri)
+
+    clip = _clip(seed=2)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/away":  # to the same server under another name
+                self.send_response(302)
+                self.send_header("Location", f"http://localhost:{self.server.server_address[1]}/clip.wav")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(clip)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = httpd.server_address[1]
+        kept = References(domains=("127.0.0.1",))
+        assert kept.audio(f"http://127.0.0.1:{port}/clip.wav")[0].shape == (24000,)
+        with pytest.raises(BadReference, match="'localhost' is not one this server fetches from"):
+            kept.audio(f"http://localhost:{port}/clip.wav")
+        with pytest.raises(BadReference, match="'localhost' is not one"):
+            kept.audio(f"http://127.0.0.1:{port}/away")
+        assert References().audio(f"http://127.0.0.1:{port}/away")[0].shape == (24000,)  # no list: any host
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(5)
+
+
+def test_uploaded_voices_are_kept_as_vllm_omni_keeps_them_and_restored(tmp_path):
+    """One safetensors file a voice (`audio`, the details as header strings, vllm-omni's layout), written
+    whole, replaced by name, restored by a new store; vllm-omni's own files (a stereo clip, an embedding
+    voice) read too; the limit and the names vllm-omni refuses."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    from omni_serve.speech.reference import BadReference
+    from omni_serve.speech.voices import BadUpload, UploadedVoices
+
+    store = UploadedVoices(tmp_path / "voices", limit=2)
+    assert store.restore() == (0, []) and not store.directory.exists()  # made on the first upload only
+    voice = store.add("Narrator", "consent 1", _clip(), "n.wav", "application/octet-stream", " Hello. ", "warm")
+    assert (voice.name, voice.sample_rate, voice.ref_text, voice.mime_type) == ("Narrator", 16000, "Hello.", "audio/wav")
+    [path] = store.directory.glob("*.safetensors")
+    assert path.name == f"Narrator_consent_1_{voice.created_at}.safetensors"
+    with safe_open(str(path), framework="numpy") as file:
+        header = file.metadata()
+        assert file.get_tensor("audio").shape == (24000,)
+    assert header["voice_name_lower"] == "narrator" and header["created_at"] == str(voice.created_at)
+    assert header["ref_text"] == "Hello." and header["speaker_description"] == "warm" and "file_path" not in header
+    samples, rate = store.clip(store.get("NARRATOR"))
+    assert rate == 16000 and samples.dtype == np.float32 and samples.shape == (24000,)
+
+    again = store.add("narrator", "consent 2", _clip(seed=3), "n.flac", "audio/wav")  # replaces, any case
+    assert again.created_at > voice.created_at and len(list(store.directory.glob("*.safetensors"))) == 1
+    with pytest.raises(BadReference, match="deleted or replaced"):
+        store.clip(voice)
+    # vllm-omni's own files: a stereo clip (it keeps what soundfile read) and a voice stored as an embedding.
+    stereo = np.stack([np.full(16000, 0.5), np.full(16000, -0.1)], axis=1).astype(np.float32)
+    save_file({"audio": stereo}, str(store.directory / "duo_c_5.safetensors"),
+              metadata={"name": "Duo", "voice_name_lower": "duo", "consent": "c", "created_at": "5",
+                        "sample_rate": "16000", "mime_type": "audio/wav", "file_size": "9", "embedding_source": "audio"})
+    save_file({"speaker_embedding": np.zeros(8, np.float32)}, str(store.directory / "vec_c_6.safetensors"),
+              metadata={"name": "vec", "consent": "c", "created_at": "6", "embedding_source": "direct",
+                        "embedding_dim": "8"})
+    (store.directory / "broken.safetensors").write_bytes(b"not safetensors")
+    restored = UploadedVoices(store.directory, limit=2)
+    count, skipped = restored.restore()
+    assert count == 3 and len(skipped) == 1 and skipped[0].startswith("broken.safetensors")
+    assert [v.name for v in restored.all()] == ["Duo", "narrator", "vec"]
+    duo = restored.clip(restored.get("duo"))
+    np.testing.assert_allclose(duo[0], np.full(16000, 0.2), atol=1e-6)
+    assert restored.get("vec").embedding_dim == 8
+    with pytest.raises(BadReference, match="uploaded as a speaker embedding"):
+        restored.clip(restored.get("vec"))
+    with pytest.raises(BadUpload, match="3 voices are uploaded"):
+        restored.add("fourth", "c", _clip(), "x.wav", "audio/wav")
+    assert restored.add("duo", "c", _clip(), "x.wav", "audio/wav").name == "duo"  # a replacement is no new voice
+    for name, data, mime, needle in (("a/b", _clip(), "audio/wav", "not a voice name"),
+                                     ("..", _clip(), "audio/wav", "not a voice name"),
+                                     ("ok", _clip(), "text/plain", "not audio this server takes"),
+                                     ("ok", _clip(0.5), "audio/wav", "0.50 s long")):
+        with pytest.raises(BadUpload, match=needle):
+            UploadedVoices(tmp_path / "other", limit=5).add(name, "c", data, "x.wav", mime)
+    assert restored.remove("DUO") and not restored.remove("duo")
+    assert not list(store.directory.glob(".upload-*")) and not (store.directory / "duo_c_5.safetensors").exists()
+
+
+def test_a_base_request_names_its_voice_by_reference_audio_or_an_upload(tmp_path):
+    """vllm-omni's Base rules: inline ref_audio first (a voice then ignored), else the uploaded voice the
+    request names, its transcript unless the request gives one, the embedding alone without one."""
+    from omni_serve.api.protocol import Refused, SpeechRequest
+    from omni_serve.api.server import voice_reference
+    from omni_serve.speech.voices import UploadedVoices
+
+    store = UploadedVoices(tmp_path, limit=5)
+    store.add("told", "c", _clip(), "x.wav", "audio/wav", "Its words.")
+    store.add("silent", "c", _clip(seed=1), "x.wav", "audio/wav")
+    fetched = []
+
+    def references(source):
+        fetched.append(source)
+        return (np.zeros(4, np.float32), 8000) if isinstance(source, str) else store.clip(source)
+
+    def reference(**fields):
+        return voice_reference(SpeechRequest(input="hi", **fields), references, store)
+
+    inline = reference(ref_audio="data:x", ref_text="Mine.", voice="told")
+    assert (inline.sample_rate, inline.text, inline.x_vector_only, fetched[-1]) == (8000, "Mine.", False, "data:x")
+    told = reference(voice="Told")
+    assert (told.sample_rate, told.text, told.x_vector_only) == (16000, "Its words.", False)
+    assert reference(voice="told", ref_text="Other words.").text == "Other words."
+    assert reference(voice="told", x_vector_only_mode=True).x_vector_only
+    silent = reference(voice="silent")
+    assert silent.x_vector_only and silent.text == ""
+    for fields, param, needle in (({"voice": "silent", "x_vector_only_mode": False}, "ref_text", "ref_text"),
+                                  ({"voice": "nobody"}, "voice", "uploaded: silent, told"),
+                                  ({}, "ref_audio", "ref_audio is required")):
+        with pytest.raises(Refused, match=needle) as refused:
+            reference(**fields)
+        assert refused.value.param == param
 
 
 # librosa.filters.mel(sr=24000, n_fft=64, n_mels=4, fmin=0, fmax=12000), rounded to 8 places: Slaney's

@@ -1,6 +1,6 @@
 """The HTTP front end and the stages it runs: `POST /v1/audio/speech`, `WS /v1/audio/speech/stream`,
 `POST /v1/chat/completions` (a pipeline with a thinker: its text and its speech), `GET /v1/models`,
-`/v1/audio/voices`, `/health`, `/metrics`.
+`/v1/audio/voices` (and, for a model that clones voices, uploads to it: POST, DELETE), `/health`, `/metrics`.
 
 Started by `omni-serve` (omni_serve/cli.py). On start-up each stage's sidecar is started (or
 attached to) and its engine built; on shutdown the engines stop, then the sidecars.
@@ -20,7 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, TypeVar
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 import numpy as np
 from fastapi import FastAPI, Request, WebSocket
@@ -37,7 +37,10 @@ from omni_serve.config import ServeConfig, load_callable
 from omni_serve.speech.codes_log import CodesLog
 from omni_serve.speech.prompts import AUTO_LANGUAGE, SpeechPrompt, TextVoicePrompt, load_speech_prompt
 from omni_serve.speech.pipeline import SpeechJob, SpeechPipeline, Stage, StageFailed, ThinkerStage, stop_soon
-from omni_serve.speech.reference import URI_FORMS, BadReference, ReferenceAudio, VoiceReference, reference_audio
+from omni_serve.speech.reference import URI_FORMS, BadReference, References, VoiceReference
+from omni_serve.speech.voices import MAX_UPLOAD_BYTES, BadUpload, UploadedVoice, UploadedVoices
+from omni_serve.speech.voices import default_dir as default_voice_dir
+from omni_serve.speech.voices import default_limit as default_voice_limit
 from omni_serve.stages.link import AsyncSidecarClient
 from omni_serve.stages.sidecars import SidecarProcess
 from proto.capabilities import HookNeeds
@@ -48,6 +51,8 @@ logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its handler, fo
 ENGINE_WATCH_S = 0.5  # how often the stage engines are checked for one that died
 RECONNECT_TIMEOUT_S = 10.0  # a shim's reconnect waits a fraction of a second; an engine deep in a step, longer
 T = TypeVar("T")
+# A request's reference audio by its source (a ref_audio URI, or an uploaded voice) -> (mono float32, rate).
+ReferenceAudio = Callable[[str | UploadedVoice], tuple[np.ndarray, int]]
 
 
 @dataclass
@@ -61,17 +66,17 @@ class SpeechInput:
 
 
 def speech_input(body: bytes, config: ServeConfig, prompt: SpeechPrompt, max_prompt_tokens: int | None = None,
-                 references: ReferenceAudio = reference_audio) -> SpeechInput:
+                 references: ReferenceAudio | None = None, voices: UploadedVoices | None = None) -> SpeechInput:
     """A speech request checked against the schema and this server's model (`max_prompt_tokens`: the
     first stage's engine's; None: unchecked; `references`: a reference audio's samples and rate by its
-    URI); `Refused` says why not."""
+    source, `voices` those uploaded, for a model that clones voices); `Refused` says why not."""
     request = validated(body, SpeechRequest, config)
     if not request.input.strip():
         raise Refused("input is empty", param="input")
     text = request.input  # as sent: vllm-omni's talker reads it so
     if len(request.input) > config.max_input_chars:
         raise Refused(f"input has {len(request.input)} characters; at most {config.max_input_chars}", param="input")
-    voice = voice_index(request.voice, config) if config.voices else 0  # no voices: the model takes none
+    voice = voice_index(request.voice, config) if config.voices else 0  # no voices: a name is an uploaded one
     if request.response_format not in audio.FORMATS:
         raise Refused(f"response_format {request.response_format!r} is not supported; supported: "
                       f"{', '.join(audio.FORMATS)}", param="response_format")
@@ -93,7 +98,7 @@ def speech_input(body: bytes, config: ServeConfig, prompt: SpeechPrompt, max_pro
     refused = unsupported_fields(request, CLONING_FIELDS_HONOURED if prompt.clones_voices else None)
     if refused:
         raise Refused(f"not supported by this model: {', '.join(refused)}", param=refused[0])
-    reference = voice_reference(request, references) if prompt.clones_voices else None
+    reference = voice_reference(request, references, voices) if prompt.clones_voices else None
     # vllm-omni's rule (and the OpenAI SDK's, which sends stream_format alone): a stream_format streams.
     stream = request.stream or request.stream_format is not None
     if stream and request.response_format not in audio.STREAMED_FORMATS:
@@ -116,43 +121,59 @@ def speech_input(body: bytes, config: ServeConfig, prompt: SpeechPrompt, max_pro
     return SpeechInput(job, request.response_format, stream, request.stream_format != "audio")
 
 
-def voice_reference(request: SpeechRequest, references: ReferenceAudio) -> VoiceReference:
-    """A voice-cloning request's reference audio and its transcript (vllm-omni's Base rules: the audio
-    always, the transcript unless `x_vector_only_mode`)."""
-    if request.ref_audio is None:
-        raise Refused("this model clones the voice of reference audio (a Base checkpoint): ref_audio is required",
-                      param="ref_audio")
-    if not isinstance(request.ref_audio, str):
+def voice_reference(request: SpeechRequest, references: ReferenceAudio | None,
+                    voices: UploadedVoices | None) -> VoiceReference:
+    """A voice-cloning request's reference audio and its transcript, by vllm-omni's Base rules: the audio
+    inline (ref_audio) or an uploaded voice's (named by `voice`; its transcript unless the request gives
+    one); the transcript unless `x_vector_only_mode` (an uploaded voice without one: the embedding alone)."""
+    uploaded = voices.get(request.voice) if voices is not None and request.voice and request.ref_audio is None else None
+    if request.ref_audio is None and uploaded is None:
+        if request.voice and request.voice.strip():
+            names = ", ".join(v.name for v in voices.all()) if voices is not None else ""
+            raise Refused(f"unknown voice {request.voice!r}: this model clones the voice of ref_audio or of a voice "
+                          f"uploaded with POST /v1/audio/voices (uploaded: {names or 'none'})", param="voice")
+        raise Refused("this model clones the voice of reference audio (a Base checkpoint): ref_audio is required, "
+                      "or the name of a voice uploaded with POST /v1/audio/voices", param="ref_audio")
+    if request.ref_audio is not None and not isinstance(request.ref_audio, str):
         raise Refused(f"ref_audio is one {URI_FORMS}", param="ref_audio")
-    x_vector_only = bool(request.x_vector_only_mode)
-    text = request.ref_text or ""
+    text = request.ref_text if request.ref_text is not None else (uploaded.ref_text or "") if uploaded else ""
+    x_vector_only = (bool(request.x_vector_only_mode) if request.x_vector_only_mode is not None
+                     else uploaded is not None and not text.strip())
     if not x_vector_only and not text.strip():
         raise Refused("ref_text (the reference audio's transcript) is required unless x_vector_only_mode is true",
                       param="ref_text")
+    source: str | UploadedVoice = uploaded if uploaded is not None else request.ref_audio  # type: ignore[assignment]
+    if references is None:
+        raise Refused("this server takes no reference audio", param="ref_audio")
     try:
-        audio, rate = references(request.ref_audio)
+        audio, rate = references(source)
     except BadReference as exc:
-        raise Refused(str(exc), param="ref_audio") from None
+        raise Refused(str(exc), param="voice" if uploaded is not None else "ref_audio") from None
     return VoiceReference(audio, rate, "" if x_vector_only else text, x_vector_only)
 
 
-async def fetched_reference(body: bytes) -> ReferenceAudio:
+async def fetched_reference(body: bytes, references: ReferenceAudio, voices: UploadedVoices | None) -> ReferenceAudio:
     """The body's reference audio fetched and decoded off the event loop (the request is checked on it,
-    its tokenizers used from one thread); what `speech_input` then resolves its URI to."""
+    its tokenizers used from one thread): what `speech_input` then resolves its source to."""
     try:
-        uri = json.loads(body).get("ref_audio")
+        raw = json.loads(body)
+        uri, voice = raw.get("ref_audio"), raw.get("voice", raw.get("speaker"))
     except (ValueError, AttributeError):
-        uri = None
-    if not isinstance(uri, str):
-        return reference_audio  # nothing to fetch: speech_input refuses the request as it is
+        uri = voice = None
+    voice = voice.get("id") if isinstance(voice, dict) else voice  # OpenAI's {"id": name} form
+    source: str | UploadedVoice | None = uri if isinstance(uri, str) else None
+    if uri is None and isinstance(voice, str) and voices is not None:
+        source = voices.get(voice)
+    if source is None:
+        return references  # nothing to fetch: speech_input refuses the request or fetches nothing
     try:
-        got: tuple[np.ndarray, int] | BadReference = await asyncio.to_thread(reference_audio, uri)
+        got: tuple[np.ndarray, int] | BadReference = await asyncio.to_thread(references, source)
     except BadReference as exc:
         got = exc
 
-    def resolved(asked: str) -> tuple[np.ndarray, int]:
-        if asked != uri:
-            raise BadReference("ref_audio changed while the request was read")
+    def resolved(asked: str | UploadedVoice) -> tuple[np.ndarray, int]:
+        if asked != source:
+            raise BadReference("the request's reference changed while the request was read")
         if isinstance(got, BadReference):
             raise got
         return got
@@ -195,10 +216,14 @@ def usage(job: SpeechJob) -> dict[str, Any]:
 class SpeechServer:
     """The stages (sidecars, engines, links), the pipeline over them and the metrics."""
 
-    def __init__(self, config: ServeConfig, run_dir: Path, codes_log: Path | None = None) -> None:
+    def __init__(self, config: ServeConfig, run_dir: Path, codes_log: Path | None = None,
+                 references: References | None = None, voice_dir: Path | None = None) -> None:
+        """`references`: where a request's reference audio may come from (default: inline and any
+        http(s) host); `voice_dir`: where uploaded voices are kept (default: vllm-omni's)."""
         self.config = config
         self.run_dir = run_dir
         self.codes_log = CodesLog(codes_log) if codes_log is not None else None
+        self.references = references or References()
         # The first stage's prompt: with a thinker, one function for both endpoints (its conversation).
         self.thinker_prompt: ThinkerPrompt | None = None
         if config.thinker_prompt:
@@ -208,6 +233,15 @@ class SpeechServer:
         else:
             self.prompt = load_speech_prompt(config)
             self.config = config = dataclasses.replace(config, voices=list(self.prompt.voices))
+        # Voices uploaded for cloning: only a model that clones voices speaks in them.
+        self.voices: UploadedVoices | None = None
+        if self.prompt.clones_voices:
+            self.voices = UploadedVoices(voice_dir or default_voice_dir(), default_voice_limit())
+            restored, skipped = self.voices.restore()
+            if restored or skipped:
+                logger.info("Uploaded voices: %d in %s%s", restored, self.voices.directory,
+                            f"; {len(skipped)} file(s) skipped (not a voice this server reads): "
+                            f"{'; '.join(skipped[:3])}" if skipped else "")
         self.tokenizer: Tokenizer | None = None  # the thinker checkpoint's: its text for the chat endpoint
         # The longest prompt the first stage's engine takes (its max_model_len less the one token it must
         # make): longer is the request's fault, a 400, not a 503 from the engine. None until it starts.
@@ -219,6 +253,14 @@ class SpeechServer:
         self.needs: dict[str, HookNeeds] = {}  # each stage's hooks' needs (its engine's settings follow from them)
         self.engine_restarts = {name: 0 for name in config.stages}
         self._engine_watch: asyncio.Task | None = None
+
+    def reference_audio(self, source: str | UploadedVoice) -> tuple[np.ndarray, int]:
+        """A request's reference audio: by its URI, or an uploaded voice's clip (a `ReferenceAudio`)."""
+        if isinstance(source, UploadedVoice):
+            if self.voices is None:
+                raise BadReference("this server keeps no uploaded voices")
+            return self.voices.clip(source)
+        return self.references.audio(source)
 
     def _observe_first_audio_share(self, stage: str, seconds: float) -> None:
         self.metrics.first_audio_share.labels(stage).observe(seconds)
@@ -480,16 +522,37 @@ def build_app(server: SpeechServer, api_keys: list[str] | None = None) -> FastAP
     @app.get("/v1/audio/voices")
     async def voices() -> dict[str, Any]:
         """vllm-omni's voice list: the names a request may give (any case; vllm-omni lists them lowercased
-        and sorted); none uploaded (this server clones no voices)."""
-        return {"voices": sorted(v.lower() for v in config.voices), "uploaded_voices": []}
+        and sorted), the uploaded ones among them, and those uploaded with their details."""
+        uploaded = server.voices.all() if server.voices is not None else []
+        return {"voices": sorted({v.lower() for v in config.voices} | {v.key for v in uploaded}),
+                "uploaded_voices": [v.listing() for v in uploaded]}
+
+    @app.post("/v1/audio/voices")
+    async def upload_voice(request: Request) -> JSONResponse:
+        """vllm-omni's voice upload (multipart form: audio_sample, name, consent, ref_text,
+        speaker_description): the clip kept under the name, for Base requests that name it."""
+        try:
+            return JSONResponse({"success": True, "voice": await uploaded_voice(request, server.voices)})
+        except Refused as exc:
+            return _refusal(exc)
+
+    @app.delete("/v1/audio/voices/{name}")
+    async def delete_voice(name: str) -> JSONResponse:
+        if server.voices is None or not await asyncio.to_thread(server.voices.remove, name):
+            return _refusal(Refused(f"voice {name!r} not found (GET /v1/audio/voices lists those uploaded)",
+                                    status=404, param="name"))
+        logger.info("Deleted voice %r", name)
+        return JSONResponse({"success": True, "message": f"Voice '{name}' deleted successfully"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(server.observe(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def checked_speech(body: bytes) -> SpeechInput:
-        references = await fetched_reference(body) if server.prompt.clones_voices else reference_audio
-        return speech_input(body, config, server.prompt, server.max_prompt_tokens, references)
+        references: ReferenceAudio = server.reference_audio
+        if server.prompt.clones_voices:
+            references = await fetched_reference(body, references, server.voices)
+        return speech_input(body, config, server.prompt, server.max_prompt_tokens, references, server.voices)
 
     @app.post("/v1/audio/speech")
     async def speech(request: Request) -> Response:
@@ -539,6 +602,62 @@ def build_app(server: SpeechServer, api_keys: list[str] | None = None) -> FastAP
         return StreamingResponse(body, media_type="text/event-stream", headers={"X-Request-Id": got.job.request_id})
 
     return app
+
+
+MAX_FORM_OVERHEAD = 1 << 20  # a voice upload's form beyond its audio file: the text fields and part headers
+UPLOAD_FIELDS = ("audio_sample", "speaker_embedding", "name", "consent", "ref_text", "speaker_description")
+
+
+async def uploaded_voice(request: Request, voices: UploadedVoices | None) -> dict[str, Any]:
+    """A voice upload's form checked and its clip kept (vllm-omni's `upload_voice`); `Refused` says why not."""
+    if voices is None:
+        raise Refused("this model does not clone voices (a Qwen3-TTS Base checkpoint does): it has no use for an "
+                      "uploaded one", param="audio_sample")
+    body = bytearray()  # read whole first, within bounds: Starlette's parser would spool a file of any size
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_UPLOAD_BYTES + MAX_FORM_OVERHEAD:
+            raise Refused(f"the upload is over {MAX_UPLOAD_BYTES >> 20} MiB", status=413, param="audio_sample")
+
+    async def whole() -> dict[str, Any]:
+        return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+    try:
+        form = await Request(request.scope, whole).form(max_files=1, max_fields=len(UPLOAD_FIELDS))
+    except Exception as exc:  # noqa: BLE001 (Starlette's form parser: a malformed or over-full body)
+        raise Refused(f"the body is not a multipart form of a voice upload ({', '.join(UPLOAD_FIELDS)}): "
+                      f"{exc}") from None
+    try:
+        unknown = sorted(set(form.keys()) - set(UPLOAD_FIELDS))
+        if unknown:
+            raise Refused(f"not a voice upload's field: {', '.join(unknown)}", param=unknown[0])
+        if form.get("speaker_embedding") is not None:
+            raise Refused("not supported by this server: speaker_embedding (upload the voice's audio_sample)",
+                          param="speaker_embedding")
+        texts: dict[str, str | None] = {}
+        for name in ("name", "consent", "ref_text", "speaker_description"):
+            value = form.get(name)
+            if value is not None and not isinstance(value, str):
+                raise Refused(f"{name} is a form field, not a file", param=name)
+            texts[name] = value
+        for name in ("name", "consent"):
+            if texts[name] is None:
+                raise Refused(f"{name} is required", param=name)
+        sample = form.get("audio_sample")
+        if sample is None or isinstance(sample, str):
+            raise Refused("audio_sample (the voice's audio file) is required", param="audio_sample")
+        data = await sample.read(MAX_UPLOAD_BYTES + 1)
+        try:
+            voice = await asyncio.to_thread(voices.add, texts["name"] or "", texts["consent"] or "", data,
+                                            sample.filename or "", sample.content_type, texts["ref_text"],
+                                            texts["speaker_description"])
+        except BadUpload as exc:
+            raise Refused(str(exc), param=exc.param) from None
+    finally:
+        await form.close()
+    logger.info("Uploaded voice %r (consent %r, %d Hz, %s)", voice.name, voice.consent, voice.sample_rate,
+                "with its transcript" if voice.ref_text else "no transcript: spoken from its speaker embedding")
+    return voice.uploaded()
 
 
 async def _collected(request: Request, parts: AsyncIterator[T]) -> list[T] | Response:

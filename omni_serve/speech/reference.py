@@ -1,9 +1,11 @@
 """A voice-cloning request's reference: the audio whose voice the answer speaks in, and its transcript.
 
-vllm-omni's Qwen3-TTS Base requests name the audio by URI (`ref_audio`): a base64 `data:` URL or an
-http(s) URL, fetched and decoded here as vllm-omni's server does it (mono float32 at the file's own
-rate, 1 to 30 seconds; its talker resamples for its speaker and codec encoders). Fetched audio is kept
-by URI for a while (a WebSocket session names its reference for every utterance).
+vllm-omni's Qwen3-TTS Base requests name the audio by URI (`ref_audio`): a base64 `data:` URL, an
+http(s) URL or, where the operator allows a directory (`--allowed-local-media-path`, vLLM's option), a
+`file://` URL under it; fetched and decoded here as vllm-omni's server does it (vLLM's MediaConnector
+rules: `--allowed-media-domains` limits the hosts fetched from; mono float32 at the file's own rate,
+1 to 30 seconds; its talker resamples for its speaker and codec encoders). Fetched audio is kept by URI
+for a while (a WebSocket session names its reference for every utterance).
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ import binascii
 import hashlib
 import http.client
 import io
+import os
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -26,10 +30,7 @@ MIN_SECONDS, MAX_SECONDS = 1.0, 30.0  # vllm-omni's bounds on a reference's leng
 FETCH_TIMEOUT_S = 10.0
 MAX_REFERENCE_BYTES = 32 << 20  # a reference's file, fetched or inline (30 s of 24-bit stereo at 96 kHz: ~17 MiB)
 CACHED_REFERENCES = 16  # decoded audio kept by URI (30 s at 24 kHz: ~2.9 MB each)
-URI_FORMS = "a base64 data URL (data:audio/wav;base64,...) or an http(s) URL"
-
-
-ReferenceAudio = Callable[[str], "tuple[np.ndarray, int]"]  # a reference's URI -> (mono float32 samples, rate)
+URI_FORMS = "a base64 data URL (data:audio/wav;base64,...), an http(s) URL or a file:// URL"
 
 
 class BadReference(ValueError):
@@ -46,66 +47,119 @@ class VoiceReference:
     x_vector_only: bool  # the speaker embedding alone (no transcript, no reference codes)
 
 
-_cache: OrderedDict[str, tuple[np.ndarray, int]] = OrderedDict()
-_cache_lock = threading.Lock()  # requests resolve their references in worker threads
+class References:
+    """Where a request's reference audio may come from (vLLM's `--allowed-local-media-path` and
+    `--allowed-media-domains`), and the audio fetched lately, by URI."""
 
+    def __init__(self, local_root: Path | None = None, domains: tuple[str, ...] = ()) -> None:
+        self.local_root = local_root.resolve() if local_root is not None else None
+        self.domains = tuple(domain.lower() for domain in domains)  # empty: any host
+        self._cache: OrderedDict[str, tuple[np.ndarray, int]] = OrderedDict()
+        self._lock = threading.Lock()  # requests resolve their references in worker threads
+        self._opener = urllib.request.build_opener(_KeptToDomains(self))
 
-def reference_audio(uri: str) -> tuple[np.ndarray, int]:
-    """(mono float32 samples, sample rate) of the audio `uri` names; BadReference says why not."""
-    key = hashlib.sha256(uri.encode()).hexdigest()  # an inline reference's URI is the whole file
-    with _cache_lock:
-        if key in _cache:
-            _cache.move_to_end(key)
-            return _cache[key]
-    audio = _decoded(_fetched(uri))
-    with _cache_lock:
-        _cache[key] = audio
-        while len(_cache) > CACHED_REFERENCES:
-            _cache.popitem(last=False)
-    return audio
+    def audio(self, uri: str) -> tuple[np.ndarray, int]:
+        """(mono float32 samples, sample rate) of the audio `uri` names; BadReference says why not."""
+        key = hashlib.sha256(uri.encode()).hexdigest()  # an inline reference's URI is the whole file
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        audio = decoded(self._fetched(uri))
+        with self._lock:
+            self._cache[key] = audio
+            while len(self._cache) > CACHED_REFERENCES:
+                self._cache.popitem(last=False)
+        return audio
 
+    def check_host(self, url: str) -> None:
+        host = (urllib.parse.urlsplit(url).hostname or "").lower()
+        if self.domains and host not in self.domains:
+            raise BadReference(f"ref_audio's host {host!r} is not one this server fetches from "
+                               f"(--allowed-media-domains: {', '.join(self.domains)})")
 
-def _fetched(uri: str) -> bytes:
-    scheme = uri.split(":", 1)[0].lower() if ":" in uri else ""
-    if scheme == "data":
-        header, comma, data = uri.partition(",")
-        if not comma or not header.lower().endswith(";base64"):
-            raise BadReference(f"ref_audio must be {URI_FORMS}; this data URL is not base64")
-        if len(data) > MAX_REFERENCE_BYTES * 4 // 3 + 4:
-            raise BadReference(f"ref_audio's data URL holds over {MAX_REFERENCE_BYTES >> 20} MiB")
+    def _fetched(self, uri: str) -> bytes:
+        scheme = uri.split(":", 1)[0].lower() if ":" in uri else ""
+        if scheme == "data":
+            return _inline(uri)
+        if scheme in ("http", "https"):
+            self.check_host(uri)
+            try:
+                with self._opener.open(uri, timeout=FETCH_TIMEOUT_S) as answer:
+                    body = answer.read(MAX_REFERENCE_BYTES + 1)
+            except BadReference:
+                raise
+            except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
+                raise BadReference(f"cannot fetch ref_audio from {uri[:200]}: {exc}") from None
+            if len(body) > MAX_REFERENCE_BYTES:
+                raise BadReference(f"ref_audio at {uri[:200]} is over {MAX_REFERENCE_BYTES >> 20} MiB")
+            return body
+        if scheme == "file":
+            return self._local(uri)
+        raise BadReference(f"ref_audio must be {URI_FORMS}")
+
+    def _local(self, uri: str) -> bytes:
+        if self.local_root is None:
+            raise BadReference("ref_audio names a local file, which this server reads only under a directory its "
+                               "operator allows (--allowed-local-media-path)")
+        parts = urllib.parse.urlsplit(uri)
+        if parts.netloc not in ("", "localhost"):
+            raise BadReference(f"ref_audio's file URL names another host ({parts.netloc[:100]!r})")
+        path = Path(os.path.realpath(urllib.request.url2pathname(parts.path)))  # links followed, then checked
+        if self.local_root not in path.parents:
+            raise BadReference(f"ref_audio's file {str(path)[:200]} is not under --allowed-local-media-path "
+                               f"{self.local_root}")
         try:
-            return base64.b64decode(data, validate=True)
-        except (binascii.Error, ValueError):
-            raise BadReference("ref_audio's data URL is not valid base64") from None
-    if scheme in ("http", "https"):
-        try:
-            with urllib.request.urlopen(uri, timeout=FETCH_TIMEOUT_S) as answer:  # noqa: S310 (scheme checked)
-                body = answer.read(MAX_REFERENCE_BYTES + 1)
-        except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
-            raise BadReference(f"cannot fetch ref_audio from {uri[:200]}: {exc}") from None
+            with open(path, "rb") as file:
+                body = file.read(MAX_REFERENCE_BYTES + 1)
+        except OSError as exc:
+            raise BadReference(f"cannot read ref_audio's file {str(path)[:200]}: {exc.strerror or exc}") from None
         if len(body) > MAX_REFERENCE_BYTES:
-            raise BadReference(f"ref_audio at {uri[:200]} is over {MAX_REFERENCE_BYTES >> 20} MiB")
+            raise BadReference(f"ref_audio's file {str(path)[:200]} is over {MAX_REFERENCE_BYTES >> 20} MiB")
         return body
-    raise BadReference(f"ref_audio must be {URI_FORMS}")
 
 
-def _decoded(data: bytes) -> tuple[np.ndarray, int]:
+class _KeptToDomains(urllib.request.HTTPRedirectHandler):
+    """A redirect is followed only to a host the references may be fetched from."""
+
+    def __init__(self, references: References) -> None:
+        self.references = references
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001 (urllib's signature)
+        self.references.check_host(newurl)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _inline(uri: str) -> bytes:
+    header, comma, data = uri.partition(",")
+    if not comma or not header.lower().endswith(";base64"):
+        raise BadReference(f"ref_audio must be {URI_FORMS}; this data URL is not base64")
+    if len(data) > MAX_REFERENCE_BYTES * 4 // 3 + 4:
+        raise BadReference(f"ref_audio's data URL holds over {MAX_REFERENCE_BYTES >> 20} MiB")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadReference("ref_audio's data URL is not valid base64") from None
+
+
+def decoded(data: bytes, what: str = "ref_audio") -> tuple[np.ndarray, int]:
+    """A reference's file as (mono float32 samples, its rate), 1 to 30 s long; BadReference says why not."""
     import soundfile
 
     try:
         sound = soundfile.SoundFile(io.BytesIO(data))
     except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
-        raise BadReference(f"ref_audio is not audio this server reads (WAV, FLAC, OGG): {exc}") from None
+        raise BadReference(f"{what} is not audio this server reads (WAV, FLAC, OGG): {exc}") from None
     with sound:
         # Its length before its samples: a small compressed file may decode to hours of them.
         rate = int(sound.samplerate)
         seconds = sound.frames / rate if rate else 0.0
         if not MIN_SECONDS <= seconds <= MAX_SECONDS:
-            raise BadReference(f"ref_audio is {seconds:.2f} s long; a reference is {MIN_SECONDS:.0f} to "
+            raise BadReference(f"{what} is {seconds:.2f} s long; a reference is {MIN_SECONDS:.0f} to "
                                f"{MAX_SECONDS:.0f} s")
         try:
             samples = sound.read(dtype="float32", always_2d=True)
         except (soundfile.LibsndfileError, RuntimeError, ValueError) as exc:
-            raise BadReference(f"ref_audio could not be decoded: {exc}") from None
+            raise BadReference(f"{what} could not be decoded: {exc}") from None
     mono = samples.mean(axis=1) if samples.shape[1] > 1 else samples[:, 0]
     return np.ascontiguousarray(mono, dtype=np.float32), rate

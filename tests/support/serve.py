@@ -81,6 +81,23 @@ class Server:
         finally:
             conn.close()
 
+    def upload_voice(self, clip: bytes | None, filename: str = "clone.wav", **fields: str) -> tuple[int, dict]:
+        """vllm-omni's voice upload: a multipart form, as its clients send it."""
+        import httpx
+
+        files = {"audio_sample": (filename, clip, "audio/wav")} if clip is not None else None
+        answer = httpx.post(f"http://127.0.0.1:{self.port}/v1/audio/voices", data=fields, files=files, timeout=60)
+        return answer.status_code, answer.json()
+
+    def delete(self, path: str) -> tuple[int, bytes]:
+        conn = self.connection(5.0)
+        try:
+            conn.request("DELETE", path)
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
     def post(self, body: bytes | dict, path: str = "/v1/audio/speech") -> tuple[int, bytes, str]:
         conn = self.connection()
         try:
