@@ -17,7 +17,7 @@ as the answer's left context). A request becomes vllm-omni's talker request
 `additional_information` (the talker tokenizes them itself), and `[1] * n` as the prompt, n from
 vllm-omni's own `Qwen3TTSPromptEmbedsBuilder.estimate_prompt_len_from_additional_information`
 (imported with vllm-omni's package stood in: no patch) with the checkpoint's tokenizer.
-Voice uploads and precomputed `speaker_embedding`s are not served.
+Voices uploaded for cloning are omni_serve/speech/voices.py's; precomputed `speaker_embedding`s are not served.
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ def decoded(data: bytes, what: str = "ref_audio") -> tuple[np.ndarray, int]:
     try:
         sound = soundfile.SoundFile(io.BytesIO(data))
     except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
-        raise BadReference(f"{what} is not audio this server reads (WAV, FLAC, OGG): {exc}") from None
+        raise BadReference(f"{what} is not audio this server reads (WAV, FLAC, OGG, MP3): {exc}") from None
     with sound:
         # Its length before its samples: a small compressed file may decode to hours of them.
         rate = int(sound.samplerate)
