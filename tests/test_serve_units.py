@@ -143,6 +143,9 @@ class SpokenPrompt:
     def text_tokens(self, text: str, instructions: str) -> int:
         return len(text) + len(instructions)
 
+    def max_frames(self, text: str) -> int | None:
+        return None
+
 
 def test_a_prompt_that_speaks_languages_and_takes_instructions_gets_them_as_vllm_omni_names_them():
     spoken = SpokenPrompt()
@@ -159,6 +162,37 @@ def test_a_prompt_that_speaks_languages_and_takes_instructions_gets_them_as_vllm
             speech_input(json.dumps(body).encode(), CONFIG, spoken)
         assert caught.value.param == param and needle in str(caught.value), str(caught.value)
     assert len(spoken.calls) == 4  # a refused request makes no prompt
+
+
+class CeilingPrompt(SpokenPrompt):
+    """A SpeechPrompt whose model's answers are bounded by their text's length (vllm-omni's Base)."""
+
+    def max_frames(self, text: str) -> int | None:
+        return 5 * len(text)
+
+
+def test_a_prompts_frame_ceiling_bounds_a_request_that_names_no_max_new_tokens():
+    """Below the pipeline's limit (32 here); a request's own max_new_tokens is its own (vllm-omni's rule)."""
+    frames = {text: speech_input(json.dumps({"input": text}).encode(), CONFIG, CeilingPrompt()).job.max_frames
+              for text in ("hi", "x" * 10)}
+    assert frames == {"hi": 10, "x" * 10: 32}
+    asked = speech_input(json.dumps({"input": "hi", "max_new_tokens": 20}).encode(), CONFIG, CeilingPrompt())
+    assert asked.job.max_frames == 20
+
+
+def test_a_qwen3_tts_base_answer_is_bounded_as_vllm_omni_bounds_it():
+    """vllm-omni 0.30's Base ceiling: 12 frames a text token, at least 192; other tasks none."""
+    from types import SimpleNamespace
+
+    from omni_serve.speech.qwen3_tts import Qwen3TTSPrompt
+
+    def tokens(text: str) -> list[int]:
+        return list(range(len(text.split())))
+
+    base = SimpleNamespace(clones_voices=True, _tokens=tokens)
+    assert Qwen3TTSPrompt.max_frames(base, "one two") == 192
+    assert Qwen3TTSPrompt.max_frames(base, " ".join(["w"] * 20)) == 240
+    assert Qwen3TTSPrompt.max_frames(SimpleNamespace(clones_voices=False, _tokens=tokens), "one") is None
 
 
 class DescribedVoicePrompt(SpokenPrompt):

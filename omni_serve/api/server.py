@@ -108,7 +108,8 @@ def speech_input(body: bytes, config: ServeConfig, prompt: SpeechPrompt, max_pro
     if encoding_problem:
         raise Refused(encoding_problem, param="response_format")
     talker = config.stages["talker"]
-    frames = request.max_new_tokens or talker.max_tokens
+    ceiling = prompt.max_frames(text) if request.max_new_tokens is None else None
+    frames = request.max_new_tokens or min(talker.max_tokens, ceiling or talker.max_tokens)
     if frames > talker.max_tokens:
         raise Refused(f"max_new_tokens {frames} is above this server's limit of {talker.max_tokens}",
                       param="max_new_tokens")

@@ -45,6 +45,11 @@ class SpeechPrompt(Protocol):
         server counts the first stage's text rows."""
         ...
 
+    def max_frames(self, text: str) -> int | None:
+        """The most frames a request of `text` makes when it names no `max_new_tokens` (below the
+        pipeline's limit); None: the pipeline's limit alone."""
+        ...
+
 
 @dataclass
 class TextVoicePrompt:
@@ -63,6 +68,9 @@ class TextVoicePrompt:
         return self.function(text, voice)
 
     def text_tokens(self, text: str, instructions: str) -> int | None:
+        return None
+
+    def max_frames(self, text: str) -> int | None:
         return None
 
 

@@ -40,6 +40,9 @@ SPEECH_TOKENIZER_CONFIG = "speech_tokenizer/config.json"  # its codec's frame ra
 PLACEHOLDER = 1  # vllm-omni's placeholder prompt id
 DEFAULT_VOICE = "vivian"  # vllm-omni's speaker for a CustomVoice request that names none
 MAX_INSTRUCTIONS_CHARS = 500  # vllm-omni's default (_TTS_MAX_INSTRUCTIONS_LENGTH)
+# vllm-omni's ceiling on a Base answer that names no max_new_tokens (a cloned voice may never reach the
+# codec's EOS): this many frames a token of the text, and never fewer than the floor.
+BASE_FRAMES_PER_TEXT_TOKEN, BASE_MIN_FRAMES = 12, 192
 
 
 class Qwen3TTSPrompt:
@@ -132,6 +135,13 @@ class Qwen3TTSPrompt:
     def text_tokens(self, text: str, instructions: str) -> int:
         """vllm-omni's usage (`qwen3_tts_input_token_details`): the text's tokens and the instructions'."""
         return len(self._tokens(text)) + (len(self._tokens(instructions)) if instructions.strip() else 0)
+
+    def max_frames(self, text: str) -> int | None:
+        """vllm-omni's Base ceiling (its adapter's `apply_sampling_overrides`): frames in proportion to the
+        text's tokens; other tasks: the pipeline's limit."""
+        if not self.clones_voices:
+            return None
+        return max(BASE_MIN_FRAMES, len(self._tokens(text)) * BASE_FRAMES_PER_TEXT_TOKEN)
 
     def _tokens(self, text: str) -> list[int]:
         return self._tokenizer(text, padding=False)["input_ids"]
