@@ -123,7 +123,8 @@ def test_a_base_request_without_a_usable_reference_is_refused_saying_why(server,
         ({"ref_audio": _data_url(_wav(0.5, seed=1)), "ref_text": "x"}, "ref_audio", "0.50 s long"),
         ({"ref_audio": f"{url}/missing.wav", "ref_text": "x"}, "ref_audio", "cannot fetch"),
         ({"ref_audio": reference, "ref_text": "x", "task_type": "CustomVoice"}, "task_type", "it serves 'Base'"),
-        ({"ref_audio": reference, "speaker_embedding": [0.5] * 8}, "speaker_embedding", "not supported"),
+        ({"ref_audio": reference, "speaker_embedding": [0.5] * 8}, "speaker_embedding", "give one"),
+        ({"speaker_embedding": [0.5] * 8}, "speaker_embedding", "8 dimensions; this model's is 128"),
         ({"ref_audio": "file:///etc/hostname", "ref_text": "x"}, "ref_audio", "not under --allowed-local-media-path"),
         ({"voice": "nobody"}, "voice", "unknown voice 'nobody'"),
     ):
@@ -189,14 +190,35 @@ def test_an_upload_that_cannot_be_kept_is_refused_saying_why(server):
     for clip_sent, fields, param, needle in (
         (clip, {"consent": "c"}, "name", "name is required"),
         (clip, {"name": "x"}, "consent", "consent is required"),
-        (None, {"name": "x", "consent": "c"}, "audio_sample", "audio_sample (the voice's audio file) is required"),
+        (None, {"name": "x", "consent": "c"}, "audio_sample", "audio_sample (the voice's audio file) or"),
         (clip, {"name": "../x", "consent": "c"}, "name", "not a voice name"),
         (b"RIFF not a wave", {"name": "x", "consent": "c"}, "audio_sample", "not audio"),
         (_wav(0.5, seed=6), {"name": "x", "consent": "c"}, "audio_sample", "0.50 s long"),
-        (clip, {"name": "x", "consent": "c", "speaker_embedding": "[0.5]"}, "speaker_embedding", "not supported"),
+        (clip, {"name": "x", "consent": "c", "speaker_embedding": "[0.5]"}, "speaker_embedding", "give one"),
+        (None, {"name": "x", "consent": "c", "speaker_embedding": "[0.5]"}, "speaker_embedding", "1 dimensions"),
+        (None, {"name": "x", "consent": "c", "speaker_embedding": "[0.5, NaN"}, "speaker_embedding", "must be JSON"),
         (clip, {"name": "x", "consent": "c", "language": "English"}, "language", "not a voice upload's field"),
     ):
         status, answer = server.upload_voice(clip_sent, **fields)
         assert status == 400 and needle in answer["error"]["message"] and answer["error"]["param"] == param, \
             (fields, answer)
     assert json.loads(server.get("/v1/audio/voices")[1])["uploaded_voices"] == []
+
+
+def test_a_voice_given_as_its_speaker_embedding_is_spoken_in_it(server):
+    """vllm-omni's precomputed voice: `speaker_embedding` (the talker's width) instead of audio, the embedding
+    alone; uploaded as one (`speaker_embedding`, a JSON list), the voice that names it is the same."""
+    vector = np.random.default_rng(7).normal(size=128).round(4).tolist()
+    _, codes, no_reference = _clone(server, speaker_embedding=vector)
+    assert codes.shape == (FRAMES, 4) and no_reference is None
+    assert np.array_equal(_clone(server, speaker_embedding=vector)[1], codes)  # greedy: the same voice, the same codes
+    other = np.random.default_rng(8).normal(size=128).round(4).tolist()
+    assert not np.array_equal(_clone(server, speaker_embedding=other)[1], codes)  # it reaches the talker
+    status, answer = server.upload_voice(None, name="Vector", consent="consent-3", speaker_embedding=json.dumps(vector))
+    assert status == 200 and answer["voice"] == {"name": "Vector", "consent": "consent-3", "embedding_source": "direct",
+                                                 "embedding_dim": 128, "created_at": answer["voice"]["created_at"]}
+    [listed] = json.loads(server.get("/v1/audio/voices")[1])["uploaded_voices"]
+    assert (listed["embedding_source"], listed["embedding_dim"], listed["mime_type"]) == \
+        ("direct", 128, "application/x-safetensors")
+    assert np.array_equal(_clone(server, voice="vector")[1], codes)
+    assert server.delete("/v1/audio/voices/Vector")[0] == 200

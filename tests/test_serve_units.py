@@ -130,6 +130,7 @@ class SpokenPrompt:
     instructions_required = False
     task_type = "CustomVoice"
     clones_voices = False
+    speaker_embedding_size = 0
 
     def __init__(self, stage: StageSpec | None = None) -> None:
         self.calls: list[tuple] = []
@@ -1142,6 +1143,7 @@ def test_uploaded_voices_are_kept_as_vllm_omni_keeps_them_and_restored(tmp_path)
     assert restored.get("vec").embedding_dim == 8
     with pytest.raises(BadReference, match="uploaded as a speaker embedding"):
         restored.clip(restored.get("vec"))
+    np.testing.assert_array_equal(restored.embedding(restored.get("vec")), np.zeros(8, np.float32))
     with pytest.raises(BadUpload, match="3 voices are uploaded"):
         restored.add("fourth", "c", _clip(), "x.wav", "audio/wav")
     assert restored.add("duo", "c", _clip(), "x.wav", "audio/wav").name == "duo"  # a replacement is no new voice
@@ -1172,7 +1174,7 @@ def test_a_base_request_names_its_voice_by_reference_audio_or_an_upload(tmp_path
         return (np.zeros(4, np.float32), 8000) if isinstance(source, str) else store.clip(source)
 
     def reference(**fields):
-        return voice_reference(SpeechRequest(input="hi", **fields), references, store)
+        return voice_reference(SpeechRequest(input="hi", **fields), references, store, 4)
 
     inline = reference(ref_audio="data:x", ref_text="Mine.", voice="told")
     assert (inline.sample_rate, inline.text, inline.x_vector_only, fetched[-1]) == (8000, "Mine.", False, "data:x")
@@ -1182,9 +1184,21 @@ def test_a_base_request_names_its_voice_by_reference_audio_or_an_upload(tmp_path
     assert reference(voice="told", x_vector_only_mode=True).x_vector_only
     silent = reference(voice="silent")
     assert silent.x_vector_only and silent.text == ""
+    # The voice as its speaker embedding: given, or uploaded as one (vllm-omni's precomputed voices).
+    given = reference(speaker_embedding=[0.5, 1, -2, 0], voice="told")
+    assert given.audio is None and given.x_vector_only and given.speaker_embedding.tolist() == [0.5, 1, -2, 0]
+    store.add_embedding("vector", "c", np.arange(4))
+    named = reference(voice="Vector")
+    assert named.audio is None and named.x_vector_only and named.speaker_embedding.tolist() == [0, 1, 2, 3]
+    store.add_embedding("narrow", "c", np.arange(3))  # another model's width
     for fields, param, needle in (({"voice": "silent", "x_vector_only_mode": False}, "ref_text", "ref_text"),
-                                  ({"voice": "nobody"}, "voice", "uploaded: silent, told"),
-                                  ({}, "ref_audio", "ref_audio is required")):
+                                  ({"voice": "nobody"}, "voice", "uploaded: narrow, silent, told, vector"),
+                                  ({}, "ref_audio", "ref_audio is required"),
+                                  ({"speaker_embedding": [1, 2, 3]}, "speaker_embedding", "3 dimensions; this model's is 4"),
+                                  ({"speaker_embedding": [[1, 2, 3, 4]]}, "speaker_embedding", "flat list"),
+                                  ({"speaker_embedding": [1, 2, 3, 4], "ref_audio": "data:x"}, "speaker_embedding",
+                                   "give one"),
+                                  ({"voice": "narrow"}, "voice", "3 dimensions")):
         with pytest.raises(Refused, match=needle) as refused:
             reference(**fields)
         assert refused.value.param == param

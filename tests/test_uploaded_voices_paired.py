@@ -64,6 +64,7 @@ def _vllm_omni_store(cls, directory):
     server._max_uploaded_speakers = 1000
     server._upload_lock = asyncio.Lock()
     server._ref_audio_data_url_cache = {}
+    server._tts_model_type = "qwen3_tts_without_an_engine"  # its embedding width check needs an engine: skipped
     return server
 
 
@@ -96,3 +97,26 @@ def test_voices_uploaded_to_either_server_are_read_by_the_other(serving_speech, 
     their_samples, their_rate = restored._load_uploaded_audio("reader")
     our_samples, our_rate = again.clip(reader)
     assert our_rate == their_rate == RATE and np.array_equal(our_samples, their_samples.astype(np.float32))
+
+
+def test_voices_uploaded_as_speaker_embeddings_are_read_by_either_server(serving_speech, tmp_path):
+    import json
+
+    from omni_serve.speech.voices import UploadedVoices
+
+    ours = UploadedVoices(tmp_path, limit=10)
+    ours.add_embedding("Ours", "consent-1", np.linspace(-1, 1, 16))
+    theirs = _vllm_omni_store(serving_speech, tmp_path)
+    their_vector = [0.25 * i for i in range(16)]
+    asyncio.run(theirs.upload_voice_embedding(json.dumps(their_vector), "consent-2", "Theirs"))
+
+    restored = _vllm_omni_store(serving_speech, tmp_path)
+    restored._restore_uploaded_speakers()
+    assert restored.uploaded_speakers["ours"]["embedding_source"] == "direct"
+    assert np.allclose(restored._get_uploaded_speaker_embedding("Ours"), np.linspace(-1, 1, 16))
+
+    again = UploadedVoices(tmp_path, limit=10)
+    assert again.restore() == (2, [])
+    voice = again.get("theirs")
+    assert (voice.embedding_source, voice.embedding_dim, voice.file_size > 0) == ("direct", 16, True)
+    assert again.embedding(voice).tolist() == their_vector

@@ -179,7 +179,7 @@ UNSUPPORTED = {
 }
 # A voice-cloning model's requests (vllm-omni's Base) take its reference fields.
 CLONING_FIELDS_HONOURED = {name: default for name, default in UNSUPPORTED.items()
-                           if name not in ("ref_audio", "ref_text", "x_vector_only_mode")}
+                           if name not in ("ref_audio", "ref_text", "x_vector_only_mode", "speaker_embedding")}
 
 
 class Refused(ValueError):

@@ -38,7 +38,8 @@ from omni_serve.speech.codes_log import CodesLog
 from omni_serve.speech.prompts import AUTO_LANGUAGE, SpeechPrompt, TextVoicePrompt, load_speech_prompt
 from omni_serve.speech.pipeline import SpeechJob, SpeechPipeline, Stage, StageFailed, ThinkerStage, stop_soon
 from omni_serve.speech.reference import URI_FORMS, BadReference, References, VoiceReference
-from omni_serve.speech.voices import MAX_UPLOAD_BYTES, BadUpload, UploadedVoice, UploadedVoices
+from omni_serve.speech.voices import (EMBEDDING_VOICE, MAX_EMBEDDING_SIZE, MAX_UPLOAD_BYTES, BadUpload, UploadedVoice,
+                                      UploadedVoices)
 from omni_serve.speech.voices import default_dir as default_voice_dir
 from omni_serve.speech.voices import default_limit as default_voice_limit
 from omni_serve.stages.link import AsyncSidecarClient
@@ -98,7 +99,8 @@ def speech_input(body: bytes, config: ServeConfig, prompt: SpeechPrompt, max_pro
     refused = unsupported_fields(request, CLONING_FIELDS_HONOURED if prompt.clones_voices else None)
     if refused:
         raise Refused(f"not supported by this model: {', '.join(refused)}", param=refused[0])
-    reference = voice_reference(request, references, voices) if prompt.clones_voices else None
+    reference = (voice_reference(request, references, voices, prompt.speaker_embedding_size)
+                 if prompt.clones_voices else None)
     # vllm-omni's rule (and the OpenAI SDK's, which sends stream_format alone): a stream_format streams.
     stream = request.stream or request.stream_format is not None
     if stream and request.response_format not in audio.STREAMED_FORMATS:
@@ -122,11 +124,17 @@ def speech_input(body: bytes, config: ServeConfig, prompt: SpeechPrompt, max_pro
     return SpeechInput(job, request.response_format, stream, request.stream_format != "audio")
 
 
-def voice_reference(request: SpeechRequest, references: ReferenceAudio | None,
-                    voices: UploadedVoices | None) -> VoiceReference:
-    """A voice-cloning request's reference audio and its transcript, by vllm-omni's Base rules: the audio
-    inline (ref_audio) or an uploaded voice's (named by `voice`; its transcript unless the request gives
-    one); the transcript unless `x_vector_only_mode` (an uploaded voice without one: the embedding alone)."""
+def voice_reference(request: SpeechRequest, references: ReferenceAudio | None, voices: UploadedVoices | None,
+                    embedding_size: int) -> VoiceReference:
+    """A voice-cloning request's voice, by vllm-omni's Base rules: its speaker embedding itself
+    (`speaker_embedding`, the embedding alone), audio inline (`ref_audio`), or an uploaded voice `voice`
+    names (its clip, its transcript unless the request gives one; or its embedding); a clip's transcript
+    unless `x_vector_only_mode` (an uploaded clip without one: the embedding alone)."""
+    if request.speaker_embedding is not None:
+        if request.ref_audio is not None:
+            raise Refused("speaker_embedding and ref_audio are two ways of giving the voice: give one",
+                          param="speaker_embedding")
+        return VoiceReference(None, 0, "", True, speaker_embedding(request.speaker_embedding, embedding_size))
     uploaded = voices.get(request.voice) if voices is not None and request.voice and request.ref_audio is None else None
     if request.ref_audio is None and uploaded is None:
         if request.voice and request.voice.strip():
@@ -134,7 +142,14 @@ def voice_reference(request: SpeechRequest, references: ReferenceAudio | None,
             raise Refused(f"unknown voice {request.voice!r}: this model clones the voice of ref_audio or of a voice "
                           f"uploaded with POST /v1/audio/voices (uploaded: {names or 'none'})", param="voice")
         raise Refused("this model clones the voice of reference audio (a Base checkpoint): ref_audio is required, "
-                      "or the name of a voice uploaded with POST /v1/audio/voices", param="ref_audio")
+                      "or the name of a voice uploaded with POST /v1/audio/voices, or a speaker_embedding",
+                      param="ref_audio")
+    if uploaded is not None and voices is not None and uploaded.embedding_source == EMBEDDING_VOICE:
+        try:
+            embedding = voices.embedding(uploaded)
+        except BadReference as exc:
+            raise Refused(str(exc), param="voice") from None
+        return VoiceReference(None, 0, "", True, speaker_embedding(embedding.tolist(), embedding_size, "voice"))
     if request.ref_audio is not None and not isinstance(request.ref_audio, str):
         raise Refused(f"ref_audio is one {URI_FORMS}", param="ref_audio")
     text = request.ref_text if request.ref_text is not None else (uploaded.ref_text or "") if uploaded else ""
@@ -153,6 +168,20 @@ def voice_reference(request: SpeechRequest, references: ReferenceAudio | None,
     return VoiceReference(audio, rate, "" if x_vector_only else text, x_vector_only)
 
 
+def speaker_embedding(values: list[float] | list[list[float]], size: int, param: str = "speaker_embedding") -> np.ndarray:
+    """A precomputed speaker embedding as the talker takes it: one vector of its width, finite."""
+    if not size:
+        raise Refused("this model takes no precomputed speaker embedding", param=param)
+    if any(isinstance(value, list) for value in values):
+        raise Refused("speaker_embedding is one embedding: a flat list of numbers", param=param)
+    if len(values) != size:
+        raise Refused(f"speaker_embedding has {len(values)} dimensions; this model's is {size}", param=param)
+    embedding = np.asarray(values, dtype=np.float32)
+    if not np.isfinite(embedding).all():
+        raise Refused("speaker_embedding's values must be finite (no NaN or Inf)", param=param)
+    return embedding
+
+
 async def fetched_reference(body: bytes, references: ReferenceAudio, voices: UploadedVoices | None) -> ReferenceAudio:
     """The body's reference audio fetched and decoded off the event loop (the request is checked on it,
     its tokenizers used from one thread): what `speech_input` then resolves its source to."""
@@ -163,8 +192,9 @@ async def fetched_reference(body: bytes, references: ReferenceAudio, voices: Upl
         uri = voice = None
     voice = voice.get("id") if isinstance(voice, dict) else voice  # OpenAI's {"id": name} form
     source: str | UploadedVoice | None = uri if isinstance(uri, str) else None
-    if uri is None and isinstance(voice, str) and voices is not None:
-        source = voices.get(voice)
+    if uri is None and isinstance(voice, str) and voices is not None and raw.get("speaker_embedding") is None:
+        uploaded = voices.get(voice)
+        source = uploaded if uploaded is not None and uploaded.embedding_source != EMBEDDING_VOICE else None
     if source is None:
         return references  # nothing to fetch: speech_input refuses the request or fetches nothing
     try:
@@ -533,7 +563,8 @@ def build_app(server: SpeechServer, api_keys: list[str] | None = None) -> FastAP
         """vllm-omni's voice upload (multipart form: audio_sample, name, consent, ref_text,
         speaker_description): the clip kept under the name, for Base requests that name it."""
         try:
-            return JSONResponse({"success": True, "voice": await uploaded_voice(request, server.voices)})
+            return JSONResponse({"success": True, "voice": await uploaded_voice(request, server.voices,
+                                                                         server.prompt.speaker_embedding_size)})
         except Refused as exc:
             return _refusal(exc)
 
@@ -609,8 +640,9 @@ MAX_FORM_OVERHEAD = 1 << 20  # a voice upload's form beyond its audio file: the 
 UPLOAD_FIELDS = ("audio_sample", "speaker_embedding", "name", "consent", "ref_text", "speaker_description")
 
 
-async def uploaded_voice(request: Request, voices: UploadedVoices | None) -> dict[str, Any]:
-    """A voice upload's form checked and its clip kept (vllm-omni's `upload_voice`); `Refused` says why not."""
+async def uploaded_voice(request: Request, voices: UploadedVoices | None, embedding_size: int) -> dict[str, Any]:
+    """A voice upload's form checked and its clip, or its speaker embedding, kept (vllm-omni's `upload_voice`,
+    `upload_voice_embedding`); `Refused` says why not."""
     if voices is None:
         raise Refused("this model does not clone voices (a Qwen3-TTS Base checkpoint does): it has no use for an "
                       "uploaded one", param="audio_sample")
@@ -632,11 +664,8 @@ async def uploaded_voice(request: Request, voices: UploadedVoices | None) -> dic
         unknown = sorted(set(form.keys()) - set(UPLOAD_FIELDS))
         if unknown:
             raise Refused(f"not a voice upload's field: {', '.join(unknown)}", param=unknown[0])
-        if form.get("speaker_embedding") is not None:
-            raise Refused("not supported by this server: speaker_embedding (upload the voice's audio_sample)",
-                          param="speaker_embedding")
         texts: dict[str, str | None] = {}
-        for name in ("name", "consent", "ref_text", "speaker_description"):
+        for name in ("name", "consent", "ref_text", "speaker_description", "speaker_embedding"):
             value = form.get(name)
             if value is not None and not isinstance(value, str):
                 raise Refused(f"{name} is a form field, not a file", param=name)
@@ -645,20 +674,43 @@ async def uploaded_voice(request: Request, voices: UploadedVoices | None) -> dic
             if texts[name] is None:
                 raise Refused(f"{name} is required", param=name)
         sample = form.get("audio_sample")
-        if sample is None or isinstance(sample, str):
-            raise Refused("audio_sample (the voice's audio file) is required", param="audio_sample")
-        data = await sample.read(MAX_UPLOAD_BYTES + 1)
+        if sample is not None and texts["speaker_embedding"] is not None:
+            raise Refused("audio_sample and speaker_embedding are two ways of giving the voice: give one",
+                          param="speaker_embedding")
         try:
-            voice = await asyncio.to_thread(voices.add, texts["name"] or "", texts["consent"] or "", data,
-                                            sample.filename or "", sample.content_type, texts["ref_text"],
-                                            texts["speaker_description"])
+            if texts["speaker_embedding"] is not None:
+                embedding = uploaded_embedding(texts["speaker_embedding"], embedding_size)
+                voice = await asyncio.to_thread(voices.add_embedding, texts["name"] or "", texts["consent"] or "",
+                                                embedding)
+            elif sample is None or isinstance(sample, str):
+                raise Refused("audio_sample (the voice's audio file) or speaker_embedding is required",
+                              param="audio_sample")
+            else:
+                data = await sample.read(MAX_UPLOAD_BYTES + 1)
+                voice = await asyncio.to_thread(voices.add, texts["name"] or "", texts["consent"] or "", data,
+                                                sample.filename or "", sample.content_type, texts["ref_text"],
+                                                texts["speaker_description"])
         except BadUpload as exc:
             raise Refused(str(exc), param=exc.param) from None
     finally:
         await form.close()
-    logger.info("Uploaded voice %r (consent %r, %d Hz, %s)", voice.name, voice.consent, voice.sample_rate,
-                "with its transcript" if voice.ref_text else "no transcript: spoken from its speaker embedding")
+    what = (f"a {voice.embedding_dim}-wide speaker embedding" if voice.embedding_dim else
+            f"{voice.sample_rate} Hz, {'with its transcript' if voice.ref_text else 'no transcript: its embedding alone'}")
+    logger.info("Uploaded voice %r (consent %r, %s)", voice.name, voice.consent, what)
     return voice.uploaded()
+
+
+def uploaded_embedding(text: str, size: int) -> np.ndarray:
+    """An upload's `speaker_embedding` field: a JSON list of numbers, the talker's width (vllm-omni's checks)."""
+    try:
+        values = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise Refused(f"speaker_embedding must be JSON: {exc}", param="speaker_embedding") from None
+    if (not isinstance(values, list) or not values or len(values) > MAX_EMBEDDING_SIZE
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)):
+        raise Refused(f"speaker_embedding must be a JSON list of 1 to {MAX_EMBEDDING_SIZE} numbers",
+                      param="speaker_embedding")
+    return speaker_embedding(values, size)
 
 
 async def _collected(request: Request, parts: AsyncIterator[T]) -> list[T] | Response:

@@ -32,6 +32,7 @@ class SpeechPrompt(Protocol):
     instructions_required: bool  # the voice is described in the instructions (vllm-omni's VoiceDesign)
     task_type: str  # vllm-omni's task it serves: a request's `task_type` is this or absent
     clones_voices: bool  # every request brings its voice as reference audio (vllm-omni's Base)
+    speaker_embedding_size: int  # a precomputed speaker embedding's width a request may give instead; 0: none
 
     def __call__(self, text: str, voice: int, language: str, instructions: str,
                  reference: VoiceReference | None = None) -> tuple[list[int], dict[str, Any]]:
@@ -62,6 +63,7 @@ class TextVoicePrompt:
     instructions_required: bool = False
     task_type: str = CUSTOM_VOICE
     clones_voices: bool = False
+    speaker_embedding_size: int = 0
 
     def __call__(self, text: str, voice: int, language: str, instructions: str,
                  reference: VoiceReference | None = None) -> tuple[list[int], dict[str, Any]]:

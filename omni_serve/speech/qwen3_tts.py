@@ -17,7 +17,8 @@ as the answer's left context). A request becomes vllm-omni's talker request
 `additional_information` (the talker tokenizes them itself), and `[1] * n` as the prompt, n from
 vllm-omni's own `Qwen3TTSPromptEmbedsBuilder.estimate_prompt_len_from_additional_information`
 (imported with vllm-omni's package stood in: no patch) with the checkpoint's tokenizer.
-Voices uploaded for cloning are omni_serve/speech/voices.py's; precomputed `speaker_embedding`s are not served.
+A Base request may give the voice as its speaker embedding instead (`speaker_embedding`, the talker's width:
+vllm-omni's `voice_clone_prompt`). Voices uploaded for cloning are omni_serve/speech/voices.py's.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ class Qwen3TTSPrompt:
         speakers = dict(getattr(talker, "spk_id", None) or {})
         kind = getattr(config, "tts_model_type", "")
         self.clones_voices = kind == BASE_MODEL
+        # A precomputed speaker embedding joins the talker's codec embeddings: its width (vllm-omni's check).
+        self.speaker_embedding_size = int(talker.hidden_size) if self.clones_voices else 0
         self._codec_frame_rate = 0.0
         if kind == VOICE_DESIGN_MODEL:
             self.task_type, self.instructions_required, self.voices = VOICE_DESIGN, True, []
@@ -117,9 +120,12 @@ class Qwen3TTSPrompt:
             if not reference.x_vector_only:
                 info["ref_text"] = [reference.text]
             info["x_vector_only_mode"] = [reference.x_vector_only]
-            samples = int(reference.audio.shape[0])
-            info["ref_code_length"] = [math.ceil(samples / reference.sample_rate * self._codec_frame_rate)]
-            info["ref_audio"] = [[reference.audio.tolist(), reference.sample_rate]]
+            if reference.speaker_embedding is not None:  # vllm-omni's precomputed voice: the embedding alone
+                info["voice_clone_prompt"] = [{"ref_spk_embedding": reference.speaker_embedding.tolist()}]
+            if reference.audio is not None:
+                samples = int(reference.audio.shape[0])
+                info["ref_code_length"] = [math.ceil(samples / reference.sample_rate * self._codec_frame_rate)]
+                info["ref_audio"] = [[reference.audio.tolist(), reference.sample_rate]]
         return info
 
     def __call__(self, text: str, voice: int, language: str, instructions: str,

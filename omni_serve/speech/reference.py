@@ -39,12 +39,14 @@ class BadReference(ValueError):
 
 @dataclass(frozen=True)
 class VoiceReference:
-    """What a voice-cloning request brings: the voice's audio and, for in-context cloning, its transcript."""
+    """What a voice-cloning request brings: the voice's audio and, for in-context cloning, its transcript;
+    or the voice's speaker embedding itself (precomputed: no audio, the embedding alone)."""
 
-    audio: np.ndarray  # [samples] float32, mono
+    audio: np.ndarray | None  # [samples] float32, mono; None with a speaker embedding
     sample_rate: int
     text: str  # the transcript ("" with x_vector_only)
     x_vector_only: bool  # the speaker embedding alone (no transcript, no reference codes)
+    speaker_embedding: np.ndarray | None = None  # [the talker's width] float32, given instead of audio
 
 
 class References:

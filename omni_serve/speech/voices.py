@@ -5,7 +5,8 @@ Kept as vllm-omni's speech server keeps them, so a directory either server wrote
 one safetensors file a voice, `{name}_{consent}_{created_at}.safetensors`, its clip as the `audio`
 tensor (float32) and its details as strings in the file's header. The directory is vllm-omni's
 (`$SPEAKER_SAMPLES_DIR`, else ~/.cache/vllm-omni/speakers) unless `--voice-dir` names another; it is
-made on the first upload. Voices vllm-omni stored as a speaker embedding are listed but not spoken here.
+made on the first upload. A voice may be uploaded as its speaker embedding instead (vllm-omni's
+`speaker_embedding` upload: the `speaker_embedding` tensor, `embedding_source` "direct").
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ MIME_BY_SUFFIX = {".wav": "audio/wav", ".mp3": "audio/mpeg", ".mpeg": "audio/mpe
                   ".ogg": "audio/ogg", ".aac": "audio/aac", ".webm": "audio/webm", ".mp4": "audio/mp4"}
 CACHED_CLIPS = 16  # clips kept in memory after their first use (30 s at 24 kHz: ~2.9 MB each)
 AUDIO = "audio"  # the clip's tensor in a voice's file
-DIRECT = "direct"  # vllm-omni's embedding_source of a voice stored as a speaker embedding
+EMBEDDING_VOICE = "direct"  # vllm-omni's embedding_source of a voice stored as its speaker embedding
+EMBEDDING = "speaker_embedding"  # that embedding's tensor in the voice's file
+MAX_EMBEDDING_SIZE = 4096  # vllm-omni's
 INT_FIELDS = ("created_at", "file_size", "sample_rate", "embedding_dim")  # the header's numbers
 
 
@@ -105,6 +108,9 @@ class UploadedVoice:
 
     def uploaded(self) -> dict[str, str | int]:
         """vllm-omni's answer to an upload (the file's place on the server not given)."""
+        if self.embedding_source == EMBEDDING_VOICE:
+            return {"name": self.name, "consent": self.consent, "created_at": self.created_at,
+                    "embedding_source": self.embedding_source, "embedding_dim": self.embedding_dim or 0}
         answer: dict[str, str | int] = {"name": self.name, "consent": self.consent, "created_at": self.created_at,
                                         "mime_type": self.mime_type, "file_size": self.file_size}
         if self.ref_text:
@@ -131,6 +137,7 @@ class UploadedVoices:
         self.limit = limit
         self._voices: dict[str, tuple[UploadedVoice, Path]] = {}
         self._clips: OrderedDict[tuple[str, int], tuple[np.ndarray, int]] = OrderedDict()
+        self._embeddings: dict[str, np.ndarray] = {}  # those of voices uploaded as one (a few KiB each)
         self._lock = threading.Lock()
         self._last_created = 0
 
@@ -144,6 +151,8 @@ class UploadedVoices:
             try:
                 with safe_open(str(path), framework="numpy") as file:
                     voice = UploadedVoice.from_header(dict(file.metadata() or {}))
+                    if voice.embedding_source == EMBEDDING_VOICE:  # small: kept in memory
+                        self._embeddings[voice.key] = np.asarray(file.get_tensor(EMBEDDING), np.float32).reshape(-1)
             except Exception as exc:  # noqa: BLE001 (anything in a file some other program wrote)
                 skipped.append(f"{path.name}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
                 continue
@@ -166,8 +175,6 @@ class UploadedVoices:
             ref_text: str | None = None, description: str | None = None) -> UploadedVoice:
         """A clip kept under `name` (one of that name already kept is replaced, as vllm-omni replaces it);
         BadUpload says why not."""
-        from safetensors.numpy import save_file
-
         name = checked_name(name)
         mime_type = upload_mime_type(mime_type, filename)
         if len(data) > MAX_UPLOAD_BYTES:
@@ -176,31 +183,53 @@ class UploadedVoices:
             samples, rate = decoded(data, "audio_sample")
         except BadReference as exc:
             raise BadUpload(str(exc)) from None
+        voice = UploadedVoice(name=name, consent=consent, created_at=0, file_size=len(data), mime_type=mime_type,
+                              sample_rate=rate, original_filename=filename, ref_text=(ref_text or "").strip() or None,
+                              speaker_description=(description or "").strip() or None)
+        voice = self._keep(voice, {AUDIO: samples})
         with self._lock:
-            if name.lower() not in self._voices and len(self._voices) >= self.limit:
+            self._clips[(voice.key, voice.created_at)] = (samples, rate)
+            self._trim()
+        return voice
+
+    def add_embedding(self, name: str, consent: str, embedding: np.ndarray) -> UploadedVoice:
+        """A speaker embedding kept under `name` as vllm-omni keeps one (its width checked by the caller)."""
+        name = checked_name(name)
+        embedding = np.ascontiguousarray(embedding, dtype=np.float32).reshape(-1)
+        voice = UploadedVoice(name=name, consent=consent, created_at=0, file_size=0,
+                              mime_type="application/x-safetensors", embedding_source=EMBEDDING_VOICE,
+                              embedding_dim=int(embedding.shape[0]))
+        voice = self._keep(voice, {EMBEDDING: embedding})
+        with self._lock:
+            self._embeddings[voice.key] = embedding
+        return voice
+
+    def _keep(self, voice: UploadedVoice, tensors: dict[str, np.ndarray]) -> UploadedVoice:
+        """The voice's file written whole, then renamed into place (a crash leaves the old voice or the new
+        one, never half of one), replacing one of its name; the voice with its time of upload."""
+        from safetensors.numpy import save_file
+
+        with self._lock:
+            if voice.key not in self._voices and len(self._voices) >= self.limit:
                 raise BadUpload(f"{len(self._voices)} voices are uploaded, at or over this server's limit of "
                                 f"{self.limit} (${LIMIT_ENV}): delete one first (DELETE /v1/audio/voices/NAME)")
             self._last_created = max(int(time.time()), self._last_created + 1)
-            voice = UploadedVoice(name=name, consent=consent, created_at=self._last_created, file_size=len(data),
-                                  mime_type=mime_type, sample_rate=rate, original_filename=filename,
-                                  ref_text=(ref_text or "").strip() or None,
-                                  speaker_description=(description or "").strip() or None)
-            path = self.directory / f"{_safe(name)}_{_safe(consent)}_{voice.created_at}.safetensors"
+            voice = dataclasses.replace(voice, created_at=self._last_created)
+            path = self.directory / f"{_safe(voice.name)}_{_safe(voice.consent)}_{voice.created_at}.safetensors"
             self.directory.mkdir(parents=True, exist_ok=True)
-            # Written whole, then renamed into place: a crash leaves the old voice or the new one, never half.
             handle, temporary = tempfile.mkstemp(dir=self.directory, prefix=".upload-", suffix=".tmp")
             os.close(handle)
             try:
-                save_file({AUDIO: samples}, temporary, metadata=voice.header())
+                save_file(tensors, temporary, metadata=voice.header())
+                if not voice.file_size:  # an embedding's: its file's, as vllm-omni gives it (read again on restore)
+                    voice = dataclasses.replace(voice, file_size=os.path.getsize(temporary))
                 os.replace(temporary, path)
             except BaseException:
                 Path(temporary).unlink(missing_ok=True)
                 raise
             old = self._voices.get(voice.key)
-            self._forget_clips(voice.key)
+            self._forget(voice.key)
             self._voices[voice.key] = (voice, path)
-            self._clips[(voice.key, voice.created_at)] = (samples, rate)
-            self._trim()
         if old is not None and old[1] != path:
             old[1].unlink(missing_ok=True)
         return voice
@@ -208,7 +237,7 @@ class UploadedVoices:
     def remove(self, name: str) -> bool:
         with self._lock:
             found = self._voices.pop(name.strip().lower(), None)
-            self._forget_clips(name.strip().lower())
+            self._forget(name.strip().lower())
         if found is None:
             return False
         found[1].unlink(missing_ok=True)
@@ -218,9 +247,8 @@ class UploadedVoices:
         """The voice's clip (mono float32, its rate); BadReference if it cannot be read now."""
         from safetensors.numpy import load_file
 
-        if voice.embedding_source == DIRECT:
-            raise BadReference(f"voice {voice.name!r} was uploaded as a speaker embedding, which this server does "
-                               "not take: upload its audio (audio_sample) instead")
+        if voice.embedding_source == EMBEDDING_VOICE:
+            raise BadReference(f"voice {voice.name!r} was uploaded as a speaker embedding: it has no clip")
         key = (voice.key, voice.created_at)
         with self._lock:
             if key in self._clips:
@@ -240,9 +268,20 @@ class UploadedVoices:
             self._trim()
         return audio, voice.sample_rate
 
-    def _forget_clips(self, key: str) -> None:
+    def embedding(self, voice: UploadedVoice) -> np.ndarray:
+        """The speaker embedding of a voice uploaded as one; BadReference if it is gone."""
+        with self._lock:
+            found = self._voices.get(voice.key)
+            embedding = self._embeddings.get(voice.key)
+        if found is None or found[0].created_at != voice.created_at or embedding is None:
+            raise BadReference(f"voice {voice.name!r} was deleted or replaced while the request was read")
+        return embedding
+
+    def _forget(self, key: str) -> None:
+        """A voice's clips and embedding out of memory (it is replaced or removed)."""
         for cached in [cached for cached in self._clips if cached[0] == key]:
             del self._clips[cached]
+        self._embeddings.pop(key, None)
 
     def _trim(self) -> None:
         while len(self._clips) > CACHED_CLIPS:
