@@ -44,6 +44,8 @@ from worker_shim.plugin import REGISTER_ENV
 def parser():
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    from omni_serve.speech import voices
+
     p = FlexibleArgumentParser(prog="omni-serve", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pipeline", required=True,
@@ -73,9 +75,9 @@ def parser():
                         "too (default: any host; set it on a server others can reach)")
     p.add_argument("--voice-dir", default=None, metavar="DIR",
                    help="where voices uploaded for cloning (POST /v1/audio/voices, a Base checkpoint) are kept, one "
-                        "file each as vllm-omni keeps them (default: $SPEAKER_SAMPLES_DIR, else "
-                        "~/.cache/vllm-omni/speakers, vllm-omni's; made on the first upload; "
-                        "$SPEAKER_MAX_UPLOADED voices at most, 1000 by default)")
+                        f"file each as vllm-omni keeps them (default: ${voices.DIR_ENV}, else {voices.DEFAULT_DIR}, "
+                        f"vllm-omni's; made on the first upload; ${voices.LIMIT_ENV} voices at most, "
+                        f"{voices.DEFAULT_LIMIT} by default)")
     p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                    help="as vLLM's: every /v1 route needs 'Authorization: Bearer KEY' (any of them), else a 401; "
                         "/health and /metrics stay open (default: $VLLM_API_KEY, else no key)")

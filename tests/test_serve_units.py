@@ -1157,6 +1157,120 @@ def test_uploaded_voices_are_kept_as_vllm_omni_keeps_them_and_restored(tmp_path)
     assert not list(store.directory.glob(".upload-*")) and not (store.directory / "duo_c_5.safetensors").exists()
 
 
+def test_a_voice_file_half_written_leaves_the_old_voice_and_no_file(tmp_path, monkeypatch):
+    """A write that fails (a full disk) keeps the voice as it was and leaves no temporary file; on restore,
+    of two files of one voice the later upload is the voice, and a crash's old temporary file is removed."""
+    import dataclasses
+    import os
+
+    import safetensors.numpy
+    from safetensors.numpy import save_file
+
+    from omni_serve.speech.voices import UploadedVoices
+
+    store = UploadedVoices(tmp_path, limit=5)
+    first = store.add("x", "a", _clip(), "x.wav", "audio/wav", "Old words.")
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        store.add("x", "b", _clip(seed=1), "x.wav", "audio/wav", "New words.")
+    monkeypatch.undo()
+    assert store.get("x") == first and [p.name for p in tmp_path.iterdir()] == [f"x_a_{first.created_at}.safetensors"]
+
+    # A crash between a replacement's rename and the old file's removal leaves both files: the older one,
+    # whose name sorts last here, is not the voice.
+    older = dataclasses.replace(first, consent="z", created_at=first.created_at - 100, ref_text="Older words.")
+    save_file({"audio": np.zeros(16000, np.float32)}, str(tmp_path / f"x_z_{older.created_at}.safetensors"),
+              metadata=older.header())
+    stale = tmp_path / ".upload-crashed.tmp"
+    stale.write_bytes(b"half")
+    os.utime(stale, (0, 0))
+    restored = UploadedVoices(tmp_path, limit=5)
+    count, skipped = restored.restore()
+    assert count == 1 and restored.get("x") == first, restored.get("x")
+    assert skipped == [f"x_z_{older.created_at}.safetensors: an earlier upload of voice 'x' than "
+                       f"x_a_{first.created_at}.safetensors"]
+    assert not stale.exists()
+
+
+def test_a_fetch_is_bounded_and_kept_to_http(tmp_path):
+    """A file that declares more samples than the server decodes is refused before they are read; a redirect
+    to another scheme is not followed; an embedding upload's JSON holds numbers a float holds."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import soundfile
+
+    from omni_serve.api.protocol import Refused
+    from omni_serve.api.server import uploaded_embedding
+    from omni_serve.speech.reference import BadReference, References, decoded
+
+    many = BytesIO()
+    soundfile.write(many, np.zeros((96000 * 8, 8), np.int16), 96000, format="FLAC")  # 8 s, 8 channels: 6.1 M samples
+    with pytest.raises(BadReference, match="8 channels at 96000 Hz"):
+        decoded(many.getvalue())
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(302)
+            self.send_header("Location", "ftp://127.0.0.1/clip.wav")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(BadReference, match="led to a ftp URL"):
+            References().audio(f"http://127.0.0.1:{httpd.server_address[1]}/away")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(5)
+    with pytest.raises(BadReference, match="credentials or a backslash"):
+        References(domains=("allowed.example",)).audio("http://evil.example\\@allowed.example/x.wav")
+    assert uploaded_embedding("[1, 2.5, -3, 0]", 4).tolist() == [1, 2.5, -3, 0]
+    for text, needle in (("[true, 1, 2, 3]", "JSON list"), ("[[1, 2, 3, 4]]", "JSON list"), ("[1, 2]", "2 dimensions"),
+                         (f"[{10 ** 400}, 1, 2, 3]", "a float holds"), ('{"a": 1}', "JSON list"), ("[1,", "must be JSON")):
+        with pytest.raises(Refused, match=needle):
+            uploaded_embedding(text, 4)
+
+
+def test_a_requests_reference_is_fetched_off_the_event_loop_once():
+    """What speech_input then resolves is what was fetched (a worker thread's), never fetched again."""
+    import asyncio
+    import threading
+
+    from omni_serve.api.server import fetched_reference
+    from omni_serve.speech.reference import BadReference
+
+    threads = []
+
+    def references(source):
+        threads.append(threading.get_ident())
+        if source == "data:bad":
+            raise BadReference("not audio")
+        return np.ones(3, np.float32), 8000
+
+    async def fetch(body):
+        return await fetched_reference(json.dumps(body).encode(), references, None)
+
+    resolved = asyncio.run(fetch({"input": "hi", "ref_audio": "data:good"}))
+    assert threads and threads[0] != threading.get_ident()
+    assert resolved("data:good")[1] == 8000 and len(threads) == 1
+    with pytest.raises(BadReference, match="changed while the request was read"):
+        resolved("data:other")
+    with pytest.raises(BadReference, match="not audio"):
+        asyncio.run(fetch({"input": "hi", "ref_audio": "data:bad"}))("data:bad")
+    assert asyncio.run(fetch({"input": "hi", "ref_audio": "data:x", "speaker_embedding": [1.0]})) is references
+    assert len(threads) == 2  # a speaker embedding with ref_audio is refused, so nothing is fetched
+
+
 def test_a_base_request_names_its_voice_by_reference_audio_or_an_upload(tmp_path):
     """vllm-omni's Base rules: inline ref_audio first (a voice then ignored), else the uploaded voice the
     request names, its transcript unless the request gives one, the embedding alone without one."""

@@ -149,7 +149,8 @@ def voice_reference(request: SpeechRequest, references: ReferenceAudio | None, v
             embedding = voices.embedding(uploaded)
         except BadReference as exc:
             raise Refused(str(exc), param="voice") from None
-        return VoiceReference(None, 0, "", True, speaker_embedding(embedding.tolist(), embedding_size, "voice"))
+        return VoiceReference(None, 0, "", True, speaker_embedding(embedding.tolist(), embedding_size, "voice"),
+                              voice=(uploaded.key, uploaded.created_at))
     if request.ref_audio is not None and not isinstance(request.ref_audio, str):
         raise Refused(f"ref_audio is one {URI_FORMS}", param="ref_audio")
     text = request.ref_text if request.ref_text is not None else (uploaded.ref_text or "") if uploaded else ""
@@ -158,14 +159,15 @@ def voice_reference(request: SpeechRequest, references: ReferenceAudio | None, v
     if not x_vector_only and not text.strip():
         raise Refused("ref_text (the reference audio's transcript) is required unless x_vector_only_mode is true",
                       param="ref_text")
-    source: str | UploadedVoice = uploaded if uploaded is not None else request.ref_audio  # type: ignore[assignment]
-    if references is None:
+    source: str | UploadedVoice | None = uploaded if uploaded is not None else request.ref_audio
+    if references is None or source is None:
         raise Refused("this server takes no reference audio", param="ref_audio")
     try:
         audio, rate = references(source)
     except BadReference as exc:
         raise Refused(str(exc), param="voice" if uploaded is not None else "ref_audio") from None
-    return VoiceReference(audio, rate, "" if x_vector_only else text, x_vector_only)
+    return VoiceReference(audio, rate, "" if x_vector_only else text, x_vector_only,
+                          voice=(uploaded.key, uploaded.created_at) if uploaded is not None else None)
 
 
 def speaker_embedding(values: list[float] | list[list[float]], size: int, param: str = "speaker_embedding") -> np.ndarray:
@@ -176,7 +178,10 @@ def speaker_embedding(values: list[float] | list[list[float]], size: int, param:
         raise Refused("speaker_embedding is one embedding: a flat list of numbers", param=param)
     if len(values) != size:
         raise Refused(f"speaker_embedding has {len(values)} dimensions; this model's is {size}", param=param)
-    embedding = np.asarray(values, dtype=np.float32)
+    try:
+        embedding = np.asarray(values, dtype=np.float32)
+    except (OverflowError, ValueError, TypeError):
+        raise Refused("speaker_embedding's values must be numbers a float holds", param=param) from None
     if not np.isfinite(embedding).all():
         raise Refused("speaker_embedding's values must be finite (no NaN or Inf)", param=param)
     return embedding
@@ -192,22 +197,22 @@ async def fetched_reference(body: bytes, references: ReferenceAudio, voices: Upl
         uri = voice = None
     voice = voice.get("id") if isinstance(voice, dict) else voice  # OpenAI's {"id": name} form
     source: str | UploadedVoice | None = uri if isinstance(uri, str) else None
-    if uri is None and isinstance(voice, str) and voices is not None and raw.get("speaker_embedding") is None:
+    if uri is None and isinstance(voice, str) and voices is not None:
         uploaded = voices.get(voice)
         source = uploaded if uploaded is not None and uploaded.embedding_source != EMBEDDING_VOICE else None
-    if source is None:
-        return references  # nothing to fetch: speech_input refuses the request or fetches nothing
+    if source is None or raw.get("speaker_embedding") is not None:
+        return references  # nothing to fetch (a speaker embedding with ref_audio is refused)
     try:
-        got: tuple[np.ndarray, int] | BadReference = await asyncio.to_thread(references, source)
+        prefetched: tuple[np.ndarray, int] | BadReference = await asyncio.to_thread(references, source)
     except BadReference as exc:
-        got = exc
+        prefetched = exc
 
     def resolved(asked: str | UploadedVoice) -> tuple[np.ndarray, int]:
         if asked != source:
             raise BadReference("the request's reference changed while the request was read")
-        if isinstance(got, BadReference):
-            raise got
-        return got
+        if isinstance(prefetched, BadReference):
+            raise prefetched
+        return prefetched
 
     return resolved
 
@@ -570,7 +575,13 @@ def build_app(server: SpeechServer, api_keys: list[str] | None = None) -> FastAP
 
     @app.delete("/v1/audio/voices/{name}")
     async def delete_voice(name: str) -> JSONResponse:
-        if server.voices is None or not await asyncio.to_thread(server.voices.remove, name):
+        try:
+            removed = server.voices is not None and await asyncio.to_thread(server.voices.remove, name)
+        except OSError as exc:
+            logger.error("Could not delete voice %r's file: %s", name, exc)
+            return _refusal(Refused(f"the server could not delete voice {name!r}: {exc.strerror or exc}",
+                                    status=500, param="name"))
+        if not removed:
             return _refusal(Refused(f"voice {name!r} not found (GET /v1/audio/voices lists those uploaded)",
                                     status=404, param="name"))
         logger.info("Deleted voice %r", name)
@@ -640,7 +651,8 @@ MAX_FORM_OVERHEAD = 1 << 20  # a voice upload's form beyond its audio file: the 
 UPLOAD_FIELDS = ("audio_sample", "speaker_embedding", "name", "consent", "ref_text", "speaker_description")
 
 
-async def uploaded_voice(request: Request, voices: UploadedVoices | None, embedding_size: int) -> dict[str, Any]:
+async def uploaded_voice(request: Request, voices: UploadedVoices | None,
+                         embedding_size: int) -> dict[str, str | int]:
     """A voice upload's form checked and its clip, or its speaker embedding, kept (vllm-omni's `upload_voice`,
     `upload_voice_embedding`); `Refused` says why not."""
     if voices is None:
@@ -650,7 +662,7 @@ async def uploaded_voice(request: Request, voices: UploadedVoices | None, embedd
     async for chunk in request.stream():
         body += chunk
         if len(body) > MAX_UPLOAD_BYTES + MAX_FORM_OVERHEAD:
-            raise Refused(f"the upload is over {MAX_UPLOAD_BYTES >> 20} MiB", status=413, param="audio_sample")
+            raise Refused(f"the upload is over {MAX_UPLOAD_BYTES >> 20} MiB", param="audio_sample")
 
     async def whole() -> dict[str, Any]:
         return {"type": "http.request", "body": bytes(body), "more_body": False}
@@ -664,34 +676,38 @@ async def uploaded_voice(request: Request, voices: UploadedVoices | None, embedd
         unknown = sorted(set(form.keys()) - set(UPLOAD_FIELDS))
         if unknown:
             raise Refused(f"not a voice upload's field: {', '.join(unknown)}", param=unknown[0])
-        texts: dict[str, str | None] = {}
+        form_fields: dict[str, str] = {}
         for name in ("name", "consent", "ref_text", "speaker_description", "speaker_embedding"):
             value = form.get(name)
             if value is not None and not isinstance(value, str):
                 raise Refused(f"{name} is a form field, not a file", param=name)
-            texts[name] = value
+            if value is not None:
+                form_fields[name] = value
         for name in ("name", "consent"):
-            if texts[name] is None:
+            if name not in form_fields:
                 raise Refused(f"{name} is required", param=name)
         sample = form.get("audio_sample")
-        if sample is not None and texts["speaker_embedding"] is not None:
+        given_embedding = form_fields.get("speaker_embedding")
+        if sample is not None and given_embedding is not None:
             raise Refused("audio_sample and speaker_embedding are two ways of giving the voice: give one",
                           param="speaker_embedding")
         try:
-            if texts["speaker_embedding"] is not None:
-                embedding = uploaded_embedding(texts["speaker_embedding"], embedding_size)
-                voice = await asyncio.to_thread(voices.add_embedding, texts["name"] or "", texts["consent"] or "",
-                                                embedding)
+            if given_embedding is not None:
+                voice = await asyncio.to_thread(voices.add_embedding, form_fields["name"], form_fields["consent"],
+                                                uploaded_embedding(given_embedding, embedding_size))
             elif sample is None or isinstance(sample, str):
                 raise Refused("audio_sample (the voice's audio file) or speaker_embedding is required",
                               param="audio_sample")
             else:
                 data = await sample.read(MAX_UPLOAD_BYTES + 1)
-                voice = await asyncio.to_thread(voices.add, texts["name"] or "", texts["consent"] or "", data,
-                                                sample.filename or "", sample.content_type, texts["ref_text"],
-                                                texts["speaker_description"])
+                voice = await asyncio.to_thread(voices.add, form_fields["name"], form_fields["consent"], data,
+                                                sample.filename or "", sample.content_type,
+                                                form_fields.get("ref_text"), form_fields.get("speaker_description"))
         except BadUpload as exc:
             raise Refused(str(exc), param=exc.param) from None
+        except OSError as exc:  # the voice directory: read-only, full, gone
+            logger.error("Could not keep an uploaded voice in %s: %s", voices.directory, exc)
+            raise Refused(f"the server could not keep the voice: {exc.strerror or exc}", status=500) from None
     finally:
         await form.close()
     what = (f"a {voice.embedding_dim}-wide speaker embedding" if voice.embedding_dim else

@@ -120,6 +120,8 @@ class Qwen3TTSPrompt:
             if not reference.x_vector_only:
                 info["ref_text"] = [reference.text]
             info["x_vector_only_mode"] = [reference.x_vector_only]
+            if reference.voice is not None:  # vllm-omni names an uploaded voice: its talker caches the voice's codes
+                info.update(speaker=[reference.voice[0]], voice_created_at=[reference.voice[1]])
             if reference.speaker_embedding is not None:  # vllm-omni's precomputed voice: the embedding alone
                 info["voice_clone_prompt"] = [{"ref_spk_embedding": reference.speaker_embedding.tolist()}]
             if reference.audio is not None:
@@ -144,7 +146,8 @@ class Qwen3TTSPrompt:
 
     def max_frames(self, text: str) -> int | None:
         """vllm-omni's Base ceiling (its adapter's `apply_sampling_overrides`): frames in proportion to the
-        text's tokens; other tasks: the pipeline's limit."""
+        text's tokens; other tasks: the pipeline's limit. An answer cut there is served as made (vllm-omni
+        0.30 fails it as incomplete)."""
         if not self.clones_voices:
             return None
         return max(BASE_MIN_FRAMES, len(self._tokens(text)) * BASE_FRAMES_PER_TEXT_TOKEN)

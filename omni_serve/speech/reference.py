@@ -17,6 +17,7 @@ import http.client
 import io
 import os
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -27,9 +28,14 @@ from pathlib import Path
 import numpy as np
 
 MIN_SECONDS, MAX_SECONDS = 1.0, 30.0  # vllm-omni's bounds on a reference's length
-FETCH_TIMEOUT_S = 10.0
+FETCH_TIMEOUT_S = 10.0  # a fetch's wait for the server to answer or send more
+FETCH_DEADLINE_S = 30.0  # a whole fetch (a server that trickles its answer holds a worker thread no longer)
 MAX_REFERENCE_BYTES = 32 << 20  # a reference's file, fetched or inline (30 s of 24-bit stereo at 96 kHz: ~17 MiB)
-CACHED_REFERENCES = 16  # decoded audio kept by URI (30 s at 24 kHz: ~2.9 MB each)
+# Samples a file may decode to (all channels): 30 s of stereo at 96 kHz. A small compressed file can
+# declare many channels at a high rate; past this it is refused before its samples are read.
+MAX_DECODED_SAMPLES = 30 * 96_000 * 2
+CACHED_REFERENCES = 16  # decoded audio kept by URI (mono, at most 30 s at 96 kHz: ~11 MB each; 2.9 MB at 24 kHz)
+FETCHED_SCHEMES = ("http", "https")
 URI_FORMS = "a base64 data URL (data:audio/wav;base64,...), an http(s) URL or a file:// URL"
 
 
@@ -47,6 +53,7 @@ class VoiceReference:
     text: str  # the transcript ("" with x_vector_only)
     x_vector_only: bool  # the speaker embedding alone (no transcript, no reference codes)
     speaker_embedding: np.ndarray | None = None  # [the talker's width] float32, given instead of audio
+    voice: tuple[str, int] | None = None  # an uploaded voice's (name, time of upload): the talker caches by it
 
 
 class References:
@@ -74,9 +81,18 @@ class References:
                 self._cache.popitem(last=False)
         return audio
 
-    def check_host(self, url: str) -> None:
-        host = (urllib.parse.urlsplit(url).hostname or "").lower()
-        if self.domains and host not in self.domains:
+    def check_url(self, url: str) -> None:
+        """An http(s) URL from a host the references may be fetched from (any, without a list)."""
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme.lower() not in FETCHED_SCHEMES:
+            raise BadReference(f"ref_audio led to a {parts.scheme or 'schemeless'} URL; this server fetches only "
+                               "http(s)")
+        if not self.domains:
+            return
+        if "@" in parts.netloc or "\\" in parts.netloc:  # a host the check and the connection might read apart
+            raise BadReference("ref_audio's URL carries credentials or a backslash in its host part")
+        host = (parts.hostname or "").lower()
+        if host not in self.domains:
             raise BadReference(f"ref_audio's host {host!r} is not one this server fetches from "
                                f"(--allowed-media-domains: {', '.join(self.domains)})")
 
@@ -84,21 +100,29 @@ class References:
         scheme = uri.split(":", 1)[0].lower() if ":" in uri else ""
         if scheme == "data":
             return _inline(uri)
-        if scheme in ("http", "https"):
-            self.check_host(uri)
+        if scheme in FETCHED_SCHEMES:
+            self.check_url(uri)
             try:
-                with self._opener.open(uri, timeout=FETCH_TIMEOUT_S) as answer:
-                    body = answer.read(MAX_REFERENCE_BYTES + 1)
+                return self._download(uri)
             except BadReference:
                 raise
             except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
                 raise BadReference(f"cannot fetch ref_audio from {uri[:200]}: {exc}") from None
-            if len(body) > MAX_REFERENCE_BYTES:
-                raise BadReference(f"ref_audio at {uri[:200]} is over {MAX_REFERENCE_BYTES >> 20} MiB")
-            return body
         if scheme == "file":
             return self._local(uri)
         raise BadReference(f"ref_audio must be {URI_FORMS}")
+
+    def _download(self, uri: str) -> bytes:
+        deadline = time.monotonic() + FETCH_DEADLINE_S
+        body = bytearray()
+        with self._opener.open(uri, timeout=FETCH_TIMEOUT_S) as answer:
+            while chunk := answer.read(1 << 16):
+                body += chunk
+                if len(body) > MAX_REFERENCE_BYTES:
+                    raise BadReference(f"ref_audio at {uri[:200]} is over {MAX_REFERENCE_BYTES >> 20} MiB")
+                if time.monotonic() > deadline:
+                    raise BadReference(f"ref_audio at {uri[:200]} took over {FETCH_DEADLINE_S:.0f} s to fetch")
+        return bytes(body)
 
     def _local(self, uri: str) -> bytes:
         if self.local_root is None:
@@ -122,13 +146,13 @@ class References:
 
 
 class _KeptToDomains(urllib.request.HTTPRedirectHandler):
-    """A redirect is followed only to a host the references may be fetched from."""
+    """A redirect is followed only to an http(s) URL of a host the references may be fetched from."""
 
     def __init__(self, references: References) -> None:
         self.references = references
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001 (urllib's signature)
-        self.references.check_host(newurl)
+        self.references.check_url(newurl)
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
@@ -159,6 +183,9 @@ def decoded(data: bytes, what: str = "ref_audio") -> tuple[np.ndarray, int]:
         if not MIN_SECONDS <= seconds <= MAX_SECONDS:
             raise BadReference(f"{what} is {seconds:.2f} s long; a reference is {MIN_SECONDS:.0f} to "
                                f"{MAX_SECONDS:.0f} s")
+        if sound.frames * sound.channels > MAX_DECODED_SAMPLES:
+            raise BadReference(f"{what} has {sound.channels} channels at {rate} Hz: more samples than this server "
+                               f"decodes ({MAX_DECODED_SAMPLES}); send it as mono or stereo at up to 96 kHz")
         try:
             samples = sound.read(dtype="float32", always_2d=True)
         except (soundfile.LibsndfileError, RuntimeError, ValueError) as exc:

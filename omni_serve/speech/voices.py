@@ -11,6 +11,7 @@ made on the first upload. A voice may be uploaded as its speaker embedding inste
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -35,8 +36,12 @@ MIME_TYPES = ("audio/mpeg", "audio/wav", "audio/x-wav", "audio/ogg", "audio/aac"
               "audio/mp4")
 MIME_BY_SUFFIX = {".wav": "audio/wav", ".mp3": "audio/mpeg", ".mpeg": "audio/mpeg", ".flac": "audio/flac",
                   ".ogg": "audio/ogg", ".aac": "audio/aac", ".webm": "audio/webm", ".mp4": "audio/mp4"}
-CACHED_CLIPS = 16  # clips kept in memory after their first use (30 s at 24 kHz: ~2.9 MB each)
+CLIP_MIME_TYPE = "audio/wav"  # an upload whose type and file name say nothing (vllm-omni's)
+EMBEDDING_MIME_TYPE = "application/x-safetensors"  # a voice uploaded as its embedding (vllm-omni's)
+CACHED_CLIPS = 16  # clips kept in memory after their first use (mono; 30 s at 24 kHz: ~2.9 MB)
 AUDIO = "audio"  # the clip's tensor in a voice's file
+TEMPORARY_PREFIX = ".upload-"  # a voice's file while it is written
+STALE_TEMPORARY_S = 600.0  # a file still being written after this long was left by a crash
 EMBEDDING_VOICE = "direct"  # vllm-omni's embedding_source of a voice stored as its speaker embedding
 EMBEDDING = "speaker_embedding"  # that embedding's tensor in the voice's file
 MAX_EMBEDDING_SIZE = 4096  # vllm-omni's
@@ -62,7 +67,7 @@ class UploadedVoice:
     consent: str
     created_at: int
     file_size: int
-    mime_type: str = "audio/wav"
+    mime_type: str = CLIP_MIME_TYPE
     sample_rate: int = 0
     original_filename: str = ""
     ref_text: str | None = None
@@ -143,24 +148,44 @@ class UploadedVoices:
 
     def restore(self) -> tuple[int, list[str]]:
         """The voices already in the directory (none if it does not exist): (how many, the files skipped
-        and why)."""
+        and why). Two files of one voice (a crash between a replacement's write and the old file's
+        removal, or two servers on one directory): the later upload is the voice."""
         from safetensors import safe_open
 
+        if not self.directory.is_dir():
+            return 0, []
+        self._remove_stale_temporaries()
         skipped = []
-        for path in sorted(self.directory.glob("*.safetensors")) if self.directory.is_dir() else []:
+        for path in sorted(self.directory.glob("*.safetensors")):
+            embedding = None
             try:
                 with safe_open(str(path), framework="numpy") as file:
                     voice = UploadedVoice.from_header(dict(file.metadata() or {}))
                     if voice.embedding_source == EMBEDDING_VOICE:  # small: kept in memory
-                        self._embeddings[voice.key] = np.asarray(file.get_tensor(EMBEDDING), np.float32).reshape(-1)
+                        embedding = np.asarray(file.get_tensor(EMBEDDING), np.float32).reshape(-1)
             except Exception as exc:  # noqa: BLE001 (anything in a file some other program wrote)
                 skipped.append(f"{path.name}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
                 continue
             if not voice.file_size:
                 voice = dataclasses.replace(voice, file_size=path.stat().st_size)
+            kept = self._voices.get(voice.key)
+            if kept is not None:
+                older, newer = sorted((kept, (voice, path)), key=lambda found: found[0].created_at)
+                skipped.append(f"{older[1].name}: an earlier upload of voice {voice.name!r} than {newer[1].name}")
+                if newer[1] != path:
+                    continue
             self._voices[voice.key] = (voice, path)
+            self._embeddings.pop(voice.key, None)
+            if embedding is not None:
+                self._embeddings[voice.key] = embedding
             self._last_created = max(self._last_created, voice.created_at)
         return len(self._voices), skipped
+
+    def _remove_stale_temporaries(self) -> None:
+        for temporary in self.directory.glob(f"{TEMPORARY_PREFIX}*.tmp"):
+            with contextlib.suppress(OSError):
+                if time.time() - temporary.stat().st_mtime > STALE_TEMPORARY_S:
+                    temporary.unlink()
 
     def get(self, name: str) -> UploadedVoice | None:
         with self._lock:
@@ -197,7 +222,7 @@ class UploadedVoices:
         name = checked_name(name)
         embedding = np.ascontiguousarray(embedding, dtype=np.float32).reshape(-1)
         voice = UploadedVoice(name=name, consent=consent, created_at=0, file_size=0,
-                              mime_type="application/x-safetensors", embedding_source=EMBEDDING_VOICE,
+                              mime_type=EMBEDDING_MIME_TYPE, embedding_source=EMBEDDING_VOICE,
                               embedding_dim=int(embedding.shape[0]))
         voice = self._keep(voice, {EMBEDDING: embedding})
         with self._lock:
@@ -205,42 +230,59 @@ class UploadedVoices:
         return voice
 
     def _keep(self, voice: UploadedVoice, tensors: dict[str, np.ndarray]) -> UploadedVoice:
-        """The voice's file written whole, then renamed into place (a crash leaves the old voice or the new
-        one, never half of one), replacing one of its name; the voice with its time of upload."""
+        """The voice's file written whole and synced, then renamed into place (a crash leaves the old voice
+        or the new one, never half of one), replacing one of its name; the voice with its time of upload.
+        Written outside the lock: requests look voices up meanwhile."""
         from safetensors.numpy import save_file
 
         with self._lock:
-            if voice.key not in self._voices and len(self._voices) >= self.limit:
-                raise BadUpload(f"{len(self._voices)} voices are uploaded, at or over this server's limit of "
-                                f"{self.limit} (${LIMIT_ENV}): delete one first (DELETE /v1/audio/voices/NAME)")
+            self._check_room(voice.key)
             self._last_created = max(int(time.time()), self._last_created + 1)
             voice = dataclasses.replace(voice, created_at=self._last_created)
-            path = self.directory / f"{_safe(voice.name)}_{_safe(voice.consent)}_{voice.created_at}.safetensors"
-            self.directory.mkdir(parents=True, exist_ok=True)
-            handle, temporary = tempfile.mkstemp(dir=self.directory, prefix=".upload-", suffix=".tmp")
-            os.close(handle)
-            try:
-                save_file(tensors, temporary, metadata=voice.header())
-                if not voice.file_size:  # an embedding's: its file's, as vllm-omni gives it (read again on restore)
-                    voice = dataclasses.replace(voice, file_size=os.path.getsize(temporary))
-                os.replace(temporary, path)
-            except BaseException:
-                Path(temporary).unlink(missing_ok=True)
-                raise
+        path = self.directory / f"{_file_part(voice.name)}_{_file_part(voice.consent)}_{voice.created_at}.safetensors"
+        self.directory.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=self.directory, prefix=TEMPORARY_PREFIX, suffix=".tmp")
+        os.close(handle)
+        try:
+            save_file(tensors, temporary, metadata=voice.header())
+            with open(temporary, "rb") as written:
+                os.fsync(written.fileno())
+            if not voice.file_size:  # an embedding's: its file's, as vllm-omni gives it (read again on restore)
+                voice = dataclasses.replace(voice, file_size=os.path.getsize(temporary))
+            os.replace(temporary, path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+        with self._lock:
             old = self._voices.get(voice.key)
+            try:
+                self._check_room(voice.key)  # another voice may have taken the last place meanwhile
+            except BadUpload:
+                path.unlink(missing_ok=True)
+                raise
             self._forget(voice.key)
             self._voices[voice.key] = (voice, path)
         if old is not None and old[1] != path:
             old[1].unlink(missing_ok=True)
         return voice
 
+    def _check_room(self, key: str) -> None:
+        if key not in self._voices and len(self._voices) >= self.limit:
+            raise BadUpload(f"{len(self._voices)} voices are uploaded, at or over this server's limit of "
+                            f"{self.limit} (${LIMIT_ENV}): delete one first (DELETE /v1/audio/voices/NAME)")
+
     def remove(self, name: str) -> bool:
+        """The voice and its file gone (False: there is none); an OSError leaves it as it was."""
+        key = name.strip().lower()
         with self._lock:
-            found = self._voices.pop(name.strip().lower(), None)
-            self._forget(name.strip().lower())
+            found = self._voices.get(key)
         if found is None:
             return False
         found[1].unlink(missing_ok=True)
+        with self._lock:
+            if self._voices.get(key) is found:
+                del self._voices[key]
+                self._forget(key)
         return True
 
     def clip(self, voice: UploadedVoice) -> tuple[np.ndarray, int]:
@@ -300,13 +342,14 @@ def upload_mime_type(given: str | None, filename: str) -> str:
     """The upload's type: its own, else its file name's (vllm-omni's rule, WAV where neither says)."""
     mime_type = (given or "").split(";")[0].strip().lower()
     if mime_type in ("", "application/octet-stream"):
-        mime_type = MIME_BY_SUFFIX.get(Path(filename or "").suffix.lower(), "audio/wav")
+        mime_type = MIME_BY_SUFFIX.get(Path(filename or "").suffix.lower(), CLIP_MIME_TYPE)
     if mime_type not in MIME_TYPES:
         raise BadUpload(f"audio_sample's type {mime_type!r} is not audio this server takes: {', '.join(MIME_TYPES)}")
     return mime_type
 
 
-def _safe(text: str) -> str:
-    """vllm-omni's file-name part: letters, digits, _ . - kept, the rest _."""
+def _file_part(text: str) -> str:
+    """A name or consent in a voice's file name: letters, digits and _ . - only (vllm-omni names its files
+    so; any name would do, restore reads the header)."""
     return re.sub(r"[^a-zA-Z0-9_.\-]", "_", os.path.basename(text))[:100] or "file"
 
