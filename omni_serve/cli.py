@@ -12,7 +12,8 @@ Endpoints: POST /v1/audio/speech (OpenAI's speech API with vllm-omni's fields: m
 voice, language, instructions, response_format wav|pcm|flac|mp3|opus, stream, stream_format
 sse|audio, max_new_tokens, seed; a Qwen3-TTS Base checkpoint's voice cloning: ref_audio, a data:,
 http(s) or allowed file:// URL, with ref_text or x_vector_only_mode; a speaker_embedding; or an
-uploaded voice named); POST /v1/audio/voices (a Base checkpoint's voice upload: multipart
+uploaded voice named); POST /v1/audio/speech/batch (vllm-omni's: items spoken at once, each a
+base64 answer or its error); POST /v1/audio/voices (a Base checkpoint's voice upload: multipart
 audio_sample or speaker_embedding, name, consent, ref_text), DELETE /v1/audio/voices/NAME; WS /v1/audio/speech/stream (vllm-omni's streaming-input
 protocol: session.config, input.text, input.done, session.close); with a thinker stage, POST /v1/chat/completions
 (vllm-omni's chat answer: messages, modalities text|audio, voice or audio.voice, audio.format,

@@ -129,6 +129,33 @@ def test_a_wav_equals_the_stages_run_by_hand(server, reference):
     assert rate == 300 and np.abs(decoded.astype(np.int32) - got).max() <= 1
 
 
+def test_a_batch_speaks_each_item_as_its_own_request(server, reference):
+    """vllm-omni's /v1/audio/speech/batch: the items at once, the batch's fields under each item's own; an
+    item's fault is its own result's error, the others are answered."""
+    status, body, kind = server.post({"voice": "vivian", "response_format": "pcm", "items": [
+        {"input": TEXT}, {"input": TEXT, "voice": "nobody"}, {"input": TEXT, "response_format": "wav"},
+        {"input": TEXT, "voice": "default"}]}, path="/v1/audio/speech/batch")
+    assert status == 200 and kind == "application/json", body[:500]
+    answer = json.loads(body)
+    assert (answer["total"], answer["succeeded"], answer["failed"]) == (4, 3, 1) and answer["id"].startswith("speech-batch-")
+    first, unknown, as_wav, other = answer["results"]
+    assert [r["index"] for r in answer["results"]] == [0, 1, 2, 3]
+    got = np.frombuffer(base64.b64decode(first["audio_data"]), dtype="<i2")
+    assert first["media_type"] == "audio/pcm" and np.abs(got.astype(np.int32) - pcm16(reference)).max() <= 1
+    assert first["usage"]["output_tokens"] == MAX_FRAMES
+    assert unknown == {"index": 1, "status": "error", "error": "unknown voice 'nobody'; voices: default, vivian"}
+    with wave.open(BytesIO(base64.b64decode(as_wav["audio_data"]))) as wav:
+        assert np.array_equal(np.frombuffer(wav.readframes(wav.getnframes()), dtype="<i2"), got)
+    assert base64.b64decode(other["audio_data"]) != got.tobytes()  # another voice, other audio
+    for batch, param, needle in (({"items": []}, "items", "at least 1 item"),
+                                 ({"items": [{"input": TEXT}] * 33}, "items", "at most 32"),
+                                 ({"items": [{"input": TEXT, "seed": 1}]}, "items.0.seed", "Extra inputs"),
+                                 ({"model": "other", "items": [{"input": TEXT}]}, "model", "not served here")):
+        status, body, _ = server.post(batch, path="/v1/audio/speech/batch")
+        error = json.loads(body)["error"]
+        assert status in (400, 404) and error["param"] == param and needle in error["message"], (batch, body)
+
+
 def test_the_codes_log_has_each_served_requests_codes_as_the_talker_makes_them(server, models):
     """`--codes-log`: a line per request served whole, its codes the talker's own (its direct
     forward), appended as the request ends."""

@@ -1343,3 +1343,29 @@ def test_the_torchaudio_stand_ins_mel_filters_are_librosas():
     np.testing.assert_allclose(filters.T.numpy(), np.array(LIBROSA_MEL_4x33), atol=1e-8)
     with pytest.raises(NotImplementedError):
         functional.melscale_fbanks(33, 0.0, 12000.0, 4, 24000)  # torchaudio's HTK default: not stood in
+
+
+def test_a_batch_whose_client_went_away_aborts_every_item():
+    """Every item's stream closed (the pipeline aborts a request whose stream is closed), a 499."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from omni_serve.api.server import SpeechInput, _batch
+
+    closed = []
+
+    async def audio(job, arrived):
+        try:
+            await asyncio.sleep(3600)
+            yield np.zeros(1, np.float32)
+        finally:
+            closed.append(job.request_id)
+
+    class GoneClient:
+        async def is_disconnected(self) -> bool:
+            return True
+
+    server = SimpleNamespace(config=SimpleNamespace(sample_rate=300), audio=audio)
+    items = [SpeechInput(SimpleNamespace(request_id=f"r{i}"), "pcm", False, False) for i in range(3)]
+    answer = asyncio.run(_batch(GoneClient(), server, [*items, Refused("bad")], 0.0))
+    assert answer.status_code == 499 and sorted(closed) == ["r0", "r1", "r2"]

@@ -58,6 +58,48 @@ class SpeechRequest(BaseModel):
         return voice
 
 
+class BatchSpeechFields(BaseModel):
+    """vllm-omni's batch speech fields (its `BatchSpeechRequest` and `SpeechBatchItem`): the batch's are
+    each item's unless the item sets its own. Others are refused by name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    voice: str | None = Field(default=None, validation_alias=AliasChoices("voice", "speaker"))
+    instructions: str | None = None
+    response_format: str | None = None
+    speed: float | None = None
+    task_type: str | None = None
+    language: str | None = None
+    ref_audio: str | None = None
+    ref_text: str | None = None
+    x_vector_only_mode: bool | None = None
+    max_new_tokens: int | None = None
+    initial_codec_chunk_frames: int | None = None
+    non_streaming_mode: bool | None = None
+
+
+class SpeechBatchItem(BatchSpeechFields):
+    input: str
+
+
+class SpeechBatchRequest(BatchSpeechFields):
+    model: str | None = None
+    items: list[SpeechBatchItem] = Field(min_length=1)
+
+
+MAX_BATCH_ITEMS = 32  # vllm-omni's default (its engine's tts_batch_max_items)
+
+
+def batch_items(body: bytes, config: ServeConfig) -> list[bytes]:
+    """A batch's items, each a speech request's body (the batch's fields under the item's own; a whole
+    answer each); `Refused` for the batch as a whole. An item's own faults are its answer's, not the batch's."""
+    batch = validated(body, SpeechBatchRequest, config)
+    if len(batch.items) > MAX_BATCH_ITEMS:
+        raise Refused(f"the batch has {len(batch.items)} items; at most {MAX_BATCH_ITEMS}", param="items")
+    shared = batch.model_dump(exclude={"items"}, exclude_none=True)
+    return [json.dumps({**shared, **item.model_dump(exclude_none=True)}).encode() for item in batch.items]
+
+
 class SamplingFields(BaseModel):
     """The SamplingParams fields a chat request's top level and vllm-omni's `sampling_params_list` both
     take (vllm-omni's overrides of its comprehension stage), typed: an engine's own decoder would fail

@@ -1,6 +1,7 @@
 """The HTTP front end and the stages it runs: `POST /v1/audio/speech`, `WS /v1/audio/speech/stream`,
-`POST /v1/chat/completions` (a pipeline with a thinker: its text and its speech), `GET /v1/models`,
-`/v1/audio/voices` (and, for a model that clones voices, uploads to it: POST, DELETE), `/health`, `/metrics`.
+`POST /v1/audio/speech/batch`, `POST /v1/chat/completions` (a pipeline with a thinker: its text and its
+speech), `GET /v1/models`, `/v1/audio/voices` (and, for a model that clones voices, uploads to it: POST,
+DELETE), `/health`, `/metrics`.
 
 Started by `omni-serve` (omni_serve/cli.py). On start-up each stage's sidecar is started (or
 attached to) and its engine built; on shutdown the engines stop, then the sidecars.
@@ -20,7 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import numpy as np
 from fastapi import FastAPI, Request, WebSocket
@@ -30,7 +31,7 @@ from vllm.logger import init_logger
 from omni_serve.api import audio
 from omni_serve.api.chat import ChatInput, Part, TextDeltas, Tokenizer, chat_input, chat_sse, completion
 from omni_serve.api.metrics import SpeechMetrics
-from omni_serve.api.protocol import (CLONING_FIELDS_HONOURED, Refused, SpeechRequest, ThinkerPrompt,
+from omni_serve.api.protocol import (CLONING_FIELDS_HONOURED, Refused, SpeechRequest, ThinkerPrompt, batch_items,
                                      check_prompt_length, error_body, unsupported_fields, validated, voice_index)
 from omni_serve.api.speech_stream import serve_session
 from omni_serve.config import ServeConfig, load_callable
@@ -615,6 +616,17 @@ def build_app(server: SpeechServer, api_keys: list[str] | None = None) -> FastAP
         media = "text/event-stream" if got.sse else audio.MEDIA_TYPES[got.response_format]
         return StreamingResponse(body, media_type=media, headers={"X-Request-Id": got.job.request_id})
 
+    @app.post("/v1/audio/speech/batch")
+    async def speech_batch(request: Request) -> Response:
+        """vllm-omni's batch: the items spoken at once, each its own whole answer (base64) or its own error."""
+        arrived = time.monotonic()
+        try:
+            bodies = batch_items(await request.body(), config)
+        except Refused as exc:
+            return _refusal(exc)
+        return await _batch(request, server, await asyncio.gather(*(_checked_or_refused(checked_speech, body)
+                                                                    for body in bodies)), arrived)
+
     @app.websocket("/v1/audio/speech/stream")
     async def speech_stream(websocket: WebSocket) -> None:
         async def check(body: dict[str, Any]) -> SpeechInput:
@@ -727,6 +739,54 @@ def uploaded_embedding(text: str, size: int) -> np.ndarray:
         raise Refused(f"speaker_embedding must be a JSON list of 1 to {MAX_EMBEDDING_SIZE} numbers",
                       param="speaker_embedding")
     return speaker_embedding(values, size)
+
+
+async def _checked_or_refused(check: Callable[[bytes], Awaitable[SpeechInput]], body: bytes) -> SpeechInput | Refused:
+    try:
+        return await check(body)
+    except Refused as exc:
+        return exc
+
+
+async def _batch(request: Request, server: SpeechServer, items: list[SpeechInput | Refused], arrived: float) -> Response:
+    """vllm-omni's `BatchSpeechResponse`: an item refused or failed is its result's `error`; a client gone
+    before the answer aborts every item (a 499)."""
+    rate = server.config.sample_rate
+    streams = {index: server.audio(got.job, arrived) for index, got in enumerate(items) if isinstance(got, SpeechInput)}
+
+    async def spoken(index: int, got: SpeechInput) -> dict[str, Any]:
+        try:
+            parts = [chunk async for chunk in streams[index]]
+        except StageFailed as exc:
+            return {"index": index, "status": "error", "error": str(exc)}
+        samples = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+        body = await asyncio.to_thread(audio.encoded, samples, got.response_format, rate)
+        return {"index": index, "status": "success", "audio_data": base64.b64encode(body).decode(),
+                "media_type": audio.MEDIA_TYPES[got.response_format], "usage": usage(got.job)}
+
+    async def all_items() -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(
+            spoken(index, got) if isinstance(got, SpeechInput) else _item_refused(index, got)
+            for index, got in enumerate(items))))
+
+    task = asyncio.create_task(all_items())
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.1)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            for stream in streams.values():
+                await stream.aclose()
+            return Response(status_code=499)
+    results = task.result()
+    succeeded = sum(result["status"] == "success" for result in results)
+    return JSONResponse({"id": f"speech-batch-{uuid.uuid4().hex}", "results": results, "total": len(results),
+                         "succeeded": succeeded, "failed": len(results) - succeeded})
+
+
+async def _item_refused(index: int, refused: Refused) -> dict[str, Any]:
+    return {"index": index, "status": "error", "error": str(refused)}
 
 
 async def _collected(request: Request, parts: AsyncIterator[T]) -> list[T] | Response:
