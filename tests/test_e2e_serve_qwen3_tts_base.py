@@ -14,12 +14,11 @@ import base64
 import io
 import json
 import math
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
 
+from tests.support.web import QuietHandler, web_server
 from tests.test_e2e_serve_qwen3_tts import FRAMES, SAMPLES_PER_FRAME, TEXT, checkpoint_fixtures
 
 pytestmark = pytest.mark.e2e
@@ -53,7 +52,7 @@ def web():
     """A local web server for one reference clip (vllm-omni's examples name theirs by https URL)."""
     clip = _wav(1.5, seed=3)
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:
             found = self.path == "/clone.wav"
             self.send_response(200 if found else 404)
@@ -62,18 +61,8 @@ def web():
             if found:
                 self.wfile.write(clip)
 
-        def log_message(self, *args) -> None:
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}", clip
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(5)
+    with web_server(Handler) as url:
+        yield url, clip
 
 
 def _clone(server, **fields) -> tuple[bytes, np.ndarray, np.ndarray | None]:

@@ -1042,10 +1042,8 @@ def test_local_and_fetched_references_are_kept_to_what_the_operator_allows(tmp_p
     """vLLM's --allowed-local-media-path and --allowed-media-domains, as its MediaConnector applies them: a
     file:// reference only under the directory (links resolved first), http(s) only from the hosts named,
     a redirect as well."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     from omni_serve.speech.reference import BadReference, References
+    from tests.support.web import QuietHandler, web_server
 
     root, outside = tmp_path / "media", tmp_path / "private"
     root.mkdir(), outside.mkdir()
@@ -1065,7 +1063,7 @@ def test_local_and_fetched_references_are_kept_to_what_the_operator_allows(tmp_p
 
     clip = _clip(seed=2)
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:
             if self.path == "/away":  # to the same server under another name
                 self.send_response(302)
@@ -1076,25 +1074,15 @@ def test_local_and_fetched_references_are_kept_to_what_the_operator_allows(tmp_p
             self.end_headers()
             self.wfile.write(clip)
 
-        def log_message(self, *args) -> None:
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        port = httpd.server_address[1]
+    with web_server(Handler) as url:
+        port = url.rsplit(":", 1)[1]
         kept = References(domains=("127.0.0.1",))
         assert kept.audio(f"http://127.0.0.1:{port}/clip.wav")[0].shape == (24000,)
         with pytest.raises(BadReference, match="'localhost' is not one this server fetches from"):
             kept.audio(f"http://localhost:{port}/clip.wav")
         with pytest.raises(BadReference, match="'localhost' is not one"):
-            kept.audio(f"http://127.0.0.1:{port}/away")
-        assert References().audio(f"http://127.0.0.1:{port}/away")[0].shape == (24000,)  # no list: any host
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(5)
+            kept.audio(f"{url}/away")
+        assert References().audio(f"{url}/away")[0].shape == (24000,)  # no list: any host
 
 
 def test_uploaded_voices_are_kept_as_vllm_omni_keeps_them_and_restored(tmp_path):
@@ -1199,39 +1187,27 @@ def test_a_voice_file_half_written_leaves_the_old_voice_and_no_file(tmp_path, mo
 def test_a_fetch_is_bounded_and_kept_to_http(tmp_path):
     """A file that declares more samples than the server decodes is refused before they are read; a redirect
     to another scheme is not followed; an embedding upload's JSON holds numbers a float holds."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     import soundfile
 
     from omni_serve.api.protocol import Refused
     from omni_serve.api.server import uploaded_embedding
     from omni_serve.speech.reference import BadReference, References, decoded
+    from tests.support.web import QuietHandler, web_server
 
     many = BytesIO()
     soundfile.write(many, np.zeros((96000 * 8, 8), np.int16), 96000, format="FLAC")  # 8 s, 8 channels: 6.1 M samples
     with pytest.raises(BadReference, match="8 channels at 96000 Hz"):
         decoded(many.getvalue())
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:
             self.send_response(302)
             self.send_header("Location", "ftp://127.0.0.1/clip.wav")
             self.end_headers()
 
-        def log_message(self, *args) -> None:
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with web_server(Handler) as url:
         with pytest.raises(BadReference, match="led to a ftp URL"):
-            References().audio(f"http://127.0.0.1:{httpd.server_address[1]}/away")
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(5)
+            References().audio(f"{url}/away")
     with pytest.raises(BadReference, match="credentials or a backslash"):
         References(domains=("allowed.example",)).audio("http://evil.example\\@allowed.example/x.wav")
     assert uploaded_embedding("[1, 2.5, -3, 0]", 4).tolist() == [1, 2.5, -3, 0]

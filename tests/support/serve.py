@@ -73,9 +73,15 @@ class Server:
         return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
 
     def get(self, path: str) -> tuple[int, bytes]:
+        return self._bodiless("GET", path)
+
+    def delete(self, path: str) -> tuple[int, bytes]:
+        return self._bodiless("DELETE", path)
+
+    def _bodiless(self, method: str, path: str) -> tuple[int, bytes]:
         conn = self.connection(5.0)
         try:
-            conn.request("GET", path)
+            conn.request(method, path)
             resp = conn.getresponse()
             return resp.status, resp.read()
         finally:
@@ -88,15 +94,6 @@ class Server:
         files = {"audio_sample": (filename, clip, "audio/wav")} if clip is not None else None
         answer = httpx.post(f"http://127.0.0.1:{self.port}/v1/audio/voices", data=fields, files=files, timeout=60)
         return answer.status_code, answer.json()
-
-    def delete(self, path: str) -> tuple[int, bytes]:
-        conn = self.connection(5.0)
-        try:
-            conn.request("DELETE", path)
-            resp = conn.getresponse()
-            return resp.status, resp.read()
-        finally:
-            conn.close()
 
     def post(self, body: bytes | dict, path: str = "/v1/audio/speech") -> tuple[int, bytes, str]:
         conn = self.connection()
