@@ -1,21 +1,20 @@
 """Uploaded voices: a directory vllm-omni's speech server wrote is served by omni-serve, and the other way
-round. vllm-omni's own `upload_voice`, `_restore_uploaded_speakers` and `_load_uploaded_audio` (its
-serving module imported, its package's __init__ and patches not run) against omni_serve/speech/voices.py.
-Its serving module imports only beside the vLLM it was built for: `make test-paired`, skipped elsewhere.
+round. vllm-omni's own `upload_voice`, `upload_voice_embedding`, `_restore_uploaded_speakers` and loaders
+(tests/support/uploaded_voices_job.py, a process of its own) against omni_serve/speech/voices.py. Its
+serving module imports only beside the vLLM it was built for: `make test-paired`, skipped elsewhere.
 """
 
 from __future__ import annotations
 
-import asyncio
-import importlib
 import io
+import json
+import subprocess
 import sys
 
 import numpy as np
-import pytest
 
-from tests.support.paired_vllm_omni import VLLM_OMNI, skip_unless_paired
-from tests.support.procs import ROOT
+from tests.support.paired_vllm_omni import paired_pythonpath, skip_unless_paired
+from tests.support.procs import ROOT, child_env
 
 RATE = 16000
 
@@ -29,94 +28,46 @@ def _clip(seed: int) -> bytes:
     return out.getvalue()
 
 
-@pytest.fixture(scope="module")
-def serving_speech():
-    """vllm-omni's speech serving class; its modules gone from sys.modules after."""
-    from worker_shim.omni_models.package import stand_in_module
-
-    skip_unless_paired()
-    stub = str(ROOT / "tests" / "support" / "torchaudio_stub")  # its audio mixin imports torchaudio
-    saved = {n: m for n, m in sys.modules.items() if n == "vllm_omni" or n.startswith("vllm_omni.")}
-    for name in saved:
-        del sys.modules[name]
-    sys.modules["vllm_omni"] = stand_in_module(VLLM_OMNI / "vllm_omni")
-    for sub in ("entrypoints", "entrypoints.openai"):  # their __init__s import its whole API server
-        module = stand_in_module(VLLM_OMNI / "vllm_omni" / sub.replace(".", "/"))
-        module.__name__ = f"vllm_omni.{sub}"
-        sys.modules[f"vllm_omni.{sub}"] = module
-    sys.path.insert(0, stub)
-    try:
-        yield importlib.import_module("vllm_omni.entrypoints.openai.serving_speech").OmniOpenAIServingSpeech
-    finally:
-        sys.path.remove(stub)
-        for name in [n for n in sys.modules if n == "vllm_omni" or n.startswith("vllm_omni.")]:
-            del sys.modules[name]
-        sys.modules.update(saved)
+def _vllm_omnis_store(directory, plan: dict) -> dict:
+    """vllm-omni uploads the plan's voices into the directory, then reads every voice there."""
+    plan_path = directory.parent / "plan.json"
+    plan_path.write_text(json.dumps(plan))
+    done = subprocess.run([sys.executable, "-m", "tests.support.uploaded_voices_job", str(directory), str(plan_path)],
+                          env=child_env(PYTHONPATH=paired_pythonpath()), cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _vllm_omni_store(cls, directory):
-    """vllm-omni's server as far as its voice store goes: the attributes its __init__ sets for it."""
-    server = object.__new__(cls)
-    server.uploaded_speakers_dir = directory
-    server.uploaded_speakers = {}
-    server.supported_speakers = set()
-    server._last_upload_ts = 0
-    server._max_uploaded_speakers = 1000
-    server._upload_lock = asyncio.Lock()
-    server._ref_audio_data_url_cache = {}
-    server._tts_model_type = "qwen3_tts_without_an_engine"  # its embedding width check needs an engine: skipped
-    return server
-
-
-def test_voices_uploaded_to_either_server_are_read_by_the_other(serving_speech, tmp_path):
-    from starlette.datastructures import Headers, UploadFile
-
+def test_voices_uploaded_to_either_server_are_read_by_the_other(tmp_path):
     from omni_serve.speech.voices import UploadedVoices
 
-    ours = UploadedVoices(tmp_path, limit=10)
-    kept = ours.add("Narrator", "consent-1", _clip(1), "narrator.wav", "audio/wav", "A voice to clone.")
-    theirs = _vllm_omni_store(serving_speech, tmp_path)
-    asyncio.run(theirs.upload_voice(UploadFile(io.BytesIO(_clip(2)), filename="reader.wav",
-                                               headers=Headers({"content-type": "audio/wav"})),
-                                    "consent-2", "Reader", ref_text="Another voice."))
+    skip_unless_paired()
+    directory = tmp_path / "voices"
+    ours = UploadedVoices(directory, limit=10)
+    narrator = ours.add("Narrator", "consent-1", _clip(1), "narrator.wav", "audio/wav", "A voice to clone.")
+    ours.add_embedding("Ours", "consent-3", np.linspace(-1, 1, 16))
+    (tmp_path / "reader.wav").write_bytes(_clip(2))
+    their_vector = [0.25 * i for i in range(16)]
+    read = _vllm_omnis_store(directory, {"clips": [[str(tmp_path / "reader.wav"), "Reader", "consent-2",
+                                                    "Another voice."]],
+                                         "embeddings": [["Theirs", "consent-4", their_vector]]})
 
-    # vllm-omni reads ours: the clip, its rate and its transcript.
-    restored = _vllm_omni_store(serving_speech, tmp_path)
-    restored._restore_uploaded_speakers()
-    assert set(restored.uploaded_speakers) == {"narrator", "reader"}
-    assert restored.uploaded_speakers["narrator"]["ref_text"] == "A voice to clone."
-    samples, rate = restored._load_uploaded_audio("Narrator")
-    assert rate == RATE and np.array_equal(samples, ours.clip(kept)[0])
+    # vllm-omni reads ours: the clip, its rate and its transcript; the embedding.
+    assert set(read) == {"narrator", "ours", "reader", "theirs"}
+    assert read["narrator"]["ref_text"] == "A voice to clone." and read["narrator"]["rate"] == RATE
+    assert np.array_equal(np.asarray(read["narrator"]["samples"], np.float32), ours.clip(narrator)[0])
+    assert read["ours"]["embedding_source"] == "direct"
+    assert np.allclose(read["ours"]["embedding"], np.linspace(-1, 1, 16))
 
-    # Ours reads vllm-omni's: the same samples its own reader gives.
-    again = UploadedVoices(tmp_path, limit=10)
-    assert again.restore() == (2, [])
+    # Ours reads vllm-omni's: the same samples its own reader gives, its embedding.
+    again = UploadedVoices(directory, limit=10)
+    assert again.restore() == (4, [])
     reader = again.get("reader")
     assert (reader.name, reader.consent, reader.ref_text, reader.sample_rate) == \
         ("Reader", "consent-2", "Another voice.", RATE)
-    their_samples, their_rate = restored._load_uploaded_audio("reader")
-    our_samples, our_rate = again.clip(reader)
-    assert our_rate == their_rate == RATE and np.array_equal(our_samples, their_samples.astype(np.float32))
-
-
-def test_voices_uploaded_as_speaker_embeddings_are_read_by_either_server(serving_speech, tmp_path):
-    import json
-
-    from omni_serve.speech.voices import UploadedVoices
-
-    ours = UploadedVoices(tmp_path, limit=10)
-    ours.add_embedding("Ours", "consent-1", np.linspace(-1, 1, 16))
-    theirs = _vllm_omni_store(serving_speech, tmp_path)
-    their_vector = [0.25 * i for i in range(16)]
-    asyncio.run(theirs.upload_voice_embedding(json.dumps(their_vector), "consent-2", "Theirs"))
-
-    restored = _vllm_omni_store(serving_speech, tmp_path)
-    restored._restore_uploaded_speakers()
-    assert restored.uploaded_speakers["ours"]["embedding_source"] == "direct"
-    assert np.allclose(restored._get_uploaded_speaker_embedding("Ours"), np.linspace(-1, 1, 16))
-
-    again = UploadedVoices(tmp_path, limit=10)
-    assert again.restore() == (2, [])
-    voice = again.get("theirs")
-    assert (voice.embedding_source, voice.embedding_dim, voice.file_size > 0) == ("direct", 16, True)
-    assert again.embedding(voice).tolist() == their_vector
+    samples, rate = again.clip(reader)
+    assert rate == RATE and np.array_equal(samples, np.asarray(read["reader"]["samples"], np.float32))
+    theirs = again.get("theirs")
+    assert (theirs.embedding_source, theirs.embedding_dim, theirs.file_size > 0) == ("direct", 16, True)
+    assert again.embedding(theirs).tolist() == their_vector
