@@ -1217,15 +1217,31 @@ def test_a_fetch_is_bounded_and_kept_to_http(tmp_path):
             uploaded_embedding(text, 4)
 
 
-def test_a_requests_reference_is_fetched_off_the_event_loop_once():
-    """What speech_input then resolves is what was fetched (a worker thread's), never fetched again."""
+class CloningPrompt(SpokenPrompt):
+    """A SpeechPrompt of vllm-omni's Base: no voices, each request's voice its reference (or embedding)."""
+
+    voices: list[str] = []
+    task_type = "Base"
+    clones_voices = True
+    speaker_embedding_size = 4
+
+    def __call__(self, text: str, voice: int, language: str, instructions: str,
+                 reference: object = None) -> tuple[list[int], dict]:
+        self.calls.append((text, reference))
+        return [1, 2], {}
+
+
+def test_a_requests_reference_is_fetched_off_the_event_loop_once_its_cheaper_checks_pass():
+    """A request refused for anything else is refused before its reference is fetched; the fetch runs in a
+    worker thread, once; what was fetched is what the prompt gets."""
     import asyncio
     import threading
 
-    from omni_serve.api.server import fetched_reference
+    from omni_serve.api.server import speech_input_fetched
     from omni_serve.speech.reference import BadReference
 
-    threads = []
+    config = ServeConfig(served_model_name="tts", voices=[], speech_prompt="unused", stages=CONFIG.stages)
+    prompt, threads = CloningPrompt(), []
 
     def references(source):
         threads.append(threading.get_ident())
@@ -1233,18 +1249,23 @@ def test_a_requests_reference_is_fetched_off_the_event_loop_once():
             raise BadReference("not audio")
         return np.ones(3, np.float32), 8000
 
-    async def fetch(body):
-        return await fetched_reference(json.dumps(body).encode(), references, None)
+    def checked(**fields):
+        body = json.dumps({"input": "hi", "ref_text": "Its words.", **fields}).encode()
+        return asyncio.run(speech_input_fetched(body, config, prompt, None, references, None))
 
-    resolved = asyncio.run(fetch({"input": "hi", "ref_audio": "data:good"}))
-    assert threads and threads[0] != threading.get_ident()
-    assert resolved("data:good")[1] == 8000 and len(threads) == 1
-    with pytest.raises(BadReference, match="changed while the request was read"):
-        resolved("data:other")
-    with pytest.raises(BadReference, match="not audio"):
-        asyncio.run(fetch({"input": "hi", "ref_audio": "data:bad"}))("data:bad")
-    assert asyncio.run(fetch({"input": "hi", "ref_audio": "data:x", "speaker_embedding": [1.0]})) is references
-    assert len(threads) == 2  # a speaker embedding with ref_audio is refused, so nothing is fetched
+    for fields, param in (({"ref_audio": "data:good", "response_format": "aiff"}, "response_format"),
+                          ({"ref_audio": "data:good", "max_new_tokens": 99}, "max_new_tokens"),
+                          ({"ref_audio": "data:good", "speaker_embedding": [1, 2, 3, 4]}, "speaker_embedding")):
+        with pytest.raises(Refused) as refused:
+            checked(**fields)
+        assert refused.value.param == param
+    assert threads == [] and prompt.calls == []
+    checked(ref_audio="data:good")
+    assert len(threads) == 1 and threads[0] != threading.get_ident()
+    assert prompt.calls[0][1].sample_rate == 8000 and prompt.calls[0][1].text == "Its words."
+    with pytest.raises(Refused, match="not audio") as refused:
+        checked(ref_audio="data:bad")
+    assert refused.value.param == "ref_audio" and len(threads) == 2 and len(prompt.calls) == 1
 
 
 def test_a_base_request_names_its_voice_by_reference_audio_or_an_upload(tmp_path):

@@ -100,8 +100,6 @@ def speech_input(body: bytes, config: ServeConfig, prompt: SpeechPrompt, max_pro
     refused = unsupported_fields(request, CLONING_FIELDS_HONOURED if prompt.clones_voices else None)
     if refused:
         raise Refused(f"not supported by this model: {', '.join(refused)}", param=refused[0])
-    reference = (voice_reference(request, references, voices, prompt.speaker_embedding_size)
-                 if prompt.clones_voices else None)
     # vllm-omni's rule (and the OpenAI SDK's, which sends stream_format alone): a stream_format streams.
     stream = request.stream or request.stream_format is not None
     if stream and request.response_format not in audio.STREAMED_FORMATS:
@@ -116,6 +114,9 @@ def speech_input(body: bytes, config: ServeConfig, prompt: SpeechPrompt, max_pro
     if frames > talker.max_tokens:
         raise Refused(f"max_new_tokens {frames} is above this server's limit of {talker.max_tokens}",
                       param="max_new_tokens")
+    # Last of the checks: a reference may be fetched (speech_input_fetched: once the cheaper ones passed).
+    reference = (voice_reference(request, references, voices, prompt.speaker_embedding_size)
+                 if prompt.clones_voices else None)
     prompt_ids, payload = prompt(text, voice, language, instructions, reference)
     check_prompt_length(prompt_ids, max_prompt_tokens, "input")
     counted = prompt.text_tokens(text, instructions)
@@ -188,34 +189,40 @@ def speaker_embedding(values: list[float] | list[list[float]], size: int, param:
     return embedding
 
 
-async def fetched_reference(body: bytes, references: ReferenceAudio, voices: UploadedVoices | None) -> ReferenceAudio:
-    """The body's reference audio fetched and decoded off the event loop (the request is checked on it,
-    its tokenizers used from one thread): what `speech_input` then resolves its source to."""
+class _Unfetched(Exception):
+    """speech_input reached a reference it has not fetched: every cheaper check passed."""
+
+    def __init__(self, source: str | UploadedVoice) -> None:
+        super().__init__(source)
+        self.source = source
+
+
+async def speech_input_fetched(body: bytes, config: ServeConfig, prompt: SpeechPrompt, max_prompt_tokens: int | None,
+                               references: ReferenceAudio, voices: UploadedVoices | None) -> SpeechInput:
+    """speech_input with the request's reference audio fetched and decoded off the event loop, once the
+    request's cheaper checks have passed (the request is checked on the loop: its tokenizers are used
+    from one thread)."""
+
+    def unfetched(source: str | UploadedVoice) -> tuple[np.ndarray, int]:
+        raise _Unfetched(source)
+
     try:
-        raw = json.loads(body)
-        uri, voice = raw.get("ref_audio"), raw.get("voice", raw.get("speaker"))
-    except (ValueError, AttributeError):
-        uri = voice = None
-    voice = voice.get("id") if isinstance(voice, dict) else voice  # OpenAI's {"id": name} form
-    source: str | UploadedVoice | None = uri if isinstance(uri, str) else None
-    if uri is None and isinstance(voice, str) and voices is not None:
-        uploaded = voices.get(voice)
-        source = uploaded if uploaded is not None and uploaded.embedding_source != EMBEDDING_VOICE else None
-    if source is None or raw.get("speaker_embedding") is not None:
-        return references  # nothing to fetch (a speaker embedding with ref_audio is refused)
+        return speech_input(body, config, prompt, max_prompt_tokens, unfetched, voices)
+    except _Unfetched as pending:
+        source = pending.source
     try:
         prefetched: tuple[np.ndarray, int] | BadReference = await asyncio.to_thread(references, source)
     except BadReference as exc:
         prefetched = exc
 
-    def resolved(asked: str | UploadedVoice) -> tuple[np.ndarray, int]:
-        if asked != source:
-            raise BadReference("the request's reference changed while the request was read")
+    def fetched(asked: str | UploadedVoice) -> tuple[np.ndarray, int]:
+        if asked != source:  # an uploaded voice replaced meanwhile
+            raise BadReference("the request's voice changed while the request was read")
         if isinstance(prefetched, BadReference):
             raise prefetched
         return prefetched
 
-    return resolved
+    return speech_input(body, config, prompt, max_prompt_tokens, fetched, voices)
 
 
 def spoken_language(language: str | None, prompt: SpeechPrompt) -> str:
@@ -593,10 +600,8 @@ def build_app(server: SpeechServer, api_keys: list[str] | None = None) -> FastAP
         return Response(server.observe(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def checked_speech(body: bytes) -> SpeechInput:
-        references: ReferenceAudio = server.reference_audio
-        if server.prompt.clones_voices:
-            references = await fetched_reference(body, references, server.voices)
-        return speech_input(body, config, server.prompt, server.max_prompt_tokens, references, server.voices)
+        return await speech_input_fetched(body, config, server.prompt, server.max_prompt_tokens,
+                                          server.reference_audio, server.voices)
 
     @app.post("/v1/audio/speech")
     async def speech(request: Request) -> Response:
