@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import wave
 from io import BytesIO
@@ -1006,8 +1007,6 @@ def test_omni_serve_keeps_vllm_omnis_entry_point_out_unless_told_otherwise(monke
 
 
 def test_a_reference_is_read_as_vllm_omni_reads_it_mono_at_its_own_rate():
-    import base64
-
     import soundfile
 
     from omni_serve.speech.reference import BadReference, References
@@ -1083,6 +1082,30 @@ def test_local_and_fetched_references_are_kept_to_what_the_operator_allows(tmp_p
         with pytest.raises(BadReference, match="'localhost' is not one"):
             kept.audio(f"{url}/away")
         assert References().audio(f"{url}/away")[0].shape == (24000,)  # no list: any host
+
+    # Requests naming one URL at once (a batch's shared reference) wait for one fetch.
+    import threading
+    import time
+
+    fetches = []
+
+    class Slow(QuietHandler):
+        def do_GET(self) -> None:
+            fetches.append(self.path)
+            time.sleep(0.3)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(clip)
+
+    shared = References()
+    with web_server(Slow) as url:
+        got = []
+        readers = [threading.Thread(target=lambda: got.append(shared.audio(f"{url}/shared.wav"))) for _ in range(4)]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(10)
+    assert fetches == ["/shared.wav"] and len(got) == 4 and all(g is got[0] for g in got)
 
 
 def test_uploaded_voices_are_kept_as_vllm_omni_keeps_them_and_restored(tmp_path):
@@ -1268,6 +1291,27 @@ def test_a_requests_reference_is_fetched_off_the_event_loop_once_its_cheaper_che
     assert refused.value.param == "ref_audio" and len(threads) == 2 and len(prompt.calls) == 1
 
 
+def test_an_uploaded_voice_replaced_while_its_request_is_read_is_refused(tmp_path):
+    import asyncio
+
+    from omni_serve.api.server import speech_input_fetched
+    from omni_serve.speech.voices import UploadedVoices
+
+    config = ServeConfig(served_model_name="tts", voices=[], speech_prompt="unused", stages=CONFIG.stages)
+    store = UploadedVoices(tmp_path, limit=5)
+    store.add("narrator", "c", _clip(), "x.wav", "audio/wav", "Its words.")
+
+    def replaced_meanwhile(source):
+        clip = store.clip(source)
+        store.add("narrator", "c", _clip(seed=1), "x.wav", "audio/wav", "Other words.")
+        return clip
+
+    body = json.dumps({"input": "hi", "voice": "narrator"}).encode()
+    with pytest.raises(Refused, match="changed while the request was read") as refused:
+        asyncio.run(speech_input_fetched(body, config, CloningPrompt(), None, replaced_meanwhile, store))
+    assert refused.value.param == "voice"
+
+
 def test_a_base_request_names_its_voice_by_reference_audio_or_an_upload(tmp_path):
     """vllm-omni's Base rules: inline ref_audio first (a voice then ignored), else the uploaded voice the
     request names, its transcript unless the request gives one, the embedding alone without one."""
@@ -1340,6 +1384,36 @@ def test_the_torchaudio_stand_ins_mel_filters_are_librosas():
     np.testing.assert_allclose(filters.T.numpy(), np.array(LIBROSA_MEL_4x33), atol=1e-8)
     with pytest.raises(NotImplementedError):
         functional.melscale_fbanks(33, 0.0, 12000.0, 4, 24000)  # torchaudio's HTK default: not stood in
+
+
+def test_a_batch_items_failure_is_its_own():
+    """A stage's failure or any other error in one item is that item's result; the others are answered."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from omni_serve.api.server import SpeechInput, _batch
+    from omni_serve.speech.pipeline import StageFailed
+
+    async def audio(job, arrived):
+        if job.request_id == "stage":
+            raise StageFailed("talker", "its engine failed the request")
+        if job.request_id == "bug":
+            raise RuntimeError("something else")
+        yield np.full(4, 0.5, np.float32)
+
+    class Client:
+        async def is_disconnected(self) -> bool:
+            return False
+
+    server = SimpleNamespace(config=SimpleNamespace(sample_rate=300), audio=audio)
+    items = [SpeechInput(SimpleNamespace(request_id=rid, input_tokens=2, frames=1), "pcm", False, False)
+             for rid in ("ok", "stage", "bug")]
+    answer = json.loads(asyncio.run(_batch(Client(), server, [*items, Refused("bad voice")], 0.0)).body)
+    assert [r["status"] for r in answer["results"]] == ["success", "error", "error", "error"]
+    assert (answer["succeeded"], answer["failed"]) == (1, 3)
+    assert "its engine failed" in answer["results"][1]["error"] and answer["results"][2]["error"] == "something else"
+    assert answer["results"][3] == {"index": 3, "status": "error", "error": "bad voice"}
+    assert np.frombuffer(base64.b64decode(answer["results"][0]["audio_data"]), "<i2").tolist() == [16384] * 4
 
 
 def test_a_batch_whose_client_went_away_aborts_every_item():

@@ -28,15 +28,15 @@ def _clip(seed: int) -> bytes:
     return out.getvalue()
 
 
-def _vllm_omnis_store(directory, plan: dict) -> dict:
+def _read_by_vllm_omni(directory, plan: dict) -> dict:
     """vllm-omni uploads the plan's voices into the directory, then reads every voice there."""
-    plan_path = directory.parent / "plan.json"
+    plan_path, result_path = directory.parent / "plan.json", directory.parent / "read.json"
     plan_path.write_text(json.dumps(plan))
-    done = subprocess.run([sys.executable, "-m", "tests.support.uploaded_voices_job", str(directory), str(plan_path)],
-                          env=child_env(PYTHONPATH=paired_pythonpath()), cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-m", "tests.support.uploaded_voices_job", str(directory), str(plan_path),
+                           str(result_path)], env=child_env(PYTHONPATH=paired_pythonpath()), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(result_path.read_text())
 
 
 def test_voices_uploaded_to_either_server_are_read_by_the_other(tmp_path):
@@ -49,7 +49,7 @@ def test_voices_uploaded_to_either_server_are_read_by_the_other(tmp_path):
     ours.add_embedding("Ours", "consent-3", np.linspace(-1, 1, 16))
     (tmp_path / "reader.wav").write_bytes(_clip(2))
     their_vector = [0.25 * i for i in range(16)]
-    read = _vllm_omnis_store(directory, {"clips": [[str(tmp_path / "reader.wav"), "Reader", "consent-2",
+    read = _read_by_vllm_omni(directory, {"clips": [[str(tmp_path / "reader.wav"), "Reader", "consent-2",
                                                     "Another voice."]],
                                          "embeddings": [["Theirs", "consent-4", their_vector]]})
 

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Callable, Literal, TypeVar
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from omni_serve.api.audio import FORMATS
 from omni_serve.config import ServeConfig
 
 _INT64_MAX = 2**63 - 1
@@ -58,23 +59,26 @@ class SpeechRequest(BaseModel):
         return voice
 
 
-class BatchSpeechFields(BaseModel):
-    """vllm-omni's batch speech fields (its `BatchSpeechRequest` and `SpeechBatchItem`): the batch's are
-    each item's unless the item sets its own. Others are refused by name."""
+MAX_BATCH_ITEMS = 32  # vllm-omni's default (its engine's tts_batch_max_items)
 
-    model_config = ConfigDict(extra="forbid")
+
+class BatchSpeechFields(BaseModel):
+    """vllm-omni's batch speech fields (its `BatchSpeechRequest` and `SpeechBatchItem`, their types checked
+    for the whole batch as there): the batch's are each item's unless the item sets its own."""
+
+    model_config = ConfigDict(extra="allow")  # others: refused by name when set (batch_items)
 
     voice: str | None = Field(default=None, validation_alias=AliasChoices("voice", "speaker"))
     instructions: str | None = None
-    response_format: str | None = None
-    speed: float | None = None
-    task_type: str | None = None
+    response_format: Literal[FORMATS] | None = None  # one of audio.FORMATS' names
+    speed: float | None = Field(default=None, ge=0.25, le=4.0)
+    task_type: Literal["CustomVoice", "VoiceDesign", "Base"] | None = None
     language: str | None = None
     ref_audio: str | None = None
     ref_text: str | None = None
     x_vector_only_mode: bool | None = None
-    max_new_tokens: int | None = None
-    initial_codec_chunk_frames: int | None = None
+    max_new_tokens: int | None = Field(default=None, ge=1, le=_INT64_MAX)
+    initial_codec_chunk_frames: int | None = Field(default=None, ge=0, le=_INT64_MAX)
     non_streaming_mode: bool | None = None
 
 
@@ -84,20 +88,20 @@ class SpeechBatchItem(BatchSpeechFields):
 
 class SpeechBatchRequest(BatchSpeechFields):
     model: str | None = None
-    items: list[SpeechBatchItem] = Field(min_length=1)
+    items: list[SpeechBatchItem] = Field(min_length=1, max_length=MAX_BATCH_ITEMS)
 
 
-MAX_BATCH_ITEMS = 32  # vllm-omni's default (its engine's tts_batch_max_items)
-
-
-def batch_items(body: bytes, config: ServeConfig) -> list[bytes]:
-    """A batch's items, each a speech request's body (the batch's fields under the item's own; a whole
-    answer each); `Refused` for the batch as a whole. An item's own faults are its answer's, not the batch's."""
+def batch_items(body: bytes, config: ServeConfig) -> list[dict[str, Any]]:
+    """A batch's items, each a speech request's fields (the batch's under the item's own; a whole answer
+    each); `Refused` for the batch as a whole. An item's own faults are its answer's, not the batch's."""
     batch = validated(body, SpeechBatchRequest, config)
-    if len(batch.items) > MAX_BATCH_ITEMS:
-        raise Refused(f"the batch has {len(batch.items)} items; at most {MAX_BATCH_ITEMS}", param="items")
-    shared = batch.model_dump(exclude={"items"}, exclude_none=True)
-    return [json.dumps({**shared, **item.model_dump(exclude_none=True)}).encode() for item in batch.items]
+    refused = unsupported_fields(batch, {}) + [
+        f"items.{index}.{name}" for index, item in enumerate(batch.items) for name in unsupported_fields(item, {})]
+    if refused:
+        raise Refused(f"not a batch speech field: {', '.join(refused)}", param=refused[0])
+    shared = batch.model_dump(exclude_none=True, exclude=set(batch.model_extra or ()) | {"items"})
+    return [{**shared, **item.model_dump(exclude_none=True, exclude=set(item.model_extra or ()))}
+            for item in batch.items]
 
 
 class SamplingFields(BaseModel):
@@ -242,10 +246,13 @@ def error_body(message: str, status: int, param: str | None = None) -> dict[str,
 ThinkerPrompt = Callable[[list[dict[str, str]], int], tuple[list[int], dict]]  # messages, voice index -> the same
 
 
-def validated(body: bytes, schema: type[M], config: ServeConfig) -> M:
+Body = bytes | dict[str, Any]  # a request's JSON, or the object it holds (a batch item, a WebSocket message's)
+
+
+def validated(body: Body, schema: type[M], config: ServeConfig) -> M:
     """The body's JSON checked against a request schema and this server's model; `Refused` says why not."""
     try:
-        raw = json.loads(body)
+        raw = json.loads(body) if isinstance(body, bytes) else body
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise Refused(f"the body is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):

@@ -21,7 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypedDict, TypeVar
 
 import numpy as np
 from fastapi import FastAPI, Request, WebSocket
@@ -31,7 +31,7 @@ from vllm.logger import init_logger
 from omni_serve.api import audio
 from omni_serve.api.chat import ChatInput, Part, TextDeltas, Tokenizer, chat_input, chat_sse, completion
 from omni_serve.api.metrics import SpeechMetrics
-from omni_serve.api.protocol import (CLONING_FIELDS_HONOURED, Refused, SpeechRequest, ThinkerPrompt, batch_items,
+from omni_serve.api.protocol import (CLONING_FIELDS_HONOURED, Body, Refused, SpeechRequest, ThinkerPrompt, batch_items,
                                      check_prompt_length, error_body, unsupported_fields, validated, voice_index)
 from omni_serve.api.speech_stream import serve_session
 from omni_serve.config import ServeConfig, load_callable
@@ -67,7 +67,7 @@ class SpeechInput:
     sse: bool
 
 
-def speech_input(body: bytes, config: ServeConfig, prompt: SpeechPrompt, max_prompt_tokens: int | None = None,
+def speech_input(body: Body, config: ServeConfig, prompt: SpeechPrompt, max_prompt_tokens: int | None = None,
                  references: ReferenceAudio | None = None, voices: UploadedVoices | None = None) -> SpeechInput:
     """A speech request checked against the schema and this server's model (`max_prompt_tokens`: the
     first stage's engine's; None: unchecked; `references`: a reference audio's samples and rate by its
@@ -114,7 +114,7 @@ def speech_input(body: bytes, config: ServeConfig, prompt: SpeechPrompt, max_pro
     if frames > talker.max_tokens:
         raise Refused(f"max_new_tokens {frames} is above this server's limit of {talker.max_tokens}",
                       param="max_new_tokens")
-    # Last of the checks: a reference may be fetched (speech_input_fetched: once the cheaper ones passed).
+    # After the cheaper checks: a reference may be fetched (speech_input_fetched fetches it once they pass).
     reference = (voice_reference(request, references, voices, prompt.speaker_embedding_size)
                  if prompt.clones_voices else None)
     prompt_ids, payload = prompt(text, voice, language, instructions, reference)
@@ -197,7 +197,7 @@ class _Unfetched(Exception):
         self.source = source
 
 
-async def speech_input_fetched(body: bytes, config: ServeConfig, prompt: SpeechPrompt, max_prompt_tokens: int | None,
+async def speech_input_fetched(body: Body, config: ServeConfig, prompt: SpeechPrompt, max_prompt_tokens: int | None,
                                references: ReferenceAudio, voices: UploadedVoices | None) -> SpeechInput:
     """speech_input with the request's reference audio fetched and decoded off the event loop, once the
     request's cheaper checks have passed (the request is checked on the loop: its tokenizers are used
@@ -599,7 +599,7 @@ def build_app(server: SpeechServer, api_keys: list[str] | None = None) -> FastAP
     async def metrics() -> Response:
         return Response(server.observe(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def checked_speech(body: bytes) -> SpeechInput:
+    async def checked_speech(body: Body) -> SpeechInput:
         return await speech_input_fetched(body, config, server.prompt, server.max_prompt_tokens,
                                           server.reference_audio, server.voices)
 
@@ -629,15 +629,12 @@ def build_app(server: SpeechServer, api_keys: list[str] | None = None) -> FastAP
             bodies = batch_items(await request.body(), config)
         except Refused as exc:
             return _refusal(exc)
-        return await _batch(request, server, await asyncio.gather(*(_checked_or_refused(checked_speech, body)
-                                                                    for body in bodies)), arrived)
+        checked = await asyncio.gather(*(_checked_or_refused(checked_speech, body) for body in bodies))
+        return await _batch(request, server, checked, arrived)
 
     @app.websocket("/v1/audio/speech/stream")
     async def speech_stream(websocket: WebSocket) -> None:
-        async def check(body: dict[str, Any]) -> SpeechInput:
-            return await checked_speech(json.dumps(body).encode())
-
-        await serve_session(websocket, check, server.audio, config.sample_rate, config.max_input_chars)
+        await serve_session(websocket, checked_speech, server.audio, config.sample_rate, config.max_input_chars)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -746,52 +743,65 @@ def uploaded_embedding(text: str, size: int) -> np.ndarray:
     return speaker_embedding(values, size)
 
 
-async def _checked_or_refused(check: Callable[[bytes], Awaitable[SpeechInput]], body: bytes) -> SpeechInput | Refused:
+async def _checked_or_refused(check: Callable[[Body], Awaitable[SpeechInput]], body: Body) -> SpeechInput | Refused:
     try:
         return await check(body)
     except Refused as exc:
         return exc
 
 
-async def _batch(request: Request, server: SpeechServer, items: list[SpeechInput | Refused], arrived: float) -> Response:
+class BatchItemResult(TypedDict, total=False):
+    """vllm-omni's `SpeechBatchItemResult`: the fields set (its answer omits the others)."""
+
+    index: int
+    status: str  # "success" | "error"
+    audio_data: str  # the whole answer in its response_format, base64
+    media_type: str
+    usage: dict[str, Any]
+    error: str
+
+
+async def _batch(request: Request, server: SpeechServer, checked: list[SpeechInput | Refused],
+                 arrived: float) -> Response:
     """vllm-omni's `BatchSpeechResponse`: an item refused or failed is its result's `error`; a client gone
     before the answer aborts every item (a 499)."""
     rate = server.config.sample_rate
-    streams = {index: server.audio(got.job, arrived) for index, got in enumerate(items) if isinstance(got, SpeechInput)}
+    streams = {index: server.audio(got.job, arrived) for index, got in enumerate(checked) if isinstance(got, SpeechInput)}
 
-    async def spoken(index: int, got: SpeechInput) -> dict[str, Any]:
+    async def spoken(index: int, got: SpeechInput | Refused) -> BatchItemResult:
+        if isinstance(got, Refused):
+            return {"index": index, "status": "error", "error": str(got)}
         try:
             parts = [chunk async for chunk in streams[index]]
-        except StageFailed as exc:
+            samples = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+            body = await asyncio.to_thread(audio.encoded, samples, got.response_format, rate)
+        except Exception as exc:  # noqa: BLE001 (one item's failure is its own, as in vllm-omni)
+            if not isinstance(exc, StageFailed):
+                logger.exception("batch item %d (%s) failed", index, got.job.request_id)
             return {"index": index, "status": "error", "error": str(exc)}
-        samples = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-        body = await asyncio.to_thread(audio.encoded, samples, got.response_format, rate)
         return {"index": index, "status": "success", "audio_data": base64.b64encode(body).decode(),
                 "media_type": audio.MEDIA_TYPES[got.response_format], "usage": usage(got.job)}
 
-    async def all_items() -> list[dict[str, Any]]:
-        return list(await asyncio.gather(*(
-            spoken(index, got) if isinstance(got, SpeechInput) else _item_refused(index, got)
-            for index, got in enumerate(items))))
+    async def every_item() -> list[BatchItemResult]:
+        return list(await asyncio.gather(*(spoken(index, got) for index, got in enumerate(checked))))
 
-    task = asyncio.create_task(all_items())
-    while not task.done():
-        done, _ = await asyncio.wait({task}, timeout=0.1)
-        if not done and await request.is_disconnected():
+    task = asyncio.create_task(every_item())
+    try:
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.1)
+            if not done and await request.is_disconnected():
+                return Response(status_code=499)
+        results = task.result()
+    finally:  # a client gone, or this handler cancelled: no item runs on
+        if not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            for stream in streams.values():
-                await stream.aclose()
-            return Response(status_code=499)
-    results = task.result()
+        for stream in streams.values():
+            await stream.aclose()
     succeeded = sum(result["status"] == "success" for result in results)
     return JSONResponse({"id": f"speech-batch-{uuid.uuid4().hex}", "results": results, "total": len(results),
                          "succeeded": succeeded, "failed": len(results) - succeeded})
-
-
-async def _item_refused(index: int, refused: Refused) -> dict[str, Any]:
-    return {"index": index, "status": "error", "error": str(refused)}
 
 
 async def _collected(request: Request, parts: AsyncIterator[T]) -> list[T] | Response:
@@ -802,18 +812,21 @@ async def _collected(request: Request, parts: AsyncIterator[T]) -> list[T] | Res
         return [p async for p in parts]
 
     task = asyncio.create_task(collect())
-    while not task.done():
-        done, _ = await asyncio.wait({task}, timeout=0.1)
-        if not done and await request.is_disconnected():
+    try:
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.1)
+            if not done and await request.is_disconnected():
+                return Response(status_code=499)
+        try:
+            return task.result()
+        except StageFailed as exc:
+            return _failure(exc)
+    finally:  # a client gone, or this handler cancelled: the request runs on no further
+        if not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, StageFailed):
                 await task
             await parts.aclose()
-            return Response(status_code=499)
-    try:
-        return task.result()
-    except StageFailed as exc:
-        return _failure(exc)
 
 
 async def _chat_whole(request: Request, parts: AsyncIterator[Part], got: ChatInput, tokenizer: Tokenizer,

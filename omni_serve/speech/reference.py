@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import concurrent.futures
 import hashlib
 import http.client
 import io
@@ -64,21 +65,37 @@ class References:
         self.local_root = local_root.resolve() if local_root is not None else None
         self.domains = tuple(domain.lower() for domain in domains)  # empty: any host
         self._cache: OrderedDict[str, tuple[np.ndarray, int]] = OrderedDict()
+        self._pending: dict[str, concurrent.futures.Future[tuple[np.ndarray, int]]] = {}  # fetches under way
         self._lock = threading.Lock()  # requests resolve their references in worker threads
         self._opener = urllib.request.build_opener(_KeptToDomains(self))
 
     def audio(self, uri: str) -> tuple[np.ndarray, int]:
-        """(mono float32 samples, sample rate) of the audio `uri` names; BadReference says why not."""
+        """(mono float32 samples, sample rate) of the audio `uri` names; BadReference says why not. Requests
+        that name one URI at once (a batch's shared reference) wait for one fetch."""
         key = hashlib.sha256(uri.encode()).hexdigest()  # an inline reference's URI is the whole file
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        audio = decoded(self._fetched(uri))
-        with self._lock:
+            pending = self._pending.get(key)
+            fetching = pending is None
+            if pending is None:
+                pending = self._pending[key] = concurrent.futures.Future()
+        if not fetching:
+            return pending.result()  # the fetch's audio, or its BadReference raised again
+        try:
+            audio = decoded(self._fetched(uri))
+        except BaseException as exc:
+            with self._lock:
+                del self._pending[key]
+            pending.set_exception(exc)
+            raise
+        with self._lock:  # cached as it stops being pending: a request that comes now finds one or the other
+            del self._pending[key]
             self._cache[key] = audio
             while len(self._cache) > CACHED_REFERENCES:
                 self._cache.popitem(last=False)
+        pending.set_result(audio)
         return audio
 
     def check_url(self, url: str) -> None:

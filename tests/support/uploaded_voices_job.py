@@ -1,9 +1,9 @@
 """vllm-omni's own voice store on a directory: its `upload_voice` / `upload_voice_embedding` for the uploads
 a plan names, then its `_restore_uploaded_speakers` and loaders over every file there; what it read as JSON
-on stdout. Its speech serving module imported with its package's __init__ and patches not run, in a process
+in the result file. Its speech serving module imported with its package's __init__ and patches not run, in a process
 of its own (its modules register Prometheus metrics once a process). Beside vLLM 0.26 and vllm-omni 0.26.
 
-Usage: python -m tests.support.uploaded_voices_job DIRECTORY PLAN.json
+Usage: python -m tests.support.uploaded_voices_job DIRECTORY PLAN.json RESULT.json
   PLAN: {"clips": [[file, name, consent, ref_text]], "embeddings": [[name, consent, [floats]]]}
 """
 
@@ -57,7 +57,7 @@ async def upload(server, plan: dict) -> None:
         await server.upload_voice_embedding(json.dumps(values), consent, name)
 
 
-def main(directory: str, plan_path: str) -> None:
+def main(directory: str, plan_path: str, result_path: str) -> None:
     cls = serving_speech_class()
     asyncio.run(upload(store(cls, Path(directory)), json.loads(Path(plan_path).read_text())))
     reader = store(cls, Path(directory))
@@ -73,7 +73,7 @@ def main(directory: str, plan_path: str) -> None:
         if embedding is not None:
             entry["embedding"] = embedding
         read[key] = entry
-    print(json.dumps(read))
+    Path(result_path).write_text(json.dumps(read))
 
 
 if __name__ == "__main__":
