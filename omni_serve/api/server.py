@@ -785,20 +785,13 @@ async def _batch(request: Request, server: SpeechServer, checked: list[SpeechInp
     async def every_item() -> list[BatchItemResult]:
         return list(await asyncio.gather(*(spoken(index, got) for index, got in enumerate(checked))))
 
-    task = asyncio.create_task(every_item())
-    try:
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.1)
-            if not done and await request.is_disconnected():
-                return Response(status_code=499)
-        results = task.result()
-    finally:  # a client gone, or this handler cancelled: no item runs on
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    async def close_every_stream() -> None:
         for stream in streams.values():
             await stream.aclose()
+
+    results = await _while_connected(request, every_item(), close_every_stream)
+    if isinstance(results, Response):
+        return results
     succeeded = sum(result["status"] == "success" for result in results)
     return JSONResponse({"id": f"speech-batch-{uuid.uuid4().hex}", "results": results, "total": len(results),
                          "succeeded": succeeded, "failed": len(results) - succeeded})
@@ -811,22 +804,28 @@ async def _collected(request: Request, parts: AsyncIterator[T]) -> list[T] | Res
     async def collect() -> list[T]:
         return [p async for p in parts]
 
-    task = asyncio.create_task(collect())
+    try:
+        return await _while_connected(request, collect(), parts.aclose)
+    except StageFailed as exc:
+        return _failure(exc)
+
+
+async def _while_connected(request: Request, work: Awaitable[T], close: Callable[[], Awaitable[None]]) -> T | Response:
+    """`work`'s result, or a 499 when the client went away first; work left unfinished (the client gone,
+    or this handler cancelled) is stopped and `close` run, which aborts its requests."""
+    task = asyncio.ensure_future(work)
     try:
         while not task.done():
             done, _ = await asyncio.wait({task}, timeout=0.1)
             if not done and await request.is_disconnected():
                 return Response(status_code=499)
-        try:
-            return task.result()
-        except StageFailed as exc:
-            return _failure(exc)
-    finally:  # a client gone, or this handler cancelled: the request runs on no further
+        return task.result()
+    finally:
         if not task.done():
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StageFailed):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-            await parts.aclose()
+            await close()
 
 
 async def _chat_whole(request: Request, parts: AsyncIterator[Part], got: ChatInput, tokenizer: Tokenizer,
