@@ -93,6 +93,13 @@ def test_a_base_checkpoint_speaks_in_the_voice_of_the_reference_audio(server, we
     # The speaker embedding alone (no transcript, no reference codes): other codes again.
     _, x_vector, no_reference = _clone(server, ref_audio=reference, x_vector_only_mode=True)
     assert x_vector.shape == (FRAMES, 4) and not np.array_equal(x_vector, codes) and no_reference is None
+    # vllm-omni's usage: an in-context clone reads its reference's codec frames as input tokens too.
+    for fields, audio_tokens in ((icl, 19), ({"ref_audio": reference, "x_vector_only_mode": True}, 0)):
+        status, sse, _ = server.post({"input": TEXT, "response_format": "pcm", "stream": True, **fields})
+        done = json.loads([line for line in sse.decode().splitlines() if line.startswith("data: ")][-1][6:])
+        details = done["usage"]["input_token_details"]
+        assert status == 200 and details["audio_tokens"] == audio_tokens, done
+        assert done["usage"]["input_tokens"] == details["text_tokens"] + audio_tokens > audio_tokens
     # Named by URL, fetched as vllm-omni fetches it: the same answer as the same clip sent inline.
     url, clip = web
     assert _clone(server, **{**icl, "ref_audio": f"{url}/clone.wav"})[1].tolist() == \

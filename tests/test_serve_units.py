@@ -148,6 +148,9 @@ class SpokenPrompt:
     def max_frames(self, text: str) -> int | None:
         return None
 
+    def reference_tokens(self, reference: object) -> int:
+        return 0
+
 
 def test_a_prompt_that_speaks_languages_and_takes_instructions_gets_them_as_vllm_omni_names_them():
     spoken = SpokenPrompt()
@@ -1253,6 +1256,9 @@ class CloningPrompt(SpokenPrompt):
         self.calls.append((text, reference))
         return [1, 2], {}
 
+    def reference_tokens(self, reference: object) -> int:
+        return 7
+
 
 def test_a_requests_reference_is_fetched_off_the_event_loop_once_its_cheaper_checks_pass():
     """A request refused for anything else is refused before its reference is fetched; the fetch runs in a
@@ -1283,8 +1289,13 @@ def test_a_requests_reference_is_fetched_off_the_event_loop_once_its_cheaper_che
             checked(**fields)
         assert refused.value.param == param
     assert threads == [] and prompt.calls == []
-    checked(ref_audio="data:good")
+    from omni_serve.api.server import usage
+
+    job = checked(ref_audio="data:good").job
     assert len(threads) == 1 and threads[0] != threading.get_ident()
+    # vllm-omni's usage: the reference's codec frames are input tokens too (the text's here: len("hi")).
+    assert usage(job)["input_tokens"] == 9 and usage(job)["input_token_details"] == {"text_tokens": 2,
+                                                                                     "audio_tokens": 7}
     assert prompt.calls[0][1].sample_rate == 8000 and prompt.calls[0][1].text == "Its words."
     with pytest.raises(Refused, match="not audio") as refused:
         checked(ref_audio="data:bad")
@@ -1406,7 +1417,7 @@ def test_a_batch_items_failure_is_its_own():
             return False
 
     server = SimpleNamespace(config=SimpleNamespace(sample_rate=300), audio=audio)
-    items = [SpeechInput(SimpleNamespace(request_id=rid, input_tokens=2, frames=1), "pcm", False, False)
+    items = [SpeechInput(SimpleNamespace(request_id=rid, input_tokens=2, reference_tokens=0, frames=1), "pcm", False, False)
              for rid in ("ok", "stage", "bug")]
     answer = json.loads(asyncio.run(_batch(Client(), server, [*items, Refused("bad voice")], 0.0)).body)
     assert [r["status"] for r in answer["results"]] == ["success", "error", "error", "error"]

@@ -122,6 +122,7 @@ def speech_input(body: Body, config: ServeConfig, prompt: SpeechPrompt, max_prom
     counted = prompt.text_tokens(text, instructions)
     job = SpeechJob(f"speech-{uuid.uuid4().hex}", prompt_ids, payload, frames, request.seed,
                     input_tokens=counted if counted is not None else text_tokens(config, prompt_ids, payload),
+                    reference_tokens=prompt.reference_tokens(reference) if reference is not None else 0,
                     sampling={"talker": {"ignore_eos": True}} if request.ignore_eos else {})
     return SpeechInput(job, request.response_format, stream, request.stream_format != "audio")
 
@@ -250,11 +251,12 @@ def text_tokens(config: ServeConfig, prompt_ids: list[int], payload: dict[str, A
 
 
 def usage(job: SpeechJob) -> dict[str, Any]:
-    """vllm-omni's `SpeechTokenUsage` (OpenAI's speech.audio.done `usage`): output tokens are the
-    codec frames the talker made."""
-    return {"input_tokens": job.input_tokens, "output_tokens": job.frames,
-            "total_tokens": job.input_tokens + job.frames,
-            "input_token_details": {"text_tokens": job.input_tokens, "audio_tokens": 0}}
+    """vllm-omni's `SpeechTokenUsage` (OpenAI's speech.audio.done `usage`): input tokens are the text's and,
+    for an in-context voice clone, its reference's codec frames; output tokens the codec frames the talker
+    made."""
+    read = job.input_tokens + job.reference_tokens
+    return {"input_tokens": read, "output_tokens": job.frames, "total_tokens": read + job.frames,
+            "input_token_details": {"text_tokens": job.input_tokens, "audio_tokens": job.reference_tokens}}
 
 
 class SpeechServer:

@@ -85,6 +85,7 @@ class SpeechJob:
     max_frames: int
     seed: int | None = None
     input_tokens: int = 0  # the text's tokens as the first stage reads them (usage)
+    reference_tokens: int = 0  # a voice clone's reference codec frames the talker reads (usage's audio tokens)
     # The request's SamplingParams fields per stage name, over the pipeline file's (`stage_sampling`)
     sampling: dict[str, dict[str, Any]] = field(default_factory=dict)
     frames: int = 0  # codec frames the talker made (usage), set when it has finished

@@ -51,6 +51,11 @@ class SpeechPrompt(Protocol):
         pipeline's limit); None: the pipeline's limit alone."""
         ...
 
+    def reference_tokens(self, reference: VoiceReference) -> int:
+        """A voice clone's reference as input tokens (vllm-omni's usage: the reference codec frames an
+        in-context clone reads; none for the embedding alone)."""
+        ...
+
 
 @dataclass
 class TextVoicePrompt:
@@ -74,6 +79,9 @@ class TextVoicePrompt:
 
     def max_frames(self, text: str) -> int | None:
         return None
+
+    def reference_tokens(self, reference: VoiceReference) -> int:
+        return 0
 
 
 def load_speech_prompt(config: ServeConfig) -> SpeechPrompt:

@@ -30,6 +30,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from omni_serve.config import ConfigError, StageSpec
 from omni_serve.speech.prompts import BASE, CUSTOM_VOICE
 from omni_serve.speech.reference import VoiceReference
@@ -125,8 +127,7 @@ class Qwen3TTSPrompt:
             if reference.speaker_embedding is not None:  # vllm-omni's precomputed voice: the embedding alone
                 info["voice_clone_prompt"] = [{"ref_spk_embedding": reference.speaker_embedding.tolist()}]
             if reference.audio is not None:
-                samples = int(reference.audio.shape[0])
-                info["ref_code_length"] = [math.ceil(samples / reference.sample_rate * self._codec_frame_rate)]
+                info["ref_code_length"] = [self._reference_frames(reference.audio, reference.sample_rate)]
                 info["ref_audio"] = [[reference.audio.tolist(), reference.sample_rate]]
         return info
 
@@ -151,6 +152,17 @@ class Qwen3TTSPrompt:
         if not self.clones_voices:
             return None
         return max(BASE_MIN_FRAMES, len(self._tokens(text)) * BASE_FRAMES_PER_TEXT_TOKEN)
+
+    def reference_tokens(self, reference: VoiceReference) -> int:
+        """vllm-omni's usage (`gate_audio_tokens`): an in-context clone's reference codec frames, as estimated
+        for its prompt; none for the speaker embedding alone."""
+        if reference.x_vector_only or reference.audio is None:
+            return 0
+        return self._reference_frames(reference.audio, reference.sample_rate)
+
+    def _reference_frames(self, audio: np.ndarray, sample_rate: int) -> int:
+        """The codec frames a reference makes (vllm-omni's `ref_code_length` estimate)."""
+        return math.ceil(int(audio.shape[0]) / sample_rate * self._codec_frame_rate)
 
     def _tokens(self, text: str) -> list[int]:
         return self._tokenizer(text, padding=False)["input_ids"]
