@@ -286,8 +286,7 @@ class SpeechServer:
             restored, skipped = self.voices.restore()
             if restored or skipped:
                 logger.info("Uploaded voices: %d in %s%s", restored, self.voices.directory,
-                            f"; {len(skipped)} file(s) skipped (not a voice this server reads): "
-                            f"{'; '.join(skipped[:3])}" if skipped else "")
+                            f"; {len(skipped)} file(s) skipped: {'; '.join(skipped[:3])}" if skipped else "")
         self.tokenizer: Tokenizer | None = None  # the thinker checkpoint's: its text for the chat endpoint
         # The longest prompt the first stage's engine takes (its max_model_len less the one token it must
         # make): longer is the request's fault, a 400, not a 503 from the engine. None until it starts.

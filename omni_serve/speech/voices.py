@@ -45,7 +45,6 @@ STALE_TEMPORARY_S = 600.0  # a file still being written after this long was left
 EMBEDDING_VOICE = "direct"  # vllm-omni's embedding_source of a voice stored as its speaker embedding
 EMBEDDING = "speaker_embedding"  # that embedding's tensor in the voice's file
 MAX_EMBEDDING_SIZE = 4096  # vllm-omni's
-INT_FIELDS = ("created_at", "file_size", "sample_rate", "embedding_dim")  # the header's numbers
 
 
 def default_dir() -> Path:
@@ -85,19 +84,20 @@ class UploadedVoice:
 
     @classmethod
     def from_header(cls, header: dict[str, str]) -> UploadedVoice:
-        """A voice from its file's header; ValueError if the header is not one."""
-        known = {f.name for f in fields(cls)}
-        values: dict[str, str | int] = {}
-        for name, value in header.items():
-            if name in known:
-                values[name] = int(value) if name in INT_FIELDS else value
-        values.setdefault("name", header.get("voice_name_lower", ""))
-        if not values["name"]:
+        """A voice from its file's header (the header's numbers as strings); ValueError if it is not one."""
+
+        def number(name: str) -> int | None:
+            return int(header[name]) if header.get(name) else None
+
+        name = header.get("name") or header.get("voice_name_lower") or ""
+        if not name:
             raise ValueError("no voice name")
-        values.setdefault("consent", "")
-        values.setdefault("created_at", 0)
-        values.setdefault("file_size", 0)
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(name=name, consent=header.get("consent", ""), created_at=number("created_at") or 0,
+                   file_size=number("file_size") or 0, mime_type=header.get("mime_type") or CLIP_MIME_TYPE,
+                   sample_rate=number("sample_rate") or 0, original_filename=header.get("original_filename", ""),
+                   ref_text=header.get("ref_text") or None,
+                   speaker_description=header.get("speaker_description") or None,
+                   embedding_source=header.get("embedding_source") or AUDIO, embedding_dim=number("embedding_dim"))
 
     def listing(self) -> dict[str, str | int | None]:
         """vllm-omni's `uploaded_voices` entry."""
@@ -211,11 +211,7 @@ class UploadedVoices:
         voice = UploadedVoice(name=name, consent=consent, created_at=0, file_size=len(data), mime_type=mime_type,
                               sample_rate=rate, original_filename=filename, ref_text=(ref_text or "").strip() or None,
                               speaker_description=(description or "").strip() or None)
-        voice = self._keep(voice, {AUDIO: samples})
-        with self._lock:
-            self._clips[(voice.key, voice.created_at)] = (samples, rate)
-            self._trim()
-        return voice
+        return self._keep(voice, {AUDIO: samples}, clip=(samples, rate))
 
     def add_embedding(self, name: str, consent: str, embedding: np.ndarray) -> UploadedVoice:
         """A speaker embedding kept under `name` as vllm-omni keeps one (its width checked by the caller)."""
@@ -224,15 +220,13 @@ class UploadedVoices:
         voice = UploadedVoice(name=name, consent=consent, created_at=0, file_size=0,
                               mime_type=EMBEDDING_MIME_TYPE, embedding_source=EMBEDDING_VOICE,
                               embedding_dim=int(embedding.shape[0]))
-        voice = self._keep(voice, {EMBEDDING: embedding})
-        with self._lock:
-            self._embeddings[voice.key] = embedding
-        return voice
+        return self._keep(voice, {EMBEDDING: embedding}, embedding=embedding)
 
-    def _keep(self, voice: UploadedVoice, tensors: dict[str, np.ndarray]) -> UploadedVoice:
+    def _keep(self, voice: UploadedVoice, tensors: dict[str, np.ndarray], clip: tuple[np.ndarray, int] | None = None,
+              embedding: np.ndarray | None = None) -> UploadedVoice:
         """The voice's file written whole and synced, then renamed into place (a crash leaves the old voice
-        or the new one, never half of one), replacing one of its name; the voice with its time of upload.
-        Written outside the lock: requests look voices up meanwhile."""
+        or the new one, never half of one), replacing one of its name, its clip or embedding in memory with
+        it; the voice with its time of upload. Written outside the lock: requests look voices up meanwhile."""
         from safetensors.numpy import save_file
 
         with self._lock:
@@ -255,15 +249,23 @@ class UploadedVoices:
             raise
         with self._lock:
             old = self._voices.get(voice.key)
+            superseded = old is not None and old[0].created_at > voice.created_at  # a later upload of the name
             try:
                 self._check_room(voice.key)  # another voice may have taken the last place meanwhile
             except BadUpload:
                 path.unlink(missing_ok=True)
                 raise
-            self._forget(voice.key)
-            self._voices[voice.key] = (voice, path)
-        if old is not None and old[1] != path:
-            old[1].unlink(missing_ok=True)
+            if not superseded:
+                self._forget(voice.key)
+                self._voices[voice.key] = (voice, path)
+                if clip is not None:
+                    self._clips[(voice.key, voice.created_at)] = clip
+                    self._trim()
+                if embedding is not None:
+                    self._embeddings[voice.key] = embedding
+        stale = path if superseded else old[1] if old is not None and old[1] != path else None
+        if stale is not None:
+            stale.unlink(missing_ok=True)
         return voice
 
     def _check_room(self, key: str) -> None:
