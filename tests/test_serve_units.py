@@ -1210,6 +1210,34 @@ def test_a_voice_file_half_written_leaves_the_old_voice_and_no_file(tmp_path, mo
     assert not stale.exists()
 
 
+def test_of_two_uploads_of_one_name_at_once_the_later_is_the_voice(tmp_path, monkeypatch):
+    """The earlier upload's write finishing last neither replaces the later one nor leaves its file."""
+    import threading
+
+    import safetensors.numpy
+
+    from omni_serve.speech.voices import UploadedVoices
+
+    store = UploadedVoices(tmp_path, limit=5)
+    save_file, release, writing = safetensors.numpy.save_file, threading.Event(), threading.Event()
+
+    def slow_for_the_first(tensors, path, metadata=None):
+        if metadata["consent"] == "first":
+            writing.set()
+            release.wait(10)
+        save_file(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", slow_for_the_first)
+    first = threading.Thread(target=store.add, args=("x", "first", _clip(), "x.wav", "audio/wav", "First."))
+    first.start()
+    assert writing.wait(10)
+    later = store.add("x", "later", _clip(seed=1), "x.wav", "audio/wav", "Later.")
+    release.set()
+    first.join(10)
+    assert store.get("x") == later and store.clip(later)[1] == 16000
+    assert [p.name for p in tmp_path.glob("*.safetensors")] == [f"x_later_{later.created_at}.safetensors"]
+
+
 def test_a_fetch_is_bounded_and_kept_to_http(tmp_path):
     """A file that declares more samples than the server decodes is refused before they are read; a redirect
     to another scheme is not followed; an embedding upload's JSON holds numbers a float holds."""
