@@ -152,7 +152,7 @@ def voice_reference(request: SpeechRequest, references: ReferenceAudio | None, v
             embedding = voices.embedding(uploaded)
         except BadReference as exc:
             raise Refused(str(exc), param="voice") from None
-        return VoiceReference(None, 0, "", True, speaker_embedding(embedding.tolist(), embedding_size, "voice"),
+        return VoiceReference(None, 0, "", True, speaker_embedding(embedding, embedding_size, "voice"),
                               voice=(uploaded.key, uploaded.created_at))
     if request.ref_audio is not None and not isinstance(request.ref_audio, str):
         raise Refused(f"ref_audio is one {URI_FORMS}", param="ref_audio")
@@ -173,7 +173,8 @@ def voice_reference(request: SpeechRequest, references: ReferenceAudio | None, v
                           voice=(uploaded.key, uploaded.created_at) if uploaded is not None else None)
 
 
-def speaker_embedding(values: list[float] | list[list[float]], size: int, param: str = "speaker_embedding") -> np.ndarray:
+def speaker_embedding(values: list[float] | list[list[float]] | np.ndarray, size: int,
+                      param: str = "speaker_embedding") -> np.ndarray:
     """A precomputed speaker embedding as the talker takes it: one vector of its width, finite."""
     if not size:
         raise Refused("this model takes no precomputed speaker embedding", param=param)

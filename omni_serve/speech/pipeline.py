@@ -171,11 +171,18 @@ class Frames:
             return
         self.reference = codes[: int(np.asarray(length).reshape(-1)[0])]
 
-    def with_reference(self) -> tuple[np.ndarray, int]:
-        """The reference codes and the answer's as one sequence, and where the answer's begin."""
-        if self.reference is None or not self.reference.shape[0]:
-            return self.all(), 0
-        return np.concatenate([self.reference.astype(self.all().dtype), self.all()]), int(self.reference.shape[0])
+    @property
+    def reference_count(self) -> int:
+        return 0 if self.reference is None else int(self.reference.shape[0])
+
+    def window(self, first: int, end: int) -> np.ndarray:
+        """Frames [first, end) of the reference codes followed by the answer's: only the window copied,
+        never the whole sequence (a chunk's payload is a few chunks of a long answer)."""
+        before = self.reference_count
+        answer = self.all()[max(0, first - before):max(0, end - before)]
+        if self.reference is None or first >= before:
+            return answer
+        return np.concatenate([self.reference[first:min(end, before)].astype(answer.dtype), answer])
 
 
 async def engine_outputs(stage: "Stage", outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -433,11 +440,11 @@ class SpeechPipeline:
         first, where a voice-cloning request has them), as a window of two chunks, the context and the
         chunk: the hook set decodes the second (`codec_next_chunk` 1) and cuts the context's samples, as
         it would in the whole codes. Its payload stays a chunk and a context long however long the audio."""
-        codes, begins = frames.with_reference()
+        begins = frames.reference_count
         start, end = begins + self.chunks.start(k), begins + min(frames.count, self.chunks.end(k))
         first = max(0, start - self.left_context)
         context = start - first  # 0: the window is the chunk alone, its chunk 0
-        return additional_information({"codes": {"audio": codes[first:end].astype(np.int64)},
+        return additional_information({"codes": {"audio": frames.window(first, end).astype(np.int64)},
                                        "meta": {"codec_next_chunk": 1 if context else 0,
                                                 "codec_chunk_frames": end - start,
                                                 "initial_codec_chunk_frames": context,
