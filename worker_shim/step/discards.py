@@ -30,7 +30,7 @@ class DiscardWatch:
         self.async_scheduling = async_scheduling
         self._last_step = -1  # the previous step's number and its batch's request ids (none: no forward)
         self._last_ran: list[str] = []
-        self._held: list[str] = []  # finishes by length in the previous step, not yet told
+        self.held: list[str] = []  # finishes by length in the previous step, not yet told (empty unless async)
 
     def note_step(self, step: int, req_ids: list[str] | None) -> None:
         """A step ended (`req_ids`: its batch's; None: it ran no forward)."""
@@ -49,18 +49,18 @@ class DiscardWatch:
         """This step's finishes by length: those to tell now (all, with async scheduling off)."""
         if not self.async_scheduling:
             return ending
-        self._held = list(ending)
+        self.held = list(ending)
         return []
 
     def take_held(self, finished: Iterable[str]) -> set[str]:
         """Of vLLM's finish notices, those of held length finishes: the request ended a step earlier."""
-        if not self._held:
+        if not self.held:
             return set()
-        named = set(self._held).intersection(finished)
-        self._held = [r for r in self._held if r not in named]
+        named = set(self.held).intersection(finished)
+        self.held = [r for r in self.held if r not in named]
         return named
 
     def release(self) -> list[str]:
         """The held length finishes that vLLM's notice did not name: to tell now."""
-        held, self._held = self._held, []
+        held, self.held = self.held, []
         return held

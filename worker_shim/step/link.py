@@ -409,10 +409,11 @@ class SidecarLink:
             counters.record_timing(counters.post_us, post_us)
 
     def _release_length_finishes(self) -> None:
+        if not self.discards.held:  # always so with async scheduling off
+            return
         held = self.discards.release()
-        if held:
-            self.counters.finished_requests += len(held)
-            self.requests.note_finished(held, ())
+        self.counters.finished_requests += len(held)
+        self.requests.note_finished(held, ())
 
     def _send_notices(self, port: RecoveryPort, failed: list[RequestError]) -> None:
         """Between steps: a StepEnd of no forward with the queued notices and failures (and `failed`),

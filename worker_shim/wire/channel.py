@@ -373,10 +373,6 @@ class SidecarChannel:
         rings = self.rings
         assert rings is not None
         rx = rings.duplex.rx
-        if rx.has_data():
-            msg = self._ring_next()
-            if msg is not None:
-                return msg
         busy_at = time.monotonic()
         deadline = busy_at + timeout_s
         # The reply usually comes within the spin window: until then watch only the ring's write
