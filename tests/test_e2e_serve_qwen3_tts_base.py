@@ -123,6 +123,10 @@ def test_a_base_request_without_a_usable_reference_is_refused_saying_why(server,
         ({"speaker_embedding": [0.5] * 8}, "speaker_embedding", "8 dimensions; this model's is 128"),
         ({"ref_audio": "file:///etc/hostname", "ref_text": "x"}, "ref_audio", "not under --allowed-local-media-path"),
         ({"voice": "nobody"}, "voice", "unknown voice 'nobody'"),
+        ({"ref_audio": "http://[::1/clip.wav", "ref_text": "x"}, "ref_audio", "not a URL this server reads"),
+        ({"ref_audio": reference, "ref_text": "\udfff"}, "ref_text", "lone surrogate"),
+        # Below the talker's min_tokens: vLLM refuses the talker's request (before, the answer never came).
+        ({"ref_audio": reference, "ref_text": "x", "max_new_tokens": 2}, "max_new_tokens", "below the 6 frames"),
     ):
         status, answer, _ = server.post({"input": TEXT, **body})
         error = json.loads(answer)["error"]

@@ -115,11 +115,36 @@ def test_what_vllm_omnis_own_clients_send_is_served():
     (b"\xff\xfe", 400, None, "not valid JSON"),
     (b"[" * 100_000, 400, None, "not valid JSON"),  # nested past the parser's recursion limit
     (b'"text"', 400, None, "JSON object"),
+    # Strict JSON: Python's NaN and Infinity are not JSON; a lone surrogate is no text a tokenizer takes.
+    (b'{"input": "hi", "speed": NaN}', 400, None, "NaN is not a JSON value"),
+    (b'{"input": "hi", "speed": -Infinity}', 400, None, "-Infinity is not a JSON value"),
+    (b'{"input": "hi \\ud800"}', 400, "input", "input is not Unicode text: it holds a lone surrogate"),
+    (b'{"input": "hi", "instructions": "\\uDFFF!"}', 400, "instructions", "lone surrogate"),
+    (b'{"input": "hi", "voice": {"id": ["\\ud9ab"]}}', 400, "voice.id[0]", "lone surrogate"),
+    (b'{"input": "hi", "\\udc00": 1}', 400, "'\\udc00'", "lone surrogate"),
 ])
 def test_bad_requests_are_refused_with_one_message(body, status, param, needle):
     refused = refusal(body)
     assert (refused.status, refused.param) == (status, param)
     assert needle in str(refused) and "\n" not in str(refused)
+
+
+def test_text_outside_the_basic_plane_and_escaped_backslashes_are_text():
+    """A surrogate pair's escape is one character, and an escaped backslash before "ud800" is text."""
+    assert parse(b'{"input": "hi \\ud83d\\ude00"}').job.payload == {"text": "hi \U0001F600"}
+    assert parse(b'{"input": "C:\\\\ud800"}').job.payload == {"text": "C:\\ud800"}
+
+
+def test_a_max_new_tokens_below_the_talkers_min_tokens_is_refused():
+    """vLLM would refuse the talker's sampling once the request was under way; here it is the request's 400."""
+    import dataclasses
+
+    talker = dataclasses.replace(CONFIG.stages["talker"], sampling={"min_tokens": 6})
+    config = dataclasses.replace(CONFIG, stages={**CONFIG.stages, "talker": talker})
+    assert speech_input(b'{"input": "hi", "max_new_tokens": 6}', config, prompt).job.max_frames == 6
+    with pytest.raises(Refused, match="max_new_tokens 5 is below the 6 frames this server's talker makes at least") as refused:
+        speech_input(b'{"input": "hi", "max_new_tokens": 5}', config, prompt)
+    assert refused.value.param == "max_new_tokens"
 
 
 class SpokenPrompt:
@@ -645,6 +670,55 @@ def test_each_stage_reports_its_share_of_a_requests_first_audio_once(frames, gri
     assert all(seconds >= 0 for _, seconds in shares)
 
 
+def test_a_talker_request_that_cannot_start_fails_its_speech_at_once():
+    """The talker's sampling refused as the request starts (here a min_tokens above its frames): the
+    speech fails with vLLM's reason, and the code2wav side, waiting on the talker's frames, stops too."""
+    import asyncio
+
+    from omni_serve.speech.pipeline import SpeechJob
+
+    engine = FakeEngine()
+    pipeline = speech_pipeline(engine)
+
+    async def run() -> None:
+        job = SpeechJob("r1", [1, 2], {}, max_frames=4, sampling={"talker": {"min_tokens": 6}})
+        try:
+            with pytest.raises(Exception, match="min_tokens must be less than or equal to max_tokens=4"):
+                await asyncio.wait_for(_drained(pipeline.synthesize(job)), 5.0)
+        finally:
+            await pipeline.close()
+
+    asyncio.run(run())
+    assert engine.closed == [] and pipeline.talker.in_flight == 0
+
+
+async def _drained(chunks) -> list:
+    return [chunk async for chunk in chunks]
+
+
+def test_a_batch_items_check_that_fails_otherwise_is_that_items_error():
+    import asyncio
+
+    from omni_serve.api.server import _checked_or_refused
+
+    async def broken(body):
+        raise KeyError("a fault of the check's own")
+
+    got = asyncio.run(_checked_or_refused(broken, {"input": "x"}))
+    assert isinstance(got, Refused) and got.status == 500 and "KeyError" in str(got)
+
+
+def test_a_stream_message_is_strict_json_and_its_text_unicode():
+    from omni_serve.api.speech_stream import _parse
+
+    assert _parse('{"type": "input.text", "text": "hi \\ud83d\\ude00"}')["text"] == "hi \U0001F600"
+    for raw, needle in (('{"type": "input.text", "text": "hi \\ud800"}', "text is not Unicode text"),
+                        ('{"type": "session.config", "speed": NaN}', "NaN is not a JSON value"),
+                        ('["input.done"]', "must be a JSON object")):
+        with pytest.raises(Refused, match=needle):
+            _parse(raw)
+
+
 @pytest.mark.parametrize("engine_finished", [True, False])
 def test_a_lost_sidecar_fails_its_stages_requests_at_once_and_aborts_them_in_the_engine(engine_finished):
     """Whether its engine had finished the request (its last step's results died with the sidecar:
@@ -1026,9 +1100,22 @@ def test_a_reference_is_read_as_vllm_omni_reads_it_mono_at_its_own_rate():
     for uri, needle in (("file:///tmp/x.wav", "--allowed-local-media-path"), ("ftp://x/y.wav", "base64 data URL"),
                         ("data:audio/wav,abc", "not base64"),
                         ("http://127.0.0.1:9/x.wav", "cannot fetch"),
-                        ("data:audio/flac;base64," + base64.b64encode(long.getvalue()).decode(), "40.00 s long")):
+                        ("data:audio/flac;base64," + base64.b64encode(long.getvalue()).decode(), "40.00 s long"),
+                        ("http://[::1/x.wav", "not a URL this server reads: Invalid IPv6 URL")):
         with pytest.raises(BadReference, match=needle):
             reference_audio(uri)
+    for uri, needle in (("file://[/x.wav", "not a URL this server reads"),
+                        ("file:///tmp/a%00b.wav", "not a path: embedded null byte")):
+        with pytest.raises(BadReference, match=needle):
+            References(Path("/tmp")).audio(uri)
+    # A float file may hold NaN or Inf: no voice to take from it.
+    broken = np.linspace(-0.5, 0.5, 16000 * 2).astype(np.float32)
+    for bad in (np.nan, np.inf):
+        broken[100] = bad
+        out = BytesIO()
+        soundfile.write(out, broken, 16000, format="WAV", subtype="FLOAT")
+        with pytest.raises(BadReference, match="not finite"):
+            reference_audio("data:audio/wav;base64," + base64.b64encode(out.getvalue()).decode())
 
 
 def _clip(seconds: float = 1.5, rate: int = 16000, seed: int = 0) -> bytes:

@@ -10,6 +10,7 @@ honour are refused with a 400 naming them, never silently dropped.
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Callable, Literal, TypeVar
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -249,12 +250,64 @@ ThinkerPrompt = Callable[[list[dict[str, str]], int], tuple[list[int], dict]]  #
 Body = bytes | dict[str, Any]  # a request's JSON, or the object it holds (a batch item, a WebSocket message's)
 
 
+# Where a JSON text may hold a lone surrogate: only an escape (UTF-8 itself cannot hold one).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE_ESCAPE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def json_object(raw: bytes | str, what: str = "the body") -> dict[str, Any]:
+    """A request's JSON object, read strictly: NaN and Infinity (Python's extension) are not JSON, and
+    every string is Unicode text (an escaped lone surrogate, which no UTF-8 holds and no tokenizer
+    takes, is refused where it is). `Refused` says why not."""
+    try:
+        value = json.loads(raw, parse_constant=_not_json)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
+        raise Refused(f"{what} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise Refused(f"{what} must be a JSON object")
+    escape = _SURROGATE_ESCAPE_BYTES if isinstance(raw, bytes) else _SURROGATE_ESCAPE
+    if escape.search(raw):  # type: ignore[arg-type]
+        where = _lone_surrogate(value)
+        if where is not None:
+            raise Refused(f"{where or what} is not Unicode text: it holds a lone surrogate (an escape such as "
+                          "\\ud800 without its pair)", param=where or None)
+    return value
+
+
+def _not_json(constant: str) -> None:
+    raise ValueError(f"{constant} is not a JSON value")
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """Where in a decoded JSON value a string (or key) is not Unicode text ("" the value itself); None: nowhere."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        where, node = stack.pop()
+        if isinstance(node, str):
+            if not _is_text(node):
+                return where
+        elif isinstance(node, dict):
+            for key, item in node.items():
+                name = key if _is_text(key) else ascii(key)
+                if name != key:
+                    return f"{where}.{name}" if where else name
+                stack.append((f"{where}.{key}" if where else key, item))
+        elif isinstance(node, list):
+            stack.extend((f"{where}[{i}]", item) for i, item in enumerate(node))
+    return None
+
+
+def _is_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def validated(body: Body, schema: type[M], config: ServeConfig) -> M:
     """The body's JSON checked against a request schema and this server's model; `Refused` says why not."""
-    try:
-        raw = json.loads(body) if isinstance(body, bytes) else body
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
-        raise Refused(f"the body is not valid JSON: {exc}") from None
+    raw = json_object(body) if isinstance(body, bytes) else body
     if not isinstance(raw, dict):
         raise Refused("the body must be a JSON object")
     try:

@@ -114,6 +114,10 @@ def speech_input(body: Body, config: ServeConfig, prompt: SpeechPrompt, max_prom
     if frames > talker.max_tokens:
         raise Refused(f"max_new_tokens {frames} is above this server's limit of {talker.max_tokens}",
                       param="max_new_tokens")
+    least = talker.sampling.get("min_tokens") or 0  # vLLM refuses a request's max_tokens below it
+    if frames < least:
+        raise Refused(f"max_new_tokens {frames} is below the {least} frames this server's talker makes at least "
+                      "(its min_tokens)", param="max_new_tokens")
     # After the cheaper checks: a reference may be fetched (speech_input_fetched fetches it once they pass).
     reference = (voice_reference(request, references, voices, prompt.speaker_embedding_size)
                  if prompt.clones_voices else None)
@@ -544,6 +548,12 @@ def build_app(server: SpeechServer, api_keys: list[str] | None = None) -> FastAP
         await server.stop()
 
     app = FastAPI(title="omni-serve", lifespan=lifespan)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        """A fault of the server's own in OpenAI's error form (the server logs its traceback)."""
+        return JSONResponse(error_body(f"internal server error: {type(exc).__name__}", 500), status_code=500)
+
     if api_keys:
         require_api_keys(app, api_keys)
     config = server.config
@@ -750,6 +760,9 @@ async def _checked_or_refused(check: Callable[[Body], Awaitable[SpeechInput]], b
         return await check(body)
     except Refused as exc:
         return exc
+    except Exception as exc:  # noqa: BLE001 (a check that failed otherwise fails its item alone, as in vllm-omni)
+        logger.exception("a batch item's check failed")
+        return Refused(f"the request could not be checked: {type(exc).__name__}: {exc}", status=500)
 
 
 class BatchItemResult(TypedDict, total=False):

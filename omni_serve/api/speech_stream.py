@@ -23,7 +23,6 @@ ignores them), as /v1/audio/speech refuses them.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
@@ -33,7 +32,7 @@ from pydantic import TypeAdapter, ValidationError
 from vllm.logger import init_logger
 
 from omni_serve.api import audio
-from omni_serve.api.protocol import Refused
+from omni_serve.api.protocol import Refused, json_object
 from omni_serve.speech.pipeline import SpeechJob, StageFailed
 
 if TYPE_CHECKING:
@@ -171,12 +170,7 @@ def _parse(raw: str | None) -> dict[str, Any]:
         raise Refused("a binary frame: the messages are JSON text frames")
     if len(raw) > MAX_CONFIG_CHARS:
         raise Refused(f"a message of {len(raw)} characters; at most {MAX_CONFIG_CHARS}")
-    try:
-        message = json.loads(raw)
-    except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
-        raise Refused(f"the message is not valid JSON: {exc}") from None
-    if not isinstance(message, dict):
-        raise Refused("a message must be a JSON object")
+    message = json_object(raw, "the message")
     if message.get("type") != "session.config" and len(raw) > MAX_TEXT_CHARS:
         raise Refused(f"a {message.get('type')} message of {len(raw)} characters; at most {MAX_TEXT_CHARS}")
     return message

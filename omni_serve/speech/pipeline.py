@@ -385,9 +385,6 @@ class SpeechPipeline:
         return SpeechJob(job.request_id, prompt_ids, payload, job.max_frames, job.seed, sampling=job.sampling)
 
     async def _run_talker(self, job: SpeechJob, frames: Frames) -> None:
-        params = stage_sampling(self.talker.sampling, job.seed, job.sampling.get(self.talker.name, {}), job.max_frames,
-                                {"omni_sidecar": {"additional_information": additional_information(job.payload)}})
-
         started, first_chunk_seen = time.monotonic(), False
 
         def note_first_chunk(ended: bool) -> None:
@@ -425,7 +422,10 @@ class SpeechPipeline:
                     break
 
         self.talker.in_flight += 1
-        try:
+        try:  # from here on the frames end however the talker does: the code2wav side waits on them
+            params = stage_sampling(self.talker.sampling, job.seed, job.sampling.get(self.talker.name, {}),
+                                    job.max_frames,
+                                    {"omni_sidecar": {"additional_information": additional_information(job.payload)}})
             await self.talker.serve(all_frames())
         finally:
             self.talker.in_flight -= 1

@@ -72,7 +72,7 @@ class References:
     def audio(self, uri: str) -> tuple[np.ndarray, int]:
         """(mono float32 samples, sample rate) of the audio `uri` names; BadReference says why not. Requests
         that name one URI at once (a batch's shared reference) wait for one fetch."""
-        key = hashlib.sha256(uri.encode()).hexdigest()  # an inline reference's URI is the whole file
+        key = hashlib.sha256(uri.encode("utf-8", "surrogatepass")).hexdigest()  # an inline URI is the whole file
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
@@ -100,7 +100,7 @@ class References:
 
     def check_url(self, url: str) -> None:
         """An http(s) URL from a host the references may be fetched from (any, without a list)."""
-        parts = urllib.parse.urlsplit(url)
+        parts = _url_parts(url)
         if parts.scheme.lower() not in FETCHED_SCHEMES:
             raise BadReference(f"ref_audio led to a {parts.scheme or 'schemeless'} URL; this server fetches only "
                                "http(s)")
@@ -145,10 +145,13 @@ class References:
         if self.local_root is None:
             raise BadReference("ref_audio names a local file, which this server reads only under a directory its "
                                "operator allows (--allowed-local-media-path)")
-        parts = urllib.parse.urlsplit(uri)
+        parts = _url_parts(uri)
         if parts.netloc not in ("", "localhost"):
             raise BadReference(f"ref_audio's file URL names another host ({parts.netloc[:100]!r})")
-        path = Path(os.path.realpath(urllib.request.url2pathname(parts.path)))  # links followed, then checked
+        try:
+            path = Path(os.path.realpath(urllib.request.url2pathname(parts.path)))  # links followed, then checked
+        except ValueError as exc:  # a NUL in the path
+            raise BadReference(f"ref_audio's file URL is not a path: {exc}") from None
         if self.local_root not in path.parents:
             raise BadReference(f"ref_audio's file {str(path)[:200]} is not under --allowed-local-media-path "
                                f"{self.local_root}")
@@ -160,6 +163,15 @@ class References:
         if len(body) > MAX_REFERENCE_BYTES:
             raise BadReference(f"ref_audio's file {str(path)[:200]} is over {MAX_REFERENCE_BYTES >> 20} MiB")
         return body
+
+
+def _url_parts(url: str) -> urllib.parse.SplitResult:
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.hostname  # noqa: B018 (a bracketed host is checked when read)
+    except ValueError as exc:
+        raise BadReference(f"ref_audio is not a URL this server reads: {exc}") from None
+    return parts
 
 
 class _KeptToDomains(urllib.request.HTTPRedirectHandler):
@@ -208,4 +220,6 @@ def decoded(data: bytes, what: str = "ref_audio") -> tuple[np.ndarray, int]:
         except (soundfile.LibsndfileError, RuntimeError, ValueError) as exc:
             raise BadReference(f"{what} could not be decoded: {exc}") from None
     mono = samples.mean(axis=1) if samples.shape[1] > 1 else samples[:, 0]
+    if not np.isfinite(mono).all():  # a float file may hold them; the talker's encoders would spread them
+        raise BadReference(f"{what} holds samples that are not finite (NaN or Inf)")
     return np.ascontiguousarray(mono, dtype=np.float32), rate
