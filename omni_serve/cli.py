@@ -82,6 +82,9 @@ def parser():
     p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                    help="as vLLM's: every /v1 route needs 'Authorization: Bearer KEY' (any of them), else a 401; "
                         "/health and /metrics stay open (default: $VLLM_API_KEY, else no key)")
+    p.add_argument("--shutdown-timeout", type=int, default=0, metavar="SECONDS",
+                   help="as vLLM's: on SIGTERM or SIGINT, how long the requests in flight have to finish while new "
+                        "ones get a 503; those still running then end with a 503 (default 0: at once)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["debug", "info", "warning", "error", "critical", "trace"], help="uvicorn's log level")
     return p
@@ -155,10 +158,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from omni_serve.api.server import SpeechServer, build_app
+    from omni_serve.api.server import SHUTDOWN_ANSWER_S, DrainingServer, SpeechServer, build_app
     from omni_serve.speech.reference import References
     from omni_serve.stages.sidecars import socket_dir
 
+    if args.shutdown_timeout < 0:
+        print("omni-serve: --shutdown-timeout is 0 or more seconds", file=sys.stderr)
+        return 2
     local_root = Path(args.allowed_local_media_path) if args.allowed_local_media_path else None
     if local_root is not None and not local_root.is_dir():
         print(f"omni-serve: --allowed-local-media-path {local_root} is not a directory", file=sys.stderr)
@@ -166,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     references = References(local_root, tuple(args.allowed_media_domains or ()))
     own_dir = args.run_dir is None
     run_dir = socket_dir(Path(tempfile.mkdtemp(prefix="omni-serve-")) if own_dir else Path(args.run_dir).resolve())
+    # vLLM's engines make their IPC sockets there and leave them: in a directory of this server's, removed on exit.
+    rpc_dir = None if os.environ.get("VLLM_RPC_BASE_PATH") else tempfile.mkdtemp(prefix="omni-serve-vllm-")
+    if rpc_dir is not None:
+        os.environ["VLLM_RPC_BASE_PATH"] = rpc_dir
     try:
         try:
             server = SpeechServer(config, run_dir, Path(args.codes_log) if args.codes_log else None, references,
@@ -173,13 +183,20 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:  # a speech prompt that reads its model found it unservable
             print(f"omni-serve: {exc}", file=sys.stderr)
             return 2
-        uvicorn.run(build_app(server, api_keys(args.api_key)), host=args.host, port=args.port,
-                    log_level=args.uvicorn_log_level,
-                    timeout_graceful_shutdown=5)
+        http = uvicorn.Config(build_app(server, api_keys(args.api_key)), host=args.host, port=args.port,
+                              log_level=args.uvicorn_log_level,
+                              timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_ANSWER_S)
+        try:
+            DrainingServer(http, server.drain, args.shutdown_timeout).run()
+        except KeyboardInterrupt:  # uvicorn's SIGINT, raised again once it has shut down (uvicorn.run's way)
+            pass
     finally:
         if own_dir:
             shutil.rmtree(run_dir, ignore_errors=True)
+        if rpc_dir is not None:
+            shutil.rmtree(rpc_dir, ignore_errors=True)
     return 0
+
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
 
 from proto.chunk_grid import ChunkGrid
 from tests.support.procs import child_env
-from tests.support.serve import TINY_ENGINE, live_requests, metric, serving, wait_all_finished
+from tests.support.serve import TINY_ENGINE, Server, live_requests, metric, serving, wait_all_finished
 from tests.support.speech_reference import pcm16, reference_samples
 
 pytestmark = pytest.mark.e2e
@@ -55,7 +55,8 @@ TEXT = "a sidecar speaks"
 STAGES = ("talker", "code2wav")
 
 
-def _config(work: Path, talker: str, code2wav: str) -> Path:
+def _config(work: Path, talker: str, code2wav: str, max_frames: int = MAX_FRAMES + 1,
+            talker_engine: str = TINY_ENGINE) -> Path:
     engine = f"{{ {TINY_ENGINE} }}"
     path = work / "serve.toml"
     path.write_text(f'''
@@ -68,8 +69,8 @@ sample_rate = 300
 
 [stages.talker]
 model = "{talker}"
-max_tokens = {MAX_FRAMES + 1}
-engine = {engine}
+max_tokens = {max_frames}
+engine = {{ {talker_engine} }}
 sampling = {{ temperature = 0.0, ignore_eos = true }}
 sidecar = {{ hooks = "omni-talker" }}
 
@@ -579,3 +580,69 @@ def test_a_dead_stage_engine_fails_its_requests_with_a_503_and_is_started_again(
     assert status == 200, pcm
     assert np.abs(np.frombuffer(pcm, "<i2").astype(np.int32) - pcm16(reference)).max() <= 1
     assert len(_engine_cores(server)) == 2  # the dead one's place taken, nothing more
+
+
+LONG_FRAMES = 900  # several seconds of the tiny talker's steps: in flight whenever the server is stopped
+
+
+def test_a_server_stopped_answers_each_request_in_flight(models, tmp_path):
+    """SIGTERM, as an orchestrator stops a server: with --shutdown-timeout 5 a request that finishes
+    within it is served whole; those still running then end with a 503 (a whole answer's JSON error, an
+    SSE error event; a raw stream cut short, the log saying why), none with a bare 500 or a traceback,
+    and the server exits 0."""
+    engine = TINY_ENGINE.replace("max_model_len = 128", f"max_model_len = {LONG_FRAMES + 64}")
+    config = _config(tmp_path, *models, max_frames=LONG_FRAMES, talker_engine=engine)
+    srv = Server(tmp_path, config, args=("--shutdown-timeout", "5"))
+    try:
+        long = {"input": TEXT, "response_format": "pcm", "max_new_tokens": LONG_FRAMES}
+        answers: dict[str, tuple[int, bytes]] = {}
+        started: dict[str, threading.Event] = {name: threading.Event() for name in ("short", "sse", "raw")}
+
+        def call(name: str, body: dict) -> None:
+            conn = srv.connection(120.0)
+            try:
+                conn.request("POST", "/v1/audio/speech", body=json.dumps(body),
+                             headers={"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                first = resp.read1(1 << 16) if body.get("stream") else b""
+                if name in started:
+                    started[name].set()
+                answers[name] = resp.status, first + resp.read()
+            finally:
+                conn.close()
+
+        threads = [threading.Thread(target=call, args=args) for args in (
+            ("whole", long),
+            ("sse", {**long, "stream": True}),
+            ("raw", {**long, "stream": True, "stream_format": "audio"}),
+            ("short", {"input": TEXT, "response_format": "pcm", "stream": True, "stream_format": "audio",
+                       "max_new_tokens": 8}))]
+        for t in threads:
+            t.start()
+        for name in ("sse", "raw", "short"):
+            assert started[name].wait(120), f"the {name} request never streamed"
+        srv.proc.send_signal(signal.SIGTERM)
+        stopped_at = time.monotonic()
+        for t in threads:
+            t.join(60)
+        # uvicorn raises the signal again once it has shut down: the status of a process it stopped
+        assert srv.proc.wait(60) == -signal.SIGTERM, srv.tail()
+    finally:
+        srv.stop()
+    took = time.monotonic() - stopped_at
+    assert not list(srv.run_dir.glob("*.sock")), "the sidecars' sockets were left behind"
+    assert sorted(answers) == ["raw", "short", "sse", "whole"], answers.keys()
+    assert answers["short"] == (200, answers["short"][1]) and len(answers["short"][1]) == (8 - 1) * 24 * 2  # as MAX_FRAMES + 1 make MAX_FRAMES
+    status, body = answers["whole"]
+    assert status == 503 and "the server is shutting down" in json.loads(body)["error"]["message"], body
+    status, body = answers["sse"]
+    events = [json.loads(line[6:]) for line in body.decode().splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[-1]["type"] == "speech.audio.error", events[-1:]
+    assert "the server is shutting down" in events[-1]["error"]["message"]
+    status, body = answers["raw"]
+    assert status == 200 and 0 < len(body) < LONG_FRAMES * 24 * 2
+    log = srv.log.read_text(errors="replace")
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-4000:]
+    assert "Shutting down: 3 request(s) still in flight fail" in log, log[-4000:]
+    assert took < 40, took  # the drain's 5 s, the answers, the engines' and sidecars' stop
+

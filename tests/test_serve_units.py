@@ -739,7 +739,7 @@ def test_a_lost_sidecar_fails_its_stages_requests_at_once_and_aborts_them_in_the
         while pipeline.talker.in_flight == 0 or (engine_finished and not engine.done):  # waiting on its sidecar
             await asyncio.sleep(0.01)
         lost = asyncio.get_running_loop().time()
-        pipeline.talker.sidecar_lost("its sidecar exited")
+        pipeline.talker.fail_served("its sidecar exited")
         with pytest.raises(StageFailed) as failed:
             await asyncio.wait_for(task, FOLLOW_TIMEOUT_S / 3)
         took = asyncio.get_running_loop().time() - lost
@@ -771,7 +771,7 @@ def test_a_lost_sidecar_fails_only_what_its_stage_serves_now():
         talker_work = asyncio.create_task(talker.serve(work("talker")))
         code2wav_work = asyncio.create_task(code2wav.serve(work("code2wav")))
         await asyncio.sleep(0.01)
-        talker.sidecar_lost("its sidecar exited")
+        talker.fail_served("its sidecar exited")
         with pytest.raises(StageFailed, match="^talker: its sidecar exited$"):
             await talker_work
         later = asyncio.create_task(talker.serve(work("later")))  # a request after the loss is served

@@ -17,6 +17,7 @@ import functools
 import gc
 import importlib
 import json
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, TypedDict, TypeVar
 
 import numpy as np
+import uvicorn
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from vllm.logger import init_logger
@@ -51,6 +53,9 @@ from proto.settings import CODE2WAV_CHUNK_FRAMES, CODE2WAV_LEFT_CONTEXT_FRAMES
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL
 ENGINE_WATCH_S = 0.5  # how often the stage engines are checked for one that died
+DRAIN_POLL_S = 0.05  # how often a shutdown looks at the requests still in flight
+SHUTTING_DOWN = "the server is shutting down"
+SHUTDOWN_ANSWER_S = 5  # past the drain: how long the HTTP server waits for the last answers (503s) to go out
 RECONNECT_TIMEOUT_S = 10.0  # a shim's reconnect waits a fraction of a second; an engine deep in a step, longer
 T = TypeVar("T")
 # A request's reference audio by its source (a ref_audio URI, or an uploaded voice) -> (mono float32, rate).
@@ -303,6 +308,8 @@ class SpeechServer:
         self.needs: dict[str, HookNeeds] = {}  # each stage's hooks' needs (its engine's settings follow from them)
         self.engine_restarts = {name: 0 for name in config.stages}
         self._engine_watch: asyncio.Task | None = None
+        self.draining = False  # shutting down: no new request is served (`drain`)
+        self.requests_in_flight = 0  # speech and chat requests between their first chunk asked and their last
 
     def reference_audio(self, source: str | UploadedVoice) -> tuple[np.ndarray, int]:
         """A request's reference audio: by its URI, or an uploaded voice's clip (a `ReferenceAudio`)."""
@@ -368,7 +375,7 @@ class SpeechServer:
                                        finished_codes=self.codes_log.write if self.codes_log is not None else None)
         for name, sidecar in self.sidecars.items():
             sidecar.on_restart = functools.partial(self._reconnect, name)
-            sidecar.on_lost = stages[name].sidecar_lost
+            sidecar.on_lost = stages[name].fail_served
         self._engine_watch = asyncio.create_task(self._watch_engines())
 
     async def _reconnect(self, name: str) -> None:
@@ -414,6 +421,26 @@ class SpeechServer:
         next(stage for stage in self.pipeline.stages if stage.name == name).engine = engine
         self.engine_restarts[name] += 1
         logger.info("the %s engine is up again", name)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Shutting down: new requests get a 503; those in flight have `timeout_s` to finish, then fail
+        (a 503, an SSE error event, a stream cut short) so each handler answers before the HTTP server
+        stops waiting for it (`--shutdown-timeout`, as vLLM's)."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        if self.requests_in_flight:
+            logger.info("Shutting down: %d request(s) in flight%s", self.requests_in_flight,
+                        f", given {timeout_s:g} s to finish" if timeout_s else " fail (--shutdown-timeout 0)")
+        failing = False
+        while self.requests_in_flight and self.pipeline is not None:
+            if loop.time() >= deadline:
+                if not failing and timeout_s:
+                    logger.info("Shutting down: %d request(s) still in flight fail", self.requests_in_flight)
+                failing = True
+                for stage in self.pipeline.stages:  # again each turn: a request between two stages enters the next
+                    stage.fail_served(SHUTTING_DOWN)
+            await asyncio.sleep(DRAIN_POLL_S)
 
     async def stop(self) -> None:
         if self._engine_watch is not None:
@@ -461,7 +488,10 @@ class SpeechServer:
     async def audio(self, job: SpeechJob, arrived: float) -> AsyncIterator[np.ndarray]:
         """The pipeline's chunks, timed for the metrics."""
         assert self.pipeline is not None
+        if self.draining:
+            raise StageFailed("omni-serve", SHUTTING_DOWN)
         samples, outcome = 0, "aborted"
+        self.requests_in_flight += 1
         try:
             async with contextlib.aclosing(self.pipeline.synthesize(job)) as chunks:
                 async for chunk in chunks:
@@ -474,6 +504,7 @@ class SpeechServer:
             outcome = "failed"
             raise
         finally:
+            self.requests_in_flight -= 1
             self.metrics.requests.labels(outcome).inc()
             seconds = samples / self.config.sample_rate
             self.metrics.audio_seconds.inc(seconds)
@@ -507,6 +538,23 @@ def _refusal(exc: Refused) -> JSONResponse:
 
 def _failure(exc: StageFailed) -> JSONResponse:
     return JSONResponse(error_body(f"the speech pipeline failed this request: {exc}", 503), status_code=503)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose shutdown first drains the speech requests (`SpeechServer.drain`): each ends
+    with its answer, or a 503 once the drain's time is up, before uvicorn stops waiting for its handler
+    (past that it cancels the handler: a bare 500 and a traceback a request)."""
+
+    def __init__(self, config: uvicorn.Config, drain: Callable[[float], Awaitable[None]], drain_s: float) -> None:
+        super().__init__(config)
+        self._drain, self._drain_s = drain, drain_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        drain = asyncio.create_task(self._drain(self._drain_s))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            drain.cancel()
 
 
 def freeze_start_up_heap() -> None:

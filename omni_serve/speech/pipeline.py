@@ -127,9 +127,9 @@ class Stage:
             raise StageFailed(self.name, loss.result())
         return task.result()
 
-    def sidecar_lost(self, reason: str) -> None:
-        """The stage's sidecar is gone: every request being served in the stage fails now with the
-        reason; later ones are served as usual."""
+    def fail_served(self, reason: str) -> None:
+        """Every request being served in the stage fails now with the reason (its sidecar is gone, the
+        server is shutting down); later ones are served as usual."""
         if self._loss is not None and not self._loss.done():
             self._loss.set_result(reason)
         self._loss = None
