@@ -189,7 +189,9 @@ def test_a_chat_answer_is_the_thinkers_text_and_the_speech_of_the_same_prompt(se
                         ({"messages": messages, "voice": "alloy"}, "unknown voice 'alloy'"),
                         ({"messages": messages, "audio": {"format": "mp3"}}, "audio format 'mp3'"),
                         # 3 UTF-8 bytes a character, a token each: past the thinker's max_model_len.
-                        ({"messages": [{"role": "user", "content": "\u8bed" * 64}]}, "a prompt of 193 tokens")]:
+                        ({"messages": [{"role": "user", "content": "\u8bed" * 64}]}, "a prompt of 193 tokens"),
+                        # Past the thinker's vocabulary: its engine would fail the request (a 503).
+                        ({"messages": messages, "stop_token_ids": [2**40]}, "outside its vocabulary")]:
         status, body, _ = server.post(bad, "/v1/chat/completions")
         assert status == 400 and needle in json.loads(body)["error"]["message"], body
     status, body, _ = server.post(b"{", "/v1/chat/completions")

@@ -264,3 +264,19 @@ def test_a_stage_failing_mid_stream_ends_it_with_an_error_event_then_done():
     assert sent[-1]["error"]["code"] == 503 and "its sidecar was lost" in sent[-1]["error"]["message"]
     assert [e.get("modality") for e in sent[:-1]] == ["text", "text", "audio"]  # what was made, then why it ended
     assert [e["choices"][0]["finish_reason"] for e in sent[:-1]] == [None, None, None]
+
+
+def test_stop_token_ids_outside_a_stages_vocabulary_are_refused_not_failed_in_its_engine():
+    """vLLM's engine refuses them once the request runs (a 503, or an error mid-stream for the talker's);
+    here they are the request's 400, checked against each stage engine's vocabulary."""
+    vocab = {"thinker": 384, "talker": 3072}
+    for body, param in (({"messages": HI, "stop_token_ids": [383, 384]}, "stop_token_ids"),
+                        ({"messages": HI, "sampling_params_list": [{}, {"stop_token_ids": [3072]}]},
+                         "sampling_params_list.1")):
+        request = json.dumps(body).encode()
+        assert chat_input(request, CONFIG, prompt).job  # unchecked without the engines' vocabularies
+        with pytest.raises(Refused, match="stop_token_ids \\[(384|3072)\\] are outside its vocabulary") as caught:
+            chat_input(request, CONFIG, prompt, vocab_sizes=vocab)
+        assert (caught.value.status, caught.value.param) == (400, param)
+    ok = json.dumps({"messages": HI, "stop_token_ids": [383]}).encode()
+    assert chat_input(ok, CONFIG, prompt, vocab_sizes=vocab).job.sampling["thinker"]["stop_token_ids"] == [383]

@@ -75,9 +75,9 @@ def message_text(message: ChatMessage, index: int) -> str:
 
 
 def chat_input(body: bytes, config: ServeConfig, prompt: ThinkerPrompt,
-               max_prompt_tokens: int | None = None) -> ChatInput:
+               max_prompt_tokens: int | None = None, vocab_sizes: dict[str, int] | None = None) -> ChatInput:
     """A chat request checked against the schema and this server's model (`max_prompt_tokens`: the
-    thinker engine's, None: unchecked); `Refused` says why not."""
+    thinker engine's, `vocab_sizes`: each stage engine's; None: unchecked); `Refused` says why not."""
     request = validated(body, ChatRequest, config)
     if not request.messages:
         raise Refused("messages is empty", param="messages")
@@ -130,7 +130,8 @@ def chat_input(body: bytes, config: ServeConfig, prompt: ThinkerPrompt,
         if stage in limits and sampling.get(stage):
             param = (f"sampling_params_list.{index}" if index < len(request.sampling_params_list or ())
                      else next(iter(sampling[stage])))
-            check_sampling(stage, config, request.seed, sampling[stage], limits[stage], param)
+            check_sampling(stage, config, request.seed, sampling[stage], limits[stage], param,
+                           (vocab_sizes or {}).get(stage))
     prompt_ids, payload = prompt(messages, voice)
     check_prompt_length(prompt_ids, max_prompt_tokens, "messages")
     job = SpeechJob(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, payload, max_frames, request.seed,
@@ -167,13 +168,18 @@ def stage_entries(entries: list[StageSampling] | None, config: ServeConfig) -> l
 
 
 def check_sampling(stage: str, config: ServeConfig, seed: int | None, requested: dict[str, Any], max_tokens: int,
-                   param: str) -> None:
-    """The stage's request sampling, as the pipeline will make it, passes vLLM's own checks; else `Refused`."""
+                   param: str, vocab_size: int | None = None) -> None:
+    """The stage's request sampling, as the pipeline will make it, passes vLLM's own checks, those its
+    engine makes against the model too (`vocab_size`: its engine's; None: unchecked); else `Refused`."""
     try:
-        stage_sampling(config.stages[stage].sampling, seed, requested, max_tokens, None)
+        params = stage_sampling(config.stages[stage].sampling, seed, requested, max_tokens, None)
     except (TypeError, ValueError, OverflowError, VLLMValidationError) as exc:  # a ValueError in vLLM 0.26, not 0.32
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise Refused(f"the {stage}'s sampling: {first}", param=param) from None
+    outside = [token for token in params.stop_token_ids or () if vocab_size is not None and token >= vocab_size]
+    if outside:
+        raise Refused(f"the {stage}'s sampling: stop_token_ids {outside[:8]} are outside its vocabulary of "
+                      f"{vocab_size} tokens", param=param)
 
 
 def chat_usage(job: SpeechJob) -> dict[str, int]:

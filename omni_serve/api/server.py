@@ -301,6 +301,7 @@ class SpeechServer:
         # The longest prompt the first stage's engine takes (its max_model_len less the one token it must
         # make): longer is the request's fault, a 400, not a 503 from the engine. None until it starts.
         self.max_prompt_tokens: int | None = None
+        self.vocab_sizes: dict[str, int] = {}  # each stage engine's (a request's stop_token_ids within it)
         self.sidecars = {name: SidecarProcess(name, spec.sidecar, run_dir) for name, spec in config.stages.items()}
         self.metrics = SpeechMetrics(list(config.stages))
         self.pipeline: SpeechPipeline | None = None
@@ -356,6 +357,7 @@ class SpeechServer:
             await asyncio.gather(*(start(spec) for spec in specs))
         first_stage = next(iter(self.config.stages))  # its prompt is the request's: one too long is a 400
         self.max_prompt_tokens = self.engines[first_stage].model_config.max_model_len - 1
+        self.vocab_sizes = {name: engine.model_config.get_vocab_size() for name, engine in self.engines.items()}
         stages = {name: Stage(name, self.engines[name], AsyncSidecarClient(self.sidecars[name].endpoint),
                               dict(self.config.stages[name].sampling)) for name in self.config.stages}
         code2wav = self.config.stages["code2wav"]
@@ -704,7 +706,8 @@ def build_app(server: SpeechServer, api_keys: list[str] | None = None) -> FastAP
                                     "(POST /v1/audio/speech); chat needs a thinker -> talker -> code2wav pipeline",
                                     status=404))
         try:
-            got = chat_input(await request.body(), config, server.thinker_prompt, server.max_prompt_tokens)
+            got = chat_input(await request.body(), config, server.thinker_prompt, server.max_prompt_tokens,
+                             server.vocab_sizes)
         except Refused as exc:
             return _refusal(exc)
         assert server.tokenizer is not None
