@@ -35,11 +35,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
 
 from worker_shim.plugin import REGISTER_ENV
+
+
+MAX_SOCKET_PATH = 107  # a Unix socket's address (sun_path) less its terminating NUL
+UUID_CHARS = 36  # vLLM names each IPC socket by a uuid4
 
 
 def parser():
@@ -83,8 +88,8 @@ def parser():
                    help="as vLLM's: every /v1 route needs 'Authorization: Bearer KEY' (any of them), else a 401; "
                         "/health and /metrics stay open (default: $VLLM_API_KEY, else no key)")
     p.add_argument("--shutdown-timeout", type=int, default=0, metavar="SECONDS",
-                   help="as vLLM's: on SIGTERM or SIGINT, how long the requests in flight have to finish while new "
-                        "ones get a 503; those still running then end with a 503 (default 0: at once)")
+                   help="as vLLM's: on SIGTERM or SIGINT no new connection is taken and the requests in flight have "
+                        "this long to finish; those still running then end with a 503 (default 0: at once)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["debug", "info", "warning", "error", "critical", "trace"], help="uvicorn's log level")
     return p
@@ -172,10 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     references = References(local_root, tuple(args.allowed_media_domains or ()))
     own_dir = args.run_dir is None
     run_dir = socket_dir(Path(tempfile.mkdtemp(prefix="omni-serve-")) if own_dir else Path(args.run_dir).resolve())
-    # vLLM's engines make their IPC sockets there and leave them: in a directory of this server's, removed on exit.
-    rpc_dir = None if os.environ.get("VLLM_RPC_BASE_PATH") else tempfile.mkdtemp(prefix="omni-serve-vllm-")
-    if rpc_dir is not None:
-        os.environ["VLLM_RPC_BASE_PATH"] = rpc_dir
+    rpc_dir = vllm_rpc_dir()
     try:
         try:
             server = SpeechServer(config, run_dir, Path(args.codes_log) if args.codes_log else None, references,
@@ -186,9 +188,12 @@ def main(argv: list[str] | None = None) -> int:
         http = uvicorn.Config(build_app(server, api_keys(args.api_key)), host=args.host, port=args.port,
                               log_level=args.uvicorn_log_level,
                               timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_ANSWER_S)
+        # uvicorn raises the signal it stopped on again once it has shut down: a SIGTERM then ends the
+        # process here, through the clean-up below, as a SIGINT does.
+        signal.signal(signal.SIGTERM, _stopped)
         try:
             DrainingServer(http, server.drain, args.shutdown_timeout).run()
-        except KeyboardInterrupt:  # uvicorn's SIGINT, raised again once it has shut down (uvicorn.run's way)
+        except KeyboardInterrupt:
             pass
     finally:
         if own_dir:
@@ -197,6 +202,24 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(rpc_dir, ignore_errors=True)
     return 0
 
+
+
+def vllm_rpc_dir() -> str | None:
+    """A directory of this server's for vLLM's IPC sockets (vLLM makes them in $VLLM_RPC_BASE_PATH, by default
+    the temporary directory, and leaves them there), to remove on exit; None where the operator chose one.
+    Under /tmp when $TMPDIR would make a socket's path longer than a Unix socket's address takes."""
+    if os.environ.get("VLLM_RPC_BASE_PATH"):
+        return None
+    path = tempfile.mkdtemp(prefix="omni-serve-vllm-")
+    if len(path) + len("/") + UUID_CHARS > MAX_SOCKET_PATH:
+        os.rmdir(path)
+        path = tempfile.mkdtemp(prefix="omni-serve-vllm-", dir="/tmp")
+    os.environ["VLLM_RPC_BASE_PATH"] = path
+    return path
+
+
+def _stopped(signum: int, frame: object) -> None:
+    raise SystemExit(0)  # a stop asked for and done: a success, as uvicorn.run's SIGINT
 
 
 if __name__ == "__main__":

@@ -280,3 +280,18 @@ def test_stop_token_ids_outside_a_stages_vocabulary_are_refused_not_failed_in_it
         assert (caught.value.status, caught.value.param) == (400, param)
     ok = json.dumps({"messages": HI, "stop_token_ids": [383]}).encode()
     assert chat_input(ok, CONFIG, prompt, vocab_sizes=vocab).job.sampling["thinker"]["stop_token_ids"] == [383]
+
+
+def test_a_stages_max_tokens_below_its_min_tokens_is_refused_even_with_no_other_field():
+    """`sampling_params_list: [{}, {"max_tokens": 1}]` sets the talker's limit alone: still checked against the
+    pipeline's min_tokens (else the talker's request fails once the thinker has answered)."""
+    import dataclasses
+
+    talker = dataclasses.replace(CONFIG.stages["talker"], sampling={"min_tokens": 2})
+    config = dataclasses.replace(CONFIG, stages={**CONFIG.stages, "talker": talker})
+    body = {"messages": HI, "sampling_params_list": [{}, {"max_tokens": 2}]}
+    assert chat_input(json.dumps(body).encode(), config, prompt).job.max_frames == 2
+    body["sampling_params_list"][1]["max_tokens"] = 1
+    with pytest.raises(Refused, match="the talker's sampling: min_tokens must be less than or equal to") as caught:
+        chat_input(json.dumps(body).encode(), config, prompt)
+    assert caught.value.param == "sampling_params_list.1"

@@ -122,6 +122,9 @@ def test_what_vllm_omnis_own_clients_send_is_served():
     (b'{"input": "hi", "instructions": "\\uDFFF!"}', 400, "instructions", "lone surrogate"),
     (b'{"input": "hi", "voice": {"id": ["\\ud9ab"]}}', 400, "voice.id[0]", "lone surrogate"),
     (b'{"input": "hi", "\\udc00": 1}', 400, "'\\udc00'", "lone surrogate"),
+    ('{"input": "hi \\ud800"}'.encode("utf-16"), 400, "input", "lone surrogate"),  # json reads UTF-16 and -32 too
+    ('{"input": "hi \\ud800"}'.encode("utf-32-le"), 400, "input", "lone surrogate"),
+    (b'{"input": "hi", "speed": 1e999}', 400, None, "1e999 is past a float's range"),
 ])
 def test_bad_requests_are_refused_with_one_message(body, status, param, needle):
     refused = refusal(body)
@@ -675,7 +678,7 @@ def test_a_talker_request_that_cannot_start_fails_its_speech_at_once():
     speech fails with vLLM's reason, and the code2wav side, waiting on the talker's frames, stops too."""
     import asyncio
 
-    from omni_serve.speech.pipeline import SpeechJob
+    from omni_serve.speech.pipeline import SpeechJob, StageFailed
 
     engine = FakeEngine()
     pipeline = speech_pipeline(engine)
@@ -683,7 +686,8 @@ def test_a_talker_request_that_cannot_start_fails_its_speech_at_once():
     async def run() -> None:
         job = SpeechJob("r1", [1, 2], {}, max_frames=4, sampling={"talker": {"min_tokens": 6}})
         try:
-            with pytest.raises(Exception, match="min_tokens must be less than or equal to max_tokens=4"):
+            with pytest.raises(StageFailed, match="talker: its sampling was refused: min_tokens must be less than "
+                                                  "or equal to max_tokens=4"):
                 await asyncio.wait_for(_drained(pipeline.synthesize(job)), 5.0)
         finally:
             await pipeline.close()
@@ -706,6 +710,7 @@ def test_a_batch_items_check_that_fails_otherwise_is_that_items_error():
 
     got = asyncio.run(_checked_or_refused(broken, {"input": "x"}))
     assert isinstance(got, Refused) and got.status == 500 and "KeyError" in str(got)
+    assert "a fault of the check's own" not in str(got)  # the log has it, the client not
 
 
 def test_a_stream_message_is_strict_json_and_its_text_unicode():
@@ -1566,3 +1571,33 @@ def test_a_batch_whose_client_went_away_aborts_every_item():
     items = [SpeechInput(SimpleNamespace(request_id=f"r{i}"), "pcm", False, False) for i in range(3)]
     answer = asyncio.run(_batch(GoneClient(), server, [*items, Refused("bad")], 0.0))
     assert answer.status_code == 499 and sorted(closed) == ["r0", "r1", "r2"]
+
+
+def test_vllms_ipc_sockets_go_in_a_directory_of_the_servers(monkeypatch, tmp_path):
+    """vLLM leaves its IPC sockets in $VLLM_RPC_BASE_PATH (the temporary directory by default): the server
+    gives it a directory of its own to remove on exit, one short enough for a socket's address."""
+    import os
+    import tempfile
+
+    from omni_serve import cli
+
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/chosen/by/the/operator")
+    assert cli.vllm_rpc_dir() is None and os.environ["VLLM_RPC_BASE_PATH"] == "/chosen/by/the/operator"
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH")
+    short = Path(tempfile.mkdtemp(prefix="s-", dir="/tmp"))
+    deep = tmp_path / ("d" * 90)
+    deep.mkdir()
+    made = []
+    try:
+        for tmpdir, parent in ((short, short), (deep, Path("/tmp"))):
+            monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+            monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
+            made.append(Path(cli.vllm_rpc_dir()))
+            assert made[-1].parent == parent and made[-1].is_dir()
+            assert os.environ["VLLM_RPC_BASE_PATH"] == str(made[-1])
+            assert len(f"{made[-1]}/{'u' * cli.UUID_CHARS}") <= cli.MAX_SOCKET_PATH
+        assert list(deep.iterdir()) == []  # the long one's directory not left behind
+    finally:
+        for path in made:
+            path.rmdir()
+        short.rmdir()

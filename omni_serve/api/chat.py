@@ -33,14 +33,13 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol
 
 import numpy as np
-from vllm.exceptions import VLLMValidationError
 
 from omni_serve.api import audio
 from omni_serve.api.protocol import (CHAT_FORMATS, MODALITIES, THINKER_SAMPLING, ChatAudio, ChatMessage, ChatRequest,
                                      Refused, StageSampling, ThinkerPrompt, check_prompt_length, error_body,
                                      unsupported_fields, validated, voice_index)
 from omni_serve.config import ServeConfig
-from omni_serve.speech.pipeline import SpeechJob, StageFailed, stage_sampling
+from omni_serve.speech.pipeline import SAMPLING_REFUSALS, SpeechJob, StageFailed, stage_sampling
 
 AUDIO_EXPIRES_S = 24 * 3600  # message.audio.expires_at: vllm-omni's 24 hours (nothing is kept here)
 
@@ -127,11 +126,12 @@ def chat_input(body: bytes, config: ServeConfig, prompt: ThinkerPrompt,
         sampling[stage] = {**sampling.get(stage, {}), **entry.fields()}
     limits = {"thinker": max_text_tokens, "talker": max_frames}
     for index, stage in enumerate(config.stages):
-        if stage in limits and sampling.get(stage):
-            param = (f"sampling_params_list.{index}" if index < len(request.sampling_params_list or ())
-                     else next(iter(sampling[stage])))
-            check_sampling(stage, config, request.seed, sampling[stage], limits[stage], param,
-                           (vocab_sizes or {}).get(stage))
+        if stage not in limits:
+            continue
+        requested = sampling.get(stage, {})  # none too: its max_tokens may be below the stage's min_tokens
+        param = (f"sampling_params_list.{index}" if index < len(request.sampling_params_list or ())
+                 else next(iter(requested), "max_tokens"))
+        check_sampling(stage, config, request.seed, requested, limits[stage], param, (vocab_sizes or {}).get(stage))
     prompt_ids, payload = prompt(messages, voice)
     check_prompt_length(prompt_ids, max_prompt_tokens, "messages")
     job = SpeechJob(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, payload, max_frames, request.seed,
@@ -173,7 +173,7 @@ def check_sampling(stage: str, config: ServeConfig, seed: int | None, requested:
     engine makes against the model too (`vocab_size`: its engine's; None: unchecked); else `Refused`."""
     try:
         params = stage_sampling(config.stages[stage].sampling, seed, requested, max_tokens, None)
-    except (TypeError, ValueError, OverflowError, VLLMValidationError) as exc:  # a ValueError in vLLM 0.26, not 0.32
+    except SAMPLING_REFUSALS as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise Refused(f"the {stage}'s sampling: {first}", param=param) from None
     outside = [token for token in params.stop_token_ids or () if vocab_size is not None and token >= vocab_size]

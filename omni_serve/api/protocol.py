@@ -10,6 +10,7 @@ honour are refused with a 400 naming them, never silently dropped.
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Annotated, Any, Callable, Literal, TypeVar
 
@@ -250,9 +251,8 @@ ThinkerPrompt = Callable[[list[dict[str, str]], int], tuple[list[int], dict]]  #
 Body = bytes | dict[str, Any]  # a request's JSON, or the object it holds (a batch item, a WebSocket message's)
 
 
-# Where a JSON text may hold a lone surrogate: only an escape (UTF-8 itself cannot hold one).
+# Where a decoded JSON text may hold a lone surrogate: only an escape (no UTF encoding holds one).
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-_SURROGATE_ESCAPE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def json_object(raw: bytes | str, what: str = "the body") -> dict[str, Any]:
@@ -260,13 +260,13 @@ def json_object(raw: bytes | str, what: str = "the body") -> dict[str, Any]:
     every string is Unicode text (an escaped lone surrogate, which no UTF-8 holds and no tokenizer
     takes, is refused where it is). `Refused` says why not."""
     try:
-        value = json.loads(raw, parse_constant=_not_json)
+        text = raw.decode(json.detect_encoding(raw)) if isinstance(raw, bytes) else raw  # UTF-8, -16 or -32, as json
+        value = json.loads(text, parse_constant=_not_json, parse_float=_finite)
     except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         raise Refused(f"{what} is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise Refused(f"{what} must be a JSON object")
-    escape = _SURROGATE_ESCAPE_BYTES if isinstance(raw, bytes) else _SURROGATE_ESCAPE
-    if escape.search(raw):  # type: ignore[arg-type]
+    if _SURROGATE_ESCAPE.search(text):
         where = _lone_surrogate(value)
         if where is not None:
             raise Refused(f"{where or what} is not Unicode text: it holds a lone surrogate (an escape such as "
@@ -276,6 +276,13 @@ def json_object(raw: bytes | str, what: str = "the body") -> dict[str, Any]:
 
 def _not_json(constant: str) -> None:
     raise ValueError(f"{constant} is not a JSON value")
+
+
+def _finite(number: str) -> float:
+    value = float(number)
+    if not math.isfinite(value):  # 1e999: Python reads it as inf
+        raise ValueError(f"{number} is past a float's range")
+    return value
 
 
 def _lone_surrogate(value: Any) -> str | None:

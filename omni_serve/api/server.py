@@ -813,7 +813,7 @@ async def _checked_or_refused(check: Callable[[Body], Awaitable[SpeechInput]], b
         return exc
     except Exception as exc:  # noqa: BLE001 (a check that failed otherwise fails its item alone, as in vllm-omni)
         logger.exception("a batch item's check failed")
-        return Refused(f"the request could not be checked: {type(exc).__name__}: {exc}", status=500)
+        return Refused(f"the server could not check the request ({type(exc).__name__}; its log has why)", status=500)
 
 
 class BatchItemResult(TypedDict, total=False):
@@ -920,9 +920,9 @@ async def _whole(request: Request, chunks: AsyncIterator[np.ndarray], got: Speec
 
 async def _raw(first: np.ndarray | None, chunks: AsyncIterator[np.ndarray], got: SpeechInput,
                rate: int) -> AsyncIterator[bytes]:
-    if got.response_format == "wav":
-        yield audio.wav_header(rate, None)
     try:
+        if got.response_format == "wav":
+            yield audio.wav_header(rate, None)
         if first is not None:
             yield audio.pcm16(first)
         async for chunk in chunks:

@@ -39,6 +39,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import numpy as np
 from vllm import SamplingParams
+from vllm.exceptions import VLLMValidationError
 from vllm.logger import init_logger
 from vllm.sampling_params import RequestOutputKind
 
@@ -64,6 +65,10 @@ class StageFailed(RuntimeError):
     def __init__(self, stage: str, message: str) -> None:
         super().__init__(f"{stage}: {message}")
         self.stage = stage
+
+
+# What SamplingParams raises for fields it refuses (VLLMValidationError is a ValueError in vLLM 0.26, not 0.32).
+SAMPLING_REFUSALS = (TypeError, ValueError, OverflowError, VLLMValidationError)
 
 
 def stage_sampling(base: dict[str, Any], seed: int | None, requested: dict[str, Any], max_tokens: int,
@@ -423,9 +428,12 @@ class SpeechPipeline:
 
         self.talker.in_flight += 1
         try:  # from here on the frames end however the talker does: the code2wav side waits on them
-            params = stage_sampling(self.talker.sampling, job.seed, job.sampling.get(self.talker.name, {}),
-                                    job.max_frames,
-                                    {"omni_sidecar": {"additional_information": additional_information(job.payload)}})
+            try:
+                params = stage_sampling(self.talker.sampling, job.seed, job.sampling.get(self.talker.name, {}),
+                                        job.max_frames,
+                                        {"omni_sidecar": {"additional_information": additional_information(job.payload)}})
+            except SAMPLING_REFUSALS as exc:  # the front end's checks let one through: the request's failure
+                raise StageFailed(self.talker.name, f"its sampling was refused: {exc}") from None
             await self.talker.serve(all_frames())
         finally:
             self.talker.in_flight -= 1
