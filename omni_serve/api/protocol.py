@@ -295,10 +295,10 @@ def _lone_surrogate(value: Any) -> str | None:
                 return where
         elif isinstance(node, dict):
             for key, item in node.items():
-                name = key if _is_text(key) else ascii(key)
-                if name != key:
-                    return f"{where}.{name}" if where else name
-                stack.append((f"{where}.{key}" if where else key, item))
+                path = f"{where}.{key}" if where else key
+                if not _is_text(key):
+                    return f"{where}.{ascii(key)}" if where else ascii(key)
+                stack.append((path, item))
         elif isinstance(node, list):
             stack.extend((f"{where}[{i}]", item) for i, item in enumerate(node))
     return None
